@@ -1,0 +1,396 @@
+"""Writing and reading .rvp files (layout in `format.py`).
+
+`ArtifactWriter` builds a file in a temp file beside `path` and renames it into place only on
+`commit`, so `path` holds either the old file or a complete new one, never a partial one.
+Sections are planned with `reserve` and filled with `write` in pieces, in any order, without
+holding a section in memory; `commit` refuses gaps and overlaps, hashes what is on disk, and the
+same inputs always give the same bytes.
+
+`Artifact.open` checks the header block first (magic, format version, checksum), then the file
+size against the section table, then the manifest's sha256; sections are served zero-copy from a
+read-only mmap. Section bytes are only hashed on `verify`, since that reads the whole file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import json
+import math
+import mmap
+import operator
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rvcompile.artifacts.format import (
+    HEADER_SIZE,
+    ArtifactError,
+    ArtifactHeader,
+    SectionInfo,
+    align_up,
+    canonical_json,
+    decode_header_block,
+    encode_header_block,
+)
+
+_CHUNK = 8 << 20  # bytes per read when hashing: large enough to stream, small enough to not matter
+
+
+@contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise ArtifactError(f"{what}: {e.strerror or e}") from e
+
+
+def _sha256_range(fd: int, offset: int, size: int, what: str) -> str:
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(min(size, _CHUNK)))
+    while size:
+        n = os.preadv(fd, [buf[: min(size, len(buf))]], offset)
+        if n == 0:
+            raise ArtifactError(f"{what}: file ended while hashing it")
+        h.update(buf[:n])
+        offset += n
+        size -= n
+    return h.hexdigest()
+
+
+def _as_bytes(data: Any) -> memoryview:
+    """A flat byte view of `data` without copying; TypeError/ValueError if that is impossible."""
+    if isinstance(data, np.ndarray):
+        # memoryview() rejects ml_dtypes arrays (bfloat16 ...), so view them as bytes via numpy;
+        # reshape would silently copy a non-contiguous array, hence the check first.
+        if not data.flags.c_contiguous:
+            raise ValueError("numpy array is not C-contiguous")
+        return memoryview(data.reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
+
+
+def _index(value: Any, what: str) -> int:
+    """`value` as an int; numpy integers (from shape arithmetic) count, floats do not."""
+    try:
+        return operator.index(value)
+    except TypeError as e:
+        raise ArtifactError(f"{what} must be an integer, not {value!r}") from e
+
+
+@dataclass
+class _Reservation:
+    offset: int  # absolute
+    size: int
+    # Written [start, end) ranges relative to the section: sorted, disjoint, touching ones merged.
+    written: list[tuple[int, int]] = field(default_factory=list)
+
+    def mark(self, start: int, end: int) -> None:
+        """Records a write; ValueError if it overlaps an earlier one."""
+        spans = self.written
+        i = bisect.bisect_left(spans, (start, start))
+        if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+            raise ValueError(f"bytes [{start}, {end}) overlap an earlier write")
+        if i > 0 and spans[i - 1][1] == start:
+            i -= 1
+            start = spans.pop(i)[0]
+        if i < len(spans) and spans[i][0] == end:
+            end = spans.pop(i)[1]
+        spans.insert(i, (start, end))
+
+    def first_gap(self) -> tuple[int, int] | None:
+        done = 0
+        for start, end in [*self.written, (self.size, self.size)]:
+            if start > done:
+                return done, start
+            done = end
+        return None
+
+
+class ArtifactWriter:
+    """Builds one .rvp at `path`; use as `with ArtifactWriter(path, header) as w: ... w.commit(m)`.
+
+    Leaving the `with` block without a successful `commit` (an exception, or no commit at all)
+    removes the temp file and leaves `path` as it was. After `commit` the file is in place.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], header: ArtifactHeader) -> None:
+        self.path = Path(path)
+        self.header = header
+        self._fname = self.path.name
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._fd: int | None = None
+        self._sections: dict[str, _Reservation] = {}  # insertion order is file order
+        self._committed = False
+        fields = (header.compiler_version, header.target, *header.platforms)
+        if not all(isinstance(f, str) for f in fields) or not isinstance(header.requirements, dict):
+            raise ArtifactError(f"{self._fname}: header fields have the wrong types: {header}")
+        self._check_header_fits(self._sections)
+
+    def __enter__(self) -> ArtifactWriter:
+        if self._fd is not None or self._committed:
+            raise ArtifactError(f"{self._fname}: an ArtifactWriter can be entered only once")
+        with _os_errors(f"{self._fname}: cannot create {self._tmp}"):
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._committed:
+            return
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._tmp.unlink(missing_ok=True)
+
+    def reserve(self, name: str, size: int) -> None:
+        """Plans section `name` of `size` bytes after the previously reserved ones."""
+        self._open_fd()
+        if not isinstance(name, str) or not name or name in self._sections:
+            raise ArtifactError(f"{self._fname}: bad or already reserved section name {name!r}")
+        size = _index(size, f"{self._fname}: section '{name}' size")
+        if size < 0:
+            raise ArtifactError(f"{self._fname}: section '{name}' has a negative size {size}")
+        last = next(reversed(self._sections.values()), None)
+        end = HEADER_SIZE if last is None else last.offset + last.size
+        planned = {**self._sections, name: _Reservation(align_up(end), size)}
+        self._check_header_fits(planned)
+        self._sections = planned
+
+    def write(self, name: str, offset: int, data: Any) -> None:
+        """Writes bytes / a memoryview / a C-contiguous numpy array at `offset` in section `name`.
+
+        Every byte of a section must be written exactly once, in any order of pieces.
+        """
+        fd = self._open_fd()
+        res = self._reservation(name)
+        try:
+            view = _as_bytes(data)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{self._fname}: cannot write to section '{name}': {e}") from e
+        offset = _index(offset, f"{self._fname}: section '{name}' write offset")
+        end = offset + view.nbytes
+        if offset < 0 or end > res.size:
+            raise ArtifactError(
+                f"{self._fname}: write of bytes [{offset}, {end}) falls outside section "
+                f"'{name}' of {res.size} bytes"
+            )
+        if not view.nbytes:
+            return
+        try:
+            res.mark(offset, end)
+        except ValueError as e:
+            raise ArtifactError(f"{self._fname}: section '{name}': {e}") from e
+        position = res.offset + offset
+        with _os_errors(f"{self._fname}: writing section '{name}'"):
+            while len(view):
+                n = os.pwrite(fd, view, position)
+                view = view[n:]
+                position += n
+
+    def add(self, name: str, data: Any) -> None:
+        """Reserves section `name` and writes `data` (any `write` input) as all of it."""
+        try:
+            size = _as_bytes(data).nbytes
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{self._fname}: cannot add section '{name}': {e}") from e
+        self.reserve(name, size)
+        self.write(name, 0, data)
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        """Checks coverage, hashes sections, writes manifest and header, renames into place."""
+        fd = self._open_fd()
+        if not isinstance(manifest, dict):
+            raise ArtifactError(f"{self._fname}: manifest must be a dict, not {type(manifest)}")
+        try:
+            body = canonical_json(manifest)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{self._fname}: manifest is not JSON-serializable: {e}") from e
+        for name, res in self._sections.items():
+            gap = res.first_gap()
+            if gap is not None:
+                raise ArtifactError(
+                    f"{self._fname}: section '{name}' has unwritten bytes [{gap[0]}, {gap[1]}) "
+                    f"of {res.size}"
+                )
+        with _os_errors(f"{self._fname}: committing"):
+            sections = [
+                SectionInfo(
+                    name,
+                    r.offset,
+                    r.size,
+                    _sha256_range(fd, r.offset, r.size, f"{self._fname}: '{name}'"),
+                )
+                for name, r in self._sections.items()
+            ]
+            end = max((s.offset + s.size for s in sections), default=HEADER_SIZE)
+            minfo = SectionInfo(
+                "manifest", align_up(end), len(body), hashlib.sha256(body).hexdigest()
+            )
+            block = encode_header_block(self.header, sections, minfo, self._fname)
+            # Sections were written in place; holes between regions read back as zeros.
+            for position, chunk in ((minfo.offset, body), (0, block)):
+                if os.pwrite(fd, chunk, position) != len(chunk):
+                    raise OSError(f"short write at byte {position}")
+            os.fsync(fd)
+            os.close(fd)
+            self._fd = None
+            os.replace(self._tmp, self.path)
+            self._committed = True
+            # The rename is durable only once the directory entry is on disk.
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            state = "already committed" if self._committed else "not entered with `with`"
+            raise ArtifactError(f"{self._fname}: writer is {state}")
+        return self._fd
+
+    def _reservation(self, name: str) -> _Reservation:
+        if name not in self._sections:
+            raise ArtifactError(f"{self._fname}: section '{name}' was never reserved")
+        return self._sections[name]
+
+    def _check_header_fits(self, planned: dict[str, _Reservation]) -> None:
+        """Raises now, before gigabytes are written, if the final header could not fit."""
+        big, zero = 1 << 60, "0" * 64  # wider than any real manifest offset/length, or digest
+        sections = [SectionInfo(n, r.offset, r.size, zero) for n, r in planned.items()]
+        encode_header_block(
+            self.header, sections, SectionInfo("manifest", big, big, zero), self._fname
+        )
+
+
+class Artifact:
+    """An open .rvp: header and manifest checked, sections mapped read-only. Use `open`."""
+
+    def __init__(
+        self,
+        path: Path,
+        file: io.FileIO,
+        mm: mmap.mmap,
+        header: ArtifactHeader,
+        sections: dict[str, SectionInfo],
+        manifest: dict[str, Any],
+    ) -> None:
+        self.path = path
+        self.header = header
+        self.sections = sections  # name -> SectionInfo, in file order
+        self.manifest = manifest  # the dict given to ArtifactWriter.commit, as JSON round-trips it
+        self._file = file  # for streaming reads in verify; closes itself if never closed
+        self._mm: mmap.mmap | None = mm
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Artifact:
+        path = Path(path)
+        fname = path.name
+        with _os_errors(f"{fname}: cannot open"):
+            file = open(path, "rb", buffering=0)  # closed by close(), or below on error
+        fd = file.fileno()
+        try:
+            with _os_errors(f"{fname}: cannot read"):
+                block = os.pread(fd, HEADER_SIZE, 0)
+                file_size = os.fstat(fd).st_size
+            header, sections, minfo = decode_header_block(block, fname)
+            for label, s in [*((f"section '{s.name}'", s) for s in sections), ("manifest", minfo)]:
+                if s.offset + s.size > file_size:
+                    raise ArtifactError(
+                        f"{fname}: truncated: {label} ends at byte {s.offset + s.size} but the "
+                        f"file is {file_size} bytes"
+                    )
+            if file_size != minfo.offset + minfo.size:
+                raise ArtifactError(
+                    f"{fname}: {file_size - minfo.offset - minfo.size} unexpected bytes after "
+                    "the manifest"
+                )
+            with _os_errors(f"{fname}: cannot read the manifest"):
+                body = os.pread(fd, minfo.size, minfo.offset)
+            if hashlib.sha256(body).hexdigest() != minfo.sha256:
+                raise ArtifactError(f"{fname}: manifest is corrupt (sha256 mismatch)")
+            manifest = json.loads(body)
+            if not isinstance(manifest, dict):
+                raise ArtifactError(f"{fname}: manifest is not a JSON object")
+            with _os_errors(f"{fname}: cannot map"):
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return cls(path, file, mm, header, {s.name: s for s in sections}, manifest)
+        except BaseException:
+            file.close()
+            raise
+
+    def buffer(self, name: str) -> memoryview:
+        """Read-only, zero-copy view of section `name`."""
+        s = self._section(name)
+        return memoryview(self._mmap())[s.offset : s.offset + s.size]
+
+    def array(self, name: str, offset: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """Read-only, zero-copy array at byte `offset` of section `name`; ml_dtypes work too."""
+        s = self._section(name)
+        dt = np.dtype(dtype)
+        count = math.prod(shape)
+        end = offset + count * dt.itemsize
+        if offset < 0 or end > s.size:
+            raise ArtifactError(
+                f"{self.path.name}: array bytes [{offset}, {end}) fall outside section '{name}' "
+                f"of {s.size} bytes"
+            )
+        flat = np.frombuffer(self._mmap(), dtype=dt, count=count, offset=s.offset + offset)
+        return flat.reshape(shape)
+
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Re-hashes sections (all, in file order, by default); raises on the first mismatch."""
+        fname = self.path.name
+        self._mmap()  # raises if closed
+        for name in self.sections if names is None else names:
+            s = self._section(name)
+            with _os_errors(f"{fname}: cannot read section '{name}'"):
+                got = _sha256_range(
+                    self._file.fileno(), s.offset, s.size, f"{fname}: section '{name}'"
+                )
+            if got != s.sha256:
+                raise ArtifactError(
+                    f"{fname}: section '{name}' is corrupt: sha256 {got} != recorded {s.sha256}"
+                )
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # arrays/views handed out still use the mapping; it is unmapped when they go
+        self._mm = None
+        self._file.close()
+
+    def __enter__(self) -> Artifact:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _mmap(self) -> mmap.mmap:
+        if self._mm is None:
+            raise ArtifactError(f"{self.path.name}: artifact is closed")
+        return self._mm
+
+    def _section(self, name: str) -> SectionInfo:
+        if name not in self.sections:
+            raise ArtifactError(
+                f"{self.path.name}: no section '{name}' (has: {', '.join(self.sections)})"
+            )
+        return self.sections[name]
+
+
+def check_platform(header: ArtifactHeader, platform: str) -> None:
+    """Raises unless the artifact was built for `platform` (e.g. "cpu", "cuda", "tpu")."""
+    if platform not in header.platforms:
+        raise ArtifactError(
+            f"{header.source or '<artifact>'}: built for platforms {', '.join(header.platforms)}; "
+            f"this machine's platform is {platform}"
+        )

@@ -1,0 +1,228 @@
+"""The IR's containers: immutable nodes in SSA order, graphs with named outputs, and `ModelIR`,
+which ties the graphs of one Gemma 4 model together with its weights and KV caches.
+
+A `ModelIR` is four kinds of graph plus data:
+- `embed`: ARG tokens [B,T] -> outputs "h" [B,T,H] (and "ple" [B,T,L,P] with per-layer inputs);
+- `layers[k]`: a layer template; `layer_template[i]` says which one layer i runs. Its PARAM names
+  are relative ("self_attn.q_proj.weight" means "layers.{i}.self_attn.q_proj.weight"). ARGs: "h",
+  "positions" [B,T] (-1 = padding), "cache_len" [B] (cached tokens after this step), "ple"
+  [B,T,P] if any, and its caches ("cache_k"+"cache_v", or "cache_kv" for K=V layers, holding the
+  normalised shared K/V base); outputs "h" and, for layers that own a cache, the updated caches;
+- `head`: ARG "h" -> "logits" [B,T,V]; `sampler`: "logits" [B,V] + sampling ARGs -> "tokens".
+`params` lists every stored weight (full names) with its dtype and how the build derives it from
+a checkpoint tensor; `caches` lists the KV caches, one per layer that owns one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from rvcompile.config import Gemma4Config, LayerSpec
+from rvcompile.ir.ops import (
+    OPS,
+    ArgAttrs,
+    Attrs,
+    Op,
+    ParamAttrs,
+    Shape,
+    SpecError,
+)
+
+
+@dataclass(frozen=True)
+class Node:
+    op: Op
+    inputs: tuple[int, ...]
+    shape: Shape
+    dtype: str
+    attrs: Attrs = None
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    nodes: tuple[Node, ...]
+    outputs: tuple[tuple[str, int], ...]
+
+    def output(self, name: str) -> int:
+        return dict(self.outputs)[name]
+
+    def args(self) -> dict[str, Node]:
+        return {n.attrs.name: n for n in self.nodes if n.op is Op.ARG}
+
+    def params(self) -> dict[str, Node]:
+        return {n.attrs.name: n for n in self.nodes if n.op is Op.PARAM}
+
+
+class GraphBuilder:
+    """Appends nodes, inferring each one's shape and dtype (so a bad edge fails where it is made)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[Node] = []
+        self._leaves: dict[tuple[Op, str], int] = {}
+
+    def add(self, op: Op, inputs: tuple[int, ...] = (), attrs: Attrs = None) -> int:
+        lo, hi = OPS[op].arity
+        if not lo <= len(inputs) <= hi:
+            raise SpecError(f"{self.name}: {op.value} takes {lo}..{hi} inputs, got {len(inputs)}")
+        shape, dtype = OPS[op].infer(attrs, *[
+            (self.nodes[i].shape, self.nodes[i].dtype) for i in inputs
+        ])
+        self.nodes.append(Node(op, tuple(inputs), tuple(shape), dtype, attrs))
+        return len(self.nodes) - 1
+
+    def leaf(self, op: Op, name: str, shape: Shape, dtype: str) -> int:
+        key = (op, name)
+        if key not in self._leaves:
+            attrs = ArgAttrs(name) if op is Op.ARG else ParamAttrs(name)
+            self.nodes.append(Node(op, (), tuple(shape), dtype, attrs))
+            self._leaves[key] = len(self.nodes) - 1
+        return self._leaves[key]
+
+    def arg(self, name: str, shape: Shape, dtype: str = "float32") -> int:
+        return self.leaf(Op.ARG, name, shape, dtype)
+
+    def param(self, name: str, shape: Shape, dtype: str = "float32") -> int:
+        return self.leaf(Op.PARAM, name, shape, dtype)
+
+    def build(self, outputs: dict[str, int]) -> Graph:
+        return Graph(self.name, tuple(self.nodes), tuple(outputs.items()))
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One stored weight. `derive` says how the build makes it from checkpoint tensor `source`:
+    "copy" (float32), "bf16", "int8_values" or "int8_scales" (per output row over the last axis)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: str
+    derive: str = "copy"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache of one layer that owns one: [slots, size, kv_heads, head_dim] per tensor."""
+
+    layer: int
+    names: tuple[str, ...]  # ("cache_k", "cache_v") or ("cache_kv",) for K=V layers
+    size: int
+    kv_heads: int
+    head_dim: int
+    ring: bool  # sliding layers keep a ring of `size` >= window + longest prefill chunk - 1
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ModelIR:
+    config: Gemma4Config
+    embed: Graph
+    layers: tuple[Graph, ...]
+    layer_template: tuple[int, ...]
+    head: Graph
+    sampler: Graph
+    params: tuple[ParamSpec, ...]
+    caches: tuple[CacheSpec, ...]
+    max_context: int
+    max_chunk: int
+    notes: tuple[str, ...] = field(default=())  # passes applied, in order
+
+    def graphs(self) -> tuple[Graph, ...]:
+        return (self.embed, *self.layers, self.head, self.sampler)
+
+    def param_map(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
+
+    def cache_of(self, layer: int) -> CacheSpec:
+        for c in self.caches:
+            if c.layer == layer:
+                return c
+        raise KeyError(layer)
+
+    def with_graphs(self, fn) -> ModelIR:
+        """Apply `fn(graph) -> graph` to every graph."""
+        return replace(self, embed=fn(self.embed), layers=tuple(fn(g) for g in self.layers),
+                       head=fn(self.head), sampler=fn(self.sampler))
+
+
+KV_SOURCE_PREFIX = "kv_source."
+CACHE_ARGS = ("cache_k", "cache_v", "cache_kv")
+
+
+def resolve_param(rel: str, layer: LayerSpec) -> str:
+    """Full weight name of a layer template's PARAM `rel` for layer `layer`."""
+    if rel.startswith(KV_SOURCE_PREFIX):
+        return f"layers.{layer.kv_source}.{rel[len(KV_SOURCE_PREFIX):]}"
+    return f"layers.{layer.index}.{rel}"
+
+
+def check_graph(g: Graph) -> None:
+    """Re-derive every node's shape and dtype from its inputs; raise SpecError on any mismatch."""
+    for i, n in enumerate(g.nodes):
+        if any(j >= i for j in n.inputs):
+            raise SpecError(f"{g.name}: node {i} ({n.op.value}) reads a later node")
+        lo, hi = OPS[n.op].arity
+        if not lo <= len(n.inputs) <= hi:
+            raise SpecError(f"{g.name}: node {i} ({n.op.value}) has {len(n.inputs)} inputs")
+        if n.op in (Op.ARG, Op.PARAM):
+            continue
+        shape, dtype = OPS[n.op].infer(n.attrs, *[
+            (g.nodes[j].shape, g.nodes[j].dtype) for j in n.inputs
+        ])
+        if tuple(shape) != n.shape or dtype != n.dtype:
+            raise SpecError(
+                f"{g.name}: node {i} ({n.op.value}) says {n.shape} {n.dtype}, "
+                f"inputs give {tuple(shape)} {dtype}"
+            )
+    for name, i in g.outputs:
+        if not 0 <= i < len(g.nodes):
+            raise SpecError(f"{g.name}: output {name} points nowhere")
+
+
+def check_model(m: ModelIR) -> None:
+    """Spec check of a whole model: every graph, and every PARAM backed by a ParamSpec."""
+    specs = m.param_map()
+    for g in m.graphs():
+        check_graph(g)
+    for g in (m.embed, m.head):
+        _check_params(g, specs, str)
+    for layer, t in zip(m.config.layers, m.layer_template, strict=True):
+        _check_params(m.layers[t], specs, lambda rel, s=layer: resolve_param(rel, s))
+
+
+def _check_params(g: Graph, specs: dict[str, ParamSpec], resolve) -> None:
+    for rel, node in g.params().items():
+        spec = specs.get(resolve(rel))
+        if spec is None:
+            raise SpecError(f"{g.name}: PARAM {resolve(rel)} has no ParamSpec")
+        if tuple(spec.shape) != node.shape or spec.dtype != node.dtype:
+            raise SpecError(
+                f"{g.name}: PARAM {resolve(rel)} is {node.shape} {node.dtype} in the graph but "
+                f"{spec.shape} {spec.dtype} in the weights"
+            )
+
+
+def rewrite_nodes(g: Graph, rule) -> Graph:
+    """Rebuild `g` with `rule(builder, node, new_inputs) -> int | None` deciding each node's
+    replacement (None keeps it). Returns `g` itself when nothing changed."""
+    b = GraphBuilder(g.name)
+    remap: dict[int, int] = {}
+    changed = False
+    for i, n in enumerate(g.nodes):
+        ins = tuple(remap[j] for j in n.inputs)
+        new = rule(b, n, ins)
+        if new is None:
+            if n.op in (Op.ARG, Op.PARAM):
+                new = b.leaf(n.op, n.attrs.name, n.shape, n.dtype)
+            else:
+                new = b.add(n.op, ins, n.attrs)  # re-inferred: an input may have changed dtype
+        else:
+            changed = True
+        remap[i] = new
+    if not changed:
+        return g
+    out = b.build({name: remap[i] for name, i in g.outputs})
+    check_graph(out)
+    return out

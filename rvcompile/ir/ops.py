@@ -1,0 +1,431 @@
+"""The IR's operations: one enum, one frozen attrs dataclass per op that needs attrs, a shape/dtype
+rule and exactly ONE numpy reference per op. Every target must compute what these compute.
+
+Shapes may hold symbolic dims ("B" slots, "T" tokens per step); all other dims are ints.
+Values are float32 unless a dtype says otherwise; weights may be float32, bfloat16 or int8.
+A `bfloat16` LINEAR weight means: round the activation to bf16, multiply, accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+Dim = int | str
+Shape = tuple[Dim, ...]
+
+FLOAT_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+
+
+class Op(enum.Enum):
+    ARG = "arg"  # a graph input, bound by name at call time
+    PARAM = "param"  # a weight, by name (relative to the layer inside layer graphs)
+    EMBED = "embed"  # table rows gathered by integer ids, times a constant (int8: times row scale)
+    LINEAR = "linear"  # x @ W^T over the last axis (int8 W: times per-output-row scale)
+    RMSNORM = "rmsnorm"  # x * (mean(x^2) + eps)^-1/2, times a weight when given one
+    ADD = "add"  # elementwise, numpy broadcasting over a shape suffix
+    MUL = "mul"  # elementwise, numpy broadcasting over a shape suffix
+    SCALE = "scale"  # x * constant
+    GELU_TANH = "gelu_tanh"  # GELU, tanh approximation
+    SOFTCAP = "softcap"  # cap * tanh(x / cap)
+    RESHAPE = "reshape"  # same elements, new shape (symbolic dims kept in place)
+    ROPE = "rope"  # rotary embedding, half-split layout, at given absolute positions
+    KV_WRITE = "kv_write"  # cache with new rows stored at their positions' slots
+    CACHE_POSITIONS = "cache_positions"  # absolute position held by each cache slot, -1 if empty
+    ATTENTION = "attention"  # softmax(q.k * scale) v, GQA, causal + sliding window by positions
+    MOE = "moe"  # router softmax -> top-k -> renormalise -> per-expert scale -> expert MLPs
+    SAMPLE = "sample"  # next token per slot: greedy, temperature, top-k, top-p, seeded
+
+
+@dataclass(frozen=True)
+class ArgAttrs:
+    name: str
+
+
+@dataclass(frozen=True)
+class ParamAttrs:
+    name: str
+
+
+@dataclass(frozen=True)
+class EmbedAttrs:
+    multiplier: float
+
+
+@dataclass(frozen=True)
+class LinearAttrs:
+    role: str = "dense"  # "router" weights stay unquantized: top-k picks are sensitive to them
+
+
+@dataclass(frozen=True)
+class RMSNormAttrs:
+    eps: float
+
+
+@dataclass(frozen=True)
+class ScaleAttrs:
+    value: float
+
+
+@dataclass(frozen=True)
+class SoftcapAttrs:
+    cap: float
+
+
+@dataclass(frozen=True)
+class ReshapeAttrs:
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class RopeAttrs:
+    inv_freq: tuple[float, ...]  # head_dim // 2 frequencies; zeros leave their dim pair unrotated
+
+
+@dataclass(frozen=True)
+class KVWriteAttrs:
+    ring: bool  # slot = position % size (sliding window ring buffer), else slot = position
+
+
+@dataclass(frozen=True)
+class CachePositionsAttrs:
+    size: int
+    ring: bool
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    window: int | None  # keys visible: q - window < k <= q; None: k <= q
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoEAttrs:
+    top_k: int
+    quantized: bool = False  # expert weights int8 with per-row scales as two extra inputs
+
+
+Attrs = (ArgAttrs | ParamAttrs | EmbedAttrs | LinearAttrs | RMSNormAttrs | ScaleAttrs
+         | SoftcapAttrs | ReshapeAttrs | RopeAttrs | KVWriteAttrs | CachePositionsAttrs
+         | AttentionAttrs | MoEAttrs | None)
+
+
+class SpecError(ValueError):
+    """An IR node whose inputs, shapes, dtypes or attrs break its op's rules."""
+
+
+# ---------------------------------------------------------------- numerics shared by references
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to bfloat16 and back to float32 (round-to-nearest-even, like XLA's convert)."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def as_compute(w: np.ndarray) -> np.ndarray:
+    return np.asarray(w).astype(np.float32)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x**3)))
+
+
+def mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (lowbias32); identical in every target so seeded sampling agrees."""
+    x = np.asarray(x, np.uint32)
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def sampling_uniform(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Uniform in [0, 1) from (seed, step), 24 bits."""
+    with np.errstate(over="ignore"):
+        h = mix32(mix32(np.asarray(seed).astype(np.uint32)) ^ np.asarray(step).astype(np.uint32))
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def cache_slot_positions(cache_len: np.ndarray, size: int, ring: bool) -> np.ndarray:
+    s = np.arange(size, dtype=np.int64)[None, :]
+    length = np.asarray(cache_len, np.int64)[:, None]
+    if not ring:
+        return np.where(s < length, s, -1).astype(np.int32)
+    last = length - 1 - s
+    pos = s + size * np.floor_divide(np.maximum(last, 0), size)
+    return np.where(last >= 0, pos, -1).astype(np.int32)
+
+
+# ---------------------------------------------------------------- references
+
+def ref_embed(a: EmbedAttrs, table, ids, row_scale=None):
+    rows = as_compute(table[np.asarray(ids)])
+    if row_scale is not None:
+        rows = rows * as_compute(row_scale)[np.asarray(ids)][..., None]
+    return (rows * np.float32(a.multiplier)).astype(np.float32)
+
+
+def ref_linear(a: LinearAttrs, x, w, scale=None):
+    x = np.asarray(x, np.float32)
+    if w.dtype != np.float32:
+        x = to_bf16(x)
+    y = np.matmul(x, as_compute(w).T, dtype=np.float32)
+    if scale is not None:
+        y = y * as_compute(scale)
+    return y.astype(np.float32)
+
+
+def ref_rmsnorm(a: RMSNormAttrs, x, w=None):
+    x = np.asarray(x, np.float32)
+    y = x * np.power(np.mean(x * x, axis=-1, keepdims=True) + np.float32(a.eps), np.float32(-0.5))
+    if w is not None:
+        y = y * as_compute(w)
+    return y.astype(np.float32)
+
+
+def ref_rope(a: RopeAttrs, x, pos):
+    inv = np.asarray(a.inv_freq, np.float32)
+    ang = np.asarray(pos, np.float32)[..., None] * inv  # [B, T, d/2]
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)[..., None, :]
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)[..., None, :]
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rot * sin).astype(np.float32)
+
+
+def ref_kv_write(a: KVWriteAttrs, cache, new, pos):
+    out = np.array(cache, copy=True)
+    size = cache.shape[1]
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            p = int(pos[b, t])
+            if p >= 0:
+                out[b, p % size if a.ring else p] = new[b, t]
+    return out
+
+
+def ref_cache_positions(a: CachePositionsAttrs, cache_len):
+    return cache_slot_positions(cache_len, a.size, a.ring)
+
+
+def ref_attention(a: AttentionAttrs, q, k, v, q_pos, k_pos):
+    q = np.asarray(q, np.float32)
+    k, v = as_compute(k), as_compute(v)
+    b, t, nh, d = q.shape
+    kh = k.shape[2]
+    group = nh // kh
+    qg = q.reshape(b, t, kh, group, d)
+    scores = np.einsum("btkgd,bskd->bkgts", qg, k, dtype=np.float32) * np.float32(a.scale)
+    qp = np.asarray(q_pos)[:, None, None, :, None]
+    kp = np.asarray(k_pos)[:, None, None, None, :]
+    mask = (kp >= 0) & (kp <= qp) & (qp >= 0)
+    if a.window is not None:
+        mask &= kp > qp - a.window
+    scores = np.where(mask, scores, -np.inf)
+    m = np.max(scores, axis=-1, keepdims=True)
+    e = np.where(mask, np.exp(scores - np.where(np.isfinite(m), m, 0)), 0).astype(np.float32)
+    denom = np.sum(e, axis=-1, keepdims=True)
+    p = e / np.where(denom > 0, denom, 1)
+    out = np.einsum("bkgts,bskd->btkgd", p, v, dtype=np.float32)
+    return out.reshape(b, t, nh, d).astype(np.float32)
+
+
+def ref_moe(a: MoEAttrs, x, router_logits, per_expert_scale, gate_up, down,
+            gate_up_scale=None, down_scale=None):
+    lead = x.shape[:-1]
+    xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+    logits = np.asarray(router_logits, np.float32).reshape(xf.shape[0], -1)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, : a.top_k]
+    w = np.take_along_axis(probs, idx, -1)
+    w = w / w.sum(-1, keepdims=True) * as_compute(per_expert_scale)[idx]
+    im = down.shape[-1]
+    out = np.zeros_like(xf)
+    xin = to_bf16(xf) if gate_up.dtype != np.float32 else xf
+    for n in range(xf.shape[0]):
+        for j in range(a.top_k):
+            e = idx[n, j]
+            gu = as_compute(gate_up[e]) @ xin[n]
+            if gate_up_scale is not None:
+                gu = gu * as_compute(gate_up_scale[e])
+            hidden = gelu_tanh(gu[:im]) * gu[im:]
+            if down.dtype != np.float32:
+                hidden = to_bf16(hidden)
+            y = as_compute(down[e]) @ hidden
+            if down_scale is not None:
+                y = y * as_compute(down_scale[e])
+            out[n] += w[n, j] * y
+    return out.reshape(*lead, -1).astype(np.float32)
+
+
+def sample_sorted(logits, temperature, top_k, top_p, uniform):
+    """One row: the shared sampling rule every target implements."""
+    order = np.argsort(-logits, kind="stable")
+    sv = logits[order] / np.float32(temperature)
+    ranks = np.arange(sv.shape[0])
+    keep = ranks < top_k if top_k > 0 else np.ones_like(ranks, bool)
+    sv = np.where(keep, sv, -np.inf)
+    probs = np.exp(sv - sv[0])
+    probs = probs / probs.sum()
+    before = np.cumsum(probs) - probs
+    keep &= before < np.float32(top_p)
+    probs = np.where(keep, probs, 0).astype(np.float32)
+    cum = np.cumsum(probs)
+    i = int(np.sum(cum <= uniform * cum[-1]))
+    return int(order[min(i, int(keep.sum()) - 1)])
+
+
+def ref_sample(a, logits, temperature, top_k, top_p, seed, step):
+    u = sampling_uniform(seed, step)
+    out = np.zeros(logits.shape[0], np.int32)
+    for b in range(logits.shape[0]):
+        row = np.asarray(logits[b], np.float32)
+        if temperature[b] <= 0:
+            out[b] = int(np.argmax(row))
+        else:
+            out[b] = sample_sorted(row, temperature[b], int(top_k[b]), float(top_p[b]), u[b])
+    return out
+
+
+# ---------------------------------------------------------------- shape and dtype rules
+
+def broadcast(a: Shape, b: Shape) -> Shape:
+    long, short = (a, b) if len(a) >= len(b) else (b, a)
+    for x, y in zip(long[len(long) - len(short):], short, strict=True):
+        if x != y and y != 1:
+            raise SpecError(f"shapes {a} and {b} do not broadcast")
+    return long
+
+
+def _float(dtype: str, what: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise SpecError(f"{what} must be a float, got {dtype}")
+
+
+def infer_embed(a: EmbedAttrs, table, ids, row_scale=None):
+    if ids[1] != "int32":
+        raise SpecError("embed ids must be int32")
+    if table[1] == "int8" and row_scale is None:
+        raise SpecError("int8 embed table needs a row scale")
+    return (*ids[0], table[0][1]), "float32"
+
+
+def infer_linear(a: LinearAttrs, x, w, scale=None):
+    _float(x[1], "linear input")
+    if len(w[0]) != 2 or x[0][-1] != w[0][1]:
+        raise SpecError(f"linear: input {x[0]} does not match weight {w[0]}")
+    if (w[1] == "int8") != (scale is not None):
+        raise SpecError("linear: an int8 weight needs a scale, and only an int8 weight has one")
+    if scale is not None and scale[0] != (w[0][0],):
+        raise SpecError(f"linear: scale {scale[0]} for weight {w[0]}")
+    return (*x[0][:-1], w[0][0]), "float32"
+
+
+def infer_rmsnorm(a: RMSNormAttrs, x, w=None):
+    _float(x[1], "rmsnorm input")
+    if w is not None and w[0] != (x[0][-1],):
+        raise SpecError(f"rmsnorm weight {w[0]} for input {x[0]}")
+    return x[0], "float32"
+
+
+def infer_elementwise(a, x, y):
+    return broadcast(x[0], y[0]), "float32"
+
+
+def infer_unary(a, x):
+    _float(x[1], "input")
+    return x[0], "float32"
+
+
+def _numel(shape: Shape) -> tuple[int, tuple[str, ...]]:
+    n, syms = 1, []
+    for d in shape:
+        if isinstance(d, str):
+            syms.append(d)
+        else:
+            n *= d
+    return n, tuple(syms)
+
+
+def infer_reshape(a: ReshapeAttrs, x):
+    if _numel(a.shape) != _numel(x[0]):
+        raise SpecError(f"reshape {x[0]} -> {a.shape} changes the element count")
+    return a.shape, x[1]
+
+
+def infer_rope(a: RopeAttrs, x, pos):
+    if len(x[0]) != 4 or x[0][-1] != 2 * len(a.inv_freq) or pos[0] != x[0][:2]:
+        raise SpecError(f"rope: x {x[0]}, positions {pos[0]}, {len(a.inv_freq)} frequencies")
+    return x[0], "float32"
+
+
+def infer_kv_write(a: KVWriteAttrs, cache, new, pos):
+    if len(cache[0]) != 4 or cache[0][2:] != new[0][2:] or pos[0] != new[0][:2]:
+        raise SpecError(f"kv_write: cache {cache[0]}, new {new[0]}, positions {pos[0]}")
+    return cache[0], cache[1]
+
+
+def infer_cache_positions(a: CachePositionsAttrs, cache_len):
+    return (cache_len[0][0], a.size), "int32"
+
+
+def infer_attention(a: AttentionAttrs, q, k, v, q_pos, k_pos):
+    (b, t, nh, d), (_, s, kh, dk) = q[0], k[0]
+    if d != dk or k[0] != v[0] or nh % kh or q_pos[0] != (b, t) or k_pos[0] != (b, s):
+        raise SpecError(f"attention: q {q[0]} k {k[0]} v {v[0]} q_pos {q_pos[0]} k_pos {k_pos[0]}")
+    return q[0], "float32"
+
+
+def infer_moe(a: MoEAttrs, x, logits, pes, gate_up, down, gus=None, ds=None):
+    e, two_im, h = gate_up[0]
+    if down[0] != (e, h, two_im // 2) or logits[0][-1] != e or pes[0] != (e,) or x[0][-1] != h:
+        raise SpecError(f"moe: x {x[0]} gate_up {gate_up[0]} down {down[0]} logits {logits[0]}")
+    if a.quantized != (gus is not None and ds is not None):
+        raise SpecError("moe: quantized experts need both scales")
+    return x[0], "float32"
+
+
+def infer_sample(a, logits, temperature, top_k, top_p, seed, step):
+    return (logits[0][0],), "int32"
+
+
+@dataclass(frozen=True)
+class OpDef:
+    infer: Callable  # (attrs, *(shape, dtype)) -> (shape, dtype); raises SpecError
+    reference: Callable | None  # (attrs, *np.ndarray) -> np.ndarray; None for ARG/PARAM
+    arity: tuple[int, int]  # (min, max) input count
+
+
+OPS: dict[Op, OpDef] = {
+    Op.ARG: OpDef(lambda a: None, None, (0, 0)),
+    Op.PARAM: OpDef(lambda a: None, None, (0, 0)),
+    Op.EMBED: OpDef(infer_embed, ref_embed, (2, 3)),
+    Op.LINEAR: OpDef(infer_linear, ref_linear, (2, 3)),
+    Op.RMSNORM: OpDef(infer_rmsnorm, ref_rmsnorm, (1, 2)),
+    Op.ADD: OpDef(infer_elementwise, lambda a, x, y: (x + as_compute(y)).astype(np.float32),
+                  (2, 2)),
+    Op.MUL: OpDef(infer_elementwise, lambda a, x, y: (x * as_compute(y)).astype(np.float32),
+                  (2, 2)),
+    Op.SCALE: OpDef(infer_unary, lambda a, x: (x * np.float32(a.value)).astype(np.float32),
+                    (1, 1)),
+    Op.GELU_TANH: OpDef(infer_unary, lambda a, x: gelu_tanh(x), (1, 1)),
+    Op.SOFTCAP: OpDef(
+        infer_unary,
+        lambda a, x: (np.float32(a.cap) * np.tanh(x / np.float32(a.cap))).astype(np.float32),
+        (1, 1)),
+    Op.RESHAPE: OpDef(infer_reshape, None, (1, 1)),  # reference needs concrete dims: interpreter
+    Op.ROPE: OpDef(infer_rope, ref_rope, (2, 2)),
+    Op.KV_WRITE: OpDef(infer_kv_write, ref_kv_write, (3, 3)),
+    Op.CACHE_POSITIONS: OpDef(infer_cache_positions, ref_cache_positions, (1, 1)),
+    Op.ATTENTION: OpDef(infer_attention, ref_attention, (5, 5)),
+    Op.MOE: OpDef(infer_moe, ref_moe, (5, 7)),
+    Op.SAMPLE: OpDef(infer_sample, ref_sample, (6, 6)),
+}

@@ -1,0 +1,110 @@
+"""Deterministic random weights with realistic magnitudes, for `--random-weights --seed S`.
+
+Every tensor is a function of (seed, name) alone, so tensors can be generated in any order, in
+parallel, or one at a time while streaming. Values are uniform (cheap to make from raw random
+bits) with the spread a trained Gemma 4 has:
+
+    linear weights / experts      std 1/sqrt(fan_in), fan_in = last dim
+    embed_tokens(_per_layer)      std 0.03
+    RMSNorm weights               [0.5, 1.5]  (Gemma 4 scales by w, not 1 + w)
+    layer_scalar                  [0.5, 1.0]
+    router.scale                  [0.8, 1.2]
+    router.per_expert_scale       [0.5, 1.5]
+
+A tensor is cut into CHUNK-value pieces; piece k comes from its own SFC64 stream seeded with
+(seed, hash(name), k), so the result does not depend on how many threads fill it. Each raw
+64-bit word gives four int16 samples, mapped to float32 with one multiply (and one add for
+ranges not centred on zero).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from rvcompile.checkpoint import CheckpointError, TensorRef, expected_tensors
+from rvcompile.config import Gemma4Config
+
+CHUNK = 1 << 20  # values per independently seeded stream; changing it changes every tensor
+EMBED_STD = 0.03
+SQRT3 = math.sqrt(3.0)  # a uniform on [-a, a] has std a / sqrt(3)
+
+
+def init_range(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """The uniform [low, high] that tensor `name` (canonical, no "model.") is drawn from."""
+    parts = name.split(".")
+    module = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
+    if parts[-1] == "layer_scalar":
+        return 0.5, 1.0
+    if parts[-2:] == ["router", "per_expert_scale"]:
+        return 0.5, 1.5
+    if parts[-2:] == ["router", "scale"]:
+        return 0.8, 1.2
+    if "norm" in module:
+        return 0.5, 1.5
+    if parts[0] in ("embed_tokens", "embed_tokens_per_layer"):
+        a = EMBED_STD * SQRT3
+        return -a, a
+    a = SQRT3 / math.sqrt(shape[-1])
+    return -a, a
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    try:
+        workers = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        workers = os.cpu_count() or 1
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rvcompile-random")
+
+
+def _name_key(name: str) -> list[int]:
+    digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
+    return [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+
+
+def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 C-contiguous [shape], a pure function of (seed, name, shape)."""
+    low, high = init_range(name, shape)
+    scale = np.float32((high - low) / 65536.0)
+    mid = (high + low) / 2.0
+    offset = np.float32(mid + float(scale) / 2.0) if mid else None  # int16 -32768.. -> low..
+    key = [seed, *_name_key(name)]
+    n = math.prod(shape)
+    out = np.empty(n, np.float32)
+
+    def fill(k: int) -> None:
+        start = k * CHUNK
+        stop = min(n, start + CHUNK)
+        bits = np.random.SFC64(np.random.SeedSequence([*key, k]))
+        samples = bits.random_raw((stop - start + 3) // 4).view(np.int16)[: stop - start]
+        piece = out[start:stop]
+        np.multiply(samples, scale, out=piece)
+        if offset is not None:
+            piece += offset
+
+    chunks = range((n + CHUNK - 1) // CHUNK)
+    if len(chunks) <= 2:
+        for k in chunks:
+            fill(k)
+    else:
+        for _ in _pool().map(fill, chunks):
+            pass
+    return out.reshape(shape)
+
+
+def random_tensors(cfg: Gemma4Config, seed: int) -> tuple[TensorRef, ...]:
+    """One TensorRef per expected_tensors(cfg) entry, in that order, generated on load()."""
+    if seed < 0:
+        raise CheckpointError(f"--seed must be >= 0 (got {seed})")
+    origin = f"random(seed={seed})"
+    return tuple(
+        TensorRef(name=name, shape=shape, source_dtype="float32", origin=origin,
+                  reader=functools.partial(random_array, seed, name, shape))
+        for name, shape in expected_tensors(cfg).items()
+    )

@@ -1,0 +1,244 @@
+"""IR ops as JAX: each function computes what the op's numpy reference in rvcompile.ir.ops does.
+
+KV caches inside layer scans arrive as `StackedSlice(array [n, slots, S, K, D], index)`: KV_WRITE
+scatters straight into the stacked buffer (so XLA updates it in place) and every other op reads
+the slice. `run_graph` interprets one IR graph with these functions at trace time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rvcompile.ir.graph import Graph
+from rvcompile.ir.ops import Op
+
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+              "int32": jnp.int32}
+
+
+@dataclass(frozen=True)
+class StackedSlice:
+    array: jax.Array  # [n, slots, size, kv_heads, head_dim]
+    index: Any  # traced int: which of the n stacked caches
+
+    def read(self) -> jax.Array:
+        return lax.dynamic_index_in_dim(self.array, self.index, 0, keepdims=False)
+
+
+def _val(v):
+    return v.read() if isinstance(v, StackedSlice) else v
+
+
+def f32(x):
+    return _val(x).astype(jnp.float32)
+
+
+def gelu_tanh(x):
+    c = jnp.float32(0.7978845608028654)
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + jnp.float32(0.044715) * x**3)))
+
+
+def embed(a, table, ids, row_scale=None):
+    rows = jnp.take(table, ids, axis=0).astype(jnp.float32)
+    if row_scale is not None:
+        rows = rows * jnp.take(row_scale, ids, axis=0)[..., None]
+    return rows * jnp.float32(a.multiplier)
+
+
+def linear(a, x, w, scale=None):
+    x = f32(x)
+    if w.dtype == jnp.float32:
+        y = jnp.einsum("...k,nk->...n", x, w, precision=lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+    else:
+        y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+    return y * scale if scale is not None else y
+
+
+def rmsnorm(a, x, w=None):
+    x = f32(x)
+    y = x * lax.pow(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(a.eps),
+                    jnp.float32(-0.5))
+    return y * w.astype(jnp.float32) if w is not None else y
+
+
+def rope(a, x, pos):
+    x = f32(x)
+    inv = jnp.asarray(a.inv_freq, jnp.float32)
+    ang = pos.astype(jnp.float32)[..., None] * inv
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[..., None, :]
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+def _slots(a, cache_size, pos):
+    """Scatter targets of new rows; padding (pos < 0) goes out of bounds and is dropped."""
+    slot = jnp.where(pos >= 0, pos % cache_size if a.ring else pos, cache_size)
+    return slot
+
+
+def kv_write(a, cache, new, pos):
+    if isinstance(cache, StackedSlice):
+        arr = cache.array
+        b, t = pos.shape
+        slot = _slots(a, arr.shape[2], pos)
+        bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        li = jnp.broadcast_to(cache.index, (b, t))
+        arr = arr.at[li, bi, slot].set(new.astype(arr.dtype), mode="drop")
+        return StackedSlice(arr, cache.index)
+    b, t = pos.shape
+    slot = _slots(a, cache.shape[1], pos)
+    bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return cache.at[bi, slot].set(new.astype(cache.dtype), mode="drop")
+
+
+def cache_positions(a, cache_len):
+    s = jnp.arange(a.size, dtype=jnp.int32)[None, :]
+    length = cache_len[:, None]
+    if not a.ring:
+        return jnp.where(s < length, s, -1)
+    last = length - 1 - s
+    return jnp.where(last >= 0, s + a.size * (jnp.maximum(last, 0) // a.size), -1)
+
+
+def attention(a, q, k, v, q_pos, k_pos):
+    q, k, v = f32(q), f32(k), f32(v)
+    b, t, nh, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, nh // kh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) * jnp.float32(a.scale)
+    qp = q_pos[:, None, None, :, None]
+    kp = k_pos[:, None, None, None, :]
+    mask = (kp >= 0) & (kp <= qp) & (qp >= 0)
+    if a.window is not None:
+        mask &= kp > qp - a.window
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0)), 0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision=lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, nh, d)
+
+
+def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None,
+        down_scale=None):
+    """Tokens sorted by expert, then two grouped matmuls (lax.ragged_dot): each token reads only
+    its top-k experts' weights."""
+    lead = x.shape[:-1]
+    xf = f32(x).reshape(-1, x.shape[-1])
+    n, k = xf.shape[0], a.top_k
+    e_count, im = down.shape[0], down.shape[-1]
+    probs = jax.nn.softmax(router_logits.reshape(n, -1).astype(jnp.float32), axis=-1)
+    w, idx = lax.top_k(probs, k)
+    w = w / jnp.sum(w, -1, keepdims=True) * per_expert_scale.astype(jnp.float32)[idx]
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tokens = (jnp.arange(n * k) // k)[order]
+    group_sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)
+    compute = jnp.float32 if gate_up.dtype == jnp.float32 else jnp.bfloat16
+    precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
+    xs = xf[tokens].astype(compute)
+    gu = lax.ragged_dot(xs, jnp.swapaxes(gate_up.astype(compute), 1, 2), group_sizes,
+                        precision=precision, preferred_element_type=jnp.float32)
+    e_sorted = flat_e[order]
+    if gate_up_scale is not None:
+        gu = gu * gate_up_scale[e_sorted]
+    hidden = (gelu_tanh(gu[:, :im]) * gu[:, im:]).astype(compute)
+    y = lax.ragged_dot(hidden, jnp.swapaxes(down.astype(compute), 1, 2), group_sizes,
+                       precision=precision, preferred_element_type=jnp.float32)
+    if down_scale is not None:
+        y = y * down_scale[e_sorted]
+    y = y * w.reshape(-1)[order][:, None]
+    out = jnp.zeros_like(xf).at[tokens].add(y)
+    return out.reshape(*lead, -1)
+
+
+def mix32(x):
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample(a, logits, temperature, top_k, top_p, seed, step):
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        v = logits.shape[-1]
+        u_bits = mix32(mix32(lax.bitcast_convert_type(seed, jnp.uint32))
+                       ^ lax.bitcast_convert_type(step, jnp.uint32))
+        u = (u_bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        sv = jnp.take_along_axis(logits, order, axis=-1) / t
+        ranks = jnp.arange(v)[None, :]
+        keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
+        sv = jnp.where(keep, sv, -jnp.inf)
+        probs = jnp.exp(sv - sv[:, :1])
+        probs = probs / jnp.sum(probs, -1, keepdims=True)
+        keep &= (jnp.cumsum(probs, -1) - probs) < top_p[:, None]
+        probs = jnp.where(keep, probs, 0)
+        cum = jnp.cumsum(probs, -1)
+        i = jnp.sum(cum <= u[:, None] * cum[:, -1:], axis=-1)
+        i = jnp.minimum(i, jnp.sum(keep, -1) - 1)
+        tok = jnp.take_along_axis(order, i[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    return lax.cond(jnp.all(temperature <= 0), lambda _: greedy, sampled, None)
+
+
+LOWERINGS: dict[Op, Callable] = {
+    Op.EMBED: embed,
+    Op.LINEAR: linear,
+    Op.RMSNORM: rmsnorm,
+    Op.ADD: lambda a, x, y: f32(x) + f32(y),
+    Op.MUL: lambda a, x, y: f32(x) * f32(y),
+    Op.SCALE: lambda a, x: f32(x) * jnp.float32(a.value),
+    Op.GELU_TANH: lambda a, x: gelu_tanh(f32(x)),
+    Op.SOFTCAP: lambda a, x: jnp.float32(a.cap) * jnp.tanh(f32(x) / jnp.float32(a.cap)),
+    Op.ROPE: rope,
+    Op.KV_WRITE: kv_write,
+    Op.CACHE_POSITIONS: cache_positions,
+    Op.ATTENTION: attention,
+    Op.MOE: moe,
+    Op.SAMPLE: sample,
+}
+
+
+def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any]) -> dict[str, Any]:
+    """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs."""
+    vals: list[Any] = []
+    sym: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op is Op.ARG:
+            v = args[n.attrs.name]
+            shape = v.array.shape[1:] if isinstance(v, StackedSlice) else v.shape
+            for d, actual in zip(n.shape, shape, strict=True):
+                if isinstance(d, str):
+                    sym.setdefault(d, actual)
+        elif n.op is Op.PARAM:
+            v = param(n.attrs.name)
+        elif n.op is Op.RESHAPE:
+            v = _val(vals[n.inputs[0]]).reshape(
+                [sym[d] if isinstance(d, str) else d for d in n.attrs.shape])
+        else:
+            ins = [vals[i] for i in n.inputs]
+            if n.op is not Op.KV_WRITE:
+                ins = [_val(x) for x in ins]
+            v = LOWERINGS[n.op](n.attrs, *ins)
+        vals.append(v)
+    return {name: vals[i] for name, i in g.outputs}
