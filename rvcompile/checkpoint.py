@@ -273,9 +273,9 @@ def _check_finite(arr: np.ndarray, what: str, step: int = 1 << 24) -> None:
         piece = flat[i:i + step]
         if not np.isfinite(piece).all():
             j = i + int(np.flatnonzero(~np.isfinite(piece))[0])
-            kind = "NaN" if np.isnan(flat[j]) else "Inf"
+            kind = "a NaN" if np.isnan(flat[j]) else "an Inf"
             index = tuple(int(x) for x in np.unravel_index(j, arr.shape))
-            raise CheckpointError(f"{what} has a {kind} at index {list(index)}")
+            raise CheckpointError(f"{what} has {kind} at index {list(index)}")
 
 
 def _read_json(path: Path) -> Any:
@@ -335,8 +335,8 @@ def _file_tensors(directory: Path, cfg: Gemma4Config) -> tuple[TensorRef, ...]:
                 raise CheckpointError(f"{path}: tensor {e.raw_name}: {_PREQUANT}")
             if name not in expected:
                 raise CheckpointError(
-                    f"{path}: unexpected tensor {e.raw_name} (not part of a {cfg.name} "
-                    "text decoder with this config)"
+                    f"{path}: unexpected tensor {e.raw_name} (not in the Gemma 4 text decoder "
+                    f"that {directory / 'config.json'} describes)"
                 )
             if name in found:
                 raise CheckpointError(
@@ -382,6 +382,10 @@ def read_config(directory: Path) -> Gemma4Config:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     if "quantization_config" in raw or "quantization_config" in text:
         raise CheckpointError(f"{path}: has a quantization_config: {_PREQUANT}")
+    if raw.get("tie_word_embeddings") is False or text.get("tie_word_embeddings") is False:
+        # lm_head.weight is skipped as a copy of embed_tokens; an untied one would be lost.
+        raise CheckpointError(f"{path}: tie_word_embeddings is false; Gemma 4 ties the LM head "
+                              "to embed_tokens and an untied head is not supported")
     return Gemma4Config.from_hf_dict(raw, name=directory.name, source=str(path))
 
 

@@ -13,8 +13,12 @@ transformers 5.23.0 is the ground truth for every numerical test of the compiler
   `layer_scalar` shows in the logits.
 - `save_oracle_checkpoint(model, dir)`: config.json + model.safetensors (transformers' own
   `save_pretrained`), tokenizer.json (vocab 1024) and generation_config.json (greedy).
+- `load_oracle_model(dir)`: the saved checkpoint back, logits bit-identical to the original.
 - `oracle_logits`, `oracle_greedy` (HF `generate` with its KV cache), `oracle_greedy_nocache`
-  (repeated full forwards), `random_token_ids`.
+  (repeated full forwards), `random_token_ids`, `oracle_config` (the `Gemma4TextConfig`).
+
+KV sharing without PLE crashes stock transformers 5.23.0; models from this module carry a
+per-instance workaround (see `_work_around_kv_shared_without_ple`) that changes no logit.
 
 Embedding rows of the special ids 0-3 (pad, eos, bos, unk) are drawn small, so their logits sit
 near 0 while the top logit is ~10: greedy decoding never picks EOS, and `min_new_tokens` in

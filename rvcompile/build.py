@@ -1,0 +1,186 @@
+"""The build driver: model source -> IR -> passes -> target lowering -> one .rvp artifact.
+
+Weights stream: each checkpoint tensor is read, encoded for every ParamSpec derived from it and
+written to its slots in the artifact before the next is read, so peak host memory is about one
+shard's page cache plus the largest tensor. The artifact appears only when complete (temp file +
+rename, via ArtifactWriter).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rvcompile import __version__
+from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
+from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
+from rvcompile.frontend import build_model_ir
+from rvcompile.ir.graph import ModelIR, check_model
+from rvcompile.passes import cast_bf16, quantize_int8
+from rvcompile.passes.weight_math import encode, quantize_int8_per_channel
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    passes: tuple[tuple[str, Callable[[ModelIR], ModelIR]], ...]  # the pipeline, in order
+    emits: str
+
+
+_XLA_EMITS = "serialized StableHLO (jax.export) for tpu, cuda and cpu"
+TARGETS: dict[str, TargetSpec] = {
+    "tpu-bf16": TargetSpec("tpu-bf16", (("cast_bf16", cast_bf16.run),),
+                           _XLA_EMITS + "; bf16 weights and KV cache"),
+    "tpu-int8": TargetSpec("tpu-int8", (
+        ("cast_bf16", cast_bf16.run),  # norms stay float32, KV cache bf16
+        ("quantize_int8", quantize_int8.run),  # then matrices to int8 + per-row scale
+    ), _XLA_EMITS + "; int8 per-channel weights, bf16 KV cache"),
+    "xla-f32": TargetSpec("xla-f32", (), _XLA_EMITS + "; float32 everything (exact tests)"),
+}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str
+    max_context: int = 2048
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    slots: int = 4
+    dump_ir: str | None = None  # print the IR after this pass ("frontend" or a pass name)
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    path: Path
+    seconds: float
+    weight_bytes: int
+    artifact_bytes: int
+
+
+def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
+    if opts.target not in TARGETS:
+        raise CheckpointError(f"unknown target {opts.target!r} (known: {', '.join(TARGETS)})")
+    cfg = source.config
+    max_context = min(opts.max_context, cfg.max_position_embeddings)
+    ir = build_model_ir(cfg, max_context=max_context, max_chunk=max(opts.prefill_buckets))
+    if opts.dump_ir == "frontend":
+        log(format_ir(ir))
+    for name, run in TARGETS[opts.target].passes:
+        ir = run(ir)
+        check_model(ir)
+        if opts.dump_ir == name:
+            log(format_ir(ir))
+    return ir
+
+
+def format_ir(ir: ModelIR) -> str:
+    lines = [f"# {ir.config.name} after {', '.join(ir.notes) or 'frontend'}"]
+    for g in ir.graphs():
+        lines.append(f"graph {g.name}:")
+        for i, n in enumerate(g.nodes):
+            attrs = "" if n.attrs is None else f" {n.attrs}"
+            lines.append(f"  %{i} = {n.op.value}({', '.join(f'%{j}' for j in n.inputs)})"
+                         f" : {n.dtype}{list(n.shape)}{attrs}")
+        lines.append(f"  return {dict(g.outputs)}")
+    return "\n".join(lines)
+
+
+def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
+                   random_weights: bool = False, seed: int = 0, progress: bool = True,
+                   log=print) -> BuildReport:
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    t0 = time.perf_counter()
+    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed)
+    ir = lower_model(source, opts, log)
+    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    header = ArtifactHeader(
+        compiler_version=__version__, target=opts.target,
+        platforms=tuple(lowering.manifest["platforms"]),
+        requirements={"jax": f">={lowering.manifest['jax_version']}", "runtime": "xla"},
+    )
+    programs_blob, program_index = _concat(lowering.programs)
+    text_sections = {
+        "tokenizer": source.tokenizer_json.encode(),
+        "generation_config": json.dumps(source.generation_config, sort_keys=True).encode(),
+        "chat_template": (source.chat_template or "").encode(),
+    }
+    manifest = {
+        "model": {"name": source.config.name, "config": source.config.to_hf_dict(),
+                  "origin": Path(source.origin).name if "/" in source.origin else source.origin},
+        "target": opts.target,
+        "compiler_version": __version__,
+        "passes": list(ir.notes),
+        "xla": {**lowering.manifest, "programs": program_index},
+        "random_weights": {"seed": seed} if random_weights else None,
+    }
+    specs_by_source: dict[str, list] = {}
+    for p in ir.params:
+        specs_by_source.setdefault(p.source, []).append(p)
+    missing = set(specs_by_source) - {t.name for t in source.tensors}
+    if missing:
+        raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
+    out = Path(out)
+    with ArtifactWriter(out, header) as w:
+        w.reserve("weights", lowering.weights_nbytes)
+        w.add("programs", programs_blob)
+        for name, data in text_sections.items():
+            w.add(name, data)
+        _stream_weights(w, source, specs_by_source, lowering.slots_by_param, progress)
+        _zero_fill_padding(w, lowering)
+        w.commit(manifest)
+    return BuildReport(out, time.perf_counter() - t0, lowering.weights_nbytes, out.stat().st_size)
+
+
+def _concat(blobs: dict[str, bytes]) -> tuple[bytes, dict[str, dict[str, int]]]:
+    index, parts, offset = {}, [], 0
+    for name in sorted(blobs):
+        index[name] = {"offset": offset, "size": len(blobs[name])}
+        parts.append(blobs[name])
+        offset += len(blobs[name])
+    return b"".join(parts), index
+
+
+def _encode_all(specs, arr: np.ndarray) -> dict[str, np.ndarray]:
+    out = {}
+    quant = None
+    for p in specs:
+        if p.derive.startswith("int8_"):
+            quant = quant or quantize_int8_per_channel(arr)
+            out[p.name] = quant[0] if p.derive == "int8_values" else quant[1]
+        else:
+            out[p.name] = encode(p.derive, arr)
+    return out
+
+
+def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slots_by_param,
+                    progress: bool) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
+
+    total = sum(t.numel * 4 for t in source.tensors)
+    with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TransferSpeedColumn(), disable=not progress, transient=True) as bar:
+        task = bar.add_task("weights", total=total)
+        for ref in source.tensors:
+            arr = ref.load()
+            for name, enc in _encode_all(specs_by_source.get(ref.name, ()), arr).items():
+                for slot in slots_by_param[name]:
+                    if enc.nbytes != slot.nbytes:
+                        raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to "
+                                              f"{enc.nbytes} bytes, layout expects {slot.nbytes}")
+                    w.write("weights", slot.offset, np.ascontiguousarray(enc))
+            del arr
+            bar.advance(task, ref.numel * 4)
+
+
+def _zero_fill_padding(w: ArtifactWriter, lowering) -> None:
+    """Alignment gaps between arrays must be written too (the writer checks full coverage)."""
+    for a in lowering.manifest["weights"]:
+        end = a["offset"] + a["nbytes"]
+        pad = -(-a["nbytes"] // 4096) * 4096 - a["nbytes"]
+        if pad and end + pad <= lowering.weights_nbytes:
+            w.write("weights", end, bytes(pad))

@@ -1,0 +1,127 @@
+"""`rvcompile`: build, inspect and verify artifacts, list targets.
+
+Every failure caused by the user's input prints one line `rvcompile: error: ...` to stderr and
+exits 2; nothing is left at the output path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.checkpoint import CheckpointError
+from rvcompile.config import ConfigError
+from rvcompile.ir.ops import SpecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Compile Gemma 4 into one frozen artifact (.rvp).")
+USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, FileNotFoundError)
+
+
+def fail(msg: str) -> None:
+    typer.echo(f"rvcompile: error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        vals = ()
+    if not vals or vals[0] < 1:
+        fail(f"--prefill-buckets {text!r}: expected positive integers like 16,64,256")
+    return vals
+
+
+@app.command()
+def build(
+    model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
+    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8 or xla-f32"),
+    output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
+    weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
+    random_weights: bool = typer.Option(False, "--random-weights",
+                                        help="seeded random weights of the real shapes"),
+    seed: int = typer.Option(0, "--seed"),
+    max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
+    slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
+    prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
+                                        help="prefill chunk sizes; the largest is the chunk"),
+    dump_ir: str | None = typer.Option(None, "--dump-ir",
+                                       help="print the IR after 'frontend' or a pass name"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Build MODEL into one artifact for TARGET."""
+    from rvcompile.build import BuildOptions, build_artifact
+
+    buckets = _buckets(prefill_buckets)
+    if max_context < buckets[-1] or slots < 1:
+        fail(f"--max-context {max_context} must be >= the largest prefill bucket "
+             f"{buckets[-1]}, and --max-seqs >= 1")
+    opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
+                        slots=slots, dump_ir=dump_ir)
+    try:
+        report = build_artifact(model, output, opts, weights=weights,
+                                random_weights=random_weights, seed=seed,
+                                progress=progress and sys.stderr.isatty(),
+                                log=lambda s: typer.echo(s, err=True))
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0])
+    typer.echo(f"wrote {report.path} ({report.artifact_bytes / 2**20:.1f} MiB, weights "
+               f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
+
+
+@app.command()
+def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show an artifact's model, target, platforms, entry points, sizes, hashes and versions."""
+    try:
+        with Artifact.open(artifact) as art:
+            h, m = art.header, art.manifest
+            info = {
+                "file": str(artifact), "model": m["model"]["name"], "target": h.target,
+                "platforms": list(h.platforms), "compiler_version": h.compiler_version,
+                "requirements": h.requirements, "passes": m.get("passes", []),
+                "entry_points": m["xla"]["entry_points"], "slots": m["xla"]["slots"],
+                "max_context": m["xla"]["max_context"],
+                "jax_version": m["xla"]["jax_version"],
+                "layer_groups": m["xla"]["layer_groups"],
+                "sections": {n: {"offset": s.offset, "size": s.size, "sha256": s.sha256}
+                             for n, s in art.sections.items()},
+            }
+    except USER_ERRORS as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    for key in ("file", "model", "target", "platforms", "compiler_version", "jax_version",
+                "passes", "entry_points", "slots", "max_context", "requirements"):
+        typer.echo(f"{key:17} {info[key]}")
+    typer.echo("sections:")
+    for n, s in info["sections"].items():
+        typer.echo(f"  {n:18} {s['size']:>14,} B  sha256 {s['sha256'][:16]}")
+
+
+@app.command()
+def verify(artifact: Path) -> None:
+    """Re-hash every section; exit 0 when all match, 2 otherwise."""
+    try:
+        with Artifact.open(artifact) as art:
+            art.verify()
+            n = len(art.sections)
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(f"{artifact}: OK ({n} sections)")
+
+
+@app.command()
+def targets() -> None:
+    """List the build targets and what each emits."""
+    from rvcompile.build import TARGETS
+    from rvcompile.presets import PRESETS
+
+    for t in TARGETS.values():
+        typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}")
+    typer.echo(f"presets: {', '.join(PRESETS)}")

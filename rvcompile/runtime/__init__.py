@@ -1,0 +1,27 @@
+"""rvrun's runtime: `load(path)` checks and maps an artifact and returns a Model whose API
+(generate, generate_stream, logits) is the same whatever target built it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.runtime.model import GenerationResult, Model
+
+__all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
+
+
+def load(path: str | os.PathLike[str], *, verify: bool = True) -> Model:
+    """Open `path`, check its header and (by default) every section's sha256, then load it on
+    this machine. Raises ArtifactError with a one-line message when it doesn't fit."""
+    art = Artifact.open(Path(path))
+    runtime = art.header.requirements.get("runtime")
+    if runtime != "xla":
+        raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
+                            "does not have")
+    if verify:
+        art.verify()
+    from rvcompile.runtime.xla_executor import XlaExecutor
+
+    return Model(art, XlaExecutor(art))

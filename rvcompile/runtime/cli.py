@@ -1,0 +1,65 @@
+"""`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
+
+Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
+exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rvcompile.artifacts import ArtifactError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
+    p.add_argument("artifact")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the artifact's chat template")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip re-hashing the sections at load (header checks still run)")
+    a = p.parse_args(argv)
+    if a.max_tokens < 1 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.temperature < 0:
+        return _fail("need --max-tokens >= 1, --top-k >= 0, 0 < --top-p <= 1, --temperature >= 0")
+    from rvcompile import runtime
+
+    t0 = time.perf_counter()
+    try:
+        m = runtime.load(a.artifact, verify=not a.no_verify)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    load_s = time.perf_counter() - t0
+    try:
+        for piece in m.generate_stream(a.prompt, max_tokens=a.max_tokens,
+                                       temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                       seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
+                                       chat=a.chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except ValueError as e:
+        return _fail(str(e))
+    sys.stdout.write("\n")
+    r = m.last_result
+    ex = m.executor
+    print(f"[rvrun] load {load_s:.2f} s (XLA compile {ex.compile_s:.2f} s) | prompt "
+          f"{r.prompt_tokens} tokens | new {len(r.token_ids)} tokens ({r.finish_reason}) | "
+          f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def _fail(msg: str) -> int:
+    print(f"rvrun: error: {msg.splitlines()[0]}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

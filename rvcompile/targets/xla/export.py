@@ -1,0 +1,117 @@
+"""XLA target: a ModelIR becomes serialized `jax.export` programs plus a weight layout.
+
+`lower_to_xla` returns the serialized entry points (StableHLO for every requested platform) and
+the manifest fragment the runtime needs to call them: the weight layout (offset of each array in
+the "weights" section), cache shapes, buckets and the exporting jax version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from jax import export
+
+from rvcompile.ir.graph import ModelIR
+from rvcompile.targets.xla.program import (
+    LayoutPlan,
+    Program,
+    cache_shapes,
+    plan_layout,
+    sampling_shapes,
+    weight_shapes,
+)
+
+ALIGN = 4096
+PLATFORMS = ("tpu", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    key: str
+    index: int | None  # position in a stacked array, None for an unstacked one
+    offset: int  # byte offset of this slice in the weights section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class XlaLowering:
+    programs: dict[str, bytes]  # entry name -> serialized jax.export.Exported
+    manifest: dict  # layout, entry points, versions
+    weights_nbytes: int
+    slots_by_param: dict[str, list[WeightSlot]]  # full param name -> where its bytes go
+
+
+def _dtype_name(d) -> str:
+    return jnp.dtype(d).name
+
+
+def weight_layout(ir: ModelIR, plan: LayoutPlan):
+    shapes = weight_shapes(ir, plan)
+    arrays, offset = [], 0
+    for key, s in shapes.items():
+        nbytes = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+        arrays.append({"key": key, "shape": list(s.shape), "dtype": _dtype_name(s.dtype),
+                       "offset": offset, "nbytes": nbytes})
+        offset += -(-nbytes // ALIGN) * ALIGN
+    by_key = {a["key"]: a for a in arrays}
+    slots: dict[str, list[WeightSlot]] = {}
+    for key, idx, full in plan.weight_slices(ir):
+        a = by_key[key]
+        per = a["nbytes"] // (a["shape"][0] if idx is not None else 1)
+        off = a["offset"] + (idx or 0) * per
+        slots.setdefault(full, []).append(WeightSlot(key, idx, off, per))
+    return arrays, offset, slots
+
+
+def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
+                 platforms: tuple[str, ...] = PLATFORMS) -> XlaLowering:
+    if max(prefill_buckets) != ir.max_chunk:
+        raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
+    plan = plan_layout(ir)
+    prog = Program(ir, plan)
+    ws, cs = weight_shapes(ir, plan), cache_shapes(ir, plan, slots)
+    i32 = jnp.int32
+
+    def sds(shape, dtype=i32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    entries: dict[str, tuple] = {}
+    for t in prefill_buckets:
+        entries[f"prefill_{t}"] = (prog.prefill, (ws, cs, sds((1, t)), sds(()), sds((1,)),
+                                                  sds((1,)), *sampling_shapes(1)))
+    entries[f"decode_{slots}"] = (prog.decode, (ws, cs, sds((slots, 1)), sds((slots,)),
+                                               sds((slots,)), *sampling_shapes(slots)))
+    entries[f"logits_{ir.max_chunk}"] = (prog.logits, (ws, cs, sds((1, ir.max_chunk)), sds(()),
+                                                        sds((1,)), sds((1,))))
+    programs = {}
+    for name, (fn, args) in entries.items():
+        exp = export.export(jax.jit(fn, donate_argnums=(1,)), platforms=platforms)(*args)
+        programs[name] = bytes(exp.serialize())
+    arrays, nbytes, slot_map = weight_layout(ir, plan)
+    manifest = {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "platforms": list(platforms),
+        "slots": slots,
+        "max_context": ir.max_context,
+        "max_chunk": ir.max_chunk,
+        "prefill_buckets": list(prefill_buckets),
+        "entry_points": sorted(programs),
+        "weights": arrays,
+        "caches": [{"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype)}
+                   for k, v in cs.items()],
+        "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
+                         for g in plan.groups],
+    }
+    return XlaLowering(programs, manifest, nbytes, slot_map)
+
+
+def np_dtype(name: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
