@@ -257,8 +257,8 @@ def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
             f"{path}: tensor {raw_name}: read {got} of {nbytes} bytes (file truncated?)"
         )
     if dtype == "BF16":  # bfloat16 is the top half of a float32
-        bits = buf.astype(np.uint32)
-        bits <<= 16
+        bits = np.empty(buf.shape, np.uint32)
+        np.left_shift(buf, np.uint32(16), out=bits, dtype=np.uint32)
         out = bits.view(np.float32)
     else:
         out = buf.astype(np.float32, copy=False)
@@ -271,7 +271,8 @@ def _check_finite(arr: np.ndarray, what: str, step: int = 1 << 24) -> None:
     flat = arr.reshape(-1)
     for i in range(0, flat.size, step):
         piece = flat[i:i + step]
-        if not np.isfinite(piece).all():
+        # A sum is finite unless a value is NaN/Inf (or it overflows: then look closer).
+        if not np.isfinite(piece.sum()) and not np.isfinite(piece).all():
             j = i + int(np.flatnonzero(~np.isfinite(piece))[0])
             kind = "a NaN" if np.isnan(flat[j]) else "an Inf"
             index = tuple(int(x) for x in np.unravel_index(j, arr.shape))
@@ -386,7 +387,12 @@ def read_config(directory: Path) -> Gemma4Config:
         # lm_head.weight is skipped as a copy of embed_tokens; an untied one would be lost.
         raise CheckpointError(f"{path}: tie_word_embeddings is false; Gemma 4 ties the LM head "
                               "to embed_tokens and an untied head is not supported")
-    return Gemma4Config.from_hf_dict(raw, name=directory.name, source=str(path))
+    try:
+        return Gemma4Config.from_hf_dict(raw, name=directory.name, source=str(path))
+    except ConfigError:
+        raise
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e})") from None
 
 
 def _read_chat_template(directory: Path) -> str | None:

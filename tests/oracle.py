@@ -48,10 +48,21 @@ NUM_SPECIAL = 4  # ids 0 <pad>, 1 <eos>, 2 <bos>, 3 <unk>
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 BYTE_OFFSET = 300  # fallback tokenizer: byte b is token 300 + b
 
-EMBED_STD = 0.5  # token embeddings (times sqrt(H) at input): keeps the logits far from flat
+# Conditioning. The logits are tied to the embeddings and attention has scale 1 (q . k of two
+# RMS-normalised vectors), so large embeddings, norm weights above 1 and deep softmaxes amplify
+# float32 rounding: with embeddings std 0.5, norms in [0.5, 1.5] and layer_scalar in [0.5, 1]
+# transformers float32 itself differed from transformers float64 by up to ~8e-4 on these logits,
+# which left no room for a 1e-4 test. With the values below that difference is ~1e-5 (every
+# case, several seeds). Every 1-initialised tensor stays well away from 1.
+EMBED_STD = 0.2  # token embeddings (times sqrt(H) at input): logits std still ~1-1.6, top ~7
 SPECIAL_EMBED_STD = 0.05  # rows 0-3: special tokens never win greedy decoding
-NORM_RANGE = (0.5, 1.5)  # RMSNorm weights and the router's scales (transformers: all 1)
-LAYER_SCALAR_RANGE = (0.5, 1.0)  # transformers: 1
+NORM_RANGE = (0.5, 1.0)  # RMSNorm weights and the router's scales (transformers: all 1)
+QK_NORM_RANGE = (0.25, 0.5)  # q_norm / k_norm weights: attention scores ~sqrt(d) * w_q * w_k
+LAYER_SCALAR_RANGE = (0.6, 0.9)  # transformers: 1
+# The router sees RMSNorm(r) * scale * H^-0.5, so a 1/sqrt(H) projection gave router logits of
+# std ~0.07: all 8 expert probabilities in [0.11, 0.15], the top-k choice decided by gaps of
+# ~1e-4, and any rounding (bf16 weights) swapping experts. std 3 gives logits of std ~2.
+ROUTER_PROJ_STD = 3.0
 
 S, F = "sliding_attention", "full_attention"
 
@@ -189,7 +200,7 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
         done.add(id(t))
 
     with torch.no_grad():
-        for _, module in model.named_modules():
+        for name, module in model.named_modules():
             if isinstance(module, torch.nn.Embedding):
                 normal_(module.weight, EMBED_STD)
                 if module is model.model.embed_tokens:
@@ -197,9 +208,12 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
             elif isinstance(module, torch.nn.Linear):
                 if module.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
                     continue  # lm_head, tied to embed_tokens
-                normal_(module.weight, 1.0 / math.sqrt(module.in_features))
+                router = name.endswith(".router.proj")
+                normal_(module.weight,
+                        ROUTER_PROJ_STD if router else 1.0 / math.sqrt(module.in_features))
             elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
-                uniform_(module.weight, *NORM_RANGE)
+                qk = name.endswith((".q_norm", ".k_norm"))
+                uniform_(module.weight, *(QK_NORM_RANGE if qk else NORM_RANGE))
             elif isinstance(module, Gemma4TextRouter):
                 uniform_(module.scale, *NORM_RANGE)
                 uniform_(module.per_expert_scale, *NORM_RANGE)
