@@ -260,12 +260,17 @@ class Gemma4Config:
                 ))
                 overrides.append((int(key), fields))
             full_ids = [i for i, k in enumerate(kinds) if k is AttnKind.FULL]
+            if not full_ids:
+                raise ConfigError(f"{source}: layer_types has no full_attention layer")
             first_full = dict(dict(overrides).get(full_ids[0], ()))
             global_head_dim = global_head_dim or first_full.get("head_dim")
         head_dim = int(need("head_dim"))
+        if d.get("tie_word_embeddings", True) is False:
+            raise ConfigError(f"{source}: tie_word_embeddings is false; Gemma 4 ties the head to "
+                              "the embedding and rvcompile supports only that")
         rope = d.get("rope_parameters") or {}
         eos = d.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         moe = bool(d.get("enable_moe_block", False))
         try:
             return cls(
@@ -297,8 +302,8 @@ class Gemma4Config:
                 num_experts=int(d.get("num_experts") or 0) if moe else 0,
                 top_k_experts=int(d.get("top_k_experts") or 0) if moe else 0,
                 moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if moe else 0,
-                pad_token_id=int(d.get("pad_token_id") or 0),
-                bos_token_id=int(d.get("bos_token_id") or 2),
+                pad_token_id=int(_get(d, "pad_token_id", 0)),
+                bos_token_id=int(_get(d, "bos_token_id", 2)),
                 eos_token_ids=eos_ids,
                 layer_overrides=tuple(overrides),
             )
@@ -321,6 +326,12 @@ class Gemma4Config:
         d.pop("global_head_dim", None)
         d.pop("num_global_key_value_heads", None)
         return d
+
+
+def _get(d: dict[str, Any], key: str, default: Any) -> Any:
+    """d[key] unless missing or null (0 is a valid token id)."""
+    v = d.get(key)
+    return default if v is None else v
 
 
 def _rope_from_hf(p: dict | None, default_theta: float, source: str,

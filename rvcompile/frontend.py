@@ -36,6 +36,7 @@ from rvcompile.ir.ops import (
     SoftcapAttrs,
 )
 
+
 def cache_names(layer: LayerSpec) -> tuple[str, ...]:
     return ("cache_kv",) if layer.k_eq_v else ("cache_k", "cache_v")
 
@@ -69,7 +70,7 @@ class _Layer:
         return self.b.add(Op.RESHAPE, (x,), ReshapeAttrs(("B", "T", n, d)))
 
     def build(self) -> Graph:
-        cfg, s, b = self.cfg, self.spec, self.b
+        cfg, b = self.cfg, self.b
         hidden = cfg.hidden_size
         h = b.arg("h", ("B", "T", hidden))
         pos = b.arg("positions", ("B", "T"), "int32")

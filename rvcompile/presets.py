@@ -18,7 +18,8 @@ CHAT_EOS = (1, 106, 50)
 
 def _pattern(num_layers: int, period: int) -> tuple[AttnKind, ...]:
     """(period-1) sliding layers then one full layer, repeated; the last layer is always full."""
-    kinds = [AttnKind.FULL if (i + 1) % period == 0 else AttnKind.SLIDING for i in range(num_layers)]
+    kinds = [AttnKind.FULL if (i + 1) % period == 0 else AttnKind.SLIDING
+             for i in range(num_layers)]
     kinds[-1] = AttnKind.FULL
     return tuple(kinds)
 
@@ -26,7 +27,8 @@ def _pattern(num_layers: int, period: int) -> tuple[AttnKind, ...]:
 def _gemma4(*, name: str, hidden: int, layers: int, period: int, heads: int, kv_heads: int,
             global_kv_heads: int | None, k_eq_v: bool, mlp: int, ple: int, kv_shared: int,
             window: int, max_pos: int, double_wide: bool = False, vocab: int = VOCAB,
-            head_dim: int = 256, global_head_dim: int = 512, moe: tuple[int, int, int] | None = None,
+            head_dim: int = 256, global_head_dim: int = 512,
+            moe: tuple[int, int, int] | None = None,
             eos: tuple[int, ...] = CHAT_EOS) -> Gemma4Config:
     experts, top_k, moe_width = moe or (0, 0, 0)
     return Gemma4Config(

@@ -55,7 +55,8 @@ class Graph:
 
 
 class GraphBuilder:
-    """Appends nodes, inferring each one's shape and dtype (so a bad edge fails where it is made)."""
+    """Appends nodes, inferring each one's shape and dtype, so a bad edge fails where it is
+    made."""
 
     def __init__(self, name: str):
         self.name = name

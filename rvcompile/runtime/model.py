@@ -94,10 +94,8 @@ class Model:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop: Sequence[str] = (), ignore_eos: bool = False,
                  chat: bool = False) -> GenerationResult:
-        result = None
-        for _, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                   ignore_eos, chat):
-            pass
+        *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                                    ignore_eos, chat)
         return result
 
     def generate_stream(self, prompt: str | Sequence[int], **kw) -> Iterator[str]:

@@ -139,7 +139,7 @@ class Program:
 
     def forward(self, weights, caches, tokens, start, n_new):
         """Run tokens [B,T] through the decoder; returns (caches, hidden [B,T,H])."""
-        ir, cfg = self.ir, self.ir.config
+        ir = self.ir
         t = tokens.shape[1]
         offs = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = jnp.where(offs < n_new[:, None], start[:, None] + offs, -1)
