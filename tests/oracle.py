@@ -61,8 +61,8 @@ QK_NORM_RANGE = (0.25, 0.5)  # q_norm / k_norm weights: attention scores ~sqrt(d
 LAYER_SCALAR_RANGE = (0.6, 0.9)  # transformers: 1
 # The router sees RMSNorm(r) * scale * H^-0.5, so a 1/sqrt(H) projection gave router logits of
 # std ~0.07: all 8 expert probabilities in [0.11, 0.15], the top-k choice decided by gaps of
-# ~1e-4, and any rounding (bf16 weights) swapping experts. std 3 gives logits of std ~2.
-ROUTER_PROJ_STD = 3.0
+# ~1e-4, and any rounding (bf16 weights) swapping experts. std 1.5 gives logits of std ~1.
+ROUTER_PROJ_STD = 1.5
 
 S, F = "sliding_attention", "full_attention"
 

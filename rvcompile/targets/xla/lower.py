@@ -7,6 +7,7 @@ the slice. `run_graph` interprets one IR graph with these functions at trace tim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +52,20 @@ def embed(a, table, ids, row_scale=None):
     return rows * jnp.float32(a.multiplier)
 
 
+GEMV_MAX_ROWS = 1  # at most this many activation rows: multiply-reduce instead of a dot
+
+
 def linear(a, x, w, scale=None):
     x = f32(x)
-    if w.dtype == jnp.float32:
+    rows = math.prod(x.shape[:-1])
+    if w.dtype != jnp.float32:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    if rows <= GEMV_MAX_ROWS:
+        # Decode reads every weight once per step: as an elementwise product + row reduction XLA
+        # fuses the (scan) slice, the int8/bf16 -> f32 convert and the sum into one pass over
+        # the stored bytes, where a dot would first materialise converted weights.
+        y = jnp.sum(x[..., None, :] * w.astype(jnp.float32), axis=-1)
+    elif w.dtype == jnp.float32:
         y = jnp.einsum("...k,nk->...n", x, w, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
     else:
