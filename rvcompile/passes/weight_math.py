@@ -9,12 +9,20 @@ import numpy as np
 
 def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 over the last (input) axis: one float32 scale per output row, amax / 127.
-    All-zero rows get scale 1 so they decode to zeros."""
+    All-zero rows get scale 1 so they decode to zeros. Works in row blocks so a 9 GB table needs
+    only its int8 copy beside it."""
     w = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w), axis=-1)
-    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    q = np.clip(np.rint(w / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
+    flat = w.reshape(-1, w.shape[-1])
+    q = np.empty(flat.shape, np.int8)
+    scale = np.empty(flat.shape[0], np.float32)
+    rows = max(1, (64 << 20) // (4 * flat.shape[1]))  # ~64 MiB of temporaries at a time
+    for r in range(0, flat.shape[0], rows):
+        block = flat[r:r + rows]
+        amax = np.max(np.abs(block), axis=-1)
+        s = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+        q[r:r + rows] = np.clip(np.rint(block / s[:, None]), -127, 127)
+        scale[r:r + rows] = s
+    return q.reshape(w.shape), scale.reshape(w.shape[:-1])
 
 
 def encode(derive: str, w: np.ndarray) -> np.ndarray:
