@@ -50,6 +50,7 @@ class BuildOptions:
     max_context: int = 2048
     prefill_buckets: tuple[int, ...] = (16, 64, 256)
     slots: int = 4
+    platforms: tuple[str, ...] = ("tpu", "cuda", "cpu")  # what the StableHLO is exported for
     dump_ir: str | None = None  # print the IR after this pass ("frontend" or a pass name)
 
 
@@ -97,7 +98,8 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     t0 = time.perf_counter()
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed)
     ir = lower_model(source, opts, log)
-    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
+                            platforms=opts.platforms)
     header = ArtifactHeader(
         compiler_version=__version__, target=opts.target,
         platforms=tuple(lowering.manifest["platforms"]),

@@ -50,6 +50,8 @@ def build(
     slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
                                         help="prefill chunk sizes; the largest is the chunk"),
+    platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
+                                  help="platforms to export for (subset of tpu,cuda,cpu)"),
     dump_ir: str | None = typer.Option(None, "--dump-ir",
                                        help="print the IR after 'frontend' or a pass name"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -61,8 +63,11 @@ def build(
     if max_context < buckets[-1] or slots < 1:
         fail(f"--max-context {max_context} must be >= the largest prefill bucket "
              f"{buckets[-1]}, and --max-seqs >= 1")
+    chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
+    if not chosen or set(chosen) - {"tpu", "cuda", "cpu"}:
+        fail(f"--platforms {platforms!r}: expected a comma list of tpu, cuda, cpu")
     opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                        slots=slots, dump_ir=dump_ir)
+                        slots=slots, platforms=chosen, dump_ir=dump_ir)
     try:
         report = build_artifact(model, output, opts, weights=weights,
                                 random_weights=random_weights, seed=seed,

@@ -20,8 +20,9 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> Model:
     if runtime != "xla":
         raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
                             "does not have")
+    from rvcompile.runtime.xla_executor import XlaExecutor, check_fits
+
+    check_fits(art)
     if verify:
         art.verify()
-    from rvcompile.runtime.xla_executor import XlaExecutor
-
     return Model(art, XlaExecutor(art))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -33,17 +34,33 @@ def _cache_dir(art: Artifact) -> Path:
     return root / "xla" / f"{art.sections['programs'].sha256[:16]}-jax{jax.__version__}"
 
 
+def check_fits(art: Artifact) -> None:
+    """Refuse, before reading any weights, an artifact this machine cannot run: its platform,
+    its jax version, or (where the device reports it) free device memory."""
+    m = art.manifest["xla"]
+    platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
+    check_platform(art.header, platform)
+    if _version(jax.__version__) < _version(m["jax_version"]):
+        raise ArtifactError(
+            f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
+            f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
+    need = sum(a["nbytes"] for a in m["weights"]) + sum(
+        int(np.prod(c["shape"])) * _np_dtype(c["dtype"]).itemsize for c in m["caches"])
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if need > free:
+            raise ArtifactError(
+                f"{art.path.name}: needs {need / 2**30:.1f} GiB of device memory for weights "
+                f"and KV caches; {jax.devices()[0].device_kind} has {free / 2**30:.1f} GiB free")
+
+
 class XlaExecutor:
     def __init__(self, art: Artifact):
+        check_fits(art)
         self.art = art
         m = art.manifest["xla"]
         self.meta = m
-        platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
-        check_platform(art.header, platform)
-        if _version(jax.__version__) < _version(m["jax_version"]):
-            raise ArtifactError(
-                f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
-                f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
         self.slots, self.max_context = m["slots"], m["max_context"]
         self.max_chunk, self.buckets = m["max_chunk"], tuple(m["prefill_buckets"])
         t0 = time.perf_counter()
@@ -69,10 +86,16 @@ class XlaExecutor:
         """Compile every entry point now (from the persistent cache when it has them) and keep
         the executables, so no request ever compiles."""
         t0 = time.perf_counter()
-        for name, fn in list(self.fns.items()):
+
+        def compile_entry(name: str):
             kind, size = name.rsplit("_", 1)
             args = self._dummy_args(kind, int(size))
-            self.fns[name] = fn.lower(self.weights, self.caches, *args).compile()
+            return fn_by_name[name].lower(self.weights, self.caches, *args).compile()
+
+        fn_by_name = dict(self.fns)
+        # XLA compiles independent programs concurrently; entry points share nothing.
+        with ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool:
+            self.fns = dict(zip(fn_by_name, pool.map(compile_entry, fn_by_name), strict=True))
         return time.perf_counter() - t0
 
     def _dummy_args(self, kind: str, size: int):
