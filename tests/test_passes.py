@@ -76,12 +76,10 @@ def encoded(ir: ModelIR, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray
 
 
 def reference(ir: ModelIR, weights: dict[str, np.ndarray], slots: int = 1) -> ReferenceModel:
-    """A ReferenceModel whose KV caches have the IR's cache dtype. (ReferenceModel allocates
-    float32 caches whatever CacheSpec.dtype says; the XLA target stores bf16 caches after
-    cast_bf16, so the reference does the same here: numpy rounds on assignment.)"""
+    """A ReferenceModel; its KV caches have the IR's cache dtype (checked here)."""
     ref = ReferenceModel(ir, weights, slots=slots)
-    dtypes = {c.layer: np_dtype(c.dtype) for c in ir.caches}
-    ref.caches = {key: v.astype(dtypes[key[0]]) for key, v in ref.caches.items()}
+    dtypes = {c.layer: np.dtype(np_dtype(c.dtype)) for c in ir.caches}
+    assert all(v.dtype == dtypes[key[0]] for key, v in ref.caches.items())
     return ref
 
 
@@ -174,8 +172,10 @@ def test_int8_ir_equals_dequantized_weights(irs, tensors, monkeypatch):
             n_quantized += 1
     assert n_quantized >= 10
     ids = token_ids(PROMPT, 33, bf16.config.vocab_size)
-    ours = prefill_logits(ReferenceModel(int8, enc), ids)
-    dequant = prefill_logits(ReferenceModel(bf16, decoded), ids)
+    runs = [ReferenceModel(int8, enc), ReferenceModel(bf16, decoded)]
+    for r in runs:  # no cache rounding either
+        r.caches = {k: v.astype(np.float32) for k, v in r.caches.items()}
+    ours, dequant = (prefill_logits(r, ids) for r in runs)
     max_err, _, top1 = stats(ours, dequant)
     print(f"\nint8 IR vs dequantized weights: max {max_err:.3g}")
     assert max_err <= F32_BOUND and top1 == 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, resolve_param
@@ -44,7 +45,8 @@ class ReferenceModel:
     def __init__(self, ir: ModelIR, weights: dict[str, np.ndarray], slots: int = 1):
         self.ir, self.weights = ir, weights
         self.caches = {
-            (c.layer, name): np.zeros((slots, c.size, c.kv_heads, c.head_dim), np.float32)
+            (c.layer, name): np.zeros((slots, c.size, c.kv_heads, c.head_dim),
+                                      ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32)
             for c in ir.caches for name in c.names
         }
 

@@ -45,7 +45,8 @@ def check_fits(art: Artifact) -> None:
             f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
             f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
     need = sum(a["nbytes"] for a in m["weights"]) + sum(
-        int(np.prod(c["shape"])) * _np_dtype(c["dtype"]).itemsize for c in m["caches"])
+        int(np.prod(c["shape"])) * np.dtype(_np_dtype(c["dtype"])).itemsize
+        for c in m["caches"])
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
