@@ -25,6 +25,27 @@ def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(w.shape), scale.reshape(w.shape[:-1])
 
 
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 e4m3 over the last (input) axis: one float32 scale per output row, amax / 448.
+    Returns the e4m3 bit patterns as uint8 and the scales; row blocks as above."""
+    w = np.asarray(w, np.float32)
+    flat = w.reshape(-1, w.shape[-1])
+    q = np.empty(flat.shape, np.uint8)
+    scale = np.empty(flat.shape[0], np.float32)
+    rows = max(1, (64 << 20) // (4 * flat.shape[1]))
+    for r in range(0, flat.shape[0], rows):
+        block = flat[r:r + rows]
+        amax = np.max(np.abs(block), axis=-1)
+        s = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
+        scaled = np.clip(block / s[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        q[r:r + rows] = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        scale[r:r + rows] = s
+    return q.reshape(w.shape), scale.reshape(w.shape[:-1])
+
+
 def encode(derive: str, w: np.ndarray) -> np.ndarray:
     """The stored array for ParamSpec.derive given the float32 checkpoint tensor."""
     if derive == "copy":

@@ -12,17 +12,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
+from rvcompile.dtypes import numpy_dtype
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
-
-
-def _np_dtype(name: str):
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -45,7 +41,7 @@ def check_fits(art: Artifact) -> None:
             f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
             f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
     need = sum(a["nbytes"] for a in m["weights"]) + sum(
-        int(np.prod(c["shape"])) * np.dtype(_np_dtype(c["dtype"])).itemsize
+        int(np.prod(c["shape"])) * numpy_dtype(c["dtype"]).itemsize
         for c in m["caches"])
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
@@ -66,9 +62,9 @@ class XlaExecutor:
         self.max_chunk, self.buckets = m["max_chunk"], tuple(m["prefill_buckets"])
         t0 = time.perf_counter()
         self.weights = {a["key"]: jax.device_put(
-            art.array("weights", a["offset"], tuple(a["shape"]), _np_dtype(a["dtype"])))
+            art.array("weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
             for a in m["weights"]}
-        self.caches = {c["key"]: jnp.zeros(c["shape"], _np_dtype(c["dtype"]))
+        self.caches = {c["key"]: jnp.zeros(c["shape"], numpy_dtype(c["dtype"]))
                        for c in m["caches"]}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))

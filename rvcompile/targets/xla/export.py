@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import jaxlib
-import numpy as np
 from jax import export
 
 from rvcompile.ir.graph import ModelIR
@@ -109,9 +108,3 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
                          for g in plan.groups],
     }
     return XlaLowering(programs, manifest, nbytes, slot_map)
-
-
-def np_dtype(name: str):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)

@@ -1,0 +1,107 @@
+"""The CUDA driver API as the H100 runtime uses it: cuda-python's `cuda.bindings.driver` and
+numpy only (no torch, no NVRTC). Every call's CUresult is checked; a failure raises CudaError
+naming the call. Kernel arguments are packed by hand into a void** array.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call that failed; the message names the call and the error."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # cuda-python is the H100 runtime's one dependency beyond numpy
+        raise CudaError("cuda-python is not installed (pip install cuda-python)") from e
+    return driver
+
+
+def check(result, call: str):
+    """Unpack a cuda-python return tuple, raising on any error code."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        drv = _driver()
+        _, name = drv.cuGetErrorName(err)
+        raise CudaError(f"{call} failed: {name.decode() if name else int(err)}")
+    return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
+
+
+@dataclass
+class DeviceBuffer:
+    ptr: int
+    nbytes: int
+
+
+class CudaContext:
+    """The primary context of one device, with module loading, memory and launches."""
+
+    def __init__(self, ordinal: int = 0):
+        self.cu = cu = _driver()
+        check(cu.cuInit(0), "cuInit")
+        self.device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        attr = cu.CUdevice_attribute
+        self.compute_capability = (
+            check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                          self.device), "cuDeviceGetAttribute"),
+            check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                          self.device), "cuDeviceGetAttribute"))
+        self.sm_count = check(cu.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device), "cuDeviceGetAttribute")
+
+    def load_function(self, cubin: bytes, name: str):
+        module = check(self.cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return check(self.cu.cuModuleGetFunction(module, name.encode()),
+                     f"cuModuleGetFunction({name})")
+
+    def set_max_dynamic_smem(self, fn, nbytes: int) -> None:
+        attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(self.cu.cuFuncSetAttribute(fn, attr, nbytes), "cuFuncSetAttribute")
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        return DeviceBuffer(int(check(self.cu.cuMemAlloc(nbytes), "cuMemAlloc")), nbytes)
+
+    def free(self, buf: DeviceBuffer) -> None:
+        check(self.cu.cuMemFree(buf.ptr), "cuMemFree")
+
+    def upload(self, host: np.ndarray) -> DeviceBuffer:
+        host = np.ascontiguousarray(host)
+        buf = self.alloc(host.nbytes)
+        check(self.cu.cuMemcpyHtoD(buf.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        return buf
+
+    def download(self, buf: DeviceBuffer, dtype, shape) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        check(self.cu.cuMemcpyDtoH(out.ctypes.data, buf.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def memset(self, buf: DeviceBuffer, byte: int) -> None:
+        check(self.cu.cuMemsetD8(buf.ptr, byte, buf.nbytes), "cuMemsetD8")
+
+    def launch(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+               args: list[ctypes._SimpleCData], stream=0) -> None:
+        """`args` are ctypes values in kernel-parameter order (c_uint64 for pointers)."""
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        check(self.cu.cuLaunchKernel(fn, *grid, *block, smem, stream, ctypes.addressof(ptrs), 0),
+              "cuLaunchKernel")
+
+    def synchronize(self) -> None:
+        check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def event(self):
+        return check(self.cu.cuEventCreate(0), "cuEventCreate")
+
+    def record(self, ev, stream=0) -> None:
+        check(self.cu.cuEventRecord(ev, stream), "cuEventRecord")
+
+    def elapsed_ms(self, start, end) -> float:
+        check(self.cu.cuEventSynchronize(end), "cuEventSynchronize")
+        return float(check(self.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime"))

@@ -1,0 +1,36 @@
+"""The FP8 decode GEMV: y[m, n] = scale[n] * sum_k x[m, k] * W[n, k], W e4m3 [N, K] with one
+float32 scale per row, x bf16 [M <= 4, K], y float32. Its numpy reference and launch geometry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+SOURCE = "gemv_fp8.cu"
+ENTRY = "gemv_fp8_rowscale"
+WARPS = 16  # must match the kernel
+MAX_ROWS = 4
+
+
+def reference(w_fp8: np.ndarray, scale: np.ndarray, x_bf16: np.ndarray) -> np.ndarray:
+    w = w_fp8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    x = np.asarray(x_bf16).astype(np.float32)
+    return (x @ w.T) * scale[None, :].astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+
+def launch_geometry(m: int, n: int, k: int, sm_count: int, blocks_per_sm: int = 4) -> Launch:
+    """A persistent grid: at most `blocks_per_sm` 512-thread blocks per SM, each staging x."""
+    if not 1 <= m <= MAX_ROWS or k % 16:
+        raise ValueError(f"gemv_fp8 needs 1 <= M <= {MAX_ROWS} and K % 16 == 0 (M={m}, K={k})")
+    blocks = min(-(-n // WARPS), sm_count * blocks_per_sm)
+    return Launch((blocks, 1, 1), (WARPS * 32, 1, 1), m * k * 2)

@@ -1,0 +1,55 @@
+"""Compile the target's CUDA sources to sm_90a cubins with nvcc, cached by content hash.
+
+The cache key covers the source bytes, every flag and the nvcc version, so a rebuild with
+unchanged sources compiles nothing and any change recompiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
+
+
+class NvccError(RuntimeError):
+    """nvcc is missing or rejected a source; the message names the file."""
+
+
+def nvcc_path() -> str:
+    path = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(path).exists():
+        raise NvccError("nvcc not found: the h100 target compiles its kernels at build time")
+    return path
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+
+
+def compile_cubin(source: str, cache_dir: Path | None = None) -> bytes:
+    """The sm_90a cubin of kernels/<source>."""
+    src = KERNEL_DIR / source
+    nvcc = nvcc_path()
+    key = hashlib.sha256(src.read_bytes() + repr(NVCC_FLAGS).encode()
+                         + _nvcc_version(nvcc).encode()).hexdigest()[:24]
+    cache = cache_dir or Path(os.environ.get("RVCOMPILE_CACHE",
+                                             Path.home() / ".cache" / "rvcompile")) / "cubin"
+    out = cache / f"{src.stem}-{key}.cubin"
+    if out.exists():
+        return out.read_bytes()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    p = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(tmp), str(src)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        first = (p.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise NvccError(f"{src.name}: nvcc failed: {first}")
+    tmp.replace(out)
+    return out.read_bytes()
