@@ -3,12 +3,14 @@ bytes: median of 50 timed launches after warm-up, rotating among enough weight c
 50 MB L2 cannot hold them. Compare with shared/H100-NOTES.md (Triton W8A16 1.1-2.8 TB/s, HBM
 read ceiling 2.99-3.10 TB/s).
 
-    python benchmarks/h100_gemv.py
+    python benchmarks/h100_gemv.py [--cubin A.cubin --cubin B.cubin --repeat 2]
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -23,8 +25,20 @@ SHAPES = {"qkv_sliding": (16384, 5376), "qk_full": (18432, 5376), "o_sliding": (
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cubin", action="append", default=[],
+                   help="benchmark this cubin instead of the built one (repeatable)")
+    p.add_argument("--repeat", type=int, default=1)
+    a = p.parse_args()
     ctx = CudaContext()
-    fn = ctx.load_function(compile_cubin(gemv_fp8.SOURCE), gemv_fp8.ENTRY)
+    cubins = {c: Path(c).read_bytes() for c in a.cubin} or {"built": compile_cubin(gemv_fp8.SOURCE)}
+    for r in range(a.repeat):
+        for label, cubin in cubins.items():
+            print(f"== {label} (pass {r + 1})")
+            bench(ctx, ctx.load_function(cubin, gemv_fp8.ENTRY))
+
+
+def bench(ctx: CudaContext, fn) -> None:
     rng = np.random.default_rng(0)
     print(f"{'matrix':12} {'N x K':>14} {'MB':>6} {'us':>8} {'GB/s':>7}")
     for name, (n, k) in SHAPES.items():

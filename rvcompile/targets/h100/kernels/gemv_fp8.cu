@@ -78,7 +78,7 @@ __device__ __forceinline__ void gemv_rows(const uint8_t* __restrict__ W,
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 gemv_fp8_rowscale(const uint8_t* __restrict__ W, const float* __restrict__ scale,
                   const __nv_bfloat16* __restrict__ x, float* __restrict__ y, int M, int N,
                   int K) {
