@@ -227,3 +227,37 @@ def rewrite_nodes(g: Graph, rule) -> Graph:
     out = b.build({name: remap[i] for name, i in g.outputs})
     check_graph(out)
     return out
+
+
+def use_counts(g: Graph) -> list[int]:
+    """How many times each node is read: as another node's input, or as a graph output."""
+    counts = [0] * len(g.nodes)
+    for n in g.nodes:
+        for j in n.inputs:
+            counts[j] += 1
+    for _, i in g.outputs:
+        counts[i] += 1
+    return counts
+
+
+def drop_unread(g: Graph) -> Graph:
+    """`g` without the nodes no output depends on (ARGs stay: callers bind them by name), e.g.
+    what a fusion left behind. Returns `g` itself when there are none."""
+    live = [n.op is Op.ARG for n in g.nodes]
+    for _, i in g.outputs:
+        live[i] = True
+    for i in range(len(g.nodes) - 1, -1, -1):
+        if live[i]:
+            for j in g.nodes[i].inputs:
+                live[j] = True
+    if all(live):
+        return g
+    remap: dict[int, int] = {}
+    nodes = []
+    for i, n in enumerate(g.nodes):
+        if live[i]:
+            remap[i] = len(nodes)
+            nodes.append(replace(n, inputs=tuple(remap[j] for j in n.inputs)))
+    out = Graph(g.name, tuple(nodes), tuple((name, remap[i]) for name, i in g.outputs))
+    check_graph(out)
+    return out

@@ -40,6 +40,10 @@ class Op(enum.Enum):
     ATTENTION = "attention"  # softmax(q.k * scale) v, GQA, causal + sliding window by positions
     MOE = "moe"  # router softmax -> top-k -> renormalise -> per-expert scale -> expert MLPs
     SAMPLE = "sample"  # next token per slot: greedy, temperature, top-k, top-p, seeded
+    RESIDUAL_RMSNORM = "residual_rmsnorm"  # h + rmsnorm(x) * w, times a [1] scalar when given one
+    GATED_LINEAR = "gated_linear"  # gelu_tanh(x @ Wg^T) * (x @ Wu^T), each a LINEAR (int8: scaled)
+    MULTI_LINEAR = "multi_linear"  # LINEARs of one input, outputs concatenated on the last axis
+    SLICE_LAST = "slice_last"  # x[..., start:stop]
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,20 @@ class MoEAttrs:
     quantized: bool = False  # expert weights int8 with per-row scales as two extra inputs
 
 
+@dataclass(frozen=True)
+class MultiLinearAttrs:
+    count: int  # weights (2 or 3); inputs are x, the weights, then one scale each if int8
+
+
+@dataclass(frozen=True)
+class SliceLastAttrs:
+    start: int
+    stop: int
+
+
 Attrs = (ArgAttrs | ParamAttrs | EmbedAttrs | LinearAttrs | RMSNormAttrs | ScaleAttrs
          | SoftcapAttrs | ReshapeAttrs | RopeAttrs | KVWriteAttrs | CachePositionsAttrs
-         | AttentionAttrs | MoEAttrs | None)
+         | AttentionAttrs | MoEAttrs | MultiLinearAttrs | SliceLastAttrs | None)
 
 
 class SpecError(ValueError):
@@ -188,6 +203,42 @@ def ref_rmsnorm(a: RMSNormAttrs, x, w=None):
     if w is not None:
         y = y * as_compute(w)
     return y.astype(np.float32)
+
+
+def ref_add(a, x, y):
+    return (x + as_compute(y)).astype(np.float32)
+
+
+def ref_mul(a, x, y):
+    return (x * as_compute(y)).astype(np.float32)
+
+
+def ref_residual_rmsnorm(a: RMSNormAttrs, h, x, w, s=None):
+    """ADD(h, RMSNORM(x, w)), then MUL(., s): the same float32 steps, so the same bits."""
+    y = ref_add(None, h, ref_rmsnorm(a, x, w))
+    return y if s is None else ref_mul(None, y, s)
+
+
+def ref_gated_linear(a, x, wg, wu, sg=None, su=None):
+    """MUL(GELU_TANH(LINEAR(x, wg[, sg])), LINEAR(x, wu[, su])), step for step."""
+    gate = gelu_tanh(ref_linear(LinearAttrs(), x, wg, sg))
+    return ref_mul(None, gate, ref_linear(LinearAttrs(), x, wu, su))
+
+
+def _split_weights(a: MultiLinearAttrs, ws: tuple) -> list[tuple]:
+    """(weight, scale or None) pairs of a MULTI_LINEAR's inputs after x."""
+    weights, scales = ws[:a.count], ws[a.count:] or (None,) * a.count
+    return list(zip(weights, scales, strict=True))
+
+
+def ref_multi_linear(a: MultiLinearAttrs, x, *ws):
+    """Each LINEAR(x, w[, scale]) on its own, concatenated: the same bits as separate LINEARs."""
+    ys = [ref_linear(LinearAttrs(), x, w, s) for w, s in _split_weights(a, ws)]
+    return np.concatenate(ys, axis=-1)
+
+
+def ref_slice_last(a: SliceLastAttrs, x):
+    return np.ascontiguousarray(x[..., a.start:a.stop])
 
 
 def ref_rope(a: RopeAttrs, x, pos):
@@ -336,6 +387,43 @@ def infer_rmsnorm(a: RMSNormAttrs, x, w=None):
     return x[0], "float32"
 
 
+def infer_residual_rmsnorm(a: RMSNormAttrs, h, x, w, s=None):
+    _float(h[1], "residual")
+    infer_rmsnorm(a, x, w)
+    if h[0] != x[0]:
+        raise SpecError(f"residual_rmsnorm: residual {h[0]} for input {x[0]}")
+    if s is not None and (s[0] != (1,) or s[1] not in FLOAT_DTYPES):
+        raise SpecError(f"residual_rmsnorm: scalar {s[0]} {s[1]}")
+    return x[0], "float32"
+
+
+def infer_gated_linear(a, x, wg, wu, *scales):
+    if len(scales) not in (0, 2):
+        raise SpecError("gated_linear: either no scales or one for each weight")
+    sg, su = scales or (None, None)
+    gate, _ = infer_linear(LinearAttrs(), x, wg, sg)
+    up, _ = infer_linear(LinearAttrs(), x, wu, su)
+    if gate != up:
+        raise SpecError(f"gated_linear: gate {wg[0]} and up {wu[0]} differ")
+    return gate, "float32"
+
+
+def infer_multi_linear(a: MultiLinearAttrs, x, *ws):
+    if a.count not in (2, 3) or len(ws) not in (a.count, 2 * a.count):
+        raise SpecError(f"multi_linear: {a.count} weights and {len(ws)} weight/scale inputs")
+    width = 0
+    for w, s in _split_weights(a, ws):
+        width += infer_linear(LinearAttrs(), x, w, s)[0][-1]
+    return (*x[0][:-1], width), "float32"
+
+
+def infer_slice_last(a: SliceLastAttrs, x):
+    last = x[0][-1] if x[0] else None
+    if not isinstance(last, int) or not 0 <= a.start < a.stop <= last:
+        raise SpecError(f"slice_last [{a.start}:{a.stop}] of {x[0]}")
+    return (*x[0][:-1], a.stop - a.start), x[1]
+
+
 def infer_elementwise(a, x, y):
     return broadcast(x[0], y[0]), "float32"
 
@@ -410,10 +498,8 @@ OPS: dict[Op, OpDef] = {
     Op.EMBED: OpDef(infer_embed, ref_embed, (2, 3)),
     Op.LINEAR: OpDef(infer_linear, ref_linear, (2, 3)),
     Op.RMSNORM: OpDef(infer_rmsnorm, ref_rmsnorm, (1, 2)),
-    Op.ADD: OpDef(infer_elementwise, lambda a, x, y: (x + as_compute(y)).astype(np.float32),
-                  (2, 2)),
-    Op.MUL: OpDef(infer_elementwise, lambda a, x, y: (x * as_compute(y)).astype(np.float32),
-                  (2, 2)),
+    Op.ADD: OpDef(infer_elementwise, ref_add, (2, 2)),
+    Op.MUL: OpDef(infer_elementwise, ref_mul, (2, 2)),
     Op.SCALE: OpDef(infer_unary, lambda a, x: (x * np.float32(a.value)).astype(np.float32),
                     (1, 1)),
     Op.GELU_TANH: OpDef(infer_unary, lambda a, x: gelu_tanh(x), (1, 1)),
@@ -428,4 +514,8 @@ OPS: dict[Op, OpDef] = {
     Op.ATTENTION: OpDef(infer_attention, ref_attention, (5, 5)),
     Op.MOE: OpDef(infer_moe, ref_moe, (5, 7)),
     Op.SAMPLE: OpDef(infer_sample, ref_sample, (6, 6)),
+    Op.RESIDUAL_RMSNORM: OpDef(infer_residual_rmsnorm, ref_residual_rmsnorm, (3, 4)),
+    Op.GATED_LINEAR: OpDef(infer_gated_linear, ref_gated_linear, (3, 5)),
+    Op.MULTI_LINEAR: OpDef(infer_multi_linear, ref_multi_linear, (3, 7)),
+    Op.SLICE_LAST: OpDef(infer_slice_last, ref_slice_last, (1, 1)),
 }

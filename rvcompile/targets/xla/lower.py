@@ -81,6 +81,21 @@ def rmsnorm(a, x, w=None):
     return y * w.astype(jnp.float32) if w is not None else y
 
 
+def residual_rmsnorm(a, h, x, w, s=None):
+    y = f32(h) + rmsnorm(a, x, w)
+    return y * f32(s) if s is not None else y
+
+
+def gated_linear(a, x, wg, wu, sg=None, su=None):
+    return gelu_tanh(linear(a, x, wg, sg)) * linear(a, x, wu, su)
+
+
+def multi_linear(a, x, *ws):
+    weights, scales = ws[:a.count], ws[a.count:] or (None,) * a.count
+    return jnp.concatenate(
+        [linear(a, x, w, s) for w, s in zip(weights, scales, strict=True)], axis=-1)
+
+
 def rope(a, x, pos):
     x = f32(x)
     inv = jnp.asarray(a.inv_freq, jnp.float32)
@@ -228,6 +243,10 @@ LOWERINGS: dict[Op, Callable] = {
     Op.ATTENTION: attention,
     Op.MOE: moe,
     Op.SAMPLE: sample,
+    Op.RESIDUAL_RMSNORM: residual_rmsnorm,
+    Op.GATED_LINEAR: gated_linear,
+    Op.MULTI_LINEAR: multi_linear,
+    Op.SLICE_LAST: lambda a, x: x[..., a.start:a.stop],
 }
 
 

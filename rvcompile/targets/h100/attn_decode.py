@@ -1,0 +1,51 @@
+"""Paged split-KV decode attention: the numpy reference of kernels/attn_decode.cu and its launch
+geometry. Layout: q [B, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D] bf16; block table
+[B, max_blocks] int32, token t in block table[b, (t // BLOCK) % ring]; query at seq_len[b] - 1,
+keys in its window (0 = all); scale 1.0. Not yet: the K=V variant that derives K from the
+shared normalised base (k_norm weight and RoPE at read time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "attn_decode.cu"
+BLOCK = 16
+GROUPS = (1, 2, 4, 8, 16)
+HEAD_DIMS = (256, 512)
+
+
+def entry(head_dim: int, group: int) -> str:
+    if head_dim not in HEAD_DIMS or group not in GROUPS:
+        raise ValueError(f"no decode attention kernel for head_dim {head_dim}, group {group}")
+    return f"attn_decode_d{head_dim}_g{group}"
+
+
+def num_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int) -> int:
+    """Enough (sequence, KV head, split) CTAs for two waves, but at least 32 keys a split."""
+    want = -(-2 * sm_count // (batch * kv_heads))
+    return max(1, min(want, -(-max_keys // 32)))
+
+
+def visible_tokens(seq_len: int, window: int) -> np.ndarray:
+    pos = seq_len - 1
+    lo = max(0, pos - window + 1) if window else 0
+    return np.arange(lo, pos + 1)
+
+
+def reference(q, k_pool, v_pool, table, ring: int, seq_len, window: int) -> np.ndarray:
+    q = np.asarray(q).astype(np.float32)
+    b_count, nh, d = q.shape
+    kh = k_pool.shape[2]
+    g = nh // kh
+    out = np.zeros((b_count, nh, d), np.float32)
+    for b in range(b_count):
+        ts = visible_tokens(int(seq_len[b]), window)
+        blocks = table[b, (ts // BLOCK) % ring]
+        k = k_pool[blocks, ts % BLOCK].astype(np.float32)  # [n, KH, D]
+        v = v_pool[blocks, ts % BLOCK].astype(np.float32)
+        for h in range(nh):
+            s = k[:, h // g] @ q[b, h]
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v[:, h // g]
+    return out

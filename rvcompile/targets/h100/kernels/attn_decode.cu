@@ -1,0 +1,199 @@
+// Paged split-KV decode attention (one query token per sequence), GQA-grouped: a CTA owns one
+// (sequence, KV head, split) and reads each K/V row once for all G query heads of that KV head.
+//
+// q [B, KH*G, D] bf16; K/V pools [blocks, BS, KH, D] bf16; block_table [B, max_blocks] int32.
+// Token t of sequence b lives in block table[b, (t / BS) % ring] (ring = max_blocks for full
+// layers; sliding layers reuse a ring of blocks). The query sits at pos = seq_len[b] - 1 and sees
+// keys max(0, pos - window + 1) .. pos (window 0: all). Scores use scale 1.0 (Gemma 4).
+// Partial results (unnormalised acc, running max m, sum l) per split go to global memory;
+// attn_decode_combine merges the splits into out [B, KH*G, D] float32.
+//
+// Registers: each lane holds VEC = D/32 dims of q and acc for GW heads. When G*VEC > 64 the G
+// heads are spread over HS warps (HS = G*VEC/64) and the remaining 4/HS warps split the keys.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+constexpr int BS = 16;
+constexpr int WARPS = 4;
+
+template <int VEC>
+__device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]) {
+#pragma unroll
+    for (int c = 0; c < VEC / 8; ++c) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p + 8 * c);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            out[8 * c + 2 * j] = f.x;
+            out[8 * c + 2 * j + 1] = f.y;
+        }
+    }
+}
+
+template <int D, int G>
+__device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
+                             const __nv_bfloat16* __restrict__ kc,
+                             const __nv_bfloat16* __restrict__ vc,
+                             const int* __restrict__ table, int max_blocks, int ring,
+                             const int* __restrict__ seq_len, int window, int kv_heads,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int VEC = D / 32;
+    constexpr int HS = (G * VEC > 64) ? (G * VEC / 64) : 1;
+    constexpr int GW = G / HS;
+    constexpr int KP = WARPS / HS;
+    static_assert(HS <= WARPS && G % HS == 0, "group too large for one CTA");
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hc = warp % HS, kl = warp / HS;
+    const int nh = kv_heads * G;
+    const int pos = seq_len[b] - 1;
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int per = (pos - lo + splits) / splits;
+    const int s0 = lo + split * per, s1 = min(pos + 1, s0 + per);
+
+    float qr[GW][VEC], acc[GW][VEC], m[GW], l[GW];
+#pragma unroll
+    for (int g = 0; g < GW; ++g) {
+        const int head = kh * G + hc * GW + g;
+        load_bf16<VEC>(q + ((size_t)b * nh + head) * D + lane * VEC, qr[g]);
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+    }
+    // UNROLL keys' K and V rows are loaded (packed bf16) before any is used, so several
+    // 16-byte loads per lane are in flight instead of one.
+    constexpr int UNROLL = VEC == 8 ? 4 : 2;
+    constexpr int CH = VEC / 8;  // uint4 chunks per lane per row
+    const int* row_table = table + (size_t)b * max_blocks;
+    for (int t0 = s0 + kl; t0 < s1; t0 += KP * UNROLL) {
+        uint4 kraw[UNROLL][CH], vraw[UNROLL][CH];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + u * KP;
+            if (t < s1) {
+                const int block = row_table[(t / BS) % ring];
+                const size_t off =
+                    (((size_t)block * BS + t % BS) * kv_heads + kh) * D + lane * VEC;
+#pragma unroll
+                for (int c = 0; c < CH; ++c) {
+                    kraw[u][c] = *reinterpret_cast<const uint4*>(kc + off + 8 * c);
+                    vraw[u][c] = *reinterpret_cast<const uint4*>(vc + off + 8 * c);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (t0 + u * KP >= s1) break;
+            float k[VEC], v[VEC];
+            load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
+            load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
+#pragma unroll
+            for (int g = 0; g < GW; ++g) {
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) s = fmaf(qr[g][i], k[i], s);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                const float mn = fmaxf(m[g], s);
+                const float alpha = __expf(m[g] - mn), p = __expf(s - mn);
+                l[g] = l[g] * alpha + p;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(acc[g][i], alpha, p * v[i]);
+                m[g] = mn;
+            }
+        }
+    }
+    // Merge the KP warps that share head chunk hc (kl = 0 keeps the result).
+    __shared__ float s_ml[WARPS][GW][2];
+    __shared__ float s_acc[WARPS][GW][D];
+#pragma unroll
+    for (int g = 0; g < GW; ++g) {
+        if (lane == 0) {
+            s_ml[warp][g][0] = m[g];
+            s_ml[warp][g][1] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s_acc[warp][g][lane * VEC + i] = acc[g][i];
+    }
+    __syncthreads();
+    if (kl != 0) return;
+#pragma unroll
+    for (int g = 0; g < GW; ++g) {
+        float mt = -INFINITY;
+        for (int w = hc; w < WARPS; w += HS) mt = fmaxf(mt, s_ml[w][g][0]);
+        float lt = 0.f, out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = 0.f;
+        for (int w = hc; w < WARPS; w += HS) {
+            const float f = s_ml[w][g][0] == -INFINITY ? 0.f : __expf(s_ml[w][g][0] - mt);
+            lt += s_ml[w][g][1] * f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) out[i] += s_acc[w][g][lane * VEC + i] * f;
+        }
+        const int head = kh * G + hc * GW + g;
+        const size_t base = ((size_t)b * nh + head) * splits + split;
+        float* dst = part_acc + base * D + lane * VEC;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dst[i] = out[i];
+        if (lane == 0) {
+            part_ml[base * 2] = mt;
+            part_ml[base * 2 + 1] = lt;
+        }
+    }
+}
+}  // namespace
+
+#define ATTN_ENTRY(D, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G(          \
+        const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc,             \
+        const int* table, int max_blocks, int ring, const int* seq_len, int window,           \
+        int kv_heads, float* part_acc, float* part_ml) {                                      \
+        attn_partial<D, G>(q, kc, vc, table, max_blocks, ring, seq_len, window, kv_heads,      \
+                           part_acc, part_ml);                                                 \
+    }
+ATTN_ENTRY(256, 1)
+ATTN_ENTRY(256, 2)
+ATTN_ENTRY(256, 4)
+ATTN_ENTRY(256, 8)
+ATTN_ENTRY(256, 16)
+ATTN_ENTRY(512, 1)
+ATTN_ENTRY(512, 2)
+ATTN_ENTRY(512, 4)
+ATTN_ENTRY(512, 8)
+ATTN_ENTRY(512, 16)
+
+// out[b, h, :] = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M); one CTA of d threads per
+// (b, h). Warp 0 turns the splits' (m, l) into weights once; every thread then sums its column.
+extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_acc,
+                                               const float* __restrict__ part_ml, int splits,
+                                               int d, float* __restrict__ out) {
+    extern __shared__ float weight[];  // [splits]
+    __shared__ float inv_sum;
+    const size_t bh = blockIdx.x;
+    const float* ml = part_ml + bh * splits * 2;
+    if (threadIdx.x < 32) {
+        float mt = -INFINITY;
+        for (int s = threadIdx.x; s < splits; s += 32) mt = fmaxf(mt, ml[2 * s]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+        float lt = 0.f;
+        for (int s = threadIdx.x; s < splits; s += 32) {
+            const float w = ml[2 * s] == -INFINITY ? 0.f : __expf(ml[2 * s] - mt);
+            weight[s] = w;
+            lt += ml[2 * s + 1] * w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffffu, lt, o);
+        if (threadIdx.x == 0) inv_sum = 1.f / lt;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float o = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) o += part_acc[(bh * splits + s) * d + i] * weight[s];
+        out[bh * d + i] = o * inv_sum;
+    }
+}
