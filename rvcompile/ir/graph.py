@@ -187,6 +187,12 @@ def check_model(m: ModelIR) -> None:
     specs = m.param_map()
     for g in m.graphs():
         check_graph(g)
+    cache_dtypes = {c.dtype for c in m.caches}
+    for g in m.layers:
+        for name, node in g.args().items():
+            if name in CACHE_ARGS and {node.dtype} != cache_dtypes:
+                raise SpecError(f"{g.name}: cache arg {name} is {node.dtype}, caches are "
+                                f"{sorted(cache_dtypes)}")
     for g in (m.embed, m.head):
         _check_params(g, specs, str)
     for layer, t in zip(m.config.layers, m.layer_template, strict=True):

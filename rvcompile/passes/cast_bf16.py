@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from rvcompile.ir.graph import Graph, ModelIR, rewrite_nodes
+from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, rewrite_nodes
 from rvcompile.ir.ops import EmbedAttrs, Op, to_bf16
 
 
@@ -21,6 +21,8 @@ def _cast_graph(g: Graph) -> Graph:
     def rule(b, n, ins):
         if n.op is Op.PARAM and n.dtype == "float32" and _is_matrix(n.shape):
             return b.param(n.attrs.name, n.shape, "bfloat16")
+        if n.op is Op.ARG and n.attrs.name in CACHE_ARGS and n.dtype == "float32":
+            return b.arg(n.attrs.name, n.shape, "bfloat16")
         if n.op is Op.EMBED:
             m = float(to_bf16(np.float32(n.attrs.multiplier)))
             if m != n.attrs.multiplier:
