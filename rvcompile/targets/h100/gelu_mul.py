@@ -1,0 +1,31 @@
+"""GELU-gated product after the fused gate||up GEMV (kernels/gelu_mul.cu): numpy reference and
+launch geometry.
+
+Entry `gelu_mul(gu f32 [M, 2I], out bf16 [M, I], I)`:
+    out = bf16(gelu_tanh(gu[:, :I]) * gu[:, I:])     (ops.gelu_tanh, f32; the gate comes first)
+the MUL(GELU_TANH(gate), up) of the IR's GATED_LINEAR, rounded to bf16 for the down GEMV.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "gelu_mul.cu"
+ENTRY = "gelu_mul"
+THREADS = 256  # must match the kernel
+
+
+def reference(gu: np.ndarray) -> np.ndarray:
+    gu = np.asarray(gu, np.float32)
+    i = gu.shape[-1] // 2
+    return ops.ref_mul(None, ops.gelu_tanh(gu[..., :i]), gu[..., i:]).astype(ml_dtypes.bfloat16)
+
+
+def launch_geometry(m: int, i: int) -> Launch:
+    if m < 1 or i % 4:
+        raise ValueError(f"gelu_mul needs M >= 1 and I % 4 == 0 (M={m}, I={i})")
+    return Launch((-(-(i // 4) // THREADS), m, 1), (THREADS, 1, 1), 0)

@@ -1,0 +1,131 @@
+// RMSNorm kernels of the decode step, one CTA of THREADS threads per row, M = 1..8 rows.
+//
+// rmsnorm_bf16:      y[m, :] = bf16(x[m, :] * r(x[m, :]) * w)
+// residual_rmsnorm:  h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]   (in place)
+//                    y[m, :] = bf16(h[m, :] * r(h[m, :]) * w_next)                      (new h)
+// with r(v) = 1 / sqrt(sum(v^2) / H + eps). All math in f32, step for step in the order of the
+// IR references (ops.ref_rmsnorm, ops.ref_residual_rmsnorm: x * r, then * w, then + h, then * s;
+// no FMA contraction in the elementwise steps); only the sum of squares is ordered differently.
+// Contract: H % 4 == 0, H <= THREADS * 4 * NV = 8192, rows 16-byte aligned; the row stays in
+// registers (NV float4 per thread), so x and h are each read once.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+constexpr int THREADS = 512;
+constexpr int NV = 4;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the CTA; every thread gets the total. red: 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();  // red may be reused
+    return v;
+}
+
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, float a, float b, float c,
+                                             float d) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+
+__device__ __forceinline__ float sq4(const float4 v) {
+    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+}
+
+__device__ __forceinline__ float inv_rms(float ss, int H, float eps) {
+    return 1.f / sqrtf(ss / (float)H + eps);
+}
+
+// v * r * w, rounded per step like numpy
+__device__ __forceinline__ float4 scale_w(const float4 v, float r, const float4 w) {
+    return make_float4(__fmul_rn(__fmul_rn(v.x, r), w.x), __fmul_rn(__fmul_rn(v.y, r), w.y),
+                       __fmul_rn(__fmul_rn(v.z, r), w.z), __fmul_rn(__fmul_rn(v.w, r), w.w));
+}
+
+// y row = bf16(v * r * w) from the NV float4 held by this thread
+__device__ __forceinline__ void write_normed(const float4 v[NV], float r,
+                                             const float4* __restrict__ w4,
+                                             __nv_bfloat16* __restrict__ yrow, int n4) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        if (c < n4) {
+            const float4 o = scale_w(v[i], r, __ldg(w4 + c));
+            store_bf16x4(yrow + 4 * c, o.x, o.y, o.z, o.w);
+        }
+    }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+rmsnorm_bf16(const float* __restrict__ x, const float* __restrict__ w,
+             __nv_bfloat16* __restrict__ y, int H, float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * H);
+    float4 v[NV];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += sq4(v[i]);
+    }
+    const float r = inv_rms(block_sum(ss, red), H, eps);
+    write_normed(v, r, reinterpret_cast<const float4*>(w), y + (size_t)blockIdx.x * H, n4);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+residual_rmsnorm(float* __restrict__ h, const float* __restrict__ x,
+                 const float* __restrict__ w_post, const float* __restrict__ scalar,
+                 const float* __restrict__ w_next, __nv_bfloat16* __restrict__ y, int H,
+                 float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const size_t row = (size_t)blockIdx.x * H;
+    const float4* x4 = reinterpret_cast<const float4*>(x + row);
+    float4* h4 = reinterpret_cast<float4*>(h + row);
+    const float4* wp4 = reinterpret_cast<const float4*>(w_post);
+    float4 v[NV], hv[NV];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        const bool ok = c < n4;
+        v[i] = ok ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        hv[i] = ok ? h4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += sq4(v[i]);
+    }
+    const float rx = inv_rms(block_sum(ss, red), H, eps);
+    const float s = __ldg(scalar);
+    ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        if (c < n4) {
+            const float4 n = scale_w(v[i], rx, __ldg(wp4 + c));
+            const float4 o = make_float4(
+                __fmul_rn(__fadd_rn(hv[i].x, n.x), s), __fmul_rn(__fadd_rn(hv[i].y, n.y), s),
+                __fmul_rn(__fadd_rn(hv[i].z, n.z), s), __fmul_rn(__fadd_rn(hv[i].w, n.w), s));
+            h4[c] = o;
+            hv[i] = o;
+        }
+        ss += sq4(hv[i]);  // zeros beyond the row
+    }
+    const float rh = inv_rms(block_sum(ss, red), H, eps);
+    write_normed(hv, rh, reinterpret_cast<const float4*>(w_next), y + row, n4);
+}

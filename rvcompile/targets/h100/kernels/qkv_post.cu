@@ -1,0 +1,136 @@
+// After the fused QKV GEMV: per-head q/k norms, RoPE, and the paged KV-cache write, one launch.
+//
+// qkv f32 [M, ld]: row m holds nh q heads, then kh k heads, then (unless k_eq_v) kh v heads,
+// each d wide (ld >= (nh + 2 kh) d, or (nh + kh) d for K=V layers).
+// CTA (x, m): x < nh is q head x, x >= nh is KV head j = x - nh. With r(v) = 1/sqrt(mean(v^2)+eps):
+//   q_out[m, x, :]               = bf16(rope(q * r(q) * wq, pos))
+//   k_pool[slot(m, pos), j, :]   = bf16(rope(k * r(k) * wk, pos))
+//   v_pool[slot(m, pos), j, :]   = bf16(v * r(v))        v = k (the raw k part) when k_eq_v
+// RoPE is half-split: dim i pairs with i + d/2 at angle pos * inv_freq[i] (f32 product), so
+//   out[i] = x[i] cos - x[i + d/2] sin,  out[i + d/2] = x[i + d/2] cos + x[i] sin.
+// slot(m, pos) = (table[m, (pos / 16) % ring], pos % 16) in pools [blocks, 16, kh, d] (the
+// layout of attn_decode.cu). pos = positions[m]; pos < 0 skips the cache writes (idle row).
+// Launch grid (nh, M) for KV-shared layers: then only q is written.
+//
+// A CTA has d / 8 threads; thread t owns dims 4t..4t+3 and their RoPE partners d/2 + 4t.. as
+// float4 pairs. d % 256 == 0 (256 and 512 in Gemma 4). Elementwise steps are rounded one by one
+// (no FMA contraction), matching ops.ref_rmsnorm and ops.ref_rope.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+constexpr int BS = 16;
+
+__device__ __forceinline__ float2 warp_sum2(float2 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+        v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float2 block_sum2(float2 v, float2* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum2(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : make_float2(0.f, 0.f);
+    return warp_sum2(v);
+}
+
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const float o[4]) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(o[2], o[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+
+__device__ __forceinline__ void to4(const float4 v, float o[4]) {
+    o[0] = v.x;
+    o[1] = v.y;
+    o[2] = v.z;
+    o[3] = v.w;
+}
+
+__device__ __forceinline__ float sq4(const float a[4]) {
+    return a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
+}
+
+// normalise (x * r * w), rotate, and store both halves as bf16
+__device__ __forceinline__ void norm_rope_store(const float lo[4], const float hi[4], float r,
+                                                const float* __restrict__ w, int t, int half,
+                                                const float c[4], const float s[4],
+                                                __nv_bfloat16* dst) {
+    float wl[4], wh[4], ol[4], oh[4];
+    to4(__ldg(reinterpret_cast<const float4*>(w) + t), wl);
+    to4(__ldg(reinterpret_cast<const float4*>(w + half) + t), wh);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float a = __fmul_rn(__fmul_rn(lo[i], r), wl[i]);
+        const float b = __fmul_rn(__fmul_rn(hi[i], r), wh[i]);
+        ol[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+        oh[i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+    }
+    store_bf16x4(dst + 4 * t, ol);
+    store_bf16x4(dst + half + 4 * t, oh);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(64)
+qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,
+         const float* __restrict__ wq, const float* __restrict__ wk,
+         const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,
+         __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_pool,
+         __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,
+         int ring) {
+    __shared__ float2 red[32];
+    const int x = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = d / 2;
+    const bool is_q = x < nh;
+    const int j = x - nh;
+    const int pos = positions[m];
+    const float* row = qkv + (size_t)m * ld;
+    const float* src = row + (size_t)x * d;  // q head x, or k head j at (nh + j) * d
+    float lo[4], hi[4], vlo[4], vhi[4];
+    to4(*(reinterpret_cast<const float4*>(src) + t), lo);
+    to4(*(reinterpret_cast<const float4*>(src + half) + t), hi);
+    if (!is_q && !k_eq_v) {
+        const float* vsrc = row + (size_t)(nh + kh + j) * d;
+        to4(*(reinterpret_cast<const float4*>(vsrc) + t), vlo);
+        to4(*(reinterpret_cast<const float4*>(vsrc + half) + t), vhi);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            vlo[i] = lo[i];
+            vhi[i] = hi[i];
+        }
+    }
+    float c[4], s[4];
+    {
+        float f[4];
+        to4(__ldg(reinterpret_cast<const float4*>(inv_freq) + t), f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sincosf(__fmul_rn((float)pos, f[i]), &s[i], &c[i]);
+    }
+    const float2 ss = block_sum2(make_float2(sq4(lo) + sq4(hi), sq4(vlo) + sq4(vhi)), red);
+    const float r = 1.f / sqrtf(ss.x / (float)d + eps);
+    if (is_q) {
+        norm_rope_store(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
+        return;
+    }
+    if (pos < 0) return;
+    const int block = table[(size_t)m * max_blocks + (pos / BS) % ring];
+    const size_t off = (((size_t)block * BS + pos % BS) * kh + j) * d;
+    norm_rope_store(lo, hi, r, wk, t, half, c, s, k_pool + off);
+    const float rv = 1.f / sqrtf(ss.y / (float)d + eps);
+    float ol[4], oh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        ol[i] = __fmul_rn(vlo[i], rv);
+        oh[i] = __fmul_rn(vhi[i], rv);
+    }
+    store_bf16x4(v_pool + off + 4 * t, ol);
+    store_bf16x4(v_pool + off + half + 4 * t, oh);
+}

@@ -1,0 +1,45 @@
+"""RMSNorm kernels of the decode step (kernels/norms.cu): numpy references and launch geometry.
+
+`rmsnorm_bf16(x f32 [M, H], w f32 [H], y bf16 [M, H], H, eps)`:
+    y = bf16(rmsnorm(x) * w), the input of the next FP8 GEMV.
+`residual_rmsnorm(h f32 [M, H], x f32 [M, H], w_post f32 [H], scalar f32 [1], w_next f32 [H],
+y bf16 [M, H], H, eps)`, one launch for "residual add + post-norm + layer scalar + next pre-norm":
+    h <- (h + rmsnorm(x) * w_post) * scalar[0]        (in place, f32; scalar may be 1.0)
+    y  = bf16(rmsnorm(h) * w_next)                    (of the NEW h)
+where rmsnorm(v) = v * (mean(v^2) + eps)^-1/2, f32, the IR's ops.ref_rmsnorm and
+ops.ref_residual_rmsnorm step for step. One CTA of 512 threads per row; H % 4 == 0, H <= 8192.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "norms.cu"
+RMSNORM_ENTRY = "rmsnorm_bf16"
+RESIDUAL_ENTRY = "residual_rmsnorm"
+THREADS = 512  # must match the kernel
+MAX_H = THREADS * 4 * 4
+
+
+def rmsnorm_bf16(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """bf16 [M, H]."""
+    return ops.ref_rmsnorm(ops.RMSNormAttrs(eps), x, w).astype(ml_dtypes.bfloat16)
+
+
+def residual_rmsnorm(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
+                     w_next: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(new h f32 [M, H], y bf16 [M, H])."""
+    a = ops.RMSNormAttrs(eps)
+    h_new = ops.ref_residual_rmsnorm(a, h, x, w_post, np.asarray(scalar, np.float32))
+    return h_new, ops.ref_rmsnorm(a, h_new, w_next).astype(ml_dtypes.bfloat16)
+
+
+def launch_geometry(m: int, h: int) -> Launch:
+    """Both entries: one CTA per row."""
+    if not 1 <= m or h % 4 or h > MAX_H:
+        raise ValueError(f"norms need M >= 1, H % 4 == 0 and H <= {MAX_H} (M={m}, H={h})")
+    return Launch((m, 1, 1), (THREADS, 1, 1), 0)

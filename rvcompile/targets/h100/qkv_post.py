@@ -1,0 +1,63 @@
+"""Post-QKV kernel (kernels/qkv_post.cu): q/k norms, RoPE and the paged KV-cache write after the
+fused QKV GEMV. Its numpy reference and launch geometry.
+
+Entry `qkv_post(qkv f32 [M, ld], ld, nh, kh, d, k_eq_v, wq f32 [d], wk f32 [d],
+positions int32 [M], inv_freq f32 [d/2], eps, q_out bf16 [M, nh, d], k_pool, v_pool,
+block_table int32 [M, max_blocks], max_blocks, ring)`:
+    row m of qkv = nh q heads | kh k heads | kh v heads (no v heads when k_eq_v), each d wide;
+    q_out[m, h]           = bf16(rope(rmsnorm(q_h) * wq, pos))
+    k_pool[blk, p % 16, j] = bf16(rope(rmsnorm(k_j) * wk, pos))
+    v_pool[blk, p % 16, j] = bf16(rmsnorm(v_j))       (no weight; v_j = k_j raw when k_eq_v)
+with pos = positions[m], blk = block_table[m, (pos // 16) % ring], pools [blocks, 16, kh, d]
+bf16 (attn_decode.py's layout), rmsnorm(v) = v * (mean(v^2) + eps)^-1/2 in f32 (ops.ref_rmsnorm)
+and rope the IR's half-split ops.ref_rope (inv_freq zeros leave a pair unrotated). pos < 0: no
+cache write. KV-shared layers launch only the nh q CTAs (geometry kv_heads=0).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "qkv_post.cu"
+ENTRY = "qkv_post"
+BLOCK = 16  # tokens per cache block, as in attn_decode
+
+
+def row_width(nh: int, kh: int, d: int, k_eq_v: bool) -> int:
+    return (nh + (1 if k_eq_v else 2) * kh) * d
+
+
+def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, inv_freq,
+              eps: float, k_pool, v_pool, table, ring: int):
+    """(q bf16 [M, nh, d], new k_pool, new v_pool); the pools are copied, not modified."""
+    qkv = np.asarray(qkv, np.float32)
+    m = qkv.shape[0]
+    a = ops.RMSNormAttrs(eps)
+    rope = ops.RopeAttrs(tuple(float(f) for f in np.asarray(inv_freq, np.float32)))
+    pos = np.asarray(positions, np.int32)
+    q = qkv[:, : nh * d].reshape(m, 1, nh, d)  # [B, T=1, heads, d] as the IR's ROPE takes it
+    q_out = ops.ref_rope(rope, ops.ref_rmsnorm(a, q, wq), pos[:, None])[:, 0]
+    k_pool, v_pool = np.array(k_pool, copy=True), np.array(v_pool, copy=True)
+    if kh:
+        k_raw = qkv[:, nh * d:(nh + kh) * d].reshape(m, 1, kh, d)
+        v_raw = k_raw if k_eq_v else qkv[:, (nh + kh) * d:(nh + 2 * kh) * d].reshape(m, 1, kh, d)
+        k = ops.ref_rope(rope, ops.ref_rmsnorm(a, k_raw, wk), pos[:, None])[:, 0]
+        v = ops.ref_rmsnorm(a, v_raw)[:, 0]
+        for b in range(m):
+            p = int(pos[b])
+            if p >= 0:
+                blk = table[b, (p // BLOCK) % ring]
+                k_pool[blk, p % BLOCK] = k[b].astype(ml_dtypes.bfloat16)
+                v_pool[blk, p % BLOCK] = v[b].astype(ml_dtypes.bfloat16)
+    return q_out.astype(ml_dtypes.bfloat16), k_pool, v_pool
+
+
+def launch_geometry(m: int, nh: int, kv_heads: int, d: int) -> Launch:
+    """CTA (head, row): nh q heads then kv_heads KV heads (0 for KV-shared layers); d/8 threads."""
+    if m < 1 or d % 256 or d > 512:
+        raise ValueError(f"qkv_post needs M >= 1 and d in (256, 512) (M={m}, d={d})")
+    return Launch((nh + kv_heads, m, 1), (d // 8, 1, 1), 0)
