@@ -102,6 +102,24 @@ class CudaContext:
     def record(self, ev, stream=0) -> None:
         check(self.cu.cuEventRecord(ev, stream), "cuEventRecord")
 
+    def stream(self):
+        return check(self.cu.cuStreamCreate(0), "cuStreamCreate")
+
+    def copy_device(self, dst: int, src: int, nbytes: int, stream=0) -> None:
+        check(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def capture(self, stream, record) -> object:
+        """Run `record()` (launches on `stream`) under stream capture; returns the instantiated
+        CUDA graph."""
+        mode = self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+        check(self.cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        record()
+        graph = check(self.cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        return check(self.cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def graph_launch(self, graph_exec, stream) -> None:
+        check(self.cu.cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
+
     def elapsed_ms(self, start, end) -> float:
         check(self.cu.cuEventSynchronize(end), "cuEventSynchronize")
         return float(check(self.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
