@@ -9,6 +9,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from h100_helpers import h100_context
 
 from rvcompile.targets.h100 import attn_decode as ad
 
@@ -37,18 +38,6 @@ def test_reference_is_masked_softmax() -> None:
     s = kk @ q[1, 3].astype(np.float64)
     p = np.exp(s - s.max())
     assert np.allclose(out[1, 3], (p / p.sum()) @ vv, atol=1e-5)
-
-
-def _gpu_context():
-    try:
-        from rvcompile.runtime.cuda_driver import CudaContext, CudaError
-
-        ctx = CudaContext()
-    except (ImportError, CudaError) as e:
-        pytest.skip(f"needs an NVIDIA GPU and cuda-python ({e})")
-    if ctx.compute_capability != (9, 0):
-        pytest.skip(f"sm_90a kernels need compute capability 9.0, not {ctx.compute_capability}")
-    return ctx
 
 
 def run_kernel(ctx, q, k, v, table, ring, lens, window):
@@ -95,7 +84,7 @@ CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens, window)
 @pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", CASES,
                          ids=[c[0] for c in CASES])
 def test_attn_decode_matches_reference(name, batch, kv_heads, group, d, lens, window) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
     got = run_kernel(ctx, q, k, v, table, ring, lens_arr, window)

@@ -20,6 +20,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from h100_helpers import h100_context
 
 from rvcompile.ir import ops
 from rvcompile.targets.h100 import gelu_mul, head, norms, qkv_post
@@ -182,17 +183,6 @@ def test_kernel_compiles(source: str, tmp_path) -> None:
 
 # ---------------------------------------------------------------- GPU
 
-def _gpu_context():
-    try:
-        from rvcompile.runtime.cuda_driver import CudaContext, CudaError
-
-        ctx = CudaContext()
-    except (ImportError, CudaError) as e:
-        pytest.skip(f"needs an NVIDIA GPU and cuda-python ({e})")
-    if ctx.compute_capability != (9, 0):
-        pytest.skip(f"sm_90a kernels need compute capability 9.0, not {ctx.compute_capability}")
-    return ctx
-
 
 def _function(ctx, source: str, entry: str):
     from rvcompile.targets.h100.nvcc import compile_cubin
@@ -217,7 +207,7 @@ HIDDEN = {"31B": 5376, "E4B": 2560}
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model", sorted(HIDDEN))
 def test_rmsnorm_bf16_kernel(model: str, m: int) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = _function(ctx, norms.SOURCE, norms.RMSNORM_ENTRY)
     h = HIDDEN[model]
     rng = np.random.default_rng(zlib.crc32(f"rms{model}{m}".encode()))
@@ -239,7 +229,7 @@ def test_rmsnorm_bf16_kernel(model: str, m: int) -> None:
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model", sorted(HIDDEN))
 def test_residual_rmsnorm_kernel(model: str, m: int) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = _function(ctx, norms.SOURCE, norms.RESIDUAL_ENTRY)
     hd = HIDDEN[model]
     rng = np.random.default_rng(zlib.crc32(f"res{model}{m}".encode()))
@@ -279,7 +269,7 @@ QKV_CASES = [  # (name, nh, kh, d, k_eq_v, window: 0 = full layer, kv_shared)
 @pytest.mark.parametrize("name,nh,kh,d,k_eq_v,window,shared", QKV_CASES,
                          ids=[c[0] for c in QKV_CASES])
 def test_qkv_post_kernel(name, nh, kh, d, k_eq_v, window, shared, m) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = _function(ctx, qkv_post.SOURCE, qkv_post.ENTRY)
     rng = np.random.default_rng(zlib.crc32(f"{name}{m}".encode()))
     blk = qkv_post.BLOCK
@@ -334,7 +324,7 @@ def test_qkv_post_kernel(name, nh, kh, d, k_eq_v, window, shared, m) -> None:
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model,inter", [("31B", 21504), ("E4B", 10240)])
 def test_gelu_mul_kernel(model: str, inter: int, m: int) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = _function(ctx, gelu_mul.SOURCE, gelu_mul.ENTRY)
     rng = np.random.default_rng(zlib.crc32(f"gelu{model}{m}".encode()))
     gu = rng.normal(0, 2, (m, 2 * inter)).astype(np.float32)
@@ -353,7 +343,7 @@ def test_gelu_mul_kernel(model: str, inter: int, m: int) -> None:
 @pytest.mark.parametrize("plant", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
 def test_softcap_argmax_kernel(m: int, plant: bool) -> None:
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = _function(ctx, head.SOURCE, head.ARGMAX_ENTRY)
     v, cap = 262144, 30.0
     rng = np.random.default_rng(zlib.crc32(f"argmax{m}{plant}".encode()))
@@ -385,7 +375,7 @@ def test_embed_rows_kernel(model: str, m: int, fp8: bool) -> None:
     copied in at their offsets."""
     from rvcompile.runtime.cuda_driver import check
 
-    ctx = _gpu_context()
+    ctx = h100_context()
     entry = head.EMBED_FP8_ENTRY if fp8 else head.EMBED_BF16_ENTRY
     fn = _function(ctx, head.SOURCE, entry)
     vocab, h = 262144, HIDDEN[model]

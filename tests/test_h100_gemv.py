@@ -9,6 +9,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+from h100_helpers import h100_context
 
 from rvcompile.passes.weight_math import FP8_E4M3_MAX, quantize_fp8_per_channel
 from rvcompile.targets.h100 import gemv_fp8
@@ -46,18 +47,6 @@ def test_kernel_compiles_and_caches(tmp_path) -> None:
     assert compile_cubin(gemv_fp8.SOURCE, cache_dir=tmp_path) == first
 
 
-def _gpu_context():
-    try:
-        from rvcompile.runtime.cuda_driver import CudaContext, CudaError
-
-        ctx = CudaContext()
-    except (ImportError, CudaError) as e:
-        pytest.skip(f"needs an NVIDIA GPU and cuda-python ({e})")
-    if ctx.compute_capability != (9, 0):
-        pytest.skip(f"sm_90a kernels need compute capability 9.0, not {ctx.compute_capability}")
-    return ctx
-
-
 def random_fp8(rng, shape) -> np.ndarray:
     """Random e4m3 bit patterns with NaN codes (0x7f, 0xff) removed."""
     b = rng.integers(0, 256, size=shape, dtype=np.uint8)
@@ -81,7 +70,7 @@ SHAPES = [  # (M, N, K)
 def test_gemv_fp8_matches_reference(m: int, n: int, k: int) -> None:
     from rvcompile.targets.h100.nvcc import compile_cubin
 
-    ctx = _gpu_context()
+    ctx = h100_context()
     fn = ctx.load_function(compile_cubin(gemv_fp8.SOURCE), gemv_fp8.ENTRY)
     rng = np.random.default_rng(n * 7 + k)
     w = random_fp8(rng, (n, k))

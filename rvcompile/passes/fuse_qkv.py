@@ -16,10 +16,11 @@ weights, ParamSpecs and caches are untouched. Returns `ir` itself when nothing m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rvcompile.ir.graph import Graph, ModelIR, Node, rewrite_nodes
 from rvcompile.ir.ops import MultiLinearAttrs, Op, SliceLastAttrs
+from rvcompile.passes import rewrite_graphs
 
 NAME = "fuse_qkv"
 
@@ -85,7 +86,4 @@ def fuse_graph(g: Graph) -> Graph:
 
 
 def run(ir: ModelIR) -> ModelIR:
-    out = ir.with_graphs(fuse_graph)
-    if all(a is b for a, b in zip(out.graphs(), ir.graphs(), strict=True)):
-        return ir
-    return replace(out, notes=(*ir.notes, NAME))
+    return rewrite_graphs(ir, fuse_graph, NAME)

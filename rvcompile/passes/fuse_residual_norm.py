@@ -17,10 +17,9 @@ itself when nothing matched (so a second run returns its input).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from rvcompile.ir.graph import Graph, ModelIR, drop_unread, rewrite_nodes, use_counts
 from rvcompile.ir.ops import Op
+from rvcompile.passes import rewrite_graphs
 
 NAME = "fuse_residual_norm"
 
@@ -48,7 +47,4 @@ def fuse_graph(g: Graph) -> Graph:
 
 
 def run(ir: ModelIR) -> ModelIR:
-    out = ir.with_graphs(fuse_graph)
-    if all(a is b for a, b in zip(out.graphs(), ir.graphs(), strict=True)):
-        return ir
-    return replace(out, notes=(*ir.notes, NAME))
+    return rewrite_graphs(ir, fuse_graph, NAME)
