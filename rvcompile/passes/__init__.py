@@ -1,7 +1,7 @@
 """IR-to-IR passes. Each module exposes `run(ir: ModelIR) -> ModelIR` and states what it expects
 and guarantees; `weight_math` holds the per-tensor functions the build applies while streaming."""
 
-from dataclasses import replace as _replace  # noqa: E402
+from dataclasses import replace
 
 
 def rewrite_graphs(ir, rewrite_graph, name: str):
@@ -10,4 +10,4 @@ def rewrite_graphs(ir, rewrite_graph, name: str):
     out = ir.with_graphs(rewrite_graph)
     if all(a is b for a, b in zip(out.graphs(), ir.graphs(), strict=True)):
         return ir
-    return _replace(out, notes=(*ir.notes, name))
+    return replace(out, notes=(*ir.notes, name))
