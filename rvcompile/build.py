@@ -22,7 +22,7 @@ from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import cast_bf16, quantize_int8
-from rvcompile.passes.weight_math import encode, quantize_int8_per_channel
+from rvcompile.passes.weight_math import QUANTIZERS, encode
 
 
 @dataclass(frozen=True)
@@ -149,11 +149,13 @@ def _concat(blobs: dict[str, bytes]) -> tuple[bytes, dict[str, dict[str, int]]]:
 
 def _encode_all(specs, arr: np.ndarray) -> dict[str, np.ndarray]:
     out = {}
-    quant = None
+    quantized = {}  # format -> (values, scales): one quantization serves both ParamSpecs
     for p in specs:
-        if p.derive.startswith("int8_"):
-            quant = quant or quantize_int8_per_channel(arr)
-            out[p.name] = quant[0] if p.derive == "int8_values" else quant[1]
+        fmt, _, part = p.derive.partition("_")
+        if fmt in QUANTIZERS and part in ("values", "scales"):
+            if fmt not in quantized:
+                quantized[fmt] = QUANTIZERS[fmt](arr)
+            out[p.name] = quantized[fmt][0 if part == "values" else 1]
         else:
             out[p.name] = encode(p.derive, arr)
     return out

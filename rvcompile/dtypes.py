@@ -9,4 +9,5 @@ import numpy as np
 
 def numpy_dtype(name: str) -> np.dtype:
     """np.dtype for "float32", "bfloat16", "int8", "int32", ..."""
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    special = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+    return np.dtype(special.get(name, name))

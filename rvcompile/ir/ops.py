@@ -19,7 +19,8 @@ Dim = int | str
 Shape = tuple[Dim, ...]
 
 FLOAT_DTYPES = ("float32", "bfloat16")
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")  # stored with a float32 scale per output row
 
 
 class Op(enum.Enum):
@@ -364,8 +365,8 @@ def _float(dtype: str, what: str) -> None:
 def infer_embed(a: EmbedAttrs, table, ids, row_scale=None):
     if ids[1] != "int32":
         raise SpecError("embed ids must be int32")
-    if table[1] == "int8" and row_scale is None:
-        raise SpecError("int8 embed table needs a row scale")
+    if (table[1] in QUANTIZED_DTYPES) != (row_scale is not None):
+        raise SpecError("a quantized embed table needs a row scale, and only it has one")
     return (*ids[0], table[0][1]), "float32"
 
 
@@ -373,8 +374,8 @@ def infer_linear(a: LinearAttrs, x, w, scale=None):
     _float(x[1], "linear input")
     if len(w[0]) != 2 or x[0][-1] != w[0][1]:
         raise SpecError(f"linear: input {x[0]} does not match weight {w[0]}")
-    if (w[1] == "int8") != (scale is not None):
-        raise SpecError("linear: an int8 weight needs a scale, and only an int8 weight has one")
+    if (w[1] in QUANTIZED_DTYPES) != (scale is not None):
+        raise SpecError("linear: a quantized weight needs a scale, and only it has one")
     if scale is not None and scale[0] != (w[0][0],):
         raise SpecError(f"linear: scale {scale[0]} for weight {w[0]}")
     return (*x[0][:-1], w[0][0]), "float32"

@@ -52,8 +52,16 @@ def encode(derive: str, w: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(w, np.float32)
     if derive == "bf16":
         return np.ascontiguousarray(w, np.float32).astype(ml_dtypes.bfloat16)
-    if derive == "int8_values":
-        return quantize_int8_per_channel(w)[0]
-    if derive == "int8_scales":
-        return quantize_int8_per_channel(w)[1]
+    fmt, _, part = derive.partition("_")
+    if fmt in QUANTIZERS and part in ("values", "scales"):
+        return QUANTIZERS[fmt](w)[0 if part == "values" else 1]
     raise ValueError(f"unknown weight derivation {derive!r}")
+
+
+def _fp8_stored(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q, s = quantize_fp8_per_channel(w)
+    return q.view(ml_dtypes.float8_e4m3fn), s
+
+
+# ParamSpec.derive "<format>_values" / "<format>_scales" -> (values, scales) as stored.
+QUANTIZERS = {"int8": quantize_int8_per_channel, "fp8": _fp8_stored}

@@ -20,6 +20,7 @@ from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import Op
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+              "float8_e4m3fn": jnp.float8_e4m3fn,
               "int32": jnp.int32}
 
 
