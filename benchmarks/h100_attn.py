@@ -57,7 +57,7 @@ def main() -> None:
                             ctypes.c_int(window), ctypes.c_int(kh), ctypes.c_uint64(acc.ptr),
                             ctypes.c_uint64(ml.ptr)]
             cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                     ctypes.c_int(d), ctypes.c_uint64(out.ptr)]
+                     ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]
 
             def split_kernel(fn=fn, args=args, splits=splits, kh=kh, batch=batch):
                 ctx.launch(fn, (splits, kh, batch), (128, 1, 1), 0, args)

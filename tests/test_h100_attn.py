@@ -52,8 +52,9 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window):
     splits = ad.num_splits(b, kh, keys, ctx.sm_count)
     bufs = [ctx.upload(x) for x in (q, k, v, table, lens)]
     acc, ml = ctx.alloc(b * nh * splits * d * 4), ctx.alloc(b * nh * splits * 2 * 4)
-    out = ctx.alloc(b * nh * d * 4)
+    out, out_bf16 = ctx.alloc(b * nh * d * 4), ctx.alloc(b * nh * d * 2)
     ctx.memset(out, 0xFF)  # NaN poison
+    ctx.memset(out_bf16, 0xFF)
     ptr = [ctypes.c_uint64(x.ptr) for x in bufs]
     ctx.launch(fn, (splits, kh, b), (128, 1, 1), 0,
                ptr[:4] + [ctypes.c_int(table.shape[1]), ctypes.c_int(ring), ptr[4],
@@ -61,11 +62,14 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window):
                           ctypes.c_uint64(ml.ptr)])
     ctx.launch(combine, (b * nh, 1, 1), (d, 1, 1), splits * 4,
                [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                ctypes.c_int(d), ctypes.c_uint64(out.ptr)])
+                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(out_bf16.ptr)])
     ctx.synchronize()
     got = ctx.download(out, np.float32, (b, nh, d))
-    for x in (*bufs, acc, ml, out):
+    got_bf16 = ctx.download(out_bf16, ml_dtypes.bfloat16, (b, nh, d))
+    for x in (*bufs, acc, ml, out, out_bf16):
         ctx.free(x)
+    # the bf16 copy (the o projection's input) is exactly the f32 result, rounded
+    assert np.array_equal(got_bf16.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
     return got
 
 

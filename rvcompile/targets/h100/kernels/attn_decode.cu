@@ -167,9 +167,11 @@ ATTN_ENTRY(512, 16)
 
 // out[b, h, :] = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M); one CTA of d threads per
 // (b, h). Warp 0 turns the splits' (m, l) into weights once; every thread then sums its column.
+// out_bf16, when not null, also receives the result rounded to bf16: the o projection's input.
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_acc,
                                                const float* __restrict__ part_ml, int splits,
-                                               int d, float* __restrict__ out) {
+                                               int d, float* __restrict__ out,
+                                               __nv_bfloat16* __restrict__ out_bf16) {
     extern __shared__ float weight[];  // [splits]
     __shared__ float inv_sum;
     const size_t bh = blockIdx.x;
@@ -195,5 +197,6 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_ac
 #pragma unroll 8
         for (int s = 0; s < splits; ++s) o += part_acc[(bh * splits + s) * d + i] * weight[s];
         out[bh * d + i] = o * inv_sum;
+        if (out_bf16) out_bf16[bh * d + i] = __float2bfloat16(o * inv_sum);
     }
 }
