@@ -7,9 +7,9 @@ gate||up GEMV -> gelu*up -> down GEMV -> residual + post-norm * layer_scalar + n
 then the head GEMV and softcap argmax. Random FP8 weights of the real shapes (30.7 GB), context
 1200 tokens (sliding layers: a 1024-token window in a ring of 65 blocks).
 
-Stand-in, stated: full (K=V) layers store K and V separately (the K=V attention variant is not
-written); the bytes moved stay about the same. The roofline is all weight and KV
-bytes read once over the device-to-device copy bandwidth measured in the same run.
+K=V (full) layers store each token's normalised base once and derive K while reading. The
+roofline is all weight and KV bytes read once over the device-to-device copy bandwidth measured
+in the same run.
 
     python benchmarks/h100_decode_step.py
 """
@@ -40,7 +40,7 @@ class Bench:
         self.fn = {}
         for src, names in [
             (gemv_fp8.SOURCE, [gemv_fp8.ENTRY]),
-            (attn_decode.SOURCE, [attn_decode.entry(256, 2), attn_decode.entry(512, 8),
+            (attn_decode.SOURCE, [attn_decode.entry(256, 2), attn_decode.entry_keqv(512, 8),
                                   "attn_decode_combine"]),
             ("norms.cu", ["rmsnorm_bf16", "residual_rmsnorm"]),
             ("qkv_post.cu", ["qkv_post"]),
@@ -89,7 +89,7 @@ class Bench:
             ring = spec.window // attn_decode.BLOCK + 1 if spec.window else -(-CTX // 16)
             pool_bytes = ring * attn_decode.BLOCK * kh * d * 2
             keys = min(CTX, spec.window or CTX)
-            self.kv_bytes += keys * kh * d * 2 * 2
+            self.kv_bytes += keys * kh * d * 2 * (1 if spec.k_eq_v else 2)
             layer = {
                 "spec": spec, "d": d, "kh": kh, "width": width, "ring": ring, "keys": keys,
                 "qkv": self.matrix(width, H), "o": self.matrix(H, nh * d),
@@ -99,7 +99,7 @@ class Bench:
                 "scalar": self.f32([0.8]),
                 "inv_freq": self.f32(spec.rope.inv_freq(d)),
                 "k_pool": self.fill(pool_bytes, fp8=False),
-                "v_pool": self.fill(pool_bytes, fp8=False),
+                "v_pool": None if spec.k_eq_v else self.fill(pool_bytes, fp8=False),
                 "table": self.ctx.upload(np.arange(ring, dtype=np.int32)),
             }
             self.layers.append(layer)
@@ -146,14 +146,23 @@ class Bench:
                        [P(self.qkv.ptr), I32(L["width"]), I32(nh), I32(kh), I32(d),
                         I32(int(spec.k_eq_v)), P(L["qk_norm"][0].ptr), P(L["qk_norm"][1].ptr),
                         P(self.positions.ptr), P(L["inv_freq"].ptr), F32(EPS), P(self.q.ptr),
-                        P(L["k_pool"].ptr), P(L["v_pool"].ptr), P(L["table"].ptr),
-                        I32(L["ring"]), I32(L["ring"])], stream)
+                        P(L["k_pool"].ptr), P(L["v_pool"].ptr if L["v_pool"] else 0),
+                        P(L["table"].ptr), I32(L["ring"]), I32(L["ring"])], stream)
             splits = attn_decode.num_splits(1, kh, L["keys"], ctx.sm_count)
-            ctx.launch(self.fn[attn_decode.entry(d, nh // kh)], (splits, kh, 1), (128, 1, 1), 0,
-                       [P(self.q.ptr), P(L["k_pool"].ptr), P(L["v_pool"].ptr),
-                        P(L["table"].ptr), I32(L["ring"]), I32(L["ring"]),
-                        P(self.seq_len.ptr), I32(spec.window or 0), I32(kh),
-                        P(self.part_acc.ptr), P(self.part_ml.ptr)], stream)
+            if spec.k_eq_v:
+                ctx.launch(self.fn[attn_decode.entry_keqv(d, nh // kh)], (splits, kh, 1),
+                           (128, 1, 1), 0,
+                           [P(self.q.ptr), P(L["k_pool"].ptr), P(L["table"].ptr),
+                            I32(L["ring"]), I32(L["ring"]), P(self.seq_len.ptr), I32(0), I32(kh),
+                            P(L["qk_norm"][1].ptr), P(L["inv_freq"].ptr),
+                            P(self.part_acc.ptr), P(self.part_ml.ptr)], stream)
+            else:
+                ctx.launch(self.fn[attn_decode.entry(d, nh // kh)], (splits, kh, 1),
+                           (128, 1, 1), 0,
+                           [P(self.q.ptr), P(L["k_pool"].ptr), P(L["v_pool"].ptr),
+                            P(L["table"].ptr), I32(L["ring"]), I32(L["ring"]),
+                            P(self.seq_len.ptr), I32(spec.window or 0), I32(kh),
+                            P(self.part_acc.ptr), P(self.part_ml.ptr)], stream)
             ctx.launch(self.fn["attn_decode_combine"], (nh, 1, 1), (d, 1, 1), splits * 4,
                        [P(self.part_acc.ptr), P(self.part_ml.ptr), I32(splits), I32(d),
                         P(self.attn_out.ptr), P(self.attn_bf16.ptr)], stream)

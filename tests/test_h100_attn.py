@@ -96,3 +96,52 @@ def test_attn_decode_matches_reference(name, batch, kv_heads, group, d, lens, wi
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < 1e-5, rel  # float32 throughout; __expf and the split order differ
+
+
+KEQV_CASES = [  # (name, batch, kv_heads, group, seq_lens): full layers, head dim 512
+    ("31B full K=V", 1, 4, 8, [1200]),
+    ("26B-A4B full K=V, 2 sequences", 2, 2, 8, [700, 33]),
+    ("12B full K=V, group 16", 1, 1, 16, [1500]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,batch,kv_heads,group,lens", KEQV_CASES,
+                         ids=[c[0] for c in KEQV_CASES])
+def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, lens) -> None:
+    """One pool of normalised bases; K = rope(base * wk) at each key's position, V = base."""
+    from rvcompile.config import RopeSpec
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    d = 512
+    q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
+    wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
+    cubin = compile_cubin(ad.SOURCE)
+    fn = ctx.load_function(cubin, ad.entry_keqv(d, group))
+    combine = ctx.load_function(cubin, "attn_decode_combine")
+    keys = max(lens)
+    splits = ad.num_splits(batch, kv_heads, keys, ctx.sm_count)
+    nh = kv_heads * group
+    bufs = [ctx.upload(x) for x in (q, base, table, lens_arr, wk, inv_freq)]
+    acc, ml = ctx.alloc(batch * nh * splits * d * 4), ctx.alloc(batch * nh * splits * 8)
+    out = ctx.alloc(batch * nh * d * 4)
+    ctx.memset(out, 0xFF)
+    p = [ctypes.c_uint64(x.ptr) for x in bufs]
+    ctx.launch(fn, (splits, kv_heads, batch), (128, 1, 1), 0,
+               [p[0], p[1], p[2], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[3],
+                ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5], ctypes.c_uint64(acc.ptr),
+                ctypes.c_uint64(ml.ptr)])
+    ctx.launch(combine, (batch * nh, 1, 1), (d, 1, 1), splits * 4,
+               [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
+                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)])
+    ctx.synchronize()
+    got = ctx.download(out, np.float32, (batch, nh, d))
+    for x in (*bufs, acc, ml, out):
+        ctx.free(x)
+    want = ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel

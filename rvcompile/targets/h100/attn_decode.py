@@ -1,13 +1,15 @@
 """Paged split-KV decode attention: the numpy reference of kernels/attn_decode.cu and its launch
 geometry. Layout: q [B, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D] bf16; block table
 [B, max_blocks] int32, token t in block table[b, (t // BLOCK) % ring]; query at seq_len[b] - 1,
-keys in its window (0 = all); scale 1.0. Not yet: the K=V variant that derives K from the
-shared normalised base (k_norm weight and RoPE at read time).
+keys in its window (0 = all); scale 1.0. K=V layers (`entry_keqv`) keep one pool holding each
+token's normalised base: V = base and K = rope(base * k_norm weight, t), derived while reading.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from rvcompile.ir import ops
 
 SOURCE = "attn_decode.cu"
 BLOCK = 16
@@ -19,6 +21,10 @@ def entry(head_dim: int, group: int) -> str:
     if head_dim not in HEAD_DIMS or group not in GROUPS:
         raise ValueError(f"no decode attention kernel for head_dim {head_dim}, group {group}")
     return f"attn_decode_d{head_dim}_g{group}"
+
+
+def entry_keqv(head_dim: int, group: int) -> str:
+    return entry(head_dim, group).replace("attn_decode_", "attn_decode_keqv_")
 
 
 def num_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int) -> int:
@@ -34,16 +40,32 @@ def visible_tokens(seq_len: int, window: int) -> np.ndarray:
 
 
 def reference(q, k_pool, v_pool, table, ring: int, seq_len, window: int) -> np.ndarray:
+    return _attend(q, k_pool, table, ring, seq_len, window,
+                   lambda blocks, ts: (k_pool[blocks, ts % BLOCK].astype(np.float32),
+                                       v_pool[blocks, ts % BLOCK].astype(np.float32)))
+
+
+def reference_keqv(q, base_pool, table, ring: int, seq_len, window: int, wk,
+                   inv_freq) -> np.ndarray:
+    rope = ops.RopeAttrs(tuple(float(f) for f in np.asarray(inv_freq, np.float32)))
+
+    def rows(blocks, ts):
+        base = base_pool[blocks, ts % BLOCK].astype(np.float32)  # [n, KH, D]
+        k = ops.ref_rope(rope, (base * np.asarray(wk, np.float32))[None], ts[None])[0]
+        return k, base
+
+    return _attend(q, base_pool, table, ring, seq_len, window, rows)
+
+
+def _attend(q, pool, table, ring: int, seq_len, window: int, rows) -> np.ndarray:
     q = np.asarray(q).astype(np.float32)
     b_count, nh, d = q.shape
-    kh = k_pool.shape[2]
+    kh = pool.shape[2]
     g = nh // kh
     out = np.zeros((b_count, nh, d), np.float32)
     for b in range(b_count):
         ts = visible_tokens(int(seq_len[b]), window)
-        blocks = table[b, (ts // BLOCK) % ring]
-        k = k_pool[blocks, ts % BLOCK].astype(np.float32)  # [n, KH, D]
-        v = v_pool[blocks, ts % BLOCK].astype(np.float32)
+        k, v = rows(table[b, (ts // BLOCK) % ring], ts)
         for h in range(nh):
             s = k[:, h // g] @ q[b, h]
             p = np.exp(s - s.max())

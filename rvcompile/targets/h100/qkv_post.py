@@ -32,8 +32,10 @@ def row_width(nh: int, kh: int, d: int, k_eq_v: bool) -> int:
 
 
 def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, inv_freq,
-              eps: float, k_pool, v_pool, table, ring: int):
-    """(q bf16 [M, nh, d], new k_pool, new v_pool); the pools are copied, not modified."""
+              eps: float, k_pool, v_pool, table, ring: int, store_once: bool = False):
+    """(q bf16 [M, nh, d], new k_pool, new v_pool); the pools are copied, not modified.
+    store_once (K=V layers; the kernel gets a null v_pool): k_pool receives the normalised base
+    rmsnorm(k_raw) (= V) and nothing else is written; attention derives K from it."""
     qkv = np.asarray(qkv, np.float32)
     m = qkv.shape[0]
     a = ops.RMSNormAttrs(eps)
@@ -51,6 +53,9 @@ def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, in
             p = int(pos[b])
             if p >= 0:
                 blk = table[b, (p // BLOCK) % ring]
+                if store_once:
+                    k_pool[blk, p % BLOCK] = v[b].astype(ml_dtypes.bfloat16)
+                    continue
                 k_pool[blk, p % BLOCK] = k[b].astype(ml_dtypes.bfloat16)
                 v_pool[blk, p % BLOCK] = v[b].astype(ml_dtypes.bfloat16)
     return q_out.astype(ml_dtypes.bfloat16), k_pool, v_pool

@@ -32,12 +32,16 @@ __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]
     }
 }
 
-template <int D, int G>
+// KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
+// K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
+// at the same register index (D/2 = 16 lanes * VEC dims for both head dims).
+template <int D, int G, bool KEQV>
 __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                              const __nv_bfloat16* __restrict__ kc,
                              const __nv_bfloat16* __restrict__ vc,
                              const int* __restrict__ table, int max_blocks, int ring,
                              const int* __restrict__ seq_len, int window, int kv_heads,
+                             const float* __restrict__ wk, const float* __restrict__ inv_freq,
                              float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int VEC = D / 32;
     constexpr int HS = (G * VEC > 64) ? (G * VEC / 64) : 1;
@@ -67,6 +71,14 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
     // 16-byte loads per lane are in flight instead of one.
     constexpr int UNROLL = VEC == 8 ? 4 : 2;
     constexpr int CH = VEC / 8;  // uint4 chunks per lane per row
+    float wkr[KEQV ? VEC : 1], invf[KEQV ? VEC : 1];
+    if constexpr (KEQV) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            wkr[i] = wk[lane * VEC + i];
+            invf[i] = inv_freq[(lane * VEC + i) % (D / 2)];
+        }
+    }
     const int* row_table = table + (size_t)b * max_blocks;
     for (int t0 = s0 + kl; t0 < s1; t0 += KP * UNROLL) {
         uint4 kraw[UNROLL][CH], vraw[UNROLL][CH];
@@ -80,7 +92,7 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
                 for (int c = 0; c < CH; ++c) {
                     kraw[u][c] = *reinterpret_cast<const uint4*>(kc + off + 8 * c);
-                    vraw[u][c] = *reinterpret_cast<const uint4*>(vc + off + 8 * c);
+                    if constexpr (!KEQV) vraw[u][c] = *reinterpret_cast<const uint4*>(vc + off + 8 * c);
                 }
             }
         }
@@ -89,7 +101,20 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
             if (t0 + u * KP >= s1) break;
             float k[VEC], v[VEC];
             load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
-            load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
+            if constexpr (KEQV) {
+                const float tpos = (float)(t0 + u * KP);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) {
+                    v[i] = k[i];
+                    const float kw = __fmul_rn(k[i], wkr[i]);
+                    const float partner = __shfl_xor_sync(0xffffffffu, kw, 16);
+                    float sn = 0.f, cs = 1.f;
+                    if (invf[i] != 0.f) sincosf(__fmul_rn(tpos, invf[i]), &sn, &cs);
+                    k[i] = kw * cs + (lane < 16 ? -partner : partner) * sn;
+                }
+            } else {
+                load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
+            }
 #pragma unroll
             for (int g = 0; g < GW; ++g) {
                 float s = 0.f;
@@ -151,8 +176,15 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
         const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc,             \
         const int* table, int max_blocks, int ring, const int* seq_len, int window,           \
         int kv_heads, float* part_acc, float* part_ml) {                                      \
-        attn_partial<D, G>(q, kc, vc, table, max_blocks, ring, seq_len, window, kv_heads,      \
-                           part_acc, part_ml);                                                 \
+        attn_partial<D, G, false>(q, kc, vc, table, max_blocks, ring, seq_len, window,         \
+                                  kv_heads, nullptr, nullptr, part_acc, part_ml);              \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_keqv_d##D##_g##G(     \
+        const __nv_bfloat16* q, const __nv_bfloat16* base, const int* table, int max_blocks,  \
+        int ring, const int* seq_len, int window, int kv_heads, const float* wk,             \
+        const float* inv_freq, float* part_acc, float* part_ml) {                             \
+        attn_partial<D, G, true>(q, base, nullptr, table, max_blocks, ring, seq_len, window,   \
+                                 kv_heads, wk, inv_freq, part_acc, part_ml);                   \
     }
 ATTN_ENTRY(256, 1)
 ATTN_ENTRY(256, 2)

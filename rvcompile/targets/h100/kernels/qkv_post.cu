@@ -123,7 +123,6 @@ qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_
     if (pos < 0) return;
     const int block = table[(size_t)m * max_blocks + (pos / BS) % ring];
     const size_t off = (((size_t)block * BS + pos % BS) * kh + j) * d;
-    norm_rope_store(lo, hi, r, wk, t, half, c, s, k_pool + off);
     const float rv = 1.f / sqrtf(ss.y / (float)d + eps);
     float ol[4], oh[4];
 #pragma unroll
@@ -131,6 +130,12 @@ qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_
         ol[i] = __fmul_rn(vlo[i], rv);
         oh[i] = __fmul_rn(vhi[i], rv);
     }
+    if (v_pool == nullptr) {  // K=V stored once: the normalised base (= V); K is derived on read
+        store_bf16x4(k_pool + off + 4 * t, ol);
+        store_bf16x4(k_pool + off + half + 4 * t, oh);
+        return;
+    }
+    norm_rope_store(lo, hi, r, wk, t, half, c, s, k_pool + off);
     store_bf16x4(v_pool + off + 4 * t, ol);
     store_bf16x4(v_pool + off + half + 4 * t, oh);
 }
