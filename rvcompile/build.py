@@ -22,7 +22,7 @@ from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import cast_bf16, quantize_int8
-from rvcompile.passes.weight_math import QUANTIZERS, encode
+from rvcompile.passes.weight_math import encode_all
 
 
 @dataclass(frozen=True)
@@ -147,20 +147,6 @@ def _concat(blobs: dict[str, bytes]) -> tuple[bytes, dict[str, dict[str, int]]]:
     return b"".join(parts), index
 
 
-def _encode_all(specs, arr: np.ndarray) -> dict[str, np.ndarray]:
-    out = {}
-    quantized = {}  # format -> (values, scales): one quantization serves both ParamSpecs
-    for p in specs:
-        fmt, _, part = p.derive.partition("_")
-        if fmt in QUANTIZERS and part in ("values", "scales"):
-            if fmt not in quantized:
-                quantized[fmt] = QUANTIZERS[fmt](arr)
-            out[p.name] = quantized[fmt][0 if part == "values" else 1]
-        else:
-            out[p.name] = encode(p.derive, arr)
-    return out
-
-
 def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slots_by_param,
                     progress: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
@@ -171,7 +157,8 @@ def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slo
         task = bar.add_task("weights", total=total)
         for ref in source.tensors:
             arr = ref.load()
-            for name, enc in _encode_all(specs_by_source.get(ref.name, ()), arr).items():
+            specs = specs_by_source.get(ref.name, ())
+            for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():
                 for slot in slots_by_param[name]:
                     if enc.nbytes != slot.nbytes:
                         raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to "

@@ -13,7 +13,6 @@ from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, resolve_param
 from rvcompile.ir.ops import OPS, Op
 
 ParamGetter = Callable[[str], np.ndarray]
-NP_DTYPES = {"float32": np.float32, "int32": np.int32}
 
 
 def run_graph(g: Graph, args: dict[str, np.ndarray], param: ParamGetter) -> dict[str, np.ndarray]:

@@ -372,6 +372,8 @@ def infer_embed(a: EmbedAttrs, table, ids, row_scale=None):
 
 def infer_linear(a: LinearAttrs, x, w, scale=None):
     _float(x[1], "linear input")
+    if w[1] not in WEIGHT_DTYPES:
+        raise SpecError(f"linear: weight dtype {w[1]} is not one of {WEIGHT_DTYPES}")
     if len(w[0]) != 2 or x[0][-1] != w[0][1]:
         raise SpecError(f"linear: input {x[0]} does not match weight {w[0]}")
     if (w[1] in QUANTIZED_DTYPES) != (scale is not None):

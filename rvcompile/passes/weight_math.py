@@ -48,14 +48,26 @@ def quantize_fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def encode(derive: str, w: np.ndarray) -> np.ndarray:
     """The stored array for ParamSpec.derive given the float32 checkpoint tensor."""
-    if derive == "copy":
-        return np.ascontiguousarray(w, np.float32)
-    if derive == "bf16":
-        return np.ascontiguousarray(w, np.float32).astype(ml_dtypes.bfloat16)
-    fmt, _, part = derive.partition("_")
-    if fmt in QUANTIZERS and part in ("values", "scales"):
-        return QUANTIZERS[fmt](w)[0 if part == "values" else 1]
-    raise ValueError(f"unknown weight derivation {derive!r}")
+    return encode_all({"": derive}, w)[""]
+
+
+def encode_all(derives: dict[str, str], w: np.ndarray) -> dict[str, np.ndarray]:
+    """name -> stored array for each ParamSpec.derive made from one checkpoint tensor; a
+    format's values and scales come from a single quantization."""
+    out, quantized = {}, {}
+    for name, derive in derives.items():
+        fmt, _, part = derive.partition("_")
+        if derive == "copy":
+            out[name] = np.ascontiguousarray(w, np.float32)
+        elif derive == "bf16":
+            out[name] = np.ascontiguousarray(w, np.float32).astype(ml_dtypes.bfloat16)
+        elif fmt in QUANTIZERS and part in ("values", "scales"):
+            if fmt not in quantized:
+                quantized[fmt] = QUANTIZERS[fmt](w)
+            out[name] = quantized[fmt][0 if part == "values" else 1]
+        else:
+            raise ValueError(f"unknown weight derivation {derive!r}")
+    return out
 
 
 def _fp8_stored(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -98,15 +98,15 @@ class Model:
                                     ignore_eos, chat)
         return result
 
-    def generate_stream(self, prompt: str | Sequence[int], **kw) -> Iterator[str]:
+    def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+                        chat: bool = False) -> Iterator[str]:
         """Yields text pieces as they become final; the last GenerationResult is on
         `self.last_result` afterwards."""
         emitted = 0
-        for text, result in self._run(prompt, kw.pop("max_tokens", 64),
-                                      kw.pop("temperature", 0.0), kw.pop("top_k", 0),
-                                      kw.pop("top_p", 1.0), kw.pop("seed", 0),
-                                      kw.pop("stop", ()), kw.pop("ignore_eos", False),
-                                      kw.pop("chat", False), **kw):
+        for text, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                                      ignore_eos, chat):
             self.last_result = result
             if len(text) > emitted:
                 yield text[emitted:]

@@ -57,7 +57,6 @@ class XlaExecutor:
         check_fits(art)
         self.art = art
         m = art.manifest["xla"]
-        self.meta = m
         self.slots, self.max_context = m["slots"], m["max_context"]
         self.max_chunk, self.buckets = m["max_chunk"], tuple(m["prefill_buckets"])
         t0 = time.perf_counter()
@@ -70,14 +69,12 @@ class XlaExecutor:
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        t0 = time.perf_counter()
         blob = art.buffer("programs")
         self.fns = {}
         for name, loc in m["programs"].items():
             exp = export.deserialize(bytearray(blob[loc["offset"]:loc["offset"] + loc["size"]]))
             self.fns[name] = jax.jit(exp.call, donate_argnums=(1,))
         self.compile_s = self._warm_up()
-        self.deserialize_s = time.perf_counter() - t0 - self.compile_s
 
     def _warm_up(self) -> float:
         """Compile every entry point now (from the persistent cache when it has them) and keep
