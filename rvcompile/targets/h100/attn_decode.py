@@ -3,6 +3,12 @@ geometry. Layout: q [B, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D] bf16
 [B, max_blocks] int32, token t in block table[b, (t // BLOCK) % ring]; query at seq_len[b] - 1,
 keys in its window (0 = all); scale 1.0. K=V layers (`entry_keqv`) keep one pool holding each
 token's normalised base: V = base and K = rope(base * k_norm weight, t), derived while reading.
+
+Entries for head dims 32, 64, 128 (tiny test models), 256 and 512 (Gemma 4) and GQA groups 1, 2,
+4, 8, 16. A launch is the split kernel (`split_geometry`: a CTA of 128 threads per (split, KV
+head, sequence), writing part_acc f32 [B, nh, splits, D] and part_ml f32 [B, nh, splits, 2])
+then `attn_decode_combine` (`combine_geometry`: a CTA of D threads per (sequence, head), splits
+f32 weights of dynamic shared memory) into out f32 [B, nh, D] and optionally its bf16 copy.
 """
 
 from __future__ import annotations
@@ -10,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "attn_decode.cu"
+COMBINE_ENTRY = "attn_decode_combine"
 BLOCK = 16
 GROUPS = (1, 2, 4, 8, 16)
-HEAD_DIMS = (256, 512)
+HEAD_DIMS = (32, 64, 128, 256, 512)
+SPLIT_THREADS = 128  # must match the kernel (WARPS * 32)
 
 
 def entry(head_dim: int, group: int) -> str:
@@ -31,6 +40,18 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int) -> int:
     """Enough (sequence, KV head, split) CTAs for two waves, but at least 32 keys a split."""
     want = -(-2 * sm_count // (batch * kv_heads))
     return max(1, min(want, -(-max_keys // 32)))
+
+
+def split_geometry(batch: int, kv_heads: int, splits: int) -> Launch:
+    return Launch((splits, kv_heads, batch), (SPLIT_THREADS, 1, 1), 0)
+
+
+def combine_geometry(batch: int, heads: int, head_dim: int, splits: int) -> Launch:
+    """One CTA of head_dim threads per (sequence, head); warp 0 weighs the splits, so the kernel
+    needs head_dim >= 32, which every entry's head dim is."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"no decode attention combine for head_dim {head_dim}")
+    return Launch((batch * heads, 1, 1), (head_dim, 1, 1), splits * 4)
 
 
 def visible_tokens(seq_len: int, window: int) -> np.ndarray:

@@ -4,6 +4,8 @@ launch geometry.
 Entry `gelu_mul(gu f32 [M, 2I], out bf16 [M, I], I)`:
     out = bf16(gelu_tanh(gu[:, :I]) * gu[:, I:])     (ops.gelu_tanh, f32; the gate comes first)
 the MUL(GELU_TANH(gate), up) of the IR's GATED_LINEAR, rounded to bf16 for the down GEMV.
+Limits: I % 4 == 0, any M >= 1 (grid (ceil(I/4 / 256), M); the tiny models' I = 32 uses one
+CTA of 8 live threads per row).
 """
 
 from __future__ import annotations

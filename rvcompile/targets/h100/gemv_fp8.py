@@ -1,5 +1,9 @@
 """The FP8 decode GEMV: y[m, n] = scale[n] * sum_k x[m, k] * W[n, k], W e4m3 [N, K] with one
 float32 scale per row, x bf16 [M <= 4, K], y float32. Its numpy reference and launch geometry.
+
+Limits: 1 <= M <= 4; K % 16 == 0 (one 16-byte load is 16 weights; K = 16, the tiny models'
+per-layer-input dim, is one load per row); any N >= 1 (N < 16 leaves warps idle); x and W rows
+16-byte aligned; x is staged in shared memory, M * K * 2 <= MAX_SMEM bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ SOURCE = "gemv_fp8.cu"
 ENTRY = "gemv_fp8_rowscale"
 WARPS = 16  # must match the kernel
 MAX_ROWS = 4
+MAX_SMEM = 227 * 1024  # H100: dynamic shared memory one block may opt into
 
 
 def reference(w_fp8: np.ndarray, scale: np.ndarray, x_bf16: np.ndarray) -> np.ndarray:
@@ -30,7 +35,8 @@ class Launch:
 
 def launch_geometry(m: int, n: int, k: int, sm_count: int, blocks_per_sm: int = 4) -> Launch:
     """A persistent grid: at most `blocks_per_sm` 512-thread blocks per SM, each staging x."""
-    if not 1 <= m <= MAX_ROWS or k % 16:
-        raise ValueError(f"gemv_fp8 needs 1 <= M <= {MAX_ROWS} and K % 16 == 0 (M={m}, K={k})")
+    if not 1 <= m <= MAX_ROWS or k % 16 or m * k * 2 > MAX_SMEM:
+        raise ValueError(f"gemv_fp8 needs 1 <= M <= {MAX_ROWS}, K % 16 == 0 and M * K * 2 <= "
+                         f"{MAX_SMEM} (M={m}, K={k})")
     blocks = min(-(-n // WARPS), sm_count * blocks_per_sm)
     return Launch((blocks, 1, 1), (WARPS * 32, 1, 1), m * k * 2)

@@ -7,6 +7,8 @@
 `embed_rows_fp8(table e4m3 uint8 [V, H], row_scale f32 [V], ids int32 [M], mult, h, H)`:
     h = (e4m3(table[ids]) * row_scale[ids]) * mult.
 Both are ops.ref_embed with mult = the bf16-rounded sqrt(H) of Gemma 4 (passed by the caller).
+Limits: any M >= 1; argmax V % 4 == 0 (one CTA of 1024 threads per row, from the tiny models'
+vocab 1024 to 262144); embed H % 8 (bf16) or H % 16 (e4m3), the tiny models' H = 64, 128 too.
 """
 
 from __future__ import annotations

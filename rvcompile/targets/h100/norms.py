@@ -7,7 +7,9 @@ y bf16 [M, H], H, eps)`, one launch for "residual add + post-norm + layer scalar
     h <- (h + rmsnorm(x) * w_post) * scalar[0]        (in place, f32; scalar may be 1.0)
     y  = bf16(rmsnorm(h) * w_next)                    (of the NEW h)
 where rmsnorm(v) = v * (mean(v^2) + eps)^-1/2, f32, the IR's ops.ref_rmsnorm and
-ops.ref_residual_rmsnorm step for step. One CTA of 512 threads per row; H % 4 == 0, H <= 8192.
+ops.ref_residual_rmsnorm step for step. One CTA of 512 threads per row; H % 4 == 0, H <= 8192,
+any M >= 1. Small rows leave threads idle but stay correct (the tiny models' H = 64 and 128 and
+their per-layer-input dim 16 are tested).
 """
 
 from __future__ import annotations

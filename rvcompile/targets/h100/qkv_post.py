@@ -12,6 +12,9 @@ with pos = positions[m], blk = block_table[m, (pos // 16) % ring], pools [blocks
 bf16 (attn_decode.py's layout), rmsnorm(v) = v * (mean(v^2) + eps)^-1/2 in f32 (ops.ref_rmsnorm)
 and rope the IR's half-split ops.ref_rope (inv_freq zeros leave a pair unrotated). pos < 0: no
 cache write. KV-shared layers launch only the nh q CTAs (geometry kv_heads=0).
+
+Head dims: `ENTRY` takes d % 256 == 0 (256, 512), `SMALL_ENTRY` d in (32, 64, 128), the tiny test
+models; both have this argument list, `entry(d)` picks one. Any M >= 1.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "qkv_post.cu"
 ENTRY = "qkv_post"
+SMALL_ENTRY = "qkv_post_small"
+SMALL_HEAD_DIMS = (32, 64, 128)
 BLOCK = 16  # tokens per cache block, as in attn_decode
+
+
+def entry(d: int) -> str:
+    if d in SMALL_HEAD_DIMS:
+        return SMALL_ENTRY
+    if d in (256, 512):
+        return ENTRY
+    raise ValueError(f"qkv_post has no entry for head dim {d} (32, 64, 128, 256 or 512)")
 
 
 def row_width(nh: int, kh: int, d: int, k_eq_v: bool) -> int:
@@ -62,7 +75,9 @@ def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, in
 
 
 def launch_geometry(m: int, nh: int, kv_heads: int, d: int) -> Launch:
-    """CTA (head, row): nh q heads then kv_heads KV heads (0 for KV-shared layers); d/8 threads."""
-    if m < 1 or d % 256 or d > 512:
-        raise ValueError(f"qkv_post needs M >= 1 and d in (256, 512) (M={m}, d={d})")
-    return Launch((nh + kv_heads, m, 1), (d // 8, 1, 1), 0)
+    """CTA (head, row): nh q heads then kv_heads KV heads (0 for KV-shared layers); d/8 threads,
+    or one warp for `SMALL_ENTRY`'s head dims."""
+    if m < 1:
+        raise ValueError(f"qkv_post needs M >= 1 (M={m})")
+    threads = 32 if entry(d) == SMALL_ENTRY else d // 8
+    return Launch((nh + kv_heads, m, 1), (threads, 1, 1), 0)

@@ -10,6 +10,8 @@
 //
 // Registers: each lane holds VEC = D/32 dims of q and acc for GW heads. When G*VEC > 64 the G
 // heads are spread over HS warps (HS = G*VEC/64) and the remaining 4/HS warps split the keys.
+// Head dims: 256 and 512 (Gemma 4) read a row share as 16-byte chunks; 32, 64 and 128 (the tiny
+// test models) as one narrower load of VEC bf16 per lane. Groups: 1, 2, 4, 8, 16.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -19,22 +21,34 @@ constexpr int WARPS = 4;
 
 template <int VEC>
 __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]) {
+    if constexpr (VEC >= 8) {
 #pragma unroll
-    for (int c = 0; c < VEC / 8; ++c) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p + 8 * c);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        for (int c = 0; c < VEC / 8; ++c) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + 8 * c);
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(h[j]);
-            out[8 * c + 2 * j] = f.x;
-            out[8 * c + 2 * j + 1] = f.y;
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                out[8 * c + 2 * j] = f.x;
+                out[8 * c + 2 * j + 1] = f.y;
+            }
         }
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = __bfloat162float(p[i]);
     }
 }
 
+// The raw type of one lane's share of a K/V row: 16-byte chunks from D = 256 up (VEC >= 8),
+// else a single load of exactly VEC bf16 (D = 128, 64, 32).
+template <int VEC> struct LaneShare { using type = uint4; };
+template <> struct LaneShare<4> { using type = uint2; };
+template <> struct LaneShare<2> { using type = uint32_t; };
+template <> struct LaneShare<1> { using type = uint16_t; };
+
 // KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
 // K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
-// at the same register index (D/2 = 16 lanes * VEC dims for both head dims).
+// at the same register index (D/2 = 16 lanes * VEC dims for every head dim).
 template <int D, int G, bool KEQV>
 __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                              const __nv_bfloat16* __restrict__ kc,
@@ -68,9 +82,10 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
         for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
     }
     // UNROLL keys' K and V rows are loaded (packed bf16) before any is used, so several
-    // 16-byte loads per lane are in flight instead of one.
-    constexpr int UNROLL = VEC == 8 ? 4 : 2;
-    constexpr int CH = VEC / 8;  // uint4 chunks per lane per row
+    // loads per lane are in flight instead of one.
+    constexpr int UNROLL = VEC == 16 ? 2 : 4;
+    constexpr int CH = VEC >= 8 ? VEC / 8 : 1;  // loads per lane per row
+    using Raw = typename LaneShare<VEC>::type;
     float wkr[KEQV ? VEC : 1], invf[KEQV ? VEC : 1];
     if constexpr (KEQV) {
 #pragma unroll
@@ -81,7 +96,7 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
     }
     const int* row_table = table + (size_t)b * max_blocks;
     for (int t0 = s0 + kl; t0 < s1; t0 += KP * UNROLL) {
-        uint4 kraw[UNROLL][CH], vraw[UNROLL][CH];
+        Raw kraw[UNROLL][CH], vraw[UNROLL][CH];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = t0 + u * KP;
@@ -91,8 +106,8 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                     (((size_t)block * BS + t % BS) * kv_heads + kh) * D + lane * VEC;
 #pragma unroll
                 for (int c = 0; c < CH; ++c) {
-                    kraw[u][c] = *reinterpret_cast<const uint4*>(kc + off + 8 * c);
-                    if constexpr (!KEQV) vraw[u][c] = *reinterpret_cast<const uint4*>(vc + off + 8 * c);
+                    kraw[u][c] = *reinterpret_cast<const Raw*>(kc + off + 8 * c);
+                    if constexpr (!KEQV) vraw[u][c] = *reinterpret_cast<const Raw*>(vc + off + 8 * c);
                 }
             }
         }
@@ -186,6 +201,21 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
         attn_partial<D, G, true>(q, base, nullptr, table, max_blocks, ring, seq_len, window,   \
                                  kv_heads, wk, inv_freq, part_acc, part_ml);                   \
     }
+ATTN_ENTRY(32, 1)
+ATTN_ENTRY(32, 2)
+ATTN_ENTRY(32, 4)
+ATTN_ENTRY(32, 8)
+ATTN_ENTRY(32, 16)
+ATTN_ENTRY(64, 1)
+ATTN_ENTRY(64, 2)
+ATTN_ENTRY(64, 4)
+ATTN_ENTRY(64, 8)
+ATTN_ENTRY(64, 16)
+ATTN_ENTRY(128, 1)
+ATTN_ENTRY(128, 2)
+ATTN_ENTRY(128, 4)
+ATTN_ENTRY(128, 8)
+ATTN_ENTRY(128, 16)
 ATTN_ENTRY(256, 1)
 ATTN_ENTRY(256, 2)
 ATTN_ENTRY(256, 4)
@@ -198,7 +228,8 @@ ATTN_ENTRY(512, 8)
 ATTN_ENTRY(512, 16)
 
 // out[b, h, :] = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M); one CTA of d threads per
-// (b, h). Warp 0 turns the splits' (m, l) into weights once; every thread then sums its column.
+// (b, h), d >= 32 (every head dim above). Warp 0 turns the splits' (m, l) into weights once;
+// every thread then sums its column.
 // out_bf16, when not null, also receives the result rounded to bf16: the o projection's input.
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_acc,
                                                const float* __restrict__ part_ml, int splits,

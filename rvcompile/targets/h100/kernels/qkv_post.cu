@@ -12,9 +12,13 @@
 // layout of attn_decode.cu). pos = positions[m]; pos < 0 skips the cache writes (idle row).
 // Launch grid (nh, M) for KV-shared layers: then only q is written.
 //
-// A CTA has d / 8 threads; thread t owns dims 4t..4t+3 and their RoPE partners d/2 + 4t.. as
-// float4 pairs. d % 256 == 0 (256 and 512 in Gemma 4). Elementwise steps are rounded one by one
-// (no FMA contraction), matching ops.ref_rmsnorm and ops.ref_rope.
+// Thread t owns dims 4t..4t+3 and their RoPE partners d/2 + 4t.. as float4 pairs, so d / 8
+// threads cover a head. Two entries with the same arguments:
+//   qkv_post        d % 256 == 0 (256 and 512 in Gemma 4): CTAs of d / 8 threads;
+//   qkv_post_small  d in {32, 64, 128} (the tiny test models): CTAs of one full warp, lanes
+//                   t >= d / 8 idle (they add zeros to the sums and write nothing).
+// Elementwise steps are rounded one by one (no FMA contraction), matching ops.ref_rmsnorm and
+// ops.ref_rope.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -77,26 +81,28 @@ __device__ __forceinline__ void norm_rope_store(const float lo[4], const float h
     store_bf16x4(dst + 4 * t, ol);
     store_bf16x4(dst + half + 4 * t, oh);
 }
-}  // namespace
 
-extern "C" __global__ void __launch_bounds__(64)
-qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,
-         const float* __restrict__ wq, const float* __restrict__ wk,
-         const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,
-         __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_pool,
-         __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,
-         int ring) {
+// The whole kernel; PADDED: the CTA is one warp and lanes t >= d / 8 only join the sums.
+template <bool PADDED>
+__device__ __forceinline__ void qkv_post_head(
+    const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,
+    const float* __restrict__ wq, const float* __restrict__ wk, const int* __restrict__ positions,
+    const float* __restrict__ inv_freq, float eps, __nv_bfloat16* __restrict__ q_out,
+    __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
+    const int* __restrict__ table, int max_blocks, int ring) {
     __shared__ float2 red[32];
     const int x = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = d / 2;
+    const bool live = !PADDED || t < d / 8;
     const bool is_q = x < nh;
     const int j = x - nh;
     const int pos = positions[m];
     const float* row = qkv + (size_t)m * ld;
     const float* src = row + (size_t)x * d;  // q head x, or k head j at (nh + j) * d
-    float lo[4], hi[4], vlo[4], vhi[4];
-    to4(*(reinterpret_cast<const float4*>(src) + t), lo);
-    to4(*(reinterpret_cast<const float4*>(src + half) + t), hi);
-    if (!is_q && !k_eq_v) {
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float lo[4], hi[4], vlo[4], vhi[4], c[4], s[4];
+    to4(live ? *(reinterpret_cast<const float4*>(src) + t) : zero, lo);
+    to4(live ? *(reinterpret_cast<const float4*>(src + half) + t) : zero, hi);
+    if (live && !is_q && !k_eq_v) {
         const float* vsrc = row + (size_t)(nh + kh + j) * d;
         to4(*(reinterpret_cast<const float4*>(vsrc) + t), vlo);
         to4(*(reinterpret_cast<const float4*>(vsrc + half) + t), vhi);
@@ -107,14 +113,14 @@ qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_
             vhi[i] = hi[i];
         }
     }
-    float c[4], s[4];
-    {
+    if (live) {
         float f[4];
         to4(__ldg(reinterpret_cast<const float4*>(inv_freq) + t), f);
 #pragma unroll
         for (int i = 0; i < 4; ++i) sincosf(__fmul_rn((float)pos, f[i]), &s[i], &c[i]);
     }
     const float2 ss = block_sum2(make_float2(sq4(lo) + sq4(hi), sq4(vlo) + sq4(vhi)), red);
+    if (!live) return;
     const float r = 1.f / sqrtf(ss.x / (float)d + eps);
     if (is_q) {
         norm_rope_store(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
@@ -139,3 +145,18 @@ qkv_post(const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_
     store_bf16x4(v_pool + off + 4 * t, ol);
     store_bf16x4(v_pool + off + half + 4 * t, oh);
 }
+}  // namespace
+
+#define QKV_POST_ENTRY(NAME, THREADS, PADDED)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                 \
+        const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,              \
+        const float* __restrict__ wq, const float* __restrict__ wk,                            \
+        const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,      \
+        __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_pool,                 \
+        __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,     \
+        int ring) {                                                                             \
+        qkv_post_head<PADDED>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,    \
+                              q_out, k_pool, v_pool, table, max_blocks, ring);                 \
+    }
+QKV_POST_ENTRY(qkv_post, 64, false)
+QKV_POST_ENTRY(qkv_post_small, 32, true)
