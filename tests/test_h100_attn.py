@@ -1,9 +1,12 @@
-"""Paged split-KV decode attention (targets/h100): reference semantics on the CPU; on a GPU the
-kernel against it on fresh random inputs at real shapes, sliding windows wrapped."""
+"""Paged split-KV decode attention (targets/h100): reference semantics and the source's entry list
+on the CPU; on a GPU the kernel against the reference on fresh random inputs at real shapes,
+sliding windows wrapped, and at every small head dim (32, 64, 128: the tiny test models) x group.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import re
 import zlib
 
 import ml_dtypes
@@ -27,17 +30,32 @@ def make_case(rng, batch, kv_heads, group, d, seq_lens, window, pool_blocks=None
     return q, k, v, ids.astype(np.int32), ring_blocks, np.asarray(seq_lens, np.int32)
 
 
-def test_reference_is_masked_softmax() -> None:
+@pytest.mark.parametrize("d,window", [(256, 16), (32, 8)])
+def test_reference_is_masked_softmax(d: int, window: int) -> None:
+    """window 8 (the oracle models') is shorter than a block: a one-block ring."""
     rng = np.random.default_rng(0)
-    q, k, v, table, ring, lens = make_case(rng, 2, 2, 2, 256, [5, 40], window=16)
-    out = ad.reference(q, k, v, table, ring, lens, window=16)
-    # sequence 1, head 3 (KV head 1), by hand over its 16 visible tokens 24..39
-    ts = np.arange(24, 40)
+    q, k, v, table, ring, lens = make_case(rng, 2, 2, 2, d, [5, 40], window=window)
+    out = ad.reference(q, k, v, table, ring, lens, window=window)
+    # sequence 1, head 3 (KV head 1), by hand over its visible tokens 40 - window .. 39
+    ts = np.arange(40 - window, 40)
     kk = k[table[1, (ts // 16) % ring], ts % 16, 1].astype(np.float64)
     vv = v[table[1, (ts // 16) % ring], ts % 16, 1].astype(np.float64)
     s = kk @ q[1, 3].astype(np.float64)
     p = np.exp(s - s.max())
     assert np.allclose(out[1, 3], (p / p.sum()) @ vv, atol=1e-5)
+
+
+def test_source_instantiates_every_entry() -> None:
+    """entry() promises HEAD_DIMS x GROUPS; the .cu must instantiate exactly those (the GPU tests
+    load only the entries their cases use)."""
+    from rvcompile.targets.h100.nvcc import KERNEL_DIR
+
+    src = (KERNEL_DIR / ad.SOURCE).read_text()
+    made = {(int(d), int(g)) for d, g in re.findall(r"^ATTN_ENTRY\((\d+), (\d+)\)$", src, re.M)}
+    assert made == {(d, g) for d in ad.HEAD_DIMS for g in ad.GROUPS}
+    assert ad.entry_keqv(32, 4) == "attn_decode_keqv_d32_g4"
+    with pytest.raises(ValueError, match="head_dim 48"):
+        ad.entry(48, 2)
 
 
 def run_kernel(ctx, q, k, v, table, ring, lens, window):
@@ -47,7 +65,7 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window):
     b, nh, d = q.shape
     kh = k.shape[2]
     fn = ctx.load_function(cubin, ad.entry(d, nh // kh))
-    combine = ctx.load_function(cubin, "attn_decode_combine")
+    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
     keys = max(len(ad.visible_tokens(int(s), window)) for s in lens)
     splits = ad.num_splits(b, kh, keys, ctx.sm_count)
     bufs = [ctx.upload(x) for x in (q, k, v, table, lens)]
@@ -56,11 +74,12 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window):
     ctx.memset(out, 0xFF)  # NaN poison
     ctx.memset(out_bf16, 0xFF)
     ptr = [ctypes.c_uint64(x.ptr) for x in bufs]
-    ctx.launch(fn, (splits, kh, b), (128, 1, 1), 0,
+    split, comb = ad.split_geometry(b, kh, splits), ad.combine_geometry(b, nh, d, splits)
+    ctx.launch(fn, split.grid, split.block, split.smem,
                ptr[:4] + [ctypes.c_int(table.shape[1]), ctypes.c_int(ring), ptr[4],
                           ctypes.c_int(window), ctypes.c_int(kh), ctypes.c_uint64(acc.ptr),
                           ctypes.c_uint64(ml.ptr)])
-    ctx.launch(combine, (b * nh, 1, 1), (d, 1, 1), splits * 4,
+    ctx.launch(combine, comb.grid, comb.block, comb.smem,
                [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
                 ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(out_bf16.ptr)])
     ctx.synchronize()
@@ -81,7 +100,14 @@ CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens, window)
     ("E4B full", 2, 2, 4, 512, [3000, 17], 0),
     ("12B full, group 16", 1, 1, 16, 512, [1500], 0),
     ("E2B full, group 8", 2, 1, 8, 512, [64, 900], 0),
+    ("tiny sliding, window 16", 3, 2, 2, 32, [1, 17, 300], 16),
+    ("tiny full", 2, 2, 2, 64, [33, 250], 0),
+    ("oracle sliding, window 8 < block", 2, 2, 2, 32, [5, 40], 8),
+    ("oracle MQA full", 2, 1, 4, 64, [9, 64], 0),
 ]
+# every small head dim with every group: full layers and a sliding window that wraps its ring
+CASES += [(f"d{d} group {g}{' sliding' if window else ''}", 2, 2, g, d, [40, 700], window)
+          for d in (32, 64, 128) for g in ad.GROUPS for window in (0, 64)]
 
 
 @pytest.mark.gpu
@@ -98,30 +124,33 @@ def test_attn_decode_matches_reference(name, batch, kv_heads, group, d, lens, wi
     assert rel < 1e-5, rel  # float32 throughout; __expf and the split order differ
 
 
-KEQV_CASES = [  # (name, batch, kv_heads, group, seq_lens): full layers, head dim 512
-    ("31B full K=V", 1, 4, 8, [1200]),
-    ("26B-A4B full K=V, 2 sequences", 2, 2, 8, [700, 33]),
-    ("12B full K=V, group 16", 1, 1, 16, [1500]),
+KEQV_CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens): full layers
+    ("31B full K=V", 1, 4, 8, 512, [1200]),
+    ("26B-A4B full K=V, 2 sequences", 2, 2, 8, 512, [700, 33]),
+    ("12B full K=V, group 16", 1, 1, 16, 512, [1500]),
+    ("tiny full K=V", 2, 1, 4, 64, [300, 17]),
+    ("d32 K=V, group 2", 1, 2, 2, 32, [500]),
+    ("d128 K=V, group 16", 2, 1, 16, 128, [64, 900]),
+    ("d256 K=V, group 1", 1, 3, 1, 256, [400]),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,batch,kv_heads,group,lens", KEQV_CASES,
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens", KEQV_CASES,
                          ids=[c[0] for c in KEQV_CASES])
-def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, lens) -> None:
+def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, lens) -> None:
     """One pool of normalised bases; K = rope(base * wk) at each key's position, V = base."""
     from rvcompile.config import RopeSpec
     from rvcompile.targets.h100.nvcc import compile_cubin
 
     ctx = h100_context()
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    d = 512
     q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
     wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
     inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
     cubin = compile_cubin(ad.SOURCE)
     fn = ctx.load_function(cubin, ad.entry_keqv(d, group))
-    combine = ctx.load_function(cubin, "attn_decode_combine")
+    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
     keys = max(lens)
     splits = ad.num_splits(batch, kv_heads, keys, ctx.sm_count)
     nh = kv_heads * group
@@ -130,11 +159,13 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, lens) 
     out = ctx.alloc(batch * nh * d * 4)
     ctx.memset(out, 0xFF)
     p = [ctypes.c_uint64(x.ptr) for x in bufs]
-    ctx.launch(fn, (splits, kv_heads, batch), (128, 1, 1), 0,
+    split = ad.split_geometry(batch, kv_heads, splits)
+    comb = ad.combine_geometry(batch, nh, d, splits)
+    ctx.launch(fn, split.grid, split.block, split.smem,
                [p[0], p[1], p[2], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[3],
                 ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5], ctypes.c_uint64(acc.ptr),
                 ctypes.c_uint64(ml.ptr)])
-    ctx.launch(combine, (batch * nh, 1, 1), (d, 1, 1), splits * 4,
+    ctx.launch(combine, comb.grid, comb.block, comb.smem,
                [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
                 ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)])
     ctx.synchronize()

@@ -1,7 +1,8 @@
 """The small fused kernels of a Gemma 4 decode step (targets/h100: norms, qkv_post, gelu_mul,
 head). On the CPU: each numpy reference equals the IR reference composition it stands for, and
 every source compiles. On a GPU: each kernel against its reference on fresh random inputs at
-real 31B and E4B shapes, M in {1, 3}, outputs NaN-poisoned.
+real 31B and E4B shapes and at the tiny test models' shapes (head dims 32/64, hidden 64/128,
+per-layer-input dim 16, vocab 1024), M in {1, 3}, outputs NaN-poisoned.
 
 Bounds: f32 outputs relative L2 < 1e-5. bf16 outputs: every element within one bf16 ulp of the
 reference's bf16 value (ulp of the reference's binade, 2^(floor(log2|want|) - 7)) plus an
@@ -28,7 +29,7 @@ from rvcompile.targets.h100 import gelu_mul, head, norms, qkv_post
 BF16 = ml_dtypes.bfloat16
 SOURCES = {
     norms.SOURCE: (norms.RMSNORM_ENTRY, norms.RESIDUAL_ENTRY),
-    qkv_post.SOURCE: (qkv_post.ENTRY,),
+    qkv_post.SOURCE: (qkv_post.ENTRY, qkv_post.SMALL_ENTRY),
     gelu_mul.SOURCE: (gelu_mul.ENTRY,),
     head.SOURCE: (head.ARGMAX_ENTRY, head.EMBED_BF16_ENTRY, head.EMBED_FP8_ENTRY),
 }
@@ -38,7 +39,9 @@ def sliding_inv_freq(d: int = 256) -> np.ndarray:
     return (1e4 ** (-2.0 * np.arange(d // 2) / d)).astype(np.float32)
 
 
-def full_inv_freq(d: int = 512, rotated: int = 64) -> np.ndarray:
+def full_inv_freq(d: int = 512, rotated: int | None = None) -> np.ndarray:
+    """Proportional RoPE: the first d/8 frequencies (Gemma 4's fraction 0.25) unless given."""
+    rotated = d // 8 if rotated is None else rotated
     f = np.zeros(d // 2, np.float32)
     f[:rotated] = 1e6 ** (-2.0 * np.arange(rotated) / d)
     return f
@@ -88,11 +91,12 @@ def paged_view(pool, table, ring):
                      for b in range(table.shape[0])])
 
 
+@pytest.mark.parametrize("d", [256, 32])
 @pytest.mark.parametrize("k_eq_v", [False, True])
-def test_qkv_post_reference_is_norm_rope_kv_write(k_eq_v: bool) -> None:
-    rng = np.random.default_rng(1 + k_eq_v)
-    m, nh, kh, d, ring = 3, 4, 2, 256, 5
-    inv = full_inv_freq(d, 32) if k_eq_v else sliding_inv_freq(d)
+def test_qkv_post_reference_is_norm_rope_kv_write(k_eq_v: bool, d: int) -> None:
+    rng = np.random.default_rng(1 + k_eq_v + d)
+    m, nh, kh, ring = 3, 4, 2, 5
+    inv = full_inv_freq(d, d // 8) if k_eq_v else sliding_inv_freq(d)
     qkv = rng.normal(0, 2, (m, qkv_post.row_width(nh, kh, d, k_eq_v))).astype(np.float32)
     wq, wk = rng.normal(1, 0.3, (2, d)).astype(np.float32)
     pos = np.array([3, 200, 77], np.int32)  # 200 wraps the 5-block ring
@@ -120,6 +124,19 @@ def test_qkv_post_reference_is_norm_rope_kv_write(k_eq_v: bool) -> None:
     lo = xh[: d // 2] * np.cos(ang) - xh[d // 2:] * np.sin(ang)
     hi = xh[d // 2:] * np.cos(ang) + xh[: d // 2] * np.sin(ang)
     assert np.abs(q[1, 0].astype(np.float64) - np.concatenate([lo, hi])).max() < 0.05
+
+
+def test_qkv_post_geometry_per_head_dim() -> None:
+    """Small heads get the one-warp entry (the block sum needs a full warp), big ones d/8."""
+    small = qkv_post.launch_geometry(3, 4, 2, 32)
+    assert qkv_post.entry(32) == qkv_post.SMALL_ENTRY and small.block == (32, 1, 1)
+    assert small.grid == (6, 3, 1)
+    big = qkv_post.launch_geometry(1, 32, 0, 512)
+    assert qkv_post.entry(512) == qkv_post.ENTRY and big.block == (64, 1, 1)
+    assert big.grid == (32, 1, 1)
+    for d in (48, 384, 1024):
+        with pytest.raises(ValueError, match=f"head dim {d}"):
+            qkv_post.launch_geometry(1, 4, 2, d)
 
 
 def test_qkv_post_negative_position_writes_no_cache() -> None:
@@ -200,16 +217,18 @@ def _poisoned(ctx, nbytes: int):
     return buf
 
 
-HIDDEN = {"31B": 5376, "E4B": 2560}
+HIDDEN = {"31B": 5376, "E4B": 2560, "tiny": 128, "oracle": 64}
+# norm widths: the hidden sizes and the per-layer-input dim of E4B (256) and the tiny models (16)
+NORM_WIDTH = {**HIDDEN, "E4B per-layer input": 256, "tiny per-layer input": 16}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("model", sorted(HIDDEN))
+@pytest.mark.parametrize("model", sorted(NORM_WIDTH))
 def test_rmsnorm_bf16_kernel(model: str, m: int) -> None:
     ctx = h100_context()
     fn = _function(ctx, norms.SOURCE, norms.RMSNORM_ENTRY)
-    h = HIDDEN[model]
+    h = NORM_WIDTH[model]
     rng = np.random.default_rng(zlib.crc32(f"rms{model}{m}".encode()))
     x = rng.normal(0, 3, (m, h)).astype(np.float32)
     w = rng.normal(1, 0.5, h).astype(np.float32)
@@ -261,6 +280,12 @@ QKV_CASES = [  # (name, nh, kh, d, k_eq_v, window: 0 = full layer, kv_shared)
     ("E4B sliding", 8, 2, 256, False, 512, False),
     ("E4B full", 8, 2, 512, False, 0, False),
     ("E4B KV-shared sliding", 8, 2, 256, False, 512, True),
+    ("tiny sliding", 4, 2, 32, False, 16, False),
+    ("tiny full K=V", 4, 1, 64, True, 0, False),
+    ("tiny KV-shared full K=V", 4, 1, 64, True, 0, True),
+    ("oracle sliding, window 8", 4, 2, 32, False, 8, False),
+    ("oracle full", 4, 2, 64, False, 0, False),
+    ("d128 sliding, MQA", 8, 1, 128, False, 512, False),
 ]
 
 
@@ -270,7 +295,7 @@ QKV_CASES = [  # (name, nh, kh, d, k_eq_v, window: 0 = full layer, kv_shared)
                          ids=[c[0] for c in QKV_CASES])
 def test_qkv_post_kernel(name, nh, kh, d, k_eq_v, window, shared, m) -> None:
     ctx = h100_context()
-    fn = _function(ctx, qkv_post.SOURCE, qkv_post.ENTRY)
+    fn = _function(ctx, qkv_post.SOURCE, qkv_post.entry(d))
     rng = np.random.default_rng(zlib.crc32(f"{name}{m}".encode()))
     blk = qkv_post.BLOCK
     if window:  # a ring of window/16 + 1 blocks; positions wrap it several times
@@ -322,7 +347,8 @@ def test_qkv_post_kernel(name, nh, kh, d, k_eq_v, window, shared, m) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("model,inter", [("31B", 21504), ("E4B", 10240)])
+@pytest.mark.parametrize("model,inter", [("31B", 21504), ("E4B", 10240), ("tiny", 256),
+                                         ("tiny double-wide", 512), ("oracle MoE expert", 32)])
 def test_gelu_mul_kernel(model: str, inter: int, m: int) -> None:
     ctx = h100_context()
     fn = _function(ctx, gelu_mul.SOURCE, gelu_mul.ENTRY)
@@ -339,19 +365,25 @@ def test_gelu_mul_kernel(model: str, inter: int, m: int) -> None:
     assert_bf16_close(got, gelu_mul.reference(gu))
 
 
+# per vocab: (the two saturating logits of row 0, low index last; three exact ties in row 1)
+PLANTS = {262144: ((250001, 4099), (262143, 131072, 77777)), 1024: ((1001, 99), (1023, 512, 301))}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("plant", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
-def test_softcap_argmax_kernel(m: int, plant: bool) -> None:
+@pytest.mark.parametrize("v", sorted(PLANTS))
+def test_softcap_argmax_kernel(v: int, m: int, plant: bool) -> None:
     ctx = h100_context()
     fn = _function(ctx, head.SOURCE, head.ARGMAX_ENTRY)
-    v, cap = 262144, 30.0
-    rng = np.random.default_rng(zlib.crc32(f"argmax{m}{plant}".encode()))
+    cap = 30.0
+    rng = np.random.default_rng(zlib.crc32(f"argmax{v}{m}{plant}".encode()))
     logits = rng.normal(0, 8, (m, v)).astype(np.float32)
+    (hi, lo), ties = PLANTS[v]
     if plant:  # ties only the softcap makes (both saturate to 30.0), and exact ties
-        logits[0, 250001], logits[0, 4099] = 400.0, 300.0
+        logits[0, hi], logits[0, lo] = 400.0, 300.0
         if m > 1:
-            logits[1, 262143] = logits[1, 131072] = logits[1, 77777] = 90.0
+            logits[1, list(ties)] = 90.0
     dl, dout = ctx.upload(logits), _poisoned(ctx, m * 4)
     launch = head.argmax_geometry(m, v)
     ctx.launch(fn, launch.grid, launch.block, launch.smem,
@@ -363,22 +395,28 @@ def test_softcap_argmax_kernel(m: int, plant: bool) -> None:
     want = head.softcap_argmax(logits, cap)
     assert np.array_equal(got, want), (got, want)
     if plant:
-        assert got[0] == 4099 and (m == 1 or got[1] == 77777)
+        assert got[0] == lo and (m == 1 or got[1] == min(ties))
+
+
+EMBED_TABLES = {  # (vocab, row width): token tables and the tiny models' per-layer tables (L * 16)
+    "31B": (262144, 5376), "E4B": (262144, 2560), "tiny": (1024, 128), "oracle": (1024, 64),
+    "tiny per-layer": (1024, 8 * 16), "oracle per-layer": (1024, 6 * 16),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("model", sorted(HIDDEN))
+@pytest.mark.parametrize("model", sorted(EMBED_TABLES))
 def test_embed_rows_kernel(model: str, m: int, fp8: bool) -> None:
-    """A full-size device table (V = 262144, 64-bit offsets) poisoned, with the looked-up rows
-    copied in at their offsets."""
+    """A full-size device table (V = 262144: 64-bit offsets; 1024 for the tiny models) poisoned,
+    with the looked-up rows copied in at their offsets."""
     from rvcompile.runtime.cuda_driver import check
 
     ctx = h100_context()
     entry = head.EMBED_FP8_ENTRY if fp8 else head.EMBED_BF16_ENTRY
     fn = _function(ctx, head.SOURCE, entry)
-    vocab, h = 262144, HIDDEN[model]
+    vocab, h = EMBED_TABLES[model]
     rng = np.random.default_rng(zlib.crc32(f"embed{model}{m}{fp8}".encode()))
     ids = np.array([vocab - 1, int(rng.integers(1, vocab - 1)), vocab - 1][:m], np.int32)
     if fp8:

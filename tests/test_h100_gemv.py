@@ -1,5 +1,6 @@
-"""FP8 decode GEMV (targets/h100): the FP8 quantizer and the kernel's build on the CPU; on a GPU,
-the kernel against its numpy reference on fresh random inputs at real 31B and E4B shapes."""
+"""FP8 decode GEMV (targets/h100): the FP8 quantizer, the launch limits and the kernel's build on
+the CPU; on a GPU, the kernel against its numpy reference on fresh random inputs at real 31B and
+E4B shapes and at the tiny test models' shapes (K = 16, N = 16, vocab 1024)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def test_reference_matches_dequantized_matmul() -> None:
     assert np.abs(gemv_fp8.reference(q, s, x) - want).max() < 1e-5
 
 
+def test_launch_limits() -> None:
+    """x is staged in shared memory: the geometry refuses what one block cannot hold."""
+    tiny = gemv_fp8.launch_geometry(4, 128, 16, sm_count=132)
+    assert tiny.grid == (8, 1, 1) and tiny.smem == 4 * 16 * 2
+    assert gemv_fp8.launch_geometry(4, 5376, 21504, 132).smem == 4 * 21504 * 2
+    for m, k in ((4, 29056 + 16), (1, 24), (5, 64), (0, 64)):
+        with pytest.raises(ValueError, match="gemv_fp8 needs"):
+            gemv_fp8.launch_geometry(m, 128, k, 132)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_compiles_and_caches(tmp_path) -> None:
     from rvcompile.targets.h100.nvcc import compile_cubin
@@ -62,6 +73,13 @@ SHAPES = [  # (M, N, K)
     (1, 2560, 10240),  # E4B down
     (3, 20480, 2560),  # E4B gate||up
     (1, 262144, 5376),  # 31B head
+    (1, 256, 128),  # tiny q/k/v sliding (4 + 2 * 2 heads of 32)
+    (4, 320, 64),  # oracle full K=V q/k (4 + 1 heads of 64)
+    (2, 128, 256),  # tiny o full
+    (3, 512, 128),  # tiny gate||up
+    (4, 16, 128),  # tiny per-layer-input gate (N = 16)
+    (1, 128, 16),  # tiny per-layer projection (K = 16)
+    (2, 1024, 128),  # tiny head (vocab 1024)
 ]
 
 
