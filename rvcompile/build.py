@@ -8,6 +8,7 @@ rename, via ArtifactWriter).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -21,7 +22,14 @@ from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
-from rvcompile.passes import cast_bf16, quantize_int8
+from rvcompile.passes import (
+    cast_bf16,
+    fuse_gated_mlp,
+    fuse_qkv,
+    fuse_residual_norm,
+    quantize_fp8,
+    quantize_int8,
+)
 from rvcompile.passes.weight_math import encode_all
 
 
@@ -30,6 +38,7 @@ class TargetSpec:
     name: str
     passes: tuple[tuple[str, Callable[[ModelIR], ModelIR]], ...]  # the pipeline, in order
     emits: str
+    lowering: str = "xla"  # "xla" (targets/xla) or "h100" (targets/h100)
 
 
 _XLA_EMITS = "serialized StableHLO (jax.export) for tpu, cuda and cpu"
@@ -41,6 +50,14 @@ TARGETS: dict[str, TargetSpec] = {
         ("quantize_int8", quantize_int8.run),  # then matrices to int8 + per-row scale
     ), _XLA_EMITS + "; int8 per-channel weights, bf16 KV cache"),
     "xla-f32": TargetSpec("xla-f32", (), _XLA_EMITS + "; float32 everything (exact tests)"),
+    "h100-fp8": TargetSpec("h100-fp8", (
+        ("cast_bf16", cast_bf16.run),  # norms float32, embedding/head and KV cache bf16
+        ("quantize_fp8", quantize_fp8.run),  # linears to e4m3 + per-row scale
+        ("fuse_residual_norm", fuse_residual_norm.run),
+        ("fuse_gated_mlp", fuse_gated_mlp.run),
+        ("fuse_qkv", fuse_qkv.run),
+    ), "a kernel schedule over sm_90a cubins + CUDA-graph decode; FP8 e4m3 per-channel "
+       "weights, bf16 KV cache", lowering="h100"),
 }
 
 
@@ -93,19 +110,15 @@ def format_ir(ir: ModelIR) -> str:
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, progress: bool = True,
                    log=print) -> BuildReport:
-    from rvcompile.targets.xla.export import lower_to_xla
-
     t0 = time.perf_counter()
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed)
     ir = lower_model(source, opts, log)
-    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
-                            platforms=opts.platforms)
-    header = ArtifactHeader(
-        compiler_version=__version__, target=opts.target,
-        platforms=tuple(lowering.manifest["platforms"]),
-        requirements={"jax": f">={lowering.manifest['jax_version']}", "runtime": "xla"},
-    )
-    programs_blob, program_index = _concat(lowering.programs)
+    if TARGETS[opts.target].lowering == "h100":
+        lowered = _lower_h100(ir, opts)
+    else:
+        lowered = _lower_xla(ir, opts)
+    header = ArtifactHeader(compiler_version=__version__, target=opts.target,
+                            platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {
         "tokenizer": source.tokenizer_json.encode(),
         "generation_config": json.dumps(source.generation_config, sort_keys=True).encode(),
@@ -117,7 +130,7 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         "target": opts.target,
         "compiler_version": __version__,
         "passes": list(ir.notes),
-        "xla": {**lowering.manifest, "programs": program_index},
+        **lowered.manifest,
         "random_weights": {"seed": seed} if random_weights else None,
     }
     specs_by_source: dict[str, list] = {}
@@ -128,14 +141,62 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
     with ArtifactWriter(out, header) as w:
-        w.reserve("weights", lowering.weights_nbytes)
-        w.add("programs", programs_blob)
-        for name, data in text_sections.items():
+        w.reserve("weights", lowered.weights_nbytes)
+        for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, source, specs_by_source, lowering.slots_by_param, progress)
-        _zero_fill_padding(w, lowering)
+        _stream_weights(w, source, specs_by_source, lowered.slots_by_param, progress)
+        _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
         w.commit(manifest)
-    return BuildReport(out, time.perf_counter() - t0, lowering.weights_nbytes, out.stat().st_size)
+    return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
+
+
+@dataclass(frozen=True)
+class _Lowered:
+    """What a target lowering hands the writer."""
+
+    platforms: tuple[str, ...]
+    requirements: dict
+    manifest: dict  # the target's part of the manifest
+    sections: dict[str, bytes]  # besides weights and the text sections
+    weights_nbytes: int
+    slots_by_param: dict  # param name -> [slot with .offset, .nbytes]
+
+
+def _lower_xla(ir: ModelIR, opts: BuildOptions) -> _Lowered:
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
+                            platforms=opts.platforms)
+    programs_blob, program_index = _concat(lowering.programs)
+    return _Lowered(
+        tuple(lowering.manifest["platforms"]),
+        {"jax": f">={lowering.manifest['jax_version']}", "runtime": "xla"},
+        {"xla": {**lowering.manifest, "programs": program_index}},
+        {"programs": programs_blob}, lowering.weights_nbytes, lowering.slots_by_param)
+
+
+def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
+    from dataclasses import replace
+
+    from rvcompile.targets.h100.lower import lower_to_h100
+    from rvcompile.targets.h100.nvcc import compile_cubin, min_driver, nvcc_version
+
+    if opts.platforms != ("cuda",) and set(opts.platforms) != set(BuildOptions.platforms):
+        raise CheckpointError(f"target {opts.target} runs on cuda only, not "
+                              f"{', '.join(opts.platforms)}")
+    lowering = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    cubins = {m: compile_cubin(m) for m in lowering.modules}
+    blob, index = _concat(cubins)
+    for name, loc in index.items():
+        loc["sha256"] = hashlib.sha256(cubins[name]).hexdigest()
+    schedule = replace(lowering.schedule, cubins=index)
+    return _Lowered(
+        ("cuda",),
+        {"runtime": "h100", "compute_capability": "9.0", "min_driver": min_driver(),
+         "arena_bytes": schedule.arena_bytes},
+        {"h100": {"schedule": schedule.to_json(), "nvcc": nvcc_version(), "arch": "sm_90a"}},
+        {"cubins": blob, "constants": lowering.constants},
+        schedule.weights_bytes, lowering.slots_by_param)
 
 
 def _concat(blobs: dict[str, bytes]) -> tuple[bytes, dict[str, dict[str, int]]]:
@@ -168,10 +229,12 @@ def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slo
             bar.advance(task, ref.numel * 4)
 
 
-def _zero_fill_padding(w: ArtifactWriter, lowering) -> None:
+def _zero_fill_gaps(w: ArtifactWriter, slots_by_param, total: int) -> None:
     """Alignment gaps between arrays must be written too (the writer checks full coverage)."""
-    for a in lowering.manifest["weights"]:
-        end = a["offset"] + a["nbytes"]
-        pad = -(-a["nbytes"] // 4096) * 4096 - a["nbytes"]
-        if pad and end + pad <= lowering.weights_nbytes:
-            w.write("weights", end, bytes(pad))
+    spans = sorted((s.offset, s.offset + s.nbytes) for slots in slots_by_param.values()
+                   for s in slots)
+    end = 0
+    for start, stop in [*spans, (total, total)]:
+        if start > end:
+            w.write("weights", end, bytes(start - end))
+        end = max(end, stop)

@@ -16,10 +16,13 @@ from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.checkpoint import CheckpointError
 from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
+from rvcompile.targets.h100.lower import LoweringError
+from rvcompile.targets.h100.nvcc import NvccError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Compile Gemma 4 into one frozen artifact (.rvp).")
-USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, FileNotFoundError)
+USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, LoweringError, NvccError,
+               FileNotFoundError)
 
 
 def fail(msg: str) -> None:
@@ -40,7 +43,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 @app.command()
 def build(
     model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
-    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8 or xla-f32"),
+    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8, xla-f32 or h100-fp8"),
     output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
     weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
     random_weights: bool = typer.Option(False, "--random-weights",

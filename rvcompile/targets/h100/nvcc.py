@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,6 +31,20 @@ def nvcc_path() -> str:
 def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
+
+
+def nvcc_version() -> str:
+    """e.g. "Build cuda_13.0.r13.0/compiler.36424714_0"."""
+    return _nvcc_version(nvcc_path())
+
+
+def min_driver() -> int:
+    """The CUDA driver API version (cuDriverGetVersion, e.g. 13000) that loads these cubins:
+    the toolkit's own major.minor."""
+    release = re.search(r"cuda_(\d+)\.(\d+)", nvcc_version())
+    if not release:
+        raise NvccError(f"cannot read the CUDA release from {nvcc_version()!r}")
+    return int(release.group(1)) * 1000 + int(release.group(2)) * 10
 
 
 def compile_cubin(source: str, cache_dir: Path | None = None) -> bytes:

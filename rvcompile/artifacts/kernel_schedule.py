@@ -1,0 +1,108 @@
+"""The kernel schedule of an H100 artifact, as stored in its manifest: written by the build
+(targets/h100), read by the runtime, so it imports nothing from the compiler.
+
+Everything lives in ONE device allocation, the arena. Regions, in order: the packed weights
+(byte for byte the artifact's "weights" section, uploaded with one copy), constants (section
+"constants"), the paged KV pools, the host-written inputs ("io": one copy per call) and the
+activations (reused by liveness). A launch's pointer arguments are arena byte offsets.
+
+An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
+token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
+`logits_{T}` (same, keeping every row's softcapped logits). Before a call the host fills the io
+fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
+block-table row per token row and cache kind, the prefill's last real row, the sampling
+parameters; afterwards it reads `out_tokens` (and `logits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
+
+
+@dataclass(frozen=True)
+class Arg:
+    kind: str  # one of ARG_KINDS; "ptr": value is an arena byte offset
+    value: int | float = 0
+
+
+@dataclass(frozen=True)
+class Launch:
+    module: str  # the cubin (kernel source stem) holding `kernel`
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: tuple[Arg, ...]
+
+
+@dataclass(frozen=True)
+class Field:
+    """A host-visible array in the arena."""
+
+    offset: int
+    dtype: str  # "int32" or "float32"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    name: str
+    rows: int
+    graph: bool  # captured into a CUDA graph at load (decode); prefill runs eagerly
+    launches: tuple[Launch, ...]
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    block_size: int  # tokens per block
+    full_blocks: int  # table width of full-attention layers: blocks per sequence
+    ring_blocks: int  # table width of sliding layers: a ring reused as the window moves
+    pool_bytes: int  # all layers' pools together
+    kv_dtype: str
+
+
+@dataclass(frozen=True)
+class KernelSchedule:
+    arena_bytes: int
+    weights_bytes: int  # [0, weights_bytes): the weights section
+    constants_offset: int
+    constants_bytes: int
+    kv_offset: int
+    io_offset: int
+    io_bytes: int
+    slots: int  # sequences the KV pools hold
+    max_context: int
+    max_chunk: int
+    vocab_size: int
+    kv: KvLayout
+    io: dict[str, Field]
+    outputs: dict[str, Field]  # out_tokens, logits
+    entries: dict[str, EntryPoint]
+    cubins: dict[str, dict[str, int | str]]  # module -> {offset, size, sha256} in "cubins"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> KernelSchedule:
+        def launch(x: dict) -> Launch:
+            return Launch(x["module"], x["kernel"], tuple(x["grid"]), tuple(x["block"]),
+                          x["smem"], tuple(Arg(a["kind"], a["value"]) for a in x["args"]))
+
+        def field(x: dict) -> Field:
+            return Field(x["offset"], x["dtype"], tuple(x["shape"]))
+
+        return cls(
+            **{k: d[k] for k in ("arena_bytes", "weights_bytes", "constants_offset",
+                                 "constants_bytes", "kv_offset", "io_offset", "io_bytes",
+                                 "slots", "max_context", "max_chunk", "vocab_size")},
+            kv=KvLayout(**d["kv"]),
+            io={k: field(v) for k, v in d["io"].items()},
+            outputs={k: field(v) for k, v in d["outputs"].items()},
+            entries={k: EntryPoint(e["name"], e["rows"], e["graph"],
+                                   tuple(launch(x) for x in e["launches"]))
+                     for k, e in d["entries"].items()},
+            cubins=d["cubins"],
+        )

@@ -1,0 +1,700 @@
+"""Lower a fused, FP8-quantized ModelIR to the H100 kernel schedule (artifacts.kernel_schedule).
+
+Input: the IR after cast_bf16, quantize_fp8 and the fusion passes. Each graph is walked in node
+order and every node becomes kernel launches over symbolic pointers (`Ref`); an attention
+cluster (q/k/v slices, norms, RoPE, KV writes, cache positions, attention) is recognised as a
+whole and becomes qkv_post + split-KV attention + combine. A residual + post-norm is emitted as
+`residual_rmsnorm`, and the RMSNorm that reads its result (the next pre-norm, across layer
+boundaries too) is folded into the same launch. Whatever has no kernel stops the build with a
+`LoweringError` naming the op and graph.
+
+Then the layout: weights packed (the members of a fused GEMV adjacent, so one launch reads
+them), constants, paged KV pools (per cache-owning layer: `slots * blocks` blocks of 16
+tokens; sliding layers a ring of window + chunk - 1 tokens rounded up to blocks; K=V layers one
+pool of normalised bases; KV-shared layers read their producer's), the io fields and the
+activations, planned per entry by liveness (memory_plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rvcompile.artifacts.kernel_schedule import (
+    Arg,
+    EntryPoint,
+    Field,
+    KernelSchedule,
+    KvLayout,
+    Launch,
+)
+from rvcompile.config import LayerSpec
+from rvcompile.dtypes import numpy_dtype
+from rvcompile.ir import ops
+from rvcompile.ir.graph import Graph, ModelIR, Node, resolve_param
+from rvcompile.ir.ops import Op
+from rvcompile.targets.h100 import (
+    attn_decode,
+    gelu_mul,
+    gemv_bf16,
+    gemv_fp8,
+    head,
+    memory_plan,
+    norms,
+    qkv_post,
+    rows,
+)
+
+SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
+BLOCK = attn_decode.BLOCK
+
+
+class LoweringError(ValueError):
+    """The IR holds something the H100 kernels do not implement; the message names it."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A pointer before layout: a region, a key inside it, a byte offset from there."""
+
+    region: str  # "weights", "const", "kv", "io", "act"
+    key: object
+    offset: int = 0
+
+    def at(self, nbytes: int) -> Ref:
+        return Ref(self.region, self.key, self.offset + nbytes)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    module: str
+    kernel: str
+    geometry: gemv_fp8.Launch
+    args: tuple  # Ref | ("i32", v) | ("f32", v) | None (null pointer)
+
+
+@dataclass
+class _Val:
+    """An activation [rows, cols]: its float32 and/or bf16 copy."""
+
+    cols: int
+    f32: Ref | None = None
+    bf16: Ref | None = None
+
+
+@dataclass
+class _Pending:
+    """A residual_rmsnorm (launch `index`) whose "next norm" weight and output are open."""
+
+    index: int
+
+
+@dataclass
+class WeightSlot:
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class H100Lowering:
+    schedule: KernelSchedule
+    constants: bytes
+    slots_by_param: dict[str, list[WeightSlot]]
+    modules: tuple[str, ...]  # kernel sources the schedule launches
+
+
+def _i32(v) -> tuple:
+    return ("i32", int(v))
+
+
+def _f32(v) -> tuple:
+    return ("f32", float(v))
+
+
+# ---------------------------------------------------------------- weights and constants
+
+def _fused_groups(ir: ModelIR) -> list[list[str]]:
+    """Per layer, the weight names each MULTI_LINEAR / GATED_LINEAR reads in one launch:
+    [values..., scales...] in the order the kernel expects them."""
+    groups = []
+    for li, spec in enumerate(ir.config.layers):
+        g = ir.layers[ir.layer_template[li]]
+        for n in g.nodes:
+            if n.op in (Op.MULTI_LINEAR, Op.GATED_LINEAR):
+                names = [resolve_param(g.nodes[i].attrs.name, spec) for i in n.inputs[1:]]
+                groups.append(names)
+    return groups
+
+
+def layout_weights(ir: ModelIR) -> tuple[dict[str, WeightSlot], int]:
+    """Offsets of every stored weight; a fused group's values are adjacent, and so are its
+    scales, each run 256-byte aligned."""
+    specs = ir.param_map()
+
+    def nbytes(name: str) -> int:
+        s = specs[name]
+        return int(np.prod(s.shape)) * numpy_dtype(s.dtype).itemsize
+
+    slots: dict[str, WeightSlot] = {}
+    offset = 0
+    for group in _fused_groups(ir):
+        half = len(group) // 2
+        for run in (group[:half], group[half:]):
+            offset = memory_plan.align(offset)
+            for name in run:
+                if name in slots:
+                    raise LoweringError(f"weight {name} is in two fused groups")
+                slots[name] = WeightSlot(offset, nbytes(name))
+                offset += nbytes(name)
+    for p in ir.params:
+        if p.name not in slots:
+            offset = memory_plan.align(offset)
+            slots[p.name] = WeightSlot(offset, nbytes(p.name))
+            offset += nbytes(p.name)
+    return slots, memory_plan.align(offset)
+
+
+class _Constants:
+    def __init__(self):
+        self.blobs: list[bytes] = []
+        self.offsets: dict[bytes, int] = {}
+        self.size = 0
+
+    def add(self, values: np.ndarray) -> Ref:
+        b = np.ascontiguousarray(values, np.float32).tobytes()
+        if b not in self.offsets:
+            self.offsets[b] = self.size
+            self.blobs.append(b + bytes(memory_plan.align(len(b)) - len(b)))
+            self.size += memory_plan.align(len(b))
+        return Ref("const", 0, self.offsets[b])
+
+    def data(self) -> bytes:
+        return b"".join(self.blobs)
+
+
+# ---------------------------------------------------------------- the KV pools and io
+
+@dataclass(frozen=True)
+class _Pool:
+    layer: int  # the owning layer
+    names: tuple[str, ...]  # ("cache_k", "cache_v") or ("cache_kv",)
+    ring: bool
+    kv_heads: int
+    head_dim: int
+    table_width: int
+
+
+def _pools(ir: ModelIR, slots: int) -> tuple[dict[int, _Pool], int, int]:
+    """(pool per owning layer, full-layer table width, sliding-layer ring width)."""
+    full = -(-ir.max_context // BLOCK)
+    ring = max((-(-c.size // BLOCK) for c in ir.caches if c.ring), default=1)
+    pools = {}
+    for c in ir.caches:
+        if c.dtype != "bfloat16":
+            raise LoweringError(f"layer {c.layer}: KV cache dtype {c.dtype}; the H100 kernels "
+                                "keep bf16 caches (run cast_bf16)")
+        pools[c.layer] = _Pool(c.layer, c.names, c.ring, c.kv_heads, c.head_dim,
+                               ring if c.ring else full)
+    return pools, full, ring
+
+
+def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {
+        "tokens": ("int32", (max_rows,)),
+        "positions": ("int32", (max_rows,)),
+        "seq_len": ("int32", (max_rows,)),
+        "last_row": ("int32", (1,)),
+        "table_full": ("int32", (max_rows, full)),
+        "table_ring": ("int32", (max_rows, ring)),
+        "temperature": ("float32", (max_rows,)),
+        "top_k": ("int32", (max_rows,)),
+        "top_p": ("float32", (max_rows,)),
+        "seed": ("int32", (max_rows,)),
+        "step": ("int32", (max_rows,)),
+    }
+
+
+# ---------------------------------------------------------------- one entry point
+
+class _EntryLowering:
+    """Walks embed, every layer, head and sampler for one entry point of `rows` token rows."""
+
+    def __init__(self, ir: ModelIR, kind: str, rows: int, consts: _Constants,
+                 pools: dict[int, _Pool]):
+        self.ir, self.kind, self.m = ir, kind, rows
+        self.consts, self.pools = consts, pools
+        self.cfg = ir.config
+        self.launches: list[_Launch] = []
+        self.sizes: dict[int, int] = {}
+        self.pending: _Pending | None = None
+        self.softcap: float | None = None
+        self.h = self.buffer(rows * self.cfg.hidden_size * 4)  # the residual stream, f32
+        self.outputs: dict[str, tuple[Ref, str, tuple[int, ...]]] = {}
+
+    def buffer(self, nbytes: int) -> Ref:
+        key = len(self.sizes)
+        self.sizes[key] = nbytes
+        return Ref("act", key)
+
+    def emit(self, module: str, kernel: str, geometry, *args) -> int:
+        self.launches.append(_Launch(module, kernel, geometry, tuple(args)))
+        return len(self.launches) - 1
+
+    # -- graph walk
+
+    def run(self) -> None:
+        self.walk(self.ir.embed, None)
+        for li, spec in enumerate(self.cfg.layers):
+            self.walk(self.ir.layers[self.ir.layer_template[li]], spec)
+        logits = self.walk(self.ir.head, None)["logits"]
+        self.close_pending()
+        self.walk(self.ir.sampler, None, {"logits": logits})
+
+    def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict | None = None) -> dict:
+        """Lower g; its outputs' values by name."""
+        env: dict[int, object] = {}
+        clustered = _attention_cluster_nodes(g)
+        for idx, n in enumerate(g.nodes):
+            if idx in clustered:
+                continue
+            if n.op == Op.ARG and inputs and n.attrs.name in inputs:
+                env[idx] = inputs[n.attrs.name]
+                continue
+            try:
+                env[idx] = self.node(g, idx, n, env, spec)
+            except LoweringError as e:
+                raise LoweringError(f"graph {g.name}, node %{idx} ({n.op.value}): {e}") from None
+        return {name: env.get(i) for name, i in g.outputs}
+
+    def param(self, g: Graph, idx: int, spec: LayerSpec | None) -> str:
+        name = g.nodes[idx].attrs.name
+        return resolve_param(name, spec) if spec is not None else name
+
+    def node(self, g: Graph, idx: int, n: Node, env, spec):
+        op = n.op
+        if op == Op.ARG:
+            return {"h": _Val(self.cfg.hidden_size, f32=self.h)}.get(n.attrs.name,
+                                                                      ("arg", n.attrs.name))
+        if op == Op.PARAM:
+            return ("param", self.param(g, idx, spec))
+        if op == Op.EMBED:
+            return self.embed(g, n, spec)
+        if op == Op.RMSNORM:
+            return self.rmsnorm(g, n, env, spec)
+        if op == Op.RESIDUAL_RMSNORM:
+            return self.residual(g, n, env, spec)
+        if op in (Op.LINEAR, Op.MULTI_LINEAR):
+            return self.linear(g, n, env, spec)
+        if op == Op.GATED_LINEAR:
+            return self.gated(g, n, env, spec)
+        if op == Op.ATTENTION:
+            return self.attention(g, idx, env, spec)
+        if op == Op.RESHAPE:
+            src = env[n.inputs[0]]
+            if not isinstance(src, _Val):
+                raise LoweringError("reshape of a non-activation")
+            return _Val(int(n.shape[-1]) if n.shape[-1] != "T" else src.cols, src.f32, src.bf16)
+        if op == Op.SOFTCAP:
+            self.softcap = n.attrs.cap
+            return self.softcapped(env[n.inputs[0]])
+        if op == Op.SAMPLE:
+            return self.sample(env[n.inputs[0]])
+        raise LoweringError(f"no H100 kernel implements {op.value!r}")
+
+    # -- ops
+
+    def embed(self, g: Graph, n: Node, spec):
+        table = self.param_name(g, n.inputs[0], spec)
+        ids = g.nodes[n.inputs[1]]
+        if ids.op != Op.ARG or ids.attrs.name != "tokens":
+            raise LoweringError("embedding ids other than the step's tokens")
+        dtype = self.ir.param_map()[table].dtype
+        hdim = self.cfg.hidden_size
+        if dtype == "bfloat16":
+            self.emit(head.SOURCE, head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
+                      Ref("weights", table), Ref("io", "tokens"), _f32(n.attrs.multiplier),
+                      self.h, _i32(hdim))
+        elif dtype == "float8_e4m3fn":
+            self.emit(head.SOURCE, head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
+                      Ref("weights", table), Ref("weights", f"{table}.scale"),
+                      Ref("io", "tokens"), _f32(n.attrs.multiplier), self.h, _i32(hdim))
+        else:
+            raise LoweringError(f"embedding table dtype {dtype}")
+        return _Val(hdim, f32=self.h)
+
+    def param_name(self, g: Graph, idx: int, spec) -> str:
+        if g.nodes[idx].op != Op.PARAM:
+            raise LoweringError("expected a weight")
+        return self.param(g, idx, spec)
+
+    def rmsnorm(self, g: Graph, n: Node, env, spec):
+        x = env[n.inputs[0]]
+        if not isinstance(x, _Val) or x.f32 is None or len(n.shape) != 3:
+            raise LoweringError("rmsnorm over something other than a float32 [B, T, H] value")
+        if len(n.inputs) < 2:
+            raise LoweringError("rmsnorm without a weight outside attention")
+        w = Ref("weights", self.param_name(g, n.inputs[1], spec))
+        hdim = x.cols
+        y = self.buffer(self.m * hdim * 2)
+        if self.pending is not None and x.f32 == self.h:
+            self.fill_pending(w, y)
+        else:
+            self.emit(norms.SOURCE, norms.RMSNORM_ENTRY, norms.launch_geometry(self.m, hdim),
+                      x.f32, w, y, _i32(hdim), _f32(n.attrs.eps))
+        return _Val(hdim, bf16=y)
+
+    def residual(self, g: Graph, n: Node, env, spec):
+        h, x = env[n.inputs[0]], env[n.inputs[1]]
+        if not (isinstance(h, _Val) and h.f32 == self.h):
+            raise LoweringError("residual add into something other than the residual stream")
+        if not (isinstance(x, _Val) and x.f32 is not None):
+            raise LoweringError("residual add of a value with no float32 copy")
+        self.close_pending()
+        hdim = self.cfg.hidden_size
+        w_post = Ref("weights", self.param_name(g, n.inputs[2], spec))
+        scalar = (Ref("weights", self.param_name(g, n.inputs[3], spec)) if len(n.inputs) > 3
+                  else self.consts.add(np.ones(1)))
+        args = [self.h, x.f32, w_post, scalar, None, None, _i32(hdim), _f32(n.attrs.eps)]
+        index = self.emit(norms.SOURCE, norms.RESIDUAL_ENTRY, norms.launch_geometry(self.m, hdim),
+                          *args)
+        self.pending = _Pending(index)
+        return _Val(hdim, f32=self.h)
+
+    def close_pending(self) -> None:
+        """The launch always writes a normed copy; with no next norm to fold, it goes to a
+        scratch buffer through a weight of ones."""
+        if self.pending is not None:
+            hdim = self.cfg.hidden_size
+            self.fill_pending(self.consts.add(np.ones(hdim)), self.buffer(self.m * hdim * 2))
+
+    def fill_pending(self, w_next: Ref, y: Ref) -> None:
+        launch = self.launches[self.pending.index]
+        args = list(launch.args)
+        args[4], args[5] = w_next, y
+        self.launches[self.pending.index] = _Launch(launch.module, launch.kernel,
+                                                    launch.geometry, tuple(args))
+        self.pending = None
+
+    def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
+        """y[rows, n] = x[rows, k] (bf16) @ W^T, in groups of the GEMV's MAX_ROWS rows."""
+        step = gemv_fp8.MAX_ROWS
+        for r0 in range(0, rows, step):
+            r = min(step, rows - r0)
+            xr, yr = x.at(r0 * k * 2), y.at(r0 * n * 4)
+            if scale is None:
+                self.emit(gemv_bf16.SOURCE, gemv_bf16.ENTRY,
+                          gemv_bf16.launch_geometry(r, n, k, SM_COUNT), w, xr, yr, _i32(r),
+                          _i32(n), _i32(k))
+            else:
+                self.emit(gemv_fp8.SOURCE, gemv_fp8.ENTRY,
+                          gemv_fp8.launch_geometry(r, n, k, SM_COUNT), w, scale, xr, yr, _i32(r),
+                          _i32(n), _i32(k))
+
+    def linear_weights(self, g: Graph, n: Node, spec, count: int):
+        names = [self.param_name(g, i, spec) for i in n.inputs[1:]]
+        specs = self.ir.param_map()
+        values, scales = names[:count], names[count:]
+        dtypes = {specs[v].dtype for v in values}
+        if dtypes == {"float8_e4m3fn"} and len(scales) == count:
+            return values, scales
+        if dtypes == {"bfloat16"} and not scales and count == 1:
+            return values, []
+        raise LoweringError(f"linear weights of dtype {sorted(dtypes)}: the H100 GEMVs take "
+                            "FP8 with per-row scales (or the bf16 tied head)")
+
+    def linear(self, g: Graph, n: Node, env, spec):
+        x = env[n.inputs[0]]
+        if not (isinstance(x, _Val) and x.bf16 is not None):
+            raise LoweringError("linear input has no bf16 copy")
+        count = n.attrs.count if n.op == Op.MULTI_LINEAR else 1
+        values, scales = self.linear_weights(g, n, spec, count)
+        specs = self.ir.param_map()
+        rows_out = sum(specs[v].shape[0] for v in values)
+        k = specs[values[0]].shape[1]
+        x_ref, rows = x.bf16, self.m
+        if g is self.ir.head and self.kind == "prefill":
+            x_ref, rows = self.select_last_row(x.bf16, k), 1
+        y = self.buffer(rows * rows_out * 4)
+        self.gemv(x_ref, Ref("weights", values[0]),
+                  Ref("weights", scales[0]) if scales else None, y, rows, rows_out, k)
+        return _Val(rows_out, f32=y)
+
+    def select_last_row(self, x: Ref, hdim: int) -> Ref:
+        out = self.buffer(hdim * 2)
+        self.emit(rows.SOURCE, rows.SELECT_ENTRY, rows.select_geometry(hdim), x,
+                  Ref("io", "last_row"), out, _i32(hdim))
+        return out
+
+    def gated(self, g: Graph, n: Node, env, spec):
+        x = env[n.inputs[0]]
+        if not (isinstance(x, _Val) and x.bf16 is not None):
+            raise LoweringError("gated linear input has no bf16 copy")
+        values, scales = self.linear_weights(g, n, spec, 2)
+        if not scales:
+            raise LoweringError("gated linear needs FP8 weights")
+        specs = self.ir.param_map()
+        inter, k = specs[values[0]].shape
+        gu = self.buffer(self.m * 2 * inter * 4)
+        self.gemv(x.bf16, Ref("weights", values[0]), Ref("weights", scales[0]), gu, self.m,
+                  2 * inter, k)
+        out = self.buffer(self.m * inter * 2)
+        self.emit(gelu_mul.SOURCE, gelu_mul.ENTRY, gelu_mul.launch_geometry(self.m, inter), gu,
+                  out, _i32(inter))
+        return _Val(inter, bf16=out)
+
+    def softcapped(self, x):
+        if self.kind != "logits":
+            return x  # the sampler applies the cap on the fly
+        n = self.m * x.cols
+        self.emit(rows.SOURCE, rows.SOFTCAP_ENTRY, rows.softcap_geometry(n), x.f32, ("i64", n),
+                  _f32(self.softcap))
+        self.outputs["logits"] = (x.f32, "float32", (self.m, x.cols))
+        return x
+
+    def sample(self, logits):
+        if self.kind == "logits":
+            return None
+        m = 1 if self.kind == "prefill" else self.m
+        out = self.buffer(m * 4)
+        self.emit(head.SOURCE, head.ARGMAX_ENTRY, head.argmax_geometry(m, logits.cols),
+                  logits.f32, _i32(logits.cols), _f32(self.softcap or 0.0), out)
+        self.outputs["out_tokens"] = (out, "int32", (m,))
+        return None
+
+    # -- attention
+
+    def attention(self, g: Graph, idx: int, env, spec: LayerSpec):
+        a = _trace_attention(g, idx)
+        if a.scale != 1.0:
+            raise LoweringError(f"attention scale {a.scale}: the kernels use 1.0 (Gemma 4)")
+        owner = self.pools[spec.kv_source]
+        qkv = env[a.projection]
+        nh, kh, d = a.heads, owner.kv_heads, a.head_dim
+        if a.q_start != 0 or (a.shared is False and a.k_start != nh * d):
+            raise LoweringError("q/k/v slices not in q | k | v order")
+        inv_freq = self.consts.add(np.asarray(a.rope.inv_freq, np.float32))
+        wq = Ref("weights", self.param_name(g, a.q_norm, spec))
+        wk = Ref("weights", self.param_name(g, a.k_norm, spec)) if a.k_norm >= 0 else None
+        table = Ref("io", "table_ring" if owner.ring else "table_full")
+        width = owner.table_width
+        k_pool, v_pool = Ref("kv", (owner.layer, 0)), (Ref("kv", (owner.layer, 1))
+                                                       if len(owner.names) == 2 else None)
+        q_out = self.buffer(self.m * nh * d * 2)
+        write_kv = not a.shared
+        self.emit(qkv_post.SOURCE, qkv_post.entry(d),
+                  qkv_post.launch_geometry(self.m, nh, kh if write_kv else 0, d),
+                  qkv.f32, _i32(qkv.cols), _i32(nh), _i32(kh if write_kv else 0), _i32(d),
+                  _i32(a.k_eq_v), wq, wk, Ref("io", "positions"), inv_freq, _f32(a.eps), q_out,
+                  k_pool if write_kv else None, v_pool if write_kv else None, table,
+                  _i32(width), _i32(width))
+        keys = min(self.ir.max_context, a.window or self.ir.max_context)
+        splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
+        part_acc = self.buffer(self.m * nh * splits * d * 4)
+        part_ml = self.buffer(self.m * nh * splits * 2 * 4)
+        geometry = attn_decode.split_geometry(self.m, kh, splits)
+        if a.k_eq_v:
+            self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh), geometry,
+                      q_out, k_pool, table, _i32(width), _i32(width), Ref("io", "seq_len"),
+                      _i32(a.window), _i32(kh), Ref("weights", self.param_name(g, a.k_eq_v_norm,
+                                                                               spec)),
+                      inv_freq, part_acc, part_ml)
+        else:
+            self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh), geometry,
+                      q_out, k_pool, v_pool, table, _i32(width), _i32(width),
+                      Ref("io", "seq_len"), _i32(a.window), _i32(kh), part_acc, part_ml)
+        out = self.buffer(self.m * nh * d * 4)
+        out_bf16 = self.buffer(self.m * nh * d * 2)
+        self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
+                  attn_decode.combine_geometry(self.m, nh, d, splits),
+                  part_acc, part_ml, _i32(splits), _i32(d), out, out_bf16)
+        return _Val(d, f32=out, bf16=out_bf16)
+
+
+# ---------------------------------------------------------------- attention cluster matching
+
+@dataclass(frozen=True)
+class _Attention:
+    projection: int  # the MULTI_LINEAR / LINEAR node producing q | k | v rows
+    heads: int
+    head_dim: int
+    q_start: int
+    k_start: int  # -1 when shared
+    q_norm: int  # PARAM nodes
+    k_norm: int  # -1 when shared (nothing written)
+    k_eq_v_norm: int  # PARAM of the K=V read-time norm (kv_source's k_norm), or -1
+    rope: ops.RopeAttrs
+    eps: float
+    window: int
+    scale: float
+    k_eq_v: bool
+    shared: bool  # KV-shared: reads the producer's cache, writes nothing
+
+
+def _walk(g: Graph, idx: int, expected: tuple[Op, ...]) -> list[int]:
+    """Follow first inputs from idx through nodes of the expected ops; their indices."""
+    out = []
+    for op in expected:
+        if g.nodes[idx].op != op:
+            raise LoweringError(f"attention input %{idx} is {g.nodes[idx].op.value}, expected "
+                                f"{op.value}")
+        out.append(idx)
+        follow = 1 if op == Op.KV_WRITE else 0  # KV_WRITE(cache, rows, positions)
+        idx = g.nodes[idx].inputs[follow] if g.nodes[idx].inputs else idx
+    return out
+
+
+def _trace_attention(g: Graph, idx: int) -> _Attention:
+    nodes = g.nodes
+    att = nodes[idx]
+    q_in, k_in, v_in = att.inputs[:3]
+    rope_q, norm_q, reshape_q = _walk(g, q_in, (Op.ROPE, Op.RMSNORM, Op.RESHAPE))
+    q_src = nodes[reshape_q].inputs[0]
+    if nodes[q_src].op == Op.SLICE_LAST:  # q | k | v from one fused projection
+        projection, q_start = nodes[q_src].inputs[0], nodes[q_src].attrs.start
+    else:  # KV-shared layers project q alone
+        projection, q_start = q_src, 0
+    heads, head_dim = nodes[q_in].shape[-2], nodes[q_in].shape[-1]
+    k_eq_v = nodes[k_in].op == Op.ROPE and nodes[nodes[k_in].inputs[0]].op == Op.MUL
+    shared = nodes[v_in].op == Op.ARG
+    k_start, k_norm, k_eq_v_norm = -1, -1, -1
+    if k_eq_v:
+        mul = nodes[nodes[k_in].inputs[0]]
+        k_eq_v_norm = mul.inputs[1]
+        k_norm = k_eq_v_norm
+        if not shared:
+            write, norm_v, _, slice_v = _walk(g, v_in, (Op.KV_WRITE, Op.RMSNORM, Op.RESHAPE,
+                                                        Op.SLICE_LAST))
+            k_start = nodes[slice_v].attrs.start
+            del write, norm_v
+    elif not shared:
+        _, _, norm_k, _, slice_k = _walk(g, k_in, (Op.KV_WRITE, Op.ROPE, Op.RMSNORM, Op.RESHAPE,
+                                                   Op.SLICE_LAST))
+        # KV_WRITE's first input is the cache ARG; the written rows are its second input
+        k_norm = nodes[norm_k].inputs[1]
+        k_start = nodes[slice_k].attrs.start
+    elif nodes[k_in].op != Op.ARG:
+        raise LoweringError("KV-shared attention whose K is not the producer's cache")
+    return _Attention(projection, int(heads), int(head_dim), q_start, k_start,
+                      nodes[norm_q].inputs[1], k_norm, k_eq_v_norm, nodes[rope_q].attrs,
+                      nodes[norm_q].attrs.eps, att.attrs.window or 0, att.attrs.scale, k_eq_v,
+                      shared)
+
+
+def _attention_cluster_nodes(g: Graph) -> set[int]:
+    """Nodes an attention cluster consumes: everything feeding an ATTENTION back to its
+    projection, the step's args and weights."""
+    stop = {Op.MULTI_LINEAR, Op.LINEAR, Op.ARG, Op.PARAM}
+    out: set[int] = set()
+    for n in g.nodes:
+        if n.op != Op.ATTENTION:
+            continue
+        todo = list(n.inputs)
+        while todo:
+            i = todo.pop()
+            if i in out or g.nodes[i].op in stop:
+                continue
+            out.add(i)
+            todo.extend(g.nodes[i].inputs)
+    return out
+
+
+# ---------------------------------------------------------------- the whole schedule
+
+def decode_buckets(slots: int) -> tuple[int, ...]:
+    """Decode graphs for 1, 2, 4, ... sequences, and all slots."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return (*out, slots)
+
+
+def check_supported(ir: ModelIR) -> None:
+    """Refuse, by name, the Gemma 4 features the H100 kernels do not cover yet."""
+    cfg = ir.config
+    if cfg.ple:
+        raise LoweringError(f"{cfg.name}: per-layer inputs (PLE, as in E2B/E4B) have no H100 "
+                            "kernels yet; build tpu-bf16 or tpu-int8 for this model")
+    if cfg.enable_moe_block:
+        raise LoweringError(f"{cfg.name}: mixture-of-experts layers (as in 26B-A4B) have no "
+                            "H100 kernels yet; build tpu-bf16 or tpu-int8 for this model")
+
+
+def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) -> H100Lowering:
+    check_supported(ir)
+    weights, weights_bytes = layout_weights(ir)
+    consts = _Constants()
+    pools, full, ring = _pools(ir, slots)
+    entries: dict[str, tuple[str, _EntryLowering]] = {}
+    for b in decode_buckets(slots):
+        entries[f"decode_{b}"] = ("decode", _EntryLowering(ir, "decode", b, consts, pools))
+    for t in sorted(set(prefill_buckets)):
+        entries[f"prefill_{t}"] = ("prefill", _EntryLowering(ir, "prefill", t, consts, pools))
+    entries[f"logits_{ir.max_chunk}"] = ("logits",
+                                        _EntryLowering(ir, "logits", ir.max_chunk, consts, pools))
+    for _, e in entries.values():
+        e.run()
+
+    # regions
+    offset = weights_bytes
+    const_offset = offset
+    offset = memory_plan.align(offset + consts.size)
+    kv_offset = offset
+    pool_offsets: dict[tuple[int, int], int] = {}
+    for layer, pool in sorted(pools.items()):
+        nbytes = slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim * 2
+        for t in range(len(pool.names)):
+            pool_offsets[(layer, t)] = offset
+            offset = memory_plan.align(offset + nbytes)
+    pool_bytes = offset - kv_offset
+    io_offset = offset
+    max_rows = max(max(prefill_buckets), ir.max_chunk, slots)
+    io: dict[str, Field] = {}
+    for name, (dtype, shape) in _io_fields(max_rows, full, ring).items():
+        io[name] = Field(offset, dtype, shape)
+        offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
+    io_bytes = offset - io_offset
+    act_offset = offset
+    act_bytes = 0
+    resolved: dict[str, EntryPoint] = {}
+    outputs: dict[str, Field] = {}
+    for name, (kind, e) in entries.items():
+        uses = [tuple(a.key for a in launch.args if isinstance(a, Ref) and a.region == "act")
+                for launch in e.launches]
+        lives = memory_plan.lifetimes(uses, e.sizes)
+        offsets, total = memory_plan.plan(lives)
+        memory_plan.check(lives, offsets)
+        act_bytes = max(act_bytes, total)
+
+        def address(ref: Ref, act: dict[int, int] = offsets) -> int:
+            if ref.region == "weights":
+                return weights[ref.key].offset + ref.offset
+            return ref.offset + {"const": lambda: const_offset,
+                                 "kv": lambda: pool_offsets[ref.key],
+                                 "io": lambda: io[ref.key].offset,
+                                 "act": lambda: act_offset + act[ref.key]}[ref.region]()
+
+        def arg(a, address=address) -> Arg:
+            if a is None:
+                return Arg("null", 0)
+            if isinstance(a, Ref):
+                return Arg("ptr", address(a))
+            return Arg(a[0], a[1])
+
+        resolved[name] = EntryPoint(name, e.m, kind == "decode", tuple(
+            Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
+                   x.geometry.smem, tuple(arg(a) for a in x.args)) for x in e.launches))
+        for out_name, (ref, dtype, shape) in e.outputs.items():
+            outputs[f"{name}.{out_name}"] = Field(address(ref), dtype, shape)
+    arena = memory_plan.align(act_offset + act_bytes)
+    schedule = KernelSchedule(
+        arena_bytes=arena, weights_bytes=weights_bytes, constants_offset=const_offset,
+        constants_bytes=consts.size, kv_offset=kv_offset, io_offset=io_offset,
+        io_bytes=io_bytes, slots=slots, max_context=ir.max_context, max_chunk=ir.max_chunk,
+        vocab_size=ir.config.vocab_size,
+        kv=KvLayout(BLOCK, full, ring, pool_bytes, "bfloat16"),
+        io=io, outputs=outputs, entries=resolved, cubins={})
+    modules = tuple(sorted({x.module for e in resolved.values() for x in e.launches}))
+    return H100Lowering(schedule, consts.data(),
+                        {k: [v] for k, v in weights.items()}, modules)

@@ -1,0 +1,224 @@
+"""The H100 schedule on the CPU: a numpy arena and, per kernel, its numpy reference applied to
+the launch's arguments exactly as the CUDA kernel reads them. CI checks the H100 plan (lowering,
+weight layout, memory plan, KV paging, io) against the oracle with it, no GPU needed.
+
+    ex = reference_executor(artifact)       # an executor for runtime.Model
+    m = Model(artifact, ex)
+
+Attention references write the finished output as split 0 (m = 0, l = 1) and mark the other
+splits empty, so the combine reference (the kernel's merge, exactly) reproduces it.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.artifacts import Artifact
+from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
+from rvcompile.runtime.scheduled_executor import ScheduledExecutor
+from rvcompile.targets.h100 import attn_decode, gelu_mul, head, norms, qkv_post, rows
+
+BF16 = ml_dtypes.bfloat16
+F32 = np.float32
+I32 = np.int32
+
+
+class ReferenceDevice:
+    def __init__(self, schedule: KernelSchedule, weights: memoryview, constants: bytes):
+        self.schedule = schedule
+        self.mem = np.zeros(schedule.arena_bytes, np.uint8)
+        self.mem[:schedule.weights_bytes] = np.frombuffer(weights, np.uint8)
+        c = schedule.constants_offset
+        self.mem[c:c + len(constants)] = np.frombuffer(constants, np.uint8)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.mem[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.mem[offset:offset + nbytes].tobytes()
+
+    def run(self, entry: str) -> None:
+        for launch in self.schedule.entries[entry].launches:
+            kernel = _kernel_ref(launch.kernel)
+            kernel(self, launch, *[a.value for a in launch.args])
+
+    def view(self, offset: int, dtype, shape) -> np.ndarray:
+        count = int(np.prod(shape))
+        nbytes = count * np.dtype(dtype).itemsize
+        return self.mem[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def reference_executor(art: Artifact) -> ScheduledExecutor:
+    schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
+    device = ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
+    return ScheduledExecutor(schedule, device)
+
+
+# ---------------------------------------------------------------- kernel references
+
+def _embed_bf16(dev, launch: Launch, table, ids, mult, h, hdim):
+    m = launch.grid[1]
+    idx = dev.view(ids, I32, (m,))
+    rows_ = np.stack([dev.view(table + int(i) * hdim * 2, BF16, (hdim,)) for i in idx])
+    dev.view(h, F32, (m, hdim))[:] = head.embed_rows(rows_, np.arange(m), mult)
+
+
+def _embed_fp8(dev, launch: Launch, table, row_scale, ids, mult, h, hdim):
+    m = launch.grid[1]
+    idx = dev.view(ids, I32, (m,))
+    rows_ = np.stack([dev.view(table + int(i) * hdim, np.uint8, (hdim,)) for i in idx])
+    scales = np.array([dev.view(row_scale + 4 * int(i), F32, (1,))[0] for i in idx], F32)
+    dev.view(h, F32, (m, hdim))[:] = head.embed_rows(rows_, np.arange(m), mult, scales)
+
+
+def _rmsnorm(dev, launch: Launch, x, w, y, hdim, eps):
+    m = launch.grid[0]
+    dev.view(y, BF16, (m, hdim))[:] = norms.rmsnorm_bf16(dev.view(x, F32, (m, hdim)),
+                                                         dev.view(w, F32, (hdim,)), eps)
+
+
+def _residual(dev, launch: Launch, h, x, w_post, scalar, w_next, y, hdim, eps):
+    m = launch.grid[0]
+    hv = dev.view(h, F32, (m, hdim))
+    new_h, out = norms.residual_rmsnorm(hv, dev.view(x, F32, (m, hdim)),
+                                        dev.view(w_post, F32, (hdim,)),
+                                        dev.view(scalar, F32, (1,)),
+                                        dev.view(w_next, F32, (hdim,)), eps)
+    hv[:] = new_h
+    dev.view(y, BF16, (m, hdim))[:] = out
+
+
+def _gemv_fp8(dev, launch: Launch, w, scale, x, y, m, n, k):
+    wv = dev.view(w, np.uint8, (n, k)).view(ml_dtypes.float8_e4m3fn).astype(F32)
+    xv = dev.view(x, BF16, (m, k)).astype(F32)
+    dev.view(y, F32, (m, n))[:] = (xv @ wv.T) * dev.view(scale, F32, (n,))[None, :]
+
+
+def _gemv_bf16(dev, launch: Launch, w, x, y, m, n, k):
+    wv = dev.view(w, BF16, (n, k)).astype(F32)
+    dev.view(y, F32, (m, n))[:] = dev.view(x, BF16, (m, k)).astype(F32) @ wv.T
+
+
+def _pool(dev, ptr, kh, d, table) -> np.ndarray:
+    blocks = int(np.max(table)) + 1
+    return dev.view(ptr, BF16, (blocks, attn_decode.BLOCK, kh, d))
+
+
+def _qkv_post(dev, launch: Launch, qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,
+              q_out, k_pool, v_pool, table, max_blocks, ring):
+    m = launch.grid[1]
+    tab = dev.view(table, I32, (m, max_blocks))
+    pos = dev.view(positions, I32, (m,))
+    dummy = np.zeros((1, attn_decode.BLOCK, max(kh, 1), d), BF16)
+    kp = _pool(dev, k_pool, kh, d, tab) if kh else dummy
+    vp = _pool(dev, v_pool, kh, d, tab) if kh and v_pool else dummy
+    q, k_new, v_new = qkv_post.reference(
+        dev.view(qkv, F32, (m, ld)), nh, kh, d, bool(k_eq_v), dev.view(wq, F32, (d,)),
+        dev.view(wk, F32, (d,)) if wk else None, pos, dev.view(inv_freq, F32, (d // 2,)), eps,
+        kp, vp, tab, ring, store_once=bool(kh) and not v_pool)
+    dev.view(q_out, BF16, (m, nh, d))[:] = q
+    if kh:
+        kp[:] = k_new
+        if v_pool:
+            vp[:] = v_new
+
+
+def _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml):
+    acc = dev.view(part_acc, F32, (m, nh, splits, d))
+    ml = dev.view(part_ml, F32, (m, nh, splits, 2))
+    acc[:] = 0
+    acc[:, :, 0] = out
+    ml[:, :, :, 0] = -np.inf
+    ml[:, :, :, 1] = 0
+    ml[:, :, 0] = (0.0, 1.0)
+
+
+def _attn(dev, launch: Launch, q, kc, vc, table, max_blocks, ring, seq_len, window, kh, part_acc,
+          part_ml):
+    splits, _, m = launch.grid
+    d, g = _dims(launch.kernel)
+    nh = kh * g
+    tab = dev.view(table, I32, (m, max_blocks))
+    out = attn_decode.reference(dev.view(q, BF16, (m, nh, d)), _pool(dev, kc, kh, d, tab),
+                                _pool(dev, vc, kh, d, tab), tab, ring,
+                                dev.view(seq_len, I32, (m,)), window)
+    _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml)
+
+
+def _attn_keqv(dev, launch: Launch, q, base, table, max_blocks, ring, seq_len, window, kh, wk,
+               inv_freq, part_acc, part_ml):
+    splits, _, m = launch.grid
+    d, g = _dims(launch.kernel)
+    nh = kh * g
+    tab = dev.view(table, I32, (m, max_blocks))
+    out = attn_decode.reference_keqv(dev.view(q, BF16, (m, nh, d)), _pool(dev, base, kh, d, tab),
+                                     tab, ring, dev.view(seq_len, I32, (m,)), window,
+                                     dev.view(wk, F32, (d,)), dev.view(inv_freq, F32, (d // 2,)))
+    _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml)
+
+
+def _dims(kernel: str) -> tuple[int, int]:
+    d, g = kernel.rsplit("_d", 1)[1].split("_g")
+    return int(d), int(g)
+
+
+def _combine(dev, launch: Launch, part_acc, part_ml, splits, d, out, out_bf16):
+    bh = launch.grid[0]
+    acc = dev.view(part_acc, F32, (bh, splits, d))
+    ml = dev.view(part_ml, F32, (bh, splits, 2))
+    top = ml[:, :, 0].max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        wgt = np.where(ml[:, :, 0] == -np.inf, 0, np.exp(ml[:, :, 0] - top)).astype(F32)
+    res = (acc * wgt[:, :, None]).sum(axis=1) / (ml[:, :, 1] * wgt).sum(axis=1)[:, None]
+    dev.view(out, F32, (bh, d))[:] = res
+    if out_bf16:
+        dev.view(out_bf16, BF16, (bh, d))[:] = res.astype(BF16)
+
+
+def _gelu_mul(dev, launch: Launch, gu, out, inter):
+    m = launch.grid[1]
+    dev.view(out, BF16, (m, inter))[:] = gelu_mul.reference(dev.view(gu, F32, (m, 2 * inter)))
+
+
+def _argmax(dev, launch: Launch, logits, v, cap, out):
+    m = launch.grid[0]
+    dev.view(out, I32, (m,))[:] = head.softcap_argmax(dev.view(logits, F32, (m, v)), cap)
+
+
+def _select_row(dev, launch: Launch, src, row, dst, hdim):
+    r = int(dev.view(row, I32, (1,))[0])
+    dev.view(dst, BF16, (hdim,))[:] = dev.view(src + r * hdim * 2, BF16, (hdim,))
+
+
+def _softcap_rows(dev, launch: Launch, x, n, cap):
+    v = dev.view(x, F32, (n,))
+    v[:] = rows.softcap(v, cap)
+
+
+_REFS = {
+    head.EMBED_BF16_ENTRY: _embed_bf16,
+    head.EMBED_FP8_ENTRY: _embed_fp8,
+    norms.RMSNORM_ENTRY: _rmsnorm,
+    norms.RESIDUAL_ENTRY: _residual,
+    "gemv_fp8_rowscale": _gemv_fp8,
+    "gemv_bf16": _gemv_bf16,
+    qkv_post.ENTRY: _qkv_post,
+    qkv_post.SMALL_ENTRY: _qkv_post,
+    attn_decode.COMBINE_ENTRY: _combine,
+    gelu_mul.ENTRY: _gelu_mul,
+    head.ARGMAX_ENTRY: _argmax,
+    rows.SELECT_ENTRY: _select_row,
+    rows.SOFTCAP_ENTRY: _softcap_rows,
+}
+
+
+def _kernel_ref(kernel: str):
+    if kernel in _REFS:
+        return _REFS[kernel]
+    if kernel.startswith("attn_decode_keqv_"):
+        return _attn_keqv
+    if kernel.startswith("attn_decode_d"):
+        return _attn
+    raise KeyError(f"no numpy reference for kernel {kernel!r}")
+

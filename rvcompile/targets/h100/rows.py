@@ -1,0 +1,29 @@
+"""Row utilities (kernels/rows.cu): numpy references and launch geometry.
+
+`select_row_bf16(src bf16 [M, H], row int32 [1], dst bf16 [1, H], H)`: dst = src[row[0]].
+`softcap_rows(x f32 [n], n, cap)`: x = cap * tanh(x / cap) in place (the IR's SOFTCAP).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "rows.cu"
+SELECT_ENTRY = "select_row_bf16"
+SOFTCAP_ENTRY = "softcap_rows"
+THREADS = 256
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    return ops.OPS[ops.Op.SOFTCAP].reference(ops.SoftcapAttrs(cap), np.asarray(x, np.float32))
+
+
+def select_geometry(h: int) -> Launch:
+    return Launch((-(-h // THREADS), 1, 1), (THREADS, 1, 1), 0)
+
+
+def softcap_geometry(n: int) -> Launch:
+    return Launch((-(-n // THREADS), 1, 1), (THREADS, 1, 1), 0)
