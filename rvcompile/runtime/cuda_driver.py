@@ -33,6 +33,12 @@ def check(result, call: str):
     return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
 
 
+def pack_args(args: list[ctypes._SimpleCData]):
+    """(void* array of the args' addresses, the args): what cuLaunchKernel's kernelParams takes;
+    keep the pair alive while it may be launched."""
+    return (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args]), args
+
+
 @dataclass
 class DeviceBuffer:
     ptr: int
@@ -58,9 +64,53 @@ class CudaContext:
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device), "cuDeviceGetAttribute")
 
     def load_function(self, cubin: bytes, name: str):
-        module = check(self.cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return self.get_function(self.load_module(cubin), name)
+
+    def load_module(self, cubin: bytes):
+        return check(self.cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def get_function(self, module, name: str):
         return check(self.cu.cuModuleGetFunction(module, name.encode()),
                      f"cuModuleGetFunction({name})")
+
+    def driver_version(self) -> int:
+        """e.g. 13000 for a driver that supports CUDA 13.0."""
+        return int(check(self.cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device bytes."""
+        free, total = check(self.cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def device_name(self) -> str:
+        name = check(self.cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
+        return name.split(b"\0", 1)[0].decode()
+
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory as a uint8 array (freed with free_pinned)."""
+        ptr = int(check(self.cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def free_pinned(self, host: np.ndarray) -> None:
+        check(self.cu.cuMemFreeHost(host.ctypes.data), "cuMemFreeHost")
+
+    def copy_to_device(self, dst: int, host: np.ndarray, stream=0) -> None:
+        """Async when `host` is pinned."""
+        check(self.cu.cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, stream),
+              "cuMemcpyHtoDAsync")
+
+    def copy_to_host(self, host: np.ndarray, src: int, stream=0) -> None:
+        check(self.cu.cuMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, stream),
+              "cuMemcpyDtoHAsync")
+
+    def memset_range(self, ptr: int, nbytes: int, stream=0) -> None:
+        check(self.cu.cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
+
+    def stream_synchronize(self, stream) -> None:
+        check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def event_synchronize(self, ev) -> None:
+        check(self.cu.cuEventSynchronize(ev), "cuEventSynchronize")
 
     def set_max_dynamic_smem(self, fn, nbytes: int) -> None:
         attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -89,9 +139,12 @@ class CudaContext:
     def launch(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                args: list[ctypes._SimpleCData], stream=0) -> None:
         """`args` are ctypes values in kernel-parameter order (c_uint64 for pointers)."""
-        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        check(self.cu.cuLaunchKernel(fn, *grid, *block, smem, stream, ctypes.addressof(ptrs), 0),
-              "cuLaunchKernel")
+        self.launch_packed(fn, grid, block, smem, pack_args(args), stream)
+
+    def launch_packed(self, fn, grid, block, smem: int, packed, stream=0) -> None:
+        """`packed`: pack_args' result, built once and kept alive by the caller."""
+        check(self.cu.cuLaunchKernel(fn, *grid, *block, smem, stream,
+                                     ctypes.addressof(packed[0]), 0), "cuLaunchKernel")
 
     def synchronize(self) -> None:
         check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -1,0 +1,107 @@
+"""The h100-fp8 artifact end to end: `rvcompile.runtime.load` on an H100 runs the same schedule
+as the CPU reference executor and must agree with it (tiny oracle configs: every kernel at the
+tiny head dims, paged KV, decode graphs); on the CPU, the refusals of machines that don't fit.
+
+Measured GPU vs reference executor (40-token logits, k_eq_v / kv_shared / dense): see
+GPU_BOUND; differences come from float summation order and the bf16 roundings it can flip.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from h100_helpers import h100_context
+from oracle import random_token_ids
+
+from rvcompile import runtime
+from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime.h100_executor import check_fits
+from rvcompile.runtime.model import Model
+from rvcompile.targets.h100.reference_executor import reference_executor
+
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+GPU_BOUND = 2e-2  # max abs logit difference, GPU against the reference executor
+
+
+@pytest.fixture(scope="module")
+def built(oracle_dir, tmp_path_factory):
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            _, ckpt = oracle_dir(case)
+            out = tmp_path_factory.mktemp(f"h100rt-{case}") / f"{case}.rvp"
+            build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS), progress=False,
+                           log=lambda s: None)
+            cache[case] = out
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", ["dense", "k_eq_v", "kv_shared"])
+def test_gpu_matches_reference_executor(built, case):
+    h100_context()
+    path = built(case)
+    gpu = runtime.load(path)
+    art = Artifact.open(path)
+    ref = Model(art, reference_executor(art))
+    ids = random_token_ids(40, seed=5)
+    a, b = gpu.logits(ids), ref.logits(ids)
+    err = np.abs(a - b)
+    print(f"\n[measured] {case}: GPU vs reference executor max abs {err.max():.2e} "
+          f"mean {err.mean():.2e}")
+    assert np.isfinite(a).all()
+    assert err.max() <= GPU_BOUND
+    prompt = random_token_ids(37, seed=6).tolist()
+    g = gpu.generate(prompt, max_tokens=16, ignore_eos=True).token_ids
+    r = ref.generate(prompt, max_tokens=16, ignore_eos=True).token_ids
+    assert g == r
+
+
+def test_gpu_batched_decode_equals_single(built):
+    h100_context()
+    m = runtime.load(built("k_eq_v"))
+    ex = m.executor
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (33, 3))]
+    solo = [m.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
+    toks, pos = np.zeros(3, np.int32), np.zeros(3, np.int32)
+    for slot, p in enumerate(prompts):
+        for s in range(0, len(p), ex.max_chunk):
+            chunk = np.asarray(p[s:s + ex.max_chunk], np.int32)
+            toks[slot] = ex.prefill(slot, chunk, s, ex._sampling(1))
+        pos[slot] = len(p)
+    together = [[int(t)] for t in toks]
+    for _ in range(5):
+        toks = ex.decode(toks, pos, np.ones(3, np.int32), ex._sampling(3))
+        pos += 1
+        for slot in range(3):
+            together[slot].append(int(toks[slot]))
+    assert together == solo
+
+
+class _FakeContext:
+    def __init__(self, cc=(9, 0), driver=13000, free=80 << 30):
+        self.compute_capability, self._driver, self._free = cc, driver, free
+
+    def device_name(self) -> str:
+        return "Fake GPU"
+
+    def driver_version(self) -> int:
+        return self._driver
+
+    def mem_info(self) -> tuple[int, int]:
+        return self._free, 80 << 30
+
+
+@pytest.mark.parametrize("ctx,match", [
+    (_FakeContext(cc=(8, 0)), "compute capability 9.0 .* is 8.0"),
+    (_FakeContext(driver=12040), "CUDA 13.0 or newer; this one supports 12.4"),
+    (_FakeContext(free=1 << 20), "GiB of GPU memory .* Fake GPU has 0.0 GiB free"),
+])
+def test_refuses_machines_that_do_not_fit(built, ctx, match):
+    art = Artifact.open(built("dense"))
+    check_fits(art, _FakeContext())  # fits
+    with pytest.raises(ArtifactError, match=match):
+        check_fits(art, ctx)
