@@ -17,6 +17,13 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> Model:
     this machine. Raises ArtifactError with a one-line message when it doesn't fit."""
     art = Artifact.open(Path(path))
     runtime = art.header.requirements.get("runtime")
+    if runtime == "h100":
+        from rvcompile.runtime.h100_executor import h100_executor, open_context
+
+        ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
+        if verify:
+            art.verify()
+        return Model(art, h100_executor(art, ctx))
     if runtime != "xla":
         raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
                             "does not have")
