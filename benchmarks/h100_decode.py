@@ -23,6 +23,7 @@ import numpy as np
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
 from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executor_api import SeqChunk
 
 
 def copy_bandwidth(ctx: CudaContext, nbytes: int = 4 << 30) -> float:
@@ -87,17 +88,14 @@ def main() -> None:
     for context in (int(c) for c in args.contexts.split(",")):
         prompt = rng.integers(4, cfg["vocab_size"], context).tolist()
         r = m.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
-        # bare graph steps, continuing the same sequence
+        # bare graph steps over a sequence of the same length (blocks 0.. of each kind)
         pos = context + len(r.token_ids) - 1
-        tok = np.zeros(ex.slots, np.int32)
-        tok[0] = r.token_ids[-1]
-        start, active = np.zeros(ex.slots, np.int32), np.zeros(ex.slots, np.int32)
-        active[0] = 1
+        tables = {k.name: list(range(k.table_width)) for k in ex.kinds.values()}
+        tok = r.token_ids[-1]
         steps = min(64, ex.max_context - pos - 1)
         t = time.perf_counter()
         for i in range(steps):
-            start[0] = pos + i
-            tok = ex.decode(tok, start, active, ex._sampling(ex.slots))
+            tok = ex.decode([SeqChunk([tok], pos + i, tables)])[0]
         step_s = (time.perf_counter() - t) / steps
         window = cfg.get("sliding_window") or context
         roof_s = (weights + kv_bytes_per_step(cfg, context + args.tokens // 2, window)) / bw

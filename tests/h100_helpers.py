@@ -16,3 +16,9 @@ def h100_context():
     if ctx.compute_capability != (9, 0):
         pytest.skip(f"sm_90a kernels need compute capability 9.0, not {ctx.compute_capability}")
     return ctx
+
+
+def own_tables(executor, i: int) -> dict[str, list[int]]:
+    """Block tables giving sequence i its own blocks: [i * width, (i + 1) * width) per kind."""
+    return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
+            for k in executor.kinds.values()}

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from h100_helpers import own_tables
 from oracle import oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime.executor_api import SeqChunk
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import LoweringError, decode_buckets
@@ -90,18 +92,16 @@ def test_batched_decode_equals_single(h100_model):
     ex = m.executor
     prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (33, 3))]
     solo = [m.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
-    toks, pos = np.zeros(3, np.int32), np.zeros(3, np.int32)
-    for slot, p in enumerate(prompts):
+    together = []
+    for i, p in enumerate(prompts):
         for s in range(0, len(p), ex.max_chunk):
-            chunk = np.asarray(p[s:s + ex.max_chunk], np.int32)
-            toks[slot] = ex.prefill(slot, chunk, s, ex._sampling(1))
-        pos[slot] = len(p)
-    together = [[int(t)] for t in toks]
-    for _ in range(5):
-        toks = ex.decode(toks, pos, np.ones(3, np.int32), ex._sampling(3))
-        pos += 1
-        for slot in range(3):
-            together[slot].append(int(toks[slot]))
+            tok = ex.prefill(SeqChunk(p[s:s + ex.max_chunk], s, own_tables(ex, i)))
+        together.append([tok])
+    for step in range(5):
+        lanes = [SeqChunk([seq[-1]], len(p) + step, own_tables(ex, i))
+                 for i, (p, seq) in enumerate(zip(prompts, together, strict=True))]
+        for seq, tok in zip(together, ex.decode(lanes), strict=True):
+            seq.append(tok)
     assert together == solo
 
 

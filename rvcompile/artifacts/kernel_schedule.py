@@ -10,7 +10,7 @@ An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B
 token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
 `logits_{T}` (same, keeping every row's softcapped logits). Before a call the host fills the io
 fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
-block-table row per token row and cache kind, the prefill's last real row, the sampling
+block-table row per token row and KV kind, the prefill's last real row, the sampling
 parameters; afterwards it reads `out_tokens` (and `logits`).
 """
 
@@ -55,12 +55,23 @@ class EntryPoint:
 
 
 @dataclass(frozen=True)
+class KvKindLayout:
+    """Layers sharing one block table per sequence and one block id space (their pools)."""
+
+    name: str  # "full" or "sliding"
+    io_field: str  # the io field holding one table row per token row
+    table_width: int
+    ring: bool  # sliding: entry j % table_width holds logical block j
+    window: int  # tokens; 0 for full attention
+    num_blocks: int  # blocks in each pool of this kind
+
+
+@dataclass(frozen=True)
 class KvLayout:
     block_size: int  # tokens per block
-    full_blocks: int  # table width of full-attention layers: blocks per sequence
-    ring_blocks: int  # table width of sliding layers: a ring reused as the window moves
     pool_bytes: int  # all layers' pools together
     kv_dtype: str
+    kinds: tuple[KvKindLayout, ...]
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class KernelSchedule:
     kv_offset: int
     io_offset: int
     io_bytes: int
-    slots: int  # sequences the KV pools hold
+    slots: int  # rows of the widest decode entry; the pools hold this many full sequences
     max_context: int
     max_chunk: int
     vocab_size: int
@@ -98,7 +109,8 @@ class KernelSchedule:
             **{k: d[k] for k in ("arena_bytes", "weights_bytes", "constants_offset",
                                  "constants_bytes", "kv_offset", "io_offset", "io_bytes",
                                  "slots", "max_context", "max_chunk", "vocab_size")},
-            kv=KvLayout(**d["kv"]),
+            kv=KvLayout(d["kv"]["block_size"], d["kv"]["pool_bytes"], d["kv"]["kv_dtype"],
+                        tuple(KvKindLayout(**k) for k in d["kv"]["kinds"])),
             io={k: field(v) for k, v in d["io"].items()},
             outputs={k: field(v) for k, v in d["outputs"].items()},
             entries={k: EntryPoint(e["name"], e["rows"], e["graph"],

@@ -1,20 +1,23 @@
-"""The host side of a kernel-schedule artifact (H100 target): picks the entry point for a call,
-fills the io fields (tokens, positions, block tables, sampling parameters) and reads the
-results back. The device it drives only offers `write(offset, bytes)`, `read(offset, nbytes)`
-and `run(entry)`: the CUDA device (h100_executor) or the CPU reference (targets/h100).
+"""The host side of a kernel-schedule artifact (H100 target): the executor of
+runtime/executor_api.py over a KernelSchedule. It picks the entry point for a call, fills the io
+fields (tokens, positions, one block-table row per token row and KV kind, sampling parameters)
+and reads the results back. The device it drives only offers `write(offset, bytes)`,
+`read(offset, nbytes)` and `run(entry)`: the CUDA device (h100_executor) or the CPU reference
+(targets/h100/reference_executor).
 
-KV blocks are assigned statically: sequence slot s owns blocks [s * F, (s + 1) * F) of every
-full-attention pool and [s * R, (s + 1) * R) of every sliding ring (F, R: the table widths).
+The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
+from rvcompile.runtime.executor_api import KvKind, SeqChunk
 
 
 class ScheduleDevice(Protocol):
@@ -25,38 +28,29 @@ class ScheduleDevice(Protocol):
     def run(self, entry: str) -> None: ...
 
 
-def sampling_arrays(n: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0):
-    """Per-row sampling parameters, in the order every executor takes them."""
-    return (np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
-            np.full(n, top_p, np.float32), np.full(n, seed, np.int32),
-            np.full(n, step, np.int32))
-
-
 class ScheduledExecutor:
-    """Executor API (see runtime/model.py) over a KernelSchedule and a ScheduleDevice."""
+    """Executor (runtime/executor_api.py) over a KernelSchedule and a ScheduleDevice."""
 
     def __init__(self, schedule: KernelSchedule, device: ScheduleDevice):
         self.schedule, self.device = schedule, device
         s = schedule
-        self.slots, self.max_context, self.max_chunk = s.slots, s.max_context, s.max_chunk
-        self.buckets = tuple(sorted(e.rows for e in s.entries.values()
-                                    if e.name.startswith("prefill_")))
+        self.max_context, self.max_chunk = s.max_context, s.max_chunk
+        self.block_size = s.kv.block_size
+        self.kinds = {k.name: KvKind(k.name, k.table_width, k.ring, k.window or None,
+                                     k.num_blocks) for k in s.kv.kinds}
+        self._io_field = {k.name: k.io_field for k in s.kv.kinds}
+        self.prefill_buckets = tuple(sorted(e.rows for e in s.entries.values()
+                                            if e.name.startswith("prefill_")))
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
+        self.decode_width = self.decode_buckets[-1]
         self.greedy_only = not any(x.kernel.startswith("sample") for e in s.entries.values()
                                    for x in e.launches)
 
-    _sampling = staticmethod(sampling_arrays)
-
-    def bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
-
     # -- io
 
-    def _io(self, rows: int, slots_of_rows, tokens, positions, sampling, last_row=0) -> bytes:
+    def _io(self, rows: int, chunks: Sequence[SeqChunk], tokens, positions, chunk_of_row,
+            last_row: int = 0) -> bytes:
         s = self.schedule
         io = bytearray(s.io_bytes)
 
@@ -71,16 +65,24 @@ class ScheduledExecutor:
         put("positions", positions)
         put("seq_len", np.where(positions >= 0, positions + 1, 1))
         put("last_row", [last_row])
-        slots_of_rows = np.asarray(slots_of_rows, np.int64)[:, None]
-        full, ring = s.kv.full_blocks, s.kv.ring_blocks
-        put("table_full", slots_of_rows * full + np.arange(full)[None, :])
-        put("table_ring", slots_of_rows * ring + np.arange(ring)[None, :])
-        temperature, top_k, top_p, seed, step = (np.asarray(a) for a in sampling)
-        if self.greedy_only and np.any(temperature[:rows] > 0):
+        for kind in self.kinds.values():
+            tables = []
+            for c in chunks:
+                t = np.asarray(c.tables[kind.name], np.int32)
+                if t.shape != (kind.table_width,) or t.min() < 0 or t.max() >= kind.num_blocks:
+                    raise ValueError(f"block table for {kind.name!r} must hold "
+                                     f"{kind.table_width} ids in [0, {kind.num_blocks})")
+                tables.append(t)
+            put(self._io_field[kind.name], np.stack(tables)[chunk_of_row])
+        samp = [chunks[i].sampling for i in chunk_of_row]
+        temperature = np.array([x.temperature for x in samp], np.float32)
+        if self.greedy_only and np.any(temperature > 0):
             raise ValueError("this H100 artifact samples greedily only (temperature 0)")
-        for name, values in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                             ("seed", seed), ("step", step)):
-            put(name, np.resize(values, rows))
+        put("temperature", temperature)
+        put("top_k", [x.top_k for x in samp])
+        put("top_p", [x.top_p for x in samp])
+        put("seed", [x.seed for x in samp])
+        put("step", [chunks[i].step for i in chunk_of_row])
         return bytes(io)
 
     def _call(self, entry: str, io: bytes, output: str, count: int, dtype) -> np.ndarray:
@@ -90,49 +92,49 @@ class ScheduledExecutor:
         nbytes = count * np.dtype(dtype).itemsize
         return np.frombuffer(self.device.read(f.offset, nbytes), dtype).copy()
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.slots:
-            raise ValueError(f"slot {slot} outside [0, {self.slots})")
+    def _chunk_rows(self, chunk: SeqChunk, rows: int):
+        n = len(chunk.tokens)
+        if not 0 < n <= rows:
+            raise ValueError(f"chunk of {n} tokens for an entry of {rows} rows")
+        if chunk.start + n > self.max_context:
+            raise ValueError(f"positions up to {chunk.start + n} exceed the context "
+                             f"{self.max_context}")
+        toks = np.zeros(rows, np.int32)
+        toks[:n] = chunk.tokens
+        pos = np.full(rows, -1, np.int32)
+        pos[:n] = chunk.start + np.arange(n)
+        return toks, pos
 
     # -- entry points
 
-    def prefill(self, slot: int, tokens: np.ndarray, start: int, sampling) -> int:
-        self._check_slot(slot)
-        n = len(tokens)
-        t = self.bucket(n)
-        toks = np.zeros(t, np.int32)
-        toks[:n] = tokens
-        pos = np.full(t, -1, np.int32)
-        pos[:n] = start + np.arange(n)
-        io = self._io(t, np.full(t, slot), toks, pos, sampling, last_row=n - 1)
+    def prefill(self, chunk: SeqChunk) -> int:
+        n = len(chunk.tokens)
+        t = next((b for b in self.prefill_buckets if b >= n), None)
+        if t is None:
+            raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
+        toks, pos = self._chunk_rows(chunk, t)
+        io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
-    def decode(self, tokens: np.ndarray, start: np.ndarray, active: np.ndarray,
-               sampling) -> np.ndarray:
-        live = np.flatnonzero(np.asarray(active))
-        out = np.zeros(self.slots, np.int32)
-        if live.size == 0:
-            return out
-        b = next(x for x in self.decode_buckets if x >= live.size)
-        rows_slot = np.zeros(b, np.int64)
-        rows_slot[:live.size] = live
+    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+        if not 0 < len(lanes) <= self.decode_width:
+            raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
+                             f"{self.decode_width}")
+        b = next(x for x in self.decode_buckets if x >= len(lanes))
         toks = np.zeros(b, np.int32)
-        toks[:live.size] = np.asarray(tokens).reshape(-1)[live]
         pos = np.full(b, -1, np.int32)
-        pos[:live.size] = np.asarray(start)[live]
-        row_sampling = tuple(np.asarray(a)[rows_slot] for a in sampling)
-        io = self._io(b, rows_slot, toks, pos, row_sampling)
+        for i, lane in enumerate(lanes):
+            if len(lane.tokens) != 1:
+                raise ValueError("a decode lane runs exactly one token")
+            toks[i], pos[i] = lane.tokens[0], lane.start
+        chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
+        io = self._io(b, lanes, toks, pos, chunk_of_row)
         got = self._call(f"decode_{b}", io, "out_tokens", b, np.int32)
-        out[live] = got[:live.size]
-        return out
+        return [int(x) for x in got[:len(lanes)]]
 
-    def logits(self, slot: int, tokens: np.ndarray, start: int) -> np.ndarray:
-        self._check_slot(slot)
-        n, t = len(tokens), self.max_chunk
-        toks = np.zeros(t, np.int32)
-        toks[:n] = tokens
-        pos = np.full(t, -1, np.int32)
-        pos[:n] = start + np.arange(n)
-        io = self._io(t, np.full(t, slot), toks, pos, sampling_arrays(t))
-        v = self.schedule.vocab_size
+    def logits(self, chunk: SeqChunk) -> np.ndarray:
+        t = self.max_chunk
+        toks, pos = self._chunk_rows(chunk, t)
+        io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64))
+        n, v = len(chunk.tokens), self.schedule.vocab_size
         return self._call(f"logits_{t}", io, "logits", n * v, np.float32).reshape(n, v)

@@ -26,6 +26,7 @@ from rvcompile.artifacts.kernel_schedule import (
     EntryPoint,
     Field,
     KernelSchedule,
+    KvKindLayout,
     KvLayout,
     Launch,
 )
@@ -185,10 +186,13 @@ class _Pool:
     table_width: int
 
 
-def _pools(ir: ModelIR, slots: int) -> tuple[dict[int, _Pool], int, int]:
-    """(pool per owning layer, full-layer table width, sliding-layer ring width)."""
+def _pools(ir: ModelIR) -> tuple[dict[int, _Pool], int, int]:
+    """(pool per owning layer, full-layer table width, sliding-layer ring width). The ring
+    holds every block a step can touch: the window behind a chunk's first query plus the chunk,
+    and one more so a block can be swapped in while its predecessor is still read."""
     full = -(-ir.max_context // BLOCK)
-    ring = max((-(-c.size // BLOCK) for c in ir.caches if c.ring), default=1)
+    windows = [ir.config.layers[c.layer].window for c in ir.caches if c.ring]
+    ring = min(full, -(-(max(windows) + ir.max_chunk - 1) // BLOCK) + 1) if windows else 1
     pools = {}
     for c in ir.caches:
         if c.dtype != "bfloat16":
@@ -610,6 +614,16 @@ def decode_buckets(slots: int) -> tuple[int, ...]:
     return (*out, slots)
 
 
+def _kv_kinds(ir: ModelIR, pools, slots: int, full: int, ring: int):
+    kinds = []
+    if any(not p.ring for p in pools.values()):
+        kinds.append(KvKindLayout("full", "table_full", full, False, 0, slots * full))
+    if any(p.ring for p in pools.values()):
+        window = max(ir.config.layers[p.layer].window for p in pools.values() if p.ring)
+        kinds.append(KvKindLayout("sliding", "table_ring", ring, True, window, slots * ring))
+    return tuple(kinds)
+
+
 def check_supported(ir: ModelIR) -> None:
     """Refuse, by name, the Gemma 4 features the H100 kernels do not cover yet."""
     cfg = ir.config
@@ -625,7 +639,7 @@ def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) 
     check_supported(ir)
     weights, weights_bytes = layout_weights(ir)
     consts = _Constants()
-    pools, full, ring = _pools(ir, slots)
+    pools, full, ring = _pools(ir)
     entries: dict[str, tuple[str, _EntryLowering]] = {}
     for b in decode_buckets(slots):
         entries[f"decode_{b}"] = ("decode", _EntryLowering(ir, "decode", b, consts, pools))
@@ -693,7 +707,7 @@ def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) 
         constants_bytes=consts.size, kv_offset=kv_offset, io_offset=io_offset,
         io_bytes=io_bytes, slots=slots, max_context=ir.max_context, max_chunk=ir.max_chunk,
         vocab_size=ir.config.vocab_size,
-        kv=KvLayout(BLOCK, full, ring, pool_bytes, "bfloat16"),
+        kv=KvLayout(BLOCK, pool_bytes, "bfloat16", _kv_kinds(ir, pools, slots, full, ring)),
         io=io, outputs=outputs, entries=resolved, cubins={})
     modules = tuple(sorted({x.module for e in resolved.values() for x in e.launches}))
     return H100Lowering(schedule, consts.data(),
