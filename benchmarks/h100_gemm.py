@@ -4,7 +4,10 @@ median over 5 batches of 20 back-to-back launches (CUDA events around each batch
 rotating among enough weight copies that the 50 MB L2 cannot hold them. Compare with
 shared/H100-NOTES.md (HBM read ceiling ~3 TB/s; bf16 tensor-core rate ~800 TFLOP/s).
 
-    python benchmarks/h100_gemm.py [--sweep]    # --sweep: other tilings too; * marks the default
+    python benchmarks/h100_gemm.py [--sweep | --split S]
+
+--sweep also times other rows-per-CTA and split-K choices (* marks the default); --split forces
+one split-K size everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true",
                    help="also time other rows-per-CTA and split-K choices")
+    p.add_argument("--split", type=int, choices=gemm_fp8w.SPLITS, help="force this split-K size")
     a = p.parse_args()
     ctx = CudaContext()
     cubin = compile_cubin(gemm_fp8w.SOURCE)
@@ -45,7 +49,7 @@ def main() -> None:
         for m in ROWS:
             dx = ctx.upload(rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16))
             dy = ctx.alloc(m * n * 4)
-            default = gemm_fp8w.launch_geometry(m, n, k, ctx.sm_count)
+            default = gemm_fp8w.launch_geometry(m, n, k, ctx.sm_count, split=a.split)
             launches = sweep(m, n, k, ctx.sm_count) if a.sweep else [default]
             for launch in launches:
                 if launch.entry not in fns:
@@ -66,10 +70,10 @@ def main() -> None:
 
 
 def sweep(m: int, n: int, k: int, sm_count: int) -> list[gemm_fp8w.Launch]:
-    """Every split at the default rows per CTA and at half of it (more CTAs, W read twice)."""
+    """Every split at the default rows per CTA, half of it and twice it."""
     block_m = gemm_fp8w.default_block_m(m)
     return [gemm_fp8w.launch_geometry(m, n, k, sm_count, block_m=b, split=s)
-            for b in (block_m // 2, block_m) if b in gemm_fp8w.BLOCK_MS
+            for b in (block_m // 2, block_m, block_m * 2) if b in gemm_fp8w.BLOCK_MS
             for s in gemm_fp8w.SPLITS]
 
 

@@ -17,14 +17,17 @@ from rvcompile.targets.h100 import gemm_fp8w
 
 def test_launch_geometry_covers_rows_columns_and_splits() -> None:
     launch = gemm_fp8w.launch_geometry(200, 1000, 64, sm_count=132)
-    assert launch.entry == "gemm_fp8w_m128_s1"
+    assert launch.entry == "gemm_fp8w_m128_s1"  # one k slice: nothing to split
     assert launch.grid == (2, 8, 1) and launch.block == (256, 1, 1)
     assert gemm_fp8w.launch_geometry(5, 64, 16, 132).entry == "gemm_fp8w_m16_s1"
     assert gemm_fp8w.launch_geometry(33, 64, 16, 132).entry == "gemm_fp8w_m64_s1"
-    # 42 column tiles and 336 k slices: split until the CTAs cover the 132 SMs
+    assert gemm_fp8w.launch_geometry(100, 64, 64, 132, block_m=64).grid == (2, 1, 1)
+    # 42 column tiles fill a sixth of the 264 resident slots: a quarter of K each
     down = gemm_fp8w.launch_geometry(64, 5376, 21504, 132)
     assert down.entry == "gemm_fp8w_m64_s4" and down.grid == (1, 42, 4)
-    # 672 tiles already fill the GPU
+    # 144 tiles: 2 CTAs of half K on a few SMs are no better than 1 whole one; 4 quarters are
+    assert gemm_fp8w.launch_geometry(64, 18432, 5376, 132).grid == (1, 144, 4)
+    # 672 tiles of 128 rows, one per SM: about 5 waves already
     assert gemm_fp8w.launch_geometry(256, 43008, 5376, 132).grid == (2, 336, 1)
     for block_m in gemm_fp8w.BLOCK_MS:
         for split in gemm_fp8w.SPLITS:
@@ -114,6 +117,21 @@ def test_gemm_tiny_matches_reference(m: int, n: int, k: int, split: int) -> None
     ctx = h100_context()
     w, scale, x = random_case(m, n, k)
     got = run_gemm(ctx, gemm_fp8w.launch_geometry(m, n, k, ctx.sm_count, split=split),
+                   w, scale, x)
+    check_against_reference(got, w, scale, x)
+
+
+FORCED_TILES = [  # (M, N, K, rows per CTA): smaller tiles than the default, several row tiles
+    (100, 300, 128, 64), (64, 513, 64, 32), (40, 200, 80, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,block_m", FORCED_TILES)
+def test_gemm_several_row_tiles_match_reference(m: int, n: int, k: int, block_m: int) -> None:
+    ctx = h100_context()
+    w, scale, x = random_case(m, n, k)
+    got = run_gemm(ctx, gemm_fp8w.launch_geometry(m, n, k, ctx.sm_count, block_m=block_m),
                    w, scale, x)
     check_against_reference(got, w, scale, x)
 

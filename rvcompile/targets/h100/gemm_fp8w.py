@@ -19,9 +19,11 @@ BLOCK_K = 64
 STAGES = 6
 RED_STRIDE = BLOCK_N + 8
 BLOCK_MS = (16, 32, 64, 128)  # rows of y per CTA; the kernel has one entry per (BM, split)
+RESIDENT_CTAS = {16: 2, 32: 2, 64: 2, 128: 1}  # per SM: each entry's __launch_bounds__ minimum
 SPLITS = (1, 2, 4)  # split-K cluster sizes
 MAX_GRID_Y = 65535
-MIN_SLICES_PER_SPLIT = 8  # below this many 64-wide k slices a split costs more than it gains
+MIN_SLICES_PER_SPLIT = 8  # 64-wide k slices each split must keep
+SPLIT_GAIN = 0.85  # a larger split must cut the estimated time below this fraction
 
 reference = gemv_fp8.reference
 
@@ -45,20 +47,27 @@ def smem_bytes(block_m: int, split: int) -> int:
 
 
 def default_block_m(m: int) -> int:
-    """The smallest tile that holds all M rows, else 128-row tiles."""
+    """The smallest tile that holds all M rows, else 128-row tiles. (The H100 sweep found 64-row
+    tiles 0-10% faster than 128 at some M = 256 shapes; that tiling has not yet been checked
+    against the reference on a GPU with more than one row tile, so it is not the default.)"""
     return next((b for b in BLOCK_MS if m <= b), BLOCK_MS[-1])
 
 
-def default_split(tiles: int, k: int, sm_count: int) -> int:
-    """Split K only until the CTAs cover every SM once, and only while each split keeps
-    MIN_SLICES_PER_SPLIT k slices."""
+def default_split(tiles: int, k: int, block_m: int, sm_count: int) -> int:
+    """Estimated time = waves of resident CTAs x 1/split of K per CTA; take a larger split only
+    when that estimate drops below SPLIT_GAIN of the best so far (fit to benchmarks/h100_gemm.py
+    --sweep on an H100: within 5% of the fastest measured split at every 31B shape for M = 16,
+    64 and 256)."""
+    slots = RESIDENT_CTAS[block_m] * sm_count
     slices = -(-k // BLOCK_K)
-    split = 1
+    best, best_waves = 1, float(-(-tiles // slots))
     for s in SPLITS[1:]:
-        if tiles * split >= sm_count or slices < s * MIN_SLICES_PER_SPLIT:
+        if slices < s * MIN_SLICES_PER_SPLIT:
             break
-        split = s
-    return split
+        waves = -(-tiles * s // slots) / s
+        if waves < SPLIT_GAIN * best_waves:
+            best, best_waves = s, waves
+    return best
 
 
 def launch_geometry(m: int, n: int, k: int, sm_count: int, block_m: int | None = None,
@@ -74,7 +83,7 @@ def launch_geometry(m: int, n: int, k: int, sm_count: int, block_m: int | None =
     if n_tiles > MAX_GRID_Y:
         raise ValueError(f"gemm_fp8w: N={n} exceeds {MAX_GRID_Y * BLOCK_N}")
     m_tiles = -(-m // block_m)
-    split = default_split(m_tiles * n_tiles, k, sm_count) if split is None else split
+    split = default_split(m_tiles * n_tiles, k, block_m, sm_count) if split is None else split
     if split not in SPLITS:
         raise ValueError(f"gemm_fp8w: split {split} not one of {SPLITS}")
     return Launch(entry_name(block_m, split), (m_tiles, n_tiles, split), (THREADS, 1, 1),
