@@ -50,6 +50,10 @@ TARGETS: dict[str, TargetSpec] = {
         ("quantize_int8", quantize_int8.run),  # then matrices to int8 + per-row scale
     ), _XLA_EMITS + "; int8 per-channel weights, bf16 KV cache"),
     "xla-f32": TargetSpec("xla-f32", (), _XLA_EMITS + "; float32 everything (exact tests)"),
+    "xla-fp8": TargetSpec("xla-fp8", (
+        ("cast_bf16", cast_bf16.run),
+        ("quantize_fp8", quantize_fp8.run),  # the same FP8 model as h100-fp8, through XLA
+    ), _XLA_EMITS + "; FP8 e4m3 per-channel weights, bf16 KV cache (cross-checks h100-fp8)"),
     "h100-fp8": TargetSpec("h100-fp8", (
         ("cast_bf16", cast_bf16.run),  # norms float32, embedding/head and KV cache bf16
         ("quantize_fp8", quantize_fp8.run),  # linears to e4m3 + per-row scale

@@ -38,6 +38,7 @@ from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import (
     attn_decode,
     gelu_mul,
+    gemm_fp8w,
     gemv_bf16,
     gemv_fp8,
     head,
@@ -381,7 +382,13 @@ class _EntryLowering:
         self.pending = None
 
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
-        """y[rows, n] = x[rows, k] (bf16) @ W^T, in groups of the GEMV's MAX_ROWS rows."""
+        """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
+        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS."""
+        if scale is not None and rows > gemv_fp8.MAX_ROWS:
+            g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
+            self.emit(gemm_fp8w.SOURCE, g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), w,
+                      scale, x, y, _i32(rows), _i32(n), _i32(k))
+            return
         step = gemv_fp8.MAX_ROWS
         for r0 in range(0, rows, step):
             r = min(step, rows - r0)

@@ -216,6 +216,8 @@ _REFS = {
 def _kernel_ref(kernel: str):
     if kernel in _REFS:
         return _REFS[kernel]
+    if kernel.startswith("gemm_fp8w_"):  # the prefill GEMM: the GEMV's arguments and product
+        return _gemv_fp8
     if kernel.startswith("attn_decode_keqv_"):
         return _attn_keqv
     if kernel.startswith("attn_decode_d"):
