@@ -203,11 +203,16 @@ class XlaRun:
             filled[full] = filled.get(full, 0) + 1
         assert set(filled) == {p.name for p in ir.params}  # every weight placed
         self.weights = {k: jnp.asarray(v) for k, v in arrays.items()}
+        kinds = self.prog.kinds.values()
+        blocks = {k.name: slots * k.table_width for k in kinds}
         self.caches = {k: jnp.zeros(s.shape, s.dtype)
-                       for k, s in cache_shapes(ir, self.plan, slots).items()}
+                       for k, s in cache_shapes(ir, self.plan, blocks).items()}
+        # Paged KV: slot b always uses blocks [b * width, (b + 1) * width) of every kind.
+        self.tables = {k.name: np.arange(blocks[k.name], dtype=np.int32).reshape(slots, -1)
+                       for k in kinds}
 
         def step(w, c, tokens, start, n_new):
-            c, h = self.prog.forward(w, c, tokens, start, n_new)
+            c, h = self.prog.forward(w, c, tokens, start, n_new, self.tables)
             return c, self.prog.head(w, h)
 
         self._step = jax.jit(step)
@@ -218,8 +223,8 @@ class XlaRun:
         return np.asarray(lg)
 
     def slot_logits(self, tokens, slot, start, n_new) -> np.ndarray:
-        self.caches, lg = self._logits(self.weights, self.caches, tokens, np.int32(slot), start,
-                                       n_new)
+        tables = {k: v[slot:slot + 1] for k, v in self.tables.items()}
+        self.caches, lg = self._logits(self.weights, self.caches, tokens, start, n_new, tables)
         return np.asarray(lg)
 
 

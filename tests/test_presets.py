@@ -21,6 +21,7 @@ from rvcompile.targets.xla.program import (
     cache_shapes,
     plan_layout,
     sampling_shapes,
+    table_shapes,
     weight_shapes,
 )
 
@@ -109,16 +110,18 @@ def test_xla_program_traces(preset):
     assert sum(a["nbytes"] for a in arrays) == sum(sizes[n] for n in slices)
     assert nbytes >= sum(a["nbytes"] for a in arrays)
     assert {n: len(v) for n, v in slots.items()} == {n: slices.count(n) for n in sizes}
-    ws, cs = weight_shapes(ir, plan), cache_shapes(ir, plan, 2)
     prog = Program(ir, plan)
+    ws = weight_shapes(ir, plan)
+    cs = cache_shapes(ir, plan, {k.name: 2 * k.table_width for k in prog.kinds.values()})
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    caches, tok = jax.eval_shape(prog.decode, ws, cs, i32(2, 1), i32(2), i32(2),
-                                 *sampling_shapes(2))
+    caches, tok = jax.eval_shape(prog.step, ws, cs, i32(2, 1), i32(2), i32(2),
+                                 table_shapes(prog.kinds, 2), *sampling_shapes(2))
     assert tok.shape == (2,)
     assert {k: (v.shape, v.dtype) for k, v in caches.items()} == \
         {k: (v.shape, v.dtype) for k, v in cs.items()}
-    _, logits = jax.eval_shape(prog.logits, ws, cs, i32(1, MAX_CHUNK), i32(), i32(1), i32(1))
+    _, logits = jax.eval_shape(prog.logits, ws, cs, i32(1, MAX_CHUNK), i32(1), i32(1),
+                               table_shapes(prog.kinds, 1))
     assert logits.shape == (1, MAX_CHUNK, cfg.vocab_size)

@@ -1,4 +1,5 @@
-"""The KV block pool: the one owner of KV-cache block ids (issue 4's paged KV with prefix caching).
+"""Paged KV with prefix caching: `BlockPool`, the one owner of one kind's block ids, and `PagedKv`,
+which keeps every sequence's blocks across the executor's KV kinds (executor_api).
 
 Blocks hold `block_size` tokens. A full block may be registered under a chained hash: the hash
 of its parent block's hash and its own token ids, so equal prefixes share blocks. A block's
@@ -7,6 +8,12 @@ its hash, and a later sequence with the same prefix can take it back (a prefix-c
 `allocate` takes free blocks from the head of the queue (least recently freed first), evicting
 their cached hash, and returns None when too few are free, so the scheduler can preempt. It never
 allocates part of a request. Pure Python: no arrays, no device.
+
+`PagedKv` holds one BlockPool per kind. Full-attention kinds keep every block of a sequence;
+sliding kinds keep only the blocks a later token can still see (the window) and give the rest
+back, still cached. A prefix hit needs, for every kind, the blocks the first new token reads: all
+of them for full kinds, the window's for sliding kinds. So a shared system prompt is prefilled
+once, sliding layers included.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from rvcompile.runtime.executor_api import KvKind
 
 ROOT_HASH = b"\x00" * 32  # the parent of a sequence's first block
 
@@ -91,6 +100,17 @@ class BlockPool:
             block.hash = h
         return h
 
+    def cached(self, h: bytes) -> int | None:
+        """The block registered under hash `h`, if it is still cached."""
+        return self._cached.get(h)
+
+    def take(self, bid: int) -> None:
+        """Add a reference to block `bid` (a cached block found by `cached`)."""
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+        block.ref_count += 1
+
     def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], bytes]:
         """The longest run of cached full blocks that `tokens` starts with. Each is taken (ref
         count + 1, removed from the free queue). Returns (block ids, hash of the last matched
@@ -98,13 +118,114 @@ class BlockPool:
         ids, parent = [], ROOT_HASH
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
             h = block_hash(parent, tokens[start:start + self.block_size])
-            bid = self._cached.get(h)
+            bid = self.cached(h)
             if bid is None:
                 break
-            block = self.blocks[bid]
-            if block.ref_count == 0:
-                del self._free[bid]
-            block.ref_count += 1
+            self.take(bid)
             ids.append(bid)
             parent = h
         return ids, parent
+
+
+@dataclass
+class SeqBlocks:
+    """The KV blocks one sequence holds."""
+
+    held: dict[str, dict[int, int]]  # kind -> logical block index -> block id
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each complete block
+
+    def count(self) -> int:
+        return sum(len(h) for h in self.held.values())
+
+
+class PagedKv:
+    """Every sequence's KV blocks, over one BlockPool per kind."""
+
+    def __init__(self, kinds: dict[str, KvKind], block_size: int):
+        self.kinds, self.block_size = kinds, block_size
+        self.pools = {k.name: BlockPool(k.num_blocks, block_size) for k in kinds.values()}
+
+    def num_used(self, kind: str) -> int:
+        return len(self.pools[kind].blocks) - self.pools[kind].num_free
+
+    def empty(self) -> SeqBlocks:
+        return SeqBlocks({k: {} for k in self.kinds})
+
+    def _needed(self, kind: KvKind, first: int, end: int) -> range:
+        """Logical blocks a step over positions [first, end) reads or writes."""
+        lo = 0 if kind.window is None else max(0, first - kind.window + 1) // self.block_size
+        return range(lo, -(-end // self.block_size))
+
+    def match(self, tokens: Sequence[int]) -> tuple[SeqBlocks, int]:
+        """A new sequence over `tokens`, holding the longest cached prefix that every kind can
+        resume from (at least the last token is left to run). Returns (blocks, cached tokens)."""
+        bs = self.block_size
+        hashes, parent = [], ROOT_HASH
+        for j in range((len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[j * bs:(j + 1) * bs])
+            hashes.append(parent)
+        n = len(hashes)
+        while n > 0 and not all(self.pools[k.name].cached(hashes[j]) is not None
+                                for k in self.kinds.values()
+                                for j in self._needed(k, n * bs, n * bs)):
+            n -= 1
+        seq = self.empty()
+        seq.hashes = hashes[:n]
+        for k in self.kinds.values():
+            for j in self._needed(k, n * bs, n * bs):
+                bid = self.pools[k.name].cached(hashes[j])
+                self.pools[k.name].take(bid)
+                seq.held[k.name][j] = bid
+        return seq, n * bs
+
+    def ensure(self, seq: SeqBlocks, start: int, end: int) -> bool:
+        """Give `seq` blocks for positions [start, end) in every kind, all or nothing. False
+        when a pool has too few free blocks (the scheduler then preempts)."""
+        bs = self.block_size
+        missing = {name: [j for j in range(start // bs, -(-end // bs)) if j not in held]
+                   for name, held in seq.held.items()}
+        if any(len(js) > self.pools[name].num_free for name, js in missing.items()):
+            return False
+        for name, js in missing.items():
+            for j, bid in zip(js, self.pools[name].allocate(len(js)), strict=True):
+                seq.held[name][j] = bid
+        return True
+
+    def commit(self, seq: SeqBlocks, tokens: Sequence[int], cached: int) -> None:
+        """After a step: `cached` tokens of `tokens` are in the blocks. Register the blocks it
+        completed (for prefix hits) and give back sliding blocks no later token can see."""
+        bs = self.block_size
+        parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+        for j in range(len(seq.hashes), cached // bs):
+            block = tokens[j * bs:(j + 1) * bs]
+            h = block_hash(parent, block)
+            for name, held in seq.held.items():
+                if j in held:
+                    self.pools[name].register(held[j], parent, block)
+            seq.hashes.append(h)
+            parent = h
+        for k in self.kinds.values():
+            if k.window is not None:
+                keep = self._needed(k, cached, cached).start
+                gone = sorted(j for j in seq.held[k.name] if j < keep)
+                self.pools[k.name].free([seq.held[k.name].pop(j) for j in gone])
+
+    def tables(self, seq: SeqBlocks) -> dict[str, list[int]]:
+        """The executor's block tables of `seq` (see executor_api); unused entries are 0."""
+        out = {}
+        for k in self.kinds.values():
+            table = [0] * k.table_width
+            entries = {j % k.table_width if k.ring else j: bid
+                       for j, bid in seq.held[k.name].items()}
+            if len(entries) < len(seq.held[k.name]):  # the ring is sized so this cannot be
+                raise RuntimeError(f"two held {k.name} KV blocks share a ring entry")
+            for i, bid in entries.items():
+                table[i] = bid
+            out[k.name] = table
+        return out
+
+    def free(self, seq: SeqBlocks) -> None:
+        """Give back every block of `seq`, tail first (so the prefix stays cached longest)."""
+        for name, held in seq.held.items():
+            self.pools[name].free([held[j] for j in sorted(held)])
+            held.clear()

@@ -5,12 +5,15 @@
     for piece in m.generate_stream(...): ...      # text pieces as tokens arrive
     m.logits(token_ids) -> np.ndarray [T, vocab]  # teacher-forced, every position
 
-Model owns tokenization, chat templating, chunked prefill and the decode loop with stop checks;
-the executor only runs entry points. Single-sequence generation uses slot 0.
+Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
+paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
+serve` drives from a background thread. Call generate and logits from one thread, and not while
+a server runs the engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from rvcompile.runtime.engine import Engine, Request
+from rvcompile.runtime.executor_api import Executor, Sampling
 
 
 @dataclass
@@ -37,7 +43,8 @@ class GenerationResult:
 
 
 class Model:
-    def __init__(self, art, executor):
+    def __init__(self, art, executor: Executor, *, max_num_seqs: int | None = None,
+                 max_model_len: int | None = None):
         self.art, self.executor = art, executor
         self.manifest = art.manifest
         self.tokenizer = Tokenizer.from_str(bytes(art.buffer("tokenizer")).decode())
@@ -48,7 +55,10 @@ class Model:
         eos = self.generation_config.get("eos_token_id", cfg.get("eos_token_id", 1))
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
         self.bos_id = int(self.generation_config.get("bos_token_id", 2))
-        self.max_context = executor.max_context
+        self.engine = Engine(executor, self.decode, self.eos_ids, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len)
+        self.max_context = self.engine.max_model_len
+        self._ids = itertools.count()
 
     # ------------------------------------------------------------------ text
 
@@ -84,11 +94,8 @@ class Model:
     # ------------------------------------------------------------------ model
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(token_ids, np.int32)
-        self._check_length(len(ids), 0)
-        ex = self.executor
-        rows = [ex.logits(0, ids[s:s + ex.max_chunk], s) for s in range(0, len(ids), ex.max_chunk)]
-        return np.concatenate(rows, axis=0)
+        self._check_length(len(token_ids), 0)
+        return self.engine.logits(token_ids)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -124,59 +131,29 @@ class Model:
         """Yields (final text so far, GenerationResult so far) after each new token."""
         ids = self._prompt_ids(prompt, chat)
         self._check_length(len(ids), max_tokens)
-        ex = self.executor
-        seed = int(seed) & 0x7FFFFFFF
+        request = Request(f"generate-{next(self._ids)}", ids, max_tokens,
+                          Sampling(temperature, top_k, top_p, int(seed) & 0x7FFFFFFF),
+                          tuple(stop), ignore_eos)
         t0 = time.perf_counter()
-        tok = None
-        for s in range(0, len(ids), ex.max_chunk):
-            chunk = np.asarray(ids[s:s + ex.max_chunk], np.int32)
-            tok = ex.prefill(0, chunk, s, ex._sampling(1, temperature, top_k, top_p, seed, 0))
+        self.engine.add(request)
         res = GenerationResult([], "", "length", len(ids))
-        res.ttft_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        pos = len(ids)
-        slots = ex.slots
-        active = np.zeros(slots, np.int32)
-        active[0] = 1
-        while True:
-            if tok in self.eos_ids and not ignore_eos:
-                res.finish_reason = "stop"
-                break
-            res.token_ids.append(tok)
-            text, hit = self._stop_check(self.decode(res.token_ids), stop)
-            res.decode_s = time.perf_counter() - t1
-            if hit:
-                res.text, res.finish_reason = text, "stop"
-                yield text, res
-                break
-            res.text = text
-            yield _stable_prefix(text, stop), res
-            if len(res.token_ids) >= max_tokens:
-                break
-            tokens = np.zeros(slots, np.int32)
-            tokens[0] = tok
-            start = np.zeros(slots, np.int32)
-            start[0] = pos
-            step = len(res.token_ids)
-            tok = int(ex.decode(tokens, start, active,
-                                ex._sampling(slots, temperature, top_k, top_p, seed, step))[0])
-            pos += 1
-        res.decode_s = time.perf_counter() - t1
-        yield res.text, res
-
-    @staticmethod
-    def _stop_check(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-        cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
-        return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-def _stable_prefix(text: str, stop: Sequence[str]) -> str:
-    """Text safe to emit: no trailing partial UTF-8 char, nor a possible start of a stop string."""
-    text = text.rstrip("\ufffd")
-    hold = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return text[:len(text) - hold]
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.id != request.id:
+                        continue
+                    now = time.perf_counter()
+                    if not res.ttft_s:
+                        res.ttft_s = now - t0
+                    res.decode_s = now - t0 - res.ttft_s
+                    res.token_ids += out.token_ids
+                    res.text += out.text
+                    if out.finished:
+                        res.finish_reason = out.finish_reason
+                        res.stats = {"cached_prompt_tokens": out.cached_tokens}
+                    yield res.text, res
+                    if out.finished:
+                        return
+        finally:
+            if not res.stats:  # abandoned by the caller: free it at the next step
+                self.engine.abort(request.id)

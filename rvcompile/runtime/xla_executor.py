@@ -1,6 +1,7 @@
-"""Executor for XLA-target artifacts: maps weights, deserializes the jax.export programs,
-compiles them once (through a persistent cache keyed on the artifact and jax version) and runs
-prefill / decode / logits over KV-cache slots. Makes no policy: Model drives it.
+"""Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
+paged KV pools, deserializes the jax.export programs, compiles them once for the chosen pool
+sizes (through a persistent cache keyed on the artifact and jax version) and runs prefill /
+decode / logits over sequences' block tables. Makes no policy: the engine drives it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
+from rvcompile.runtime.executor_api import KvKind, SeqChunk
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -30,9 +32,38 @@ def _cache_dir(art: Artifact) -> Path:
     return root / "xla" / f"{art.sections['programs'].sha256[:16]}-jax{jax.__version__}"
 
 
-def check_fits(art: Artifact) -> None:
+def kv_kinds(art: Artifact, blocks: dict[str, int] | None = None) -> dict[str, KvKind]:
+    """The artifact's KV kinds with `blocks[kind]` blocks each (default: the manifest's, one
+    whole sequence per decode slot). Raises ArtifactError for an artifact without paged KV."""
+    m = art.manifest["xla"]
+    if "kv" not in m:
+        raise ArtifactError(f"{art.path.name}: built before paged KV caches; rebuild it")
+    kinds = m["kv"]["kinds"]
+    blocks = blocks or {}
+    unknown = set(blocks) - set(kinds)
+    if unknown:
+        raise ArtifactError(f"{art.path.name}: has no KV kind {sorted(unknown)[0]!r} "
+                            f"(kinds: {', '.join(kinds)})")
+    out = {}
+    for name, k in kinds.items():
+        n = int(blocks.get(name, k["default_blocks"]))
+        if n < k["table_width"]:
+            raise ArtifactError(f"{art.path.name}: {n} {name} KV blocks cannot hold one "
+                                f"sequence; need at least {k['table_width']}")
+        out[name] = KvKind(name, k["table_width"], k["ring"], k["window"], n)
+    return out
+
+
+def kv_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
+    """Device bytes of the KV pools."""
+    return sum(p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
+               * numpy_dtype(p["dtype"]).itemsize for p in art.manifest["xla"]["kv"]["pools"])
+
+
+def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
     """Refuse, before reading any weights, an artifact this machine cannot run: its platform,
-    its jax version, or (where the device reports it) free device memory."""
+    its jax version, or (where the device reports it) free device memory for the weights and
+    KV pools of `blocks` blocks per kind."""
     m = art.manifest["xla"]
     platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
     check_platform(art.header, platform)
@@ -40,9 +71,7 @@ def check_fits(art: Artifact) -> None:
         raise ArtifactError(
             f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
             f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
-    need = sum(a["nbytes"] for a in m["weights"]) + sum(
-        int(np.prod(c["shape"])) * numpy_dtype(c["dtype"]).itemsize
-        for c in m["caches"])
+    need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kv_kinds(art, blocks))
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -53,18 +82,22 @@ def check_fits(art: Artifact) -> None:
 
 
 class XlaExecutor:
-    def __init__(self, art: Artifact):
-        check_fits(art)
+    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None):
+        check_fits(art, blocks)
         self.art = art
         m = art.manifest["xla"]
-        self.slots, self.max_context = m["slots"], m["max_context"]
+        self.decode_width, self.max_context = m["slots"], m["max_context"]
         self.max_chunk, self.buckets = m["max_chunk"], tuple(m["prefill_buckets"])
+        self.block_size = m["kv"]["block_size"]
+        self.kinds = kv_kinds(art, blocks)
         t0 = time.perf_counter()
         self.weights = {a["key"]: jax.device_put(
             art.array("weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
             for a in m["weights"]}
-        self.caches = {c["key"]: jnp.zeros(c["shape"], numpy_dtype(c["dtype"]))
-                       for c in m["caches"]}
+        self.caches = {
+            p["key"]: jnp.zeros((p["layers"], self.kinds[p["kind"]].num_blocks,
+                                 *p["block_shape"]), numpy_dtype(p["dtype"]))
+            for p in m["kv"]["pools"]}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -83,7 +116,10 @@ class XlaExecutor:
 
         def compile_entry(name: str):
             kind, size = name.rsplit("_", 1)
-            args = self._dummy_args(kind, int(size))
+            batch, t = (int(size), 1) if kind == "decode" else (1, int(size))
+            args = self._lane_args(batch, t)
+            if kind != "logits":
+                args += _sampling([], batch)
             return fn_by_name[name].lower(self.weights, self.caches, *args).compile()
 
         fn_by_name = dict(self.fns)
@@ -92,21 +128,20 @@ class XlaExecutor:
             self.fns = dict(zip(fn_by_name, pool.map(compile_entry, fn_by_name), strict=True))
         return time.perf_counter() - t0
 
-    def _dummy_args(self, kind: str, size: int):
-        i32 = np.int32
-        one = np.zeros(1, i32)
-        if kind == "prefill":
-            return (np.zeros((1, size), i32), i32(0), one, one, *self._sampling(1))
-        if kind == "decode":
-            z = np.zeros(size, i32)
-            return (np.zeros((size, 1), i32), z, z, *self._sampling(size))
-        return (np.zeros((1, size), i32), i32(0), one, one)
-
-    @staticmethod
-    def _sampling(n: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0):
-        return (np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
-                np.full(n, top_p, np.float32), np.full(n, seed, np.int32),
-                np.full(n, step, np.int32))
+    def _lane_args(self, batch: int, t: int, lanes=()) -> tuple:
+        """tokens [batch,t], start [batch], n_new [batch], tables {kind: [batch, width]}; lanes
+        past len(lanes) are idle (n_new 0)."""
+        tokens = np.zeros((batch, t), np.int32)
+        start = np.zeros(batch, np.int32)
+        n_new = np.zeros(batch, np.int32)
+        tables = {k.name: np.zeros((batch, k.table_width), np.int32)
+                  for k in self.kinds.values()}
+        for i, c in enumerate(lanes):
+            tokens[i, :len(c.tokens)] = c.tokens
+            start[i], n_new[i] = c.start, len(c.tokens)
+            for name, table in c.tables.items():
+                tables[name][i] = table
+        return tokens, start, n_new, tables
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -114,26 +149,36 @@ class XlaExecutor:
                 return b
         raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
 
-    def prefill(self, slot: int, tokens: np.ndarray, start: int, sampling) -> int:
-        b = self.bucket(len(tokens))
-        padded = np.zeros((1, b), np.int32)
-        padded[0, :len(tokens)] = tokens
+    def prefill(self, chunk: SeqChunk) -> int:
+        b = self.bucket(len(chunk.tokens))
         self.caches, tok = self.fns[f"prefill_{b}"](
-            self.weights, self.caches, padded, np.int32(slot), np.array([start], np.int32),
-            np.array([len(tokens)], np.int32), *sampling)
+            self.weights, self.caches, *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
         return int(tok[0])
 
-    def decode(self, tokens: np.ndarray, start: np.ndarray, active: np.ndarray,
-               sampling) -> np.ndarray:
-        self.caches, tok = self.fns[f"decode_{self.slots}"](
-            self.weights, self.caches, tokens.reshape(self.slots, 1).astype(np.int32),
-            start.astype(np.int32), active.astype(np.int32), *sampling)
-        return np.asarray(tok)
+    def decode(self, lanes) -> list[int]:
+        if len(lanes) > self.decode_width:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        w = self.decode_width
+        self.caches, tok = self.fns[f"decode_{w}"](
+            self.weights, self.caches, *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
+        return np.asarray(tok)[:len(lanes)].tolist()
 
-    def logits(self, slot: int, tokens: np.ndarray, start: int) -> np.ndarray:
-        padded = np.zeros((1, self.max_chunk), np.int32)
-        padded[0, :len(tokens)] = tokens
-        self.caches, lg = self.fns[f"logits_{self.max_chunk}"](
-            self.weights, self.caches, padded, np.int32(slot), np.array([start], np.int32),
-            np.array([len(tokens)], np.int32))
-        return np.asarray(lg)[0, :len(tokens)]
+    def logits(self, chunk: SeqChunk) -> np.ndarray:
+        c = self.max_chunk
+        self.caches, lg = self.fns[f"logits_{c}"](
+            self.weights, self.caches, *self._lane_args(1, c, [chunk]))
+        return np.asarray(lg)[0, :len(chunk.tokens)]
+
+
+def _sampling(lanes, batch: int) -> tuple[np.ndarray, ...]:
+    """temperature, top_k, top_p, seed, step [batch]; idle lanes greedy."""
+    temperature = np.zeros(batch, np.float32)
+    top_k = np.zeros(batch, np.int32)
+    top_p = np.ones(batch, np.float32)
+    seed = np.zeros(batch, np.int32)
+    step = np.zeros(batch, np.int32)
+    for i, c in enumerate(lanes):
+        s = c.sampling
+        temperature[i], top_k[i], top_p[i], seed[i], step[i] = (
+            s.temperature, s.top_k, s.top_p, s.seed, c.step)
+    return temperature, top_k, top_p, seed, step

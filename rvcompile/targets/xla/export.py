@@ -2,7 +2,9 @@
 
 `lower_to_xla` returns the serialized entry points (StableHLO for every requested platform) and
 the manifest fragment the runtime needs to call them: the weight layout (offset of each array in
-the "weights" section), cache shapes, buckets and the exporting jax version.
+the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
+exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
+"default_blocks" give every slot a whole sequence.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import jaxlib
 from jax import export
 
 from rvcompile.ir.graph import ModelIR
+from rvcompile.targets.xla.lower import BLOCK_SIZE
 from rvcompile.targets.xla.program import (
     LayoutPlan,
     Program,
+    cache_pools,
     cache_shapes,
     plan_layout,
     sampling_shapes,
+    table_shapes,
     weight_shapes,
 )
 
@@ -73,20 +78,24 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     plan = plan_layout(ir)
     prog = Program(ir, plan)
-    ws, cs = weight_shapes(ir, plan), cache_shapes(ir, plan, slots)
+    kinds = prog.kinds
+    symbols = export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds))
+    ws = weight_shapes(ir, plan)
+    cs = cache_shapes(ir, plan, dict(zip(kinds, symbols, strict=True)))
     i32 = jnp.int32
 
     def sds(shape, dtype=i32):
         return jax.ShapeDtypeStruct(shape, dtype)
 
+    def lane_args(batch: int, t: int) -> tuple:
+        return (ws, cs, sds((batch, t)), sds((batch,)), sds((batch,)),
+                table_shapes(kinds, batch))
+
     entries: dict[str, tuple] = {}
     for t in prefill_buckets:
-        entries[f"prefill_{t}"] = (prog.prefill, (ws, cs, sds((1, t)), sds(()), sds((1,)),
-                                                  sds((1,)), *sampling_shapes(1)))
-    entries[f"decode_{slots}"] = (prog.decode, (ws, cs, sds((slots, 1)), sds((slots,)),
-                                               sds((slots,)), *sampling_shapes(slots)))
-    entries[f"logits_{ir.max_chunk}"] = (prog.logits, (ws, cs, sds((1, ir.max_chunk)), sds(()),
-                                                        sds((1,)), sds((1,))))
+        entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
+    entries[f"decode_{slots}"] = (prog.step, (*lane_args(slots, 1), *sampling_shapes(slots)))
+    entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
     programs = {}
     for name, (fn, args) in entries.items():
         exp = export.export(jax.jit(fn, donate_argnums=(1,)), platforms=platforms)(*args)
@@ -102,8 +111,15 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "prefill_buckets": list(prefill_buckets),
         "entry_points": sorted(programs),
         "weights": arrays,
-        "caches": [{"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype)}
-                   for k, v in cs.items()],
+        "kv": {
+            "block_size": BLOCK_SIZE,
+            "kinds": {k.name: {"table_width": k.table_width, "ring": k.ring, "window": k.window,
+                               "default_blocks": slots * k.table_width}
+                      for k in kinds.values()},
+            "pools": [{"key": key, "kind": kind, "layers": count, "block_shape": list(block),
+                       "dtype": _dtype_name(dtype)}
+                      for key, (kind, count, block, dtype) in cache_pools(ir, plan).items()],
+        },
         "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
                          for g in plan.groups],
     }

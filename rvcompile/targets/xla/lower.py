@@ -1,12 +1,16 @@
 """IR ops as JAX: each function computes what the op's numpy reference in rvcompile.ir.ops does.
 
-KV caches inside layer scans arrive as `StackedSlice(array [n, slots, S, K, D], index)`: KV_WRITE
-scatters straight into the stacked buffer (so XLA updates it in place) and every other op reads
-the slice. `run_graph` interprets one IR graph with these functions at trace time.
+The programs keep KV caches paged (see program.py): inside layer scans a cache arrives as a
+`PagedSlice` (the stacked block pool, the layer's index in it, the step's block table). KV_WRITE
+scatters straight into the pool through the table (so XLA updates it in place) and every other
+op reads the sequence's blocks gathered into a contiguous [B, S, K, D] view. A plain array is a
+contiguous cache, exactly as the IR reference has it. `run_graph` interprets one IR graph with
+these functions at trace time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,17 +28,30 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8
               "int32": jnp.int32}
 
 
+BLOCK_SIZE = 16  # tokens per KV block, for every kind and layer
+
+
 @dataclass(frozen=True)
-class StackedSlice:
-    array: jax.Array  # [n, slots, size, kv_heads, head_dim]
-    index: Any  # traced int: which of the n stacked caches
+class PagedSlice:
+    """One layer's KV cache as seen by one step: its blocks in a stacked pool."""
+
+    pool: jax.Array  # [n, blocks, BLOCK_SIZE, K, D]: n stacked layers
+    index: Any  # traced int: which of the n layers
+    table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
+    ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        b, w = self.table.shape
+        return (b, w * BLOCK_SIZE, *self.pool.shape[3:])
 
     def read(self) -> jax.Array:
-        return lax.dynamic_index_in_dim(self.array, self.index, 0, keepdims=False)
+        """The lanes' caches as contiguous slots [B, W * BLOCK_SIZE, K, D]."""
+        return self.pool[self.index, self.table].reshape(self.shape)
 
 
 def _val(v):
-    return v.read() if isinstance(v, StackedSlice) else v
+    return v.read() if isinstance(v, PagedSlice) else v
 
 
 def f32(x):
@@ -115,18 +132,25 @@ def _slots(a, cache_size, pos):
 
 
 def kv_write(a, cache, new, pos):
-    if isinstance(cache, StackedSlice):
-        arr = cache.array
-        b, t = pos.shape
-        slot = _slots(a, arr.shape[2], pos)
-        bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        li = jnp.broadcast_to(cache.index, (b, t))
-        arr = arr.at[li, bi, slot].set(new.astype(arr.dtype), mode="drop")
-        return StackedSlice(arr, cache.index)
+    if isinstance(cache, PagedSlice):
+        return _paged_kv_write(cache, new, pos)
     b, t = pos.shape
     slot = _slots(a, cache.shape[1], pos)
     bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     return cache.at[bi, slot].set(new.astype(cache.dtype), mode="drop")
+
+
+def _paged_kv_write(cache: PagedSlice, new, pos):
+    """Store each row in block table[slot // BLOCK_SIZE] at offset slot % BLOCK_SIZE; padding
+    rows (pos < 0) get an out-of-range block and are dropped."""
+    size = cache.table.shape[1] * BLOCK_SIZE
+    slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
+    block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
+    block = jnp.where(pos >= 0, block, cache.pool.shape[1])
+    layer = jnp.broadcast_to(cache.index, pos.shape)
+    pool = cache.pool.at[layer, block, slot % BLOCK_SIZE].set(new.astype(cache.pool.dtype),
+                                                             mode="drop")
+    return dataclasses.replace(cache, pool=pool)
 
 
 def cache_positions(a, cache_len):
@@ -251,14 +275,16 @@ LOWERINGS: dict[Op, Callable] = {
 }
 
 
-def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any]) -> dict[str, Any]:
-    """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs."""
+def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
+              lowerings: dict[Op, Callable] = LOWERINGS) -> dict[str, Any]:
+    """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs.
+    `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS)."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
     for n in g.nodes:
         if n.op is Op.ARG:
             v = args[n.attrs.name]
-            shape = v.array.shape[1:] if isinstance(v, StackedSlice) else v.shape
+            shape = v.shape
             for d, actual in zip(n.shape, shape, strict=True):
                 if isinstance(d, str):
                     sym.setdefault(d, actual)
@@ -271,6 +297,6 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any]) -> di
             ins = [vals[i] for i in n.inputs]
             if n.op is not Op.KV_WRITE:
                 ins = [_val(x) for x in ins]
-            v = LOWERINGS[n.op](n.attrs, *ins)
+            v = lowerings[n.op](n.attrs, *ins)
         vals.append(v)
     return {name: vals[i] for name, i in g.outputs}

@@ -1,20 +1,34 @@
-"""A ModelIR as JAX entry points whose decoder layers run as `lax.scan`s over stacked weights.
+"""A ModelIR as JAX entry points whose decoder layers run as `lax.scan`s over stacked weights,
+reading and writing a paged KV cache.
 
 Layers are cut into periods of the (nS, F) pattern; consecutive periods with the same templates
 form a group and run as one scan, so the program is as small at 60 layers as at 6. Weights and KV
-caches are flat dicts of arrays named by `LayoutPlan`: a stacked entry "g{group}.{j}.{rel}" holds
-that template PARAM for every period of the group ([count, ...]); caches "g{group}.{j}.cache_k"
-are [count, slots, size, kv_heads, head_dim].
+pools are flat dicts of arrays named by `LayoutPlan`: a stacked entry "g{group}.{j}.{rel}" holds
+that template PARAM for every period of the group ([count, ...]); pools "g{group}.{j}.cache_k"
+are [count, blocks, BLOCK_SIZE, kv_heads, head_dim].
 
-Entry points (all return the updated caches first; caches are meant to be donated):
-- prefill(weights, caches, tokens [1,T], slot, start [1], n_new [1], sampling...) -> next token [1]
-- decode(weights, caches, tokens [S,1], start [S], n_new [S], sampling...) -> next tokens [S]
-- logits(weights, caches, tokens [1,T], slot, start [1], n_new [1]) -> logits [1,T,V]
-`start` = tokens already cached in the slot; `n_new` = valid tokens in this call (0 = idle slot).
+Paged KV (`KvKind`): every layer that owns a cache is of kind "full" or "sliding", and the layers
+of one kind share block ids: block b of kind k is row b of every pool of that kind. A sequence
+reaches its blocks through one block table per kind, [B, table_width]:
+- full: entry j holds positions [16j, 16j + 16);
+- sliding: a ring of `table_width` blocks, entry j % width holding logical block j, so the table
+  always covers the window plus one prefill chunk. Slot positions follow the IR's ring
+  semantics (CACHE_POSITIONS) with size = width * BLOCK_SIZE.
+Pool sizes are symbolic in the exported programs ("blocks_full", "blocks_sliding"): the runtime
+chooses them at load.
+
+Entry points (all return the updated pools first; pools are meant to be donated):
+- prefill(weights, caches, tokens [1,T], start [1], n_new [1], tables, sampling...) -> token [1]
+- decode(weights, caches, tokens [B,1], start [B], n_new [B], tables, sampling...) -> tokens [B]
+- logits(weights, caches, tokens [1,T], start [1], n_new [1], tables) -> logits [1,T,V]
+`start` = tokens already cached; `n_new` = valid tokens in this call (0 = idle lane); `tables`
+= {kind: int32 [B, width]}. The next token is sampled from each lane's last valid row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -22,7 +36,44 @@ import jax.numpy as jnp
 from jax import lax
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
-from rvcompile.targets.xla.lower import JNP_DTYPES, StackedSlice, run_graph
+from rvcompile.ir.ops import Op
+from rvcompile.targets.xla.lower import (
+    BLOCK_SIZE,
+    JNP_DTYPES,
+    LOWERINGS,
+    PagedSlice,
+    cache_positions,
+    run_graph,
+)
+
+
+@dataclass(frozen=True)
+class KvKind:
+    """The layers whose caches share one block table and one block id space."""
+
+    name: str  # "full" or "sliding"
+    ring: bool  # sliding: the table is a ring indexed by logical block % table_width
+    table_width: int  # block table entries per sequence
+    window: int | None  # sliding window in tokens (None for full attention)
+
+
+def kv_kinds(ir: ModelIR) -> dict[str, KvKind]:
+    """The cache kinds of `ir`. A sliding ring holds every block a step can touch: the keys
+    of the window behind the chunk's first query, plus the chunk itself."""
+    full_width = math.ceil(ir.max_context / BLOCK_SIZE)
+    kinds: dict[str, KvKind] = {}
+    windows = [ir.config.layers[c.layer].window for c in ir.caches if c.ring]
+    if any(not c.ring for c in ir.caches):
+        kinds["full"] = KvKind("full", False, full_width, None)
+    if windows:
+        window = max(windows)
+        ring = math.ceil((window + ir.max_chunk - 1) / BLOCK_SIZE) + 1
+        kinds["sliding"] = KvKind("sliding", True, min(full_width, ring), window)
+    return kinds
+
+
+def kind_of(ring: bool) -> str:
+    return "sliding" if ring else "full"
 
 
 @dataclass(frozen=True)
@@ -117,7 +168,15 @@ def _cache_owner(plan: LayoutPlan, layer: int) -> tuple[int, int, int]:
     raise KeyError(layer)
 
 
-def cache_shapes(ir: ModelIR, plan: LayoutPlan, slots: int) -> dict[str, jax.ShapeDtypeStruct]:
+def cache_shapes(ir: ModelIR, plan: LayoutPlan,
+                 blocks: dict[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Pool shapes, with `blocks[kind]` blocks per pool (an int or a jax.export symbol)."""
+    return {key: jax.ShapeDtypeStruct((count, blocks[kind], *block), dtype)
+            for key, (kind, count, block, dtype) in cache_pools(ir, plan).items()}
+
+
+def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tuple, object]]:
+    """Every KV pool: key -> (kind, stacked layers, one block's shape, dtype)."""
     out = {}
     for gi, g in enumerate(plan.groups):
         for j in range(g.period):
@@ -126,8 +185,9 @@ def cache_shapes(ir: ModelIR, plan: LayoutPlan, slots: int) -> dict[str, jax.Sha
                 continue
             c = ir.cache_of(spec.index)
             for name in c.names:
-                out[f"g{gi}.{j}.{name}"] = jax.ShapeDtypeStruct(
-                    (g.count, slots, c.size, c.kv_heads, c.head_dim), JNP_DTYPES[c.dtype])
+                out[f"g{gi}.{j}.{name}"] = (kind_of(c.ring), g.count,
+                                            (BLOCK_SIZE, c.kv_heads, c.head_dim),
+                                            JNP_DTYPES[c.dtype])
     return out
 
 
@@ -136,8 +196,11 @@ class Program:
 
     def __init__(self, ir: ModelIR, plan: LayoutPlan):
         self.ir, self.plan = ir, plan
+        self.kinds = kv_kinds(ir)
+        pools = cache_pools(ir, plan)
+        self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}
 
-    def forward(self, weights, caches, tokens, start, n_new):
+    def forward(self, weights, caches, tokens, start, n_new, tables):
         """Run tokens [B,T] through the decoder; returns (caches, hidden [B,T,H])."""
         ir = self.ir
         t = tokens.shape[1]
@@ -147,12 +210,24 @@ class Program:
         emb = run_graph(ir.embed, {"tokens": tokens}, weights.__getitem__)
         h = emb["h"]
         caches = dict(caches)
+        lowerings = self._paged_lowerings()
         for gi, g in enumerate(self.plan.groups):
-            h, caches = self._run_group(gi, g, weights, caches, h, positions, cache_len,
-                                        emb.get("ple"))
+            h, caches = self._run_group(gi, g, weights, caches, tables, h, positions, cache_len,
+                                        emb.get("ple"), lowerings)
         return caches, h
 
-    def _run_group(self, gi, g, weights, caches, h, positions, cache_len, ple):
+    def _paged_lowerings(self):
+        """LOWERINGS with CACHE_POSITIONS sized by the block tables: the IR's ring semantics
+        over table_width * BLOCK_SIZE slots instead of the IR's contiguous cache size."""
+        size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
+
+        def positions(a, cache_len):
+            return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
+
+        return {**LOWERINGS, Op.CACHE_POSITIONS: positions}
+
+    def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
+                   lowerings):
         ir, cfg = self.ir, self.ir.config
         own = {k: v for k, v in caches.items() if k.startswith(f"g{gi}.")}
         stacked_w = {sp.key: weights[sp.key] for sp in self.plan.stacked if sp.group == gi}
@@ -161,6 +236,10 @@ class Program:
             b, t = ple.shape[:2]
             sl = ple[:, :, g.start:g.start + g.count * g.period]
             ple_xs = jnp.transpose(sl.reshape(b, t, g.count, g.period, -1), (2, 3, 0, 1, 4))
+
+        def paged(pools, key, index):
+            kind = self.pool_kind[key]
+            return PagedSlice(pools[key], index, tables[kind], self.kinds[kind].ring)
 
         def body(carry, xs):
             h, own = carry
@@ -177,18 +256,18 @@ class Program:
                         continue
                     if spec.kv_shared:
                         sgi, sj, sp = _cache_owner(self.plan, spec.kv_source)
-                        key = f"g{sgi}.{sj}.{name}"
-                        src = own if sgi == gi else caches
-                        args[name] = StackedSlice(src[key], sp)
+                        args[name] = paged(own if sgi == gi else caches, f"g{sgi}.{sj}.{name}",
+                                           sp)
                     else:
-                        args[name] = StackedSlice(own[f"g{gi}.{j}.{name}"], p)
+                        args[name] = paged(own, f"g{gi}.{j}.{name}", p)
                 out = run_graph(graph, args,
                                 lambda rel, j=j: lax.dynamic_index_in_dim(
-                                    stacked_w[f"g{gi}.{j}.{rel}"], p, 0, keepdims=False))
+                                    stacked_w[f"g{gi}.{j}.{rel}"], p, 0, keepdims=False),
+                                lowerings)
                 h = out["h"]
                 for name, v in out.items():
                     if name in CACHE_ARGS:
-                        own[f"g{gi}.{j}.{name}"] = v.array
+                        own[f"g{gi}.{j}.{name}"] = v.pool
             return (h, own), None
 
         xs = (jnp.arange(g.count, dtype=jnp.int32), ple_xs)
@@ -208,30 +287,23 @@ class Program:
 
     # ------------------------------------------------------------------ entry points
 
-    def _slot_caches(self, caches, slot):
-        return {k: lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in caches.items()}
-
-    def _put_slot(self, caches, slot_caches, slot):
-        return {k: lax.dynamic_update_slice_in_dim(caches[k], v, slot, axis=1)
-                for k, v in slot_caches.items()}
-
-    def prefill(self, weights, caches, tokens, slot, start, n_new, temperature, top_k, top_p,
-                seed, step):
-        sc, h = self.forward(weights, self._slot_caches(caches, slot), tokens, start, n_new)
+    def step(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
+             seed, step):
+        """prefill_{T} (one lane, T tokens) and decode_{B} (B lanes, one token each): run the
+        tokens and sample the next token of every lane from its last valid row."""
+        caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
         logits = self.head(weights, last)[:, 0]
-        tok = self.sample(weights, logits, temperature, top_k, top_p, seed, step)
-        return self._put_slot(caches, sc, slot), tok
-
-    def decode(self, weights, caches, tokens, start, n_new, temperature, top_k, top_p, seed,
-               step):
-        caches, h = self.forward(weights, caches, tokens, start, n_new)
-        logits = self.head(weights, h)[:, 0]
         return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
 
-    def logits(self, weights, caches, tokens, slot, start, n_new):
-        sc, h = self.forward(weights, self._slot_caches(caches, slot), tokens, start, n_new)
-        return self._put_slot(caches, sc, slot), self.head(weights, h)
+    def logits(self, weights, caches, tokens, start, n_new, tables):
+        caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
+        return caches, self.head(weights, h)
+
+
+def table_shapes(kinds: dict[str, KvKind], batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k.name: jax.ShapeDtypeStruct((batch, k.table_width), jnp.int32)
+            for k in kinds.values()}
 
 
 def sampling_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -1,0 +1,267 @@
+"""The engine: a one-way loop schedule -> execute -> update over any executor (executor_api),
+shared by Model.generate and `rvrun serve`.
+
+Requests come in through `add` and `abort` (thread-safe). Each `step()` takes them in, asks the
+scheduler for work, runs it on the executor (prefill chunks, then one decode call) and turns the
+sampled tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. A finished or
+aborted request's blocks go back to the pool in the same step. `EngineThread` runs steps in the
+background and hands each output to its request's sink.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rvcompile.runtime.executor_api import Executor, Sampling, SeqChunk
+from rvcompile.runtime.kv_blocks import PagedKv
+from rvcompile.runtime.scheduler import Scheduler, Seq, Work
+from rvcompile.runtime.textstream import TextStream
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()  # strings that end the text (checked on decoded text, excluded)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    id: str
+    token_ids: list[int]  # new tokens (a stop string's tokens included, EOS excluded)
+    text: str  # newly final text
+    finished: bool
+    finish_reason: str | None  # once finished: "stop", "length", "abort" or "error"
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated so far, EOS included
+    cached_tokens: int  # prompt tokens served by the prefix cache
+    error: str = ""  # with finish_reason "error"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_used: dict[str, int]  # kind -> blocks held by sequences
+    kv_total: dict[str, int]  # kind -> blocks in the pool
+    prefix_queried: int  # prompt tokens admitted
+    prefix_hit: int  # of them, served from the prefix cache
+    preemptions: int
+    steps: int
+
+
+@dataclass(eq=False)
+class _Live:
+    request: Request
+    seq: Seq
+    text: TextStream
+
+
+class Engine:
+    def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
+                 eos_ids: frozenset[int], *, max_num_seqs: int | None = None,
+                 max_model_len: int | None = None, prefill_budget: int | None = None):
+        self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
+        self.max_num_seqs = min(max_num_seqs or executor.decode_width, executor.decode_width)
+        self.max_model_len = min(max_model_len or executor.max_context, executor.max_context)
+        self.kv = PagedKv(executor.kinds, executor.block_size)
+        self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
+                                   max_chunk=executor.max_chunk,
+                                   prefill_budget=prefill_budget or executor.max_chunk)
+        self._lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._live: dict[str, _Live] = {}
+        self._order = itertools.count()
+        self.steps = self.preemptions = 0
+
+    # ------------------------------------------------------------------ requests (any thread)
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError, naming the numbers, for a request this engine cannot run."""
+        if prompt_len == 0:
+            raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens")
+
+    def add(self, request: Request) -> None:
+        self.check(len(request.prompt_ids), request.max_tokens)
+        with self._lock:
+            self._inbox.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the start of the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            if self._inbox or self._aborts:
+                return True
+        return bool(self._live)
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._inbox) + len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting),
+                           {k: self.kv.num_used(k) for k in self.kv.pools},
+                           {k: len(p.blocks) for k, p in self.kv.pools.items()},
+                           s.prefix.queried, s.prefix.hit, self.preemptions, self.steps)
+
+    # ------------------------------------------------------------------ the loop (one thread)
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        outputs: list[RequestOutput] = []
+        for r in inbox:
+            seq = Seq(r.id, list(r.prompt_ids), r.sampling, next(self._order))
+            self._live[r.id] = _Live(r, seq, TextStream(self._decode, r.stop))
+            self.scheduler.add(seq)
+        for rid in aborts:
+            if rid in self._live:
+                outputs.append(self._finish(self._live[rid], "abort", []))
+        sched = self.scheduler.schedule()
+        self.preemptions += len(sched.preempted)
+        done: list[tuple[Work, int]] = [(w, self.executor.prefill(w.chunk))
+                                        for w in sched.prefills]
+        if sched.decodes:
+            tokens = self.executor.decode([w.chunk for w in sched.decodes])
+            done += zip(sched.decodes, tokens, strict=True)
+        for work, token in done:
+            new = self.scheduler.advance(work, token)
+            if new is not None:
+                outputs.append(self._emit(self._live[work.seq.id], new))
+        self.steps += 1
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with finish_reason "error" (the executor failed)."""
+        with self._lock:
+            inbox, self._inbox, self._aborts = self._inbox, [], []
+        outputs = [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0, error)
+                   for r in inbox]
+        for live in list(self._live.values()):
+            outputs.append(self._finish(live, "error", [], error))
+        return outputs
+
+    def _emit(self, live: _Live, token: int) -> RequestOutput:
+        r = live.request
+        if token in self.eos_ids and not r.ignore_eos:
+            return self._finish(live, "stop", [])
+        text, hit = live.text.add(token)
+        if hit:
+            return self._finish(live, "stop", [token], text)
+        if len(live.text.token_ids) >= r.max_tokens:
+            return self._finish(live, "length", [token], text)
+        return self._output(live, [token], text, None)
+
+    def _finish(self, live: _Live, reason: str, token_ids: list[int], text: str = "",
+                error: str = "") -> RequestOutput:
+        self.scheduler.remove(live.seq)
+        del self._live[live.request.id]
+        if reason in ("stop", "length"):
+            text += live.text.finish()
+        return self._output(live, token_ids, text, reason, error)
+
+    @staticmethod
+    def _output(live: _Live, token_ids: list[int], text: str, reason: str | None,
+                error: str = "") -> RequestOutput:
+        seq = live.seq
+        return RequestOutput(live.request.id, token_ids, text, reason is not None, reason,
+                             len(seq.prompt), len(seq.output), seq.cached_prompt, error)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits [T, vocab] of every position, chunk by chunk (call it only while
+        no step runs)."""
+        ids = [int(t) for t in token_ids]
+        if not 0 < len(ids) <= self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens; logits takes 1 to {self.max_model_len}")
+        blocks = self.kv.empty()
+        rows = []
+        try:
+            for s in range(0, len(ids), self.executor.max_chunk):
+                e = min(len(ids), s + self.executor.max_chunk)
+                if not self.kv.ensure(blocks, s, e):
+                    raise RuntimeError("the KV pools are full: logits runs only while the "
+                                       "engine is idle")
+                rows.append(self.executor.logits(SeqChunk(ids[s:e], s, self.kv.tables(blocks))))
+                self.kv.commit(blocks, ids, e)
+        finally:
+            self.kv.free(blocks)
+        return np.concatenate(rows, axis=0)
+
+
+class EngineThread:
+    """Runs engine steps in a background thread while there is work, handing each output to the
+    sink its request was submitted with (sinks run on the engine thread: keep them short)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._stopped = False
+        self.error = ""  # set when the executor failed; every later step would fail too
+        self._thread = threading.Thread(target=self._run, name="rvrun-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, sink: Callable[[RequestOutput], None]) -> None:
+        """Queue a request (raises ValueError for one the engine cannot run, RuntimeError once
+        the executor has failed)."""
+        with self._cv:
+            if self.error:
+                raise RuntimeError(self.error)
+            self._sinks[request.id] = sink
+            try:
+                self.engine.add(request)
+            except ValueError:
+                del self._sinks[request.id]
+                raise
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            if request_id in self._sinks:
+                self.engine.abort(request_id)
+                self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or self.engine.has_work())
+                if self._stopped:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the executor failed: end every request, take no more
+                self.error = f"engine step failed: {type(e).__name__}: {e}"
+                outputs = self.engine.fail_all(self.error)
+            with self._cv:
+                sinks = [(self._sinks.pop(o.id) if o.finished else self._sinks[o.id], o)
+                         for o in outputs]
+            for sink, out in sinks:
+                sink(out)

@@ -1,0 +1,73 @@
+"""The engine <-> executor contract: what a target's executor offers so that the engine (and so
+Model and `rvrun serve`) can drive it, whatever target built the artifact.
+
+The executor runs entry points over *sequences of KV blocks*; it makes no policy. The engine
+owns block ids (one BlockPool per kind), decides what runs in each call and builds each
+sequence's block tables:
+- a "full" table entry j holds the sequence's positions [j * block_size, (j + 1) * block_size);
+- a "sliding" table is a ring: entry j % table_width holds logical block j. It is wide enough
+  for a window of keys behind a chunk's first token plus the chunk itself, so the engine swaps
+  a fresh block into an entry only once the block there has left every later token's window.
+An entry nobody reads (past the sequence's length, or outside the window) may hold any id.
+Rows a call writes always land in blocks the sequence owns alone (full blocks are shared only
+once complete). Sampling runs on the device from (seed, step): the same request gives the same
+tokens however it was batched, chunked, preempted or resumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KvKind:
+    """The layers whose KV caches share one block table and one block id space."""
+
+    name: str  # "full" or "sliding"
+    table_width: int  # entries of one sequence's block table
+    ring: bool  # the table is a ring over logical blocks (sliding layers)
+    window: int | None  # sliding window in tokens; None for full attention
+    num_blocks: int  # blocks in this kind's pool
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int = 0  # 31-bit
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of one executor call."""
+
+    tokens: Sequence[int]  # tokens to run: a prefill chunk, or the one token of a decode lane
+    start: int  # the sequence's tokens already in its KV blocks (the first token's position)
+    tables: dict[str, Sequence[int]]  # kind name -> block table, table_width ids
+    sampling: Sampling = field(default_factory=Sampling)
+    step: int = 0  # the RNG step of the token sampled after this chunk: tokens generated so far
+
+
+class Executor(Protocol):
+    max_context: int  # longest sequence (prompt + generated) the programs take
+    max_chunk: int  # most tokens in one prefill or logits call
+    decode_width: int  # most sequences in one decode call
+    block_size: int  # tokens per KV block
+    kinds: dict[str, KvKind]  # by name
+
+    def prefill(self, chunk: SeqChunk) -> int:
+        """Run one chunk of one sequence; return the token sampled after its last token."""
+        ...
+
+    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+        """Run up to decode_width sequences, one token each; return each one's next token."""
+        ...
+
+    def logits(self, chunk: SeqChunk) -> np.ndarray:
+        """Run one chunk of one sequence; return float32 logits [len(tokens), vocab]."""
+        ...

@@ -1,0 +1,172 @@
+"""The scheduler: which sequences run in the next step, and in which KV blocks. Pure Python, no
+arrays; the engine executes what it returns and reports back through `advance`.
+
+One step is a decode call over every running sequence with one token left to run, plus prefill
+chunks (one sequence each, oldest first) up to a budget of tokens, so a long prompt is cut into
+chunks between decode steps and never stalls the running streams. Waiting sequences are admitted
+oldest first, reusing their longest cached prefix (PagedKv.match), while the running set is
+below its cap and the pools can hold their first chunk. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its blocks go back to the pool and
+it waits to be recomputed (its prompt and the tokens it has generated, through the prefix cache).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from rvcompile.runtime.executor_api import Sampling, SeqChunk
+from rvcompile.runtime.kv_blocks import PagedKv, SeqBlocks
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request's sequence, as the scheduler tracks it."""
+
+    id: str
+    prompt: list[int]
+    sampling: Sampling
+    order: int  # arrival order: lower runs first and is preempted last
+    output: list[int] = field(default_factory=list)  # tokens generated so far
+    cached: int = 0  # tokens whose KV are in the sequence's blocks
+    blocks: SeqBlocks | None = None  # None while waiting
+    preemptions: int = 0
+    cached_prompt: int = 0  # prompt tokens the prefix cache supplied at first admission
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        """Tokens to run before the next token can be sampled."""
+        return len(self.prompt) + len(self.output) - self.cached
+
+
+@dataclass(frozen=True)
+class Work:
+    seq: Seq
+    chunk: SeqChunk
+
+
+@dataclass
+class Schedule:
+    prefills: list[Work]  # one executor prefill call each
+    decodes: list[Work]  # one executor decode call for all
+    preempted: list[Seq]  # sent back to waiting by this schedule
+
+
+@dataclass
+class PrefixStats:
+    queried: int = 0  # prompt tokens admitted (first admissions only)
+    hit: int = 0  # of them, served from the prefix cache
+
+
+class Scheduler:
+    def __init__(self, kv: PagedKv, *, max_running: int, max_chunk: int, prefill_budget: int):
+        self.kv = kv
+        self.max_running, self.max_chunk = max_running, max_chunk
+        self.prefill_budget = prefill_budget
+        self.waiting: list[Seq] = []  # by order
+        self.running: list[Seq] = []  # by order
+        self.prefix = PrefixStats()
+
+    def add(self, seq: Seq) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+
+    def remove(self, seq: Seq) -> None:
+        """Drop a finished or aborted sequence and give back its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.blocks is not None:
+            self.kv.free(seq.blocks)
+            seq.blocks = None
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> Schedule:
+        preempted: list[Seq] = []
+        self._admit()
+        decodes: list[Seq] = []
+        for seq in list(self.running):
+            if seq in self.running and seq.pending == 1 and self._reserve(
+                    seq, 1, preempted, decodes, allow_self=True):
+                decodes.append(seq)
+        prefills: list[tuple[Seq, int]] = []
+        budget = self.prefill_budget
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running or seq.pending <= 1:
+                continue
+            n = min(seq.pending, self.max_chunk, budget)
+            if not self._reserve(seq, n, preempted, decodes, allow_self=False):
+                break
+            prefills.append((seq, n))
+            budget -= n
+        return Schedule([self._work(s, n) for s, n in prefills],
+                        [self._work(s, 1) for s in decodes], preempted)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            blocks, hit = self.kv.match(seq.tokens)
+            first = min(len(seq.tokens) - hit, self.max_chunk)
+            # Room for the first chunk, and after it a block per kind for every running
+            # sequence's next step, so admitting does not at once preempt someone.
+            reserve = len(self.running)
+            if not self.kv.ensure(blocks, hit, hit + first) or any(
+                    pool.num_free < reserve for pool in self.kv.pools.values()):
+                self.kv.free(blocks)
+                return
+            if seq.preemptions == 0:
+                self.prefix.queried += len(seq.prompt)
+                self.prefix.hit += hit
+                seq.cached_prompt = hit
+            self.waiting.pop(0)
+            seq.blocks, seq.cached = blocks, hit
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+
+    def _reserve(self, seq: Seq, n: int, preempted: list[Seq], scheduled: list[Seq],
+                 allow_self: bool) -> bool:
+        """Blocks for seq's next n tokens, preempting newer sequences while the pools are
+        short. False if seq cannot run this step (preempted itself when allow_self)."""
+        while not self.kv.ensure(seq.blocks, seq.cached, seq.cached + n):
+            victim = self.running[-1]
+            if victim is seq and not allow_self:
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim in scheduled:
+                scheduled.remove(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.blocks)
+        seq.blocks, seq.cached = None, 0
+        seq.preemptions += 1
+        self.add(seq)
+
+    def _work(self, seq: Seq, n: int) -> Work:
+        tokens = seq.tokens[seq.cached:seq.cached + n]
+        return Work(seq, SeqChunk(tokens, seq.cached, self.kv.tables(seq.blocks), seq.sampling,
+                                  len(seq.output)))
+
+    # ------------------------------------------------------------------ results
+
+    def advance(self, work: Work, token: int) -> int | None:
+        """Record that work's chunk ran and sampled `token`. Returns the token if it is the
+        sequence's next one (its last pending token ran), else None."""
+        seq = work.seq
+        seq.cached += len(work.chunk.tokens)
+        new = None
+        if seq.cached == len(seq.prompt) + len(seq.output):
+            seq.output.append(token)
+            new = token
+        self.kv.commit(seq.blocks, seq.tokens, seq.cached)
+        return new
