@@ -12,9 +12,13 @@ from rvcompile.runtime.model import GenerationResult, Model
 __all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
 
 
-def load(path: str | os.PathLike[str], *, verify: bool = True) -> Model:
+def load(path: str | os.PathLike[str], *, verify: bool = True,
+         kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
+         max_model_len: int | None = None) -> Model:
     """Open `path`, check its header and (by default) every section's sha256, then load it on
-    this machine. Raises ArtifactError with a one-line message when it doesn't fit."""
+    this machine. Raises ArtifactError with a one-line message when it doesn't fit.
+    `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
+    slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's)."""
     art = Artifact.open(Path(path))
     runtime = art.header.requirements.get("runtime")
     if runtime == "h100":
@@ -23,13 +27,18 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> Model:
         ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
         if verify:
             art.verify()
-        return Model(art, h100_executor(art, ctx))
+        if kv_blocks:
+            raise ArtifactError(f"{Path(path).name}: the KV pools of h100 artifacts are sized "
+                                "at build; kv_blocks applies to XLA artifacts")
+        return Model(art, h100_executor(art, ctx), max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len)
     if runtime != "xla":
         raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
                             "does not have")
     from rvcompile.runtime.xla_executor import XlaExecutor, check_fits
 
-    check_fits(art)
+    check_fits(art, kv_blocks)
     if verify:
         art.verify()
-    return Model(art, XlaExecutor(art))
+    return Model(art, XlaExecutor(art, kv_blocks), max_num_seqs=max_num_seqs,
+                 max_model_len=max_model_len)
