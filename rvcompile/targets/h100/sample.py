@@ -1,0 +1,113 @@
+"""Device-side sampling (kernels/sample.cu): the numpy reference, the launch plan and the limits.
+
+out[m] = ops.ref_sample over softcap(logits) (cap * tanh(x / cap) in f32; cap <= 0: no softcap):
+temperature <= 0 takes the argmax (lowest index on ties), otherwise top_k, then top_p, then the
+token at u = sampling_uniform(seed, step), so a decode step copies back token ids only.
+
+Three launches, in order on one stream, sharing one workspace of `workspace_bytes(M, V)` bytes
+(scratch only, nothing kept between calls; the kernels zero what they accumulate):
+    sample_prepare(const float* logits [M, V], int M, int V, float cap, void* ws)
+    sample_filter(int M, int V, int chunk, const float* temperature [M], const int* top_k [M],
+                  void* ws)
+    sample_pick(int M, int V, const float* temperature, const int* top_k, const float* top_p [M],
+                const int* seed [M], const int* step [M], void* ws, int* out [M])
+Geometry and shared memory: `plan(M, V, sm_count)`; the filter and pick kernels need their
+dynamic shared memory opted in (CudaContext.set_max_dynamic_smem) before the first launch.
+
+Limits: V % 128 == 0 and 128 <= V <= 2^19; M >= 1; finite logits and temperatures. Any top_k
+and top_p in (0, 1] give exactly the reference's token up to float32 rounding: the kernels sum
+weights exp(y / T - y_max / T) as exact 64-bit fixed point (2^-42), so only a draw whose u * S or
+top_p * Z falls within the reference's own float32 error of a cumulative boundary can differ.
+top_p <= 0 keeps the first token; the reference instead clamps its empty kept set to the last
+token of the sorted row (a degenerate setting the runtime should reject).
+
+Cost: greedy rows cost the prepare pass and a max. Sampling rows gather the elements at or above
+a threshold that at least min(top_k', CAND_RANK) elements reach (top_k' = top_k, or V when top_k
+<= 0 or >= V) as candidates, and sort them in shared memory (at most CAP). What lies past the
+candidates (top_k' > CAND_RANK, and top_k = 0 with the top_p mass or u * S beyond them: flat
+distributions) is found through a 4096-bucket histogram and costs sample_pick one or a few
+single-CTA passes over the row, so those draws are slower. More than CAP candidates (logits
+clustered by index, or massive ties) cost the same narrowing passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "sample.cu"
+PREPARE_ENTRY = "sample_prepare"
+FILTER_ENTRY = "sample_filter"
+PICK_ENTRY = "sample_pick"
+
+# must match the kernel (tests/test_h100_sample.py reads them from the source)
+THREADS = 1024
+GROUP = 128  # elements per group maximum
+CAND_RANK = 1024
+CAP = 2048
+BUCKETS = 4096
+MAX_GROUPS = 4096
+
+PREPARE_CHUNK = 4 * THREADS  # elements per sample_prepare CTA: one float4 per thread
+MAX_VOCAB = MAX_GROUPS * GROUP
+WARPS = THREADS // 32
+FILTER_SMEM = MAX_GROUPS * 8 + BUCKETS * 8 + (WARPS + 1) * 8 + BUCKETS * 4
+PICK_SMEM = 4 * CAP * 8 + BUCKETS * 8 + (WARPS + 1) * 8 + 2 * 8 + BUCKETS * 4 + 2 * 4
+
+
+def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
+    """The IR's SOFTCAP reference; cap <= 0 is no softcap."""
+    logits = np.asarray(logits, np.float32)
+    if cap <= 0:
+        return logits
+    return ops.OPS[ops.Op.SOFTCAP].reference(ops.SoftcapAttrs(cap), logits)
+
+
+def reference(logits, cap: float, temperature, top_k, top_p, seed, step) -> np.ndarray:
+    """int32 [M]: the IR's SAMPLE reference over softcap(logits)."""
+    return ops.ref_sample(None, softcap(logits, cap), np.asarray(temperature, np.float32),
+                          np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                          np.asarray(seed, np.int32), np.asarray(step, np.int32))
+
+
+def workspace_bytes(m: int, v: int) -> int:
+    """Bytes of the kernels' workspace (layout: carve() in the kernel)."""
+    per_row = (4 * v + 8 * (v // GROUP) + 8 * CAP + 8 * BUCKETS + 8 + 8 + 4 * BUCKETS + 4)
+    return m * per_row
+
+
+def filter_chunk(m: int, v: int, sm_count: int) -> int:
+    """Elements per sample_filter CTA: a multiple of PREPARE_CHUNK, about two CTAs per SM over all
+    rows (each CTA also re-derives the row's threshold from its group maxima)."""
+    tiles = -(-v // PREPARE_CHUNK)
+    ctas_per_row = max(1, min(tiles, -(-2 * sm_count // m)))
+    return PREPARE_CHUNK * -(-tiles // ctas_per_row)
+
+
+@dataclass(frozen=True)
+class Plan:
+    prepare: Launch
+    filter: Launch
+    pick: Launch
+    chunk: int  # sample_filter's `chunk` argument
+    workspace: int  # bytes
+
+
+def check_limits(m: int, v: int) -> None:
+    if m < 1 or v % GROUP or not GROUP <= v <= MAX_VOCAB:
+        raise ValueError(f"sampling needs M >= 1, V % {GROUP} == 0 and {GROUP} <= V <= "
+                         f"{MAX_VOCAB} (M={m}, V={v})")
+
+
+def plan(m: int, v: int, sm_count: int) -> Plan:
+    check_limits(m, v)
+    chunk = filter_chunk(m, v, sm_count)
+    block = (THREADS, 1, 1)
+    return Plan(prepare=Launch((-(-v // PREPARE_CHUNK), m, 1), block, 0),
+                filter=Launch((-(-v // chunk), m, 1), block, FILTER_SMEM),
+                pick=Launch((m, 1, 1), block, PICK_SMEM),
+                chunk=chunk, workspace=workspace_bytes(m, v))
