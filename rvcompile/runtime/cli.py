@@ -1,4 +1,5 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
+`rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
 exits 2.
@@ -14,6 +15,9 @@ from rvcompile.artifacts import ArtifactError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ppl"]:
+        return ppl_main(argv[1:])
     p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
     p.add_argument("artifact")
     p.add_argument("--prompt", required=True)
@@ -53,6 +57,49 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[rvrun] load {load_s:.2f} s (XLA compile {ex.compile_s:.2f} s) | prompt "
           f"{r.prompt_tokens} tokens | new {len(r.token_ids)} tokens ({r.finish_reason}) | "
           f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def ppl_main(argv: list[str]) -> int:
+    """Teacher-forced perplexity of a text file (rvcompile.runtime.perplexity)."""
+    p = argparse.ArgumentParser(prog="rvrun ppl", description=ppl_main.__doc__)
+    p.add_argument("artifact")
+    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens per window, BOS included (default: the artifact's context)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="text tokens between window starts (default: window // 2)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip re-hashing the sections at load (header checks still run)")
+    a = p.parse_args(argv)
+    from rvcompile.runtime import perplexity
+
+    try:
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return _fail(f"--text {a.text}: {e}")
+    if a.window is not None:  # checked before the (slow) load; the default needs the artifact
+        try:
+            perplexity.check_window(a.window, a.window // 2 if a.stride is None else a.stride)
+        except ValueError as e:
+            return _fail(str(e))
+    from rvcompile import runtime
+
+    try:
+        m = runtime.load(a.artifact, verify=not a.no_verify)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    window = m.max_context if a.window is None else a.window
+    stride = window // 2 if a.stride is None else a.stride
+    t0 = time.perf_counter()
+    try:
+        s = perplexity.text_perplexity(m, text, window=window, stride=stride)
+    except ValueError as e:
+        return _fail(str(e))
+    print(f"perplexity {s.perplexity:.4f} | {s.tokens} tokens | mean NLL {s.mean_nll:.5f} nats "
+          f"| {s.windows} windows of {window} (stride {stride}) | "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 
