@@ -76,7 +76,7 @@ class Engine:
         self.max_model_len = min(max_model_len or executor.max_context, executor.max_context)
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
-                                   max_chunk=executor.max_chunk,
+                                   prefill_buckets=tuple(executor.prefill_buckets),
                                    prefill_budget=prefill_budget or executor.max_chunk)
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
@@ -204,7 +204,7 @@ class Engine:
                     raise RuntimeError("the KV pools are full: logits runs only while the "
                                        "engine is idle")
                 rows.append(self.executor.logits(SeqChunk(ids[s:e], s, self.kv.tables(blocks))))
-                self.kv.commit(blocks, ids, e)
+                self.kv.commit(blocks, ids, e, None)  # logits rows come from another program
         finally:
             self.kv.free(blocks)
         return np.concatenate(rows, axis=0)

@@ -10,8 +10,12 @@ sequence's block tables:
   a fresh block into an entry only once the block there has left every later token's window.
 An entry nobody reads (past the sequence's length, or outside the window) may hold any id.
 Rows a call writes always land in blocks the sequence owns alone (full blocks are shared only
-once complete). Sampling runs on the device from (seed, step): the same request gives the same
-tokens however it was batched, chunked, preempted or resumed.
+once complete).
+
+Reproducibility: sampling runs on the device from (seed, step), and a row's result may depend on
+the shape of the call it runs in (the prefill row count, the decode width) but never on the
+other rows' values. The engine therefore runs every sequence through the same calls however it
+is batched, cached or preempted (`SeqChunk.rows`), and the same request gives the same tokens.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ class SeqChunk:
     tables: dict[str, Sequence[int]]  # kind name -> block table, table_width ids
     sampling: Sampling = field(default_factory=Sampling)
     step: int = 0  # the RNG step of the token sampled after this chunk: tokens generated so far
+    rows: int = 0  # prefill: run padded to this many rows, a prefill bucket (0: smallest fit)
 
 
 class Executor(Protocol):
     max_context: int  # longest sequence (prompt + generated) the programs take
     max_chunk: int  # most tokens in one prefill or logits call
+    prefill_buckets: tuple[int, ...]  # row counts of the prefill calls, ascending
     decode_width: int  # most sequences in one decode call
     block_size: int  # tokens per KV block
     kinds: dict[str, KvKind]  # by name

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,9 +30,10 @@ from rvcompile.runtime.executor_api import KvKind
 ROOT_HASH = b"\x00" * 32  # the parent of a sequence's first block
 
 
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Chained hash of one full block: sha256(parent hash || int32 token ids)."""
-    return hashlib.sha256(parent + np.asarray(tokens, np.int32).tobytes()).digest()
+def block_hash(parent: bytes, tokens: Sequence[int], recipe: bytes = b"") -> bytes:
+    """Chained hash of one full block: sha256(parent hash || recipe || int32 token ids). The
+    recipe says how the block's rows were computed, so a hit gives the bits a fresh run would."""
+    return hashlib.sha256(parent + recipe + np.asarray(tokens, np.int32).tobytes()).digest()
 
 
 @dataclass
@@ -86,7 +87,8 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[bid] = None
 
-    def register(self, bid: int, parent: bytes, tokens: Sequence[int]) -> bytes:
+    def register(self, bid: int, parent: bytes, tokens: Sequence[int],
+                 recipe: bytes = b"") -> bytes:
         """Record that block `bid`, in use and now full with `tokens`, extends `parent`.
         Returns its hash. If an equal block is already cached, the cache keeps the older one."""
         if len(tokens) != self.block_size:
@@ -94,7 +96,7 @@ class BlockPool:
         block = self.blocks[bid]
         if block.ref_count <= 0:
             raise ValueError(f"block {bid} is not in use")
-        h = block_hash(parent, tokens)
+        h = block_hash(parent, tokens, recipe)
         if h not in self._cached:
             self._cached[h] = bid
             block.hash = h
@@ -156,13 +158,15 @@ class PagedKv:
         lo = 0 if kind.window is None else max(0, first - kind.window + 1) // self.block_size
         return range(lo, -(-end // self.block_size))
 
-    def match(self, tokens: Sequence[int]) -> tuple[SeqBlocks, int]:
+    def match(self, tokens: Sequence[int],
+              recipe: Callable[[int], bytes]) -> tuple[SeqBlocks, int]:
         """A new sequence over `tokens`, holding the longest cached prefix that every kind can
-        resume from (at least the last token is left to run). Returns (blocks, cached tokens)."""
+        resume from (at least the last token is left to run); `recipe(j)` says how the sequence
+        would compute block j. Returns (blocks, cached tokens)."""
         bs = self.block_size
         hashes, parent = [], ROOT_HASH
         for j in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[j * bs:(j + 1) * bs])
+            parent = block_hash(parent, tokens[j * bs:(j + 1) * bs], recipe(j))
             hashes.append(parent)
         n = len(hashes)
         while n > 0 and not all(self.pools[k.name].cached(hashes[j]) is not None
@@ -191,19 +195,22 @@ class PagedKv:
                 seq.held[name][j] = bid
         return True
 
-    def commit(self, seq: SeqBlocks, tokens: Sequence[int], cached: int) -> None:
+    def commit(self, seq: SeqBlocks, tokens: Sequence[int], cached: int,
+               recipe: Callable[[int], bytes] | None) -> None:
         """After a step: `cached` tokens of `tokens` are in the blocks. Register the blocks it
-        completed (for prefix hits) and give back sliding blocks no later token can see."""
+        completed under `recipe` (None: never share them) and give back sliding blocks no later
+        token can see."""
         bs = self.block_size
         parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
         for j in range(len(seq.hashes), cached // bs):
+            if recipe is None:
+                break
             block = tokens[j * bs:(j + 1) * bs]
-            h = block_hash(parent, block)
             for name, held in seq.held.items():
                 if j in held:
-                    self.pools[name].register(held[j], parent, block)
-            seq.hashes.append(h)
-            parent = h
+                    self.pools[name].register(held[j], parent, block, recipe(j))
+            parent = block_hash(parent, block, recipe(j))
+            seq.hashes.append(parent)
         for k in self.kinds.values():
             if k.window is not None:
                 keep = self._needed(k, cached, cached).start

@@ -1,19 +1,28 @@
 """The scheduler: which sequences run in the next step, and in which KV blocks. Pure Python, no
 arrays; the engine executes what it returns and reports back through `advance`.
 
-One step is a decode call over every running sequence with one token left to run, plus prefill
-chunks (one sequence each, oldest first) up to a budget of tokens, so a long prompt is cut into
-chunks between decode steps and never stalls the running streams. Waiting sequences are admitted
-oldest first, reusing their longest cached prefix (PagedKv.match), while the running set is
-below its cap and the pools can hold their first chunk. When a running sequence needs a block
-and none is free, the newest running sequence is preempted: its blocks go back to the pool and
-it waits to be recomputed (its prompt and the tokens it has generated, through the prefix cache).
+One step is a decode call over every running sequence past its prompt (one token each), plus
+prefill chunks (one sequence each, oldest first) up to a budget of tokens, so a long prompt is
+cut into chunks between decode steps and never stalls the running streams. Waiting sequences are
+admitted oldest first, reusing their longest cached prefix (PagedKv.match), while the running
+set is below its cap and the pools can hold their first chunk. When a running sequence needs a
+block and none is free, the newest running sequence is preempted: its blocks go back to the pool
+and it waits to be recomputed, through the prefix cache where its blocks are still there.
+
+Every sequence is computed the same way whatever else runs (executor_api, "Reproducibility"):
+its prompt in chunks aligned to multiples of max_chunk, each run with the rows of its aligned
+chunk even when a prefix hit starts it part-way; every later token as one decode lane, also when
+a preempted sequence is recomputed. Block hashes carry this recipe, so a prefix hit holds
+exactly what the sequence would have computed itself.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 from rvcompile.runtime.kv_blocks import PagedKv, SeqBlocks
@@ -38,9 +47,9 @@ class Seq:
         return self.prompt + self.output
 
     @property
-    def pending(self) -> int:
-        """Tokens to run before the next token can be sampled."""
-        return len(self.prompt) + len(self.output) - self.cached
+    def in_prompt(self) -> bool:
+        """Still running its prompt (prefill chunks); afterwards it runs as a decode lane."""
+        return self.cached < len(self.prompt)
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,11 @@ class PrefixStats:
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKv, *, max_running: int, max_chunk: int, prefill_budget: int):
+    def __init__(self, kv: PagedKv, *, max_running: int, prefill_buckets: tuple[int, ...],
+                 prefill_budget: int):
         self.kv = kv
-        self.max_running, self.max_chunk = max_running, max_chunk
+        self.max_running, self.buckets = max_running, prefill_buckets
+        self.max_chunk = prefill_buckets[-1]
         self.prefill_budget = prefill_budget
         self.waiting: list[Seq] = []  # by order
         self.running: list[Seq] = []  # by order
@@ -91,42 +102,72 @@ class Scheduler:
         self._admit()
         decodes: list[Seq] = []
         for seq in list(self.running):
-            if seq in self.running and seq.pending == 1 and self._reserve(
+            if seq in self.running and not seq.in_prompt and self._reserve(
                     seq, 1, preempted, decodes, allow_self=True):
                 decodes.append(seq)
-        prefills: list[tuple[Seq, int]] = []
+        prefills: list[Seq] = []
         budget = self.prefill_budget
         for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq not in self.running or seq.pending <= 1:
+            if seq not in self.running or not seq.in_prompt:
                 continue
-            n = min(seq.pending, self.max_chunk, budget)
-            if not self._reserve(seq, n, preempted, decodes, allow_self=False):
+            n, _ = self.piece(seq)
+            if n > budget and prefills or not self._reserve(seq, n, preempted, decodes,
+                                                            allow_self=False):
                 break
-            prefills.append((seq, n))
+            prefills.append(seq)
             budget -= n
-        return Schedule([self._work(s, n) for s, n in prefills],
-                        [self._work(s, 1) for s in decodes], preempted)
+        return Schedule([self._work(s) for s in prefills], [self._work(s) for s in decodes],
+                        preempted)
+
+    def piece(self, seq: Seq) -> tuple[int, int]:
+        """(tokens, rows) of seq's next call: the rest of its prompt's aligned chunk, in that
+        chunk's rows; past the prompt, one token (rows 0: a decode lane)."""
+        if not seq.in_prompt:
+            return 1, 0
+        start = seq.cached // self.max_chunk * self.max_chunk
+        end = min(start + self.max_chunk, len(seq.prompt))
+        return end - seq.cached, self._rows(end - start)
+
+    def _rows(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def recipe(self, seq: Seq) -> Callable[[int], bytes]:
+        """recipe(j): how seq computes block j, as (rows, row count) runs: its prompt chunks'
+        rows, 0 for decode lanes."""
+        bs, chunk, prompt = self.kv.block_size, self.max_chunk, len(seq.prompt)
+
+        def recipe(j: int) -> bytes:
+            runs, r, end = [], j * bs, (j + 1) * bs
+            while r < end:
+                if r >= prompt:
+                    runs += [0, end - r]
+                    break
+                start = r // chunk * chunk
+                stop = min(start + chunk, prompt, end)
+                runs += [self._rows(min(start + chunk, prompt) - start), stop - r]
+                r = stop
+            return np.asarray(runs, np.int32).tobytes()
+
+        return recipe
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            blocks, hit = self.kv.match(seq.tokens)
-            first = min(len(seq.tokens) - hit, self.max_chunk)
+            seq.blocks, seq.cached = self.kv.match(seq.tokens, self.recipe(seq))
+            first, _ = self.piece(seq)
             # Room for the first chunk, and after it a block per kind for every running
             # sequence's next step, so admitting does not at once preempt someone.
             reserve = len(self.running)
-            if not self.kv.ensure(blocks, hit, hit + first) or any(
+            if not self.kv.ensure(seq.blocks, seq.cached, seq.cached + first) or any(
                     pool.num_free < reserve for pool in self.kv.pools.values()):
-                self.kv.free(blocks)
+                self.kv.free(seq.blocks)
+                seq.blocks, seq.cached = None, 0
                 return
             if seq.preemptions == 0:
                 self.prefix.queried += len(seq.prompt)
-                self.prefix.hit += hit
-                seq.cached_prompt = hit
+                self.prefix.hit += seq.cached
+                seq.cached_prompt = seq.cached
             self.waiting.pop(0)
-            seq.blocks, seq.cached = blocks, hit
             bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def _reserve(self, seq: Seq, n: int, preempted: list[Seq], scheduled: list[Seq],
@@ -152,21 +193,23 @@ class Scheduler:
         seq.preemptions += 1
         self.add(seq)
 
-    def _work(self, seq: Seq, n: int) -> Work:
-        tokens = seq.tokens[seq.cached:seq.cached + n]
-        return Work(seq, SeqChunk(tokens, seq.cached, self.kv.tables(seq.blocks), seq.sampling,
-                                  len(seq.output)))
+    def _work(self, seq: Seq) -> Work:
+        n, rows = self.piece(seq)
+        end = seq.cached + n
+        return Work(seq, SeqChunk(seq.tokens[seq.cached:end], seq.cached,
+                                  self.kv.tables(seq.blocks), seq.sampling,
+                                  end - len(seq.prompt), rows))
 
     # ------------------------------------------------------------------ results
 
     def advance(self, work: Work, token: int) -> int | None:
         """Record that work's chunk ran and sampled `token`. Returns the token if it is the
-        sequence's next one (its last pending token ran), else None."""
+        sequence's next one (its last token ran), else None."""
         seq = work.seq
         seq.cached += len(work.chunk.tokens)
         new = None
         if seq.cached == len(seq.prompt) + len(seq.output):
             seq.output.append(token)
             new = token
-        self.kv.commit(seq.blocks, seq.tokens, seq.cached)
+        self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
         return new

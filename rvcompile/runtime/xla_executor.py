@@ -87,7 +87,7 @@ class XlaExecutor:
         self.art = art
         m = art.manifest["xla"]
         self.decode_width, self.max_context = m["slots"], m["max_context"]
-        self.max_chunk, self.buckets = m["max_chunk"], tuple(m["prefill_buckets"])
+        self.max_chunk, self.prefill_buckets = m["max_chunk"], tuple(m["prefill_buckets"])
         self.block_size = m["kv"]["block_size"]
         self.kinds = kv_kinds(art, blocks)
         t0 = time.perf_counter()
@@ -144,13 +144,16 @@ class XlaExecutor:
         return tokens, start, n_new, tables
 
     def bucket(self, n: int) -> int:
-        for b in self.buckets:
+        for b in self.prefill_buckets:
             if n <= b:
                 return b
         raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
 
     def prefill(self, chunk: SeqChunk) -> int:
-        b = self.bucket(len(chunk.tokens))
+        b = chunk.rows or self.bucket(len(chunk.tokens))
+        if b not in self.prefill_buckets or len(chunk.tokens) > b:
+            raise ValueError(f"chunk of {len(chunk.tokens)} tokens in {b} rows; the prefill "
+                             f"buckets are {self.prefill_buckets}")
         self.caches, tok = self.fns[f"prefill_{b}"](
             self.weights, self.caches, *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
         return int(tok[0])
