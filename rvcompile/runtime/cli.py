@@ -1,5 +1,7 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
+`rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
+OpenAI-compatible HTTP server (rvcompile.runtime.server).
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
 exits 2.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
 
@@ -18,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ppl"]:
         return ppl_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
     p.add_argument("artifact")
     p.add_argument("--prompt", required=True)
@@ -100,6 +105,67 @@ def ppl_main(argv: list[str]) -> int:
     print(f"perplexity {s.perplexity:.4f} | {s.tokens} tokens | mean NLL {s.mean_nll:.5f} nats "
           f"| {s.windows} windows of {window} (stride {stride}) | "
           f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def serve_main(argv: list[str]) -> int:
+    """Serve an artifact over HTTP with an OpenAI-compatible API."""
+    p = argparse.ArgumentParser(prog="rvrun serve", description=serve_main.__doc__)
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences in the running batch (default: the artifact's decode slots)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens of a request (default: the artifact's)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks of the full-attention layers, 16 tokens each (default: a "
+                        "whole context per decode slot)")
+    p.add_argument("--kv-sliding-blocks", type=int, default=None,
+                   help="KV blocks of the sliding-window layers (default: a window per slot)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond this are refused with 503")
+    p.add_argument("--model-name", default=None,
+                   help="the model id requests name (default: the artifact's file stem)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip re-hashing the sections at load (header checks still run)")
+    a = p.parse_args(argv)
+    numbers = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len,
+               "--kv-blocks": a.kv_blocks, "--kv-sliding-blocks": a.kv_sliding_blocks,
+               "--max-waiting": a.max_waiting}
+    for flag, value in numbers.items():
+        if value is not None and value < 1:
+            return _fail(f"{flag} must be at least 1, got {value}")
+    import socket
+
+    try:
+        sock = socket.create_server((a.host, a.port))
+    except OSError as e:
+        return _fail(f"cannot listen on {a.host}:{a.port}: {e}")
+    from rvcompile import runtime
+
+    kv_blocks = {kind: n for kind, n in (("full", a.kv_blocks), ("sliding",
+                                                                  a.kv_sliding_blocks))
+                 if n is not None}
+    try:
+        m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
+                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+    except (ArtifactError, FileNotFoundError, ValueError) as e:
+        sock.close()
+        return _fail(str(e))
+    import uvicorn
+
+    from rvcompile.runtime.server import ServeOptions, create_app
+
+    name = a.model_name or Path(a.artifact).stem
+    app = create_app(m, ServeOptions(name, a.max_waiting))
+    host, port = sock.getsockname()[:2]
+    kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
+    print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
+          f"context {m.max_context}, KV blocks {kv}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0
 
 

@@ -72,8 +72,14 @@ class Engine:
                  eos_ids: frozenset[int], *, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, prefill_budget: int | None = None):
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
-        self.max_num_seqs = min(max_num_seqs or executor.decode_width, executor.decode_width)
-        self.max_model_len = min(max_model_len or executor.max_context, executor.max_context)
+        self.max_num_seqs = max_num_seqs or executor.decode_width
+        self.max_model_len = max_model_len or executor.max_context
+        if not 1 <= self.max_num_seqs <= executor.decode_width:
+            raise ValueError(f"max_num_seqs {self.max_num_seqs}: the artifact decodes 1 to "
+                             f"{executor.decode_width} sequences per step")
+        if not 1 <= self.max_model_len <= executor.max_context:
+            raise ValueError(f"max_model_len {self.max_model_len}: the artifact's context is "
+                             f"{executor.max_context} tokens")
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),
