@@ -1,4 +1,6 @@
-"""KV block pool: allocation, chained hashing, prefix hits, eviction order, reclamation."""
+"""KV blocks: the pool of one kind (allocation, chained hashing, prefix hits, eviction order,
+reclamation) and PagedKv over a full and a sliding kind (tables, window trimming, hits that need
+every kind, recipes, all-or-nothing growth, no leaks)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import random
 
 import pytest
 
-from rvcompile.runtime.kv_blocks import ROOT_HASH, BlockPool, block_hash
+from rvcompile.runtime.executor_api import KvKind
+from rvcompile.runtime.kv_blocks import ROOT_HASH, BlockPool, PagedKv, block_hash
 
 BS = 4
 
@@ -121,3 +124,117 @@ def test_random_bursts_return_every_block() -> None:
     assert pool.num_free == 64
     assert all(b.ref_count == 0 for b in pool.blocks)
     assert all(pool.blocks[bid].hash == h for h, bid in pool._cached.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# PagedKv: a full kind and a sliding kind (window 6 tokens, ring of 4 blocks)
+
+WINDOW = 6
+
+
+def paged(full: int = 16, sliding: int = 8) -> PagedKv:
+    return PagedKv({"full": KvKind("full", 8, False, None, full),
+                    "sliding": KvKind("sliding", 4, True, WINDOW, sliding)}, BS)
+
+
+def same_recipe(j: int) -> bytes:
+    return b"r"
+
+
+def grow(kv: PagedKv, seq, tokens: list[int], start: int, end: int) -> None:
+    """Run positions [start, end) of tokens the way the scheduler does: blocks, then commit."""
+    assert kv.ensure(seq, start, end)
+    kv.commit(seq, tokens, end, same_recipe)
+
+
+def test_sliding_kind_keeps_only_the_window_and_the_ring_table() -> None:
+    kv = paged()
+    tokens = list(range(100, 130))
+    seq = kv.empty()
+    for pos in range(len(tokens)):
+        grow(kv, seq, tokens, pos, pos + 1)
+        # the next token (at pos + 1) sees positions > pos + 1 - WINDOW: at most 3 blocks
+        assert set(seq.held["sliding"]) == set(range(max(0, pos + 2 - WINDOW) // BS,
+                                                     pos // BS + 1))
+        assert sorted(seq.held["full"]) == list(range(pos // BS + 1))
+    tables = kv.tables(seq)
+    assert tables["full"][:len(seq.held["full"])] == [seq.held["full"][j] for j in range(8)]
+    for j, bid in seq.held["sliding"].items():  # logical block j sits at ring entry j % 4
+        assert tables["sliding"][j % 4] == bid
+    assert kv.num_used("sliding") == len(seq.held["sliding"]) <= 3
+    kv.free(seq)
+    assert kv.num_used("full") == kv.num_used("sliding") == 0
+
+
+def test_hit_needs_every_kind_and_leaves_a_token_to_run() -> None:
+    kv = paged()
+    prompt = list(range(1, 18))  # 4 full blocks + 1 token
+    a = kv.empty()
+    grow(kv, a, prompt, 0, len(prompt))
+    # Full blocks 0..3 are cached; sliding blocks before the window were given back but stay
+    # cached, so a sequence resuming at 16 finds the window's blocks (2, 3) too.
+    b, hit = kv.match(prompt, same_recipe)
+    assert hit == 16 and sorted(b.held["full"]) == [0, 1, 2, 3]
+    assert sorted(b.held["sliding"]) == [2, 3]
+    assert b.held["full"] == {j: a.held["full"][j] for j in range(4)}
+    # The whole prompt cached still leaves its last token to run: at most 16 of 16 tokens.
+    c, hit_all = kv.match(prompt[:16], same_recipe)
+    assert hit_all == 12
+    # Without the sliding window's blocks there is no hit at that length.
+    kv.free(a)
+    kv.free(b)
+    kv.free(c)
+    sliding = kv.pools["sliding"]
+    sliding.allocate(sliding.num_free)  # evicts every cached sliding block
+    d, miss = kv.match(prompt, same_recipe)
+    assert miss == 0 and d.count() == 0
+
+
+def test_recipe_is_part_of_the_hash() -> None:
+    kv = paged()
+    prompt = list(range(1, 10))
+    a = kv.empty()
+    grow(kv, a, prompt, 0, len(prompt))
+    _, hit = kv.match(prompt, same_recipe)
+    assert hit == 8
+    _, other = kv.match(prompt, lambda j: b"another")
+    assert other == 0
+
+
+def test_ensure_is_all_or_nothing_across_kinds() -> None:
+    kv = paged(full=16, sliding=2)
+    seq = kv.empty()
+    assert not kv.ensure(seq, 0, 12)  # 3 sliding blocks needed, 2 in the pool
+    assert seq.count() == 0 and kv.num_used("full") == kv.num_used("sliding") == 0
+    assert kv.ensure(seq, 0, 8)
+    assert seq.count() == 4
+
+
+def test_random_sequences_return_every_block() -> None:
+    """Sequences with shared prefixes grow chunk by chunk and end in random order, through hits
+    and failed growth; afterwards both pools are whole and hold no references."""
+    rng = random.Random(1)
+    kv = paged(full=40, sliding=20)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([5, 9, 13]))] for _ in range(4)]
+    live = []
+    hits = 0
+    for _ in range(400):
+        if live and rng.random() < 0.3:
+            kv.free(live.pop(rng.randrange(len(live)))[0])
+            continue
+        tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(20))]
+        seq, pos = kv.match(tokens, same_recipe)
+        hits += pos
+        while pos < len(tokens):
+            end = min(len(tokens), pos + rng.randrange(1, 9))
+            if not kv.ensure(seq, pos, end):
+                break
+            kv.commit(seq, tokens, end, same_recipe)
+            pos = end
+        live.append((seq, tokens))
+    for seq, _ in live:
+        kv.free(seq)
+    assert hits > 50
+    for pool in kv.pools.values():
+        assert pool.num_free == len(pool.blocks)
+        assert all(b.ref_count == 0 for b in pool.blocks)

@@ -80,6 +80,11 @@ class Engine:
         if not 1 <= self.max_model_len <= executor.max_context:
             raise ValueError(f"max_model_len {self.max_model_len}: the artifact's context is "
                              f"{executor.max_context} tokens")
+        for kind in executor.kinds.values():  # one longest sequence must always fit
+            need = min(kind.table_width, -(-self.max_model_len // executor.block_size))
+            if kind.num_blocks < need:
+                raise ValueError(f"{kind.num_blocks} {kind.name} KV blocks cannot hold one "
+                                 f"sequence of {self.max_model_len} tokens; need {need}")
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),

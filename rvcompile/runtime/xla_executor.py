@@ -47,9 +47,8 @@ def kv_kinds(art: Artifact, blocks: dict[str, int] | None = None) -> dict[str, K
     out = {}
     for name, k in kinds.items():
         n = int(blocks.get(name, k["default_blocks"]))
-        if n < k["table_width"]:
-            raise ArtifactError(f"{art.path.name}: {n} {name} KV blocks cannot hold one "
-                                f"sequence; need at least {k['table_width']}")
+        if n < 1:
+            raise ArtifactError(f"{art.path.name}: {n} {name} KV blocks; need at least 1")
         out[name] = KvKind(name, k["table_width"], k["ring"], k["window"], n)
     return out
 

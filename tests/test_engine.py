@@ -1,0 +1,258 @@
+"""The engine and scheduler on the CPU without a model: a fake executor keeps a simulated paged KV
+(each block slot holds the token written at its position), checks on every call that the block
+tables show the sequence's true history (all of it for the full kind, the window for the sliding
+kind), and returns a token hashed from that history, its sampling seed and step. So a request's
+tokens come out right only if the engine fed it the right blocks: through batching, chunked
+prefill, prefix hits, preemption and aborts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+
+from rvcompile.runtime.engine import Engine, Request
+from rvcompile.runtime.executor_api import KvKind, Sampling, SeqChunk
+
+BS, WINDOW, CONTEXT, VOCAB = 4, 6, 64, 500
+EOS = 1
+
+
+class FakeExecutor:
+    prefill_buckets = (4, 8)
+    max_chunk = 8
+    max_context = CONTEXT
+    decode_width = 4
+    block_size = BS
+
+    def __init__(self, full_blocks: int = 64, sliding_blocks: int = 16):
+        self.kinds = {"full": KvKind("full", CONTEXT // BS, False, None, full_blocks),
+                      "sliding": KvKind("sliding", 4, True, WINDOW, sliding_blocks)}
+        self.slots = {name: {} for name in self.kinds}  # kind -> (block, offset) -> (pos, tok)
+        self.calls: list[tuple[str, int, int]] = []  # (entry, start, tokens)
+
+    def _slot(self, kind: KvKind, table, pos: int) -> tuple[int, int]:
+        s = pos % (kind.table_width * BS) if kind.ring else pos
+        return table[s // BS], s % BS
+
+    def _run(self, chunk: SeqChunk) -> int:
+        for i, tok in enumerate(chunk.tokens):
+            p = chunk.start + i
+            for name, kind in self.kinds.items():
+                self.slots[name][self._slot(kind, chunk.tables[name], p)] = (p, tok)
+        end = chunk.start + len(chunk.tokens)
+        full = self.kinds["full"]
+        history = []
+        for p in range(end):
+            entry = self.slots["full"].get(self._slot(full, chunk.tables["full"], p))
+            assert entry is not None and entry[0] == p, f"full KV at {p}: {entry}"
+            history.append(entry[1])
+        sliding = self.kinds["sliding"]
+        for q in range(chunk.start, end):  # every query's window
+            for p in range(max(0, q - WINDOW + 1), q + 1):
+                entry = self.slots["sliding"].get(self._slot(sliding, chunk.tables["sliding"],
+                                                             p))
+                assert entry == (p, history[p]), f"sliding KV at {p} for {q}: {entry}"
+        return next_token(history, chunk.sampling, chunk.step)
+
+    def prefill(self, chunk: SeqChunk) -> int:
+        assert chunk.rows in self.prefill_buckets and 0 < len(chunk.tokens) <= chunk.rows
+        self.calls.append(("prefill", chunk.start, len(chunk.tokens)))
+        return self._run(chunk)
+
+    def decode(self, lanes) -> list[int]:
+        assert 0 < len(lanes) <= self.decode_width
+        assert all(len(c.tokens) == 1 and c.rows == 0 for c in lanes)
+        self.calls.append(("decode", len(lanes), 0))
+        return [self._run(c) for c in lanes]
+
+    def logits(self, chunk: SeqChunk) -> np.ndarray:
+        raise NotImplementedError
+
+
+def next_token(history, sampling: Sampling, step: int) -> int:
+    key = repr((history, sampling.seed, step) if sampling.temperature > 0 else history)
+    return 2 + int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % (VOCAB - 2)
+
+
+GREEDY = Sampling()
+
+
+def reference(prompt: list[int], max_tokens: int, sampling: Sampling = GREEDY) -> list[int]:
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        out.append(next_token(tokens, sampling, len(out)))
+        tokens.append(out[-1])
+    return out
+
+
+def text_of(ids) -> str:
+    return " ".join(map(str, ids))
+
+
+def engine(ex: FakeExecutor, **kw) -> Engine:
+    return Engine(ex, text_of, frozenset([EOS]), **kw)
+
+
+def drain(eng: Engine, max_steps: int = 5000) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not eng.has_work():
+            return outs
+        for o in eng.step():
+            outs.setdefault(o.id, []).append(o)
+    raise AssertionError("the engine did not finish")
+
+
+def tokens_of(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def assert_pools_whole(eng: Engine) -> None:
+    s = eng.stats()
+    assert s.running == s.waiting == 0
+    assert s.kv_used == {"full": 0, "sliding": 0}
+    for pool in eng.kv.pools.values():
+        assert all(b.ref_count == 0 for b in pool.blocks)
+
+
+def random_prompt(rng, shared, n) -> list[int]:
+    body = [rng.randrange(2, VOCAB) for _ in range(n)]
+    return (shared + body) if rng.random() < 0.5 else body or [7]
+
+
+@pytest.mark.parametrize("full,sliding", [(64, 16), (16, 6), (20, 16), (64, 5)])
+def test_random_traffic_matches_the_reference(full, sliding):
+    """Requests arrive between steps with shared prefixes and mixed sampling; tight pools force
+    preemption. Every request gets exactly its reference tokens; the pools end whole."""
+    rng = random.Random(full * 100 + sliding)
+    ex = FakeExecutor(full, sliding)
+    eng = engine(ex)
+    shared = [rng.randrange(2, VOCAB) for _ in range(13)]
+    expected, outs = {}, {}
+    for i in range(40):
+        prompt = random_prompt(rng, shared, rng.randrange(0, 30))
+        sampling = Sampling(0.8, 0, 1.0, rng.randrange(100)) if i % 3 == 0 else Sampling()
+        max_tokens = rng.randrange(1, CONTEXT - len(prompt))
+        eng.add(Request(str(i), prompt, max_tokens, sampling, (), True))
+        expected[str(i)] = reference(prompt, max_tokens, sampling)
+        for _ in range(rng.randrange(3)):
+            for o in eng.step():
+                outs.setdefault(o.id, []).append(o)
+    for rid, more in drain(eng).items():
+        outs.setdefault(rid, []).extend(more)
+    for rid, want in expected.items():
+        assert tokens_of(outs[rid]) == want, rid
+        last = outs[rid][-1]
+        assert last.finished and last.finish_reason == "length"
+        assert last.completion_tokens == len(want)
+        assert not any(o.finished for o in outs[rid][:-1])
+    s = eng.stats()
+    assert s.prefix_hit > 0
+    if (full, sliding) == (64, 16):
+        assert s.preemptions == 0
+    else:  # tight pools: sequences were preempted and recomputed
+        assert s.preemptions > 0
+    assert_pools_whole(eng)
+
+
+def test_shared_prefix_is_prefilled_once():
+    ex = FakeExecutor()
+    eng = engine(ex)
+    system = list(range(100, 124))  # 24 tokens: 6 blocks
+    eng.add(Request("a", system + [5, 6], 3, ignore_eos=True))
+    drain(eng)
+    ex.calls.clear()
+    eng.add(Request("b", system + [7, 8, 9], 3, ignore_eos=True))
+    outs = drain(eng)
+    prefilled = sum(n for entry, _, n in ex.calls if entry == "prefill")
+    assert outs["b"][-1].cached_tokens == 24 and prefilled == 3
+    assert tokens_of(outs["b"]) == reference(system + [7, 8, 9], 3)
+
+
+def test_long_prompt_does_not_stall_running_streams():
+    ex = FakeExecutor()
+    eng = engine(ex)
+    eng.add(Request("stream", [3, 4, 5], 40, ignore_eos=True))
+    drain_steps = 0
+    while not any(e == "decode" for e, *_ in ex.calls):
+        eng.step()
+        drain_steps += 1
+    eng.add(Request("long", list(range(200, 250)), 4, ignore_eos=True))  # 7 chunks of 8
+    per_step = []
+    for _ in range(7):
+        outs = eng.step()
+        per_step.append([o.id for o in outs])
+    assert all("stream" in ids for ids in per_step)  # a token every step meanwhile
+    assert sum(e == "prefill" and s >= 0 and n > 0 for e, s, n in ex.calls) >= 7
+
+
+def test_stop_strings_eos_and_max_tokens():
+    prompt = [3, 4, 5]
+    ids = reference(prompt, 10)
+    # Stop at " <4th token> ": found once the 5th token's text follows; the text ends before
+    # it, and the tokens generated up to then are all reported.
+    stop = f" {ids[3]} "
+    eng = engine(FakeExecutor())
+    eng.add(Request("s", prompt, 10, stop=(stop,), ignore_eos=True))
+    eng.add(Request("m", prompt, 5, ignore_eos=True))
+    outs = drain(eng)
+    text = "".join(o.text for o in outs["s"])
+    assert text == text_of(ids[:3])
+    assert outs["s"][-1].finish_reason == "stop"
+    assert tokens_of(outs["s"]) == ids[:5]
+    assert outs["m"][-1].finish_reason == "length" and tokens_of(outs["m"]) == ids[:5]
+    # EOS ends a request (excluded from its tokens, counted in its usage) unless ignored.
+    ex = FakeExecutor()
+    eng = engine(ex)
+    eng.eos_ids = frozenset([ids[2]])
+    eng.add(Request("e", prompt, 10))
+    outs = drain(eng)
+    assert tokens_of(outs["e"]) == ids[:2]
+    assert outs["e"][-1].finish_reason == "stop" and outs["e"][-1].completion_tokens == 3
+    assert_pools_whole(eng)
+
+
+def test_abort_frees_blocks_at_the_next_step():
+    eng = engine(FakeExecutor())
+    eng.add(Request("a", list(range(2, 30)), 30, ignore_eos=True))
+    eng.add(Request("w", [5, 6], 30, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng.stats().kv_used["full"] > 0
+    eng.abort("a")
+    eng.abort("w")
+    eng.abort("unknown")  # ignored
+    outs = eng.step()
+    assert {o.id: o.finish_reason for o in outs} == {"a": "abort", "w": "abort"}
+    assert_pools_whole(eng)
+
+
+def test_sliding_layers_hold_only_their_window():
+    ex = FakeExecutor()
+    eng = engine(ex)
+    eng.add(Request("long", [3, 4], CONTEXT - 2, ignore_eos=True))
+    most = 0
+    while eng.has_work():
+        eng.step()
+        most = max(most, eng.stats().kv_used["sliding"])
+    # the window (6 tokens) behind the next token spans at most 3 blocks of 4
+    assert most <= 3
+
+
+def test_requests_that_cannot_run_are_refused():
+    eng = engine(FakeExecutor())
+    with pytest.raises(ValueError, match="exceeds the context"):
+        eng.add(Request("x", list(range(2, 40)), 30))
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add(Request("x", [], 3))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine(FakeExecutor(), max_num_seqs=5)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine(FakeExecutor(), max_model_len=CONTEXT + 1)
+    with pytest.raises(ValueError, match="15 full KV blocks cannot hold one sequence"):
+        engine(FakeExecutor(full_blocks=15))
+    engine(FakeExecutor(full_blocks=8), max_model_len=32)  # a shorter limit needs fewer
