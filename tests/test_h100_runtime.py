@@ -109,3 +109,19 @@ def test_refuses_machines_that_do_not_fit(built, ctx, match):
     check_fits(art, _FakeContext())  # fits
     with pytest.raises(ArtifactError, match=match):
         check_fits(art, ctx)
+
+
+def test_gpu_sampling_matches_reference_executor(built):
+    """Seeded sampling on the device (k_eq_v: its GPU logits equal the reference's to 1e-6)."""
+    h100_context()
+    path = built("k_eq_v")
+    gpu = runtime.load(path)
+    art = Artifact.open(path)
+    ref = Model(art, reference_executor(art))
+    prompt = random_token_ids(21, seed=8).tolist()
+    for kw in ({"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 7},
+               {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 3},
+               {"temperature": 0.5, "top_k": 0, "top_p": 0.5, "seed": 11}):
+        g = gpu.generate(prompt, max_tokens=12, ignore_eos=True, **kw).token_ids
+        r = ref.generate(prompt, max_tokens=12, ignore_eos=True, **kw).token_ids
+        assert g == r, kw

@@ -21,6 +21,7 @@ from oracle import oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.ir import ops
 from rvcompile.runtime.executor_api import SeqChunk
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import memory_plan
@@ -141,3 +142,23 @@ def test_memory_plan_check_catches_overlap():
     lives = [memory_plan.Lifetime(0, 512, 0, 3), memory_plan.Lifetime(1, 512, 2, 5)]
     with pytest.raises(AssertionError):
         memory_plan.check(lives, {0: 0, 1: 256})
+
+
+def test_seeded_sampling_follows_the_sample_reference(h100_model):
+    """Sampled tokens are the IR's SAMPLE of each position's logits at (seed, step = tokens so
+    far); the same seed repeats, another seed differs, top_k = 1 is greedy."""
+    _, m = h100_model("k_eq_v")
+    prompt = random_token_ids(21, seed=8).tolist()
+    kw = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1234, "max_tokens": 12,
+          "ignore_eos": True}
+    got = m.generate(prompt, **kw).token_ids
+    assert m.generate(prompt, **kw).token_ids == got
+    assert m.generate(prompt, **{**kw, "seed": 99}).token_ids != got
+    logits = m.logits(prompt + got)[len(prompt) - 1:-1]  # already softcapped
+    n = len(got)
+    want = ops.ref_sample(None, logits, np.full(n, 0.8, np.float32), np.full(n, 50, np.int32),
+                          np.full(n, 0.9, np.float32), np.full(n, 1234, np.int32),
+                          np.arange(n, dtype=np.int32))
+    assert got == want.tolist()
+    greedy = m.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
+    assert m.generate(prompt, **{**kw, "top_k": 1, "max_tokens": 8}).token_ids == greedy

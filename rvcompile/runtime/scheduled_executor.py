@@ -44,8 +44,6 @@ class ScheduledExecutor:
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
         self.decode_width = self.decode_buckets[-1]
-        self.greedy_only = not any(x.kernel.startswith("sample") for e in s.entries.values()
-                                   for x in e.launches)
 
     # -- io
 
@@ -75,10 +73,12 @@ class ScheduledExecutor:
                 tables.append(t)
             put(self._io_field[kind.name], np.stack(tables)[chunk_of_row])
         samp = [chunks[i].sampling for i in chunk_of_row]
-        temperature = np.array([x.temperature for x in samp], np.float32)
-        if self.greedy_only and np.any(temperature > 0):
-            raise ValueError("this H100 artifact samples greedily only (temperature 0)")
-        put("temperature", temperature)
+        for x in samp:
+            if not (np.isfinite(x.temperature) and x.temperature >= 0 and x.top_k >= 0
+                    and 0 < x.top_p <= 1):
+                raise ValueError(f"sampling needs temperature >= 0, top_k >= 0 and top_p in "
+                                 f"(0, 1], not {x}")
+        put("temperature", [x.temperature for x in samp])
         put("top_k", [x.top_k for x in samp])
         put("top_p", [x.top_p for x in samp])
         put("seed", [x.seed for x in samp])
@@ -109,9 +109,10 @@ class ScheduledExecutor:
 
     def prefill(self, chunk: SeqChunk) -> int:
         n = len(chunk.tokens)
-        t = next((b for b in self.prefill_buckets if b >= n), None)
-        if t is None:
-            raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
+        t = chunk.rows or next((b for b in self.prefill_buckets if b >= n), None)
+        if t is None or t not in self.prefill_buckets:
+            raise ValueError(f"no prefill entry of {t or n} rows (buckets: "
+                             f"{', '.join(map(str, self.prefill_buckets))})")
         toks, pos = self._chunk_rows(chunk, t)
         io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])

@@ -46,6 +46,7 @@ from rvcompile.targets.h100 import (
     norms,
     qkv_post,
     rows,
+    sample,
 )
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
@@ -464,12 +465,19 @@ class _EntryLowering:
         return x
 
     def sample(self, logits):
+        """The IR's SAMPLE over softcap(logits), per row from the io sampling fields."""
         if self.kind == "logits":
             return None
-        m = 1 if self.kind == "prefill" else self.m
-        out = self.buffer(m * 4)
-        self.emit(head.SOURCE, head.ARGMAX_ENTRY, head.argmax_geometry(m, logits.cols),
-                  logits.f32, _i32(logits.cols), _f32(self.softcap or 0.0), out)
+        m, v = (1 if self.kind == "prefill" else self.m), logits.cols
+        plan = sample.plan(m, v, SM_COUNT)
+        ws, out = self.buffer(plan.workspace), self.buffer(m * 4)
+        io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
+        self.emit(sample.SOURCE, sample.PREPARE_ENTRY, plan.prepare, logits.f32, _i32(m), _i32(v),
+                  _f32(self.softcap or 0.0), ws)
+        self.emit(sample.SOURCE, sample.FILTER_ENTRY, plan.filter, _i32(m), _i32(v),
+                  _i32(plan.chunk), io["temperature"], io["top_k"], ws)
+        self.emit(sample.SOURCE, sample.PICK_ENTRY, plan.pick, _i32(m), _i32(v),
+                  io["temperature"], io["top_k"], io["top_p"], io["seed"], io["step"], ws, out)
         self.outputs["out_tokens"] = (out, "int32", (m,))
         return None
 

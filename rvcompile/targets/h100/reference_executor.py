@@ -17,7 +17,7 @@ import numpy as np
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
-from rvcompile.targets.h100 import attn_decode, gelu_mul, head, norms, qkv_post, rows
+from rvcompile.targets.h100 import attn_decode, gelu_mul, head, norms, qkv_post, rows, sample
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
@@ -186,6 +186,22 @@ def _argmax(dev, launch: Launch, logits, v, cap, out):
     dev.view(out, I32, (m,))[:] = head.softcap_argmax(dev.view(logits, F32, (m, v)), cap)
 
 
+def _sample_prepare(dev, launch: Launch, logits, m, v, cap, ws):
+    """The workspace is the kernels' scratch; here it carries softcap(logits) to the pick."""
+    dev.view(ws, F32, (m, v))[:] = sample.softcap(dev.view(logits, F32, (m, v)), cap)
+
+
+def _sample_filter(dev, launch: Launch, m, v, chunk, temperature, top_k, ws):
+    pass  # candidate selection: part of the pick's reference
+
+
+def _sample_pick(dev, launch: Launch, m, v, temperature, top_k, top_p, seed, step, ws, out):
+    dev.view(out, I32, (m,))[:] = sample.reference(
+        dev.view(ws, F32, (m, v)), 0.0, dev.view(temperature, F32, (m,)),
+        dev.view(top_k, I32, (m,)), dev.view(top_p, F32, (m,)), dev.view(seed, I32, (m,)),
+        dev.view(step, I32, (m,)))
+
+
 def _select_row(dev, launch: Launch, src, row, dst, hdim):
     r = int(dev.view(row, I32, (1,))[0])
     dev.view(dst, BF16, (hdim,))[:] = dev.view(src + r * hdim * 2, BF16, (hdim,))
@@ -209,6 +225,9 @@ _REFS = {
     gelu_mul.ENTRY: _gelu_mul,
     head.ARGMAX_ENTRY: _argmax,
     rows.SELECT_ENTRY: _select_row,
+    sample.PREPARE_ENTRY: _sample_prepare,
+    sample.FILTER_ENTRY: _sample_filter,
+    sample.PICK_ENTRY: _sample_pick,
     rows.SOFTCAP_ENTRY: _softcap_rows,
 }
 
