@@ -58,7 +58,8 @@ def assert_bf16_close(got, want) -> None:
     bad = err > ulp + slack
     assert not bad.any(), (f"{bad.sum()} elements beyond one bf16 ulp, first at "
                            f"{np.argwhere(bad)[0]}: got {g[bad][0]}, want {w[bad][0]}")
-    assert (g != w).mean() < 0.01, (g != w).mean()
+    # a flipped rounding is one element: allow 1% of them, and at least one in small outputs
+    assert (g != w).sum() <= max(1, 0.01 * g.size), (g != w).sum()
 
 
 def rel_l2(got, want) -> float:
