@@ -35,9 +35,16 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     if runtime != "xla":
         raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
                             "does not have")
-    from rvcompile.runtime.xla_executor import XlaExecutor, check_fits
+    from rvcompile.runtime.engine import engine_limits
+    from rvcompile.runtime.xla_executor import XlaExecutor, check_fits, kv_kinds
 
     check_fits(art, kv_blocks)
+    xla = art.manifest["xla"]  # refuse impossible limits before compiling anything
+    try:
+        engine_limits(kv_kinds(art, kv_blocks), xla["kv"]["block_size"], xla["slots"],
+                      xla["max_context"], max_num_seqs, max_model_len)
+    except ValueError as e:
+        raise ArtifactError(f"{Path(path).name}: {e}") from None
     if verify:
         art.verify()
     return Model(art, XlaExecutor(art, kv_blocks), max_num_seqs=max_num_seqs,

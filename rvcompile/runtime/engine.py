@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rvcompile.runtime.executor_api import Executor, Sampling, SeqChunk
+from rvcompile.runtime.executor_api import Executor, KvKind, Sampling, SeqChunk
 from rvcompile.runtime.kv_blocks import PagedKv
 from rvcompile.runtime.scheduler import Scheduler, Seq, Work
 from rvcompile.runtime.textstream import TextStream
@@ -67,24 +67,36 @@ class _Live:
     text: TextStream
 
 
+def engine_limits(kinds: dict[str, KvKind], block_size: int, decode_width: int,
+                  max_context: int, max_num_seqs: int | None,
+                  max_model_len: int | None) -> tuple[int, int]:
+    """(max_num_seqs, max_model_len) with the executor's as defaults. Raises ValueError for
+    limits the executor cannot meet, or pools that cannot hold one longest sequence (which
+    could then never finish)."""
+    max_num_seqs = max_num_seqs or decode_width
+    max_model_len = max_model_len or max_context
+    if not 1 <= max_num_seqs <= decode_width:
+        raise ValueError(f"max_num_seqs {max_num_seqs}: the artifact decodes 1 to "
+                         f"{decode_width} sequences per step")
+    if not 1 <= max_model_len <= max_context:
+        raise ValueError(f"max_model_len {max_model_len}: the artifact's context is "
+                         f"{max_context} tokens")
+    for kind in kinds.values():
+        need = min(kind.table_width, -(-max_model_len // block_size))
+        if kind.num_blocks < need:
+            raise ValueError(f"{kind.num_blocks} {kind.name} KV blocks cannot hold one "
+                             f"sequence of {max_model_len} tokens; need {need}")
+    return max_num_seqs, max_model_len
+
+
 class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
                  eos_ids: frozenset[int], *, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, prefill_budget: int | None = None):
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
-        self.max_num_seqs = max_num_seqs or executor.decode_width
-        self.max_model_len = max_model_len or executor.max_context
-        if not 1 <= self.max_num_seqs <= executor.decode_width:
-            raise ValueError(f"max_num_seqs {self.max_num_seqs}: the artifact decodes 1 to "
-                             f"{executor.decode_width} sequences per step")
-        if not 1 <= self.max_model_len <= executor.max_context:
-            raise ValueError(f"max_model_len {self.max_model_len}: the artifact's context is "
-                             f"{executor.max_context} tokens")
-        for kind in executor.kinds.values():  # one longest sequence must always fit
-            need = min(kind.table_width, -(-self.max_model_len // executor.block_size))
-            if kind.num_blocks < need:
-                raise ValueError(f"{kind.num_blocks} {kind.name} KV blocks cannot hold one "
-                                 f"sequence of {self.max_model_len} tokens; need {need}")
+        self.max_num_seqs, self.max_model_len = engine_limits(
+            executor.kinds, executor.block_size, executor.decode_width, executor.max_context,
+            max_num_seqs, max_model_len)
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),

@@ -339,9 +339,15 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     engine_request = EngineRequest(rid, ids, max_tokens,
                                    Sampling(body.temperature, top_k, body.top_p, seed), stop,
                                    body.ignore_eos)
+
+    def sink(out: RequestOutput) -> None:  # on the engine thread
+        if out.finished:
+            metrics.finished.labels(out.finish_reason).inc()
+            metrics.generation_tokens.inc(out.completion_tokens)
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+
     try:
-        thread.submit(engine_request, lambda out: loop.call_soon_threadsafe(queue.put_nowait,
-                                                                             out))
+        thread.submit(engine_request, sink)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
     except RuntimeError as e:
@@ -378,8 +384,6 @@ class _Stream:
             self.last = now
         if out.finished:
             self.done = True
-            self.metrics.finished.labels(out.finish_reason).inc()
-            self.metrics.generation_tokens.inc(out.completion_tokens)
         return out
 
     def close(self) -> None:
