@@ -2,7 +2,8 @@
 which keeps every sequence's blocks across the executor's KV kinds (executor_api).
 
 Blocks hold `block_size` tokens. A full block may be registered under a chained hash: the hash
-of its parent block's hash and its own token ids, so equal prefixes share blocks. A block's
+of its parent block's hash, its recipe (how its rows were computed, see scheduler.py) and its
+own token ids, so equal prefixes computed the same way share blocks. A block's
 reference count is the number of sequences using it. At zero it joins the free queue but keeps
 its hash, and a later sequence with the same prefix can take it back (a prefix-cache hit).
 `allocate` takes free blocks from the head of the queue (least recently freed first), evicting
@@ -202,9 +203,7 @@ class PagedKv:
         token can see."""
         bs = self.block_size
         parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
-        for j in range(len(seq.hashes), cached // bs):
-            if recipe is None:
-                break
+        for j in range(len(seq.hashes), cached // bs if recipe else 0):
             block = tokens[j * bs:(j + 1) * bs]
             for name, held in seq.held.items():
                 if j in held:
