@@ -3,26 +3,51 @@ checkpoint tensors, one at a time."""
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import ml_dtypes
 import numpy as np
 
 
-def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 over the last (input) axis: one float32 scale per output row, amax / 127.
-    All-zero rows get scale 1 so they decode to zeros. Works in row blocks so a 9 GB table needs
-    only its int8 copy beside it."""
+def _per_row_blocks(w: np.ndarray, dtype, encode_block) -> tuple[np.ndarray, np.ndarray]:
+    """Apply `encode_block(rows f32 [r, K]) -> (codes [r, K], scales [r])` to ~64 MiB row blocks
+    of w over its last axis, on all cores (numpy releases the GIL in these loops), so a 9 GB
+    table needs only its encoded copy beside it and a 31B build is not one core's work."""
     w = np.asarray(w, np.float32)
     flat = w.reshape(-1, w.shape[-1])
-    q = np.empty(flat.shape, np.int8)
+    q = np.empty(flat.shape, dtype)
     scale = np.empty(flat.shape[0], np.float32)
-    rows = max(1, (64 << 20) // (4 * flat.shape[1]))  # ~64 MiB of temporaries at a time
-    for r in range(0, flat.shape[0], rows):
-        block = flat[r:r + rows]
-        amax = np.max(np.abs(block), axis=-1)
-        s = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-        q[r:r + rows] = np.clip(np.rint(block / s[:, None]), -127, 127)
-        scale[r:r + rows] = s
+    rows = max(1, (64 << 20) // (4 * flat.shape[1]))
+
+    def run(r: int) -> None:
+        q[r:r + rows], scale[r:r + rows] = encode_block(flat[r:r + rows])
+
+    starts = range(0, flat.shape[0], rows)
+    if len(starts) == 1:
+        run(0)
+    else:
+        list(_pool().map(run, starts))
     return q.reshape(w.shape), scale.reshape(w.shape[:-1])
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)),
+                              thread_name_prefix="rvcompile-quantize")
+
+
+def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 over the last (input) axis: one float32 scale per output row, amax / 127.
+    All-zero rows get scale 1 so they decode to zeros."""
+
+    def block(b: np.ndarray):
+        amax = np.max(np.abs(b), axis=-1)
+        s = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+        return np.clip(np.rint(b / s[:, None]), -127, 127), s
+
+    return _per_row_blocks(w, np.int8, block)
 
 
 FP8_E4M3_MAX = 448.0
@@ -30,20 +55,15 @@ FP8_E4M3_MAX = 448.0
 
 def quantize_fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """FP8 e4m3 over the last (input) axis: one float32 scale per output row, amax / 448.
-    Returns the e4m3 bit patterns as uint8 and the scales; row blocks as above."""
-    w = np.asarray(w, np.float32)
-    flat = w.reshape(-1, w.shape[-1])
-    q = np.empty(flat.shape, np.uint8)
-    scale = np.empty(flat.shape[0], np.float32)
-    rows = max(1, (64 << 20) // (4 * flat.shape[1]))
-    for r in range(0, flat.shape[0], rows):
-        block = flat[r:r + rows]
-        amax = np.max(np.abs(block), axis=-1)
+    Returns the e4m3 bit patterns as uint8 and the scales."""
+
+    def block(b: np.ndarray):
+        amax = np.max(np.abs(b), axis=-1)
         s = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
-        scaled = np.clip(block / s[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        q[r:r + rows] = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-        scale[r:r + rows] = s
-    return q.reshape(w.shape), scale.reshape(w.shape[:-1])
+        scaled = np.clip(b / s[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), s
+
+    return _per_row_blocks(w, np.uint8, block)
 
 
 def encode(derive: str, w: np.ndarray) -> np.ndarray:
