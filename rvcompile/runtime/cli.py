@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("\n")
     r = m.last_result
     ex = m.executor
-    print(f"[rvrun] load {load_s:.2f} s (XLA compile {ex.compile_s:.2f} s) | prompt "
+    print(f"[rvrun] load {load_s:.2f} s ({ex.load_note}) | prompt "
           f"{r.prompt_tokens} tokens | new {len(r.token_ids)} tokens ({r.finish_reason}) | "
           f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s", file=sys.stderr)
     return 0

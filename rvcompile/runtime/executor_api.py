@@ -65,6 +65,7 @@ class Executor(Protocol):
     decode_width: int  # most sequences in one decode call
     block_size: int  # tokens per KV block
     kinds: dict[str, KvKind]  # by name
+    load_note: str  # one line on what loading cost (compile time, upload), for rvrun's summary
 
     def prefill(self, chunk: SeqChunk) -> int:
         """Run one chunk of one sequence; return the token sampled after its last token."""

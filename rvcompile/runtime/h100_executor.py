@@ -180,4 +180,5 @@ def h100_executor(art: Artifact, ctx: CudaContext) -> ScheduledExecutor:
     device = CudaScheduleDevice(art, schedule, ctx)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
+    ex.load_note = f"weights uploaded in {ex.upload_s:.2f} s; nothing compiled"
     return ex

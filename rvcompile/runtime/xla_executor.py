@@ -107,6 +107,7 @@ class XlaExecutor:
             exp = export.deserialize(bytearray(blob[loc["offset"]:loc["offset"] + loc["size"]]))
             self.fns[name] = jax.jit(exp.call, donate_argnums=(1,))
         self.compile_s = self._warm_up()
+        self.load_note = f"XLA compile {self.compile_s:.2f} s"
 
     def _warm_up(self) -> float:
         """Compile every entry point now (from the persistent cache when it has them) and keep
