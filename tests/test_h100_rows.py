@@ -17,6 +17,7 @@ from rvcompile.targets.h100.nvcc import compile_cubin
 P, I32, F32 = ctypes.c_uint64, ctypes.c_int, ctypes.c_float
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 262144, 5376), (4, 262144, 5376), (3, 1024, 64),
                                    (2, 1024, 128)])
 def test_gemv_bf16_matches_reference(m, n, k):
@@ -36,6 +37,7 @@ def test_gemv_bf16_matches_reference(m, n, k):
     assert (np.abs(got - want) <= 2e-5 * magnitude + 1e-6).all()
 
 
+@pytest.mark.gpu
 def test_select_row_and_softcap():
     ctx = h100_context()
     rng = np.random.default_rng(0)

@@ -46,6 +46,7 @@ def built(oracle_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "k_eq_v", "kv_shared"])
 def test_gpu_matches_reference_executor(built, case):
     h100_context()
@@ -66,6 +67,7 @@ def test_gpu_matches_reference_executor(built, case):
     assert g == r
 
 
+@pytest.mark.gpu
 def test_gpu_batched_decode_equals_single(built):
     h100_context()
     m = runtime.load(built("k_eq_v"))
@@ -111,6 +113,7 @@ def test_refuses_machines_that_do_not_fit(built, ctx, match):
         check_fits(art, ctx)
 
 
+@pytest.mark.gpu
 def test_gpu_sampling_is_seeded_and_within_top_k(built):
     """Seeded sampling on the device: the same seed repeats, another differs, top_k = 1 is
     greedy, and each token lies in the top_k of the GPU's own logits at its position. (Token for

@@ -62,6 +62,7 @@ def pair(tmp_path_factory):
     return models["h100-fp8"], models["xla-fp8"]
 
 
+@pytest.mark.gpu
 def test_logits_and_greedy_agree_with_xla(pair):
     h100, xla = pair
     ids = np.random.default_rng(1).integers(4, 262144, 96).tolist()
