@@ -162,3 +162,26 @@ def test_seeded_sampling_follows_the_sample_reference(h100_model):
     assert got == want.tolist()
     greedy = m.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
     assert m.generate(prompt, **{**kw, "top_k": 1, "max_tokens": 8}).token_ids == greedy
+
+
+@pytest.mark.parametrize("preset,layers", [("gemma-4-31B", 60), ("gemma-4-12B", None)])
+def test_released_models_lower(preset, layers):
+    """The released dense models lower (no weights needed): per layer exactly QKV GEMV, qkv_post,
+    attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
+    norm; the arena fits an 80 GB H100."""
+    from rvcompile.build import lower_model
+    from rvcompile.checkpoint import load_model_source
+    from rvcompile.targets.h100.lower import lower_to_h100
+
+    source = load_model_source(preset, random_weights=True)
+    ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
+                     log=lambda s: None)
+    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    n = len(source.config.layers)
+    assert layers in (None, n)
+    decode = s.entries["decode_1"].launches
+    # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels
+    assert len(decode) == 2 + 10 * n + 4
+    assert s.arena_bytes < 75e9
+    assert {x.kernel for x in decode[2:12]} >= {"gemv_fp8_rowscale", "qkv_post", "gelu_mul"}
+    assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
