@@ -256,3 +256,41 @@ def test_requests_that_cannot_run_are_refused():
     with pytest.raises(ValueError, match="15 full KV blocks cannot hold one sequence"):
         engine(FakeExecutor(full_blocks=15))
     engine(FakeExecutor(full_blocks=8), max_model_len=32)  # a shorter limit needs fewer
+
+
+def test_engine_thread_delivers_outputs_aborts_and_fails_cleanly():
+    import threading
+
+    from rvcompile.runtime.engine import EngineThread
+
+    thread = EngineThread(engine(FakeExecutor()))
+    got: dict[str, list] = {"a": [], "b": []}
+    done = {k: threading.Event() for k in got}
+
+    def sink(out):
+        got[out.id].append(out)
+        if out.id == "b" and len(got["b"]) == 2:
+            thread.abort("b")  # from the engine thread itself, mid-stream
+        if out.finished:
+            done[out.id].set()
+
+    try:
+        thread.submit(Request("a", [3, 4, 5], 6, ignore_eos=True), sink)
+        thread.submit(Request("b", [6, 7], 50, ignore_eos=True), sink)
+        assert done["a"].wait(10) and done["b"].wait(10)
+        assert tokens_of(got["a"]) == reference([3, 4, 5], 6)
+        assert got["b"][-1].finish_reason == "abort" and len(got["b"]) < 6
+        with pytest.raises(ValueError):
+            thread.submit(Request("c", [], 3), sink)
+        # An executor failure ends every request with "error" and refuses new ones.
+        thread.engine.executor.decode = lambda lanes: 1 / 0
+        got["d"], done["d"] = [], threading.Event()
+        thread.submit(Request("d", [3], 5, ignore_eos=True), sink)
+        assert done["d"].wait(10)
+        assert got["d"][-1].finish_reason == "error" and "ZeroDivisionError" in got["d"][-1].error
+        assert "ZeroDivisionError" in thread.error
+        with pytest.raises(RuntimeError):
+            thread.submit(Request("e", [3], 5), sink)
+        assert_pools_whole(thread.engine)
+    finally:
+        thread.stop()

@@ -183,7 +183,7 @@ class Engine:
         outputs = [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0, error)
                    for r in inbox]
         for live in list(self._live.values()):
-            outputs.append(self._finish(live, "error", [], error))
+            outputs.append(self._finish(live, "error", [], error=error))
         return outputs
 
     def _emit(self, live: _Live, token: int) -> RequestOutput:
