@@ -282,7 +282,7 @@ def test_full_queue_gets_503(artifact, server):
     small = Server(artifact, *POOLS, "--max-num-seqs", "1", "--max-waiting", "1")
     try:
         c = small.client()
-        first = c.completions.create(model=NAME, prompt="a", max_tokens=100, stream=True,
+        first = c.completions.create(model=NAME, prompt="a", max_tokens=120, stream=True,
                                      extra_body={"ignore_eos": True})
         next(iter(first))  # running
         second = c.completions.create(model=NAME, prompt="b", max_tokens=5, stream=True,
