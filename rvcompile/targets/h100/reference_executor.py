@@ -181,11 +181,6 @@ def _gelu_mul(dev, launch: Launch, gu, out, inter):
     dev.view(out, BF16, (m, inter))[:] = gelu_mul.reference(dev.view(gu, F32, (m, 2 * inter)))
 
 
-def _argmax(dev, launch: Launch, logits, v, cap, out):
-    m = launch.grid[0]
-    dev.view(out, I32, (m,))[:] = head.softcap_argmax(dev.view(logits, F32, (m, v)), cap)
-
-
 def _sample_prepare(dev, launch: Launch, logits, m, v, cap, ws):
     """The workspace is the kernels' scratch; here it carries softcap(logits) to the pick."""
     dev.view(ws, F32, (m, v))[:] = sample.softcap(dev.view(logits, F32, (m, v)), cap)
@@ -223,7 +218,6 @@ _REFS = {
     qkv_post.SMALL_ENTRY: _qkv_post,
     attn_decode.COMBINE_ENTRY: _combine,
     gelu_mul.ENTRY: _gelu_mul,
-    head.ARGMAX_ENTRY: _argmax,
     rows.SELECT_ENTRY: _select_row,
     sample.PREPARE_ENTRY: _sample_prepare,
     sample.FILTER_ENTRY: _sample_filter,
