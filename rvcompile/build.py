@@ -221,7 +221,7 @@ def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slo
                   TransferSpeedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("weights", total=total)
         for ref in source.tensors:
-            arr = ref.load()
+            arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
             specs = specs_by_source.get(ref.name, ())
             for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():
                 for slot in slots_by_param[name]:

@@ -12,6 +12,13 @@ their embedders, `lm_head.weight` (tied) and the unused k/v tensors of KV-shared
 skipped. Every error is a one-line `CheckpointError` (or `ConfigError` from the config parser)
 naming the file and/or tensor.
 
+Pre-quantized FP8 checkpoints (llm-compressor "FP8-Dynamic", compressed-tensors or quant_method
+"fp8"): a linear projection stored as F8_E4M3 `X.weight` [N, K] with `X.weight_scale` (one scale
+per output row, [N, 1] or [N], or one per tensor, [] or [1], expanded to rows) becomes a TensorRef
+whose `load_stored()` gives that `Fp8Tensor` as stored and whose `load()` gives its float32
+dequantization. `read_fp8_scheme` says which quantization_configs are read and why the others
+(block-wise scales, static activation scales, other formats) are refused.
+
 safetensors layout, parsed here directly (numpy has no bfloat16): an 8-byte little-endian
 header length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}},
 then the data section; offsets are relative to its start.
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from rvcompile.config import ConfigError, Gemma4Config
@@ -41,15 +49,29 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class Fp8Tensor:
+    """A pre-quantized checkpoint matrix as stored: the weight is values * scales[:, None]."""
+
+    values: np.ndarray  # float8_e4m3fn [N, K], the checkpoint's bytes
+    scales: np.ndarray  # float32 [N], one per output row (a per-tensor scale repeated)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: each e4m3 value (exact in float32) times its row's scale."""
+        return self.values.astype(np.float32) * self.scales[:, None]
+
+
+@dataclass(frozen=True)
 class TensorRef:
     """One decoder tensor, read on demand."""
 
     name: str  # canonical, without "model.": "layers.3.self_attn.q_proj.weight"
     shape: tuple[int, ...]
-    source_dtype: str  # "bfloat16" | "float16" | "float32"
+    source_dtype: str  # "bfloat16" | "float16" | "float32" | "float8_e4m3fn" (pre-quantized)
     origin: str  # file path, or "random(seed=S)"
     # Returns the float32 C-contiguous array; picklable (a functools.partial of a module function).
     reader: Callable[[], np.ndarray] = field(repr=False, compare=False)
+    # Pre-quantized FP8 tensors only: returns the Fp8Tensor as stored (`reader` dequantizes it).
+    fp8_reader: Callable[[], Fp8Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -58,6 +80,10 @@ class TensorRef:
     def load(self) -> np.ndarray:
         """float32, C-contiguous, `shape`; CheckpointError (naming origin and tensor) on NaN/Inf."""
         return self.reader()
+
+    def load_stored(self) -> np.ndarray | Fp8Tensor:
+        """What the build encodes: a pre-quantized tensor's Fp8Tensor as stored, else load()."""
+        return self.load() if self.fp8_reader is None else self.fp8_reader()
 
 
 @dataclass(frozen=True)
@@ -134,13 +160,22 @@ _NON_TEXT_MODULES = frozenset({
     "vision_model", "audio_model",
 })
 _TEXT_PREFIXES = ("model.language_model.", "model.")
-# Tensors that only pre-quantized checkpoints (FP8, GPTQ/AWQ, compressed-tensors, bnb) carry.
+# Tensors that only pre-quantized checkpoints (FP8, GPTQ/AWQ, compressed-tensors, bnb) carry. Of
+# these, FP8 `weight_scale` is read and `input_scale` ignored under dynamic activations.
 _QUANT_SUFFIX = re.compile(
     r"\.(weight_scale|weight_scale_inv|input_scale|weight_zero_point|weight_packed|"
     r"weight_shape|weight_global_scale|input_global_scale|qweight|qzeros|scales|g_idx|absmax|"
     r"quant_map|quant_state\..*)$"
 )
-_PREQUANT = "pre-quantized checkpoints are not supported by this path yet"
+_PREQUANT = ("pre-quantized checkpoints are read only as FP8 e4m3 with a per-channel or "
+             "per-tensor weight_scale")
+# What quantize_fp8 stores in FP8: every linear projection but the router's. Embedding tables
+# (and so the tied head), norms and the router stay in higher precision; a checkpoint that has
+# one of those in FP8 is not one this reader understands.
+_FP8_WEIGHT = re.compile(
+    r"(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|per_layer_input_gate|"
+    r"per_layer_projection)|per_layer_model_projection)\.weight"
+)
 
 
 def _canonical_name(raw: str) -> str | None:
@@ -241,10 +276,9 @@ def read_safetensors_header(path: Path) -> list[_Entry]:
     return entries
 
 
-def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
-                shape: tuple[int, ...]) -> np.ndarray:
-    """Read one tensor as float32 [shape]; CheckpointError on a short read or NaN/Inf."""
-    stored = _SUPPORTED_DTYPES[dtype][1]
+def _read_stored(path: str, raw_name: str, start: int, nbytes: int,
+                 stored: np.dtype) -> np.ndarray:
+    """One tensor's bytes as a flat array of `stored`; CheckpointError on a short read."""
     buf = np.empty(nbytes // stored.itemsize, stored)
     try:
         with open(path, "rb") as f:
@@ -256,6 +290,13 @@ def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
         raise CheckpointError(
             f"{path}: tensor {raw_name}: read {got} of {nbytes} bytes (file truncated?)"
         )
+    return buf
+
+
+def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
+                shape: tuple[int, ...]) -> np.ndarray:
+    """Read one tensor as float32 [shape]; CheckpointError on a short read or NaN/Inf."""
+    buf = _read_stored(path, raw_name, start, nbytes, _SUPPORTED_DTYPES[dtype][1])
     if dtype == "BF16":  # bfloat16 is the top half of a float32
         bits = np.empty(buf.shape, np.uint32)
         np.left_shift(buf, np.uint32(16), out=bits, dtype=np.uint32)
@@ -265,6 +306,30 @@ def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
     out = out.reshape(shape)
     _check_finite(out, f"{path}: tensor {raw_name}")
     return out
+
+
+def read_fp8_tensor(path: str, weight: _Entry, scale_path: str, scale: _Entry) -> Fp8Tensor:
+    """An F8_E4M3 weight [N, K] and its weight_scale ([N, 1], [N], [1] or [], expanded to [N]),
+    as stored; CheckpointError on a short read, a NaN value or a NaN/Inf scale."""
+    codes = _read_stored(path, weight.raw_name, weight.start, weight.nbytes, np.dtype(np.uint8))
+    _check_e4m3(codes, weight.shape, f"{path}: tensor {weight.raw_name}")
+    s = read_tensor(scale_path, scale.raw_name, scale.start, scale.nbytes, scale.dtype,
+                    scale.shape)
+    scales = np.ascontiguousarray(np.broadcast_to(s.reshape(-1), weight.shape[:1]), np.float32)
+    return Fp8Tensor(codes.view(ml_dtypes.float8_e4m3fn).reshape(weight.shape), scales)
+
+
+def _dequantized(read_fp8: Callable[[], Fp8Tensor]) -> np.ndarray:
+    return read_fp8().dequantize()
+
+
+def _check_e4m3(codes: np.ndarray, shape: tuple[int, ...], what: str, step: int = 1 << 24) -> None:
+    """e4m3fn has no Inf; S.1111.111 is its NaN."""
+    for i in range(0, codes.size, step):
+        nan = np.flatnonzero((codes[i:i + step] & 0x7F) == 0x7F)
+        if nan.size:
+            index = tuple(int(x) for x in np.unravel_index(i + int(nan[0]), shape))
+            raise CheckpointError(f"{what} has a NaN at index {list(index)}")
 
 
 def _check_finite(arr: np.ndarray, what: str, step: int = 1 << 24) -> None:
@@ -311,14 +376,16 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [directory / s for s in shards], weight_map
 
 
-def _file_tensors(directory: Path, cfg: Gemma4Config) -> tuple[TensorRef, ...]:
-    """Validate every header against expected_tensors(cfg); TensorRefs in file/offset order."""
+def _file_tensors(directory: Path, cfg: Gemma4Config,
+                  fp8: Fp8Scheme | None) -> tuple[TensorRef, ...]:
+    """Validate every header against expected_tensors(cfg) (and, for a pre-quantized checkpoint,
+    `fp8`, its quantization_config); TensorRefs in file/offset order."""
     expected = expected_tensors(cfg)
     ignored = _skipped_shared_kv(cfg)
     files, weight_map = _weight_files(directory)
     index_path = directory / "model.safetensors.index.json"
-    found: dict[str, TensorRef] = {}
-    where: dict[str, str] = {}
+    weights: dict[str, tuple[Path, _Entry]] = {}
+    scales: dict[str, tuple[Path, _Entry]] = {}  # weight name -> its weight_scale
     for path in files:
         entries = read_safetensors_header(path)
         if weight_map is not None:
@@ -330,43 +397,113 @@ def _file_tensors(directory: Path, cfg: Gemma4Config) -> tuple[TensorRef, ...]:
                     )
         for e in entries:
             name = _canonical_name(e.raw_name)
-            if name is None or name in ignored:
+            if name is None:
                 continue
-            if _QUANT_SUFFIX.search(e.raw_name):
-                raise CheckpointError(f"{path}: tensor {e.raw_name}: {_PREQUANT}")
+            quant = _QUANT_SUFFIX.search(name)
+            if quant:
+                weight = name[:quant.start()] + ".weight"
+                if weight not in ignored and _is_weight_scale(path, e, quant.group(1), fp8):
+                    if weight in scales:
+                        raise CheckpointError(f"{path}: tensor {e.raw_name} duplicates the one "
+                                              f"in {scales[weight][0].name}")
+                    scales[weight] = (path, e)
+                continue
+            if name in ignored:
+                continue
             if name not in expected:
                 raise CheckpointError(
                     f"{path}: unexpected tensor {e.raw_name} (not in the Gemma 4 text decoder "
                     f"that {directory / 'config.json'} describes)"
                 )
-            if name in found:
+            if name in weights:
                 raise CheckpointError(
-                    f"{path}: tensor {e.raw_name} duplicates {name} already in {where[name]}"
+                    f"{path}: tensor {e.raw_name} duplicates {name} already in "
+                    f"{weights[name][0].name}"
                 )
-            if e.dtype not in _SUPPORTED_DTYPES:
+            if e.dtype == "F8_E4M3":
+                _check_fp8_weight(path, e, name, fp8)
+            elif e.dtype not in _SUPPORTED_DTYPES:
                 raise CheckpointError(
                     f"{path}: tensor {e.raw_name} has dtype {e.dtype}; only BF16, F16 and F32 "
-                    f"are read ({_PREQUANT})"
+                    f"are read, and F8_E4M3 with a weight_scale ({_PREQUANT})"
                 )
             if e.shape != expected[name]:
                 raise CheckpointError(
                     f"{path}: tensor {e.raw_name} has shape {list(e.shape)}, expected "
                     f"{list(expected[name])}"
                 )
-            found[name] = TensorRef(
-                name=name, shape=e.shape, source_dtype=_SUPPORTED_DTYPES[e.dtype][0],
-                origin=str(path),
-                reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.nbytes,
-                                         e.dtype, e.shape),
-            )
-            where[name] = path.name
-    missing = [n for n in expected if n not in found]
+            weights[name] = (path, e)
+    missing = [n for n in expected if n not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
             f"{directory}: missing tensor {missing[0]} {list(expected[missing[0]])}{more}"
         )
-    return tuple(found.values())
+    for name, (path, e) in scales.items():
+        if name not in weights or weights[name][1].dtype != "F8_E4M3":
+            what = "is not in the checkpoint" if name not in weights else \
+                f"is {weights[name][1].dtype}, not F8_E4M3"
+            raise CheckpointError(f"{path}: tensor {e.raw_name} scales {name}, which {what}")
+    return tuple(_tensor_ref(name, path, e, scales.get(name)) for name, (path, e) in
+                 weights.items())
+
+
+def _is_weight_scale(path: Path, e: _Entry, kind: str, fp8: Fp8Scheme | None) -> bool:
+    """Whether a pre-quantized checkpoint's extra tensor is a weight_scale to read (False: an
+    input_scale to ignore); CheckpointError for everything this reader does not take."""
+    if fp8 is None:
+        raise CheckpointError(f"{path}: tensor {e.raw_name} belongs to a pre-quantized "
+                              f"checkpoint, but its config.json has no quantization_config "
+                              f"({_PREQUANT})")
+    if kind == "weight_scale":
+        return True
+    if kind == "input_scale" and fp8.dynamic_activations:
+        return False  # activations are quantized per token at run time: no fixed scale
+    if kind == "input_scale":
+        raise CheckpointError(f"{path}: tensor {e.raw_name} is a static activation scale, but "
+                              f"{fp8.config_path} quantizes no activations")
+    if kind == "weight_scale_inv":
+        raise CheckpointError(f"{path}: tensor {e.raw_name}: block-wise FP8 scales "
+                              f"(weight_scale_inv) are not supported; {_PREQUANT}")
+    raise CheckpointError(f"{path}: tensor {e.raw_name}: {kind} tensors are not supported; "
+                          f"{_PREQUANT}")
+
+
+def _check_fp8_weight(path: Path, e: _Entry, name: str, fp8: Fp8Scheme | None) -> None:
+    if fp8 is None:
+        raise CheckpointError(f"{path}: tensor {e.raw_name} has dtype F8_E4M3, but its "
+                              f"config.json has no quantization_config (a pre-quantized "
+                              f"checkpoint states one)")
+    if not _FP8_WEIGHT.fullmatch(name):
+        raise CheckpointError(f"{path}: tensor {e.raw_name} is F8_E4M3, but only linear "
+                              f"projections are read as FP8 (embeddings, norms and the router "
+                              f"stay in higher precision)")
+
+
+def _tensor_ref(name: str, path: Path, e: _Entry, scale: tuple[Path, _Entry] | None) -> TensorRef:
+    if e.dtype != "F8_E4M3":
+        return TensorRef(
+            name=name, shape=e.shape, source_dtype=_SUPPORTED_DTYPES[e.dtype][0], origin=str(path),
+            reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.nbytes,
+                                     e.dtype, e.shape),
+        )
+    if scale is None:
+        raise CheckpointError(f"{path}: tensor {e.raw_name} is F8_E4M3 but the checkpoint has no "
+                              f"{e.raw_name}_scale")
+    scale_path, s = scale
+    rows = e.shape[0]
+    if s.shape not in ((rows, 1), (rows,), (1,), ()):
+        raise CheckpointError(
+            f"{scale_path}: tensor {s.raw_name} has shape {list(s.shape)}; FP8 scales are read "
+            f"per output row ([{rows}, 1] or [{rows}]) or per tensor ([] or [1]), not block- or "
+            f"group-wise"
+        )
+    if s.dtype not in _SUPPORTED_DTYPES:
+        raise CheckpointError(f"{scale_path}: tensor {s.raw_name} has dtype {s.dtype}; scales "
+                              f"are read from BF16, F16 or F32")
+    read_fp8 = functools.partial(read_fp8_tensor, str(path), e, str(scale_path), s)
+    return TensorRef(name=name, shape=e.shape, source_dtype="float8_e4m3fn", origin=str(path),
+                     reader=functools.partial(_dequantized, read_fp8), fp8_reader=read_fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +518,6 @@ def read_config(directory: Path) -> Gemma4Config:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    if "quantization_config" in raw or "quantization_config" in text:
-        raise CheckpointError(f"{path}: has a quantization_config: {_PREQUANT}")
     if raw.get("tie_word_embeddings") is False or text.get("tie_word_embeddings") is False:
         # lm_head.weight is skipped as a copy of embed_tokens; an untied one would be lost.
         raise CheckpointError(f"{path}: tie_word_embeddings is false; Gemma 4 ties the LM head "
@@ -393,6 +528,108 @@ def read_config(directory: Path) -> Gemma4Config:
         raise
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """What a pre-quantized FP8 checkpoint's quantization_config states, as far as reading it
+    goes; which tensors are FP8 is read from the files themselves."""
+
+    config_path: Path
+    # Activations are quantized per token at run time (FP8-Dynamic): any input_scale tensor is
+    # a calibration leftover and is ignored. False: weight-only FP8 (no input_scale expected).
+    dynamic_activations: bool
+
+
+def read_fp8_scheme(directory: Path) -> Fp8Scheme | None:
+    """config.json's quantization_config (top level or text_config): None if there is none.
+
+    Read: quant_method "compressed-tensors" (format "float-quantized" or "naive-quantized", every
+    config group's weights 8-bit float, symmetric, strategy "channel" or "tensor") and quant_method
+    "fp8" (fmt e4m3, no weight_block_size). Activations must be dynamic or not quantized at all.
+    The FP8 kernels keep activations in bf16, so a dynamic scheme costs nothing to drop, but a
+    static one (calibrated input_scale, activations clipped to it) describes a model that an
+    artifact ignoring input_scale would not compute: refused, as are block-wise scales
+    (weight_scale_inv, strategy "block"), group-wise scales, quantized KV caches, weight
+    transforms and every other format."""
+    path = directory / "config.json"
+    raw = _read_json(path)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    q = raw.get("quantization_config", text.get("quantization_config"))
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{path}: quantization_config is not a JSON object")
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fp8_method_scheme(path, q)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(path, q)
+    raise CheckpointError(f"{path}: quantization_config quant_method {method!r} is not supported "
+                          f"(\"compressed-tensors\" and \"fp8\" are read; {_PREQUANT})")
+
+
+def _fp8_method_scheme(path: Path, q: dict) -> Fp8Scheme:
+    """quant_method "fp8": transformers' FineGrainedFP8 (block-wise), AutoFP8 (per tensor)."""
+    if q.get("weight_block_size") is not None:
+        raise CheckpointError(f"{path}: quantization_config has weight_block_size "
+                              f"{q['weight_block_size']}: block-wise FP8 scales are not "
+                              f"supported; {_PREQUANT}")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{path}: quantization_config fmt {q['fmt']!r}: only e4m3 is read")
+    scheme = q.get("activation_scheme")
+    if scheme != "dynamic":
+        raise CheckpointError(
+            f"{path}: quantization_config activation_scheme is {scheme!r}; pre-quantized FP8 is "
+            f"read only with \"dynamic\" activations (static input scales are not applied)"
+        )
+    return Fp8Scheme(path, dynamic_activations=True)
+
+
+def _compressed_tensors_scheme(path: Path, q: dict) -> Fp8Scheme:
+    if q.get("kv_cache_scheme") is not None:
+        raise CheckpointError(f"{path}: quantization_config has a kv_cache_scheme; a quantized "
+                              f"KV cache is not supported")
+    if q.get("transform_config"):
+        raise CheckpointError(f"{path}: quantization_config has a transform_config (rotated "
+                              f"weights); not supported")
+    sparsity = q.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format") != "dense"):
+        raise CheckpointError(f"{path}: quantization_config has a sparsity_config; sparse "
+                              f"checkpoints are not supported")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{path}: quantization_config has no config_groups")
+    dynamic = False
+    for group_name, group in groups.items():
+        where = f"{path}: quantization_config.config_groups.{group_name}"
+        if not isinstance(group, dict):
+            raise CheckpointError(f"{where} is not a JSON object")
+        fmt = group.get("format", q.get("format"))
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise CheckpointError(f"{where}: format {fmt!r} is not supported ({_PREQUANT})")
+        w = group.get("weights")
+        if not isinstance(w, dict) or (w.get("num_bits"), w.get("type")) != (8, "float"):
+            raise CheckpointError(f"{where}: weights are not 8-bit float ({_PREQUANT})")
+        if w.get("strategy") not in ("channel", "tensor"):
+            raise CheckpointError(
+                f"{where}: weights strategy {w.get('strategy')!r} is not supported; FP8 weights "
+                f"are read with one scale per output row (\"channel\") or per tensor (\"tensor\")"
+            )
+        if w.get("symmetric") is False or w.get("dynamic"):
+            raise CheckpointError(f"{where}: weights are not symmetric and static ({_PREQUANT})")
+        act = group.get("input_activations")
+        if act is not None:
+            if not isinstance(act, dict) or act.get("dynamic") is not True:
+                raise CheckpointError(
+                    f"{where}: input_activations are not dynamic; pre-quantized FP8 is read only "
+                    f"with dynamic or unquantized activations (static input scales are not "
+                    f"applied)"
+                )
+            dynamic = True
+        if group.get("output_activations") is not None:
+            raise CheckpointError(f"{where}: output_activations are quantized; not supported")
+    return Fp8Scheme(path, dynamic_activations=dynamic)
 
 
 def _read_chat_template(directory: Path) -> str | None:
@@ -504,7 +741,7 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
                 chat_template=tf.default_chat_template(), origin=str(directory),
             )
     else:
-        tensors = _file_tensors(directory, cfg)
+        tensors = _file_tensors(directory, cfg, read_fp8_scheme(directory))
     return ModelSource(
         config=cfg, tensors=tensors, tokenizer_json=_read_tokenizer_json(directory),
         generation_config=_generation_config(directory, cfg),

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
+from rvcompile.checkpoint import Fp8Tensor
+
 
 def _per_row_blocks(w: np.ndarray, dtype, encode_block) -> tuple[np.ndarray, np.ndarray]:
     """Apply `encode_block(rows f32 [r, K]) -> (codes [r, K], scales [r])` to ~64 MiB row blocks
@@ -66,15 +68,21 @@ def quantize_fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _per_row_blocks(w, np.uint8, block)
 
 
-def encode(derive: str, w: np.ndarray) -> np.ndarray:
-    """The stored array for ParamSpec.derive given the float32 checkpoint tensor."""
+def encode(derive: str, w: np.ndarray | Fp8Tensor) -> np.ndarray:
+    """The stored array for ParamSpec.derive given the checkpoint tensor (see encode_all)."""
     return encode_all({"": derive}, w)[""]
 
 
-def encode_all(derives: dict[str, str], w: np.ndarray) -> dict[str, np.ndarray]:
-    """name -> stored array for each ParamSpec.derive made from one checkpoint tensor; a
-    format's values and scales come from a single quantization."""
+def encode_all(derives: dict[str, str], w: np.ndarray | Fp8Tensor) -> dict[str, np.ndarray]:
+    """name -> stored array for each ParamSpec.derive made from one checkpoint tensor (float32,
+    or a pre-quantized Fp8Tensor); a format's values and scales come from a single quantization.
+    An Fp8Tensor's own values and scales are fp8_values / fp8_scales, byte for byte: quantizing
+    its dequantization again would not give them back (other scales than amax/448, per-tensor
+    scales). Every other derivation starts from that float32 dequantization."""
     out, quantized = {}, {}
+    if isinstance(w, Fp8Tensor):
+        quantized["fp8"] = (w.values, w.scales)
+        w = w.dequantize() if any(not d.startswith("fp8_") for d in derives.values()) else None
     for name, derive in derives.items():
         fmt, _, part = derive.partition("_")
         if derive == "copy":
