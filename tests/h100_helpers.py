@@ -22,3 +22,26 @@ def own_tables(executor, i: int) -> dict[str, list[int]]:
     """Block tables giving sequence i its own blocks: [i * width, (i + 1) * width) per kind."""
     return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
             for k in executor.kinds.values()}
+
+
+def decode_three_together(model) -> tuple[list[list[int]], list[list[int]]]:
+    """(tokens of three sequences prefilled and then decoded together in one decode call per
+    step, the same three generated one at a time through `model.generate`), greedy, 6 each."""
+    from oracle import random_token_ids
+
+    from rvcompile.runtime.executor_api import SeqChunk
+
+    ex = model.executor
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (33, 3))]
+    solo = [model.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
+    together = []
+    for i, p in enumerate(prompts):
+        for s in range(0, len(p), ex.max_chunk):
+            tok = ex.prefill(SeqChunk(p[s:s + ex.max_chunk], s, own_tables(ex, i)))
+        together.append([tok])
+    for step in range(5):
+        lanes = [SeqChunk([seq[-1]], len(p) + step, own_tables(ex, i))
+                 for i, (p, seq) in enumerate(zip(prompts, together, strict=True))]
+        for seq, tok in zip(together, ex.decode(lanes), strict=True):
+            seq.append(tok)
+    return together, solo

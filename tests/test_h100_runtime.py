@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import h100_context, own_tables
+from h100_helpers import decode_three_together, h100_context
 from oracle import random_token_ids
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.runtime.executor_api import SeqChunk
 from rvcompile.runtime.h100_executor import check_fits
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100.reference_executor import reference_executor
@@ -71,19 +70,7 @@ def test_gpu_matches_reference_executor(built, case):
 def test_gpu_batched_decode_equals_single(built):
     h100_context()
     m = runtime.load(built("k_eq_v"))
-    ex = m.executor
-    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (33, 3))]
-    solo = [m.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
-    together = []
-    for i, p in enumerate(prompts):
-        for s in range(0, len(p), ex.max_chunk):
-            tok = ex.prefill(SeqChunk(p[s:s + ex.max_chunk], s, own_tables(ex, i)))
-        together.append([tok])
-    for step in range(5):
-        lanes = [SeqChunk([seq[-1]], len(p) + step, own_tables(ex, i))
-                 for i, (p, seq) in enumerate(zip(prompts, together, strict=True))]
-        for seq, tok in zip(together, ex.decode(lanes), strict=True):
-            seq.append(tok)
+    together, solo = decode_three_together(m)
     assert together == solo
 
 

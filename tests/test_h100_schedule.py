@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import own_tables
+from h100_helpers import decode_three_together
 from oracle import oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir import ops
-from rvcompile.runtime.executor_api import SeqChunk
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import LoweringError, decode_buckets
@@ -90,19 +89,7 @@ def test_decode_path_agrees_with_logits_path(h100_model, case):
 def test_batched_decode_equals_single(h100_model):
     """Three sequences decoded together (bucket 3 of decode_1/2/3) give each one's own tokens."""
     _, m = h100_model("k_eq_v")
-    ex = m.executor
-    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (33, 3))]
-    solo = [m.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
-    together = []
-    for i, p in enumerate(prompts):
-        for s in range(0, len(p), ex.max_chunk):
-            tok = ex.prefill(SeqChunk(p[s:s + ex.max_chunk], s, own_tables(ex, i)))
-        together.append([tok])
-    for step in range(5):
-        lanes = [SeqChunk([seq[-1]], len(p) + step, own_tables(ex, i))
-                 for i, (p, seq) in enumerate(zip(prompts, together, strict=True))]
-        for seq, tok in zip(together, ex.decode(lanes), strict=True):
-            seq.append(tok)
+    together, solo = decode_three_together(m)
     assert together == solo
 
 
