@@ -7,14 +7,16 @@ the paths past the candidates (flat rows, top_k above CAND_RANK, logits clustere
 ties, saturated softcap) and a distribution check over 4096 seeds.
 
 Judging a draw (`judge`): the kernel's token must be the token of the same rule computed in
-float64 (float32 y / T as the reference, float64 exp and sums) unless u or top_p lies within
-1e-6 of a float64 cumulative boundary (the kernel sums fixed-point weights of f32 expf: relative
+float64 (float32 y / T as the reference, float64 exp and sums), to within 1e-6 of a cumulative
+boundary for u, and where top_p is within 1e-6 of the mass before the last kept or first dropped
+token, with that token kept or dropped (the kernel sums fixed-point weights of f32 expf: relative
 error ~2e-7). Where the kernel and the reference differ, the reference's token must lie within its
 own float32 error of the exact target: that error measured on the row (max |float32 cumulative -
 float64|, the reference's float32 steps replayed) plus 1e-5. At V = 262144 with top_k = 0 it
-reaches ~6e-4 (a float32 cumsum near 1 drops every token below ~3e-8), so flat full-vocabulary
-rows are judged this way only; LM-like rows must also agree with the reference on all but 1% of
-draws (at least all but one).
+reaches ~6e-4 (a float32 cumsum near 1 drops every token below ~3e-8), and there the reference
+misses the exact token in about a third of the draws, LM-like rows included. So where that error
+is within 1e-5 (V = 1024, and small top_k), the kernel must also pick the reference's token in
+all draws but 1% (at least all but one); elsewhere the two checks above are the test.
 """
 
 from __future__ import annotations
@@ -54,15 +56,30 @@ class Exact:
     kept: int
 
 
-def exact_rule(y: np.ndarray, temperature: float, top_k: int, top_p: float) -> Exact:
+def exact_rule(y: np.ndarray, temperature: float, top_k: int, top_p: float,
+               kept: int | None = None) -> Exact:
+    """`kept` overrides the top_p cut (to try its neighbours)."""
     order = np.argsort(-y, kind="stable")
     sv = y[order] / np.float32(temperature)
     w = np.exp(sv.astype(np.float64) - np.float64(sv[0]))
     keff = top_k if 0 < top_k < len(y) else len(y)
     w = w[:keff]
     before = (np.cumsum(w) - w) / w.sum()
-    kept = keff if top_p >= 1 else max(1, int(np.sum(before < top_p)))
+    if kept is None:
+        kept = keff if top_p >= 1 else max(1, int(np.sum(before < top_p)))
     return Exact(order, np.cumsum(w[:kept]) / w[:kept].sum(), before, kept)
+
+
+def cut_rules(y, temperature, top_k, top_p, ex: Exact, tol: float) -> list[Exact]:
+    """ex, and the rules keeping one token less or more where top_p is within tol of the mass
+    before the last kept or the first dropped token."""
+    if top_p >= 1:
+        return [ex]
+    near = [ex.before[j] for j in (ex.kept - 1, ex.kept) if j < len(ex.before)]
+    if min(abs(b - top_p) for b in near) >= tol:
+        return [ex]
+    return [ex] + [exact_rule(y, temperature, top_k, top_p, kept=n)
+                   for n in (ex.kept - 1, ex.kept + 1) if 1 <= n <= len(ex.before)]
 
 
 def picks(ex: Exact, u: float, token: int, tol: float) -> bool:
@@ -94,30 +111,43 @@ def reference_error(y: np.ndarray, temperature: float, top_k: int, top_p: float,
     return e_cum, e_before, int(keep.sum())
 
 
-def judge(logits, cap, temperature, top_k, top_p, seed, step, got) -> int:
-    """Asserts the kernel's tokens `got` as the module docstring says; returns how many differ
-    from the reference's."""
+@dataclass
+class Verdict:
+    accurate: int = 0  # draws where the reference's float32 error is within ACCURATE
+    differ: int = 0  # of those, draws where the kernel's token is not the reference's
+
+
+ACCURATE = 1e-5
+
+
+def judge(logits, cap, temperature, top_k, top_p, seed, step, got) -> Verdict:
+    """Asserts the kernel's tokens `got` as the module docstring says."""
     y = sample.softcap(logits, cap)
     want = sample.reference(logits, cap, temperature, top_k, top_p, seed, step)
     u = ops.sampling_uniform(np.asarray(seed, np.int32), np.asarray(step, np.int32))
-    differ = 0
+    verdict = Verdict()
     for b in range(y.shape[0]):
         t, k, p = float(temperature[b]), int(top_k[b]), float(top_p[b])
         where = f"row {b}: T={t} top_k={k} top_p={p} u={u[b]}: kernel {got[b]}, ref {want[b]}"
+        verdict.accurate += 1
         if t <= 0:
             assert got[b] == want[b], where
             continue
         ex = exact_rule(y[b], t, k, p)
-        cut_on_boundary = p < 1 and np.abs(ex.before - p).min() < 1e-6
-        assert cut_on_boundary or picks(ex, float(u[b]), int(got[b]), 1e-6), where
+        rules = cut_rules(y[b], t, k, p, ex, 1e-6)
+        assert any(picks(e, float(u[b]), int(got[b]), 1e-6) for e in rules), where
+        e_cum, e_before, kept = reference_error(y[b], t, k, p, ex)
+        if max(e_cum, e_before) > ACCURATE:
+            verdict.accurate -= 1
+        elif got[b] != want[b]:
+            verdict.differ += 1
         if got[b] != want[b]:
-            differ += 1
-            e_cum, e_before, kept = reference_error(y[b], t, k, p, ex)
-            if kept != ex.kept:
-                assert np.abs(ex.before - p).min() <= e_before + 1e-5, f"{where} (cut)"
+            if kept != ex.kept:  # every token between the two cuts is within e_before of top_p
+                far = kept - 1 if kept > ex.kept else kept
+                assert abs(ex.before[far] - p) <= e_before + 1e-5, f"{where} (cut, e={e_before})"
             else:
                 assert picks(ex, float(u[b]), int(want[b]), e_cum + 1e-5), f"{where} e={e_cum}"
-    return differ
+    return verdict
 
 
 def draw_inputs(rng, m: int, temperature, top_k, top_p):
@@ -193,8 +223,9 @@ def test_judge_accepts_the_reference_and_rejects_a_neighbour() -> None:
             assert picks(ex, u, tok, 1e-6)
             r = int(np.flatnonzero(ex.order == tok)[0])
             assert not picks(ex, u, int(ex.order[r + 1]), 1e-9)
-        assert judge(logits, 30.0, [t], [k], [p], [7], [1], sample.reference(
-            logits, 30.0, [t], [k], [p], [7], [1])) == 0
+        verdict = judge(logits, 30.0, [t], [k], [p], [7], [1], sample.reference(
+            logits, 30.0, [t], [k], [p], [7], [1]))
+        assert verdict == Verdict(accurate=1, differ=0)
 
 
 def test_plan_and_limits() -> None:
@@ -285,21 +316,28 @@ class DeviceSampler:
         self.ctx.free(self.out)
 
 
-def run_steps(ctx, logits, cap, temperature, top_k, top_p, seed, steps) -> int:
-    """Launches once per step, judges every draw; returns how many differ from the reference."""
+def run_steps(ctx, logits, cap, temperature, top_k, top_p, seed, steps) -> Verdict:
+    """Launches once per step and judges every draw."""
     m, v = logits.shape
     ds = DeviceSampler(ctx, m, v)
-    differ = 0
+    total = Verdict()
     try:
         for step in steps:
             st = np.full(m, step, np.int32)
             ds.set_inputs(logits, cap, temperature, top_k, top_p, seed, st)
             got = ds.tokens()
             assert ((got >= 0) & (got < v)).all(), got
-            differ += judge(logits, cap, temperature, top_k, top_p, seed, st, got)
+            verdict = judge(logits, cap, temperature, top_k, top_p, seed, st, got)
+            total.accurate += verdict.accurate
+            total.differ += verdict.differ
     finally:
         ds.close()
-    return differ
+    return total
+
+
+def assert_mostly_agrees(verdict: Verdict) -> None:
+    """Where the reference is accurate, the kernel picks its token in all draws but 1%."""
+    assert verdict.differ <= max(1, verdict.accurate // 100), verdict
 
 
 MODES = {  # (temperature, top_k, top_p)
@@ -321,8 +359,7 @@ def test_sample_kernels(mode: str, v: int, m: int) -> None:
     logits = lm_like_logits(rng, m, v)
     temperature, top_k, top_p, seed = draw_inputs(rng, m, *MODES[mode])
     steps = rng.integers(0, 2**31, STEPS)
-    differ = run_steps(ctx, logits, 30.0, temperature, top_k, top_p, seed, steps)
-    assert differ <= max(1, m * STEPS // 100), differ
+    assert_mostly_agrees(run_steps(ctx, logits, 30.0, temperature, top_k, top_p, seed, steps))
 
 
 @pytest.mark.gpu
@@ -336,7 +373,8 @@ def test_mixed_rows(v: int) -> None:
     top_k = np.array([0, 7, 1, 100, 0], np.int32)
     top_p = np.array([0.5, 1.0, 1.0, 0.7, 0.3], np.float32)
     seed = rng.integers(-2**31, 2**31, 5).astype(np.int32)
-    assert run_steps(ctx, logits, 30.0, temperature, top_k, top_p, seed, range(STEPS)) <= 1
+    assert_mostly_agrees(run_steps(ctx, logits, 30.0, temperature, top_k, top_p, seed,
+                                   range(STEPS)))
 
 
 PAST_CANDIDATES = {  # name: (logits maker, cap, temperature, top_k, top_p)

@@ -14,10 +14,13 @@ Three launches, in order on one stream, sharing one workspace of `workspace_byte
 Geometry and shared memory: `plan(M, V, sm_count)`; the filter and pick kernels need their
 dynamic shared memory opted in (CudaContext.set_max_dynamic_smem) before the first launch.
 
-Limits: V % 128 == 0 and 128 <= V <= 2^19; M >= 1; finite logits and temperatures. Any top_k
-and top_p in (0, 1] give exactly the reference's token up to float32 rounding: the kernels sum
-weights exp(y / T - y_max / T) as exact 64-bit fixed point (2^-42), so only a draw whose u * S or
-top_p * Z falls within the reference's own float32 error of a cumulative boundary can differ.
+Limits: V % 128 == 0 and 128 <= V <= 2^19; M >= 1; finite logits and temperatures; any top_k,
+top_p in (0, 1] (above 1: 1). The kernels sum the weights exp(y / T - y_max / T) as exact 64-bit
+fixed point (2^-42 of the largest), which is the reference's rule in exact arithmetic to ~2e-7.
+The reference itself runs it in float32: its cumulative sums are off by its rounding, little on
+peaked rows but up to ~6e-4 of the mass at V = 262144 with top_k = 0 (each token below ~3e-8 is
+lost when added to a sum near 1). A draw whose u or top_p falls within that error of a cumulative
+boundary can differ from the reference's token; every other draw is the same token.
 top_p <= 0 keeps the first token; the reference instead clamps its empty kept set to the last
 token of the sorted row (a degenerate setting the runtime should reject).
 

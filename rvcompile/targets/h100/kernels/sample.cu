@@ -24,8 +24,9 @@
 //
 // Order: a composite key (float key of y << 32 | ~index) is unique and sorts like the reference
 // (value descending, index ascending). Mass: W = floor(w * 2^42) in 64-bit integers, so every sum
-// is exact and independent of order; the tests of the reference's float32 cut and pick therefore
-// hold to its rounding: targets P = ceil(top_p * Z) and t = floor(u * S).
+// is exact, deterministic and independent of order; the cut is the first token whose mass up to
+// and including it is >= P = ceil(top_p * Z), the pick the first whose is > t = floor(u * S). The
+// result differs from the reference's float32 arithmetic only where that arithmetic is off.
 // Contract: V % 128 == 0, V <= 2^19, finite logits and temperatures, the workspace of sample.py's
 // workspace_bytes(M, V) (no state between calls). top_p <= 0 keeps the first token (the reference
 // then clamps its empty kept set to the row's last sorted token).
