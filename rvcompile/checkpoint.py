@@ -425,7 +425,7 @@ def _file_tensors(directory: Path, cfg: Gemma4Config,
             elif e.dtype not in _SUPPORTED_DTYPES:
                 raise CheckpointError(
                     f"{path}: tensor {e.raw_name} has dtype {e.dtype}; only BF16, F16 and F32 "
-                    f"are read, and F8_E4M3 with a weight_scale ({_PREQUANT})"
+                    f"are read ({_PREQUANT})"
                 )
             if e.shape != expected[name]:
                 raise CheckpointError(
@@ -440,10 +440,12 @@ def _file_tensors(directory: Path, cfg: Gemma4Config,
             f"{directory}: missing tensor {missing[0]} {list(expected[missing[0]])}{more}"
         )
     for name, (path, e) in scales.items():
-        if name not in weights or weights[name][1].dtype != "F8_E4M3":
-            what = "is not in the checkpoint" if name not in weights else \
-                f"is {weights[name][1].dtype}, not F8_E4M3"
-            raise CheckpointError(f"{path}: tensor {e.raw_name} scales {name}, which {what}")
+        if name not in weights:
+            raise CheckpointError(f"{path}: tensor {e.raw_name} scales {name}, which is not in "
+                                  f"the checkpoint")
+        if weights[name][1].dtype != "F8_E4M3":
+            raise CheckpointError(f"{path}: tensor {e.raw_name} scales {name}, which is "
+                                  f"{weights[name][1].dtype}, not F8_E4M3")
     return tuple(_tensor_ref(name, path, e, scales.get(name)) for name, (path, e) in
                  weights.items())
 
@@ -605,7 +607,7 @@ def _compressed_tensors_scheme(path: Path, q: dict) -> Fp8Scheme:
         where = f"{path}: quantization_config.config_groups.{group_name}"
         if not isinstance(group, dict):
             raise CheckpointError(f"{where} is not a JSON object")
-        fmt = group.get("format", q.get("format"))
+        fmt = group.get("format") or q.get("format")  # per group in newer releases
         if fmt not in ("float-quantized", "naive-quantized"):
             raise CheckpointError(f"{where}: format {fmt!r} is not supported ({_PREQUANT})")
         w = group.get("weights")
