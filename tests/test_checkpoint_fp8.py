@@ -31,7 +31,12 @@ from rvcompile import runtime
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact, lower_model
 from rvcompile.checkpoint import CheckpointError, Fp8Tensor, load_model_source
-from rvcompile.passes.weight_math import FP8_E4M3_MAX, quantize_fp8_per_channel
+from rvcompile.passes.weight_math import (
+    FP8_E4M3_MAX,
+    encode_all,
+    quantize_fp8_per_channel,
+    quantize_int8_per_channel,
+)
 from rvcompile.targets.h100.lower import layout_weights
 
 LINEAR = re.compile(
@@ -265,3 +270,17 @@ def test_refusals_name_the_file_and_tensor(dense, tmp_path):
         build_artifact(str(tmp_path / "1"), out, BuildOptions("h100-fp8", **OPTS),
                        progress=False, log=lambda s: None)
     assert not out.exists()
+
+
+def test_encode_all_keeps_fp8_and_dequantizes_the_rest(dense):
+    _, _, quantized = dense
+    codes, scales, _ = quantized[Q]
+    stored = Fp8Tensor(codes.view(ml_dtypes.float8_e4m3fn), scales)
+    out = encode_all({"v": "fp8_values", "s": "fp8_scales", "f": "copy", "i": "int8_values",
+                      "j": "int8_scales"}, stored)
+    assert out["v"] is stored.values and out["s"] is stored.scales
+    w = dequantize(codes, scales)
+    np.testing.assert_array_equal(out["f"], w)
+    q, s = quantize_int8_per_channel(w)
+    np.testing.assert_array_equal(out["i"], q)
+    np.testing.assert_array_equal(out["j"], s)
