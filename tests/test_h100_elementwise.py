@@ -58,12 +58,14 @@ def assert_bf16_close(got, want) -> None:
     bad = err > ulp + slack
     assert not bad.any(), (f"{bad.sum()} elements beyond one bf16 ulp, first at "
                            f"{np.argwhere(bad)[0]}: got {g[bad][0]}, want {w[bad][0]}")
-    # Rounding flips: at most 1% of the elements whose magnitude is at least 1% of the rms.
+    # Rounding flips: at most 1% (and at least one may) of the elements whose magnitude is at
+    # least 1% of the rms.
     # Smaller ones are excluded: there the float32 noise of the formula (e.g. the cancellation
     # in 1 + tanh(.) of GELU at negative inputs, seen flipping 4 of 256 tiny-model outputs)
     # spans whole bf16 ulps of the value; the bound above still holds them to the slack.
     sizable = np.abs(w) >= 0.01 * np.sqrt(np.mean(w.astype(np.float64) ** 2))
-    assert (g != w)[sizable].mean() < 0.01, (g != w)[sizable].mean()
+    flips = int((g != w)[sizable].sum())
+    assert flips <= max(1, 0.01 * sizable.sum()), flips
 
 
 def rel_l2(got, want) -> float:
