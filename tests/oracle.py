@@ -272,6 +272,21 @@ def oracle_greedy_nocache(model: Gemma4ForCausalLM, prompt_ids: np.ndarray,
     return seq[len(prompt_ids):]
 
 
+def agreement_with_oracle(model, hf, seq: int = 40, seeds=(11, 12, 13, 14)) -> dict:
+    """A runtime Model's teacher-forced logits against the oracle's over a few random
+    sequences: {"top1", "mean", "max", "ref_std", "finite"} (top-1 agreement, abs errors)."""
+    ours, ref = [], []
+    for seed in seeds:
+        ids = random_token_ids(seq, seed=seed)
+        ours.append(model.logits(ids))
+        ref.append(oracle_logits(hf, ids))
+    ours, ref = np.concatenate(ours), np.concatenate(ref)
+    err = np.abs(ours - ref)
+    return {"top1": float((ours.argmax(-1) == ref.argmax(-1)).mean()), "mean": float(err.mean()),
+            "max": float(err.max()), "ref_std": float(ref.std()),
+            "finite": bool(np.isfinite(ours).all())}
+
+
 def random_token_ids(n: int, seed: int, vocab: int = VOCAB) -> np.ndarray:
     """n token ids [n] (int64) drawn uniformly from the non-special ids [4, vocab)."""
     return np.random.default_rng(seed).integers(NUM_SPECIAL, vocab, size=n, dtype=np.int64)

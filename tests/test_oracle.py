@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import ORACLE_CASES, oracle_greedy, oracle_logits, random_token_ids
+from oracle import (
+    ORACLE_CASES,
+    agreement_with_oracle,
+    oracle_greedy,
+    oracle_logits,
+    random_token_ids,
+)
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
@@ -157,21 +163,14 @@ QUANT_BOUNDS = {
 @pytest.mark.parametrize("case,target", list(QUANT_BOUNDS))
 def test_quantized_logits_close_to_oracle(artifact, case, target):
     hf, m = artifact(case, target)
-    ours, ref = [], []
-    for seed in (11, 12, 13, 14):
-        ids = random_token_ids(SEQ, seed=seed)
-        ours.append(m.logits(ids))
-        ref.append(oracle_logits(hf, ids))
-    ours, ref = np.concatenate(ours), np.concatenate(ref)
-    assert np.isfinite(ours).all()
-    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    err = np.abs(ours - ref)
-    _report(f"{case} {target}: top-1 {top1:.3f} mean abs {err.mean():.4f} max abs "
-            f"{err.max():.3f} (oracle logits std {ref.std():.2f})")
+    a = agreement_with_oracle(m, hf, SEQ)
+    assert a["finite"]
+    _report(f"{case} {target}: top-1 {a['top1']:.3f} mean abs {a['mean']:.4f} "
+            f"max abs {a['max']:.3f} (oracle logits std {a['ref_std']:.2f})")
     min_top1, max_mean, max_max = QUANT_BOUNDS[(case, target)]
-    assert top1 >= min_top1
-    assert err.mean() <= max_mean
-    assert err.max() <= max_max
+    assert a["top1"] >= min_top1
+    assert a["mean"] <= max_mean
+    assert a["max"] <= max_max
 
 
 def test_quantized_greedy_tracks_oracle_start(artifact):

@@ -68,8 +68,9 @@ class CudaScheduleDevice:
         self.functions = self._load_cubins(art)
         self.entries = {name: self._prepare(e) for name, e in schedule.entries.items()}
         self.io_host = ctx.alloc_pinned(schedule.io_bytes)
-        self.out_host = ctx.alloc_pinned(max(f.shape[0] * 4 if f.dtype == "int32" else 4
-                                             for f in schedule.outputs.values()))
+        # token ids come back every step through pinned memory; logits (rare) need not
+        self.out_host = ctx.alloc_pinned(max(4 * f.shape[0] for name, f in schedule.outputs.items()
+                                             if name.endswith(".out_tokens")))
         self.graphs = {name: ctx.capture(self.stream, lambda n=name: self._launch_all(n))
                        for name, e in schedule.entries.items() if e.graph}
         ctx.synchronize()

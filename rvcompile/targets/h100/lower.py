@@ -231,6 +231,8 @@ class _EntryLowering:
         self.ir, self.kind, self.m = ir, kind, rows
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
+        self.specs = ir.param_map()
+        self.clustered = {id(g): _attention_cluster_nodes(g) for g in ir.graphs()}
         self.launches: list[_Launch] = []
         self.sizes: dict[int, int] = {}
         self.pending: _Pending | None = None
@@ -260,7 +262,7 @@ class _EntryLowering:
     def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict | None = None) -> dict:
         """Lower g; its outputs' values by name."""
         env: dict[int, object] = {}
-        clustered = _attention_cluster_nodes(g)
+        clustered = self.clustered[id(g)]
         for idx, n in enumerate(g.nodes):
             if idx in clustered:
                 continue
@@ -315,7 +317,7 @@ class _EntryLowering:
         ids = g.nodes[n.inputs[1]]
         if ids.op != Op.ARG or ids.attrs.name != "tokens":
             raise LoweringError("embedding ids other than the step's tokens")
-        dtype = self.ir.param_map()[table].dtype
+        dtype = self.specs[table].dtype
         hdim = self.cfg.hidden_size
         if dtype == "bfloat16":
             self.emit(head.SOURCE, head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
@@ -405,9 +407,8 @@ class _EntryLowering:
 
     def linear_weights(self, g: Graph, n: Node, spec, count: int):
         names = [self.param_name(g, i, spec) for i in n.inputs[1:]]
-        specs = self.ir.param_map()
         values, scales = names[:count], names[count:]
-        dtypes = {specs[v].dtype for v in values}
+        dtypes = {self.specs[v].dtype for v in values}
         if dtypes == {"float8_e4m3fn"} and len(scales) == count:
             return values, scales
         if dtypes == {"bfloat16"} and not scales and count == 1:
@@ -421,9 +422,8 @@ class _EntryLowering:
             raise LoweringError("linear input has no bf16 copy")
         count = n.attrs.count if n.op == Op.MULTI_LINEAR else 1
         values, scales = self.linear_weights(g, n, spec, count)
-        specs = self.ir.param_map()
-        rows_out = sum(specs[v].shape[0] for v in values)
-        k = specs[values[0]].shape[1]
+        rows_out = sum(self.specs[v].shape[0] for v in values)
+        k = self.specs[values[0]].shape[1]
         x_ref, rows = x.bf16, self.m
         if g is self.ir.head and self.kind == "prefill":
             x_ref, rows = self.select_last_row(x.bf16, k), 1
@@ -445,8 +445,7 @@ class _EntryLowering:
         values, scales = self.linear_weights(g, n, spec, 2)
         if not scales:
             raise LoweringError("gated linear needs FP8 weights")
-        specs = self.ir.param_map()
-        inter, k = specs[values[0]].shape
+        inter, k = self.specs[values[0]].shape
         gu = self.buffer(self.m * 2 * inter * 4)
         self.gemv(x.bf16, Ref("weights", values[0]), Ref("weights", scales[0]), gu, self.m,
                   2 * inter, k)
