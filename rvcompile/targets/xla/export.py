@@ -5,6 +5,14 @@ the manifest fragment the runtime needs to call them: the weight layout (offset 
 the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
 exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
 "default_blocks" give every slot a whole sequence.
+
+Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
+devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
+as HloShardings; the build needs no devices), and the manifest's "mesh" records the axis, its
+size and every array's PartitionSpec. The weight bytes stay whole, in the same layout as at
+tp = 1: the runtime hands each device its slice of the memory-mapped array, so one artifact
+format serves every degree, a row-split shard is a contiguous run of the mapped file, and the
+build streams and checks weights exactly as before.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 from jax import export
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import ModelIR
 from rvcompile.targets.xla.lower import BLOCK_SIZE
@@ -29,6 +38,7 @@ from rvcompile.targets.xla.program import (
     table_shapes,
     weight_shapes,
 )
+from rvcompile.targets.xla.sharding import TP_AXIS, TpLayout, partition_spec, plan_tp
 
 ALIGN = 4096
 PLATFORMS = ("tpu", "cuda", "cpu")
@@ -72,12 +82,31 @@ def weight_layout(ir: ModelIR, plan: LayoutPlan):
     return arrays, offset, slots
 
 
+def _sharded_jit(fn, args: tuple, layout: TpLayout, mesh: AbstractMesh):
+    """`fn` jitted with the weights and pools placed by `layout` over `mesh`, everything else
+    (tokens, tables, sampling parameters, the returned tokens or logits) replicated; the pools
+    are donated and come back with their own shardings."""
+    def named(spec):
+        return NamedSharding(mesh, partition_spec(spec))
+
+    weights = {k: named(v) for k, v in layout.weights.items()}
+    pools = {k: named(v) for k, v in layout.pools.items()}
+    whole = NamedSharding(mesh, PartitionSpec())
+    rest = jax.tree.map(lambda _: whole, args[2:])
+    outs = jax.eval_shape(fn, *args)[1:]
+    return jax.jit(fn, in_shardings=(weights, pools, *rest),
+                   out_shardings=(pools, *jax.tree.map(lambda _: whole, outs)),
+                   donate_argnums=(1,))
+
+
 def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
-                 platforms: tuple[str, ...] = PLATFORMS) -> XlaLowering:
+                 platforms: tuple[str, ...] = PLATFORMS, tp: int = 1) -> XlaLowering:
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     plan = plan_layout(ir)
-    prog = Program(ir, plan)
+    layout = plan_tp(ir, plan, tp) if tp > 1 else None
+    mesh = AbstractMesh((tp,), (TP_AXIS,)) if layout else None
+    prog = Program(ir, plan, mesh)
     kinds = prog.kinds
     symbols = export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds))
     ws = weight_shapes(ir, plan)
@@ -98,7 +127,9 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
     programs = {}
     for name, (fn, args) in entries.items():
-        exp = export.export(jax.jit(fn, donate_argnums=(1,)), platforms=platforms)(*args)
+        jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
+                  else _sharded_jit(fn, args, layout, mesh))
+        exp = export.export(jitted, platforms=platforms)(*args)
         programs[name] = bytes(exp.serialize())
     arrays, nbytes, slot_map = weight_layout(ir, plan)
     manifest = {
@@ -123,4 +154,6 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
                          for g in plan.groups],
     }
+    if layout:
+        manifest["mesh"] = layout.to_json()
     return XlaLowering(programs, manifest, nbytes, slot_map)

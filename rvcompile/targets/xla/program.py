@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AbstractMesh
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
 from rvcompile.ir.ops import Op
@@ -194,8 +195,9 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tupl
 class Program:
     """Builds the traced functions of one ModelIR under one layout."""
 
-    def __init__(self, ir: ModelIR, plan: LayoutPlan):
-        self.ir, self.plan = ir, plan
+    def __init__(self, ir: ModelIR, plan: LayoutPlan, mesh: AbstractMesh | None = None):
+        """`mesh`: the 1-D tensor-parallel mesh the entry points are exported over, if any."""
+        self.ir, self.plan, self.mesh = ir, plan, mesh
         self.kinds = kv_kinds(ir)
         pools = cache_pools(ir, plan)
         self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}

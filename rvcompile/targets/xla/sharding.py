@@ -1,0 +1,112 @@
+"""Tensor parallelism as SPMD sharding: the PartitionSpec of every weight array and KV pool of a
+`LayoutPlan` over one mesh axis, TP_AXIS, of `tp` devices. XLA's SPMD partitioner does the rest.
+
+Rules (Megatron-style, so each layer costs two all-reduces of the hidden state, which XLA
+inserts after the row-parallel O and down projections):
+- column-parallel, split by output rows with their per-row scales: q_proj (whole query heads),
+  k_proj / v_proj (whole KV heads), mlp gate_proj / up_proj (MLP columns);
+- row-parallel, split by input columns (their per-row scales stay whole): o_proj, down_proj;
+- KV pools [layers, blocks, 16, K, D]: split by KV head K;
+- a layer with fewer KV heads than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
+  k/v projections and pools whole on every device: each computes every KV head;
+- MoE experts: whole experts per device (split on the expert axis, values and scales), so
+  num_experts % tp == 0; the MoE lowering runs each device's experts and sums over TP_AXIS;
+- everything else whole on every device: embeddings and the tied head, norms, the router,
+  layer scalars, the per-layer-input (PLE) weights.
+Head and width counts that do not divide evenly are refused by `check_tp`, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax.sharding import PartitionSpec
+
+from rvcompile.config import ConfigError, Gemma4Config
+from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
+from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
+
+TP_AXIS = "tp"
+
+Spec = tuple[str | None, ...]  # one entry per array axis: TP_AXIS (split) or None (whole)
+
+# Template PARAM name (without ".scale") -> the axis it splits on, in the unstacked param.
+_COLUMN_PARALLEL = ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+_KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """Where every program argument lives on a 1-D mesh of `size` devices."""
+
+    size: int
+    weights: dict[str, Spec]  # weight array key -> its spec
+    pools: dict[str, Spec]  # KV pool key -> its spec
+
+    def to_json(self) -> dict:
+        return {"axis": TP_AXIS, "size": self.size,
+                "weights": {k: list(v) for k, v in self.weights.items()},
+                "pools": {k: list(v) for k, v in self.pools.items()}}
+
+
+def partition_spec(spec: Spec) -> PartitionSpec:
+    return PartitionSpec(*spec)
+
+
+def check_tp(cfg: Gemma4Config, tp: int) -> None:
+    """Refuse a model whose heads, MLP width or experts do not split evenly over `tp`."""
+    if tp < 1:
+        raise ConfigError(f"--tp {tp}: need at least 1 device")
+    if tp == 1:
+        return
+    counts = [("num_attention_heads", cfg.num_heads)]
+    counts += [("num_key_value_heads", s.num_kv_heads) for s in cfg.layers
+               if s.num_kv_heads >= tp and not (s.k_eq_v and cfg.num_global_kv_heads)]
+    counts += [("num_global_key_value_heads", s.num_kv_heads) for s in cfg.layers
+               if s.num_kv_heads >= tp and s.k_eq_v and cfg.num_global_kv_heads]
+    counts += [("intermediate_size", s.mlp_width) for s in cfg.layers]
+    if cfg.num_experts:
+        counts.append(("num_experts", cfg.num_experts))
+    for field, n in counts:
+        if n % tp:
+            raise ConfigError(f"{cfg.name}: {field} {n} does not split over --tp {tp} devices")
+
+
+def _param_axis(rel: str, kv_split: bool) -> int | None:
+    """The axis template PARAM `rel` splits on, None if it stays whole."""
+    if rel.startswith(KV_SOURCE_PREFIX):
+        return None  # a KV-shared layer's borrowed k_norm: a vector
+    scale = rel.endswith(".scale")
+    base = rel.removesuffix(".scale")
+    if base in _COLUMN_PARALLEL or (base in _KV_PROJECTIONS and kv_split):
+        return 0
+    if base in _ROW_PARALLEL:
+        return None if scale else 1  # the scale is per output row, and output rows stay whole
+    if base in _EXPERTS:
+        return 0
+    return None
+
+
+def _spec(ndim: int, axis: int | None) -> Spec:
+    return tuple(TP_AXIS if i == axis else None for i in range(ndim))
+
+
+def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
+    """The spec of every weight array and KV pool of `plan` (`check_tp` must have passed)."""
+    check_tp(ir.config, tp)
+    shapes = weight_shapes(ir, plan)
+    weights: dict[str, Spec] = {name: _spec(len(shapes[name].shape), None)
+                                for name in plan.globals_}
+    for sp in plan.stacked:
+        spec = ir.config.layers[plan.groups[sp.group].layer(0, sp.j)]
+        axis = _param_axis(sp.rel, spec.num_kv_heads >= tp) if tp > 1 else None
+        # stacked arrays carry the layer axis first
+        weights[sp.key] = _spec(len(shapes[sp.key].shape), None if axis is None else axis + 1)
+    pools: dict[str, Spec] = {}
+    for key, (_, _, block, _) in cache_pools(ir, plan).items():
+        kv_heads = block[1]
+        split = tp > 1 and kv_heads >= tp
+        pools[key] = _spec(2 + len(block), 3 if split else None)  # [layers, blocks, 16, K, D]
+    return TpLayout(tp, weights, pools)
