@@ -43,7 +43,9 @@ from rvcompile.targets.h100 import (
     gemv_fp8,
     head,
     memory_plan,
+    moe,
     norms,
+    ple,
     qkv_post,
     rows,
     sample,
@@ -84,6 +86,21 @@ class _Val:
     cols: int
     f32: Ref | None = None
     bf16: Ref | None = None
+
+
+@dataclass(frozen=True)
+class _Gelu:
+    """GELU_TANH of a GEMV output, computed by the kernel that consumes it."""
+
+    x: _Val
+
+
+@dataclass(frozen=True)
+class _PleGated:
+    """gelu_tanh(gate) * ple[:, :, layer]: the per-layer input, computed inside ple_project."""
+
+    gate: _Val
+    layer: int
 
 
 @dataclass
@@ -232,7 +249,12 @@ class _EntryLowering:
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
         self.specs = ir.param_map()
-        self.clustered = {id(g): _attention_cluster_nodes(g) for g in ir.graphs()}
+        self.clustered = {id(g): _attention_cluster_nodes(g) | _moe_cluster_nodes(g)
+                          for g in ir.graphs()}
+        self.ple_embed = _trace_ple_embed(ir.embed) if ir.config.ple else None
+        if self.ple_embed is not None:
+            self.clustered[id(ir.embed)] |= self.ple_embed.consumed
+        self.ple: Ref | None = None  # [rows, L, P] f32, the embed graph's per-layer inputs
         self.launches: list[_Launch] = []
         self.sizes: dict[int, int] = {}
         self.pending: _Pending | None = None
@@ -252,7 +274,7 @@ class _EntryLowering:
     # -- graph walk
 
     def run(self) -> None:
-        self.walk(self.ir.embed, None)
+        self.ple = self.walk(self.ir.embed, None).get("ple")
         for li, spec in enumerate(self.cfg.layers):
             self.walk(self.ir.layers[self.ir.layer_template[li]], spec)
         logits = self.walk(self.ir.head, None)["logits"]
@@ -288,8 +310,21 @@ class _EntryLowering:
             return ("param", self.param(g, idx, spec))
         if op == Op.EMBED:
             return self.embed(g, n, spec)
+        if self.ple_embed is not None and g is self.ir.embed and idx == self.ple_embed.out:
+            return self.per_layer_inputs(g, env)
+        if op == Op.GELU_TANH:
+            x = env[n.inputs[0]]
+            if not (isinstance(x, _Val) and x.f32 is not None):
+                raise LoweringError("gelu_tanh of a value with no float32 copy")
+            return _Gelu(x)
+        if op == Op.MUL:
+            return self.ple_gated(g, n, env, spec)
         if op == Op.RMSNORM:
             return self.rmsnorm(g, n, env, spec)
+        if op == Op.MOE:
+            return self.moe(g, idx, env, spec)
+        if op == Op.RESIDUAL_RMSNORM and g.nodes[n.inputs[1]].op == Op.MOE:
+            return self.moe_branch_sum(g, n, env, spec)
         if op == Op.RESIDUAL_RMSNORM:
             return self.residual(g, n, env, spec)
         if op in (Op.LINEAR, Op.MULTI_LINEAR):
@@ -418,6 +453,9 @@ class _EntryLowering:
 
     def linear(self, g: Graph, n: Node, env, spec):
         x = env[n.inputs[0]]
+        if isinstance(x, _PleGated):
+            return self.ple_project(g, n, x, spec)
+        self.residual_bf16(x)
         if not (isinstance(x, _Val) and x.bf16 is not None):
             raise LoweringError("linear input has no bf16 copy")
         count = n.attrs.count if n.op == Op.MULTI_LINEAR else 1
@@ -431,6 +469,63 @@ class _EntryLowering:
         self.gemv(x_ref, Ref("weights", values[0]),
                   Ref("weights", scales[0]) if scales else None, y, rows, rows_out, k)
         return _Val(rows_out, f32=y)
+
+    def residual_bf16(self, x) -> None:
+        """Give the residual stream read by a LINEAR (the per-layer gate, the per-layer model
+        projection of the embedding) its bf16 copy: the pending residual launch writes it
+        instead of a normed copy, else (after the embedding) a cast does."""
+        if not (isinstance(x, _Val) and x.f32 == self.h and x.bf16 is None):
+            return
+        hdim = self.cfg.hidden_size
+        x.bf16 = self.buffer(self.m * hdim * 2)
+        if self.pending is None:
+            self.emit(ple.SOURCE, ple.TO_BF16_ENTRY, ple.to_bf16_geometry(self.m * hdim),
+                      self.h, x.bf16, ("i64", self.m * hdim))
+            return
+        launch = self.launches[self.pending.index]
+        args = (*launch.args[:4], x.bf16, *launch.args[6:])
+        self.launches[self.pending.index] = _Launch(
+            ple.SOURCE, ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim), args)
+        self.pending = None
+
+    # -- per-layer inputs (PLE)
+
+    def per_layer_inputs(self, g: Graph, env) -> Ref:
+        """The embed graph's `ple` [rows, L, P]: one launch from the model projection's output
+        and the per-layer table."""
+        c = self.ple_embed
+        ctx = env[c.projection]
+        table = self.param_name(g, c.table, None)
+        if self.specs[table].dtype != "bfloat16":
+            raise LoweringError(f"per-layer embedding table dtype {self.specs[table].dtype}; "
+                                "ple_combine gathers bf16 rows")
+        layers, p = self.cfg.num_layers, self.cfg.hidden_size_per_layer_input
+        out = self.buffer(self.m * layers * p * 4)
+        self.emit(ple.SOURCE, ple.COMBINE_ENTRY, ple.combine_geometry(self.m, layers, p),
+                  ctx.f32, Ref("weights", table), Ref("io", "tokens"),
+                  Ref("weights", self.param_name(g, c.norm_weight, None)), out,
+                  _f32(c.ctx_scale), _f32(c.tok_mult), _f32(c.out_scale), _f32(c.eps),
+                  _i32(self.m), _i32(layers), _i32(p))
+        return out
+
+    def ple_gated(self, g: Graph, n: Node, env, spec):
+        gelu, other = env[n.inputs[0]], env[n.inputs[1]]
+        if not (isinstance(gelu, _Gelu) and other == ("arg", "ple") and self.ple is not None):
+            raise LoweringError("the only MUL with an H100 kernel is gelu_tanh(gate) * ple "
+                                "(layer_scalar is folded into residual_rmsnorm)")
+        return _PleGated(gelu.x, spec.index)
+
+    def ple_project(self, g: Graph, n: Node, x: _PleGated, spec):
+        values, scales = self.linear_weights(g, n, spec, 1)
+        if not scales:
+            raise LoweringError("the per-layer projection needs FP8 weights")
+        hdim, p = self.specs[values[0]].shape
+        y = self.buffer(self.m * hdim * 4)
+        self.emit(ple.SOURCE, ple.PROJECT_ENTRY, ple.project_geometry(self.m, hdim, p, SM_COUNT),
+                  x.gate.f32, self.ple, _i32(x.layer), _i32(self.cfg.num_layers),
+                  Ref("weights", values[0]), Ref("weights", scales[0]), y, _i32(self.m),
+                  _i32(hdim), _i32(p))
+        return _Val(hdim, f32=y)
 
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
         out = self.buffer(hdim * 2)
@@ -453,6 +548,72 @@ class _EntryLowering:
         self.emit(gelu_mul.SOURCE, gelu_mul.ENTRY, gelu_mul.launch_geometry(self.m, inter), gu,
                   out, _i32(inter))
         return _Val(inter, bf16=out)
+
+    # -- mixture of experts
+
+    def moe(self, g: Graph, idx: int, env, spec):
+        """The router chain and the MOE node: both norms of the residual in one launch, the
+        router GEMV (bf16), the top-k route, then the experts in groups of moe.MAX_ROWS rows;
+        the expert ids stay on the device."""
+        t = _trace_moe(g, idx)
+        r = env[t.residual]
+        if not (isinstance(r, _Val) and r.f32 is not None):
+            raise LoweringError("MoE norms over a value with no float32 copy")
+        router = self.param_name(g, t.router, spec)
+        if self.specs[router].dtype != "bfloat16":
+            raise LoweringError(f"router weight dtype {self.specs[router].dtype}; the H100 "
+                                "router GEMV takes bf16 (run cast_bf16)")
+        gate_up, down = (self.param_name(g, i, spec) for i in (t.gate_up, t.down))
+        for name in (gate_up, down):
+            if self.specs[name].dtype != "float8_e4m3fn":
+                raise LoweringError(f"expert weight {name} is {self.specs[name].dtype}; the H100 "
+                                    "expert kernels take FP8 with per-row scales")
+        experts, two_inter, hdim = self.specs[gate_up].shape
+        inter, k, m = two_inter // 2, t.top_k, self.m
+        w = {i: Ref("weights", self.param_name(g, i, spec)) for i in (
+            t.router_scale, t.expert_norm, t.per_expert_scale, t.gate_up_scale, t.down_scale)}
+        z, x2 = self.buffer(m * hdim * 2), self.buffer(m * hdim * 2)
+        self.emit(moe.SOURCE, moe.NORMS_ENTRY, moe.norm_geometry(m, hdim), r.f32,
+                  w[t.router_scale], _f32(t.router_mul), w[t.expert_norm], z, x2, _i32(hdim),
+                  _f32(t.eps))
+        logits = self.buffer(m * experts * 4)
+        self.gemv(z, Ref("weights", router), None, logits, m, experts, hdim)
+        ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
+        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits,
+                  w[t.per_expert_scale], ids, weights, _i32(experts), _i32(k))
+        hid = self.buffer(min(m, moe.MAX_ROWS) * k * inter * 2)
+        y = self.buffer(m * hdim * 4)
+        for r0 in range(0, m, moe.MAX_ROWS):
+            rows_ = min(moe.MAX_ROWS, m - r0)
+            dims = (_i32(rows_), _i32(k), _i32(inter), _i32(hdim))
+            self.emit(moe.SOURCE, moe.GATE_UP_ENTRY,
+                      moe.gate_up_geometry(rows_, k, inter, hdim, SM_COUNT),
+                      Ref("weights", gate_up), w[t.gate_up_scale], x2.at(r0 * hdim * 2),
+                      ids.at(r0 * k * 4), hid, *dims)
+            self.emit(moe.SOURCE, moe.DOWN_ENTRY,
+                      moe.down_geometry(rows_, k, inter, hdim, SM_COUNT),
+                      Ref("weights", down), w[t.down_scale], hid, ids.at(r0 * k * 4),
+                      weights.at(r0 * k * 4), y.at(r0 * hdim * 4), *dims)
+        return _Val(hdim, f32=y)
+
+    def moe_branch_sum(self, g: Graph, n: Node, env, spec):
+        """RESIDUAL_RMSNORM(RMSNORM(f, w1), moe, w2): the dense and expert branches, each
+        normed, added in one launch (the inner RMSNORM is part of the MoE cluster)."""
+        norm1 = g.nodes[n.inputs[0]]
+        if norm1.op != Op.RMSNORM or len(norm1.inputs) != 2 or len(n.inputs) != 3:
+            raise LoweringError("MoE branch sum other than rmsnorm(f, w1) + rmsnorm(moe, w2)")
+        if norm1.attrs.eps != n.attrs.eps:
+            raise LoweringError("MoE branch norms with different eps")
+        f, y = env[norm1.inputs[0]], env[n.inputs[1]]
+        if not (isinstance(f, _Val) and f.f32 is not None):
+            raise LoweringError("MoE dense branch has no float32 copy")
+        hdim = self.cfg.hidden_size
+        out = self.buffer(self.m * hdim * 4)
+        self.emit(moe.SOURCE, moe.BRANCH_SUM_ENTRY, moe.norm_geometry(self.m, hdim), f.f32,
+                  Ref("weights", self.param_name(g, norm1.inputs[1], spec)), y.f32,
+                  Ref("weights", self.param_name(g, n.inputs[2], spec)), out, _i32(hdim),
+                  _f32(n.attrs.eps))
+        return _Val(hdim, f32=out)
 
     def softcapped(self, x):
         if self.kind != "logits":
@@ -599,6 +760,45 @@ def _trace_attention(g: Graph, idx: int) -> _Attention:
                       shared)
 
 
+@dataclass(frozen=True)
+class _PleEmbed:
+    """The embed graph's per-layer-input tail, lowered as one ple_combine launch:
+    out = SCALE(ADD(RMSNORM(RESHAPE(SCALE(projection)), w), RESHAPE(EMBED(table, tokens))))."""
+
+    out: int  # the `ple` output node
+    projection: int  # the LINEAR of the model projection (lowered as a GEMV)
+    table: int  # PARAM nodes
+    norm_weight: int
+    ctx_scale: float
+    tok_mult: float
+    out_scale: float
+    eps: float
+    consumed: frozenset[int]  # nodes between the projection / table and `out`
+
+
+def _trace_ple_embed(g: Graph) -> _PleEmbed:
+    nodes = g.nodes
+    out = dict(g.outputs).get("ple")
+    if out is None or nodes[out].op != Op.SCALE:
+        raise LoweringError("graph embed: `ple` is not SCALE(ADD(...)) as the front end emits")
+    add = nodes[out].inputs[0]
+    try:
+        norm, reshape_c, scale_c, projection = _walk(g, nodes[add].inputs[0], (
+            Op.RMSNORM, Op.RESHAPE, Op.SCALE, Op.LINEAR))
+        reshape_t, embed = _walk(g, nodes[add].inputs[1], (Op.RESHAPE, Op.EMBED))
+    except LoweringError as e:
+        raise LoweringError(f"graph embed, per-layer inputs: {e}") from None
+    if nodes[add].op != Op.ADD or len(nodes[norm].inputs) != 2:
+        raise LoweringError("graph embed: per-layer inputs not ADD(RMSNORM(., w), table rows)")
+    table, ids = nodes[embed].inputs
+    if nodes[ids].op != Op.ARG or nodes[ids].attrs.name != "tokens":
+        raise LoweringError("graph embed: per-layer embedding ids other than the step's tokens")
+    return _PleEmbed(out, projection, table, nodes[norm].inputs[1], nodes[scale_c].attrs.value,
+                     nodes[embed].attrs.multiplier, nodes[out].attrs.value,
+                     nodes[norm].attrs.eps,
+                     frozenset({add, norm, reshape_c, scale_c, reshape_t, embed}))
+
+
 def _attention_cluster_nodes(g: Graph) -> set[int]:
     """Nodes an attention cluster consumes: everything feeding an ATTENTION back to its
     projection, the step's args and weights."""
@@ -614,6 +814,80 @@ def _attention_cluster_nodes(g: Graph) -> set[int]:
                 continue
             out.add(i)
             todo.extend(g.nodes[i].inputs)
+    return out
+
+
+# ---------------------------------------------------------------- MoE cluster matching
+
+@dataclass(frozen=True)
+class _MoE:
+    """An MoE node and the router chain feeding it; PARAM nodes by index."""
+
+    residual: int  # the value both norms read (the layer's residual r)
+    router_scale: int
+    router_mul: float  # the SCALE after router.scale (H^-0.5)
+    router: int  # the router projection [E, H]
+    expert_norm: int  # pre_feedforward_layernorm_2
+    eps: float
+    per_expert_scale: int
+    gate_up: int
+    down: int
+    gate_up_scale: int
+    down_scale: int
+    top_k: int
+    nodes: frozenset[int]  # non-PARAM nodes the MoE launches compute (the MOE node aside)
+
+
+def _expect(g: Graph, idx: int, op: Op, inputs: int, what: str) -> Node:
+    n = g.nodes[idx]
+    if n.op != op or len(n.inputs) != inputs:
+        raise LoweringError(f"MoE {what}: %{idx} is {n.op.value} of {len(n.inputs)} inputs, "
+                            f"expected {op.value} of {inputs}")
+    return n
+
+
+def _trace_moe(g: Graph, idx: int) -> _MoE:
+    """MOE(RMSNORM(r, w2), LINEAR_router(SCALE(MUL(RMSNORM(r), router.scale))), pes,
+    gate_up, down, gate_up.scale, down.scale), the front end's and quantize_fp8's form."""
+    moe_node = g.nodes[idx]
+    if not moe_node.attrs.quantized:
+        raise LoweringError("MoE experts are not quantized; the H100 expert kernels take FP8 "
+                            "with per-row scales (run quantize_fp8)")
+    x2_i, logits_i, pes, gate_up, down, gus, ds = moe_node.inputs
+    x2 = _expect(g, x2_i, Op.RMSNORM, 2, "expert input")
+    router = _expect(g, logits_i, Op.LINEAR, 2, "router logits")
+    if router.attrs.role != "router":
+        raise LoweringError(f"MoE router logits %{logits_i} are a {router.attrs.role} linear")
+    scale = _expect(g, router.inputs[0], Op.SCALE, 1, "router input")
+    mul = _expect(g, scale.inputs[0], Op.MUL, 2, "router input")
+    norm = _expect(g, mul.inputs[0], Op.RMSNORM, 1, "router norm")
+    if norm.inputs[0] != x2.inputs[0] or norm.attrs.eps != x2.attrs.eps:
+        raise LoweringError("MoE router and expert norms read different values or eps")
+    nodes = frozenset({x2_i, logits_i, router.inputs[0], scale.inputs[0], mul.inputs[0]})
+    return _MoE(x2.inputs[0], mul.inputs[1], scale.attrs.value, router.inputs[1], x2.inputs[1],
+                x2.attrs.eps, pes, gate_up, down, gus, ds, moe_node.attrs.top_k, nodes)
+
+
+def _moe_cluster_nodes(g: Graph) -> set[int]:
+    """Nodes the MoE launches compute besides the MOE and branch-sum nodes themselves: the
+    router chain, the expert input norm and the dense branch's post-norm (summed by
+    moe_branch_sum). Each must feed nothing outside the cluster."""
+    out: set[int] = set()
+    for idx, n in enumerate(g.nodes):
+        if n.op != Op.MOE:
+            continue
+        cluster = set(_trace_moe(g, idx).nodes)
+        sums = [i for i, s in enumerate(g.nodes)
+                if s.op == Op.RESIDUAL_RMSNORM and s.inputs[1] == idx]
+        if len(sums) != 1 or g.nodes[g.nodes[sums[0]].inputs[0]].op != Op.RMSNORM:
+            raise LoweringError(f"MoE %{idx}: its output must feed one branch sum "
+                                "rmsnorm(f, w1) + rmsnorm(moe, w2) (run fuse_residual_norm)")
+        cluster.add(g.nodes[sums[0]].inputs[0])
+        allowed = cluster | {idx, sums[0]}
+        for i, user in enumerate(g.nodes):
+            if i not in allowed and cluster & set(user.inputs):
+                raise LoweringError(f"%{i} ({user.op.value}) reads a value inside MoE %{idx}")
+        out |= cluster
     return out
 
 
@@ -638,19 +912,7 @@ def _kv_kinds(ir: ModelIR, pools, slots: int, full: int, ring: int):
     return tuple(kinds)
 
 
-def check_supported(ir: ModelIR) -> None:
-    """Refuse, by name, the Gemma 4 features the H100 kernels do not cover yet."""
-    cfg = ir.config
-    if cfg.ple:
-        raise LoweringError(f"{cfg.name}: per-layer inputs (PLE, as in E2B/E4B) have no H100 "
-                            "kernels yet; build tpu-bf16 or tpu-int8 for this model")
-    if cfg.enable_moe_block:
-        raise LoweringError(f"{cfg.name}: mixture-of-experts layers (as in 26B-A4B) have no "
-                            "H100 kernels yet; build tpu-bf16 or tpu-int8 for this model")
-
-
 def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) -> H100Lowering:
-    check_supported(ir)
     weights, weights_bytes = layout_weights(ir)
     consts = _Constants()
     pools, full, ring = _pools(ir)

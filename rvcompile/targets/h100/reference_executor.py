@@ -17,7 +17,17 @@ import numpy as np
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
-from rvcompile.targets.h100 import attn_decode, gelu_mul, head, norms, qkv_post, rows, sample
+from rvcompile.targets.h100 import (
+    attn_decode,
+    gelu_mul,
+    head,
+    moe,
+    norms,
+    ple,
+    qkv_post,
+    rows,
+    sample,
+)
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
@@ -207,6 +217,75 @@ def _softcap_rows(dev, launch: Launch, x, n, cap):
     v[:] = rows.softcap(v, cap)
 
 
+def _to_bf16(dev, launch: Launch, x, y, n):
+    dev.view(y, BF16, (n,))[:] = ple.to_bf16(dev.view(x, F32, (n,)))
+
+
+def _ple_combine(dev, launch: Launch, ctx, table, ids, w, out, ctx_scale, tok_mult, out_scale,
+                 eps, m, layers, p):
+    width = layers * p
+    tok = np.stack([dev.view(table + int(i) * width * 2, BF16, (width,))
+                    for i in dev.view(ids, I32, (m,))])
+    dev.view(out, F32, (m, layers, p))[:] = ple.combine(
+        dev.view(ctx, F32, (m, width)), tok, dev.view(w, F32, (p,)), ctx_scale, tok_mult,
+        out_scale, eps, layers)
+
+
+def _ple_project(dev, launch: Launch, gate, ple_in, layer, layers, w, scale, y, m, n, p):
+    dev.view(y, F32, (m, n))[:] = ple.project(
+        dev.view(gate, F32, (m, p)), dev.view(ple_in, F32, (m, layers, p))[:, layer],
+        dev.view(w, np.uint8, (n, p)), dev.view(scale, F32, (n,)))
+
+
+def _residual_copy(dev, launch: Launch, h, x, w_post, scalar, y, hdim, eps):
+    m = launch.grid[0]
+    hv = dev.view(h, F32, (m, hdim))
+    new_h, copy = ple.residual_copy(hv, dev.view(x, F32, (m, hdim)),
+                                    dev.view(w_post, F32, (hdim,)),
+                                    dev.view(scalar, F32, (1,)), eps)
+    hv[:] = new_h
+    dev.view(y, BF16, (m, hdim))[:] = copy
+
+
+def _moe_norms(dev, launch: Launch, r, router_scale, router_mul, w2, z, x2, hdim, eps):
+    m = launch.grid[0]
+    zv, xv = moe.norms_reference(dev.view(r, F32, (m, hdim)), dev.view(router_scale, F32, (hdim,)),
+                                 router_mul, dev.view(w2, F32, (hdim,)), eps)
+    dev.view(z, BF16, (m, hdim))[:] = zv
+    dev.view(x2, BF16, (m, hdim))[:] = xv
+
+
+def _moe_route(dev, launch: Launch, logits, per_expert_scale, ids, weights, experts, k):
+    m = launch.grid[0]
+    got_ids, got_w = moe.route_reference(dev.view(logits, F32, (m, experts)),
+                                         dev.view(per_expert_scale, F32, (experts,)), k)
+    dev.view(ids, I32, (m, k))[:] = got_ids
+    dev.view(weights, F32, (m, k))[:] = got_w
+
+
+def _moe_gate_up(dev, launch: Launch, w, scale, x, ids, hid, m, k, inter, hdim):
+    idv = dev.view(ids, I32, (m, k))
+    e = int(idv.max()) + 1  # the experts up to the highest chosen id
+    dev.view(hid, BF16, (m, k, inter))[:] = moe.gate_up_reference(
+        dev.view(w, np.uint8, (e, 2 * inter, hdim)), dev.view(scale, F32, (e, 2 * inter)),
+        dev.view(x, BF16, (m, hdim)), idv)
+
+
+def _moe_down(dev, launch: Launch, d, scale, hid, ids, weights, y, m, k, inter, hdim):
+    idv = dev.view(ids, I32, (m, k))
+    e = int(idv.max()) + 1
+    dev.view(y, F32, (m, hdim))[:] = moe.down_reference(
+        dev.view(d, np.uint8, (e, hdim, inter)), dev.view(scale, F32, (e, hdim)),
+        dev.view(hid, BF16, (m, k, inter)), idv, dev.view(weights, F32, (m, k)))
+
+
+def _moe_branch_sum(dev, launch: Launch, f, w1, y, w2, out, hdim, eps):
+    m = launch.grid[0]
+    dev.view(out, F32, (m, hdim))[:] = moe.branch_sum_reference(
+        dev.view(f, F32, (m, hdim)), dev.view(w1, F32, (hdim,)), dev.view(y, F32, (m, hdim)),
+        dev.view(w2, F32, (hdim,)), eps)
+
+
 _REFS = {
     head.EMBED_BF16_ENTRY: _embed_bf16,
     head.EMBED_FP8_ENTRY: _embed_fp8,
@@ -223,6 +302,15 @@ _REFS = {
     sample.FILTER_ENTRY: _sample_filter,
     sample.PICK_ENTRY: _sample_pick,
     rows.SOFTCAP_ENTRY: _softcap_rows,
+    ple.TO_BF16_ENTRY: _to_bf16,
+    ple.COMBINE_ENTRY: _ple_combine,
+    ple.PROJECT_ENTRY: _ple_project,
+    ple.RESIDUAL_COPY_ENTRY: _residual_copy,
+    moe.NORMS_ENTRY: _moe_norms,
+    moe.ROUTE_ENTRY: _moe_route,
+    moe.GATE_UP_ENTRY: _moe_gate_up,
+    moe.DOWN_ENTRY: _moe_down,
+    moe.BRANCH_SUM_ENTRY: _moe_branch_sum,
 }
 
 

@@ -1,0 +1,188 @@
+// Per-layer-input (PLE) kernels of E2B/E4B-style models, f32 math rounded step by step in the
+// order of the IR references (no FMA contraction outside the dot products):
+//
+// to_bf16:       y[i] = bf16(x[i])                      (n % 4 == 0; bf16 copy of the embedding)
+// ple_combine:   ple[m, l, :] = (rmsnorm(ctx[m, l*P:(l+1)*P] * ctx_scale) * w
+//                               + table[ids[m], l*P:(l+1)*P] * tok_mult) * out_scale
+//                one warp per (row, layer) group; the per-layer table row is gathered here.
+// ple_project:   y[m, n] = scale[n] * sum_k bf16(gelu_tanh(gate[m, k]) * ple[m, layer, k]) * W[n, k]
+//                W e4m3 [N, P]; CTA = WARPS warps and up to ROWS token rows, the gated vector in
+//                shared memory, a warp per output row n reading W[n, :] once for those rows.
+//                Contract: P % 4 == 0 (4-byte weight loads).
+// residual_rmsnorm_copy: h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]
+//                y[m, :] = bf16(h[m, :])   (the un-normed copy the per-layer gate reads)
+//                one CTA of NORM_THREADS per row, H % 4 == 0, H <= NORM_THREADS * 4 * NV.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+constexpr int WARPS = 8;
+constexpr int ROWS = 4;
+constexpr int NORM_THREADS = 512;
+constexpr int NV = 4;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
+    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
+    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
+}
+
+__device__ __forceinline__ float4 fp8x4_to_f32(uint32_t v) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(v & 0xFFFF, __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(v >> 16, __NV_E4M3);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+template <int R>
+__device__ __forceinline__ void project_rows(const uint8_t* __restrict__ W,
+                                             const float* __restrict__ scale,
+                                             const __nv_bfloat16* __restrict__ vs,
+                                             float* __restrict__ y, int m0, int N, int P) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = P / 4;
+    for (int n = blockIdx.x * WARPS + warp; n < N; n += gridDim.x * WARPS) {
+        const uint32_t* wrow = reinterpret_cast<const uint32_t*>(W + (size_t)n * P);
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            const float4 w = fp8x4_to_f32(__ldg(wrow + c));
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const __nv_bfloat16* v = vs + r * P + 4 * c;
+                acc[r] = fmaf(w.x, __bfloat162float(v[0]), acc[r]);
+                acc[r] = fmaf(w.y, __bfloat162float(v[1]), acc[r]);
+                acc[r] = fmaf(w.z, __bfloat162float(v[2]), acc[r]);
+                acc[r] = fmaf(w.w, __bfloat162float(v[3]), acc[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float a = warp_sum(acc[r]);
+            if (lane == 0) y[(size_t)(m0 + r) * N + n] = a * __ldg(scale + n);
+        }
+    }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256)
+to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, long long n) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i >= n) return;
+    const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(y + i) = u;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+ple_combine(const float* __restrict__ ctx, const __nv_bfloat16* __restrict__ table,
+            const int* __restrict__ ids, const float* __restrict__ w, float* __restrict__ ple,
+            float ctx_scale, float tok_mult, float out_scale, float eps, int M, int L, int P) {
+    const int lane = threadIdx.x & 31;
+    const int group = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (group >= M * L) return;
+    const int m = group / L, l = group % L;
+    const size_t off = (size_t)m * L * P + (size_t)l * P;
+    const float* c = ctx + off;
+    float ss = 0.f;
+    for (int k = lane; k < P; k += 32) {
+        const float v = __fmul_rn(c[k], ctx_scale);
+        ss = fmaf(v, v, ss);
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / (float)P + eps);
+    const __nv_bfloat16* tok = table + (size_t)__ldg(ids + m) * L * P + (size_t)l * P;
+    for (int k = lane; k < P; k += 32) {
+        const float v = __fmul_rn(__fmul_rn(__fmul_rn(c[k], ctx_scale), r), __ldg(w + k));
+        const float t = __fmul_rn(__bfloat162float(tok[k]), tok_mult);
+        ple[off + k] = __fmul_rn(__fadd_rn(v, t), out_scale);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+ple_project(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
+            const uint8_t* __restrict__ W, const float* __restrict__ scale,
+            float* __restrict__ y, int M, int N, int P) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    const int m0 = blockIdx.y * ROWS;
+    const int rows = min(ROWS, M - m0);
+    for (int i = threadIdx.x; i < rows * P; i += blockDim.x) {
+        const int r = i / P, k = i % P;
+        const float g = gelu_tanh(__ldg(gate + (size_t)(m0 + r) * P + k));
+        const float p = __ldg(ple + ((size_t)(m0 + r) * L + layer) * P + k);
+        vs[i] = __float2bfloat16_rn(__fmul_rn(g, p));
+    }
+    __syncthreads();
+    switch (rows) {
+        case 1: project_rows<1>(W, scale, vs, y, m0, N, P); break;
+        case 2: project_rows<2>(W, scale, vs, y, m0, N, P); break;
+        case 3: project_rows<3>(W, scale, vs, y, m0, N, P); break;
+        case 4: project_rows<4>(W, scale, vs, y, m0, N, P); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+residual_rmsnorm_copy(float* __restrict__ h, const float* __restrict__ x,
+                      const float* __restrict__ w_post, const float* __restrict__ scalar,
+                      __nv_bfloat16* __restrict__ y, int H, float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const size_t row = (size_t)blockIdx.x * H;
+    const float4* x4 = reinterpret_cast<const float4*>(x + row);
+    float4* h4 = reinterpret_cast<float4*>(h + row);
+    const float4* wp4 = reinterpret_cast<const float4*>(w_post);
+    float4 v[NV];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
+    const float r = 1.f / sqrtf(block_sum(ss, red) / (float)H + eps);
+    const float s = __ldg(scalar);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        if (c < n4) {
+            const float4 hv = h4[c], w = __ldg(wp4 + c);
+            const float4 o = make_float4(
+                __fmul_rn(__fadd_rn(hv.x, __fmul_rn(__fmul_rn(v[i].x, r), w.x)), s),
+                __fmul_rn(__fadd_rn(hv.y, __fmul_rn(__fmul_rn(v[i].y, r), w.y)), s),
+                __fmul_rn(__fadd_rn(hv.z, __fmul_rn(__fmul_rn(v[i].z, r), w.z)), s),
+                __fmul_rn(__fadd_rn(hv.w, __fmul_rn(__fmul_rn(v[i].w, r), w.w)), s));
+            h4[c] = o;
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(o.z, o.w);
+            uint2 u;
+            u.x = *reinterpret_cast<const uint32_t*>(&lo);
+            u.y = *reinterpret_cast<const uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(y + row + 4 * c) = u;
+        }
+    }
+}

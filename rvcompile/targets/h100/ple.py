@@ -1,0 +1,93 @@
+"""Per-layer-input (PLE) kernels (kernels/ple.cu): numpy references and launch geometry.
+
+Embedding side, once per step (the embed graph's `ple` output):
+`to_bf16(x f32 [n], y bf16 [n], n)`: the bf16 copy of the embedding h that the model
+    projection GEMV reads (the IR's LINEAR rounds its input to bf16). n % 4 == 0.
+`ple_combine(ctx f32 [M, L*P], table bf16 [V, L*P], ids int32 [M], w f32 [P], ple f32 [M, L, P],
+ctx_scale, tok_mult, out_scale, eps, M, L, P)`:
+    ple = (rmsnorm(ctx * ctx_scale per P-group) * w + table[ids] * tok_mult) * out_scale
+    the embed graph's SCALE, RESHAPE, RMSNORM, second EMBED, ADD and SCALE in one launch.
+Layer side, per layer (h += rmsnorm(W_proj (gelu(W_gate h) * ple[:, layer])) * w, then * scalar):
+`residual_rmsnorm_copy(h, x, w_post, scalar, y bf16 [M, H], H, eps)`: norms.residual_rmsnorm
+    whose second output is bf16(new h) itself, not a normed copy: the gate GEMV's input.
+`ple_project(gate f32 [M, P], ple f32 [M, L, P], layer, L, W e4m3 [N, P], scale f32 [N],
+y f32 [M, N], M, N, P)`:
+    y = (bf16(gelu_tanh(gate) * ple[:, layer]) @ W^T) * scale, the MUL and the output LINEAR
+    in one launch for any P % 4 == 0 (the GEMVs need K % 16; the default model has P = 8).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100 import gemv_fp8, norms
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "ple.cu"
+TO_BF16_ENTRY = "to_bf16"
+COMBINE_ENTRY = "ple_combine"
+PROJECT_ENTRY = "ple_project"
+RESIDUAL_COPY_ENTRY = "residual_rmsnorm_copy"
+WARPS = 8  # must match the kernel
+ROWS = 4  # token rows per ple_project CTA; must match the kernel
+CAST_THREADS = 256  # must match the kernel
+NORM_THREADS = norms.THREADS  # must match the kernel
+MAX_P = gemv_fp8.MAX_SMEM // (ROWS * 2)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def combine(ctx: np.ndarray, tok_rows: np.ndarray, w: np.ndarray, ctx_scale: float,
+            tok_mult: float, out_scale: float, eps: float, layers: int) -> np.ndarray:
+    """ctx f32 [M, L*P], tok_rows bf16 [M, L*P] (the gathered table rows) -> f32 [M, L, P]."""
+    m = ctx.shape[0]
+    scale = ops.OPS[ops.Op.SCALE].reference
+    c = scale(ops.ScaleAttrs(ctx_scale), np.asarray(ctx, np.float32)).reshape(m, layers, -1)
+    c = ops.ref_rmsnorm(ops.RMSNormAttrs(eps), c, np.asarray(w, np.float32))
+    tok = ops.ref_embed(ops.EmbedAttrs(tok_mult), tok_rows, np.arange(m)).reshape(c.shape)
+    return scale(ops.ScaleAttrs(out_scale), ops.ref_add(None, c, tok))
+
+
+def project(gate: np.ndarray, ple_layer: np.ndarray, w_fp8: np.ndarray,
+            scale: np.ndarray) -> np.ndarray:
+    """gate f32 [M, P], ple_layer f32 [M, P], W e4m3 codes uint8 [N, P] -> f32 [M, N]."""
+    gated = ops.ref_mul(None, ops.gelu_tanh(np.asarray(gate, np.float32)), ple_layer)
+    return gemv_fp8.reference(w_fp8, scale, to_bf16(gated))
+
+
+def residual_copy(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
+                  eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(new h f32 [M, H], bf16 copy of it)."""
+    h_new = ops.ref_residual_rmsnorm(ops.RMSNormAttrs(eps), h, x, w_post,
+                                     np.asarray(scalar, np.float32))
+    return h_new, to_bf16(h_new)
+
+
+def to_bf16_geometry(n: int) -> Launch:
+    if n < 4 or n % 4:
+        raise ValueError(f"to_bf16 needs n % 4 == 0 (n={n})")
+    return Launch((-(-(n // 4) // CAST_THREADS), 1, 1), (CAST_THREADS, 1, 1), 0)
+
+
+def combine_geometry(m: int, layers: int, p: int) -> Launch:
+    if m < 1 or layers < 1 or p < 1:
+        raise ValueError(f"ple_combine needs M, L, P >= 1 (M={m}, L={layers}, P={p})")
+    return Launch((-(-(m * layers) // WARPS), 1, 1), (WARPS * 32, 1, 1), 0)
+
+
+def project_geometry(m: int, n: int, p: int, sm_count: int) -> Launch:
+    """Grid (output-row blocks, row tiles of ROWS); each CTA stages its rows' gated vectors."""
+    if m < 1 or n < 1 or p % 4 or not 4 <= p <= MAX_P:
+        raise ValueError(f"ple_project needs M, N >= 1 and P % 4 == 0, 4 <= P <= {MAX_P} "
+                         f"(M={m}, N={n}, P={p})")
+    tiles = -(-m // ROWS)
+    blocks = min(-(-n // WARPS), max(1, 4 * sm_count // tiles))
+    return Launch((blocks, tiles, 1), (WARPS * 32, 1, 1), min(m, ROWS) * p * 2)
+
+
+def residual_copy_geometry(m: int, h: int) -> Launch:
+    return norms.launch_geometry(m, h)
