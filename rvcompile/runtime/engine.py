@@ -3,13 +3,16 @@ shared by Model.generate and `rvrun serve`.
 
 Requests come in through `add` and `abort` (thread-safe). Each `step()` takes them in, asks the
 scheduler for work, runs it on the executor (prefill chunks, then one decode call) and turns the
-sampled tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. A finished or
-aborted request's blocks go back to the pool in the same step. `EngineThread` runs steps in the
-background and hands each output to its request's sink.
+sampled tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When every
+running sequence decodes and nobody waits to join, the step is one decode_many call instead
+(where the executor offers it): up to decode_loop_steps tokens per sequence, the same tokens.
+A finished or aborted request's blocks go back to the pool in the same step. `EngineThread`
+runs steps in the background and hands each output to its request's sink.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -17,9 +20,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rvcompile.runtime.executor_api import Executor, KvKind, Sampling, SeqChunk
+from rvcompile.runtime.executor_api import (
+    Executor,
+    KvKind,
+    LoopLane,
+    Sampling,
+    SeqChunk,
+    decode_loop_steps,
+)
 from rvcompile.runtime.kv_blocks import PagedKv
-from rvcompile.runtime.scheduler import Scheduler, Seq, Work
+from rvcompile.runtime.scheduler import Schedule, Scheduler, Seq, Work
 from rvcompile.runtime.textstream import TextStream
 
 
@@ -164,6 +174,10 @@ class Engine:
                 outputs.append(self._finish(self._live[rid], "abort", []))
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
+        if not inbox and self._can_loop(sched):
+            outputs += self._decode_loop(sched.decodes)
+            self.steps += 1
+            return outputs
         done: list[tuple[Work, int]] = [(w, self.executor.prefill(w.chunk))
                                         for w in sched.prefills]
         if sched.decodes:
@@ -174,6 +188,43 @@ class Engine:
             if new is not None:
                 outputs.append(self._emit(self._live[work.seq.id], new))
         self.steps += 1
+        return outputs
+
+    def _can_loop(self, sched: Schedule) -> bool:
+        """Run this step's decodes as a device-side loop: the executor offers one, every running
+        sequence decodes, and no one waits to join the batch."""
+        return (decode_loop_steps(self.executor) > 0 and bool(sched.decodes)
+                and not sched.prefills and not sched.preempted and not self.scheduler.waiting
+                and len(sched.decodes) == len(self.scheduler.running)
+                and len(self.eos_ids) <= self.executor.decode_loop_stops)
+
+    def _decode_loop(self, decodes: list[Work]) -> list[RequestOutput]:
+        """Up to decode_loop_steps tokens per sequence in one executor call. Each lane's blocks
+        are allocated ahead for its budget (the rest of its max_tokens, at most one call's steps);
+        a lane whose blocks cannot be had gets budget 1, the block the scheduler reserved. The
+        tokens then go through advance/_emit one by one, as if from single decode steps, and
+        each request gets one RequestOutput for the whole call."""
+        lanes = []
+        for w in decodes:
+            live = self._live[w.seq.id]
+            budget = min(decode_loop_steps(self.executor),
+                         live.request.max_tokens - len(w.seq.output))
+            if not self.kv.ensure(w.seq.blocks, w.seq.cached, w.seq.cached + budget):
+                budget = 1
+            stops = frozenset() if live.request.ignore_eos else self.eos_ids
+            chunk = dataclasses.replace(w.chunk, tables=self.kv.tables(w.seq.blocks))
+            lanes.append(LoopLane(chunk, budget, stops))
+        outputs = []
+        for w, lane, tokens in zip(decodes, lanes, self.executor.decode_many(lanes),
+                                   strict=True):
+            live, parts = self._live[w.seq.id], []
+            for k, token in enumerate(tokens):
+                chunk = dataclasses.replace(lane.chunk, tokens=[w.seq.tokens[-1]],
+                                            start=lane.chunk.start + k, step=lane.chunk.step + k)
+                parts.append(self._emit(live, self.scheduler.advance(Work(w.seq, chunk), token)))
+                if parts[-1].finished:
+                    break
+            outputs.append(_merge(parts))
         return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -231,6 +282,13 @@ class Engine:
         finally:
             self.kv.free(blocks)
         return np.concatenate(rows, axis=0)
+
+
+def _merge(parts: list[RequestOutput]) -> RequestOutput:
+    """One request's consecutive outputs as one."""
+    last = parts[-1]
+    return dataclasses.replace(last, token_ids=[t for p in parts for t in p.token_ids],
+                               text="".join(p.text for p in parts))
 
 
 class EngineThread:

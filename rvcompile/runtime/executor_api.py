@@ -16,6 +16,12 @@ Reproducibility: sampling runs on the device from (seed, step), and a row's resu
 the shape of the call it runs in (the prefill row count, the decode width) but never on the
 other rows' values. The engine therefore runs every sequence through the same calls however it
 is batched, cached or preempted (`SeqChunk.rows`), and the same request gives the same tokens.
+
+Decode loop (optional, `decode_loop_steps` > 0): `decode_many` runs up to that many decode
+steps in one call, each bit for bit a `decode` call of the same lanes, so the host is not in the
+per-token path. Every lane must own the blocks of the positions its budget can reach; a call
+never runs more than max_chunk steps, so the sliding ring holds them. Engines check the capability
+with `decode_loop_steps(executor)`, never the executor's type.
 """
 
 from __future__ import annotations
@@ -58,6 +64,15 @@ class SeqChunk:
     rows: int = 0  # prefill: run padded to this many rows, a prefill bucket (0: smallest fit)
 
 
+@dataclass(frozen=True)
+class LoopLane:
+    """One sequence's share of a decode_many call."""
+
+    chunk: SeqChunk  # its first step, as for decode: its last token, start, tables, step
+    budget: int  # most tokens to sample in this call (its blocks must reach start + budget)
+    stop_ids: frozenset[int]  # sampling one of these ends the lane (it is returned)
+
+
 class Executor(Protocol):
     max_context: int  # longest sequence (prompt + generated) the programs take
     max_chunk: int  # most tokens in one prefill or logits call
@@ -78,3 +93,21 @@ class Executor(Protocol):
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         """Run one chunk of one sequence; return float32 logits [len(tokens), vocab]."""
         ...
+
+
+class LoopExecutor(Executor, Protocol):
+    """An executor that also offers the device-side decode loop."""
+
+    decode_loop_steps: int  # most steps of one decode_many call (0: not offered)
+    decode_loop_stops: int  # most stop ids per lane
+
+    def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+        """Run up to decode_width sequences through up to decode_loop_steps decode steps,
+        feeding each its sampled token, until every lane sampled a stop id or its budget;
+        return each lane's sampled tokens (its stop id included)."""
+        ...
+
+
+def decode_loop_steps(executor: Executor) -> int:
+    """Steps per decode_many call the executor offers; 0 when it has no decode loop."""
+    return getattr(executor, "decode_loop_steps", 0)

@@ -1,13 +1,15 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
 paged KV pools, deserializes the jax.export programs, compiles them once for the chosen pool
 sizes (through a persistent cache keyed on the artifact and jax version) and runs prefill /
-decode / logits over sequences' block tables. Makes no policy: the engine drives it.
+decode / logits / decode_many (the device-side decode loop) over sequences' block tables.
+Makes no policy: the engine drives it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.runtime.executor_api import KvKind, SeqChunk
+from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -70,7 +73,10 @@ def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
         raise ArtifactError(
             f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
             f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
+    tp = check_devices(art, platform)
     need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kv_kinds(art, blocks))
+    if tp > 1:  # the largest per-device share: split arrays count 1/tp, whole ones in full
+        need = _per_device_bytes(art, kv_kinds(art, blocks))
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -78,6 +84,62 @@ def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
             raise ArtifactError(
                 f"{art.path.name}: needs {need / 2**30:.1f} GiB of device memory for weights "
                 f"and KV caches; {jax.devices()[0].device_kind} has {free / 2**30:.1f} GiB free")
+
+
+def check_devices(art: Artifact, platform: str) -> int:
+    """The artifact's tensor-parallel degree (1 without a mesh); refuses a host with fewer
+    local devices. A host with more uses the first `tp`."""
+    mesh = art.manifest["xla"].get("mesh")
+    tp = mesh["size"] if mesh else 1
+    have = len(jax.local_devices())
+    if have < tp:
+        raise ArtifactError(f"{art.path.name} needs {tp} {platform} devices (tp={tp}); this host "
+                            f"has {have}")
+    return tp
+
+
+def _per_device_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
+    m = art.manifest["xla"]
+    specs = {**m["mesh"]["weights"], **m["mesh"]["pools"]}
+    tp = m["mesh"]["size"]
+
+    def share(key: str, nbytes: int) -> int:
+        return nbytes // tp if any(specs[key]) else nbytes
+
+    total = sum(share(a["key"], a["nbytes"]) for a in m["weights"])
+    for p in m["kv"]["pools"]:
+        nbytes = (p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
+                  * numpy_dtype(p["dtype"]).itemsize)
+        total += share(p["key"], nbytes)
+    return total
+
+
+class TpPlacement:
+    """Where the artifact's weights and KV pools live: one default device, or, for an artifact
+    with a mesh (tensor parallelism), the mesh's shardings over the first `size` local devices."""
+
+    def __init__(self, art: Artifact):
+        mesh = art.manifest["xla"].get("mesh")
+        self.mesh = None
+        self.specs: dict[str, list] = {}
+        if mesh:
+            self.mesh = Mesh(np.array(jax.local_devices()[:mesh["size"]]), (mesh["axis"],))
+            self.specs = {**mesh["weights"], **mesh["pools"]}
+
+    def _sharding(self, key: str) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(*self.specs[key]))
+
+    def weight(self, key: str, host: np.ndarray) -> jax.Array:
+        """Upload a (memory-mapped) array; with a mesh, each device gets only its slice."""
+        if self.mesh is None:
+            return jax.device_put(host)
+        return jax.make_array_from_callback(host.shape, self._sharding(key),
+                                            lambda index: host[index])
+
+    def zeros(self, key: str, shape: tuple[int, ...], dtype) -> jax.Array:
+        if self.mesh is None:
+            return jnp.zeros(shape, dtype)
+        return jnp.zeros(shape, dtype, device=self._sharding(key))
 
 
 class XlaExecutor:
@@ -88,14 +150,17 @@ class XlaExecutor:
         self.decode_width, self.max_context = m["slots"], m["max_context"]
         self.max_chunk, self.prefill_buckets = m["max_chunk"], tuple(m["prefill_buckets"])
         self.block_size = m["kv"]["block_size"]
+        loop = m.get("decode_loop", {"steps": 0, "stop_ids": 0})  # steps 0: built without it
+        self.decode_loop_steps, self.decode_loop_stops = loop["steps"], loop["stop_ids"]
         self.kinds = kv_kinds(art, blocks)
         t0 = time.perf_counter()
-        self.weights = {a["key"]: jax.device_put(
-            art.array("weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
+        self.placement = TpPlacement(art)
+        self.weights = {a["key"]: self.placement.weight(a["key"], art.array(
+            "weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
             for a in m["weights"]}
         self.caches = {
-            p["key"]: jnp.zeros((p["layers"], self.kinds[p["kind"]].num_blocks,
-                                 *p["block_shape"]), numpy_dtype(p["dtype"]))
+            p["key"]: self.placement.zeros(p["key"], (p["layers"], self.kinds[p["kind"]].num_blocks,
+                                                      *p["block_shape"]), numpy_dtype(p["dtype"]))
             for p in m["kv"]["pools"]}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
@@ -116,10 +181,12 @@ class XlaExecutor:
 
         def compile_entry(name: str):
             kind, size = name.rsplit("_", 1)
-            batch, t = (int(size), 1) if kind == "decode" else (1, int(size))
+            batch, t = (int(size), 1) if kind.startswith("decode") else (1, int(size))
             args = self._lane_args(batch, t)
             if kind != "logits":
                 args += _sampling([], batch)
+            if kind == "decode_loop":
+                args += _loop_limits([], batch, self.decode_loop_stops)
             return fn_by_name[name].lower(self.weights, self.caches, *args).compile()
 
         fn_by_name = dict(self.fns)
@@ -166,11 +233,36 @@ class XlaExecutor:
             self.weights, self.caches, *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
         return np.asarray(tok)[:len(lanes)].tolist()
 
+    def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+        if len(lanes) > self.decode_width:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        w = self.decode_width
+        chunks = [lane.chunk for lane in lanes]
+        self.caches, tok, _ = self.fns[f"decode_loop_{w}"](
+            self.weights, self.caches, *self._lane_args(w, 1, chunks), *_sampling(chunks, w),
+            *_loop_limits(lanes, w, self.decode_loop_stops))
+        tok = np.asarray(tok)
+        return [[int(t) for t in row if t >= 0] for row in tok[:len(lanes)]]
+
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         c = self.max_chunk
         self.caches, lg = self.fns[f"logits_{c}"](
             self.weights, self.caches, *self._lane_args(1, c, [chunk]))
         return np.asarray(lg)[0, :len(chunk.tokens)]
+
+
+def _loop_limits(lanes: Sequence[LoopLane], batch: int,
+                 stops: int) -> tuple[np.ndarray, np.ndarray]:
+    """stop_ids [batch, stops] (-1 padded), budget [batch]; idle lanes budget 0."""
+    stop_ids = np.full((batch, stops), -1, np.int32)
+    budget = np.zeros(batch, np.int32)
+    for i, lane in enumerate(lanes):
+        if len(lane.stop_ids) > stops:
+            raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_loop takes at most "
+                             f"{stops}")
+        stop_ids[i, :len(lane.stop_ids)] = sorted(lane.stop_ids)
+        budget[i] = lane.budget
+    return stop_ids, budget
 
 
 def _sampling(lanes, batch: int) -> tuple[np.ndarray, ...]:

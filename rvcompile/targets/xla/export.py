@@ -17,6 +17,7 @@ build streams and checks weights exactly as before.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,10 +30,13 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from rvcompile.ir.graph import ModelIR
 from rvcompile.targets.xla.lower import BLOCK_SIZE
 from rvcompile.targets.xla.program import (
+    DECODE_LOOP_STOPS,
     LayoutPlan,
     Program,
     cache_pools,
     cache_shapes,
+    loop_shapes,
+    loop_steps,
     plan_layout,
     sampling_shapes,
     table_shapes,
@@ -125,6 +129,9 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
     entries[f"decode_{slots}"] = (prog.step, (*lane_args(slots, 1), *sampling_shapes(slots)))
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
+    entries[f"decode_loop_{slots}"] = (
+        functools.partial(prog.decode_loop, n_steps=loop_steps(ir)),
+        (*lane_args(slots, 1), *sampling_shapes(slots), *loop_shapes(slots)))
     programs = {}
     for name, (fn, args) in entries.items():
         jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
@@ -140,6 +147,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "max_context": ir.max_context,
         "max_chunk": ir.max_chunk,
         "prefill_buckets": list(prefill_buckets),
+        "decode_loop": {"steps": loop_steps(ir), "stop_ids": DECODE_LOOP_STOPS},
         "entry_points": sorted(programs),
         "weights": arrays,
         "kv": {

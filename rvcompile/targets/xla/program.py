@@ -21,6 +21,8 @@ Entry points (all return the updated pools first; pools are meant to be donated)
 - prefill(weights, caches, tokens [1,T], start [1], n_new [1], tables, sampling...) -> token [1]
 - decode(weights, caches, tokens [B,1], start [B], n_new [B], tables, sampling...) -> tokens [B]
 - logits(weights, caches, tokens [1,T], start [1], n_new [1], tables) -> logits [1,T,V]
+- decode_loop(decode's arguments, stop_ids [B,S], budget [B]) -> tokens [B,N], steps: up to N
+  decode steps in one `lax.while_loop`, sampling and stop checks on the device.
 `start` = tokens already cached; `n_new` = valid tokens in this call (0 = idle lane); `tables`
 = {kind: int32 [B, width]}. The next token is sampled from each lane's last valid row.
 """
@@ -40,6 +42,7 @@ from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
+    BLOCKWISE_LOWERINGS,
     JNP_DTYPES,
     LOWERINGS,
     PagedSlice,
@@ -75,6 +78,10 @@ def kv_kinds(ir: ModelIR) -> dict[str, KvKind]:
 
 def kind_of(ring: bool) -> str:
     return "sliding" if ring else "full"
+
+
+SCALE_SUFFIX = ".scale"  # pool key + this: the float32 scales of an int8 pool
+BLOCKWISE_CONTEXT = 32768  # longer contexts attend blockwise even with a float cache
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,16 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tupl
                 out[f"g{gi}.{j}.{name}"] = (kind_of(c.ring), g.count,
                                             (BLOCK_SIZE, c.kv_heads, c.head_dim),
                                             JNP_DTYPES[c.dtype])
+                if c.dtype == "int8":  # a float32 scale per slot and KV head, split like it
+                    out[f"g{gi}.{j}.{name}{SCALE_SUFFIX}"] = (
+                        kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads), jnp.float32)
     return out
+
+
+def attends_blockwise(ir: ModelIR) -> bool:
+    """Full layers attend blockwise (lower.attention_blockwise) for int8 caches and for
+    contexts beyond BLOCKWISE_CONTEXT, where a [T, S] score matrix would not fit."""
+    return ir.max_context > BLOCKWISE_CONTEXT or any(c.dtype == "int8" for c in ir.caches)
 
 
 class Program:
@@ -226,7 +242,8 @@ class Program:
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
-        return {**LOWERINGS, Op.CACHE_POSITIONS: positions}
+        base = BLOCKWISE_LOWERINGS if attends_blockwise(self.ir) else LOWERINGS
+        return {**base, Op.CACHE_POSITIONS: positions}
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
                    lowerings):
@@ -241,7 +258,8 @@ class Program:
 
         def paged(pools, key, index):
             kind = self.pool_kind[key]
-            return PagedSlice(pools[key], index, tables[kind], self.kinds[kind].ring)
+            return PagedSlice(pools[key], index, tables[kind], self.kinds[kind].ring,
+                              pools.get(key + SCALE_SUFFIX))
 
         def body(carry, xs):
             h, own = carry
@@ -270,6 +288,8 @@ class Program:
                 for name, v in out.items():
                     if name in CACHE_ARGS:
                         own[f"g{gi}.{j}.{name}"] = v.pool
+                        if v.scale is not None:
+                            own[f"g{gi}.{j}.{name}{SCALE_SUFFIX}"] = v.scale
             return (h, own), None
 
         xs = (jnp.arange(g.count, dtype=jnp.int32), ple_xs)
@@ -302,6 +322,36 @@ class Program:
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         return caches, self.head(weights, h)
 
+    def decode_loop(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
+                    top_p, seed, step, stop_ids, budget, *, n_steps: int):
+        """decode_loop_{B}: up to `n_steps` decode steps in one call, each exactly the `step`
+        of decode_{B} (same shapes, so the same bits), feeding every lane its sampled token.
+        stop_ids [B, S] (-1 = none) and budget [B] (most tokens to sample) end a lane; an
+        ended lane runs idle (n_new 0, writes nothing). The loop ends when every lane has ended
+        or after n_steps. Each lane must own the blocks of positions [start, start + budget).
+        Returns (caches, tokens [B, n_steps] with -1 where a lane sampled nothing, steps run)."""
+        b = tokens.shape[0]
+        active = (n_new > 0) & (budget > 0)
+        out = jnp.full((b, n_steps), -1, jnp.int32)
+
+        def more(carry):
+            i, active = carry[0], carry[3]
+            return (i < n_steps) & jnp.any(active)
+
+        def body(carry):
+            i, caches, last, active, pos, out = carry
+            caches, nxt = self.step(weights, caches, last[:, None], pos,
+                                    active.astype(jnp.int32), tables, temperature, top_k,
+                                    top_p, seed, step + i)
+            out = lax.dynamic_update_index_in_dim(out, jnp.where(active, nxt, -1), i, 1)
+            ended = jnp.any(nxt[:, None] == stop_ids, axis=1) | (i + 1 >= budget)
+            return (i + 1, caches, jnp.where(active, nxt, last), active & ~ended,
+                    pos + active.astype(jnp.int32), out)
+
+        steps, caches, *_, out = lax.while_loop(
+            more, body, (jnp.int32(0), caches, tokens[:, 0], active, start, out))
+        return caches, out, steps
+
 
 def table_shapes(kinds: dict[str, KvKind], batch: int) -> dict[str, jax.ShapeDtypeStruct]:
     return {k.name: jax.ShapeDtypeStruct((batch, k.table_width), jnp.int32)
@@ -311,3 +361,19 @@ def table_shapes(kinds: dict[str, KvKind], batch: int) -> dict[str, jax.ShapeDty
 def sampling_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     f, i = jnp.float32, jnp.int32
     return tuple(jax.ShapeDtypeStruct((batch,), d) for d in (f, i, f, i, i))
+
+
+DECODE_LOOP_STEPS = 32  # most steps of one decode_loop call: tokens reach the host this often
+DECODE_LOOP_STOPS = 4  # stop token ids per lane a decode_loop call takes
+
+
+def loop_steps(ir: ModelIR) -> int:
+    """Steps per decode_loop call: at most max_chunk, so the positions one call writes fit the
+    block tables like one prefill chunk (the sliding ring is sized for that)."""
+    return min(DECODE_LOOP_STEPS, ir.max_chunk)
+
+
+def loop_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """stop_ids [B, DECODE_LOOP_STOPS], budget [B] of decode_loop."""
+    return (jax.ShapeDtypeStruct((batch, DECODE_LOOP_STOPS), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))

@@ -1,0 +1,186 @@
+"""The XLA target's device-side decode loop (decode_loop_{B}, Executor.decode_many) on the CPU: it
+must give bit for bit what decode_{B} called once per token gives (tokens and KV pools), greedy
+and with seeded sampling, ending lanes at their budgets and stop ids; and the engine, which uses
+it when nothing waits to join the batch, must give the same generations as without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rvcompile import runtime
+from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime.engine import Engine, Request
+from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk, decode_loop_steps
+from rvcompile.runtime.model import Model
+
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    out = tmp_path_factory.mktemp("loop") / "tiny.rvp"
+    build_artifact("gemma-4-tiny", out, BuildOptions("tpu-bf16", max_context=CONTEXT,
+                                                     prefill_buckets=(8, 32), slots=2,
+                                                     platforms=("cpu",)),
+                   random_weights=True, progress=False, log=lambda *a: None)
+    return runtime.load(str(out), verify=False)
+
+
+def _tables(ex, lane: int) -> dict[str, list[int]]:
+    """Lane `lane` owns blocks [lane * width, (lane + 1) * width) of every kind: enough for a
+    whole sequence (the default pools hold slots * width)."""
+    return {k.name: list(range(lane * k.table_width, (lane + 1) * k.table_width))
+            for k in ex.kinds.values()}
+
+
+def _prefill(ex, prompts, samplings) -> list[SeqChunk]:
+    """Prefill each prompt; return each lane's first decode chunk."""
+    chunks = []
+    for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
+        first = ex.prefill(SeqChunk(prompt, 0, _tables(ex, i), sampling, step=0))
+        chunks.append(SeqChunk([first], len(prompt), _tables(ex, i), sampling, step=1))
+    return chunks
+
+
+def _pools(ex) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v).copy() for k, v in ex.caches.items()}
+
+
+def _restore(ex, pools) -> None:
+    import jax
+
+    ex.caches = {k: jax.device_put(v) for k, v in pools.items()}
+
+
+def _per_step(ex, chunks: list[SeqChunk], budgets: list[int]) -> list[list[int]]:
+    """decode_{B} once per token, each lane for its budget (ended lanes leave the batch)."""
+    out = [[] for _ in chunks]
+    chunks = list(chunks)
+    for _ in range(max(budgets)):
+        live = [i for i, b in enumerate(budgets) if len(out[i]) < b]
+        tokens = ex.decode([chunks[i] for i in live])
+        for i, t in zip(live, tokens, strict=True):
+            out[i].append(t)
+            c = chunks[i]
+            chunks[i] = dataclasses.replace(c, tokens=[t], start=c.start + 1, step=c.step + 1)
+    return out
+
+
+def _looped(ex, chunks: list[SeqChunk], budgets: list[int],
+            stops=frozenset()) -> list[list[int]]:
+    """decode_many in calls of at most decode_loop_steps tokens per lane."""
+    out = [[] for _ in chunks]
+    chunks = list(chunks)
+    while True:
+        live = [i for i, b in enumerate(budgets)
+                if len(out[i]) < b and not (out[i] and out[i][-1] in stops)]
+        if not live:
+            return out
+        lanes = [LoopLane(chunks[i], min(ex.decode_loop_steps, budgets[i] - len(out[i])), stops)
+                 for i in live]
+        for i, lane, tokens in zip(live, lanes, ex.decode_many(lanes), strict=True):
+            assert 0 < len(tokens) <= lane.budget
+            out[i] += tokens
+            c = chunks[i]
+            chunks[i] = dataclasses.replace(c, tokens=[tokens[-1]], start=c.start + len(tokens),
+                                            step=c.step + len(tokens))
+
+
+def test_loop_equals_per_step_decode_bit_for_bit(model):
+    ex = model.executor
+    assert decode_loop_steps(ex) == 32  # min(32, max_chunk)
+    rng = np.random.default_rng(0)
+    prompts = [[2, *rng.integers(4, 1024, 19).tolist()], [2, *rng.integers(4, 1024, 10).tolist()]]
+    samplings = [Sampling(), Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=1234)]
+    chunks = _prefill(ex, prompts, samplings)
+    start = _pools(ex)
+    # 70 and 45 tokens: three calls for lane 0, lane 1 ends inside the second; both run past
+    # the 64-slot sliding ring.
+    budgets = [70, 45]
+    want = _per_step(ex, chunks, budgets)
+    want_pools = _pools(ex)
+    _restore(ex, start)
+    got = _looped(ex, chunks, budgets)
+    assert got == want
+    got_pools = _pools(ex)
+    for key in want_pools:
+        np.testing.assert_array_equal(got_pools[key], want_pools[key], err_msg=key)
+
+    # A stop id ends its lane at the first time it is sampled, the stop id included; the other
+    # lane runs on.
+    stop = want[0][40]
+    k = want[0].index(stop)
+    assert stop not in want[1]
+    _restore(ex, start)
+    got = _looped(ex, chunks, budgets, frozenset({stop}))
+    assert got == [want[0][:k + 1], want[1]]
+
+
+class _PerStep:
+    """The executor without its decode loop: the engine must fall back to decode()."""
+
+    def __init__(self, ex):
+        self._ex = ex
+
+    def __getattr__(self, name):
+        if name in ("decode_many", "decode_loop_steps", "decode_loop_stops"):
+            raise AttributeError(name)
+        return getattr(self._ex, name)
+
+
+def test_engine_generations_equal_with_and_without_the_loop(model):
+    ex = model.executor
+    calls = []
+    decode_many = ex.decode_many
+
+    def counting(lanes):
+        calls.append(len(lanes))
+        return decode_many(lanes)
+
+    ex.decode_many = counting
+    try:
+        rng = np.random.default_rng(1)
+        requests = [
+            Request("greedy", [2, *rng.integers(4, 1024, 12).tolist()], 60, ignore_eos=True),
+            Request("seeded", [2, *rng.integers(4, 1024, 30).tolist()], 50,
+                    Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=7), ignore_eos=True),
+            Request("eos", [2, *rng.integers(4, 1024, 5).tolist()], 90,
+                    Sampling(temperature=1.5, seed=3)),
+        ]
+
+        def run(executor, together: bool) -> dict[str, tuple]:
+            engine = Engine(executor, model.decode, model.eos_ids)
+            got: dict[str, tuple] = {}
+            for batch in ([requests] if together else [[r] for r in requests]):
+                for r in batch:
+                    engine.add(r)
+                while engine.has_work():
+                    for out in engine.step():
+                        ids, text, _ = got.get(out.id, ([], "", None))
+                        got[out.id] = (ids + out.token_ids, text + out.text, out.finish_reason)
+            return got
+
+        want = run(_PerStep(ex), together=False)
+        assert not calls
+        assert run(ex, together=False) == want
+        assert calls and max(calls) == 1
+        calls.clear()
+        assert run(ex, together=True) == want  # two lanes fit decode_2: the third waits
+        assert calls and max(calls) == 2
+    finally:
+        del ex.decode_many
+    assert [len(want[r.id][0]) for r in requests[:2]] == [60, 50]
+    assert want["greedy"][2] == "length"
+
+
+def test_generate_stream_gets_tokens_a_chunk_at_a_time(model):
+    pieces = list(model.generate_stream([2, 5, 6, 7], max_tokens=80, ignore_eos=True))
+    assert model.last_result.finish_reason == "length"
+    assert len(model.last_result.token_ids) == 80
+    assert len(pieces) >= 3  # the prefill's token, then calls of at most 32
+    assert "".join(pieces) == model.last_result.text
+
