@@ -176,3 +176,128 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, len
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < 1e-5, rel
+
+
+# ---------------------------------------------------------------- prefill attention (attn_prefill)
+
+def make_prefill_case(rng, kv_heads, group, d, start, chunk, window, pad, keqv=False,
+                      kv_dtype=ml_dtypes.bfloat16):
+    """A chunk of `chunk` query rows at positions start.. (then `pad` padding rows) over a
+    sequence of start + chunk tokens written into paged pools through one block table; sliding
+    layers use the lowering's ring (window + chunk - 1 tokens, rounded up, plus a block), so
+    longer sequences wrap it. Slots no token was written to hold NaN: never read, or zeroed.
+    Returns (q, logical K [L, KH, D], logical V, K pool, V pool, table [M, ring], ring,
+    positions [M])."""
+    length = start + chunk
+    ring = (-(-(window + chunk - 1) // ad.BLOCK) + 1) if window else -(-length // ad.BLOCK)
+    pool = ring + 3
+    ids = rng.permutation(pool)[:ring].astype(np.int32)
+    k_log = rng.normal(0, 1.0, (length, kv_heads, d)).astype(kv_dtype)
+    v_log = k_log if keqv else rng.normal(0, 1.0, (length, kv_heads, d)).astype(kv_dtype)
+    k_pool = np.full((pool, ad.BLOCK, kv_heads, d), np.nan, np.float32).astype(kv_dtype)
+    v_pool = k_pool.copy()
+    for t in range(length):
+        blk = ids[(t // ad.BLOCK) % ring]
+        k_pool[blk, t % ad.BLOCK], v_pool[blk, t % ad.BLOCK] = k_log[t], v_log[t]
+    m = chunk + pad
+    q = rng.normal(0, 0.15, (m, kv_heads * group, d)).astype(ml_dtypes.bfloat16)
+    positions = np.concatenate([np.arange(start, length), np.full(pad, -1)]).astype(np.int32)
+    table = np.tile(ids, (m, 1))
+    return q, k_log, v_log, k_pool, v_pool, table, ring, positions
+
+
+def direct_attention(q, k_log, v_log, positions, window) -> np.ndarray:
+    """Softmax attention over the logical K/V sequence in float64; padding rows zero."""
+    m, nh, d = q.shape
+    g = nh // k_log.shape[1]
+    out = np.zeros((m, nh, d))
+    for r, p in enumerate(positions):
+        if p < 0:
+            continue
+        ts = np.arange(max(0, p - window + 1) if window else 0, p + 1)
+        for h in range(nh):
+            s = k_log[ts, h // g].astype(np.float64) @ q[r, h].astype(np.float64)
+            w = np.exp(s - s.max())
+            out[r, h] = (w / w.sum()) @ v_log[ts, h // g].astype(np.float64)
+    return out
+
+
+def rope_keys(base_log, wk, inv_freq) -> np.ndarray:
+    """K = rope(base * wk, t): the angle t * inv_freq in float32 (as the IR defines it), the
+    rest in float64."""
+    x = base_log.astype(np.float64) * wk
+    ang = (np.arange(len(x), dtype=np.float32)[:, None] * inv_freq[None]).astype(np.float64)
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    h = x.shape[-1] // 2
+    return np.concatenate([x[..., :h] * cos - x[..., h:] * sin,
+                           x[..., h:] * cos + x[..., :h] * sin], -1)
+
+
+PREFILL_REF_CASES = [  # (name, kv_heads, group, d, start, chunk, window, pad, keqv)
+    ("causal, GQA 4, padded", 2, 4, 64, 0, 37, 0, 3, False),
+    ("full after earlier chunks", 1, 2, 32, 50, 20, 0, 0, False),
+    ("sliding, ring wrapped", 2, 2, 32, 300, 40, 64, 4, False),
+    ("window 8 < block", 2, 2, 32, 30, 12, 8, 4, False),
+    ("d256 sliding", 2, 2, 256, 40, 24, 16, 0, False),
+    ("K=V full, padded", 1, 4, 64, 20, 30, 0, 2, True),
+    ("K=V sliding, ring wrapped", 2, 2, 32, 200, 33, 32, 0, True),
+]
+
+
+def _prefill_reference(case, rng, kv_dtype=ml_dtypes.bfloat16):
+    from rvcompile.config import RopeSpec
+    from rvcompile.targets.h100 import attn_prefill as ap
+
+    _, kh, g, d, start, chunk, window, pad, keqv = case
+    q, k_log, v_log, kp, vp, table, ring, pos = make_prefill_case(
+        rng, kh, g, d, start, chunk, window, pad, keqv, kv_dtype)
+    if not keqv:
+        got = ap.reference(q, kp, vp, table, ring, pos, window)
+        return got, direct_attention(q, k_log, v_log, pos, window), (q, kp, vp, table, ring, pos)
+    wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    inv_freq = np.asarray(RopeSpec(1e4, 1.0).inv_freq(d), np.float32)
+    got = ap.reference_keqv(q, kp, table, ring, pos, window, wk, inv_freq)
+    want = direct_attention(q, rope_keys(k_log, wk, inv_freq), v_log, pos, window)
+    return got, want, (q, kp, wk, inv_freq, table, ring, pos)
+
+
+@pytest.mark.parametrize("case", PREFILL_REF_CASES, ids=[c[0] for c in PREFILL_REF_CASES])
+def test_prefill_reference_is_masked_softmax(case) -> None:
+    """attn_prefill's reference against direct float64 softmax attention over the logical
+    sequence: causal, windowed, wrapped ring, K=V, GQA; padding rows are zero."""
+    got, want, _ = _prefill_reference(case, np.random.default_rng(zlib.crc32(case[0].encode())))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() < 2e-5 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", PREFILL_REF_CASES, ids=[c[0] for c in PREFILL_REF_CASES])
+def test_prefill_reference_equals_decode_path(case) -> None:
+    """The chunk through attn_prefill's reference = each row through attn_decode's (the path
+    prefill took before), within float32 rounding; padding rows, which the decode path lets see
+    key 0, are zero in the prefill kernel."""
+    window, keqv = case[6], case[8]
+    got, _, args = _prefill_reference(case, np.random.default_rng(zlib.crc32(case[0].encode())))
+    pos = args[-1]
+    seq_len = np.where(pos >= 0, pos + 1, 1)
+    if keqv:
+        q, base, wk, inv_freq, table, ring, _ = args
+        old = ad.reference_keqv(q, base, table, ring, seq_len, window, wk, inv_freq)
+    else:
+        q, kp, vp, table, ring, _ = args
+        old = ad.reference(q, kp, vp, table, ring, seq_len, window)
+    real = pos >= 0
+    np.testing.assert_allclose(got[real], old[real], rtol=1e-5, atol=1e-6)
+    assert not got[~real].any()
+
+
+def test_prefill_source_instantiates_every_entry() -> None:
+    from rvcompile.targets.h100 import attn_prefill as ap
+    from rvcompile.targets.h100.nvcc import KERNEL_DIR
+
+    src = (KERNEL_DIR / ap.SOURCE).read_text()
+    made = {(int(d), int(g)) for d, g in re.findall(r"^PREFILL_ENTRY\((\d+), (\d+)\)$", src, re.M)}
+    assert made == {(d, g) for d in ad.HEAD_DIMS for g in ad.GROUPS}
+    assert ap.entry_keqv(512, 8, "float8_e4m3fn") == "attn_prefill_keqv_d512_g8_fp8"
+    assert ap.geometry(100, 16, 256, 2, False).grid == (4, 16, 1)  # 32 tokens a CTA
+    with pytest.raises(ValueError, match="head_dim 48"):
+        ap.entry(48, 2)

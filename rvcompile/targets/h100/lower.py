@@ -37,6 +37,7 @@ from rvcompile.ir.graph import Graph, ModelIR, Node, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import (
     attn_decode,
+    attn_prefill,
     gelu_mul,
     gemm_fp8w,
     gemv_bf16,
@@ -667,6 +668,20 @@ class _EntryLowering:
                   _i32(a.k_eq_v), wq, wk, Ref("io", "positions"), inv_freq, _f32(a.eps), q_out,
                   k_pool if write_kv else None, v_pool if write_kv else None, table,
                   _i32(width), _i32(width))
+        wkv = Ref("weights", self.param_name(g, a.k_eq_v_norm, spec)) if a.k_eq_v else None
+        out = self.buffer(self.m * nh * d * 4)
+        out_bf16 = self.buffer(self.m * nh * d * 2)
+        if self.kind != "decode" and self.m > 1:  # one sequence's chunk: flash-style kernel
+            geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
+            if a.k_eq_v:
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh), geometry,
+                          q_out, k_pool, table, _i32(width), Ref("io", "positions"),
+                          _i32(a.window), _i32(kh), _i32(self.m), wkv, inv_freq, out, out_bf16)
+            else:
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry(d, nh // kh), geometry,
+                          q_out, k_pool, v_pool, table, _i32(width), Ref("io", "positions"),
+                          _i32(a.window), _i32(kh), _i32(self.m), out, out_bf16)
+            return _Val(d, f32=out, bf16=out_bf16)
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
         part_acc = self.buffer(self.m * nh * splits * d * 4)
@@ -675,15 +690,11 @@ class _EntryLowering:
         if a.k_eq_v:
             self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh), geometry,
                       q_out, k_pool, table, _i32(width), _i32(width), Ref("io", "seq_len"),
-                      _i32(a.window), _i32(kh), Ref("weights", self.param_name(g, a.k_eq_v_norm,
-                                                                               spec)),
-                      inv_freq, part_acc, part_ml)
+                      _i32(a.window), _i32(kh), wkv, inv_freq, part_acc, part_ml)
         else:
             self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh), geometry,
                       q_out, k_pool, v_pool, table, _i32(width), _i32(width),
                       Ref("io", "seq_len"), _i32(a.window), _i32(kh), part_acc, part_ml)
-        out = self.buffer(self.m * nh * d * 4)
-        out_bf16 = self.buffer(self.m * nh * d * 2)
         self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
                   attn_decode.combine_geometry(self.m, nh, d, splits),
                   part_acc, part_ml, _i32(splits), _i32(d), out, out_bf16)

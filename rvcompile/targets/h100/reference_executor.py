@@ -19,6 +19,7 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 from rvcompile.targets.h100 import (
     attn_decode,
+    attn_prefill,
     gelu_mul,
     head,
     moe,
@@ -168,9 +169,36 @@ def _attn_keqv(dev, launch: Launch, q, base, table, max_blocks, ring, seq_len, w
     _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml)
 
 
+def _attn_prefill(dev, launch: Launch, q, kc, vc, table, ring, positions, window, kh, m, out,
+                  out_bf16):
+    d, g = _dims(launch.kernel)
+    tab = dev.view(table, I32, (1, ring))
+    res = attn_prefill.reference(dev.view(q, BF16, (m, kh * g, d)), _pool(dev, kc, kh, d, tab),
+                                 _pool(dev, vc, kh, d, tab), tab, ring,
+                                 dev.view(positions, I32, (m,)), window)
+    _write_out(dev, res, out, out_bf16)
+
+
+def _attn_prefill_keqv(dev, launch: Launch, q, base, table, ring, positions, window, kh, m, wk,
+                       inv_freq, out, out_bf16):
+    d, g = _dims(launch.kernel)
+    tab = dev.view(table, I32, (1, ring))
+    res = attn_prefill.reference_keqv(dev.view(q, BF16, (m, kh * g, d)),
+                                      _pool(dev, base, kh, d, tab), tab, ring,
+                                      dev.view(positions, I32, (m,)), window,
+                                      dev.view(wk, F32, (d,)), dev.view(inv_freq, F32, (d // 2,)))
+    _write_out(dev, res, out, out_bf16)
+
+
+def _write_out(dev, res: np.ndarray, out, out_bf16) -> None:
+    dev.view(out, F32, res.shape)[:] = res
+    if out_bf16:
+        dev.view(out_bf16, BF16, res.shape)[:] = res.astype(BF16)
+
+
 def _dims(kernel: str) -> tuple[int, int]:
     d, g = kernel.rsplit("_d", 1)[1].split("_g")
-    return int(d), int(g)
+    return int(d), int(g.split("_")[0])
 
 
 def _combine(dev, launch: Launch, part_acc, part_ml, splits, d, out, out_bf16):
@@ -323,5 +351,9 @@ def _kernel_ref(kernel: str):
         return _attn_keqv
     if kernel.startswith("attn_decode_d"):
         return _attn
+    if kernel.startswith("attn_prefill_keqv_"):
+        return _attn_prefill_keqv
+    if kernel.startswith("attn_prefill_d"):
+        return _attn_prefill
     raise KeyError(f"no numpy reference for kernel {kernel!r}")
 

@@ -1,0 +1,126 @@
+"""Paged prefill attention (flash-attention style): the numpy reference of kernels/attn_prefill.cu
+and its launch geometry.
+
+Rows are token rows of ONE sequence (a prefill or logits chunk, after qkv_post wrote its K/V):
+q [M, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D] (bf16, or e4m3 in an FP8-KV build);
+block table [M, max_blocks] int32 of which row 0 serves every row (all rows share it), token t
+in block table[0, (t // BLOCK) % ring]. Row m's query sits at positions[m] and sees keys
+max(0, p - window + 1) .. p (window 0: all), scale 1.0; positions[m] < 0 (padding) gives a zero
+output row. K=V layers (`entry_keqv`) keep one pool of normalised bases: V = base,
+K = rope(base * k_norm weight, t), as in attn_decode. Output: out f32 [M, KH*G, D] and its bf16
+copy, the layout attn_decode's combine writes, so the o projection reads either.
+
+Geometry: a CTA owns one KV head and BM = 16 * WR query rows, a query row being one (token,
+head of the group) pair, token-major, so each 16-key K/V tile is read once for all G heads.
+Its warps are WR row groups x WC dim slices (WC = D / 128 from D = 256 up): each warp holds q and
+the output accumulator for 16 rows x D / WC dims in registers, and the WC slices' partial scores
+are summed through shared memory. Tiles are double-buffered in dynamic shared memory
+(`geometry().smem`; above 48 KiB the runtime raises the kernel's limit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS
+from rvcompile.targets.h100.gemv_fp8 import Launch
+
+SOURCE = "attn_prefill.cu"
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def _suffix(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"no prefill attention kernel for KV dtype {kv_dtype}")
+    return "_fp8" if kv_dtype == "float8_e4m3fn" else ""
+
+
+def entry(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    if head_dim not in HEAD_DIMS or group not in GROUPS:
+        raise ValueError(f"no prefill attention kernel for head_dim {head_dim}, group {group}")
+    return f"attn_prefill_d{head_dim}_g{group}{_suffix(kv_dtype)}"
+
+
+def entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    return entry(head_dim, group, kv_dtype).replace("attn_prefill_", "attn_prefill_keqv_")
+
+
+def warp_shape(head_dim: int) -> tuple[int, int]:
+    """(WR row groups, WC dim slices); must match the kernel's Shape<D>."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"no prefill attention kernel for head_dim {head_dim}")
+    wc = max(1, head_dim // 128)
+    return (2 if head_dim == 512 else 4), wc
+
+
+def tile_tokens(head_dim: int, group: int) -> int:
+    return 16 * warp_shape(head_dim)[0] // group
+
+
+def smem_bytes(head_dim: int, keqv: bool) -> int:
+    """Two stages of K (K=V: K rounded and its bf16 remainder) and V tiles, rows padded by 8."""
+    tiles = 3 if keqv else 2
+    return 2 * tiles * BLOCK * (head_dim + 8) * 2
+
+
+def geometry(rows: int, kv_heads: int, head_dim: int, group: int, keqv: bool) -> Launch:
+    if rows < 1:
+        raise ValueError(f"attn_prefill needs rows >= 1 (rows={rows})")
+    wr, wc = warp_shape(head_dim)
+    tiles = -(-rows // tile_tokens(head_dim, group))
+    return Launch((tiles, kv_heads, 1), (32 * wr * wc, 1, 1), smem_bytes(head_dim, keqv))
+
+
+def visible(positions, window: int, keys: np.ndarray) -> np.ndarray:
+    """mask [M, S]: key t visible to row m (its query at positions[m], < 0 sees nothing)."""
+    p = np.asarray(positions, np.int64)[:, None]
+    lo = np.maximum(0, p - window + 1) if window else np.zeros_like(p)
+    return (keys[None, :] >= lo) & (keys[None, :] <= p)
+
+
+def reference(q, k_pool, v_pool, table, ring: int, positions, window: int) -> np.ndarray:
+    def rows(blocks, ts):
+        return (k_pool[blocks, ts % BLOCK].astype(np.float32),
+                v_pool[blocks, ts % BLOCK].astype(np.float32))
+
+    return _attend(q, k_pool.shape[2], table, ring, positions, window, rows)
+
+
+def reference_keqv(q, base_pool, table, ring: int, positions, window: int, wk,
+                   inv_freq) -> np.ndarray:
+    rope = ops.RopeAttrs(tuple(float(f) for f in np.asarray(inv_freq, np.float32)))
+
+    def rows(blocks, ts):
+        base = base_pool[blocks, ts % BLOCK].astype(np.float32)  # [S, KH, D]
+        k = ops.ref_rope(rope, (base * np.asarray(wk, np.float32))[None], ts[None])[0]
+        return k, base
+
+    return _attend(q, base_pool.shape[2], table, ring, positions, window, rows)
+
+
+def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) -> np.ndarray:
+    """Masked softmax over the keys the chunk's real rows see, all heads at once (float32)."""
+    q = np.asarray(q).astype(np.float32)
+    m, nh, d = q.shape
+    pos = np.asarray(positions, np.int64)
+    out = np.zeros((m, nh, d), np.float32)
+    real = pos >= 0
+    if not real.any():
+        return out
+    hi = int(pos[real].max())
+    lo = int(pos[real].min()) - window + 1 if window else 0
+    ts = np.arange(max(0, lo), hi + 1)
+    k, v = rows(np.asarray(table)[0, (ts // BLOCK) % ring], ts)  # [S, KH, D]
+    g = nh // kv_heads
+    qg = q.reshape(m, kv_heads, g, d)
+    s = np.einsum("mkgd,skd->kgms", qg, k, dtype=np.float32)
+    mask = visible(pos, window, ts)  # [M, S]
+    s = np.where(mask[None, None], s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        p = np.where(mask[None, None], np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
+    p = (p / np.maximum(p.sum(-1, keepdims=True), np.float32(1e-30))).astype(np.float32)
+    o = np.einsum("kgms,skd->mkgd", p, v, dtype=np.float32).reshape(m, nh, d)
+    out[real] = o[real]
+    return out
