@@ -1,0 +1,342 @@
+// The mixture-of-experts block of a Gemma 4 MoE layer (26B-A4B), all on the device so a decode
+// step stays one CUDA graph: the expert ids never visit the host.
+//
+// moe_norms:      z[m]  = bf16(r[m] * rr * router_scale * router_mul)   (router input)
+//                 x2[m] = bf16(r[m] * rr * w2)                          (expert input)
+//                 rr = 1 / sqrt(mean(r[m]^2) + eps); one CTA per row, like norms.cu.
+// moe_route:      softmax(logits[m]) over E experts (f32), top-K (ties: lower id), weights
+//                 renormalised to sum 1 and times per_expert_scale[id] -> ids[m, K], wts[m, K].
+//                 One warp per row, E <= 256.
+// moe_gate_up:    for each (row m, slot j) with expert e = ids[m, j] and each i < I:
+//                 hid[m, j, i] = bf16(gelu_tanh(sg[e, i] * W[e, i] . x[m])
+//                                      * (sg[e, I + i] * W[e, I + i] . x[m]))
+//                 W e4m3 [E, 2I, H] (gate rows first), sg f32 [E, 2I]. One warp per (m, j, i),
+//                 reading the gate and the up row together; x (M <= 4 rows) staged in shared
+//                 memory. Only the chosen experts' rows are read.
+// moe_down:       y[m, n] = sum_j wts[m, j] * (sd[e_j, n] * D[e_j, n] . hid[m, j])
+//                 D e4m3 [E, H, I], sd f32 [E, H]. One warp per (m, n) covers all K experts'
+//                 rows, so the sum over experts is a fixed warp reduction: deterministic, no
+//                 atomics. hid (M * K * I bf16) staged in shared memory.
+// moe_branch_sum: out[m] = f[m] * rf * w1 + y[m] * ry * w2   (the dense and expert branches,
+//                 each RMS-normalised; ops.ref_residual_rmsnorm of the fused IR)
+// Elementwise steps round like the numpy references (no FMA contraction); dot products
+// accumulate in f32 in a different order. Contract: H % 16 == 0, I % 16 == 0, rows 16-byte
+// aligned, M <= 4 for the expert kernels (the lowering loops over groups of 4 rows).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+constexpr int NORM_THREADS = 512;
+constexpr int NV = 4;  // float4 per thread in the norms: H <= 8192
+constexpr int WARPS = 8;  // warps per block of the expert kernels
+constexpr int UNROLL = 4;  // 16-byte loads in flight per lane (per row in moe_gate_up: 2)
+constexpr int MAX_E_PER_LANE = 8;  // moe_route: E <= 256
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
+    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
+    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
+}
+
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, float a, float b, float c,
+                                             float d) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+
+__device__ __forceinline__ float sq4(const float4 v) {
+    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+}
+
+// A row of H floats into NV float4 per thread; returns 1 / rms.
+__device__ __forceinline__ float load_row(const float* __restrict__ x, float4 v[NV], int n4,
+                                          int H, float eps, float* red) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += sq4(v[i]);
+    }
+    return 1.f / sqrtf(block_sum(ss, red) / (float)H + eps);
+}
+
+__device__ __forceinline__ float4 mul4(const float4 v, float r) {
+    return make_float4(__fmul_rn(v.x, r), __fmul_rn(v.y, r), __fmul_rn(v.z, r),
+                       __fmul_rn(v.w, r));
+}
+
+__device__ __forceinline__ float4 mul4(const float4 v, const float4 w) {
+    return make_float4(__fmul_rn(v.x, w.x), __fmul_rn(v.y, w.y), __fmul_rn(v.z, w.z),
+                       __fmul_rn(v.w, w.w));
+}
+
+__device__ __forceinline__ void fp8x16_to_f32(const uint4 v, float out[16]) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __nv_fp8x2_storage_t pair = (words[w] >> (16 * h)) & 0xFFFF;
+            const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+            out[4 * w + 2 * h] = f.x;
+            out[4 * w + 2 * h + 1] = f.y;
+        }
+    }
+}
+
+// acc += 16 e4m3 weights . 16 bf16 activations
+__device__ __forceinline__ float dot16(const uint4 w8, const __nv_bfloat16* __restrict__ x,
+                                       float acc) {
+    float w[16];
+    fp8x16_to_f32(w8, w);
+    const __nv_bfloat162* xv = reinterpret_cast<const __nv_bfloat162*>(x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 xf = __bfloat1622float2(xv[j]);
+        acc = fmaf(w[2 * j], xf.x, acc);
+        acc = fmaf(w[2 * j + 1], xf.y, acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ void stage(void* dst, const void* src, int nbytes) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = threadIdx.x; i < nbytes / 16; i += blockDim.x) d[i] = s[i];
+    __syncthreads();
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, float router_mul,
+          const float* __restrict__ w2, __nv_bfloat16* __restrict__ z,
+          __nv_bfloat16* __restrict__ x2, int H, float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const size_t row = (size_t)blockIdx.x * H;
+    float4 v[NV];
+    const float rr = load_row(r + row, v, n4, H, eps, red);
+    const float4* rs4 = reinterpret_cast<const float4*>(router_scale);
+    const float4* w4 = reinterpret_cast<const float4*>(w2);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        if (c < n4) {
+            const float4 n = mul4(v[i], rr);
+            const float4 a = mul4(mul4(n, __ldg(rs4 + c)), router_mul);
+            const float4 b = mul4(n, __ldg(w4 + c));
+            store_bf16x4(z + row + 4 * c, a.x, a.y, a.z, a.w);
+            store_bf16x4(x2 + row + 4 * c, b.x, b.y, b.z, b.w);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
+          int* __restrict__ ids, float* __restrict__ wts, int E, int K) {
+    const int lane = threadIdx.x;
+    const float* l = logits + (size_t)blockIdx.x * E;
+    float p[MAX_E_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < MAX_E_PER_LANE; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? l[e] : -INFINITY;
+        mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < MAX_E_PER_LANE; ++s) {
+        p[s] = lane + 32 * s < E ? expf(__fsub_rn(p[s], mx)) : 0.f;
+        sum += p[s];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < MAX_E_PER_LANE; ++s) {
+        p[s] = lane + 32 * s < E ? __fdiv_rn(p[s], sum) : -1.f;  // -1: never chosen
+    }
+    float chosen = 0.f, total = 0.f;  // lane j keeps the j-th pick's probability
+    int chosen_id = 0;
+    for (int j = 0; j < K; ++j) {
+        float best = -1.f;
+        int best_id = E;
+#pragma unroll
+        for (int s = 0; s < MAX_E_PER_LANE; ++s) {
+            const int e = lane + 32 * s;
+            if (p[s] > best || (p[s] == best && e < best_id)) {
+                best = p[s];
+                best_id = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
+            if (ob > best || (ob == best && oi < best_id)) {
+                best = ob;
+                best_id = oi;
+            }
+        }
+        best_id = min(best_id, E - 1);  // NaN logits: still a valid expert to read
+#pragma unroll
+        for (int s = 0; s < MAX_E_PER_LANE; ++s) {
+            if (lane + 32 * s == best_id) p[s] = -2.f;  // taken
+        }
+        total = __fadd_rn(total, best);
+        if (lane == j) {
+            chosen = best;
+            chosen_id = best_id;
+        }
+    }
+    if (lane < K) {
+        const size_t at = (size_t)blockIdx.x * K + lane;
+        ids[at] = chosen_id;
+        wts[at] = __fmul_rn(__fdiv_rn(chosen, total), per_expert_scale[chosen_id]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+moe_gate_up(const uint8_t* __restrict__ W, const float* __restrict__ scale,
+            const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
+            __nv_bfloat16* __restrict__ hid, int M, int K, int I, int H) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    stage(xs, x, M * H * 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = H / 16;
+    const int tasks = M * K * I;
+    for (int t = blockIdx.x * WARPS + warp; t < tasks; t += gridDim.x * WARPS) {
+        const int pair = t / I, i = t - pair * I;  // pair = m * K + j
+        const int m = pair / K;
+        const int e = __ldg(ids + pair);
+        const size_t gate_row = (size_t)e * 2 * I + i, up_row = gate_row + I;
+        const uint4* wg = reinterpret_cast<const uint4*>(W + gate_row * H);
+        const uint4* wu = reinterpret_cast<const uint4*>(W + up_row * H);
+        const __nv_bfloat16* xm = xs + (size_t)m * H;
+        float ag = 0.f, au = 0.f;
+        for (int base = lane; base < chunks; base += 32 * (UNROLL / 2)) {
+            uint4 g[UNROLL / 2], u[UNROLL / 2];
+#pragma unroll
+            for (int s = 0; s < UNROLL / 2; ++s) {
+                const int c = base + 32 * s;
+                g[s] = c < chunks ? __ldg(wg + c) : make_uint4(0, 0, 0, 0);
+                u[s] = c < chunks ? __ldg(wu + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int s = 0; s < UNROLL / 2; ++s) {
+                const int c = base + 32 * s;
+                if (c < chunks) {
+                    ag = dot16(g[s], xm + 16 * c, ag);
+                    au = dot16(u[s], xm + 16 * c, au);
+                }
+            }
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) {
+            const float gv = __fmul_rn(ag, __ldg(scale + gate_row));
+            const float uv = __fmul_rn(au, __ldg(scale + up_row));
+            hid[(size_t)pair * I + i] = __float2bfloat16_rn(__fmul_rn(gelu_tanh(gv), uv));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+moe_down(const uint8_t* __restrict__ D, const float* __restrict__ scale,
+         const __nv_bfloat16* __restrict__ hid, const int* __restrict__ ids,
+         const float* __restrict__ wts, float* __restrict__ y, int M, int K, int I, int H) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    stage(hs, hid, M * K * I * 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_row = I / 16;  // 16-byte chunks of one expert's row
+    const int chunks = K * per_row;
+    for (int t = blockIdx.x * WARPS + warp; t < M * H; t += gridDim.x * WARPS) {
+        const int m = t / H, n = t - m * H;
+        float acc = 0.f;
+        for (int base = lane; base < chunks; base += 32 * UNROLL) {
+            uint4 v[UNROLL];
+            int e[UNROLL], j[UNROLL], c[UNROLL];
+#pragma unroll
+            for (int s = 0; s < UNROLL; ++s) {
+                const int q = base + 32 * s;
+                j[s] = q / per_row;
+                c[s] = q - j[s] * per_row;
+                e[s] = q < chunks ? __ldg(ids + m * K + j[s]) : 0;
+                v[s] = q < chunks ? __ldg(reinterpret_cast<const uint4*>(
+                                        D + ((size_t)e[s] * H + n) * I) + c[s])
+                                  : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int s = 0; s < UNROLL; ++s) {
+                if (base + 32 * s < chunks) {
+                    const int pair = m * K + j[s];
+                    const float part = dot16(v[s], hs + (size_t)pair * I + 16 * c[s], 0.f);
+                    const float coef = __fmul_rn(__ldg(scale + (size_t)e[s] * H + n),
+                                                 __ldg(wts + pair));
+                    acc = fmaf(part, coef, acc);
+                }
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[(size_t)m * H + n] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+moe_branch_sum(const float* __restrict__ f, const float* __restrict__ w1,
+               const float* __restrict__ y, const float* __restrict__ w2,
+               float* __restrict__ out, int H, float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const size_t row = (size_t)blockIdx.x * H;
+    float4 a[NV], b[NV];
+    const float rf = load_row(f + row, a, n4, H, eps, red);
+    const float ry = load_row(y + row, b, n4, H, eps, red);
+    const float4* w14 = reinterpret_cast<const float4*>(w1);
+    const float4* w24 = reinterpret_cast<const float4*>(w2);
+    float4* o4 = reinterpret_cast<float4*>(out + row);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        if (c < n4) {
+            const float4 p = mul4(mul4(a[i], rf), __ldg(w14 + c));
+            const float4 q = mul4(mul4(b[i], ry), __ldg(w24 + c));
+            o4[c] = make_float4(__fadd_rn(p.x, q.x), __fadd_rn(p.y, q.y), __fadd_rn(p.z, q.z),
+                                __fadd_rn(p.w, q.w));
+        }
+    }
+}

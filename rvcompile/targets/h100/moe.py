@@ -1,0 +1,150 @@
+"""The mixture-of-experts kernels (kernels/moe.cu): numpy references and launch geometry.
+
+One MoE layer's expert branch, the IR's router chain + MOE + branch sum, is five launches:
+    moe_norms(r f32 [M, H], router_scale f32 [H], router_mul f32, w2 f32 [H],
+              z bf16 [M, H], x2 bf16 [M, H], H, eps)
+        z = bf16(rmsnorm(r) * router_scale * router_mul), x2 = bf16(rmsnorm(r) * w2)
+    (the router GEMV: gemv_bf16 over z, logits f32 [M, E])
+    moe_route(logits f32 [M, E], per_expert_scale f32 [E], ids i32 [M, K], wts f32 [M, K], E, K)
+        softmax, top-K (ties to the lower id), renormalised, times per_expert_scale
+    moe_gate_up(W e4m3 [E, 2I, H], sg f32 [E, 2I], x2 bf16 [M, H], ids, hid bf16 [M, K, I],
+                M, K, I, H)
+        hid[m, j] = bf16(gelu_tanh(gate) * up) of expert ids[m, j]
+    moe_down(D e4m3 [E, H, I], sd f32 [E, H], hid, ids, wts, y f32 [M, H], M, K, I, H)
+        y[m] = sum_j wts[m, j] * expert ids[m, j]'s down projection (deterministic)
+    moe_branch_sum(f f32 [M, H], w1 f32 [H], y f32 [M, H], w2 f32 [H], out f32 [M, H], H, eps)
+        out = rmsnorm(f) * w1 + rmsnorm(y) * w2
+The expert kernels read the expert ids from device memory and only the chosen experts' weight
+rows. They take M <= MAX_ROWS rows (x or hid staged in shared memory); longer prefill chunks
+are lowered as a loop over groups of MAX_ROWS rows, each reading its rows' experts.
+Limits: H % 16 == 0, I % 16 == 0, H <= 8192 (the norms), E <= 256, 1 <= K <= min(E, 32).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.ir import ops
+from rvcompile.targets.h100.gemv_fp8 import MAX_SMEM, Launch
+
+SOURCE = "moe.cu"
+NORMS_ENTRY = "moe_norms"
+ROUTE_ENTRY = "moe_route"
+GATE_UP_ENTRY = "moe_gate_up"
+DOWN_ENTRY = "moe_down"
+BRANCH_SUM_ENTRY = "moe_branch_sum"
+NORM_THREADS = 512  # these three must match the kernel
+WARPS = 8
+MAX_EXPERTS = 256
+MAX_ROWS = 4
+MAX_H = NORM_THREADS * 4 * 4
+BLOCKS_PER_SM = 4
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _fp8(w: np.ndarray) -> np.ndarray:
+    return np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def norms_reference(r: np.ndarray, router_scale: np.ndarray, router_mul: float, w2: np.ndarray,
+                    eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(z, x2), both bf16 [M, H]: the IR's SCALE(MUL(RMSNORM(r), router_scale)) and
+    RMSNORM(r, w2), rounded as the router GEMV and the experts read them."""
+    a = ops.RMSNormAttrs(eps)
+    z = ops.ref_mul(None, ops.ref_rmsnorm(a, r), router_scale) * np.float32(router_mul)
+    return z.astype(BF16), ops.ref_rmsnorm(a, r, w2).astype(BF16)
+
+
+def route_reference(logits: np.ndarray, per_expert_scale: np.ndarray,
+                    k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [M, K], weights f32 [M, K]): ops.ref_moe's routing, pick order by
+    descending probability."""
+    logits = np.asarray(logits, np.float32)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(probs, idx, -1)
+    w = w / w.sum(-1, keepdims=True) * np.asarray(per_expert_scale, np.float32)[idx]
+    return idx.astype(np.int32), w.astype(np.float32)
+
+
+def gate_up_reference(w: np.ndarray, scale: np.ndarray, x: np.ndarray,
+                      ids: np.ndarray) -> np.ndarray:
+    """hid bf16 [M, K, I] from W e4m3 codes [E, 2I, H], scales [E, 2I], x bf16 [M, H]."""
+    m, k = ids.shape
+    inter = w.shape[1] // 2
+    xf = np.asarray(x).astype(np.float32)
+    out = np.zeros((m, k, inter), np.float32)
+    for r in range(m):
+        for j in range(k):
+            e = int(ids[r, j])
+            gu = (_fp8(w[e]) @ xf[r]) * np.asarray(scale[e], np.float32)
+            out[r, j] = ops.gelu_tanh(gu[:inter]) * gu[inter:]
+    return out.astype(BF16)
+
+
+def down_reference(d: np.ndarray, scale: np.ndarray, hid: np.ndarray, ids: np.ndarray,
+                   weights: np.ndarray) -> np.ndarray:
+    """y f32 [M, H] from D e4m3 codes [E, H, I], scales [E, H], hid bf16 [M, K, I]."""
+    m, k = ids.shape
+    hf = np.asarray(hid).astype(np.float32)
+    y = np.zeros((m, d.shape[1]), np.float32)
+    for r in range(m):
+        for j in range(k):
+            e = int(ids[r, j])
+            y[r] += weights[r, j] * ((_fp8(d[e]) @ hf[r, j]) * np.asarray(scale[e], np.float32))
+    return y
+
+
+def branch_sum_reference(f: np.ndarray, w1: np.ndarray, y: np.ndarray, w2: np.ndarray,
+                         eps: float) -> np.ndarray:
+    """The fused IR's RESIDUAL_RMSNORM(RMSNORM(f, w1), y, w2)."""
+    a = ops.RMSNormAttrs(eps)
+    return ops.ref_residual_rmsnorm(a, ops.ref_rmsnorm(a, f, w1), y, w2)
+
+
+def norm_geometry(m: int, h: int) -> Launch:
+    """moe_norms and moe_branch_sum: one CTA per row."""
+    if m < 1 or h % 4 or h > MAX_H:
+        raise ValueError(f"moe norms need M >= 1, H % 4 == 0 and H <= {MAX_H} (M={m}, H={h})")
+    return Launch((m, 1, 1), (NORM_THREADS, 1, 1), 0)
+
+
+def route_geometry(m: int, e: int, k: int) -> Launch:
+    """One warp per row."""
+    if m < 1 or not 1 <= e <= MAX_EXPERTS or not 1 <= k <= min(e, 32):
+        raise ValueError(f"moe_route needs M >= 1, E <= {MAX_EXPERTS} and 1 <= K <= min(E, 32) "
+                         f"(M={m}, E={e}, K={k})")
+    return Launch((m, 1, 1), (32, 1, 1), 0)
+
+
+def _check_expert_dims(m: int, k: int, inter: int, h: int, smem: int) -> None:
+    if not 1 <= m <= MAX_ROWS or h % 16 or inter % 16 or k < 1 or smem > MAX_SMEM:
+        raise ValueError(f"moe expert kernels need 1 <= M <= {MAX_ROWS}, H % 16 == 0, "
+                         f"I % 16 == 0 and {smem} <= {MAX_SMEM} bytes staged "
+                         f"(M={m}, K={k}, I={inter}, H={h})")
+
+
+def _blocks(tasks: int, sm_count: int) -> int:
+    return max(1, min(-(-tasks // WARPS), sm_count * BLOCKS_PER_SM))
+
+
+def gate_up_geometry(m: int, k: int, inter: int, h: int, sm_count: int) -> Launch:
+    """A warp per (row, slot, output i): M * K * I tasks; x staged per block."""
+    smem = m * h * 2
+    _check_expert_dims(m, k, inter, h, smem)
+    return Launch((_blocks(m * k * inter, sm_count), 1, 1), (WARPS * 32, 1, 1), smem)
+
+
+def down_geometry(m: int, k: int, inter: int, h: int, sm_count: int) -> Launch:
+    """A warp per (row, output n): M * H tasks; hid staged per block."""
+    smem = m * k * inter * 2
+    _check_expert_dims(m, k, inter, h, smem)
+    return Launch((_blocks(m * h, sm_count), 1, 1), (WARPS * 32, 1, 1), smem)
+
+
+def chosen_expert_bytes(k: int, inter: int, h: int) -> tuple[int, int]:
+    """(gate_up, down) FP8 weight bytes one row's K experts stream, scales included."""
+    return k * (2 * inter * h + 2 * inter * 4), k * (h * inter + h * 4)
