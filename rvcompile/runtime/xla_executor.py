@@ -1,6 +1,7 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
 paged KV pools, deserializes the jax.export programs, compiles them once for the chosen pool
-sizes (through a persistent cache keyed on the artifact and jax version) and runs prefill /
+sizes (through a persistent cache keyed on the artifact and jax version), or loads the
+executables precompiled for this machine's topology (runtime/precompiled.py), and runs prefill /
 decode / logits / decode_many (the device-side decode loop) over sequences' block tables.
 Makes no policy: the engine drives it.
 """
@@ -8,6 +9,7 @@ Makes no policy: the engine drives it.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
+from rvcompile.runtime.precompiled import choose, this_machine
+from rvcompile.runtime.precompiled import load as load_precompiled
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -167,10 +171,21 @@ class XlaExecutor:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         blob = art.buffer("programs")
-        self.fns = {}
-        for name, loc in m["programs"].items():
-            exp = export.deserialize(bytearray(blob[loc["offset"]:loc["offset"] + loc["size"]]))
-            self.fns[name] = jax.jit(exp.call, donate_argnums=(1,))
+        exported = {name: export.deserialize(bytearray(blob[loc["offset"]:
+                                                           loc["offset"] + loc["size"]]))
+                    for name, loc in m["programs"].items()}
+        precompiled = m.get("precompiled", {})
+        choice = choose(precompiled, this_machine(),
+                        {k.name: k.num_blocks for k in self.kinds.values()})
+        if choice.topology is not None:
+            t0 = time.perf_counter()
+            self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
+            self.compile_s = 0.0
+            self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
+            return
+        if precompiled or jax.default_backend() == "tpu":
+            print(f"[rvrun] {choice.note}", file=sys.stderr)
+        self.fns = {name: jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
 

@@ -1,0 +1,150 @@
+"""Cost report of a decode program compiled for a TPU topology: an estimate, never a measurement.
+
+Inputs, per device, from the compiled decode_{slots} executable: its arguments as sharded (weight
+bytes and elements, KV pool bytes; the pools hold `slots` sequences at the built context),
+XLA's memory analysis (argument, output, alias and temp bytes) and XLA's cost analysis (flops,
+bytes accessed, kept as reported). XLA's TPU cost analysis counts a `lax.scan` body once, not
+once per iteration (measured: a 10-step scan of matmuls reports the flops of one step), and the
+layer groups are scans, so its totals are not used for the estimate.
+
+Estimate for B decode lanes, a roofline per device:
+  bytes(B) = weight bytes + B * KV bytes per lane (the program gathers every block of a lane's
+             table: the built context, whatever the sequence's length)
+  flops(B) = 2 * B * (weight elements + query_per_kv * KV elements per lane)
+  step(B)  = max(bytes(B) / HBM bandwidth, flops(B) / bf16 peak); tok/s = B / step(B)
+This is the best the chip could do with these programs (a lower bound on step time): it leaves
+out activations, collectives and launch overhead. HBM fit at B: weight bytes + B * KV per lane
++ XLA's temp bytes at the built batch, against the chip's HBM.
+
+Chip figures (per chip), from Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e and
+.../v6e): v5e 819 GB/s HBM, 197 bf16 TFLOP/s, 394 int8 TOP/s, 16 GiB; v6e 1640 GB/s (the page
+lists 1638), 918 bf16 TFLOP/s, 1836 int8 TOP/s, 32 GiB. Compute uses the bf16 peak: int8 weights
+are widened to bf16 before they meet the activations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import jax
+import numpy as np
+
+GiB = 2**30
+REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built slots
+
+
+@dataclass(frozen=True)
+class TpuChip:
+    generation: str
+    device_kind: str  # jax's Device.device_kind
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    int8_ops: float
+    hbm_bytes: int
+
+
+CHIPS: dict[str, TpuChip] = {
+    "v5e": TpuChip("v5e", "TPU v5 lite", 819e9, 197e12, 394e12, 16 * GiB),
+    "v6e": TpuChip("v6e", "TPU v6 lite", 1640e9, 918e12, 1836e12, 32 * GiB),
+}
+
+
+@dataclass(frozen=True)
+class DecodeFootprint:
+    """Per-device figures of one compiled decode_{slots} program."""
+
+    slots: int
+    weight_bytes: int
+    weight_elements: int  # matrix and vector elements, scales excluded
+    kv_bytes_per_lane: int
+    kv_elements_per_lane: int
+    argument_bytes: int  # XLA memory analysis
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    xla_flops: float  # XLA cost analysis, as reported (a scan body counted once)
+    xla_bytes_accessed: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def _shard_size(info, sharding) -> int:
+    return math.prod(sharding.shard_shape(tuple(info.shape)))
+
+
+def decode_footprint(compiled, slots: int) -> DecodeFootprint:
+    """Read a compiled decode program whose first two arguments are the weights and the pools."""
+    (args, _kwargs) = compiled.args_info
+    (shardings, _) = compiled.input_shardings
+    sizes = []
+    for part in (0, 1):
+        infos = jax.tree_util.tree_leaves_with_path(args[part])
+        shards = jax.tree.leaves(shardings[part])
+        sizes.append([(path[-1].key, _shard_size(i, s), np.dtype(i.dtype).itemsize)
+                      for (path, i), s in zip(infos, shards, strict=True)])
+    weights, pools = sizes
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    return DecodeFootprint(
+        slots=slots,
+        weight_bytes=sum(n * b for _, n, b in weights),
+        weight_elements=sum(n for k, n, _ in weights if not k.endswith(".scale")),
+        kv_bytes_per_lane=sum(n * b for _, n, b in pools) // slots,
+        kv_elements_per_lane=sum(n for k, n, _ in pools if not k.endswith(".scale")) // slots,
+        argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+        xla_flops=float(cost.get("flops", 0.0)),
+        xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)))
+
+
+def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
+             batches: tuple[int, ...] = REPORT_BATCHES) -> list[dict]:
+    """One row per batch: bytes, flops, step time, tok/s, HBM need and fit (see the module)."""
+    rows = []
+    for b in sorted({*batches, fp.slots}):
+        nbytes = fp.weight_bytes + b * fp.kv_bytes_per_lane
+        flops = 2 * b * (fp.weight_elements + query_per_kv * fp.kv_elements_per_lane)
+        step = max(nbytes / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
+        need = nbytes + fp.temp_bytes
+        rows.append({"batch": b, "bytes": nbytes, "flops": flops, "step_ms": step * 1e3,
+                     "tok_s": b / step, "bound": "memory" if nbytes / chip.hbm_bytes_per_s
+                     >= flops / chip.bf16_flops else "compute",
+                     "hbm_need_bytes": need, "fits": need <= chip.hbm_bytes})
+    return rows
+
+
+def cost_report(compiled_decode, slots: int, chip: TpuChip, query_per_kv: int,
+                context: int) -> dict:
+    """The manifest's cost report of one topology."""
+    fp = decode_footprint(compiled_decode, slots)
+    return {
+        "label": "estimate (roofline from the compiled program; not a measurement)",
+        "chip": asdict(chip), "context": context, "query_per_kv": query_per_kv,
+        "per_device": {**asdict(fp), "peak_bytes": fp.peak_bytes},
+        "fits_at_slots": fp.peak_bytes <= chip.hbm_bytes,
+        "decode": estimate(fp, chip, query_per_kv),
+    }
+
+
+def format_report(name: str, report: dict) -> list[str]:
+    """Lines for `rvcompile inspect`."""
+    chip, dev = report["chip"], report["per_device"]
+    lines = [
+        f"  {name}: cost {report['label']}",
+        f"    chip {chip['generation']}: {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s HBM, "
+        f"{chip['bf16_flops'] / 1e12:.0f} bf16 TFLOP/s, {chip['hbm_bytes'] / GiB:.0f} GiB",
+        f"    per device: weights {dev['weight_bytes'] / GiB:.2f} GiB, KV "
+        f"{dev['kv_bytes_per_lane'] / GiB:.3f} GiB per sequence at {report['context']} tokens, "
+        f"XLA peak {dev['peak_bytes'] / GiB:.2f} GiB at B={dev['slots']} "
+        f"({'fits' if report['fits_at_slots'] else 'DOES NOT FIT'})",
+        f"    XLA cost analysis (scan bodies counted once): {dev['xla_flops']:.3g} flops, "
+        f"{dev['xla_bytes_accessed']:.3g} bytes accessed",
+    ]
+    for r in report["decode"]:
+        lines.append(f"    B={r['batch']:<4} step {r['step_ms']:8.3f} ms  {r['tok_s']:9.1f} tok/s"
+                     f"  ({r['bound']}-bound)  HBM {r['hbm_need_bytes'] / GiB:6.2f} GiB"
+                     f"{'' if r['fits'] else '  DOES NOT FIT'}")
+    return lines
