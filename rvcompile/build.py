@@ -27,6 +27,8 @@ from rvcompile.passes import (
     fuse_gated_mlp,
     fuse_qkv,
     fuse_residual_norm,
+    kv_fp8,
+    kv_int8,
     quantize_fp8,
     quantize_int8,
 )
@@ -73,6 +75,11 @@ class BuildOptions:
     slots: int = 4
     platforms: tuple[str, ...] = ("tpu", "cuda", "cpu")  # what the StableHLO is exported for
     dump_ir: str | None = None  # print the IR after this pass ("frontend" or a pass name)
+    topologies: tuple[str, ...] = ()  # TPU slices to precompile for, e.g. "v6e:2x2" (libtpu)
+    decode_loop_steps: int = 0  # XLA: steps per device-side decode_loop call; 0 = no such entry
+    tp: int = 1  # tensor-parallel devices the XLA programs are sharded over (targets/xla/sharding)
+    kv_cache: str = "auto"  # "float" (the target's), "int8" (passes/kv_int8), "auto": see below
+    kv_dtype: str = "bf16"  # h100-fp8's KV pools: "bf16" or "fp8" (e4m3, passes/kv_fp8)
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,51 @@ def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
     ir = build_model_ir(cfg, max_context=max_context, max_chunk=max(opts.prefill_buckets))
     if opts.dump_ir == "frontend":
         log(format_ir(ir))
-    for name, run in TARGETS[opts.target].passes:
+    passes = TARGETS[opts.target].passes
+    if kv_cache_choice(opts, max_context) == "int8":
+        passes += (("kv_int8", kv_int8.run),)  # after the casts: the cache dtype is the last word
+    if _kv_fp8(opts):
+        passes += (("kv_fp8", kv_fp8.run),)  # likewise
+    for name, run in passes:
         ir = run(ir)
         check_model(ir)
         if opts.dump_ir == name:
             log(format_ir(ir))
     return ir
+
+
+KV_CACHE_CHOICES = ("auto", "float", "int8")
+INT8_KV_CONTEXT = 32768  # "auto": XLA targets but xla-f32 store longer contexts' KV as int8
+
+
+def kv_cache_choice(opts: BuildOptions, max_context: int) -> str:
+    """"float" or "int8": the KV cache `opts.kv_cache` asks for at `max_context`. "auto" is int8
+    beyond INT8_KV_CONTEXT tokens on the XLA targets other than the exact xla-f32, else the
+    target's float cache. int8 caches exist on XLA targets only."""
+    if opts.kv_cache not in KV_CACHE_CHOICES:
+        raise CheckpointError(f"--kv-cache {opts.kv_cache!r}: expected one of "
+                              f"{', '.join(KV_CACHE_CHOICES)}")
+    xla = TARGETS[opts.target].lowering == "xla"
+    if opts.kv_cache == "int8" and not xla:
+        raise CheckpointError(f"--kv-cache int8: target {opts.target} keeps a bf16 KV cache; "
+                              "int8 caches are for the XLA targets")
+    if opts.kv_cache == "auto":
+        long = max_context > INT8_KV_CONTEXT
+        return "int8" if xla and opts.target != "xla-f32" and long else "float"
+    return opts.kv_cache
+
+
+KV_DTYPES = ("bf16", "fp8")
+
+
+def _kv_fp8(opts: BuildOptions) -> bool:
+    """Whether `opts.kv_dtype` asks for an e4m3 KV cache; only h100-fp8 has the kernels."""
+    if opts.kv_dtype not in KV_DTYPES:
+        raise CheckpointError(f"--kv-dtype {opts.kv_dtype!r}: expected bf16 or fp8")
+    if opts.kv_dtype == "fp8" and opts.target != "h100-fp8":
+        raise CheckpointError(f"--kv-dtype fp8: target {opts.target} has no FP8 KV cache "
+                              "(only h100-fp8 does)")
+    return opts.kv_dtype == "fp8"
 
 
 def format_ir(ir: ModelIR) -> str:
@@ -115,12 +161,13 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
                    random_weights: bool = False, seed: int = 0, progress: bool = True,
                    log=print) -> BuildReport:
     t0 = time.perf_counter()
+    _check_topologies(opts)
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed)
     ir = lower_model(source, opts, log)
     if TARGETS[opts.target].lowering == "h100":
         lowered = _lower_h100(ir, opts)
     else:
-        lowered = _lower_xla(ir, opts)
+        lowered = _lower_xla(ir, opts, log)
     header = ArtifactHeader(compiler_version=__version__, target=opts.target,
                             platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {
@@ -166,17 +213,46 @@ class _Lowered:
     slots_by_param: dict  # param name -> [slot with .offset, .nbytes]
 
 
-def _lower_xla(ir: ModelIR, opts: BuildOptions) -> _Lowered:
+def _check_topologies(opts: BuildOptions) -> None:
+    """Refuse, before any work, topologies this build cannot precompile for."""
+    if not opts.topologies:
+        return
+    from rvcompile.targets.xla.precompile import check_topology, parse_topology
+
+    if TARGETS[opts.target].lowering != "xla" or "tpu" not in opts.platforms:
+        raise CheckpointError(f"--topology {opts.topologies[0]}: precompiling needs an XLA target "
+                              "exported for tpu (--platforms including tpu)")
+    for name in opts.topologies:
+        check_topology(parse_topology(name), opts.tp)
+
+
+def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log) -> tuple[bytes, dict]:
+    """The "executables" section and manifest `xla.precompiled` of opts.topologies."""
+    from rvcompile.targets.xla.precompile import parse_topology, precompile_topologies
+
+    query_per_kv = max(ir.config.num_heads // s.num_kv_heads for s in ir.config.layers)
+    return precompile_topologies(tuple(parse_topology(t) for t in opts.topologies),
+                                 lowering.programs, lowering.manifest,
+                                 query_per_kv=query_per_kv, log=log)
+
+
+def _lower_xla(ir: ModelIR, opts: BuildOptions, log=print) -> _Lowered:
     from rvcompile.targets.xla.export import lower_to_xla
 
     lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
-                            platforms=opts.platforms)
+                            platforms=opts.platforms, tp=opts.tp,
+                            decode_loop_steps=opts.decode_loop_steps)
     programs_blob, program_index = _concat(lowering.programs)
+    devices = {"min_devices": opts.tp} if opts.tp > 1 else {}
+    sections, precompiled = {"programs": programs_blob}, {}
+    if opts.topologies:
+        sections["executables"], precompiled = _precompile(ir, opts, lowering, log)
     return _Lowered(
         tuple(lowering.manifest["platforms"]),
-        {"jax": f">={lowering.manifest['jax_version']}", "runtime": "xla"},
-        {"xla": {**lowering.manifest, "programs": program_index}},
-        {"programs": programs_blob}, lowering.weights_nbytes, lowering.slots_by_param)
+        {"jax": f">={lowering.manifest['jax_version']}", "runtime": "xla", **devices},
+        {"xla": {**lowering.manifest, "programs": program_index,
+                 **({"precompiled": precompiled} if precompiled else {})}},
+        sections, lowering.weights_nbytes, lowering.slots_by_param)
 
 
 def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
@@ -185,6 +261,9 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
     from rvcompile.targets.h100.lower import lower_to_h100
     from rvcompile.targets.h100.nvcc import compile_cubin, min_driver, nvcc_version
 
+    if opts.tp != 1:
+        raise CheckpointError(f"target {opts.target} runs on one GPU; --tp {opts.tp} is for the "
+                              "XLA targets")
     if opts.platforms != ("cuda",) and set(opts.platforms) != set(BuildOptions.platforms):
         raise CheckpointError(f"target {opts.target} runs on cuda only, not "
                               f"{', '.join(opts.platforms)}")

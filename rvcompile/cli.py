@@ -58,6 +58,23 @@ def build(
     dump_ir: str | None = typer.Option(None, "--dump-ir",
                                        help="print the IR after 'frontend' or a pass name"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    topology: list[str] = typer.Option([], "--topology",
+                                       help="TPU slice to precompile every entry point for, "
+                                            "e.g. v6e:2x2 (repeatable; needs libtpu, no TPU)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel devices (XLA targets): heads, MLP "
+                                           "columns, experts and KV heads split over N"),
+    kv_cache: str = typer.Option("auto", "--kv-cache",
+                                 help="KV cache: float (the target's), int8 (XLA targets: int8 "
+                                      "+ a scale per token and KV head, blockwise global "
+                                      "attention), auto (int8 beyond 32K context on XLA "
+                                      "targets but xla-f32)"),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype",
+                                 help="h100-fp8 KV pools: bf16, or fp8 (e4m3, unit scale: half "
+                                      "the bytes)"),
+    decode_loop_steps: int = typer.Option(32, "--decode-loop-steps",
+                                          help="XLA targets: decode steps per device-side loop "
+                                               "call (at most the largest prefill bucket); 0: "
+                                               "no loop, one host round trip per token"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
     from rvcompile.build import BuildOptions, build_artifact
@@ -66,11 +83,15 @@ def build(
     if max_context < buckets[-1] or slots < 1:
         fail(f"--max-context {max_context} must be >= the largest prefill bucket "
              f"{buckets[-1]}, and --max-seqs >= 1")
+    if decode_loop_steps < 0:
+        fail(f"--decode-loop-steps {decode_loop_steps}: expected 0 (no loop) or more")
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
     if not chosen or set(chosen) - {"tpu", "cuda", "cpu"}:
         fail(f"--platforms {platforms!r}: expected a comma list of tpu, cuda, cpu")
     opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                        slots=slots, platforms=chosen, dump_ir=dump_ir)
+                        slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir, kv_cache=kv_cache,
+                        kv_dtype=kv_dtype,
+                        decode_loop_steps=decode_loop_steps, topologies=tuple(topology))
     try:
         report = build_artifact(model, output, opts, weights=weights,
                                 random_weights=random_weights, seed=seed,
@@ -96,6 +117,8 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
                 "max_context": m["xla"]["max_context"],
                 "jax_version": m["xla"]["jax_version"],
                 "layer_groups": m["xla"]["layer_groups"],
+                "precompiled": m["xla"].get("precompiled", {}),
+                "mesh": m["xla"].get("mesh"),
                 "sections": {n: {"offset": s.offset, "size": s.size, "sha256": s.sha256}
                              for n, s in art.sections.items()},
             }
@@ -107,9 +130,39 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
     for key in ("file", "model", "target", "platforms", "compiler_version", "jax_version",
                 "passes", "entry_points", "slots", "max_context", "requirements"):
         typer.echo(f"{key:17} {info[key]}")
+    if info["mesh"]:
+        _echo_mesh(info["mesh"])
+    if info["precompiled"]:
+        _echo_precompiled(info["precompiled"])
     typer.echo("sections:")
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  sha256 {s['sha256'][:16]}")
+
+
+def _echo_mesh(mesh: dict) -> None:
+    """The tensor-parallel mesh: its axis and size, then every split array and its spec."""
+    arrays = {**mesh["weights"], **mesh["pools"]}
+    split = {k: v for k, v in arrays.items() if any(v)}
+    typer.echo(f"{'mesh':17} {mesh['axis']}={mesh['size']}: {len(split)} of {len(arrays)} "
+               "weight arrays and KV pools split, the rest whole on every device")
+    for key, spec in split.items():
+        typer.echo(f"  {key:40} P({', '.join(repr(a) if a else 'None' for a in spec)})")
+
+
+def _echo_precompiled(sets: dict) -> None:
+    """Each topology's executables (what a runtime must match) and its cost estimate."""
+    from rvcompile.targets.xla.cost_report import format_report
+
+    typer.echo("precompiled:")
+    for name, rec in sets.items():
+        size = sum(e["size"] for e in rec["entries"].values())
+        typer.echo(f"  {name}: {rec['device_kind']} x{len(rec['device_ids'])}, jax {rec['jax']}, "
+                   f"jaxlib {rec['jaxlib']}, libtpu {rec['libtpu']}, KV blocks "
+                   f"{rec['kv_blocks']}, {len(rec['entries'])} executables "
+                   f"({size / 2**20:.1f} MiB)")
+        if "cost" in rec:
+            for line in format_report(name, rec["cost"]):
+                typer.echo(line)
 
 
 @app.command()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
 from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, resolve_param
-from rvcompile.ir.ops import OPS, Op
+from rvcompile.ir.ops import OPS, Int8Cache, Op, empty_cache
 
 ParamGetter = Callable[[str], np.ndarray]
 
@@ -20,7 +19,9 @@ def run_graph(g: Graph, args: dict[str, np.ndarray], param: ParamGetter) -> dict
     sym: dict[str, int] = {}
     for n in g.nodes:
         if n.op is Op.ARG:
-            v = np.asarray(args[n.attrs.name])
+            v = args[n.attrs.name]
+            if not isinstance(v, Int8Cache):  # an int8 cache stays values + scales
+                v = np.asarray(v)
             for d, actual in zip(n.shape, v.shape, strict=True):
                 if isinstance(d, str):
                     if sym.setdefault(d, actual) != actual:
@@ -44,8 +45,7 @@ class ReferenceModel:
     def __init__(self, ir: ModelIR, weights: dict[str, np.ndarray], slots: int = 1):
         self.ir, self.weights = ir, weights
         self.caches = {
-            (c.layer, name): np.zeros((slots, c.size, c.kv_heads, c.head_dim),
-                                      ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32)
+            (c.layer, name): empty_cache(c.dtype, (slots, c.size, c.kv_heads, c.head_dim))
             for c in ir.caches for name in c.names
         }
 

@@ -4,6 +4,11 @@ rule and exactly ONE numpy reference per op. Every target must compute what thes
 Shapes may hold symbolic dims ("B" slots, "T" tokens per step); all other dims are ints.
 Values are float32 unless a dtype says otherwise; weights may be float32, bfloat16 or int8.
 A `bfloat16` LINEAR weight means: round the activation to bf16, multiply, accumulate in float32.
+A KV cache is float32, bfloat16, float8_e4m3fn or int8. An "int8" cache holds each row (one token,
+one KV head) as int8 values times a float32 scale (`Int8Cache`): KV_WRITE rounds every row it
+stores (`quantize_kv_rows`) and every reader sees the dequantised values. A float8_e4m3fn cache
+(passes/kv_fp8) has no scale: KV_WRITE rounds each value to the nearest e4m3, saturating at
++-FP8_MAX, as the H100 kernels store them.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ class Op(enum.Enum):
     SOFTCAP = "softcap"  # cap * tanh(x / cap)
     RESHAPE = "reshape"  # same elements, new shape (symbolic dims kept in place)
     ROPE = "rope"  # rotary embedding, half-split layout, at given absolute positions
-    KV_WRITE = "kv_write"  # cache with new rows stored at their positions' slots
+    KV_WRITE = "kv_write"  # cache with new rows stored at their positions' slots (int8: rounded)
     CACHE_POSITIONS = "cache_positions"  # absolute position held by each cache slot, -1 if empty
-    ATTENTION = "attention"  # softmax(q.k * scale) v, GQA, causal + sliding window by positions
+    ATTENTION = "attention"  # softmax(q.k * scale) v, GQA, causal + window; int8 k/v dequantised
     MOE = "moe"  # router softmax -> top-k -> renormalise -> per-expert scale -> expert MLPs
     SAMPLE = "sample"  # next token per slot: greedy, temperature, top-k, top-p, seeded
     RESIDUAL_RMSNORM = "residual_rmsnorm"  # h + rmsnorm(x) * w, times a [1] scalar when given one
@@ -169,6 +174,51 @@ def sampling_uniform(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value
+KV_INT8_MAX = 127  # symmetric int8: values in [-127, 127], scale = amax / 127
+
+
+def quantize_kv_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [..., D] as (int8 [..., D], float32 scale [...]): scale = amax * float32(1/127)
+    (a product: compilers turn a division by a constant into one), values rint(x / scale)
+    (half to even), an all-zero row scale 0. The XLA lowering does the same."""
+    x = np.asarray(x, np.float32)
+    scale = (np.max(np.abs(x), axis=-1) * np.float32(1 / KV_INT8_MAX)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))[..., None]
+    q = np.clip(np.rint(x / safe), -KV_INT8_MAX, KV_INT8_MAX)
+    return q.astype(np.int8), scale
+
+
+@dataclass
+class Int8Cache:
+    """The value of an "int8" KV cache: values [B, S, K, D] and a scale per slot and KV head
+    [B, S, K]. `np.asarray` gives the dequantised float32 cache, which is what readers see."""
+
+    values: np.ndarray  # int8 [B, S, K, D]
+    scales: np.ndarray  # float32 [B, S, K]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.values.astype(np.float32) * self.scales[..., None]
+        return out if dtype is None else out.astype(dtype)
+
+
+def empty_cache(dtype: str, shape: tuple[int, ...]) -> np.ndarray | Int8Cache:
+    """A zeroed cache value of IR cache dtype `dtype` and shape [B, S, K, D]."""
+    if dtype == "int8":
+        return Int8Cache(np.zeros(shape, np.int8), np.zeros(shape[:-1], np.float32))
+    if dtype == "float8_e4m3fn":
+        return np.zeros(shape, ml_dtypes.float8_e4m3fn)
+    return np.zeros(shape, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+
+
 def cache_slot_positions(cache_len: np.ndarray, size: int, ring: bool) -> np.ndarray:
     s = np.arange(size, dtype=np.int64)[None, :]
     length = np.asarray(cache_len, np.int64)[:, None]
@@ -211,7 +261,7 @@ def ref_add(a, x, y):
 
 
 def ref_mul(a, x, y):
-    return (x * as_compute(y)).astype(np.float32)
+    return (as_compute(x) * as_compute(y)).astype(np.float32)  # x may be a KV cache
 
 
 def ref_residual_rmsnorm(a: RMSNormAttrs, h, x, w, s=None):
@@ -253,7 +303,13 @@ def ref_rope(a: RopeAttrs, x, pos):
 
 
 def ref_kv_write(a: KVWriteAttrs, cache, new, pos):
+    if isinstance(cache, Int8Cache):
+        q, scale = quantize_kv_rows(new)
+        scales = ref_kv_write(a, cache.scales[..., None], scale[..., None], pos)[..., 0]
+        return Int8Cache(ref_kv_write(a, cache.values, q, pos), scales)
     out = np.array(cache, copy=True)
+    if out.dtype == ml_dtypes.float8_e4m3fn:  # saturate: a plain cast makes NaN beyond 448
+        new = np.clip(np.asarray(new, np.float32), -FP8_MAX, FP8_MAX)
     size = cache.shape[1]
     for b in range(new.shape[0]):
         for t in range(new.shape[1]):

@@ -6,6 +6,13 @@ scatters straight into the pool through the table (so XLA updates it in place) a
 op reads the sequence's blocks gathered into a contiguous [B, S, K, D] view. A plain array is a
 contiguous cache, exactly as the IR reference has it. `run_graph` interprets one IR graph with
 these functions at trace time.
+
+An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool [n, blocks,
+BLOCK_SIZE, K] (split by KV head like its pool): KV_WRITE quantises rows as
+ir.ops.quantize_kv_rows does, reads dequantise. Long-context programs attend full layers
+blockwise (`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
+(`CacheView`) and ATTENTION walks the keys in spans of blocks with an online softmax, so neither
+a [T, S] score matrix nor a dequantised [S, K, D] cache is ever materialised.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rvcompile.ir.graph import Graph
-from rvcompile.ir.ops import Op
+from rvcompile.ir.ops import KV_INT8_MAX, Op
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -39,6 +46,7 @@ class PagedSlice:
     index: Any  # traced int: which of the n layers
     table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
+    scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,11 +55,63 @@ class PagedSlice:
 
     def read(self) -> jax.Array:
         """The lanes' caches as contiguous slots [B, W * BLOCK_SIZE, K, D]."""
-        return self.pool[self.index, self.table].reshape(self.shape)
+        return self.read_blocks(self.table)
+
+    def read_blocks(self, table: jax.Array) -> jax.Array:
+        """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised)."""
+        b, w = table.shape
+        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, *self.pool.shape[3:])
+        if self.scale is None:
+            return x
+        s = self.scale[self.index, table].reshape(b, w * BLOCK_SIZE, self.pool.shape[3])
+        return x.astype(jnp.float32) * s[..., None]
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """A cache read kept lazy for blockwise attention: the cache, then elementwise steps (a K=V
+    layer's times-k_norm and RoPE at the slots' positions) applied to whichever slots are
+    read."""
+
+    cache: PagedSlice
+    steps: tuple[Callable, ...] = ()  # (x [B, n, K, D], first slot) -> x
+
+    def then(self, step: Callable) -> CacheView:
+        return dataclasses.replace(self, steps=(*self.steps, step))
+
+    def read(self) -> jax.Array:
+        return self._apply(self.cache.read(), 0)
+
+    def read_span(self, first, blocks: int) -> jax.Array:
+        """Slots [first, first + blocks * BLOCK_SIZE); `first` a multiple of BLOCK_SIZE."""
+        table = lax.dynamic_slice_in_dim(self.cache.table, first // BLOCK_SIZE, blocks, axis=1)
+        return self._apply(self.cache.read_blocks(table), first)
+
+    def _apply(self, x, first):
+        for step in self.steps:
+            x = step(x, first)
+        return x
 
 
 def _val(v):
-    return v.read() if isinstance(v, PagedSlice) else v
+    return v.read() if isinstance(v, PagedSlice | CacheView) else v
+
+
+def _view(v) -> CacheView | None:
+    """`v` as a lazy cache read, or None if it is a plain array."""
+    if isinstance(v, PagedSlice):
+        return CacheView(v)
+    return v if isinstance(v, CacheView) else None
+
+
+@dataclass(frozen=True)
+class TakesPaged:
+    """A lowering that gets cache inputs as they are (PagedSlice, CacheView), not read."""
+
+    fn: Callable
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 def f32(x):
@@ -140,17 +200,31 @@ def kv_write(a, cache, new, pos):
     return cache.at[bi, slot].set(new.astype(cache.dtype), mode="drop")
 
 
+def quantize_kv_rows(x):
+    """ir.ops.quantize_kv_rows in JAX: rows [..., D] -> (int8 [..., D], float32 scale [...])."""
+    x = f32(x)
+    scale = jnp.max(jnp.abs(x), axis=-1) * jnp.float32(1 / KV_INT8_MAX)
+    safe = jnp.where(scale > 0, scale, jnp.float32(1))[..., None]
+    q = jnp.clip(jnp.round(x / safe), -KV_INT8_MAX, KV_INT8_MAX)
+    return q.astype(jnp.int8), scale
+
+
 def _paged_kv_write(cache: PagedSlice, new, pos):
     """Store each row in block table[slot // BLOCK_SIZE] at offset slot % BLOCK_SIZE; padding
-    rows (pos < 0) get an out-of-range block and are dropped."""
+    rows (pos < 0) get an out-of-range block and are dropped. An int8 pool gets the rows'
+    int8 values and its scale pool their scales."""
     size = cache.table.shape[1] * BLOCK_SIZE
     slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
     block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
     block = jnp.where(pos >= 0, block, cache.pool.shape[1])
     layer = jnp.broadcast_to(cache.index, pos.shape)
-    pool = cache.pool.at[layer, block, slot % BLOCK_SIZE].set(new.astype(cache.pool.dtype),
-                                                             mode="drop")
-    return dataclasses.replace(cache, pool=pool)
+    at = (layer, block, slot % BLOCK_SIZE)
+    if cache.scale is None:
+        pool = cache.pool.at[at].set(new.astype(cache.pool.dtype), mode="drop")
+        return dataclasses.replace(cache, pool=pool)
+    q, scale = quantize_kv_rows(new)
+    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q, mode="drop"),
+                               scale=cache.scale.at[at].set(scale, mode="drop"))
 
 
 def cache_positions(a, cache_len):
@@ -182,6 +256,75 @@ def attention(a, q, k, v, q_pos, k_pos):
     out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision=lax.Precision.HIGHEST,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, nh, d)
+
+
+SPAN_BLOCKS = 32  # blockwise attention reads up to this many blocks (512 keys) per step
+
+
+def _span_blocks(width: int) -> int:
+    """Blocks per step: the largest divisor of the table width up to SPAN_BLOCKS."""
+    return max(n for n in range(1, SPAN_BLOCKS + 1) if width % n == 0)
+
+
+def attention_blockwise(a, q, k, v, q_pos, k_pos):
+    """ATTENTION of a full layer over paged caches, one span of blocks per loop step with an
+    online softmax (running max, sum and weighted values per query row); the loop stops after
+    the last span holding a live slot of any lane. Equal to `attention` up to float32 rounding
+    (summation order). Anything else (sliding windows, plain arrays) goes to `attention`."""
+    kv = _view(k), _view(v)
+    if a.window is not None or None in kv:
+        return attention(a, q, _val(k), _val(v), q_pos, k_pos)
+    k, v = kv
+    q = f32(q)
+    b, t, nh, d = q.shape
+    kh, dv = k.cache.pool.shape[3], v.cache.pool.shape[4]
+    blocks = _span_blocks(k.cache.table.shape[1])
+    span = blocks * BLOCK_SIZE
+    qg = q.reshape(b, t, kh, nh // kh, d)
+    qp = q_pos[:, None, None, :, None]
+    live = jnp.max(jnp.where(k_pos >= 0, jnp.arange(k_pos.shape[1], dtype=jnp.int32) + 1, 0))
+
+    def step(i, carry):
+        m, total, acc = carry
+        first = i * span
+        kb, vb = f32(k.read_span(first, blocks)), f32(v.read_span(first, blocks))
+        kp = lax.dynamic_slice_in_dim(k_pos, first, span, axis=1)[:, None, None, None, :]
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, precision=lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32) * jnp.float32(a.scale)
+        mask = (kp >= 0) & (kp <= qp) & (qp >= 0)
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+        base = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        p = jnp.where(mask, jnp.exp(s - base[..., None]), 0)
+        rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "bkgts,bskd->bkgtd", p, vb, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32)
+        return m_new, total * rescale + jnp.sum(p, axis=-1), acc
+
+    rows = (b, kh, nh // kh, t)
+    init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, dv), jnp.float32))
+    _, total, acc = lax.fori_loop(0, (live + span - 1) // span, step, init)
+    out = acc / jnp.where(total > 0, total, 1)[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh, dv)
+
+
+def mul_lazy(a, x, y):
+    """MUL; a cache read times a weight stays lazy (K=V layers: cache_kv * k_norm)."""
+    view = _view(x)
+    if view is None or _view(y) is not None:
+        return f32(x) * f32(y)
+    w = f32(y)
+    return view.then(lambda c, first: f32(c) * w)
+
+
+def rope_lazy(a, x, pos):
+    """ROPE; of a lazy cache read, at the positions of the slots read."""
+    view = _view(x)
+    if view is None:
+        return rope(a, x, pos)
+    return view.then(
+        lambda c, first: rope(a, c, lax.dynamic_slice_in_dim(pos, first, c.shape[1], axis=1)))
 
 
 def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None,
@@ -263,7 +406,7 @@ LOWERINGS: dict[Op, Callable] = {
     Op.GELU_TANH: lambda a, x: gelu_tanh(f32(x)),
     Op.SOFTCAP: lambda a, x: jnp.float32(a.cap) * jnp.tanh(f32(x) / jnp.float32(a.cap)),
     Op.ROPE: rope,
-    Op.KV_WRITE: kv_write,
+    Op.KV_WRITE: TakesPaged(kv_write),
     Op.CACHE_POSITIONS: cache_positions,
     Op.ATTENTION: attention,
     Op.MOE: moe,
@@ -272,6 +415,14 @@ LOWERINGS: dict[Op, Callable] = {
     Op.GATED_LINEAR: gated_linear,
     Op.MULTI_LINEAR: multi_linear,
     Op.SLICE_LAST: lambda a, x: x[..., a.start:a.stop],
+}
+# Full layers attend blockwise, reading their caches (and K=V layers' k_norm and RoPE) span by
+# span.
+BLOCKWISE_LOWERINGS: dict[Op, Callable] = {
+    **LOWERINGS,
+    Op.MUL: TakesPaged(mul_lazy),
+    Op.ROPE: TakesPaged(rope_lazy),
+    Op.ATTENTION: TakesPaged(attention_blockwise),
 }
 
 
@@ -295,7 +446,7 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
                 [sym[d] if isinstance(d, str) else d for d in n.attrs.shape])
         else:
             ins = [vals[i] for i in n.inputs]
-            if n.op is not Op.KV_WRITE:
+            if not isinstance(lowerings[n.op], TakesPaged):
                 ins = [_val(x) for x in ins]
             v = lowerings[n.op](n.attrs, *ins)
         vals.append(v)
