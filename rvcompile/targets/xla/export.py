@@ -4,7 +4,8 @@
 the manifest fragment the runtime needs to call them: the weight layout (offset of each array in
 the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
 exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
-"default_blocks" give every slot a whole sequence.
+"default_blocks" give every slot a whole sequence. `decode_loop_steps` > 0 adds
+decode_loop_{slots} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
 
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
@@ -104,7 +105,8 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout, mesh: AbstractMesh):
 
 
 def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
-                 platforms: tuple[str, ...] = PLATFORMS, tp: int = 1) -> XlaLowering:
+                 platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
+                 decode_loop_steps: int = 0) -> XlaLowering:
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     plan = plan_layout(ir)
@@ -129,9 +131,11 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
     entries[f"decode_{slots}"] = (prog.step, (*lane_args(slots, 1), *sampling_shapes(slots)))
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
-    entries[f"decode_loop_{slots}"] = (
-        functools.partial(prog.decode_loop, n_steps=loop_steps(ir)),
-        (*lane_args(slots, 1), *sampling_shapes(slots), *loop_shapes(slots)))
+    n_loop = loop_steps(ir, decode_loop_steps)
+    if n_loop > 0:
+        entries[f"decode_loop_{slots}"] = (
+            functools.partial(prog.decode_loop, n_steps=n_loop),
+            (*lane_args(slots, 1), *sampling_shapes(slots), *loop_shapes(slots)))
     programs = {}
     for name, (fn, args) in entries.items():
         jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
@@ -147,7 +151,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "max_context": ir.max_context,
         "max_chunk": ir.max_chunk,
         "prefill_buckets": list(prefill_buckets),
-        "decode_loop": {"steps": loop_steps(ir), "stop_ids": DECODE_LOOP_STOPS},
+        "decode_loop": {"steps": n_loop, "stop_ids": DECODE_LOOP_STOPS},
         "entry_points": sorted(programs),
         "weights": arrays,
         "kv": {

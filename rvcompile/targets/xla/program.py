@@ -363,14 +363,13 @@ def sampling_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct((batch,), d) for d in (f, i, f, i, i))
 
 
-DECODE_LOOP_STEPS = 32  # most steps of one decode_loop call: tokens reach the host this often
 DECODE_LOOP_STOPS = 4  # stop token ids per lane a decode_loop call takes
 
 
-def loop_steps(ir: ModelIR) -> int:
+def loop_steps(ir: ModelIR, requested: int) -> int:
     """Steps per decode_loop call: at most max_chunk, so the positions one call writes fit the
     block tables like one prefill chunk (the sliding ring is sized for that)."""
-    return min(DECODE_LOOP_STEPS, ir.max_chunk)
+    return min(requested, ir.max_chunk)
 
 
 def loop_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
