@@ -81,6 +81,34 @@ def test_references_compose_to_the_moe_op(dims) -> None:
     assert ids.dtype == np.int32 and hid.dtype == BF16 and got.dtype == np.float32
 
 
+@pytest.mark.parametrize("dims", [DIMS["oracle"], (128, 128, 8, 64)])
+def test_grouped_references_compose_to_the_moe_op(dims) -> None:
+    """The prefill path: pairs sorted by expert, the grouped expert products, the ordered sum."""
+    rng = np.random.default_rng(dims[1] + 1)
+    m, k, e = 37, dims[2], dims[1]
+    a = random_moe(rng, m, dims)
+    ids, w = moe.route_reference(a["logits"], a["pes"], k)
+    order, offsets = moe.sort_reference(ids, e)
+    hid = moe.gate_up_grouped_reference(a["gate_up"], a["gate_up_scale"], a["x"], order, offsets,
+                                        k)
+    part = moe.down_grouped_reference(a["down"], a["down_scale"], hid, order, offsets, w)
+    got = moe.sum_pairs_reference(part, k)
+    f8 = ml_dtypes.float8_e4m3fn
+    want = ops.ref_moe(ops.MoEAttrs(k, True), a["x"].astype(np.float32), a["logits"], a["pes"],
+                       a["gate_up"].view(f8), a["down"].view(f8), a["gate_up_scale"],
+                       a["down_scale"])
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    by_row = moe.gate_up_reference(a["gate_up"], a["gate_up_scale"], a["x"], ids)
+    assert np.abs(hid.astype(np.float32) - by_row.reshape(m * k, -1).astype(np.float32)).max() \
+        <= 2 ** -7 * np.abs(by_row.astype(np.float32)).max()
+
+
+def test_sort_reference_is_stable_by_expert() -> None:
+    ids = np.array([[3, 0], [0, 2], [3, 1]], np.int32)
+    order, offsets = moe.sort_reference(ids, 5)
+    assert order.tolist() == [1, 2, 5, 3, 0, 4] and offsets.tolist() == [0, 2, 3, 4, 6, 6]
+
+
 def test_route_ties_go_to_the_lower_expert() -> None:
     logits = np.array([[0.5, 2.0, 2.0, 1.0, 2.0]], np.float32)
     ids, w = moe.route_reference(logits, np.ones(5, np.float32), 2)
@@ -115,6 +143,11 @@ def test_geometry() -> None:
         moe.down_geometry(1, k, 40, h, 132)
     with pytest.raises(ValueError, match="moe_route needs"):
         moe.route_geometry(1, 300, 8)
+    assert moe.gate_up_grouped_geometry(e, i, h).grid == (22, 128, 1)  # 704 / 32 outputs
+    assert moe.down_grouped_geometry(e, i, h).grid == (88, 128, 1)  # 2816 / 32
+    assert moe.sum_pairs_geometry(37, h).grid == (3, 37, 1)
+    with pytest.raises(ValueError, match="moe_sort needs"):
+        moe.sort_geometry(16, 257)
     assert moe.chosen_expert_bytes(k, i, h) == (8 * (1408 * 2816 + 1408 * 4),
                                                 8 * (2816 * 704 + 2816 * 4))
 
@@ -126,7 +159,8 @@ def test_kernel_compiles(tmp_path) -> None:
     cubin = compile_cubin(moe.SOURCE, cache_dir=tmp_path)
     assert cubin[:4] == b"\x7fELF"
     for entry in (moe.NORMS_ENTRY, moe.ROUTE_ENTRY, moe.GATE_UP_ENTRY, moe.DOWN_ENTRY,
-                  moe.BRANCH_SUM_ENTRY):
+                  moe.BRANCH_SUM_ENTRY, moe.SORT_ENTRY, moe.GATE_UP_GROUPED_ENTRY,
+                  moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY):
         assert entry.encode() + b"\x00" in cubin
 
 
@@ -161,7 +195,7 @@ def test_fp8_moe_plan_close_to_oracle(moe_model) -> None:
 
 
 def test_moe_decode_path_agrees_with_logits_path(moe_model) -> None:
-    """Greedy tokens from chunked prefill (expert groups of 4 rows) and decode (1 row) equal the
+    """Greedy tokens from chunked prefill (experts grouped) and decode (per row) equal the
     argmax of the teacher-forced logits entry over the same tokens."""
     _, m = moe_model
     prompt = random_token_ids(37, seed=3).tolist()
@@ -195,7 +229,8 @@ def test_26b_a4b_lowers() -> None:
     gate_up = decode[2 + 12]
     assert gate_up.block == (moe.WARPS * 32, 1, 1) and gate_up.args[5].value == 1  # M = 1
     prefill = [x.kernel for x in s.entries["prefill_64"].launches]
-    assert prefill.count("moe_gate_up") == 6 * 64 // moe.MAX_ROWS
+    assert prefill.count("moe_gate_up_grouped") == 6 and "moe_gate_up" not in prefill
+    assert [x.kernel for x in s.entries["prefill_16"].launches].count("moe_sort") == 6
     assert s.arena_bytes < 75e9
 
 
@@ -309,3 +344,52 @@ def test_norm_kernels(model: str, m: int) -> None:
         assert (g != w).sum() <= max(1, 0.01 * g.size)  # rounding ties flip, rarely
     want = moe.branch_sum_reference(f, w1, y, w2, eps)
     assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 37])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_grouped_expert_kernels(model: str, m: int) -> None:
+    """The prefill path on the GPU: sort, grouped gate_up, grouped down (each from the
+    reference's own inputs), ordered sum."""
+    ctx = h100_context()
+    h, e, k, i = DIMS[model]
+    rng = np.random.default_rng(zlib.crc32(f"grouped{model}{m}".encode()))
+    a = random_moe(rng, m, DIMS[model])
+    ids, w = moe.route_reference(a["logits"], a["pes"], k)
+    order, offsets = moe.sort_reference(ids, e)
+    want_hid = moe.gate_up_grouped_reference(a["gate_up"], a["gate_up_scale"], a["x"], order,
+                                             offsets, k)
+    want_part = moe.down_grouped_reference(a["down"], a["down_scale"], want_hid, order, offsets,
+                                           w)
+    p = m * k
+    up = {n: ctx.upload(v) for n, v in (("gu", a["gate_up"]), ("sg", a["gate_up_scale"]),
+                                        ("x", a["x"]), ("ids", ids), ("w", w),
+                                        ("d", a["down"]), ("sd", a["down_scale"]),
+                                        ("hid_ref", want_hid), ("part_ref", want_part))}
+    order_d, offsets_d = _poisoned(ctx, p * 4), _poisoned(ctx, (e + 1) * 4)
+    hid, part, y = _poisoned(ctx, p * i * 2), _poisoned(ctx, p * h * 4), _poisoned(ctx, m * h * 4)
+    _run(ctx, moe.SORT_ENTRY, moe.sort_geometry(p, e),
+         [_p(up["ids"]), _p(order_d), _p(offsets_d), ctypes.c_int(p), ctypes.c_int(e)])
+    assert np.array_equal(ctx.download(order_d, np.int32, (p,)), order)
+    assert np.array_equal(ctx.download(offsets_d, np.int32, (e + 1,)), offsets)
+    _run(ctx, moe.GATE_UP_GROUPED_ENTRY, moe.gate_up_grouped_geometry(e, i, h),
+         [_p(up["gu"]), _p(up["sg"]), _p(up["x"]), _p(order_d), _p(offsets_d), _p(hid),
+          ctypes.c_int(k), ctypes.c_int(i), ctypes.c_int(h)])
+    _run(ctx, moe.DOWN_GROUPED_ENTRY, moe.down_grouped_geometry(e, i, h),
+         [_p(up["d"]), _p(up["sd"]), _p(up["hid_ref"]), _p(order_d), _p(offsets_d), _p(up["w"]),
+          _p(part), ctypes.c_int(i), ctypes.c_int(h)])
+    _run(ctx, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, h),
+         [_p(up["part_ref"]), _p(y), ctypes.c_int(k), ctypes.c_int(h)])
+    got_hid = ctx.download(hid, BF16, (p, i)).astype(np.float32)
+    got_part = ctx.download(part, np.float32, (p, h))
+    got_y = ctx.download(y, np.float32, (m, h))
+    for b in (*up.values(), order_d, offsets_d, hid, part, y):
+        ctx.free(b)
+    wh = want_hid.astype(np.float32)
+    assert np.isfinite(got_hid).all()
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(wh), 1e-30))) - 7)
+    assert (np.abs(got_hid - wh) <= ulp + 1e-5 * np.sqrt(np.mean(wh**2))).all()
+    assert np.isfinite(got_part).all()
+    assert np.linalg.norm(got_part - want_part) / np.linalg.norm(want_part) < 1e-5
+    assert np.array_equal(got_y, moe.sum_pairs_reference(want_part, k))  # the same f32 adds

@@ -49,6 +49,11 @@ MIN_READABLE_FORMAT = 1
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-22", 1, "first format: 4096-byte header block, aligned sections, JSON manifest"),
+    ("2026-11-22", 1, "XLA artifacts may carry an \"executables\" section and manifest "
+                      "xla.precompiled: per TPU topology, serialized executables of every entry "
+                      "point (offset, size, sha256), what a runtime must match (platform, device "
+                      "kind, ids, coords, jax/jaxlib/libtpu, KV blocks) and a cost estimate; "
+                      "absent means compile the StableHLO, as before"),
 )
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies

@@ -554,8 +554,8 @@ class _EntryLowering:
 
     def moe(self, g: Graph, idx: int, env, spec):
         """The router chain and the MOE node: both norms of the residual in one launch, the
-        router GEMV (bf16), the top-k route, then the experts in groups of moe.MAX_ROWS rows;
-        the expert ids stay on the device."""
+        router GEMV (bf16), the top-k route, then the experts: per row up to moe.MAX_ROWS rows,
+        grouped by expert beyond. The expert ids stay on the device."""
         t = _trace_moe(g, idx)
         r = env[t.residual]
         if not (isinstance(r, _Val) and r.f32 is not None):
@@ -582,19 +582,31 @@ class _EntryLowering:
         ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
         self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits,
                   w[t.per_expert_scale], ids, weights, _i32(experts), _i32(k))
-        hid = self.buffer(min(m, moe.MAX_ROWS) * k * inter * 2)
         y = self.buffer(m * hdim * 4)
-        for r0 in range(0, m, moe.MAX_ROWS):
-            rows_ = min(moe.MAX_ROWS, m - r0)
-            dims = (_i32(rows_), _i32(k), _i32(inter), _i32(hdim))
+        gate_up_w = (Ref("weights", gate_up), w[t.gate_up_scale])
+        down_w = (Ref("weights", down), w[t.down_scale])
+        if m <= moe.MAX_ROWS:  # decode: one launch each, the chosen experts' rows only
+            dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
+            hid = self.buffer(m * k * inter * 2)
             self.emit(moe.SOURCE, moe.GATE_UP_ENTRY,
-                      moe.gate_up_geometry(rows_, k, inter, hdim, SM_COUNT),
-                      Ref("weights", gate_up), w[t.gate_up_scale], x2.at(r0 * hdim * 2),
-                      ids.at(r0 * k * 4), hid, *dims)
-            self.emit(moe.SOURCE, moe.DOWN_ENTRY,
-                      moe.down_geometry(rows_, k, inter, hdim, SM_COUNT),
-                      Ref("weights", down), w[t.down_scale], hid, ids.at(r0 * k * 4),
-                      weights.at(r0 * k * 4), y.at(r0 * hdim * 4), *dims)
+                      moe.gate_up_geometry(m, k, inter, hdim, SM_COUNT), *gate_up_w, x2, ids,
+                      hid, *dims)
+            self.emit(moe.SOURCE, moe.DOWN_ENTRY, moe.down_geometry(m, k, inter, hdim, SM_COUNT),
+                      *down_w, hid, ids, weights, y, *dims)
+            return _Val(hdim, f32=y)
+        pairs = m * k  # prefill: the (row, slot) pairs grouped by expert
+        order, offsets = self.buffer(pairs * 4), self.buffer((experts + 1) * 4)
+        hid, part = self.buffer(pairs * inter * 2), self.buffer(pairs * hdim * 4)
+        self.emit(moe.SOURCE, moe.SORT_ENTRY, moe.sort_geometry(pairs, experts), ids, order,
+                  offsets, _i32(pairs), _i32(experts))
+        self.emit(moe.SOURCE, moe.GATE_UP_GROUPED_ENTRY,
+                  moe.gate_up_grouped_geometry(experts, inter, hdim), *gate_up_w, x2, order,
+                  offsets, hid, _i32(k), _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.DOWN_GROUPED_ENTRY,
+                  moe.down_grouped_geometry(experts, inter, hdim), *down_w, hid, order, offsets,
+                  weights, part, _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, hdim), part, y,
+                  _i32(k), _i32(hdim))
         return _Val(hdim, f32=y)
 
     def moe_branch_sum(self, g: Graph, n: Node, env, spec):

@@ -15,8 +15,17 @@ One MoE layer's expert branch, the IR's router chain + MOE + branch sum, is five
     moe_branch_sum(f f32 [M, H], w1 f32 [H], y f32 [M, H], w2 f32 [H], out f32 [M, H], H, eps)
         out = rmsnorm(f) * w1 + rmsnorm(y) * w2
 The expert kernels read the expert ids from device memory and only the chosen experts' weight
-rows. They take M <= MAX_ROWS rows (x or hid staged in shared memory); longer prefill chunks
-are lowered as a loop over groups of MAX_ROWS rows, each reading its rows' experts.
+rows. They take M <= MAX_ROWS rows (x or hid staged in shared memory): decode. Prefill chunks of
+more rows group the P = M * K (row, slot) pairs by expert instead, so each chosen expert is
+streamed once per chunk (CUDA cores, PAIRS pairs per pass over the weight rows; from L2 after
+the first pass):
+    moe_sort(ids [P], order i32 [P], offsets i32 [E + 1], P, E)
+        order: pair indices sorted by expert (stable); expert e owns order[offsets[e]:][:count]
+    moe_gate_up_grouped(W, sg, x2 [M, H], order, offsets, hid bf16 [P, I], K, I, H)
+    moe_down_grouped(D, sd, hid [P, I], order, offsets, wts [P], part f32 [P, H], I, H)
+        part[p] = wts[p] * the down projection of pair p's expert
+    moe_sum_pairs(part, y [M, H], K, H)
+        y[m] = part[m * K] + part[m * K + 1] + ... in order (deterministic)
 Limits: H % 16 == 0, I % 16 == 0, H <= 8192 (the norms), E <= 256, 1 <= K <= min(E, 32).
 """
 
@@ -34,8 +43,17 @@ ROUTE_ENTRY = "moe_route"
 GATE_UP_ENTRY = "moe_gate_up"
 DOWN_ENTRY = "moe_down"
 BRANCH_SUM_ENTRY = "moe_branch_sum"
-NORM_THREADS = 512  # these three must match the kernel
+SORT_ENTRY = "moe_sort"
+GATE_UP_GROUPED_ENTRY = "moe_gate_up_grouped"
+DOWN_GROUPED_ENTRY = "moe_down_grouped"
+SUM_PAIRS_ENTRY = "moe_sum_pairs"
+NORM_THREADS = 512  # these must match the kernel
 WARPS = 8
+SORT_THREADS = 1024
+PAIRS = 8
+GROUP_I = 4 * WARPS
+GROUP_N = 4 * WARPS
+SUM_THREADS = 256
 MAX_EXPERTS = 256
 MAX_ROWS = 4
 MAX_H = NORM_THREADS * 4 * 4
@@ -98,6 +116,51 @@ def down_reference(d: np.ndarray, scale: np.ndarray, hid: np.ndarray, ids: np.nd
     return y
 
 
+def sort_reference(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order int32 [P], offsets int32 [E + 1]) of ids [M, K] flattened to pairs."""
+    flat = np.asarray(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    counts = np.bincount(flat, minlength=experts)
+    return order, np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+
+def gate_up_grouped_reference(w: np.ndarray, scale: np.ndarray, x: np.ndarray,
+                              order: np.ndarray, offsets: np.ndarray, k: int) -> np.ndarray:
+    """hid bf16 [P, I]: gate_up_reference of each pair, its expert read from the grouping."""
+    inter = w.shape[1] // 2
+    xf = np.asarray(x).astype(np.float32)
+    out = np.zeros((len(order), inter), np.float32)
+    for e in range(len(offsets) - 1):
+        pairs = order[offsets[e]:offsets[e + 1]]
+        if len(pairs):
+            gu = (xf[pairs // k] @ _fp8(w[e]).T) * np.asarray(scale[e], np.float32)
+            out[pairs] = ops.gelu_tanh(gu[:, :inter]) * gu[:, inter:]
+    return out.astype(BF16)
+
+
+def down_grouped_reference(d: np.ndarray, scale: np.ndarray, hid: np.ndarray,
+                           order: np.ndarray, offsets: np.ndarray,
+                           weights: np.ndarray) -> np.ndarray:
+    """part f32 [P, H]: each pair's weighted down projection of its expert."""
+    hf = np.asarray(hid).astype(np.float32)
+    part = np.zeros((len(order), d.shape[1]), np.float32)
+    for e in range(len(offsets) - 1):
+        pairs = order[offsets[e]:offsets[e + 1]]
+        if len(pairs):
+            y = (hf[pairs] @ _fp8(d[e]).T) * np.asarray(scale[e], np.float32)
+            part[pairs] = y * np.asarray(weights, np.float32).reshape(-1)[pairs, None]
+    return part
+
+
+def sum_pairs_reference(part: np.ndarray, k: int) -> np.ndarray:
+    """y f32 [M, H]: the K parts of each row added in slot order."""
+    p = np.asarray(part, np.float32).reshape(-1, k, part.shape[-1])
+    y = np.zeros((p.shape[0], p.shape[2]), np.float32)
+    for j in range(k):
+        y += p[:, j]
+    return y
+
+
 def branch_sum_reference(f: np.ndarray, w1: np.ndarray, y: np.ndarray, w2: np.ndarray,
                          eps: float) -> np.ndarray:
     """The fused IR's RESIDUAL_RMSNORM(RMSNORM(f, w1), y, w2)."""
@@ -143,6 +206,37 @@ def down_geometry(m: int, k: int, inter: int, h: int, sm_count: int) -> Launch:
     smem = m * k * inter * 2
     _check_expert_dims(m, k, inter, h, smem)
     return Launch((_blocks(m * h, sm_count), 1, 1), (WARPS * 32, 1, 1), smem)
+
+
+def sort_geometry(pairs: int, experts: int) -> Launch:
+    """One CTA."""
+    if pairs < 1 or not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"moe_sort needs P >= 1 and E <= {MAX_EXPERTS} (P={pairs}, E={experts})")
+    return Launch((1, 1, 1), (SORT_THREADS, 1, 1), 0)
+
+
+def _check_grouped_dims(inter: int, h: int) -> None:
+    if h % 16 or inter % 16:
+        raise ValueError(f"moe grouped kernels need H % 16 == 0 and I % 16 == 0 (I={inter}, "
+                         f"H={h})")
+
+
+def gate_up_grouped_geometry(experts: int, inter: int, h: int) -> Launch:
+    """A CTA per (GROUP_I outputs, expert); experts no pair chose exit at once."""
+    _check_grouped_dims(inter, h)
+    return Launch((-(-inter // GROUP_I), experts, 1), (WARPS * 32, 1, 1), PAIRS * h * 2)
+
+
+def down_grouped_geometry(experts: int, inter: int, h: int) -> Launch:
+    """A CTA per (GROUP_N outputs, expert)."""
+    _check_grouped_dims(inter, h)
+    return Launch((-(-h // GROUP_N), experts, 1), (WARPS * 32, 1, 1), PAIRS * inter * 2)
+
+
+def sum_pairs_geometry(m: int, h: int) -> Launch:
+    if m < 1 or h % 4:
+        raise ValueError(f"moe_sum_pairs needs M >= 1 and H % 4 == 0 (M={m}, H={h})")
+    return Launch((-(-(h // 4) // SUM_THREADS), m, 1), (SUM_THREADS, 1, 1), 0)
 
 
 def chosen_expert_bytes(k: int, inter: int, h: int) -> tuple[int, int]:

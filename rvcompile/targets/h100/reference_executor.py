@@ -307,6 +307,43 @@ def _moe_down(dev, launch: Launch, d, scale, hid, ids, weights, y, m, k, inter, 
         dev.view(hid, BF16, (m, k, inter)), idv, dev.view(weights, F32, (m, k)))
 
 
+def _moe_sort(dev, launch: Launch, ids, order, offsets, pairs, experts):
+    got_order, got_offsets = moe.sort_reference(dev.view(ids, I32, (pairs,)), experts)
+    dev.view(order, I32, (pairs,))[:] = got_order
+    dev.view(offsets, I32, (experts + 1,))[:] = got_offsets
+
+
+def _grouping(dev, launch: Launch, order, offsets):
+    """(order, offsets) as the grouped kernels read them: E from the grid, P from offsets."""
+    experts = launch.grid[1]
+    off = dev.view(offsets, I32, (experts + 1,))
+    return dev.view(order, I32, (int(off[-1]),)), off
+
+
+def _moe_gate_up_grouped(dev, launch: Launch, w, scale, x, order, offsets, hid, k, inter,
+                         hdim):
+    order_, off = _grouping(dev, launch, order, offsets)
+    e, pairs = len(off) - 1, len(order_)
+    dev.view(hid, BF16, (pairs, inter))[:] = moe.gate_up_grouped_reference(
+        dev.view(w, np.uint8, (e, 2 * inter, hdim)), dev.view(scale, F32, (e, 2 * inter)),
+        dev.view(x, BF16, (pairs // k, hdim)), order_, off, k)
+
+
+def _moe_down_grouped(dev, launch: Launch, d, scale, hid, order, offsets, weights, part, inter,
+                      hdim):
+    order_, off = _grouping(dev, launch, order, offsets)
+    e, pairs = len(off) - 1, len(order_)
+    dev.view(part, F32, (pairs, hdim))[:] = moe.down_grouped_reference(
+        dev.view(d, np.uint8, (e, hdim, inter)), dev.view(scale, F32, (e, hdim)),
+        dev.view(hid, BF16, (pairs, inter)), order_, off, dev.view(weights, F32, (pairs,)))
+
+
+def _moe_sum_pairs(dev, launch: Launch, part, y, k, hdim):
+    m = launch.grid[1]
+    dev.view(y, F32, (m, hdim))[:] = moe.sum_pairs_reference(
+        dev.view(part, F32, (m * k, hdim)), k)
+
+
 def _moe_branch_sum(dev, launch: Launch, f, w1, y, w2, out, hdim, eps):
     m = launch.grid[0]
     dev.view(out, F32, (m, hdim))[:] = moe.branch_sum_reference(
@@ -339,6 +376,10 @@ _REFS = {
     moe.GATE_UP_ENTRY: _moe_gate_up,
     moe.DOWN_ENTRY: _moe_down,
     moe.BRANCH_SUM_ENTRY: _moe_branch_sum,
+    moe.SORT_ENTRY: _moe_sort,
+    moe.GATE_UP_GROUPED_ENTRY: _moe_gate_up_grouped,
+    moe.DOWN_GROUPED_ENTRY: _moe_down_grouped,
+    moe.SUM_PAIRS_ENTRY: _moe_sum_pairs,
 }
 
 

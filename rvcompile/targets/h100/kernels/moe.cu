@@ -19,9 +19,20 @@
 //                 atomics. hid (M * K * I bf16) staged in shared memory.
 // moe_branch_sum: out[m] = f[m] * rf * w1 + y[m] * ry * w2   (the dense and expert branches,
 //                 each RMS-normalised; ops.ref_residual_rmsnorm of the fused IR)
+//
+// Prefill (M > 4 rows) groups the (row, slot) pairs by expert so each chosen expert's weights
+// are streamed once per launch, not once per row:
+// moe_sort:       order[P] = the pair indices p = m * K + j sorted by expert (stable), and
+//                 offsets[E + 1] (expert e's pairs are order[offsets[e] : offsets[e + 1]]).
+//                 One CTA; a warp per expert compacts with ballots: deterministic.
+// moe_gate_up_grouped: hid[p, i] as moe_gate_up, for every pair p of expert e = blockIdx.y;
+//                 a CTA owns GROUP_I outputs i of one expert and runs over its pairs PAIRS at a
+//                 time, their x rows staged in shared memory.
+// moe_down_grouped: part[p, n] = wts[p] * (sd[e, n] * D[e, n] . hid[p]), likewise per expert.
+// moe_sum_pairs:  y[m, n] = sum over j in order of part[m * K + j, n] (deterministic).
 // Elementwise steps round like the numpy references (no FMA contraction); dot products
 // accumulate in f32 in a different order. Contract: H % 16 == 0, I % 16 == 0, rows 16-byte
-// aligned, M <= 4 for the expert kernels (the lowering loops over groups of 4 rows).
+// aligned, M <= 4 for moe_gate_up / moe_down.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -33,6 +44,10 @@ constexpr int NV = 4;  // float4 per thread in the norms: H <= 8192
 constexpr int WARPS = 8;  // warps per block of the expert kernels
 constexpr int UNROLL = 4;  // 16-byte loads in flight per lane (per row in moe_gate_up: 2)
 constexpr int MAX_E_PER_LANE = 8;  // moe_route: E <= 256
+constexpr int SORT_THREADS = 1024;
+constexpr int PAIRS = 8;  // pairs per shared-memory group of the grouped kernels
+constexpr int GROUP_I = 4 * WARPS;  // gate/up outputs per CTA of moe_gate_up_grouped
+constexpr int GROUP_N = 4 * WARPS;  // down outputs per CTA of moe_down_grouped
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -339,4 +354,173 @@ moe_branch_sum(const float* __restrict__ f, const float* __restrict__ w1,
                                 __fadd_rn(p.w, q.w));
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+moe_sort(const int* __restrict__ ids, int* __restrict__ order, int* __restrict__ offsets, int P,
+         int E) {
+    __shared__ int start[MAX_E_PER_LANE * 32 + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = SORT_THREADS / 32;
+    const unsigned below = (1u << lane) - 1;
+    for (int e = warp; e < E; e += warps) {
+        int count = 0;
+        for (int base = 0; base < P; base += 32) {
+            const int p = base + lane;
+            count += __popc(__ballot_sync(0xffffffffu, p < P && __ldg(ids + p) == e));
+        }
+        if (lane == 0) start[e + 1] = count;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        start[0] = 0;
+        for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += SORT_THREADS) offsets[e] = start[e];
+    for (int e = warp; e < E; e += warps) {
+        int at = start[e];
+        for (int base = 0; base < P; base += 32) {
+            const int p = base + lane;
+            const bool mine = p < P && __ldg(ids + p) == e;
+            const unsigned mask = __ballot_sync(0xffffffffu, mine);
+            if (mine) order[at + __popc(mask & below)] = p;
+            at += __popc(mask);
+        }
+    }
+}
+
+namespace {
+// Stage the rows src[row_of(order[first + r])] (r < n, `cols` bf16 each) into dst[r]; rows
+// beyond n are left as they are (their results are never stored).
+__device__ __forceinline__ void stage_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                           const int* __restrict__ order, int first, int n,
+                                           int divide, int cols) {
+    const int per_row = cols / 8;  // 16-byte chunks
+    for (int q = threadIdx.x; q < n * per_row; q += blockDim.x) {
+        const int r = q / per_row, c = q - r * per_row;
+        const int row = __ldg(order + first + r) / divide;
+        reinterpret_cast<uint4*>(dst + (size_t)r * cols)[c] =
+            __ldg(reinterpret_cast<const uint4*>(src + (size_t)row * cols) + c);
+    }
+}
+
+// Every lane gets the warp sums of acc[0..PAIRS).
+__device__ __forceinline__ void warp_sums(float (&acc)[PAIRS]) {
+#pragma unroll
+    for (int r = 0; r < PAIRS; ++r) acc[r] = warp_sum(acc[r]);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+moe_gate_up_grouped(const uint8_t* __restrict__ W, const float* __restrict__ scale,
+                    const __nv_bfloat16* __restrict__ x, const int* __restrict__ order,
+                    const int* __restrict__ offsets, __nv_bfloat16* __restrict__ hid, int K,
+                    int I, int H) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][H]
+    const int e = blockIdx.y;
+    const int first = __ldg(offsets + e), count = __ldg(offsets + e + 1) - first;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = H / 16;
+    for (int g0 = 0; g0 < count; g0 += PAIRS) {
+        const int n = min(PAIRS, count - g0);
+        __syncthreads();  // the previous group's rows are no longer read
+        stage_rows(xs, x, order, first + g0, n, K, H);
+        __syncthreads();
+        for (int i = blockIdx.x * GROUP_I + warp; i < min(I, (blockIdx.x + 1) * GROUP_I);
+             i += WARPS) {
+            const size_t gate_row = (size_t)e * 2 * I + i, up_row = gate_row + I;
+            const uint4* wg = reinterpret_cast<const uint4*>(W + gate_row * H);
+            const uint4* wu = reinterpret_cast<const uint4*>(W + up_row * H);
+            float ag[PAIRS], au[PAIRS];
+#pragma unroll
+            for (int r = 0; r < PAIRS; ++r) ag[r] = au[r] = 0.f;
+            for (int c = lane; c < chunks; c += 32) {
+                float g[16], u[16];
+                fp8x16_to_f32(__ldg(wg + c), g);
+                fp8x16_to_f32(__ldg(wu + c), u);
+#pragma unroll
+                for (int r = 0; r < PAIRS; ++r) {
+                    const __nv_bfloat162* xv =
+                        reinterpret_cast<const __nv_bfloat162*>(xs + (size_t)r * H + 16 * c);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        const float2 xf = __bfloat1622float2(xv[q]);
+                        ag[r] = fmaf(g[2 * q], xf.x, ag[r]);
+                        ag[r] = fmaf(g[2 * q + 1], xf.y, ag[r]);
+                        au[r] = fmaf(u[2 * q], xf.x, au[r]);
+                        au[r] = fmaf(u[2 * q + 1], xf.y, au[r]);
+                    }
+                }
+            }
+            warp_sums(ag);
+            warp_sums(au);
+            const float sg = __ldg(scale + gate_row), su = __ldg(scale + up_row);
+#pragma unroll
+            for (int r = 0; r < PAIRS; ++r) {
+                if (lane == r && r < n) {
+                    const int p = __ldg(order + first + g0 + r);
+                    const float gv = __fmul_rn(ag[r], sg), uv = __fmul_rn(au[r], su);
+                    hid[(size_t)p * I + i] = __float2bfloat16_rn(__fmul_rn(gelu_tanh(gv), uv));
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+moe_down_grouped(const uint8_t* __restrict__ D, const float* __restrict__ scale,
+                 const __nv_bfloat16* __restrict__ hid, const int* __restrict__ order,
+                 const int* __restrict__ offsets, const float* __restrict__ wts,
+                 float* __restrict__ part, int I, int H) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][I]
+    const int e = blockIdx.y;
+    const int first = __ldg(offsets + e), count = __ldg(offsets + e + 1) - first;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = I / 16;
+    for (int g0 = 0; g0 < count; g0 += PAIRS) {
+        const int n = min(PAIRS, count - g0);
+        __syncthreads();
+        stage_rows(hs, hid, order, first + g0, n, 1, I);
+        __syncthreads();
+        for (int o = blockIdx.x * GROUP_N + warp; o < min(H, (blockIdx.x + 1) * GROUP_N);
+             o += WARPS) {
+            const uint4* wd = reinterpret_cast<const uint4*>(D + ((size_t)e * H + o) * I);
+            float acc[PAIRS];
+#pragma unroll
+            for (int r = 0; r < PAIRS; ++r) acc[r] = 0.f;
+            for (int c = lane; c < chunks; c += 32) {
+                const uint4 v = __ldg(wd + c);
+#pragma unroll
+                for (int r = 0; r < PAIRS; ++r) {
+                    acc[r] = dot16(v, hs + (size_t)r * I + 16 * c, acc[r]);
+                }
+            }
+            warp_sums(acc);
+            const float sd = __ldg(scale + (size_t)e * H + o);
+#pragma unroll
+            for (int r = 0; r < PAIRS; ++r) {
+                if (lane == r && r < n) {
+                    const int p = __ldg(order + first + g0 + r);
+                    part[(size_t)p * H + o] = __fmul_rn(__fmul_rn(acc[r], sd), __ldg(wts + p));
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_sum_pairs(const float* __restrict__ part, float* __restrict__ y, int K, int H) {
+    const int m = blockIdx.y;
+    const int c = blockIdx.x * 256 + threadIdx.x;  // float4 column
+    if (c >= H / 4) return;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < K; ++j) {
+        const float4* row = reinterpret_cast<const float4*>(part + ((size_t)m * K + j) * H);
+        const float4 v = __ldg(row + c);
+        s = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z),
+                        __fadd_rn(s.w, v.w));
+    }
+    reinterpret_cast<float4*>(y + (size_t)m * H)[c] = s;
 }
