@@ -6,7 +6,9 @@ holds neither the previous launch's experts nor the stacks. GB/s counts the byte
 experts the rows chose (each distinct expert once, scales included): the HBM traffic the decode
 step cannot avoid. Compare with shared/H100-NOTES.md (HBM read ceiling 2.99-3.10 TB/s).
 
-    python benchmarks/h100_moe.py [--rows 1,2,4]
+Then the prefill path (rows grouped by expert) for chunks of --prefill rows.
+
+    python benchmarks/h100_moe.py [--rows 1,2,4] [--prefill 64,256]
 """
 
 from __future__ import annotations
@@ -54,12 +56,16 @@ def median_us(ctx: CudaContext, launches) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="1,2,4", help="token rows per launch (<= 4)")
-    rows = [int(r) for r in p.parse_args().rows.split(",")]
+    p.add_argument("--rows", default="1,2,4", help="decode: token rows per launch (<= 4)")
+    p.add_argument("--prefill", default="64,256", help="prefill: rows per chunk")
+    a = p.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    chunks = [int(r) for r in a.prefill.split(",") if r]
     ctx = CudaContext()
     cubin = compile_cubin(moe.SOURCE)
-    fn = {e: ctx.load_function(cubin, e) for e in (moe.GATE_UP_ENTRY, moe.DOWN_ENTRY,
-                                                   moe.ROUTE_ENTRY)}
+    fn = {e: ctx.load_function(cubin, e) for e in (
+        moe.GATE_UP_ENTRY, moe.DOWN_ENTRY, moe.ROUTE_ENTRY, moe.SORT_ENTRY,
+        moe.GATE_UP_GROUPED_ENTRY, moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY)}
     rng = np.random.default_rng(0)
     h, e, k, i = HIDDEN, EXPERTS, TOP_K, INTER
     gate_up = [ctx.upload(random_fp8(rng, (e, 2 * i, h))) for _ in range(COPIES)]
@@ -71,8 +77,13 @@ def main() -> None:
     print(f"26B-A4B experts: {e} x ({gu_bytes / 1e6:.2f} MB gate||up + {down_bytes / 1e6:.2f} MB "
           f"down), top-{k}")
     print(f"{'M':>2} {'kernel':12} {'experts':>7} {'MB':>7} {'us':>8} {'GB/s':>7}")
+    stacks = Stacks(gate_up, down, sg, sd, pes)
     for m in rows:
-        bench_rows(ctx, fn, Stacks(gate_up, down, sg, sd, pes), m, rng)
+        bench_rows(ctx, fn, stacks, m, rng)
+    if chunks:
+        print(f"{'rows':>4} {'prefill':12} {'us':>8}")
+    for m in chunks:
+        bench_prefill(ctx, fn, stacks, m, rng)
     for buf in (*gate_up, *down, sg, sd, pes):
         ctx.free(buf)
 
@@ -131,6 +142,52 @@ def bench_rows(ctx: CudaContext, fn: dict, w: Stacks, m: int, rng) -> None:
               flush=True)
     ctx.synchronize()
     for buf in (d_ids, d_x, d_w, d_logits, d_hid, d_y, d_ids_out, d_wts_out):
+        ctx.free(buf)
+
+
+def bench_prefill(ctx: CudaContext, fn: dict, w: Stacks, m: int, rng) -> None:
+    """The prefill path for a chunk of m rows: moe_sort, the grouped gate_up and down, the
+    ordered sum; GB/s of the distinct chosen experts, TFLOP/s of the expert products."""
+    h, e, k, i = HIDDEN, EXPERTS, TOP_K, INTER
+    n, pairs = WARMUP + TIMED, m * k
+    ids = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(m)])
+                    for _ in range(n)]).astype(np.int32)
+    distinct = float(np.mean([len(np.unique(x)) for x in ids]))
+    d_ids = ctx.upload(ids)
+    d_x = ctx.upload(rng.normal(size=(m, h)).astype(ml_dtypes.bfloat16))
+    d_w = ctx.upload(rng.uniform(0.1, 1.0, pairs).astype(np.float32))
+    d_order, d_offsets = ctx.alloc(pairs * 4), ctx.alloc((e + 1) * 4)
+    d_hid, d_part, d_y = ctx.alloc(pairs * i * 2), ctx.alloc(pairs * h * 4), ctx.alloc(m * h * 4)
+    ptr, c_int = ctypes.c_uint64, ctypes.c_int
+    g_sort = moe.sort_geometry(pairs, e)
+    g_up = moe.gate_up_grouped_geometry(e, i, h)
+    g_down = moe.down_grouped_geometry(e, i, h)
+    g_sum = moe.sum_pairs_geometry(m, h)
+    sort_args, up_args, down_args = [], [], []
+    for step in range(n):
+        sort_args.append([ptr(d_ids.ptr + step * pairs * 4), ptr(d_order.ptr),
+                          ptr(d_offsets.ptr), c_int(pairs), c_int(e)])
+        up_args.append([ptr(w.gate_up[step % COPIES].ptr), ptr(w.gate_up_scale.ptr),
+                        ptr(d_x.ptr), ptr(d_order.ptr), ptr(d_offsets.ptr), ptr(d_hid.ptr),
+                        c_int(k), c_int(i), c_int(h)])
+        down_args.append([ptr(w.down[step % COPIES].ptr), ptr(w.down_scale.ptr),
+                          ptr(d_hid.ptr), ptr(d_order.ptr), ptr(d_offsets.ptr), ptr(d_w.ptr),
+                          ptr(d_part.ptr), c_int(i), c_int(h)])
+    sum_args = [ptr(d_part.ptr), ptr(d_y.ptr), c_int(k), c_int(h)]
+    sort = ((fn[moe.SORT_ENTRY], g_sort), sort_args)
+    pipeline = [sort, ((fn[moe.GATE_UP_GROUPED_ENTRY], g_up), up_args),
+                ((fn[moe.DOWN_GROUPED_ENTRY], g_down), down_args),
+                ((fn[moe.SUM_PAIRS_ENTRY], g_sum), [sum_args] * n)]
+    gu_bytes, down_bytes = moe.chosen_expert_bytes(1, i, h)
+    nbytes = (gu_bytes + down_bytes) * distinct
+    flops = 2 * pairs * 3 * i * h
+    t_sort = median_us(ctx, [sort])
+    t = median_us(ctx, pipeline)
+    print(f"{m:>4} {'sort':12} {t_sort:8.1f}")
+    print(f"{m:>4} {'all four':12} {t:8.1f}  {distinct:5.1f} experts {nbytes / t / 1e3:6.0f} GB/s "
+          f"{flops / t / 1e6:6.1f} TFLOP/s", flush=True)
+    ctx.synchronize()
+    for buf in (d_ids, d_x, d_w, d_order, d_offsets, d_hid, d_part, d_y):
         ctx.free(buf)
 
 
