@@ -1,0 +1,316 @@
+"""Executables precompiled for named TPU topologies and the cost report (issue 6, parts 2-3).
+
+What runs here: topology parsing and the build's refusals, the cost report's arithmetic, its
+reading of a compiled program's per-device arguments, the runtime's choice between precompiled
+executables and the StableHLO, and the whole serialize -> artifact -> load-without-compiling path
+with executables compiled for this machine's CPU (the same jax serialization a TPU set uses).
+A build for a TPU topology runs when libtpu is installed (scripts/setup.sh puts it in
+.venv/tpu-aot); loading a TPU set needs a TPU and is not tested here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rvcompile.artifacts import Artifact, ArtifactWriter
+from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.checkpoint import CheckpointError
+from rvcompile.runtime.precompiled import Choice, Machine, choose
+from rvcompile.targets.xla import precompile
+from rvcompile.targets.xla.cost_report import (
+    CHIPS,
+    DecodeFootprint,
+    GiB,
+    cost_report,
+    decode_footprint,
+    estimate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RVCOMPILE = str(Path(sys.executable).parent / "rvcompile")
+TPU_AOT = ROOT / ".venv" / "tpu-aot"  # where scripts/setup.sh installs libtpu, apart from the venv
+
+
+# ---- topologies and the build's refusals --------------------------------------------------
+
+def test_parse_topology():
+    t = precompile.parse_topology("v6e:2x2")
+    assert (t.name, t.generation, t.shape, t.chips) == ("v6e:2x2", "v6e", (2, 2), 4)
+    assert precompile.parse_topology(" v5e:1x1 ").chips == 1
+    for bad, says in [("v6e-4", "expected GENERATION:AxB"), ("v4:2x2", "unknown TPU generation"),
+                      ("v6e:4x4", "16 chips; one host has 1 to 8"), ("v6e:2x2x2", "expected")]:
+        with pytest.raises(precompile.PrecompileError, match=says):
+            precompile.parse_topology(bad)
+
+
+def test_check_topology_refuses_wrong_device_count_and_missing_libtpu(monkeypatch):
+    topo = precompile.parse_topology("v6e:2x2")
+    monkeypatch.setattr(precompile, "libtpu_version", lambda: "0.0.42.1")
+    with pytest.raises(precompile.PrecompileError, match="has 4 chips but .* --tp 1"):
+        precompile.check_topology(topo, 1)
+    precompile.check_topology(topo, 4)
+    monkeypatch.setattr(precompile, "libtpu_version", lambda: None)
+    with pytest.raises(precompile.PrecompileError, match="needs libtpu on the build machine"):
+        precompile.check_topology(topo, 4)
+
+
+def test_build_refuses_topology_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(precompile, "libtpu_version", lambda: None)
+    out = tmp_path / "x.rvp"
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=1,
+                        platforms=("tpu", "cpu"), topologies=("v6e:1x1",))
+    with pytest.raises(precompile.PrecompileError, match="needs libtpu"):
+        build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, progress=False)
+    with pytest.raises(CheckpointError, match="needs an XLA target exported for tpu"):
+        build_artifact("gemma-4-tiny-dense", out, replace(opts, platforms=("cpu",)),
+                       random_weights=True, progress=False)
+    with pytest.raises(CheckpointError, match="needs an XLA target exported for tpu"):
+        build_artifact("gemma-4-tiny-dense", out, replace(opts, target="h100-fp8"),
+                       random_weights=True, progress=False)
+    assert not out.exists()
+
+
+# ---- the cost report ----------------------------------------------------------------------
+
+FOOTPRINT = DecodeFootprint(
+    slots=4, weight_bytes=8 * GiB, weight_elements=8 * GiB, kv_bytes_per_lane=GiB // 4,
+    kv_elements_per_lane=GiB // 8, argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB,
+    temp_bytes=GiB // 2, xla_flops=1.0, xla_bytes_accessed=2.0)
+
+
+def test_estimate_is_a_roofline_per_device():
+    v6e = CHIPS["v6e"]
+    rows = {r["batch"]: r for r in estimate(FOOTPRINT, v6e, query_per_kv=2, batches=(1, 1024))}
+    assert sorted(rows) == [1, 4, 1024]  # the built slots are always reported
+    b1 = rows[1]
+    assert b1["bytes"] == 8 * GiB + GiB // 4
+    assert b1["flops"] == 2 * (8 * GiB + 2 * (GiB // 8))
+    assert b1["step_ms"] == pytest.approx(b1["bytes"] / 1640e9 * 1e3)
+    assert b1["tok_s"] == pytest.approx(1 / (b1["bytes"] / 1640e9))
+    assert b1["bound"] == "memory" and b1["fits"]
+    assert b1["hbm_need_bytes"] == b1["bytes"] + GiB // 2
+    assert not rows[1024]["fits"]  # 1024 lanes of 1/4 GiB KV: 264 GiB
+    short_kv = replace(FOOTPRINT, kv_bytes_per_lane=1024, kv_elements_per_lane=512)
+    big = estimate(short_kv, v6e, query_per_kv=2, batches=(1024,))[-1]
+    assert big["batch"] == 1024 and big["bound"] == "compute" and big["fits"]
+    assert big["step_ms"] == pytest.approx(big["flops"] / 918e12 * 1e3)
+    # v5e: half the bandwidth -> about half the tok/s at B=1, and 16 GiB of HBM
+    v5e = estimate(FOOTPRINT, CHIPS["v5e"], query_per_kv=2, batches=(1,))[0]
+    assert v5e["tok_s"] == pytest.approx(b1["tok_s"] * 819 / 1640)
+    assert CHIPS["v5e"].hbm_bytes == 16 * GiB and CHIPS["v6e"].hbm_bytes == 32 * GiB
+
+
+def _toy_decode(weights, pools, x):
+    h = x @ weights["w"].astype(jnp.float32) * weights["w.scale"]
+    return {k: v + 1 for k, v in pools.items()}, h.sum()
+
+
+def test_decode_footprint_reads_the_compiled_arguments():
+    dev = jax.devices("cpu")[0]
+    whole = NamedSharding(Mesh(np.array([dev]), ("tp",)), PartitionSpec())
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+    slots = 2
+    weights = {"w": sds((64, 32), jnp.int8), "w.scale": sds((32,), jnp.float32)}
+    pools = {"g0.0.cache_k": sds((3, 2 * slots, 16, 2, 8), jnp.bfloat16)}
+    compiled = jax.jit(_toy_decode, donate_argnums=(1,)).lower(
+        weights, pools, sds((1, 64), jnp.float32)).compile()
+    fp = decode_footprint(compiled, slots)
+    assert fp.weight_bytes == 64 * 32 + 32 * 4
+    assert fp.weight_elements == 64 * 32  # scales are not multiplied
+    assert fp.kv_bytes_per_lane == 3 * 2 * slots * 16 * 2 * 8 * 2 // slots
+    assert fp.kv_elements_per_lane == 3 * 2 * slots * 16 * 2 * 8 // slots
+    assert fp.argument_bytes >= fp.weight_bytes + fp.kv_bytes_per_lane * slots
+    assert fp.xla_flops > 0
+    report = cost_report(compiled, slots, CHIPS["v6e"], query_per_kv=2, context=32)
+    assert report["label"].startswith("estimate")
+    assert json.loads(json.dumps(report)) == report  # it goes into the manifest
+
+
+# ---- the runtime's choice ----------------------------------------------------------------
+
+RECORD = {"topology": "v6e:2x2", "platform": "tpu", "device_kind": "TPU v6 lite",
+          "device_ids": [0, 1, 2, 3], "coords": [[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]],
+          "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1",
+          "kv_blocks": {"full": 8, "sliding": 12}, "entries": {}}
+V6E_4 = Machine("tpu", "TPU v6 lite", ((0, (0, 0, 0)), (1, (1, 0, 0)), (2, (0, 1, 0)),
+                                        (3, (1, 1, 0))), "0.10.2", "0.10.2", "0.0.42.1")
+BLOCKS = {"full": 8, "sliding": 12}
+
+
+def test_choose_loads_a_matching_set():
+    c = choose({"v6e:2x2": RECORD}, V6E_4, BLOCKS)
+    assert c == Choice("v6e:2x2", "precompiled executables for v6e:2x2 (jaxlib 0.10.2, libtpu "
+                                  "0.0.42.1); nothing compiled")
+
+
+@pytest.mark.parametrize("machine, blocks, why", [
+    (replace(V6E_4, device_kind="TPU v5 lite"), BLOCKS, "v6e:2x2: it is for TPU v6 lite"),
+    (replace(V6E_4, devices=V6E_4.devices[:2]), BLOCKS, "it is for 4 devices"),
+    (replace(V6E_4, devices=V6E_4.devices[::-1]), BLOCKS, "it is for 4 devices"),
+    (replace(V6E_4, jaxlib="0.11.0"), BLOCKS, "compiled with jaxlib 0.10.2"),
+    (replace(V6E_4, libtpu=None), BLOCKS, "compiled with libtpu 0.0.42.1"),
+    (V6E_4, {"full": 16, "sliding": 12}, "compiled for KV blocks"),
+    (replace(V6E_4, platform="cpu", device_kind="cpu"), BLOCKS, "it is for TPU v6 lite"),
+])
+def test_choose_says_why_it_compiles(machine, blocks, why):
+    c = choose({"v6e:2x2": RECORD}, machine, blocks)
+    assert c.topology is None
+    assert why in c.note
+    assert c.note.startswith(f"no precompiled executable for {machine.device_kind} x4 / jaxlib "
+                             f"{machine.jaxlib}")
+    assert c.note.endswith("; compiling StableHLO") and "\n" not in c.note
+
+
+def test_choose_without_sets():
+    c = choose({}, V6E_4, BLOCKS)
+    assert c.topology is None and "the artifact has none" in c.note
+
+
+# ---- serialize -> artifact -> load with no compilation (CPU executables) ------------------
+
+def _tiny_artifact(path: Path) -> Path:
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=2,
+                        platforms=("cpu",))
+    build_artifact("gemma-4-tiny-dense", path, opts, random_weights=True, progress=False)
+    return path
+
+
+def _with_cpu_set(src: Path, dst: Path) -> dict:
+    """A copy of `src` carrying executables precompiled for this host's CPU."""
+    with Artifact.open(src) as art:
+        m = art.manifest
+        blob = art.buffer("programs")
+        programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
+                    for n, loc in m["xla"]["programs"].items()}
+        pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
+        pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
+                                         m["xla"]["slots"], CHIPS["v6e"], 2,
+                                         m["xla"]["max_context"])
+        data, records = precompile.executables_section([pre])
+        manifest = {**m, "xla": {**m["xla"], "precompiled": records}}
+        with ArtifactWriter(dst, art.header) as w:
+            for name in art.sections:
+                w.add(name, art.buffer(name))
+            w.add("executables", data)
+            w.commit(manifest)
+    return records["cpu:1"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("topology")
+    plain = _tiny_artifact(d / "plain.rvp")
+    record = _with_cpu_set(plain, d / "cpu-set.rvp")
+    return plain, d / "cpu-set.rvp", record
+
+
+def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, capsys):
+    from rvcompile.runtime import load
+
+    plain, with_set, record = artifacts
+    assert record["platform"] == "cpu" and record["libtpu"] == precompile.libtpu_version()
+    assert sorted(record["entries"]) == ["decode_2", "logits_16", "prefill_16"]
+    prompt = [2, 17, 5, 99, 3]
+    model = load(with_set)
+    note = model.executor.load_note
+    assert note.startswith("precompiled executables for cpu:1") and "nothing compiled" in note
+    assert model.executor.compile_s == 0.0
+    fast = model.generate(prompt, max_tokens=6, ignore_eos=True).token_ids
+    fast_logits = model.logits(prompt)
+    ref_model = load(plain)
+    assert ref_model.generate(prompt, max_tokens=6, ignore_eos=True).token_ids == fast
+    np.testing.assert_array_equal(ref_model.logits(prompt), fast_logits)
+    assert "[rvrun]" not in capsys.readouterr().err
+
+
+def test_precompiled_set_not_matching_says_why(artifacts, capsys, monkeypatch):
+    from rvcompile.runtime import load
+    from rvcompile.runtime import precompiled as runtime_precompiled
+    from rvcompile.runtime.xla_executor import XlaExecutor
+
+    _, with_set, _ = artifacts
+    monkeypatch.setattr(runtime_precompiled, "libtpu_version", lambda: "9.9.9")
+    monkeypatch.setattr(XlaExecutor, "_warm_up", lambda self: 0.0)  # the note, not the compile
+    assert load(with_set).executor.load_note.startswith("XLA compile")
+    err = capsys.readouterr().err
+    assert "[rvrun] no precompiled executable for cpu x1" in err
+    assert "cpu:1: it was compiled with libtpu" in err and err.rstrip().endswith(
+        "compiling StableHLO")
+
+
+def test_corrupt_executable_is_refused(artifacts, tmp_path):
+    from rvcompile.runtime import precompiled as runtime_precompiled
+
+    _, with_set, record = artifacts
+    bad = tmp_path / "bad.rvp"
+    bad.write_bytes(with_set.read_bytes())
+    with Artifact.open(bad) as art:
+        at = art.sections["executables"].offset + record["entries"]["decode_2"]["offset"] + 100
+    with open(bad, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with Artifact.open(bad) as art, pytest.raises(Exception, match="decode_2 is corrupt"):
+        runtime_precompiled.load(art, "cpu:1", {}, jax.devices("cpu"))
+
+
+def test_inspect_lists_sets_and_cost_estimate(artifacts):
+    from typer.testing import CliRunner
+
+    from rvcompile.cli import app
+
+    _, with_set, _ = artifacts
+    r = CliRunner().invoke(app, ["inspect", str(with_set)])
+    assert r.exit_code == 0, r.output
+    assert "precompiled:" in r.stdout and "cpu:1: cpu x1, jax" in r.stdout
+    assert "cpu:1: cost estimate" in r.stdout and "tok/s" in r.stdout and "B=1 " in r.stdout
+    r = CliRunner().invoke(app, ["inspect", str(with_set), "--json"])
+    info = json.loads(r.stdout)
+    cost = info["precompiled"]["cpu:1"]["cost"]
+    assert cost["label"].startswith("estimate") and cost["decode"][0]["batch"] == 1
+
+
+# ---- a real TPU topology build (needs libtpu) ---------------------------------------------
+
+def _libtpu_env() -> dict | None:
+    env = dict(os.environ)
+    if TPU_AOT.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TPU_AOT), env.get("PYTHONPATH")]))
+        return env
+    return env if importlib.util.find_spec("libtpu") else None
+
+
+def test_build_for_a_tpu_topology(tmp_path):
+    env = _libtpu_env()
+    if env is None:
+        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
+    out = tmp_path / "v6e.rvp"
+    cmd = [RVCOMPILE, "build", "gemma-4-tiny-dense", "--target",
+           "tpu-int8", "--random-weights", "--max-context", "64", "--prefill-buckets", "16",
+           "--max-seqs", "1", "--decode-loop-steps", "0", "--platforms", "tpu", "--topology",
+           "v6e:1x1", "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([RVCOMPILE, "inspect", str(out), "--json"],
+                       capture_output=True, text=True, cwd=ROOT, check=True)
+    rec = json.loads(r.stdout)["precompiled"]["v6e:1x1"]
+    assert rec["platform"] == "tpu" and rec["device_kind"] == "TPU v6 lite"
+    assert rec["libtpu"] and rec["jaxlib"] == jax.__version__
+    assert sorted(rec["entries"]) == ["decode_1", "logits_16", "prefill_16"]
+    assert rec["cost"]["chip"]["generation"] == "v6e" and rec["cost"]["fits_at_slots"]
