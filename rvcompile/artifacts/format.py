@@ -49,6 +49,9 @@ MIN_READABLE_FORMAT = 1
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-22", 1, "first format: 4096-byte header block, aligned sections, JSON manifest"),
+    ("2026-11-22", 1, "XLA manifest may carry xla.mesh (tensor parallelism: axis, size, the "
+                      "PartitionSpec of every weight array and KV pool) with header requirement "
+                      "min_devices; absent means one device, as before"),
     ("2026-11-22", 1, "XLA artifacts may carry an \"executables\" section and manifest "
                       "xla.precompiled: per TPU topology, serialized executables of every entry "
                       "point (offset, size, sha256), what a runtime must match (platform, device "

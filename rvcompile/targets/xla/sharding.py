@@ -10,7 +10,10 @@ inserts after the row-parallel O and down projections):
 - a layer with fewer KV heads than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
   k/v projections and pools whole on every device: each computes every KV head;
 - MoE experts: whole experts per device (split on the expert axis, values and scales), so
-  num_experts % tp == 0; the MoE lowering runs each device's experts and sums over TP_AXIS;
+  num_experts % tp == 0 (26B-A4B: 128 experts, 32 per device at tp=4). XLA partitions the
+  grouped matmuls (ragged_dot) by expert group: each device multiplies the rows routed to its
+  own experts and one all-reduce sums them (no expert weight moves; checked in the compiled
+  HLO of the oracle's MoE case: the only all-gathers are the [E] int32 group sizes);
 - everything else whole on every device: embeddings and the tied head, norms, the router,
   layer scalars, the per-layer-input (PLE) weights.
 Head and width counts that do not divide evenly are refused by `check_tp`, naming the field.

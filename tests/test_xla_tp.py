@@ -1,0 +1,278 @@
+"""Tensor parallelism on the XLA target (`--tp N`, targets/xla/sharding.py).
+
+- Same tokens: on 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, in a
+  subprocess, since the flag must be set before jax starts and the other tests keep one device),
+  xla-f32 builds of every oracle case at TP=1, 2 and 4 give the same greedy tokens, and logits
+  within float32 reduction-order rounding of the TP=1 build (the row-parallel O/down projections
+  sum their partial products in another order). Measured max abs logit difference vs TP=1 (logits
+  std ~1.2): see TP_LOGIT_BOUND.
+- The rules: which arrays split on which axis, KV heads fewer than devices stay whole, counts
+  that do not divide are refused naming the field; h100-fp8 refuses --tp.
+- The artifact: manifest xla.mesh, header min_devices, `rvcompile inspect`; a host with too few
+  devices is refused in one line before any weight is read.
+- The released 31B and 26B-A4B at a few layers export with --tp 4 (tpu-int8, no devices needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rvcompile.build import BuildOptions
+
+TPS = (1, 2, 4)
+CASES = ("dense", "k_eq_v", "kv_shared", "ple", "moe")
+OPTS = {"max_context": 128, "prefill_buckets": (32,), "slots": 2, "platforms": ("cpu",)}
+SEQ, PROMPT, N_NEW = 40, 12, 16
+# Measured max abs logit difference of TP=2 / TP=4 vs TP=1 over 40 positions: dense 8.6e-6,
+# moe 7.6e-6 (TP=2); a wrong split (a head or expert lost, a double-counted all-reduce) moves
+# logits by O(1).
+TP_LOGIT_BOUND = 5e-5
+
+
+def _child(ckpt: str, out: str, ids: list[int], prompt: list[int]) -> None:
+    """Runs in the 4-device subprocess: build and run TP=1, 2, 4; write logits and tokens."""
+    import jax
+
+    from rvcompile import runtime
+    from rvcompile.build import build_artifact
+
+    assert len(jax.devices()) == 4, jax.devices()
+    result = {}
+    for tp in TPS:
+        path = Path(out) / f"tp{tp}.rvp"
+        build_artifact(ckpt, path, BuildOptions("xla-f32", tp=tp, **OPTS), progress=False,
+                       log=lambda s: None)
+        m = runtime.load(path)
+        np.save(Path(out) / f"logits{tp}.npy", m.logits(ids))
+        res = m.generate(prompt, max_tokens=N_NEW, ignore_eos=True)
+        mesh = m.manifest["xla"].get("mesh")
+        result[tp] = {"tokens": res.token_ids, "mesh": mesh["size"] if mesh else None,
+                      "devices": len({d for w in m.executor.weights.values()
+                                      for d in w.sharding.device_set})}
+    print(json.dumps(result))
+
+
+def _four_devices(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=Path(__file__).parent)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
+    from oracle import random_token_ids
+
+    _, ckpt = oracle_dir(case)
+    ids = random_token_ids(SEQ, seed=21).tolist()
+    prompt = random_token_ids(PROMPT, seed=22).tolist()
+    env_cache = tmp_path / "cache"
+    p = _four_devices(str(ckpt), str(tmp_path), json.dumps(ids), json.dumps(prompt),
+                      str(env_cache))
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
+    ref = np.load(tmp_path / "logits1.npy")
+    assert result[1]["mesh"] is None and result[1]["devices"] == 1
+    for tp in TPS[1:]:
+        assert result[tp]["mesh"] == tp and result[tp]["devices"] == tp
+        assert result[tp]["tokens"] == result[1]["tokens"], f"tp={tp}"
+        diff = np.abs(np.load(tmp_path / f"logits{tp}.npy") - ref).max()
+        print(f"\n[measured] {case} tp={tp} vs tp=1: max abs logit difference {diff:.2e}")
+        assert diff <= TP_LOGIT_BOUND, f"{case} tp={tp}: {diff:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules
+
+
+def _ir(case_or_preset: str, target: str = "xla-f32", layers: int | None = None):
+    from rvcompile.build import lower_model
+    from rvcompile.checkpoint import load_model_source
+
+    source = load_model_source(case_or_preset, random_weights=True)
+    if layers:
+        cfg = source.config
+        source = replace(source, config=replace(cfg, num_layers=layers,
+                                                layer_kinds=cfg.layer_kinds[:layers]))
+    return lower_model(source, BuildOptions(target, max_context=256, prefill_buckets=(16, 64)),
+                       log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def tiny_ir():
+    return _ir("gemma-4-tiny", "tpu-int8")
+
+
+def test_split_rules(tiny_ir):
+    from rvcompile.targets.xla.program import cache_pools, plan_layout
+    from rvcompile.targets.xla.sharding import plan_tp
+
+    plan = plan_layout(tiny_ir)
+    two, four = plan_tp(tiny_ir, plan, 2), plan_tp(tiny_ir, plan, 4)
+    by_rel = {}
+    for sp in plan.stacked:
+        by_rel.setdefault(sp.rel, []).append(sp.key)
+
+    def spec(layout, rel):
+        return {tuple(layout.weights[k]) for k in by_rel[rel]}
+
+    col, row, whole = (None, "tp", None), (None, None, "tp"), (None, None, None)
+    assert spec(two, "self_attn.q_proj.weight") == {col}
+    assert spec(two, "self_attn.q_proj.weight.scale") == {(None, "tp")}
+    assert spec(two, "self_attn.o_proj.weight") == {row}
+    assert spec(two, "self_attn.o_proj.weight.scale") == {(None, None)}
+    assert spec(two, "mlp.gate_proj.weight") == spec(two, "mlp.up_proj.weight") == {col}
+    assert spec(two, "mlp.down_proj.weight") == {row}
+    assert spec(two, "experts.gate_up_proj") == {(None, "tp", None, None)}
+    assert spec(two, "experts.down_proj.scale") == {(None, "tp", None)}
+    assert spec(two, "router.proj.weight") == {whole}
+    assert spec(two, "per_layer_input_gate.weight") == {whole}
+    assert all(not any(two.weights[n]) for n in plan.globals_)  # embeddings, head, final norm
+    # KV heads: split where a layer has at least tp of them, whole (and computed on every
+    # device) where it has fewer.
+    kv = {tiny_ir.config.layers[plan.groups[sp.group].layer(0, sp.j)].num_kv_heads
+          for sp in plan.stacked if sp.rel == "self_attn.k_proj.weight"}
+    assert kv == {1, 2}, "the tiny preset should have layers with 1 and 2 KV heads"
+    for sp in plan.stacked:
+        if sp.rel != "self_attn.k_proj.weight":
+            continue
+        heads = tiny_ir.config.layers[plan.groups[sp.group].layer(0, sp.j)].num_kv_heads
+        assert tuple(two.weights[sp.key]) == (col if heads >= 2 else whole)
+        assert tuple(four.weights[sp.key]) == whole
+    for key, (_, _, block, _) in cache_pools(tiny_ir, plan).items():
+        assert tuple(two.pools[key]) == ((None, None, None, "tp", None) if block[1] >= 2
+                                         else (None,) * 5)
+
+
+@pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
+def test_uneven_split_refused(tiny_ir, tp, field):
+    from rvcompile.config import ConfigError
+    from rvcompile.targets.xla.sharding import check_tp
+
+    with pytest.raises(ConfigError, match=f"{field} 4 does not split over --tp {tp}"):
+        check_tp(tiny_ir.config, tp)
+
+
+def test_uneven_kv_heads_refused():
+    from rvcompile.config import ConfigError
+    from rvcompile.presets import get_preset
+    from rvcompile.targets.xla.sharding import check_tp
+
+    cfg = replace(get_preset("gemma-4-26B-A4B"), num_kv_heads=6, num_heads=12)
+    with pytest.raises(ConfigError, match="num_key_value_heads 6 does not split over --tp 4"):
+        check_tp(cfg, 4)
+    cfg = get_preset("gemma-4-26B-A4B")
+    with pytest.raises(ConfigError, match="num_global_key_value_heads 6 does not split"):
+        check_tp(replace(cfg, num_heads=24, num_global_kv_heads=6), 4)
+    check_tp(cfg, 4)  # 2 global KV heads < 4 devices: replicated, not refused
+
+
+# ---------------------------------------------------------------------------------------------
+# The artifact and the runtime
+
+
+def _rvcompile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "rvcompile"), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def tp2_artifact(tmp_path_factory) -> Path:
+    from rvcompile.build import build_artifact
+
+    out = tmp_path_factory.mktemp("tp") / "tiny-tp2.rvp"
+    build_artifact("gemma-4-tiny", out, BuildOptions("tpu-int8", tp=2, **OPTS),
+                   random_weights=True, progress=False, log=lambda s: None)
+    return out
+
+
+def test_manifest_records_the_mesh(tp2_artifact):
+    from rvcompile.artifacts import Artifact
+
+    with Artifact.open(tp2_artifact) as art:
+        mesh = art.manifest["xla"]["mesh"]
+        keys = {a["key"] for a in art.manifest["xla"]["weights"]}
+        pools = {p["key"] for p in art.manifest["xla"]["kv"]["pools"]}
+        assert art.header.requirements["min_devices"] == 2
+    assert (mesh["axis"], mesh["size"]) == ("tp", 2)
+    assert set(mesh["weights"]) == keys and set(mesh["pools"]) == pools
+    assert mesh["weights"]["embed_tokens.weight"] == [None, None]
+    assert any(spec == [None, "tp", None] for spec in mesh["weights"].values())
+    p = _rvcompile("inspect", str(tp2_artifact))
+    assert p.returncode == 0, p.stderr
+    line = next(s for s in p.stdout.splitlines() if s.startswith("mesh"))
+    assert "tp=2" in line
+    assert "self_attn.q_proj.weight" in p.stdout and "P(None, 'tp', None)" in p.stdout
+
+
+def test_too_few_devices_refused(tp2_artifact, tmp_path):
+    """This process has jax's default CPU device count (1, unless XLA_FLAGS says more)."""
+    import jax
+
+    from rvcompile import runtime
+    from rvcompile.artifacts import ArtifactError
+    from rvcompile.build import build_artifact
+
+    have = len(jax.local_devices())
+    path = tp2_artifact
+    if have >= 2:
+        path = tmp_path / "big.rvp"
+        build_artifact("gemma-4-tiny", path, BuildOptions("tpu-int8", tp=2 * have, **OPTS),
+                       random_weights=True, progress=False, log=lambda s: None)
+    need = 2 if have < 2 else 2 * have
+    with pytest.raises(ArtifactError, match=rf"^{path.name} needs {need} cpu devices "
+                                            rf"\(tp={need}\); this host has {have}$"):
+        runtime.load(path)
+
+
+def test_cli_refuses_tp_it_cannot_do(tmp_path):
+    out = tmp_path / "x.rvp"
+    for target, tp, needle in [("h100-fp8", 2, "runs on one GPU; --tp 2 is for the XLA"),
+                               ("xla-f32", 3, "num_attention_heads 4 does not split over --tp 3")]:
+        p = _rvcompile("build", "gemma-4-tiny", "--target", target, "--random-weights",
+                       "--tp", str(tp), "-o", str(out), "--max-context", "128",
+                       "--prefill-buckets", "32")
+        assert p.returncode == 2
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], p.stderr
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("preset", ["gemma-4-31B", "gemma-4-26B-A4B"])
+def test_released_models_export_with_tp4(preset):
+    """6 layers (one pattern period), tpu-int8, TP=4: every entry point exports with the mesh's
+    shardings; 31B splits all its KV pools (16 sliding / 4 global KV heads), 26B-A4B keeps its
+    2 global KV heads whole and splits its 128 experts 32 per device."""
+    from jax import export
+
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    ir = _ir(preset, "tpu-int8", layers=6)
+    low = lower_to_xla(ir, slots=2, prefill_buckets=(16, 64), platforms=("tpu",), tp=4)
+    mesh = low.manifest["mesh"]
+    for name in ("decode_2", "prefill_64"):
+        exp = export.deserialize(bytearray(low.programs[name]))
+        assert exp.nr_devices == 4
+    global_pool = next(p for p in low.manifest["kv"]["pools"] if p["kind"] == "full")
+    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp", None]
+    assert split == (preset == "gemma-4-31B")
+    assert all(s == [None, None, None, "tp", None] for k, s in mesh["pools"].items()
+               if next(p for p in low.manifest["kv"]["pools"] if p["key"] == k)["kind"]
+               == "sliding")
+    if preset == "gemma-4-26B-A4B":
+        experts = [s for k, s in mesh["weights"].items() if k.endswith("experts.gate_up_proj")]
+        assert experts and all(s == [None, "tp", None, None] for s in experts)
+
+
+if __name__ == "__main__":
+    os.environ["RVCOMPILE_CACHE"] = sys.argv[5]
+    _child(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]))
