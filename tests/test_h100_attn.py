@@ -64,7 +64,7 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window):
     cubin = compile_cubin(ad.SOURCE)
     b, nh, d = q.shape
     kh = k.shape[2]
-    fn = ctx.load_function(cubin, ad.entry(d, nh // kh))
+    fn = ctx.load_function(cubin, ad.entry(d, nh // kh, str(k.dtype)))
     combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
     keys = max(len(ad.visible_tokens(int(s), window)) for s in lens)
     splits = ad.num_splits(b, kh, keys, ctx.sm_count)
@@ -374,3 +374,160 @@ def test_attn_prefill_matches_reference(case) -> None:
     rel = np.linalg.norm(got - got_ref) / np.linalg.norm(got_ref)
     # bf16 mma with P (and K=V's K) split hi + lo, __expf: a bound set before any GPU run
     assert rel < 5e-5, rel
+
+
+
+# ---------------------------------------------------------------- FP8 KV cache (e4m3 pools)
+
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def to_e4m3(x) -> np.ndarray:
+    from rvcompile.targets.h100 import qkv_post
+
+    return qkv_post.to_pool(np.asarray(x).astype(np.float32), FP8)
+
+
+FP8_DECODE_CASES = [c for c in CASES if c[0] in (
+    "31B sliding, window wrapped", "31B full", "31B sliding, 3 sequences", "E4B sliding",
+    "tiny sliding, window 16", "oracle MQA full", "d64 group 4 sliding")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", FP8_DECODE_CASES,
+                         ids=[c[0] for c in FP8_DECODE_CASES])
+def test_attn_decode_fp8_matches_reference(name, batch, kv_heads, group, d, lens, window) -> None:
+    """The _fp8 entries on e4m3 pools: the same float32 math after an exact widening."""
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(f"fp8 {name}".encode()))
+    q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
+    k, v = to_e4m3(k), to_e4m3(v)
+    got = run_kernel(ctx, q, k, v, table, ring, lens_arr, window)
+    want = ad.reference(q, k, v, table, ring, lens_arr, window)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens", KEQV_CASES[:4],
+                         ids=[c[0] for c in KEQV_CASES[:4]])
+def test_attn_decode_keqv_fp8_matches_reference(name, batch, kv_heads, group, d, lens) -> None:
+    from rvcompile.config import RopeSpec
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(f"fp8 {name}".encode()))
+    q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
+    base = to_e4m3(base)
+    wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
+    cubin = compile_cubin(ad.SOURCE)
+    fn = ctx.load_function(cubin, ad.entry_keqv(d, group, "float8_e4m3fn"))
+    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
+    splits = ad.num_splits(batch, kv_heads, max(lens), ctx.sm_count)
+    nh = kv_heads * group
+    bufs = [ctx.upload(x) for x in (q, base, table, lens_arr, wk, inv_freq)]
+    acc, ml = ctx.alloc(batch * nh * splits * d * 4), ctx.alloc(batch * nh * splits * 8)
+    out = ctx.alloc(batch * nh * d * 4)
+    ctx.memset(out, 0xFF)
+    p = [ctypes.c_uint64(x.ptr) for x in bufs]
+    split = ad.split_geometry(batch, kv_heads, splits)
+    comb = ad.combine_geometry(batch, nh, d, splits)
+    ctx.launch(fn, split.grid, split.block, split.smem,
+               [p[0], p[1], p[2], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[3],
+                ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5], ctypes.c_uint64(acc.ptr),
+                ctypes.c_uint64(ml.ptr)])
+    ctx.launch(combine, comb.grid, comb.block, comb.smem,
+               [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
+                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)])
+    ctx.synchronize()
+    got = ctx.download(out, np.float32, (batch, nh, d))
+    for x in (*bufs, acc, ml, out):
+        ctx.free(x)
+    want = ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel
+
+
+FP8_PREFILL_CASES = [c for c in PREFILL_CASES if c[0] in (
+    "31B sliding, window 1024 wrapped", "31B full", "31B full K=V", "E4B sliding",
+    "oracle sliding, window 8 < block", "d32 group 2 sliding", "d64 group 4 K=V")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_PREFILL_CASES, ids=[c[0] for c in FP8_PREFILL_CASES])
+def test_attn_prefill_fp8_matches_reference(case) -> None:
+    ctx = h100_context()
+    window, keqv = case[6], case[8]
+    got_ref, _, args = _prefill_reference(case, np.random.default_rng(zlib.crc32(case[0].encode())),
+                                          kv_dtype=FP8)
+    if keqv:
+        q, base, wk, inv_freq, table, ring, pos = args
+        got = run_prefill_kernel(ctx, q, base, None, table, ring, pos, window, (wk, inv_freq))
+    else:
+        q, kp, vp, table, ring, pos = args
+        got = run_prefill_kernel(ctx, q, kp, vp, table, ring, pos, window)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - got_ref) / np.linalg.norm(got_ref)
+    assert rel < 5e-5, rel  # as the bf16 entries: e4m3 widens to bf16 exactly
+
+
+FP8_QKV_CASES = [  # (name, nh, kh, d, k_eq_v, window)
+    ("31B sliding", 32, 16, 256, False, 1024),
+    ("31B full K=V", 32, 4, 512, True, 0),
+    ("tiny sliding", 4, 2, 32, False, 16),
+    ("tiny full K=V", 4, 1, 64, True, 0),
+    ("d128 sliding, MQA", 8, 1, 128, False, 512),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,nh,kh,d,k_eq_v,window", FP8_QKV_CASES,
+                         ids=[c[0] for c in FP8_QKV_CASES])
+def test_qkv_post_fp8_writes_the_reference_bytes(name, nh, kh, d, k_eq_v, window) -> None:
+    """qkv_post's _fp8 entry: q as the bf16 entry, K/V rounded once to e4m3 (saturating). The
+    f32 values before rounding may differ from the reference's in the last bits (sincosf), so
+    a value lying on a rounding boundary may land one e4m3 step away: at most 0.1% of them."""
+    from rvcompile.targets.h100 import qkv_post
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = h100_context()
+    fn = ctx.load_function(compile_cubin(qkv_post.SOURCE), qkv_post.entry(d, "float8_e4m3fn"))
+    rng = np.random.default_rng(zlib.crc32(f"fp8 qkv {name}".encode()))
+    m, blk = 3, qkv_post.BLOCK
+    ring = window // blk + 1 if window else 200
+    pos = np.array([5, 3000 if window else 1500, 77], np.int32)
+    pool_blocks = m * ring + 3
+    table = rng.permutation(pool_blocks)[: m * ring].reshape(m, ring).astype(np.int32)
+    ld = qkv_post.row_width(nh, kh, d, k_eq_v)
+    qkv = rng.normal(0, 2, (m, ld)).astype(np.float32)
+    qkv[0, nh * d] = 5e4  # one huge raw k: its normalised value saturates only if w is large
+    wq, wk = rng.normal(1, 0.3, (2, d)).astype(np.float32)
+    wk[0] = 100.0  # so K's dim 0 exceeds 448 for row 0: the kernel saturates, never NaN
+    inv = (1e4 ** (-2.0 * np.arange(d // 2) / d)).astype(np.float32)
+    pool = np.full((pool_blocks, blk, kh, d), 0x7F, np.uint8).view(FP8)  # NaN poison
+    bufs = [ctx.upload(a) for a in (qkv, wq, wk, pos, inv, table, pool, pool)]
+    dq = ctx.alloc(m * nh * d * 2)
+    p = [ctypes.c_uint64(b.ptr) for b in bufs]
+    geo = qkv_post.launch_geometry(m, nh, kh, d)
+    ctx.launch(fn, geo.grid, geo.block, geo.smem,
+               [p[0], ctypes.c_int(ld), ctypes.c_int(nh), ctypes.c_int(kh), ctypes.c_int(d),
+                ctypes.c_int(int(k_eq_v)), p[1], p[2], p[3], p[4], ctypes.c_float(1e-6),
+                ctypes.c_uint64(dq.ptr), p[6], ctypes.c_uint64(0) if k_eq_v else p[7], p[5],
+                ctypes.c_int(ring), ctypes.c_int(ring)])
+    ctx.synchronize()
+    got_k = ctx.download(bufs[6], FP8, pool.shape)
+    got_v = ctx.download(bufs[7], FP8, pool.shape)
+    for b in (*bufs, dq):
+        ctx.free(b)
+    _, want_k, want_v = qkv_post.reference(qkv, nh, kh, d, k_eq_v, wq, wk, pos, inv, 1e-6,
+                                           pool, pool, table, ring, store_once=k_eq_v)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        differ = got.view(np.uint8) != want.view(np.uint8)
+        g, w = got[differ].astype(np.float32), want[differ].astype(np.float32)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0 ** -6))) - 3)
+        assert np.isfinite(g).all() and (np.abs(g - w) <= step).all()
+        assert differ.sum() <= max(1, 1e-3 * m * (kh * d)), differ.sum()
+    assert np.abs(want_k.astype(np.float32)).max() == 448.0 or k_eq_v

@@ -5,10 +5,12 @@ keys in its window (0 = all); scale 1.0. K=V layers (`entry_keqv`) keep one pool
 token's normalised base: V = base and K = rope(base * k_norm weight, t), derived while reading.
 
 Entries for head dims 32, 64, 128 (tiny test models), 256 and 512 (Gemma 4) and GQA groups 1, 2,
-4, 8, 16. A launch is the split kernel (`split_geometry`: a CTA of 128 threads per (split, KV
-head, sequence), writing part_acc f32 [B, nh, splits, D] and part_ml f32 [B, nh, splits, 2])
-then `attn_decode_combine` (`combine_geometry`: a CTA of D threads per (sequence, head), splits
-f32 weights of dynamic shared memory) into out f32 [B, nh, D] and optionally its bf16 copy.
+4, 8, 16, each for bf16 pools and (suffix `_fp8`, an FP8-KV build) e4m3 pools, which the kernel
+widens exactly to f32; the references read either dtype. A launch is the split kernel
+(`split_geometry`: a CTA of 128 threads per (split, KV head, sequence), writing part_acc f32
+[B, nh, splits, D] and part_ml f32 [B, nh, splits, 2]) then `attn_decode_combine`
+(`combine_geometry`: a CTA of D threads per (sequence, head), splits f32 weights of dynamic
+shared memory) into out f32 [B, nh, D] and optionally its bf16 copy.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ COMBINE_ENTRY = "attn_decode_combine"
 BLOCK = 16
 GROUPS = (1, 2, 4, 8, 16)
 HEAD_DIMS = (32, 64, 128, 256, 512)
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 SPLIT_THREADS = 128  # must match the kernel (WARPS * 32)
 
 
-def entry(head_dim: int, group: int) -> str:
+def entry(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
     if head_dim not in HEAD_DIMS or group not in GROUPS:
         raise ValueError(f"no decode attention kernel for head_dim {head_dim}, group {group}")
-    return f"attn_decode_d{head_dim}_g{group}"
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"no decode attention kernel for KV dtype {kv_dtype}")
+    return f"attn_decode_d{head_dim}_g{group}{'_fp8' if kv_dtype == 'float8_e4m3fn' else ''}"
 
 
-def entry_keqv(head_dim: int, group: int) -> str:
-    return entry(head_dim, group).replace("attn_decode_", "attn_decode_keqv_")
+def entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    return entry(head_dim, group, kv_dtype).replace("attn_decode_", "attn_decode_keqv_")
 
 
 def num_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int) -> int:

@@ -23,11 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from rvcompile.ir import ops
-from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS
+from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS, KV_DTYPES
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "attn_prefill.cu"
-KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
 def _suffix(kv_dtype: str) -> str:

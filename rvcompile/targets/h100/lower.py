@@ -3,16 +3,18 @@
 Input: the IR after cast_bf16, quantize_fp8 and the fusion passes. Each graph is walked in node
 order and every node becomes kernel launches over symbolic pointers (`Ref`); an attention
 cluster (q/k/v slices, norms, RoPE, KV writes, cache positions, attention) is recognised as a
-whole and becomes qkv_post + split-KV attention + combine. A residual + post-norm is emitted as
-`residual_rmsnorm`, and the RMSNorm that reads its result (the next pre-norm, across layer
-boundaries too) is folded into the same launch. Whatever has no kernel stops the build with a
-`LoweringError` naming the op and graph.
+whole and becomes qkv_post, then split-KV attention + combine for decode, or for a chunk of
+more than one row (prefill, logits) the flash-style attn_prefill. A residual + post-norm is
+emitted as `residual_rmsnorm`, and the RMSNorm that reads its result (the next pre-norm, across
+layer boundaries too) is folded into the same launch. Whatever has no kernel stops the build
+with a `LoweringError` naming the op and graph.
 
 Then the layout: weights packed (the members of a fused GEMV adjacent, so one launch reads
 them), constants, paged KV pools (per cache-owning layer: `slots * blocks` blocks of 16
 tokens; sliding layers a ring of window + chunk - 1 tokens rounded up to blocks; K=V layers one
-pool of normalised bases; KV-shared layers read their producer's), the io fields and the
-activations, planned per entry by liveness (memory_plan).
+pool of normalised bases; KV-shared layers read their producer's; bf16, or e4m3 (half the
+bytes) when the IR's caches are, in an FP8-KV build), the io fields and the activations,
+planned per entry by liveness (memory_plan).
 """
 
 from __future__ import annotations
@@ -204,6 +206,10 @@ class _Pool:
     kv_heads: int
     head_dim: int
     table_width: int
+    dtype: str  # "bfloat16" or "float8_e4m3fn" (an FP8-KV build)
+
+
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
 def _pools(ir: ModelIR) -> tuple[dict[int, _Pool], int, int]:
@@ -215,11 +221,13 @@ def _pools(ir: ModelIR) -> tuple[dict[int, _Pool], int, int]:
     ring = min(full, -(-(max(windows) + ir.max_chunk - 1) // BLOCK) + 1) if windows else 1
     pools = {}
     for c in ir.caches:
-        if c.dtype != "bfloat16":
+        if c.dtype not in KV_DTYPES:
             raise LoweringError(f"layer {c.layer}: KV cache dtype {c.dtype}; the H100 kernels "
-                                "keep bf16 caches (run cast_bf16)")
+                                "keep bf16 (cast_bf16) or e4m3 (kv_fp8) caches")
         pools[c.layer] = _Pool(c.layer, c.names, c.ring, c.kv_heads, c.head_dim,
-                               ring if c.ring else full)
+                               ring if c.ring else full, c.dtype)
+    if len({p.dtype for p in pools.values()}) > 1:
+        raise LoweringError("KV caches of different dtypes; one schedule keeps one")
     return pools, full, ring
 
 
@@ -674,7 +682,8 @@ class _EntryLowering:
                                                        if len(owner.names) == 2 else None)
         q_out = self.buffer(self.m * nh * d * 2)
         write_kv = not a.shared
-        self.emit(qkv_post.SOURCE, qkv_post.entry(d),
+        kv_dtype = owner.dtype
+        self.emit(qkv_post.SOURCE, qkv_post.entry(d, kv_dtype),
                   qkv_post.launch_geometry(self.m, nh, kh if write_kv else 0, d),
                   qkv.f32, _i32(qkv.cols), _i32(nh), _i32(kh if write_kv else 0), _i32(d),
                   _i32(a.k_eq_v), wq, wk, Ref("io", "positions"), inv_freq, _f32(a.eps), q_out,
@@ -686,11 +695,13 @@ class _EntryLowering:
         if self.kind != "decode" and self.m > 1:  # one sequence's chunk: flash-style kernel
             geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
             if a.k_eq_v:
-                self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh), geometry,
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh, kv_dtype),
+                          geometry,
                           q_out, k_pool, table, _i32(width), Ref("io", "positions"),
                           _i32(a.window), _i32(kh), _i32(self.m), wkv, inv_freq, out, out_bf16)
             else:
-                self.emit(attn_prefill.SOURCE, attn_prefill.entry(d, nh // kh), geometry,
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry(d, nh // kh, kv_dtype),
+                          geometry,
                           q_out, k_pool, v_pool, table, _i32(width), Ref("io", "positions"),
                           _i32(a.window), _i32(kh), _i32(self.m), out, out_bf16)
             return _Val(d, f32=out, bf16=out_bf16)
@@ -700,11 +711,12 @@ class _EntryLowering:
         part_ml = self.buffer(self.m * nh * splits * 2 * 4)
         geometry = attn_decode.split_geometry(self.m, kh, splits)
         if a.k_eq_v:
-            self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh), geometry,
+            self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh, kv_dtype),
+                      geometry,
                       q_out, k_pool, table, _i32(width), _i32(width), Ref("io", "seq_len"),
                       _i32(a.window), _i32(kh), wkv, inv_freq, part_acc, part_ml)
         else:
-            self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh), geometry,
+            self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh, kv_dtype), geometry,
                       q_out, k_pool, v_pool, table, _i32(width), _i32(width),
                       Ref("io", "seq_len"), _i32(a.window), _i32(kh), part_acc, part_ml)
         self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
@@ -956,7 +968,8 @@ def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) 
     kv_offset = offset
     pool_offsets: dict[tuple[int, int], int] = {}
     for layer, pool in sorted(pools.items()):
-        nbytes = slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim * 2
+        nbytes = (slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
+                  * numpy_dtype(pool.dtype).itemsize)
         for t in range(len(pool.names)):
             pool_offsets[(layer, t)] = offset
             offset = memory_plan.align(offset + nbytes)
@@ -1006,7 +1019,8 @@ def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) 
         constants_bytes=consts.size, kv_offset=kv_offset, io_offset=io_offset,
         io_bytes=io_bytes, slots=slots, max_context=ir.max_context, max_chunk=ir.max_chunk,
         vocab_size=ir.config.vocab_size,
-        kv=KvLayout(BLOCK, pool_bytes, "bfloat16", _kv_kinds(ir, pools, slots, full, ring)),
+        kv=KvLayout(BLOCK, pool_bytes, next(iter(pools.values())).dtype if pools else "bfloat16",
+                    _kv_kinds(ir, pools, slots, full, ring)),
         io=io, outputs=outputs, entries=resolved, cubins={})
     modules = tuple(sorted({x.module for e in resolved.values() for x in e.launches}))
     return H100Lowering(schedule, consts.data(),

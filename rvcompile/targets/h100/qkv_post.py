@@ -15,6 +15,9 @@ cache write. KV-shared layers launch only the nh q CTAs (geometry kv_heads=0).
 
 Head dims: `ENTRY` takes d % 256 == 0 (256, 512), `SMALL_ENTRY` d in (32, 64, 128), the tiny test
 models; both have this argument list, `entry(d)` picks one. Any M >= 1.
+FP8 KV (`entry(d, "float8_e4m3fn")`, the `_fp8` entries): the pools hold e4m3 and each K/V value
+is rounded once from its f32 value (nearest even, saturating at +-448: `to_pool`, as the IR's
+KV_WRITE does for a float8_e4m3fn cache).
 """
 
 from __future__ import annotations
@@ -32,12 +35,26 @@ SMALL_HEAD_DIMS = (32, 64, 128)
 BLOCK = 16  # tokens per cache block, as in attn_decode
 
 
-def entry(d: int) -> str:
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def entry(d: int, kv_dtype: str = "bfloat16") -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"qkv_post has no entry for KV dtype {kv_dtype}")
+    suffix = "_fp8" if kv_dtype == "float8_e4m3fn" else ""
     if d in SMALL_HEAD_DIMS:
-        return SMALL_ENTRY
+        return SMALL_ENTRY + suffix
     if d in (256, 512):
-        return ENTRY
+        return ENTRY + suffix
     raise ValueError(f"qkv_post has no entry for head dim {d} (32, 64, 128, 256 or 512)")
+
+
+def to_pool(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 values rounded to a pool's dtype as the kernel stores them."""
+    x = np.asarray(x, np.float32)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.float8_e4m3fn):
+        x = np.clip(x, -ops.FP8_MAX, ops.FP8_MAX)
+    return x.astype(dtype)
 
 
 def row_width(nh: int, kh: int, d: int, k_eq_v: bool) -> int:
@@ -67,10 +84,10 @@ def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, in
             if p >= 0:
                 blk = table[b, (p // BLOCK) % ring]
                 if store_once:
-                    k_pool[blk, p % BLOCK] = v[b].astype(ml_dtypes.bfloat16)
+                    k_pool[blk, p % BLOCK] = to_pool(v[b], k_pool.dtype)
                     continue
-                k_pool[blk, p % BLOCK] = k[b].astype(ml_dtypes.bfloat16)
-                v_pool[blk, p % BLOCK] = v[b].astype(ml_dtypes.bfloat16)
+                k_pool[blk, p % BLOCK] = to_pool(k[b], k_pool.dtype)
+                v_pool[blk, p % BLOCK] = to_pool(v[b], v_pool.dtype)
     return q_out.astype(ml_dtypes.bfloat16), k_pool, v_pool
 
 

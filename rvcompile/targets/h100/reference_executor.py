@@ -111,9 +111,14 @@ def _gemv_bf16(dev, launch: Launch, w, x, y, m, n, k):
     dev.view(y, F32, (m, n))[:] = dev.view(x, BF16, (m, k)).astype(F32) @ wv.T
 
 
-def _pool(dev, ptr, kh, d, table) -> np.ndarray:
+def _pool(dev, ptr, kh, d, table, kernel: str) -> np.ndarray:
+    """A KV pool as the kernel reads it: e4m3 for the `_fp8` entries (FP8-KV), else bf16."""
     blocks = int(np.max(table)) + 1
-    return dev.view(ptr, BF16, (blocks, attn_decode.BLOCK, kh, d))
+    return dev.view(ptr, _pool_dtype(kernel), (blocks, attn_decode.BLOCK, kh, d))
+
+
+def _pool_dtype(kernel: str):
+    return ml_dtypes.float8_e4m3fn if kernel.endswith("_fp8") else BF16
 
 
 def _qkv_post(dev, launch: Launch, qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,
@@ -121,9 +126,9 @@ def _qkv_post(dev, launch: Launch, qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions
     m = launch.grid[1]
     tab = dev.view(table, I32, (m, max_blocks))
     pos = dev.view(positions, I32, (m,))
-    dummy = np.zeros((1, attn_decode.BLOCK, max(kh, 1), d), BF16)
-    kp = _pool(dev, k_pool, kh, d, tab) if kh else dummy
-    vp = _pool(dev, v_pool, kh, d, tab) if kh and v_pool else dummy
+    dummy = np.zeros((1, attn_decode.BLOCK, max(kh, 1), d), _pool_dtype(launch.kernel))
+    kp = _pool(dev, k_pool, kh, d, tab, launch.kernel) if kh else dummy
+    vp = _pool(dev, v_pool, kh, d, tab, launch.kernel) if kh and v_pool else dummy
     q, k_new, v_new = qkv_post.reference(
         dev.view(qkv, F32, (m, ld)), nh, kh, d, bool(k_eq_v), dev.view(wq, F32, (d,)),
         dev.view(wk, F32, (d,)) if wk else None, pos, dev.view(inv_freq, F32, (d // 2,)), eps,
@@ -151,8 +156,9 @@ def _attn(dev, launch: Launch, q, kc, vc, table, max_blocks, ring, seq_len, wind
     d, g = _dims(launch.kernel)
     nh = kh * g
     tab = dev.view(table, I32, (m, max_blocks))
-    out = attn_decode.reference(dev.view(q, BF16, (m, nh, d)), _pool(dev, kc, kh, d, tab),
-                                _pool(dev, vc, kh, d, tab), tab, ring,
+    out = attn_decode.reference(dev.view(q, BF16, (m, nh, d)),
+                                _pool(dev, kc, kh, d, tab, launch.kernel),
+                                _pool(dev, vc, kh, d, tab, launch.kernel), tab, ring,
                                 dev.view(seq_len, I32, (m,)), window)
     _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml)
 
@@ -163,7 +169,8 @@ def _attn_keqv(dev, launch: Launch, q, base, table, max_blocks, ring, seq_len, w
     d, g = _dims(launch.kernel)
     nh = kh * g
     tab = dev.view(table, I32, (m, max_blocks))
-    out = attn_decode.reference_keqv(dev.view(q, BF16, (m, nh, d)), _pool(dev, base, kh, d, tab),
+    out = attn_decode.reference_keqv(dev.view(q, BF16, (m, nh, d)),
+                                     _pool(dev, base, kh, d, tab, launch.kernel),
                                      tab, ring, dev.view(seq_len, I32, (m,)), window,
                                      dev.view(wk, F32, (d,)), dev.view(inv_freq, F32, (d // 2,)))
     _write_partials(dev, out, m, nh, splits, d, part_acc, part_ml)
@@ -173,8 +180,9 @@ def _attn_prefill(dev, launch: Launch, q, kc, vc, table, ring, positions, window
                   out_bf16):
     d, g = _dims(launch.kernel)
     tab = dev.view(table, I32, (1, ring))
-    res = attn_prefill.reference(dev.view(q, BF16, (m, kh * g, d)), _pool(dev, kc, kh, d, tab),
-                                 _pool(dev, vc, kh, d, tab), tab, ring,
+    res = attn_prefill.reference(dev.view(q, BF16, (m, kh * g, d)),
+                                 _pool(dev, kc, kh, d, tab, launch.kernel),
+                                 _pool(dev, vc, kh, d, tab, launch.kernel), tab, ring,
                                  dev.view(positions, I32, (m,)), window)
     _write_out(dev, res, out, out_bf16)
 
@@ -184,7 +192,7 @@ def _attn_prefill_keqv(dev, launch: Launch, q, base, table, ring, positions, win
     d, g = _dims(launch.kernel)
     tab = dev.view(table, I32, (1, ring))
     res = attn_prefill.reference_keqv(dev.view(q, BF16, (m, kh * g, d)),
-                                      _pool(dev, base, kh, d, tab), tab, ring,
+                                      _pool(dev, base, kh, d, tab, launch.kernel), tab, ring,
                                       dev.view(positions, I32, (m,)), window,
                                       dev.view(wk, F32, (d,)), dev.view(inv_freq, F32, (d // 2,)))
     _write_out(dev, res, out, out_bf16)
@@ -360,6 +368,8 @@ _REFS = {
     "gemv_bf16": _gemv_bf16,
     qkv_post.ENTRY: _qkv_post,
     qkv_post.SMALL_ENTRY: _qkv_post,
+    qkv_post.entry(256, "float8_e4m3fn"): _qkv_post,
+    qkv_post.entry(32, "float8_e4m3fn"): _qkv_post,
     attn_decode.COMBINE_ENTRY: _combine,
     gelu_mul.ENTRY: _gelu_mul,
     rows.SELECT_ENTRY: _select_row,

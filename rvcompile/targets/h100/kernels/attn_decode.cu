@@ -12,7 +12,11 @@
 // heads are spread over HS warps (HS = G*VEC/64) and the remaining 4/HS warps split the keys.
 // Head dims: 256 and 512 (Gemma 4) read a row share as 16-byte chunks; 32, 64 and 128 (the tiny
 // test models) as one narrower load of VEC bf16 per lane. Groups: 1, 2, 4, 8, 16.
+// The _fp8 entries read e4m3 pools (an FP8-KV build): one load of VEC bytes per lane and row,
+// widened exactly to f32; everything after is the bf16 entries' math.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace {
@@ -39,20 +43,46 @@ __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]
     }
 }
 
+// VEC e4m3 bytes -> f32 (exact: e4m3 -> f16 is)
+template <int VEC>
+__device__ __forceinline__ void load_fp8(const unsigned char* p, float out[VEC]) {
+    if constexpr (VEC == 1) {
+        out[0] = __half2float(__half(__nv_cvt_fp8_to_halfraw(p[0], __NV_E4M3)));
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC / 2; ++j) {
+            const __nv_fp8x2_storage_t pair =
+                *reinterpret_cast<const __nv_fp8x2_storage_t*>(p + 2 * j);
+            const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+            out[2 * j] = f.x;
+            out[2 * j + 1] = f.y;
+        }
+    }
+}
+
 // The raw type of one lane's share of a K/V row: 16-byte chunks from D = 256 up (VEC >= 8),
-// else a single load of exactly VEC bf16 (D = 128, 64, 32).
-template <int VEC> struct LaneShare { using type = uint4; };
+// else a single load of exactly VEC bf16 (D = 128, 64, 32). FP8: one load of VEC bytes.
+template <int VEC, bool FP8 = false> struct LaneShare { using type = uint4; };
 template <> struct LaneShare<4> { using type = uint2; };
 template <> struct LaneShare<2> { using type = uint32_t; };
 template <> struct LaneShare<1> { using type = uint16_t; };
+template <> struct LaneShare<16, true> { using type = uint4; };
+template <> struct LaneShare<8, true> { using type = uint2; };
+template <> struct LaneShare<4, true> { using type = uint32_t; };
+template <> struct LaneShare<2, true> { using type = uint16_t; };
+template <> struct LaneShare<1, true> { using type = uint8_t; };
+
+// a pool element: bf16, or an e4m3 byte (FP8)
+template <bool FP8> struct Elem { using type = __nv_bfloat16; };
+template <> struct Elem<true> { using type = unsigned char; };
 
 // KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
 // K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
 // at the same register index (D/2 = 16 lanes * VEC dims for every head dim).
-template <int D, int G, bool KEQV>
+template <int D, int G, bool KEQV, bool FP8>
 __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
-                             const __nv_bfloat16* __restrict__ kc,
-                             const __nv_bfloat16* __restrict__ vc,
+                             const typename Elem<FP8>::type* __restrict__ kc,
+                             const typename Elem<FP8>::type* __restrict__ vc,
                              const int* __restrict__ table, int max_blocks, int ring,
                              const int* __restrict__ seq_len, int window, int kv_heads,
                              const float* __restrict__ wk, const float* __restrict__ inv_freq,
@@ -84,8 +114,8 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
     // UNROLL keys' K and V rows are loaded (packed bf16) before any is used, so several
     // loads per lane are in flight instead of one.
     constexpr int UNROLL = VEC == 16 ? 2 : 4;
-    constexpr int CH = VEC >= 8 ? VEC / 8 : 1;  // loads per lane per row
-    using Raw = typename LaneShare<VEC>::type;
+    constexpr int CH = (VEC >= 8 && !FP8) ? VEC / 8 : 1;  // loads per lane per row
+    using Raw = typename LaneShare<VEC, FP8>::type;
     float wkr[KEQV ? VEC : 1], invf[KEQV ? VEC : 1];
     if constexpr (KEQV) {
 #pragma unroll
@@ -115,7 +145,11 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
         for (int u = 0; u < UNROLL; ++u) {
             if (t0 + u * KP >= s1) break;
             float k[VEC], v[VEC];
-            load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
+            if constexpr (FP8) {
+                load_fp8<VEC>(reinterpret_cast<const unsigned char*>(kraw[u]), k);
+            } else {
+                load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
+            }
             if constexpr (KEQV) {
                 const float tpos = (float)(t0 + u * KP);
 #pragma unroll
@@ -127,6 +161,8 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                     if (invf[i] != 0.f) sincosf(__fmul_rn(tpos, invf[i]), &sn, &cs);
                     k[i] = kw * cs + (lane < 16 ? -partner : partner) * sn;
                 }
+            } else if constexpr (FP8) {
+                load_fp8<VEC>(reinterpret_cast<const unsigned char*>(vraw[u]), v);
             } else {
                 load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
             }
@@ -186,21 +222,25 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
 }
 }  // namespace
 
-#define ATTN_ENTRY(D, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G(          \
-        const __nv_bfloat16* q, const __nv_bfloat16* kc, const __nv_bfloat16* vc,             \
+#define ATTN_ENTRIES(D, G, SUFFIX, FP8)                                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G##SUFFIX(  \
+        const __nv_bfloat16* q, const Elem<FP8>::type* kc, const Elem<FP8>::type* vc,         \
         const int* table, int max_blocks, int ring, const int* seq_len, int window,           \
         int kv_heads, float* part_acc, float* part_ml) {                                      \
-        attn_partial<D, G, false>(q, kc, vc, table, max_blocks, ring, seq_len, window,         \
-                                  kv_heads, nullptr, nullptr, part_acc, part_ml);              \
+        attn_partial<D, G, false, FP8>(q, kc, vc, table, max_blocks, ring, seq_len, window,    \
+                                       kv_heads, nullptr, nullptr, part_acc, part_ml);         \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_keqv_d##D##_g##G(     \
-        const __nv_bfloat16* q, const __nv_bfloat16* base, const int* table, int max_blocks,  \
-        int ring, const int* seq_len, int window, int kv_heads, const float* wk,             \
-        const float* inv_freq, float* part_acc, float* part_ml) {                             \
-        attn_partial<D, G, true>(q, base, nullptr, table, max_blocks, ring, seq_len, window,   \
-                                 kv_heads, wk, inv_freq, part_acc, part_ml);                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        attn_decode_keqv_d##D##_g##G##SUFFIX(                                                   \
+            const __nv_bfloat16* q, const Elem<FP8>::type* base, const int* table,             \
+            int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
+            const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {         \
+        attn_partial<D, G, true, FP8>(q, base, nullptr, table, max_blocks, ring, seq_len,       \
+                                      window, kv_heads, wk, inv_freq, part_acc, part_ml);      \
     }
+#define ATTN_ENTRY(D, G)            \
+    ATTN_ENTRIES(D, G, , false)     \
+    ATTN_ENTRIES(D, G, _fp8, true)
 ATTN_ENTRY(32, 1)
 ATTN_ENTRY(32, 2)
 ATTN_ENTRY(32, 4)

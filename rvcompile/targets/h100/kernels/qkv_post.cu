@@ -11,6 +11,8 @@
 // slot(m, pos) = (table[m, (pos / 16) % ring], pos % 16) in pools [blocks, 16, kh, d] (the
 // layout of attn_decode.cu). pos = positions[m]; pos < 0 skips the cache writes (idle row).
 // Launch grid (nh, M) for KV-shared layers: then only q is written.
+// The _fp8 entries keep e4m3 pools: each K/V value is rounded once, from f32, to the nearest
+// e4m3 (saturating at +-448) instead of to bf16; q_out stays bf16.
 //
 // Thread t owns dims 4t..4t+3 and their RoPE partners d/2 + 4t.. as float4 pairs, so d / 8
 // threads cover a head. Two entries with the same arguments:
@@ -20,6 +22,7 @@
 // Elementwise steps are rounded one by one (no FMA contraction), matching ops.ref_rmsnorm and
 // ops.ref_rope.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace {
@@ -52,6 +55,26 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const float o[4])
     *reinterpret_cast<uint2*>(p) = u;
 }
 
+// four values to e4m3 (round to nearest even, saturating), one 4-byte store
+__device__ __forceinline__ void store_fp8x4(unsigned char* p, const float o[4]) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(o[0], o[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(o[2], o[3]), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(p) = lo | (hi << 16);
+}
+
+// a pool element type: bf16, or e4m3 bytes (FP8)
+template <bool FP8> struct Pool { using type = __nv_bfloat16; };
+template <> struct Pool<true> { using type = unsigned char; };
+
+template <bool FP8>
+__device__ __forceinline__ void store4(typename Pool<FP8>::type* p, const float o[4]) {
+    if constexpr (FP8) {
+        store_fp8x4(p, o);
+    } else {
+        store_bf16x4(p, o);
+    }
+}
+
 __device__ __forceinline__ void to4(const float4 v, float o[4]) {
     o[0] = v.x;
     o[1] = v.y;
@@ -63,11 +86,11 @@ __device__ __forceinline__ float sq4(const float a[4]) {
     return a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
 }
 
-// normalise (x * r * w), rotate, and store both halves as bf16
+// normalise (x * r * w), rotate, and store both halves as bf16 (or e4m3: FP8)
+template <bool FP8, typename Out>
 __device__ __forceinline__ void norm_rope_store(const float lo[4], const float hi[4], float r,
                                                 const float* __restrict__ w, int t, int half,
-                                                const float c[4], const float s[4],
-                                                __nv_bfloat16* dst) {
+                                                const float c[4], const float s[4], Out* dst) {
     float wl[4], wh[4], ol[4], oh[4];
     to4(__ldg(reinterpret_cast<const float4*>(w) + t), wl);
     to4(__ldg(reinterpret_cast<const float4*>(w + half) + t), wh);
@@ -78,17 +101,18 @@ __device__ __forceinline__ void norm_rope_store(const float lo[4], const float h
         ol[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
         oh[i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
     }
-    store_bf16x4(dst + 4 * t, ol);
-    store_bf16x4(dst + half + 4 * t, oh);
+    store4<FP8>(dst + 4 * t, ol);
+    store4<FP8>(dst + half + 4 * t, oh);
 }
 
 // The whole kernel; PADDED: the CTA is one warp and lanes t >= d / 8 only join the sums.
-template <bool PADDED>
+// FP8: the pools hold e4m3.
+template <bool PADDED, bool FP8>
 __device__ __forceinline__ void qkv_post_head(
     const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,
     const float* __restrict__ wq, const float* __restrict__ wk, const int* __restrict__ positions,
     const float* __restrict__ inv_freq, float eps, __nv_bfloat16* __restrict__ q_out,
-    __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
+    typename Pool<FP8>::type* __restrict__ k_pool, typename Pool<FP8>::type* __restrict__ v_pool,
     const int* __restrict__ table, int max_blocks, int ring) {
     __shared__ float2 red[32];
     const int x = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = d / 2;
@@ -123,7 +147,7 @@ __device__ __forceinline__ void qkv_post_head(
     if (!live) return;
     const float r = 1.f / sqrtf(ss.x / (float)d + eps);
     if (is_q) {
-        norm_rope_store(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
+        norm_rope_store<false>(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
         return;
     }
     if (pos < 0) return;
@@ -137,26 +161,28 @@ __device__ __forceinline__ void qkv_post_head(
         oh[i] = __fmul_rn(vhi[i], rv);
     }
     if (v_pool == nullptr) {  // K=V stored once: the normalised base (= V); K is derived on read
-        store_bf16x4(k_pool + off + 4 * t, ol);
-        store_bf16x4(k_pool + off + half + 4 * t, oh);
+        store4<FP8>(k_pool + off + 4 * t, ol);
+        store4<FP8>(k_pool + off + half + 4 * t, oh);
         return;
     }
-    norm_rope_store(lo, hi, r, wk, t, half, c, s, k_pool + off);
-    store_bf16x4(v_pool + off + 4 * t, ol);
-    store_bf16x4(v_pool + off + half + 4 * t, oh);
+    norm_rope_store<FP8>(lo, hi, r, wk, t, half, c, s, k_pool + off);
+    store4<FP8>(v_pool + off + 4 * t, ol);
+    store4<FP8>(v_pool + off + half + 4 * t, oh);
 }
 }  // namespace
 
-#define QKV_POST_ENTRY(NAME, THREADS, PADDED)                                                   \
+#define QKV_POST_ENTRY(NAME, THREADS, PADDED, FP8)                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                 \
         const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,              \
         const float* __restrict__ wq, const float* __restrict__ wk,                            \
         const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,      \
-        __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_pool,                 \
-        __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,     \
+        __nv_bfloat16* __restrict__ q_out, Pool<FP8>::type* __restrict__ k_pool,               \
+        Pool<FP8>::type* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,   \
         int ring) {                                                                             \
-        qkv_post_head<PADDED>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,    \
-                              q_out, k_pool, v_pool, table, max_blocks, ring);                 \
+        qkv_post_head<PADDED, FP8>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq,     \
+                                   eps, q_out, k_pool, v_pool, table, max_blocks, ring);       \
     }
-QKV_POST_ENTRY(qkv_post, 64, false)
-QKV_POST_ENTRY(qkv_post_small, 32, true)
+QKV_POST_ENTRY(qkv_post, 64, false, false)
+QKV_POST_ENTRY(qkv_post_small, 32, true, false)
+QKV_POST_ENTRY(qkv_post_fp8, 64, false, true)
+QKV_POST_ENTRY(qkv_post_small_fp8, 32, true, true)
