@@ -369,3 +369,39 @@ def test_residual_rmsnorm_copy_kernel(model: str, m: int) -> None:
     assert np.isfinite(got_h).all()
     assert rel_l2(got_h, want_h) < 1e-5
     assert_bf16_close(got_y, want_y)
+
+
+# (M, N, K) of the GEMVs / prefill GEMMs PLE adds: the per-layer gate (N = P, K = H) and the
+# model projection (N = L * P, K = H) at E4B dims and the default model's (P = 8).
+PLE_LINEARS = [(1, 256, 2560), (3, 10752, 2560), (1, 8, 256), (4, 64, 256),
+               (37, 256, 2560), (64, 10752, 2560), (9, 8, 256), (33, 64, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", PLE_LINEARS)
+def test_ple_linears_on_the_fp8_gemv_and_gemm(m: int, n: int, k: int) -> None:
+    """The shapes the lowering sends to gemv_fp8 (M <= 4) or gemm_fp8w, against their
+    reference (f32 accumulation in another order)."""
+    from test_h100_gemm import check_against_reference, random_case, run_gemm
+
+    from rvcompile.targets.h100 import gemm_fp8w, gemv_fp8
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = h100_context()
+    w, scale, x = random_case(m, n, k)
+    if m > gemv_fp8.MAX_ROWS:
+        got = run_gemm(ctx, gemm_fp8w.launch_geometry(m, n, k, ctx.sm_count), w, scale, x)
+    else:
+        fn = ctx.load_function(compile_cubin(gemv_fp8.SOURCE), gemv_fp8.ENTRY)
+        g = gemv_fp8.launch_geometry(m, n, k, ctx.sm_count)
+        ctx.set_max_dynamic_smem(fn, g.smem)
+        bufs = [ctx.upload(a) for a in (w, scale, x)]
+        dy = _poisoned(ctx, m * n * 4)
+        ctx.launch(fn, g.grid, g.block, g.smem, [*(_p(b) for b in (*bufs, dy)),
+                                                 ctypes.c_int(m), ctypes.c_int(n),
+                                                 ctypes.c_int(k)])
+        ctx.synchronize()
+        got = ctx.download(dy, np.float32, (m, n))
+        for b in (*bufs, dy):
+            ctx.free(b)
+    check_against_reference(got, w, scale, x)
