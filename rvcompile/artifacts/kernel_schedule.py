@@ -70,7 +70,7 @@ class KvKindLayout:
 class KvLayout:
     block_size: int  # tokens per block
     pool_bytes: int  # all layers' pools together
-    kv_dtype: str
+    kv_dtype: str  # "bfloat16", or "float8_e4m3fn" (build --kv-dtype fp8: e4m3, no scale)
     kinds: tuple[KvKindLayout, ...]
 
 

@@ -113,8 +113,8 @@ class CacheSpec:
     kv_heads: int
     head_dim: int
     ring: bool  # sliding layers keep a ring of `size` >= window + longest prefill chunk - 1
-    dtype: str = "float32"  # "float32", "bfloat16", or "int8" (+ a float32 scale per slot and
-    # KV head: ops.Int8Cache)
+    dtype: str = "float32"  # "float32", "bfloat16", "float8_e4m3fn" (passes/kv_fp8), or "int8"
+    # (+ a float32 scale per slot and KV head: ops.Int8Cache)
 
 
 @dataclass(frozen=True)
