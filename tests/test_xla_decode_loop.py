@@ -1,15 +1,19 @@
 """The XLA target's device-side decode loop (decode_loop_{B}, Executor.decode_many) on the CPU: it
 must give bit for bit what decode_{B} called once per token gives (tokens and KV pools), greedy
 and with seeded sampling, ending lanes at their budgets and stop ids; and the engine, which uses
-it when nothing waits to join the batch, must give the same generations as without it.
+it when nothing waits to join the batch, must give the same generations as without it. First,
+on test_engine's fake executor (which checks every step's block tables against the true
+history): the blocks the engine allocates ahead of a loop call, under tight pools too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
+import test_engine as fake
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
@@ -19,6 +23,54 @@ from rvcompile.runtime.model import Model
 
 CONTEXT = 128
 STEPS = 16  # decode steps per decode_many call
+
+
+class LoopFake(fake.FakeExecutor):
+    """FakeExecutor with a decode loop: every step of every lane checked as a decode lane."""
+
+    decode_loop_steps = 5
+    decode_loop_stops = 4
+
+    def decode_many(self, lanes) -> list[list[int]]:
+        assert 0 < len(lanes) <= self.decode_width
+        self.calls.append(("loop", len(lanes), 0))
+        out = []
+        for lane in lanes:
+            assert 1 <= lane.budget <= self.decode_loop_steps
+            chunk, tokens = lane.chunk, []
+            while len(tokens) < lane.budget and not (tokens and tokens[-1] in lane.stop_ids):
+                tokens.append(self._run(chunk))
+                chunk = dataclasses.replace(chunk, tokens=[tokens[-1]], start=chunk.start + 1,
+                                            step=chunk.step + 1)
+            out.append(tokens)
+        return out
+
+
+@pytest.mark.parametrize("full,sliding", [(64, 16), (16, 6), (64, 5)])
+def test_engine_loop_on_the_fake_executor(full, sliding):
+    """Requests arrive in bursts; between them the engine runs loop calls. Every request gets
+    its reference tokens, the pools end whole, and loop calls ran."""
+    rng = random.Random(full + sliding)
+    ex = LoopFake(full, sliding)
+    eng = fake.engine(ex)
+    shared = [rng.randrange(2, fake.VOCAB) for _ in range(13)]
+    expected, outs = {}, {}
+    for i in range(24):
+        prompt = fake.random_prompt(rng, shared, rng.randrange(0, 30))
+        sampling = Sampling(0.8, 0, 1.0, rng.randrange(100)) if i % 3 == 0 else Sampling()
+        max_tokens = rng.randrange(1, fake.CONTEXT - len(prompt))
+        eng.add(Request(str(i), prompt, max_tokens, sampling, (), True))
+        expected[str(i)] = fake.reference(prompt, max_tokens, sampling)
+        for _ in range(rng.randrange(12)):
+            for o in eng.step():
+                outs.setdefault(o.id, []).append(o)
+    for rid, more in fake.drain(eng).items():
+        outs.setdefault(rid, []).extend(more)
+    for rid, want in expected.items():
+        assert fake.tokens_of(outs[rid]) == want, rid
+        assert outs[rid][-1].finish_reason == "length"
+    assert any(entry == "loop" for entry, *_ in ex.calls)
+    fake.assert_pools_whole(eng)
 
 
 @pytest.fixture(scope="module")

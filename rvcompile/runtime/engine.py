@@ -174,8 +174,9 @@ class Engine:
                 outputs.append(self._finish(self._live[rid], "abort", []))
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
-        if not inbox and self._can_loop(sched):
-            outputs += self._decode_loop(sched.decodes)
+        lanes = self._loop_lanes(sched) if not inbox else None
+        if lanes is not None:
+            outputs += self._decode_loop(sched.decodes, lanes)
             self.steps += 1
             return outputs
         done: list[tuple[Work, int]] = [(w, self.executor.prefill(w.chunk))
@@ -190,30 +191,30 @@ class Engine:
         self.steps += 1
         return outputs
 
-    def _can_loop(self, sched: Schedule) -> bool:
-        """Run this step's decodes as a device-side loop: the executor offers one, every running
-        sequence decodes, and no one waits to join the batch."""
-        return (decode_loop_steps(self.executor) > 0 and bool(sched.decodes)
-                and not sched.prefills and not sched.preempted and not self.scheduler.waiting
-                and len(sched.decodes) == len(self.scheduler.running)
-                and len(self.eos_ids) <= self.executor.decode_loop_stops)
-
-    def _decode_loop(self, decodes: list[Work]) -> list[RequestOutput]:
-        """Up to decode_loop_steps tokens per sequence in one executor call. Each lane's blocks
-        are allocated ahead for its budget (the rest of its max_tokens, at most one call's steps);
-        a lane whose blocks cannot be had gets budget 1, the block the scheduler reserved. The
-        tokens then go through advance/_emit one by one, as if from single decode steps, and
-        each request gets one RequestOutput for the whole call."""
+    def _loop_lanes(self, sched: Schedule) -> list[LoopLane] | None:
+        """This step's decodes as decode_many lanes, or None to run one decode step: when the
+        executor has no loop, someone else runs or waits to join, or the pools cannot hold
+        every lane's budget (the rest of its max_tokens, at most one call's steps), allocated
+        here ahead of the call (blocks a lane got before another's failed stay with it)."""
+        steps = decode_loop_steps(self.executor)
+        if (steps == 0 or not sched.decodes or sched.prefills or sched.preempted
+                or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
+                or len(self.eos_ids) > self.executor.decode_loop_stops):
+            return None
         lanes = []
-        for w in decodes:
+        for w in sched.decodes:
             live = self._live[w.seq.id]
-            budget = min(decode_loop_steps(self.executor),
-                         live.request.max_tokens - len(w.seq.output))
+            budget = min(steps, live.request.max_tokens - len(w.seq.output))
             if not self.kv.ensure(w.seq.blocks, w.seq.cached, w.seq.cached + budget):
-                budget = 1
+                return None
             stops = frozenset() if live.request.ignore_eos else self.eos_ids
             chunk = dataclasses.replace(w.chunk, tables=self.kv.tables(w.seq.blocks))
             lanes.append(LoopLane(chunk, budget, stops))
+        return lanes
+
+    def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane]) -> list[RequestOutput]:
+        """Run the lanes in one decode_many call. Their tokens go through advance/_emit one by
+        one, as if from single decode steps; each request gets one RequestOutput for the call."""
         outputs = []
         for w, lane, tokens in zip(decodes, lanes, self.executor.decode_many(lanes),
                                    strict=True):
