@@ -103,6 +103,14 @@ def test_grouped_references_compose_to_the_moe_op(dims) -> None:
         <= 2 ** -7 * np.abs(by_row.astype(np.float32)).max()
 
 
+def test_router_rows_reference_is_the_router_linear() -> None:
+    rng = np.random.default_rng(4)
+    z = rng.normal(size=(9, 64)).astype(BF16)
+    w = rng.normal(size=(8, 64)).astype(BF16)
+    want = ops.ref_linear(ops.LinearAttrs(role="router"), z.astype(np.float32), w)
+    assert np.abs(moe.router_rows_reference(z, w) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_sort_reference_is_stable_by_expert() -> None:
     ids = np.array([[3, 0], [0, 2], [3, 1]], np.int32)
     order, offsets = moe.sort_reference(ids, 5)
@@ -146,6 +154,7 @@ def test_geometry() -> None:
     assert moe.gate_up_grouped_geometry(e, i, h).grid == (22, 128, 1)  # 704 / 32 outputs
     assert moe.down_grouped_geometry(e, i, h).grid == (88, 128, 1)  # 2816 / 32
     assert moe.sum_pairs_geometry(37, h).grid == (3, 37, 1)
+    assert moe.router_rows_geometry(37, e, h).grid == (5, 1, 1)
     with pytest.raises(ValueError, match="moe_sort needs"):
         moe.sort_geometry(16, 257)
     assert moe.chosen_expert_bytes(k, i, h) == (8 * (1408 * 2816 + 1408 * 4),
@@ -160,7 +169,7 @@ def test_kernel_compiles(tmp_path) -> None:
     assert cubin[:4] == b"\x7fELF"
     for entry in (moe.NORMS_ENTRY, moe.ROUTE_ENTRY, moe.GATE_UP_ENTRY, moe.DOWN_ENTRY,
                   moe.BRANCH_SUM_ENTRY, moe.SORT_ENTRY, moe.GATE_UP_GROUPED_ENTRY,
-                  moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY):
+                  moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY, moe.ROUTER_ROWS_ENTRY):
         assert entry.encode() + b"\x00" in cubin
 
 
@@ -258,6 +267,7 @@ def test_26b_a4b_lowers() -> None:
     assert gate_up.block == (moe.WARPS * 32, 1, 1) and gate_up.args[5].value == 1  # M = 1
     prefill = [x.kernel for x in s.entries["prefill_64"].launches]
     assert prefill.count("moe_gate_up_grouped") == 6 and "moe_gate_up" not in prefill
+    assert prefill.count("moe_router_rows") == 6 and prefill.count("gemv_bf16") == 1  # the head
     assert [x.kernel for x in s.entries["prefill_16"].launches].count("moe_sort") == 6
     assert s.arena_bytes < 75e9
 
@@ -379,7 +389,7 @@ def test_norm_kernels(model: str, m: int) -> None:
 @pytest.mark.parametrize("model", sorted(DIMS))
 def test_grouped_expert_kernels(model: str, m: int) -> None:
     """The prefill path on the GPU: sort, grouped gate_up, grouped down (each from the
-    reference's own inputs), ordered sum."""
+    reference's own inputs), ordered sum, and the router linear of a chunk."""
     ctx = h100_context()
     h, e, k, i = DIMS[model]
     rng = np.random.default_rng(zlib.crc32(f"grouped{model}{m}".encode()))
@@ -409,6 +419,16 @@ def test_grouped_expert_kernels(model: str, m: int) -> None:
           _p(part), ctypes.c_int(i), ctypes.c_int(h)])
     _run(ctx, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, h),
          [_p(up["part_ref"]), _p(y), ctypes.c_int(k), ctypes.c_int(h)])
+    z = rng.normal(size=(m, h)).astype(BF16)
+    wr = rng.normal(size=(e, h)).astype(BF16)
+    dz, dwr, dlogits = ctx.upload(z), ctx.upload(wr), _poisoned(ctx, m * e * 4)
+    _run(ctx, moe.ROUTER_ROWS_ENTRY, moe.router_rows_geometry(m, e, h),
+         [_p(dz), _p(dwr), _p(dlogits), ctypes.c_int(m), ctypes.c_int(e), ctypes.c_int(h)])
+    logits = ctx.download(dlogits, np.float32, (m, e))
+    for b in (dz, dwr, dlogits):
+        ctx.free(b)
+    want_logits = moe.router_rows_reference(z, wr)
+    assert np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits) < 1e-5
     got_hid = ctx.download(hid, BF16, (p, i)).astype(np.float32)
     got_part = ctx.download(part, np.float32, (p, h))
     got_y = ctx.download(y, np.float32, (m, h))

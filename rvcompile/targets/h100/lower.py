@@ -586,7 +586,11 @@ class _EntryLowering:
                   w[t.router_scale], _f32(t.router_mul), w[t.expert_norm], z, x2, _i32(hdim),
                   _f32(t.eps))
         logits = self.buffer(m * experts * 4)
-        self.gemv(z, Ref("weights", router), None, logits, m, experts, hdim)
+        if m <= moe.MAX_ROWS:
+            self.gemv(z, Ref("weights", router), None, logits, m, experts, hdim)
+        else:
+            self.emit(moe.SOURCE, moe.ROUTER_ROWS_ENTRY, moe.router_rows_geometry(m, experts, hdim),
+                      z, Ref("weights", router), logits, _i32(m), _i32(experts), _i32(hdim))
         ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
         self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits,
                   w[t.per_expert_scale], ids, weights, _i32(experts), _i32(k))

@@ -26,6 +26,8 @@ the first pass):
         part[p] = wts[p] * the down projection of pair p's expert
     moe_sum_pairs(part, y [M, H], K, H)
         y[m] = part[m * K] + part[m * K + 1] + ... in order (deterministic)
+and its router linear is one launch (decode uses gemv_bf16):
+    moe_router_rows(z bf16 [M, H], Wr bf16 [E, H], logits f32 [M, E], M, E, H)
 Limits: H % 16 == 0, I % 16 == 0, H <= 8192 (the norms), E <= 256, 1 <= K <= min(E, 32).
 """
 
@@ -47,6 +49,7 @@ SORT_ENTRY = "moe_sort"
 GATE_UP_GROUPED_ENTRY = "moe_gate_up_grouped"
 DOWN_GROUPED_ENTRY = "moe_down_grouped"
 SUM_PAIRS_ENTRY = "moe_sum_pairs"
+ROUTER_ROWS_ENTRY = "moe_router_rows"
 NORM_THREADS = 512  # these must match the kernel
 WARPS = 8
 SORT_THREADS = 1024
@@ -114,6 +117,11 @@ def down_reference(d: np.ndarray, scale: np.ndarray, hid: np.ndarray, ids: np.nd
             e = int(ids[r, j])
             y[r] += weights[r, j] * ((_fp8(d[e]) @ hf[r, j]) * np.asarray(scale[e], np.float32))
     return y
+
+
+def router_rows_reference(z: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """logits f32 [M, E] = z bf16 [M, H] @ Wr bf16 [E, H]^T (the router LINEAR; gemv_bf16's)."""
+    return np.asarray(z).astype(np.float32) @ np.asarray(w).astype(np.float32).T
 
 
 def sort_reference(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -231,6 +239,14 @@ def down_grouped_geometry(experts: int, inter: int, h: int) -> Launch:
     """A CTA per (GROUP_N outputs, expert)."""
     _check_grouped_dims(inter, h)
     return Launch((-(-h // GROUP_N), experts, 1), (WARPS * 32, 1, 1), PAIRS * inter * 2)
+
+
+def router_rows_geometry(m: int, experts: int, h: int) -> Launch:
+    """A CTA per PAIRS rows, their z staged."""
+    if m < 1 or experts < 1 or h % 8:
+        raise ValueError(f"moe_router_rows needs M >= 1, E >= 1 and H % 8 == 0 (M={m}, "
+                         f"E={experts}, H={h})")
+    return Launch((-(-m // PAIRS), 1, 1), (WARPS * 32, 1, 1), PAIRS * h * 2)
 
 
 def sum_pairs_geometry(m: int, h: int) -> Launch:

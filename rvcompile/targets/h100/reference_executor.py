@@ -315,6 +315,11 @@ def _moe_down(dev, launch: Launch, d, scale, hid, ids, weights, y, m, k, inter, 
         dev.view(hid, BF16, (m, k, inter)), idv, dev.view(weights, F32, (m, k)))
 
 
+def _moe_router_rows(dev, launch: Launch, z, w, logits, m, experts, hdim):
+    dev.view(logits, F32, (m, experts))[:] = moe.router_rows_reference(
+        dev.view(z, BF16, (m, hdim)), dev.view(w, BF16, (experts, hdim)))
+
+
 def _moe_sort(dev, launch: Launch, ids, order, offsets, pairs, experts):
     got_order, got_offsets = moe.sort_reference(dev.view(ids, I32, (pairs,)), experts)
     dev.view(order, I32, (pairs,))[:] = got_order
@@ -387,6 +392,7 @@ _REFS = {
     moe.DOWN_ENTRY: _moe_down,
     moe.BRANCH_SUM_ENTRY: _moe_branch_sum,
     moe.SORT_ENTRY: _moe_sort,
+    moe.ROUTER_ROWS_ENTRY: _moe_router_rows,
     moe.GATE_UP_GROUPED_ENTRY: _moe_gate_up_grouped,
     moe.DOWN_GROUPED_ENTRY: _moe_down_grouped,
     moe.SUM_PAIRS_ENTRY: _moe_sum_pairs,

@@ -30,6 +30,9 @@
 //                 time, their x rows staged in shared memory.
 // moe_down_grouped: part[p, n] = wts[p] * (sd[e, n] * D[e, n] . hid[p]), likewise per expert.
 // moe_sum_pairs:  y[m, n] = sum over j in order of part[m * K + j, n] (deterministic).
+// moe_router_rows: logits[m, e] = z[m] . Wr[e] (bf16 [M, H] x bf16 [E, H] -> f32), the router
+//                 linear of a prefill chunk in one launch (decode uses gemv_bf16): a CTA per
+//                 PAIRS rows staged in shared memory, a warp per expert.
 // Elementwise steps round like the numpy references (no FMA contraction); dot products
 // accumulate in f32 in a different order. Contract: H % 16 == 0, I % 16 == 0, rows 16-byte
 // aligned, M <= 4 for moe_gate_up / moe_down.
@@ -523,4 +526,48 @@ moe_sum_pairs(const float* __restrict__ part, float* __restrict__ y, int K, int 
                         __fadd_rn(s.w, v.w));
     }
     reinterpret_cast<float4*>(y + (size_t)m * H)[c] = s;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_router_rows(const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ Wr,
+                float* __restrict__ logits, int M, int E, int H) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* zs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][H]
+    const int r0 = blockIdx.x * PAIRS, n = min(PAIRS, M - r0);
+    stage(zs, z + (size_t)r0 * H, n * H * 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = H / 8;  // 16-byte chunks of bf16
+    for (int e = warp; e < E; e += WARPS) {
+        const uint4* wr = reinterpret_cast<const uint4*>(Wr + (size_t)e * H);
+        float acc[PAIRS];
+#pragma unroll
+        for (int r = 0; r < PAIRS; ++r) acc[r] = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            const uint4 wv = __ldg(wr + c);
+            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+            float w[8];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 f = __bfloat1622float2(w2[q]);
+                w[2 * q] = f.x;
+                w[2 * q + 1] = f.y;
+            }
+#pragma unroll
+            for (int r = 0; r < PAIRS; ++r) {
+                const uint4 xv = reinterpret_cast<const uint4*>(zs + (size_t)r * H)[c];
+                const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 f = __bfloat1622float2(x2[q]);
+                    acc[r] = fmaf(w[2 * q], f.x, acc[r]);
+                    acc[r] = fmaf(w[2 * q + 1], f.y, acc[r]);
+                }
+            }
+        }
+        warp_sums(acc);
+#pragma unroll
+        for (int r = 0; r < PAIRS; ++r) {
+            if (lane == r && r < n) logits[(size_t)(r0 + r) * E + e] = acc[r];
+        }
+    }
 }
