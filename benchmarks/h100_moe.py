@@ -65,7 +65,8 @@ def main() -> None:
     cubin = compile_cubin(moe.SOURCE)
     fn = {e: ctx.load_function(cubin, e) for e in (
         moe.GATE_UP_ENTRY, moe.DOWN_ENTRY, moe.ROUTE_ENTRY, moe.SORT_ENTRY,
-        moe.GATE_UP_GROUPED_ENTRY, moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY)}
+        moe.GATE_UP_GROUPED_ENTRY, moe.DOWN_GROUPED_ENTRY, moe.SUM_PAIRS_ENTRY,
+        moe.ROUTER_ROWS_ENTRY)}
     rng = np.random.default_rng(0)
     h, e, k, i = HIDDEN, EXPERTS, TOP_K, INTER
     gate_up = [ctx.upload(random_fp8(rng, (e, 2 * i, h))) for _ in range(COPIES)]
@@ -181,13 +182,21 @@ def bench_prefill(ctx: CudaContext, fn: dict, w: Stacks, m: int, rng) -> None:
     gu_bytes, down_bytes = moe.chosen_expert_bytes(1, i, h)
     nbytes = (gu_bytes + down_bytes) * distinct
     flops = 2 * pairs * 3 * i * h
+    d_z = ctx.upload(rng.normal(size=(m, h)).astype(ml_dtypes.bfloat16))
+    d_wr = ctx.upload(rng.normal(size=(e, h)).astype(ml_dtypes.bfloat16))
+    d_logits = ctx.alloc(m * e * 4)
+    router = ((fn[moe.ROUTER_ROWS_ENTRY], moe.router_rows_geometry(m, e, h)),
+              [[ptr(d_z.ptr), ptr(d_wr.ptr), ptr(d_logits.ptr), c_int(m), c_int(e), c_int(h)]]
+              * n)
+    t_router = median_us(ctx, [router])
     t_sort = median_us(ctx, [sort])
     t = median_us(ctx, pipeline)
+    print(f"{m:>4} {'router_rows':12} {t_router:8.1f}")
     print(f"{m:>4} {'sort':12} {t_sort:8.1f}")
     print(f"{m:>4} {'all four':12} {t:8.1f}  {distinct:5.1f} experts {nbytes / t / 1e3:6.0f} GB/s "
           f"{flops / t / 1e6:6.1f} TFLOP/s", flush=True)
     ctx.synchronize()
-    for buf in (d_ids, d_x, d_w, d_order, d_offsets, d_hid, d_part, d_y):
+    for buf in (d_ids, d_x, d_w, d_order, d_offsets, d_hid, d_part, d_y, d_z, d_wr, d_logits):
         ctx.free(buf)
 
 
