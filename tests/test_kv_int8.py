@@ -38,6 +38,7 @@ from rvcompile.ir.ops import (
 from rvcompile.passes import cast_bf16, kv_int8, quantize_int8
 from rvcompile.presets import get_preset
 from rvcompile.targets.xla.program import SCALE_SUFFIX, cache_pools, kv_kinds, plan_layout
+from rvcompile.targets.xla.sharding import plan_tp
 
 MAX_CONTEXT = 64  # as test_passes: sliding rings of 8 + 16 - 1 slots, full caches of 64
 
@@ -153,7 +154,7 @@ def test_xla_int8_program_matches_reference(case_irs, monkeypatch):
     ring and `logits` (30 steps): 1.6e-5 at most until slot 1 met one such value at decode 5,
     then 0.005..0.024 in that slot; every argmax equal."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 1)
-    _, i8, weights = case_irs["all"]
+    _, i8, weights = case_irs["k_eq_v"]
     rows = _compare_xla(i8, weights)
     errs = [float(np.abs(x - r).max()) for _, x, r in rows]
     print(f"\nXLA int8 KV vs ReferenceModel: max abs per step {np.round(errs, 6).tolist()}")
@@ -268,6 +269,10 @@ def test_31b_at_128k_fits_a_v6e4():
     assert per_chip_weights + 4 * int8_seq < 11.3 * GIB < hbm
     assert int((hbm - per_chip_weights) // int8_seq) == 31
     assert int((hbm - per_chip_weights) // bf16_seq) == 15
+    pools = plan_tp(i8, plan_layout(i8), tp).pools  # the scales split by head like their pools
+    scale_keys = [k for k in pools if k.endswith(SCALE_SUFFIX)]
+    assert len(scale_keys) == 11  # 5 sliding layers' K and V, the full layer's K=V, per period
+    assert all(pools[k] == (None, None, None, "tp") for k in scale_keys)
 
 
 def test_kv_cache_option():
