@@ -492,7 +492,9 @@ class _EntryLowering:
                       self.h, x.bf16, ("i64", self.m * hdim))
             return
         launch = self.launches[self.pending.index]
-        args = (*launch.args[:4], x.bf16, *launch.args[6:])
+        if launch.kernel != norms.RESIDUAL_ENTRY:
+            raise LoweringError(f"a bf16 copy of h after {launch.kernel}")
+        args = (*launch.args[:4], x.bf16, *launch.args[6:])  # w_next and y -> the copy
         self.launches[self.pending.index] = _Launch(
             ple.SOURCE, ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim), args)
         self.pending = None
