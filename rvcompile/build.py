@@ -124,7 +124,7 @@ def kv_cache_choice(opts: BuildOptions, max_context: int) -> str:
                               f"{', '.join(KV_CACHE_CHOICES)}")
     xla = TARGETS[opts.target].lowering == "xla"
     if opts.kv_cache == "int8" and not xla:
-        raise CheckpointError(f"--kv-cache int8: target {opts.target} keeps a bf16 KV cache; "
+        raise CheckpointError(f"--kv-cache int8: target {opts.target} has no int8 KV cache; "
                               "int8 caches are for the XLA targets")
     if opts.kv_cache == "auto":
         long = max_context > INT8_KV_CONTEXT
