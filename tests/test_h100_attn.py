@@ -1,6 +1,9 @@
-"""Paged split-KV decode attention (targets/h100): reference semantics and the source's entry list
-on the CPU; on a GPU the kernel against the reference on fresh random inputs at real shapes,
-sliding windows wrapped, and at every small head dim (32, 64, 128: the tiny test models) x group.
+"""Paged attention kernels (targets/h100): split-KV decode (attn_decode) and flash-style prefill
+(attn_prefill), bf16 and e4m3 (FP8-KV) pools. On the CPU: reference semantics (prefill against
+direct float64 softmax attention and against the decode path) and the sources' entry lists; on a
+GPU each kernel against its reference on fresh random inputs at real shapes, sliding windows
+wrapped, and at every small head dim (32, 64, 128: the tiny test models) x group, plus
+qkv_post's e4m3 cache write.
 """
 
 from __future__ import annotations
