@@ -189,7 +189,7 @@ def quantize_kv_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.int8), scale
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Int8Cache:
     """The value of an "int8" KV cache: values [B, S, K, D] and a scale per slot and KV head
     [B, S, K]. `np.asarray` gives the dequantised float32 cache, which is what readers see."""
