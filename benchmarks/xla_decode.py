@@ -54,16 +54,29 @@ class PerStepOnly:
         return getattr(self._executor, name)
 
 
-def time_decode(m, prompt_len: int, new_tokens: int, seed: int, reps: int = 3) -> dict:
-    """Median of `reps` generations (after a warm-up one) of new_tokens after a random prompt."""
+def time_decode(models: dict, prompt_len: int, new_tokens: int, seed: int,
+                reps: int) -> list[dict]:
+    """Per mode, the median of `reps` generations (after a warm-up one) of new_tokens after a
+    random prompt. The modes take turns on each prompt, so load drifting on a shared machine
+    hits them alike; every round has a fresh prompt, so no engine gets a prefix-cache hit (the
+    modes' engines share the executor's pools)."""
     rng = np.random.default_rng(seed)
-    prompt = [2, *rng.integers(4, m.vocab_size, size=prompt_len - 1).tolist()]
-    m.generate(prompt, max_tokens=new_tokens, ignore_eos=True)  # warm-up at this length
-    runs = [m.generate(prompt, max_tokens=new_tokens, ignore_eos=True) for _ in range(reps)]
-    r = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]
-    return {"prompt_tokens": prompt_len, "new_tokens": len(r.token_ids),
-            "ttft_ms": r.ttft_s * 1e3, "decode_tok_s": r.decode_tok_s,
-            "ms_per_token": 1e3 / r.decode_tok_s}
+    vocab = next(iter(models.values())).vocab_size
+    runs: dict[str, list] = {mode: [] for mode in models}
+    for rep in range(reps + 1):
+        prompt = [2, *rng.integers(4, vocab, size=prompt_len - 1).tolist()]
+        for mode, m in models.items():
+            r = m.generate(prompt, max_tokens=new_tokens, ignore_eos=True)
+            if rep:  # the first round is the warm-up at this length
+                runs[mode].append(r)
+    out = []
+    for mode, rs in runs.items():
+        r = sorted(rs, key=lambda r: r.decode_tok_s)[len(rs) // 2]
+        out.append({"mode": mode, "prompt_tokens": prompt_len, "new_tokens": len(r.token_ids),
+                    "ttft_ms": r.ttft_s * 1e3, "decode_tok_s": r.decode_tok_s,
+                    "ms_per_token": 1e3 / r.decode_tok_s,
+                    "all_decode_tok_s": [x.decode_tok_s for x in rs]})
+    return out
 
 
 def main() -> None:
@@ -78,6 +91,7 @@ def main() -> None:
                    help="decode steps per device-side loop call (0: one call per token)")
     p.add_argument("--compare-loop", action="store_true",
                    help="also time one decode call per token and report both")
+    p.add_argument("--reps", type=int, default=3, help="timed generations per mode and prompt")
     p.add_argument("--bandwidth-gib", type=float, default=4.0,
                    help="size of the array the read bandwidth is measured on")
     p.add_argument("--json", required=True)
@@ -120,13 +134,12 @@ def main() -> None:
     if a.compare_loop and ex.decode_loop_steps:
         modes["per-step"] = runtime.Model(m.art, PerStepOnly(ex))
     report["runs"] = []
-    for mode, model in modes.items():
-        for n in (16, a.long_prompt):
-            r = {"mode": mode, **time_decode(model, n, a.new_tokens, seed=n)}
+    for n in (16, a.long_prompt):
+        for r in time_decode(modes, n, a.new_tokens, seed=n, reps=a.reps):
             r["fraction_of_roofline"] = roofline_ms / r["ms_per_token"]
             r["achieved_GBps"] = b.weight_bytes / r["ms_per_token"] / 1e6
             report["runs"].append(r)
-            print(f"{mode:>9} prompt {r['prompt_tokens']:5d}: {r['decode_tok_s']:.1f} tok/s "
+            print(f"{r['mode']:>9} prompt {r['prompt_tokens']:5d}: {r['decode_tok_s']:.1f} tok/s "
                   f"({r['ms_per_token']:.2f} ms/token, {r['achieved_GBps']:.1f} GB/s; roofline "
                   f"{roofline_ms:.2f} ms = {report['roofline_tok_s']:.1f} tok/s, "
                   f"{100 * r['fraction_of_roofline']:.0f}%) TTFT {r['ttft_ms']:.0f} ms",
