@@ -4,8 +4,9 @@ CPU:
 - the ple.cu references equal the IR ops they stand for (the embed graph's per-layer-input tail
   as lowering traces it, the layer's gelu(gate) * ple -> projection, the residual with a bf16
   copy), and ple.cu compiles;
-- the E2B and E4B presets lower to 13 launches per layer (the dense 10 with the post-FFN residual
-  writing bf16(h) for the gate, plus gate GEMV, ple_project, residual norm);
+- the E2B and E4B presets lower to 13 launches per decode layer (the dense 10 with the post-FFN
+  residual writing bf16(h) for the gate, plus gate GEMV, ple_project, residual norm); their
+  prefill chunks take ple_gelu_mul + the FP8 GEMM instead of ple_project;
 - "ple_keqv_shared" (the oracle's "all" case without MoE: K=V, KV sharing, PLE) against the
   transformers oracle (the "ple" case is in test_h100_schedule.FP8_BOUNDS), and its decode path
   against its own logits path;
@@ -99,6 +100,15 @@ def test_project_and_residual_copy_references_are_the_ir_ops() -> None:
     assert copy.dtype == BF16 and np.array_equal(copy.astype(np.float32), ops.to_bf16(h_new))
 
 
+def test_gelu_mul_reference_is_the_ir_mul() -> None:
+    rng = np.random.default_rng(2)
+    gate, ple_layer = rng.normal(0, 2, (2, 5, 16)).astype(np.float32)
+    got = ple.gelu_mul(gate, ple_layer)
+    assert got.dtype == BF16
+    want = ops.to_bf16(ops.ref_mul(None, ops.gelu_tanh(gate), ple_layer))
+    assert np.array_equal(got.astype(np.float32), want)
+
+
 def test_project_geometry_limits() -> None:
     assert ple.project_geometry(1, 2560, 256, 132).grid[1] == 1
     assert ple.project_geometry(9, 256, 8, 132).grid[1] == 3  # row tiles of ROWS
@@ -112,7 +122,7 @@ def test_ple_kernels_compile(tmp_path) -> None:
 
     cubin = compile_cubin(ple.SOURCE, cache_dir=tmp_path)
     assert cubin[:4] == b"\x7fELF"
-    for entry in (ple.TO_BF16_ENTRY, ple.COMBINE_ENTRY, ple.PROJECT_ENTRY,
+    for entry in (ple.TO_BF16_ENTRY, ple.COMBINE_ENTRY, ple.PROJECT_ENTRY, ple.GELU_MUL_ENTRY,
                   ple.RESIDUAL_COPY_ENTRY):
         assert entry.encode() + b"\x00" in cubin
 
@@ -147,7 +157,8 @@ def test_ple_presets_lower(preset, layers):
         assert [("attn" if k.startswith("attn_decode_d") else k) for k in got] == LAYER_KERNELS
     assert s.arena_bytes < 75e9
     prefill = [x.kernel for x in s.entries["prefill_64"].launches]
-    assert prefill.count("ple_project") == layers and "to_bf16" in prefill
+    assert "to_bf16" in prefill and "ple_project" not in prefill  # P = 256: through the GEMM
+    assert prefill.count("ple_gelu_mul") == layers
 
 
 # ---------------------------------------------------------------- CPU: whole models
@@ -342,6 +353,28 @@ def test_ple_project_kernel(model: str, m: int) -> None:
     tol = flips * per_product.max(-1) + 1e-5 * np.sqrt(np.mean(want ** 2, -1, keepdims=True))
     assert (np.abs(got - want) <= tol).all()
     assert rel_l2(got, want) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 64])
+@pytest.mark.parametrize("model", sorted(DIMS))
+def test_ple_gelu_mul_kernel(model: str, m: int) -> None:
+    ctx = h100_context()
+    fn = _function(ctx, ple.GELU_MUL_ENTRY)
+    _, layers, p = DIMS[model]
+    rng = np.random.default_rng(zlib.crc32(f"gelumul{model}{m}".encode()))
+    gate = rng.normal(0, 2, (m, p)).astype(np.float32)
+    ple_in = rng.normal(0, 1, (m, layers, p)).astype(np.float32)
+    dg, dp, out = ctx.upload(gate), ctx.upload(ple_in), _poisoned(ctx, m * p * 2)
+    g = ple.gelu_mul_geometry(m, p)
+    ctx.launch(fn, g.grid, g.block, g.smem, [_p(dg), _p(dp), ctypes.c_int(1),
+                                             ctypes.c_int(layers), _p(out), ctypes.c_int(m),
+                                             ctypes.c_int(p)])
+    ctx.synchronize()
+    got = ctx.download(out, BF16, (m, p))
+    for b in (dg, dp, out):
+        ctx.free(b)
+    assert_bf16_close(got, ple.gelu_mul(gate, ple_in[:, 1]))
 
 
 @pytest.mark.gpu

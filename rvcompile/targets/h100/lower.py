@@ -532,6 +532,14 @@ class _EntryLowering:
             raise LoweringError("the per-layer projection needs FP8 weights")
         hdim, p = self.specs[values[0]].shape
         y = self.buffer(self.m * hdim * 4)
+        if ple.use_gemm(self.m, p):
+            gated = self.buffer(self.m * p * 2)
+            self.emit(ple.SOURCE, ple.GELU_MUL_ENTRY, ple.gelu_mul_geometry(self.m, p),
+                      x.gate.f32, self.ple, _i32(x.layer), _i32(self.cfg.num_layers), gated,
+                      _i32(self.m), _i32(p))
+            self.gemv(gated, Ref("weights", values[0]), Ref("weights", scales[0]), y, self.m,
+                      hdim, p)
+            return _Val(hdim, f32=y)
         self.emit(ple.SOURCE, ple.PROJECT_ENTRY, ple.project_geometry(self.m, hdim, p, SM_COUNT),
                   x.gate.f32, self.ple, _i32(x.layer), _i32(self.cfg.num_layers),
                   Ref("weights", values[0]), Ref("weights", scales[0]), y, _i32(self.m),

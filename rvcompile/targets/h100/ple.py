@@ -14,6 +14,10 @@ Layer side, per layer (h += rmsnorm(W_proj (gelu(W_gate h) * ple[:, layer])) * w
 y f32 [M, N], M, N, P)`:
     y = (bf16(gelu_tanh(gate) * ple[:, layer]) @ W^T) * scale, the MUL and the output LINEAR
     in one launch for any P % 4 == 0 (the GEMVs need K % 16; the default model has P = 8).
+    It reads W once per ROWS token rows; chunks of more rows with P % 16 == 0 take ple_gelu_mul
+    and the FP8 prefill GEMM (gemm_fp8w) instead:
+`ple_gelu_mul(gate, ple, layer, L, out bf16 [M, P], M, P)`:
+    out = bf16(gelu_tanh(gate) * ple[:, layer]).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ TO_BF16_ENTRY = "to_bf16"
 COMBINE_ENTRY = "ple_combine"
 PROJECT_ENTRY = "ple_project"
 RESIDUAL_COPY_ENTRY = "residual_rmsnorm_copy"
+GELU_MUL_ENTRY = "ple_gelu_mul"
 WARPS = 8  # must match the kernel
 ROWS = 4  # token rows per ple_project CTA; must match the kernel
 CAST_THREADS = 256  # must match the kernel
@@ -52,11 +57,15 @@ def combine(ctx: np.ndarray, tok_rows: np.ndarray, w: np.ndarray, ctx_scale: flo
     return scale(ops.ScaleAttrs(out_scale), ops.ref_add(None, c, tok))
 
 
+def gelu_mul(gate: np.ndarray, ple_layer: np.ndarray) -> np.ndarray:
+    """gate f32 [M, P], ple_layer f32 [M, P] -> bf16 [M, P]."""
+    return to_bf16(ops.ref_mul(None, ops.gelu_tanh(np.asarray(gate, np.float32)), ple_layer))
+
+
 def project(gate: np.ndarray, ple_layer: np.ndarray, w_fp8: np.ndarray,
             scale: np.ndarray) -> np.ndarray:
     """gate f32 [M, P], ple_layer f32 [M, P], W e4m3 codes uint8 [N, P] -> f32 [M, N]."""
-    gated = ops.ref_mul(None, ops.gelu_tanh(np.asarray(gate, np.float32)), ple_layer)
-    return gemv_fp8.reference(w_fp8, scale, to_bf16(gated))
+    return gemv_fp8.reference(w_fp8, scale, gelu_mul(gate, ple_layer))
 
 
 def residual_copy(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
@@ -87,6 +96,17 @@ def project_geometry(m: int, n: int, p: int, sm_count: int) -> Launch:
     tiles = -(-m // ROWS)
     blocks = min(-(-n // WARPS), max(1, 4 * sm_count // tiles))
     return Launch((blocks, tiles, 1), (WARPS * 32, 1, 1), min(m, ROWS) * p * 2)
+
+
+def use_gemm(m: int, p: int) -> bool:
+    """Whether rows of per-layer input go through ple_gelu_mul and the FP8 GEMM."""
+    return m > ROWS and p % 16 == 0
+
+
+def gelu_mul_geometry(m: int, p: int) -> Launch:
+    if m < 1 or p < 1:
+        raise ValueError(f"ple_gelu_mul needs M, P >= 1 (M={m}, P={p})")
+    return Launch((-(-(m * p) // CAST_THREADS), 1, 1), (CAST_THREADS, 1, 1), 0)
 
 
 def residual_copy_geometry(m: int, h: int) -> Launch:

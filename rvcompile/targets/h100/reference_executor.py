@@ -273,6 +273,11 @@ def _ple_project(dev, launch: Launch, gate, ple_in, layer, layers, w, scale, y, 
         dev.view(w, np.uint8, (n, p)), dev.view(scale, F32, (n,)))
 
 
+def _ple_gelu_mul(dev, launch: Launch, gate, ple_in, layer, layers, out, m, p):
+    dev.view(out, BF16, (m, p))[:] = ple.gelu_mul(dev.view(gate, F32, (m, p)),
+                                                  dev.view(ple_in, F32, (m, layers, p))[:, layer])
+
+
 def _residual_copy(dev, launch: Launch, h, x, w_post, scalar, y, hdim, eps):
     m = launch.grid[0]
     hv = dev.view(h, F32, (m, hdim))
@@ -385,6 +390,7 @@ _REFS = {
     ple.TO_BF16_ENTRY: _to_bf16,
     ple.COMBINE_ENTRY: _ple_combine,
     ple.PROJECT_ENTRY: _ple_project,
+    ple.GELU_MUL_ENTRY: _ple_gelu_mul,
     ple.RESIDUAL_COPY_ENTRY: _residual_copy,
     moe.NORMS_ENTRY: _moe_norms,
     moe.ROUTE_ENTRY: _moe_route,

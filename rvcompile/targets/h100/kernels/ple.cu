@@ -9,6 +9,8 @@
 //                W e4m3 [N, P]; CTA = WARPS warps and up to ROWS token rows, the gated vector in
 //                shared memory, a warp per output row n reading W[n, :] once for those rows.
 //                Contract: P % 4 == 0 (4-byte weight loads).
+// ple_gelu_mul:  out[m, k] = bf16(gelu_tanh(gate[m, k]) * ple[m, layer, k]), the input of the
+//                prefill GEMM that replaces ple_project for longer chunks.
 // residual_rmsnorm_copy: h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]
 //                y[m, :] = bf16(h[m, :])   (the un-normed copy the per-layer gate reads)
 //                one CTA of NORM_THREADS per row, H % 4 == 0, H <= NORM_THREADS * 4 * NV.
@@ -144,6 +146,16 @@ ple_project(const float* __restrict__ gate, const float* __restrict__ ple, int l
         case 3: project_rows<3>(W, scale, vs, y, m0, N, P); break;
         case 4: project_rows<4>(W, scale, vs, y, m0, N, P); break;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+ple_gelu_mul(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
+             __nv_bfloat16* __restrict__ out, int M, int P) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M * P) return;
+    const int m = i / P, k = i % P;
+    const float p = __ldg(ple + ((size_t)m * L + layer) * P + k);
+    out[i] = __float2bfloat16_rn(__fmul_rn(gelu_tanh(__ldg(gate + i)), p));
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
