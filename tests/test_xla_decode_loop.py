@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import jax
 import numpy as np
 import pytest
 import test_engine as fake
@@ -20,6 +21,7 @@ from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk, decode_loop_steps
 from rvcompile.runtime.model import Model
+from rvcompile.runtime.xla_executor import BACKEND_PLATFORM
 
 CONTEXT = 128
 STEPS = 16  # decode steps per decode_many call
@@ -75,9 +77,11 @@ def test_engine_loop_on_the_fake_executor(full, sliding):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Model:
+    """Exported for the backend the tests run on: on a GPU machine the loop is checked there."""
     out = tmp_path_factory.mktemp("loop") / "tiny.rvp"
+    platform = BACKEND_PLATFORM[jax.default_backend()]
     build_artifact("gemma-4-tiny-dense", out, BuildOptions(
-        "tpu-bf16", max_context=CONTEXT, prefill_buckets=(16,), slots=2, platforms=("cpu",),
+        "tpu-bf16", max_context=CONTEXT, prefill_buckets=(16,), slots=2, platforms=(platform,),
         decode_loop_steps=STEPS),
                    random_weights=True, progress=False, log=lambda *a: None)
     return runtime.load(str(out), verify=False)
@@ -104,8 +108,6 @@ def _pools(ex) -> dict[str, np.ndarray]:
 
 
 def _restore(ex, pools) -> None:
-    import jax
-
     ex.caches = {k: jax.device_put(v) for k, v in pools.items()}
 
 
