@@ -7,8 +7,10 @@
 
 Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
 paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
-serve` drives from a background thread. Call generate and logits from one thread, and not while
-a server runs the engine.
+serve` drives from a background thread. Where the artifact has a device-side decode loop and
+nothing else runs, tokens come up to its decode_loop_steps at a time, so generate_stream yields
+in bursts of that many. Call generate and logits from one thread, and not while a server runs
+the engine.
 """
 
 from __future__ import annotations
