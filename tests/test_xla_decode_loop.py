@@ -173,6 +173,8 @@ def test_loop_equals_per_step_decode_bit_for_bit(model):
     _restore(ex, start)
     got = _looped(ex, chunks, budgets, frozenset({stop}))
     assert got == [want[0][:k + 1], want[1]]
+    with pytest.raises(ValueError, match="lane budget 17: decode_many runs 1 to 16 steps"):
+        ex.decode_many([LoopLane(chunks[0], STEPS + 1, frozenset())])
 
 
 class _PerStep:

@@ -251,6 +251,12 @@ class XlaExecutor:
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
         if len(lanes) > self.decode_width:
             raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        if not self.decode_loop_steps:
+            raise ValueError(f"{self.art.path.name} was built without a decode loop")
+        for lane in lanes:
+            if not 1 <= lane.budget <= self.decode_loop_steps:
+                raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
+                                 f"{self.decode_loop_steps} steps")
         w = self.decode_width
         chunks = [lane.chunk for lane in lanes]
         self.caches, tok, _ = self.fns[f"decode_loop_{w}"](
