@@ -324,8 +324,9 @@ class Program:
 
     def decode_loop(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
                     top_p, seed, step, stop_ids, budget, *, n_steps: int):
-        """decode_loop_{B}: up to `n_steps` decode steps in one call, each exactly the `step`
-        of decode_{B} (same shapes, so the same bits), feeding every lane its sampled token.
+        """decode_loop_{B}: up to `n_steps` decode steps in one call, each the `step` of
+        decode_{B} on the same shapes (tests/test_xla_decode_loop.py checks the bits on the
+        CPU), feeding every lane its sampled token.
         stop_ids [B, S] (-1 = none) and budget [B] (most tokens to sample) end a lane; an
         ended lane runs idle (n_new 0, writes nothing). The loop ends when every lane has ended
         or after n_steps. Each lane must own the blocks of positions [start, start + budget).
