@@ -228,12 +228,12 @@ def _check_topologies(opts: BuildOptions) -> None:
 
 def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log) -> tuple[bytes, dict]:
     """The "executables" section and manifest `xla.precompiled` of opts.topologies."""
+    from rvcompile.targets.xla.cost_report import query_per_kv, read_model
     from rvcompile.targets.xla.precompile import parse_topology, precompile_topologies
 
-    query_per_kv = max(ir.config.num_heads // s.num_kv_heads for s in ir.config.layers)
     return precompile_topologies(tuple(parse_topology(t) for t in opts.topologies),
                                  lowering.programs, lowering.manifest,
-                                 query_per_kv=query_per_kv, log=log)
+                                 query_per_kv=query_per_kv(ir), reads=read_model(ir), log=log)
 
 
 def _lower_xla(ir: ModelIR, opts: BuildOptions, log=print) -> _Lowered:

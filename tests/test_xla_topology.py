@@ -33,9 +33,12 @@ from rvcompile.targets.xla.cost_report import (
     CHIPS,
     DecodeFootprint,
     GiB,
+    ReadModel,
     cost_report,
     decode_footprint,
     estimate,
+    query_per_kv,
+    read_model,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,9 +88,10 @@ def test_build_refuses_topology_before_writing(tmp_path, monkeypatch):
 # ---- the cost report ----------------------------------------------------------------------
 
 FOOTPRINT = DecodeFootprint(
-    slots=4, weight_bytes=8 * GiB, weight_elements=8 * GiB, kv_bytes_per_lane=GiB // 4,
-    kv_elements_per_lane=GiB // 8, argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB,
-    temp_bytes=GiB // 2, xla_flops=1.0, xla_bytes_accessed=2.0)
+    slots=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
+    expert_elements=0, kv_bytes_per_lane=GiB // 4, kv_elements_per_lane=GiB // 8,
+    argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB, temp_bytes=GiB // 2,
+    xla_flops=1.0, xla_bytes_accessed=2.0)
 
 
 def test_estimate_is_a_roofline_per_device():
@@ -100,7 +104,7 @@ def test_estimate_is_a_roofline_per_device():
     assert b1["step_ms"] == pytest.approx(b1["bytes"] / 1640e9 * 1e3)
     assert b1["tok_s"] == pytest.approx(1 / (b1["bytes"] / 1640e9))
     assert b1["bound"] == "memory" and b1["fits"]
-    assert b1["hbm_need_bytes"] == b1["bytes"] + GiB // 2
+    assert b1["hbm_need_bytes"] == 9 * GiB + GiB // 4 + GiB // 2  # all weights are resident
     assert not rows[1024]["fits"]  # 1024 lanes of 1/4 GiB KV: 264 GiB
     short_kv = replace(FOOTPRINT, kv_bytes_per_lane=1024, kv_elements_per_lane=512)
     big = estimate(short_kv, v6e, query_per_kv=2, batches=(1024,))[-1]
@@ -110,6 +114,39 @@ def test_estimate_is_a_roofline_per_device():
     v5e = estimate(FOOTPRINT, CHIPS["v5e"], query_per_kv=2, batches=(1,))[0]
     assert v5e["tok_s"] == pytest.approx(b1["tok_s"] * 819 / 1640)
     assert CHIPS["v5e"].hbm_bytes == 16 * GiB and CHIPS["v6e"].hbm_bytes == 32 * GiB
+
+
+def test_estimate_reads_only_the_picked_experts():
+    moe = replace(FOOTPRINT, expert_bytes=16 * GiB, expert_elements=16 * GiB)
+    reads = ReadModel(experts=128, top_k=8)
+    assert reads.expert_fraction(1) == pytest.approx(8 / 128)
+    assert reads.expert_fraction(2) == pytest.approx(1 - (120 / 128) ** 2)
+    b1, b64 = estimate(moe, CHIPS["v6e"], query_per_kv=1, reads=reads, batches=(1, 64))[::2]
+    assert b1["bytes"] == round(8 * GiB + 16 * GiB * 8 / 128 + GiB // 4)
+    assert b1["flops"] == 2 * (8 * GiB + 16 * GiB * 8 / 128 + GiB // 8)
+    assert b64["bytes"] == round(8 * GiB + 16 * GiB * (1 - (120 / 128) ** 64) + 64 * GiB // 4)
+
+
+def test_read_model_of_the_ir():
+    from types import SimpleNamespace
+
+    from rvcompile.build import lower_model
+    from rvcompile.presets import get_preset
+
+    opts = BuildOptions(target="tpu-int8", max_context=64, prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny")), opts, lambda s: None)
+    reads = read_model(ir)
+    # the per-layer-input table is only gathered; embed_tokens is also the tied head
+    assert reads.gathered == {"embed_tokens_per_layer.weight",
+                              "embed_tokens_per_layer.weight.scale"}
+    cfg = ir.config
+    assert (reads.experts, reads.top_k) == (cfg.num_experts, cfg.top_k_experts) != (0, 0)
+    assert reads.kind("embed_tokens_per_layer.weight.scale") == "gathered"
+    assert reads.kind("g0.1.experts.gate_up_proj.scale") == "expert"
+    assert reads.kind("g0.1.router.per_expert_scale") == "dense"
+    assert reads.kind("embed_tokens.weight") == "dense"
+    assert query_per_kv(ir) == max(ir.config.num_heads // s.num_kv_heads
+                                   for s in ir.config.layers)
 
 
 def _toy_decode(weights, pools, x):
@@ -130,8 +167,10 @@ def test_decode_footprint_reads_the_compiled_arguments():
     compiled = jax.jit(_toy_decode, donate_argnums=(1,)).lower(
         weights, pools, sds((1, 64), jnp.float32)).compile()
     fp = decode_footprint(compiled, slots)
-    assert fp.weight_bytes == 64 * 32 + 32 * 4
-    assert fp.weight_elements == 64 * 32  # scales are not multiplied
+    assert fp.weight_bytes == fp.dense_bytes == 64 * 32 + 32 * 4
+    assert fp.dense_elements == 64 * 32  # scales are not multiplied
+    assert fp.expert_bytes == fp.expert_elements == 0
+    assert decode_footprint(compiled, slots, ReadModel(gathered=frozenset({"w"}))).dense_bytes == 0
     assert fp.kv_bytes_per_lane == 3 * 2 * slots * 16 * 2 * 8 * 2 // slots
     assert fp.kv_elements_per_lane == 3 * 2 * slots * 16 * 2 * 8 // slots
     assert fp.argument_bytes >= fp.weight_bytes + fp.kv_bytes_per_lane * slots
@@ -200,7 +239,7 @@ def _with_cpu_set(src: Path, dst: Path) -> dict:
         pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
         pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
                                          m["xla"]["slots"], CHIPS["v6e"], 2,
-                                         m["xla"]["max_context"])
+                                         m["xla"]["max_context"], ReadModel())
         data, records = precompile.executables_section([pre])
         manifest = {**m, "xla": {**m["xla"], "precompiled": records}}
         with ArtifactWriter(dst, art.header) as w:

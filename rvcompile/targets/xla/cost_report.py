@@ -7,14 +7,18 @@ bytes accessed, kept as reported). XLA's TPU cost analysis counts a `lax.scan` b
 once per iteration (measured: a 10-step scan of matmuls reports the flops of one step), and the
 layer groups are scans, so its totals are not used for the estimate.
 
-Estimate for B decode lanes, a roofline per device:
-  bytes(B) = weight bytes + B * KV bytes per lane (the program gathers every block of a lane's
-             table: the built context, whatever the sequence's length)
-  flops(B) = 2 * B * (weight elements + query_per_kv * KV elements per lane)
+Estimate for B decode lanes, a roofline per device. The weights a step reads (`ReadModel`):
+dense arrays whole; MoE expert arrays only the experts the B tokens pick (the lowering's
+ragged_dot reads each token's top-k experts: an expected fraction 1 - (1 - k/E)^B of them);
+gather-only tables (the per-layer-input embedding) a few rows, taken as none.
+  bytes(B) = dense + expert * fraction(B) + B * KV bytes per lane (the program gathers every
+             block of a lane's table: the built context, whatever the sequence's length)
+  flops(B) = 2 * B * (dense elements + expert elements * k/E + query_per_kv * KV elements per
+             lane)
   step(B)  = max(bytes(B) / HBM bandwidth, flops(B) / bf16 peak); tok/s = B / step(B)
 This is the best the chip could do with these programs (a lower bound on step time): it leaves
-out activations, collectives and launch overhead. HBM fit at B: weight bytes + B * KV per lane
-+ XLA's temp bytes at the built batch, against the chip's HBM.
+out activations, collectives and launch overhead. HBM fit at B: all weight bytes + B * KV per
+lane + XLA's temp bytes at the built batch, against the chip's HBM.
 
 Chip figures (per chip), from Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e and
 .../v6e): v5e 819 GB/s HBM, 197 bf16 TFLOP/s, 394 int8 TOP/s, 16 GiB; v6e 1640 GB/s (the page
@@ -51,12 +55,56 @@ CHIPS: dict[str, TpuChip] = {
 
 
 @dataclass(frozen=True)
+class ReadModel:
+    """Which weight arrays a decode step reads, beyond "all of it"."""
+
+    gathered: frozenset[str] = frozenset()  # array keys only gathered by row (EMBED)
+    experts: int = 0  # MoE experts per layer (0: dense model)
+    top_k: int = 0  # experts each token reads
+
+    def kind(self, key: str) -> str:
+        base = key.removesuffix(".scale")
+        if base in self.gathered:
+            return "gathered"
+        return "expert" if self.experts and ".experts." in f".{base}" else "dense"
+
+    def expert_fraction(self, batch: int) -> float:
+        """Expected share of a layer's experts that `batch` tokens pick."""
+        if not self.experts:
+            return 0.0
+        return 1.0 - (1.0 - self.top_k / self.experts) ** batch
+
+
+def read_model(ir) -> ReadModel:
+    """The ReadModel of a ModelIR: gather-only params, the MoE expert count and top-k."""
+    from rvcompile.ir.ops import Op
+
+    gathered, used = set(), set()
+    for g in ir.graphs():
+        names = {i: n.attrs.name for i, n in enumerate(g.nodes) if n.op is Op.PARAM}
+        for n in g.nodes:
+            for j in n.inputs:
+                if j in names:
+                    (gathered if n.op is Op.EMBED else used).add(names[j])
+    cfg = ir.config
+    return ReadModel(frozenset(gathered - used), cfg.num_experts, cfg.top_k_experts)
+
+
+def query_per_kv(ir) -> int:
+    """The most query heads that share one KV head in any layer."""
+    return max(ir.config.num_heads // s.num_kv_heads for s in ir.config.layers)
+
+
+@dataclass(frozen=True)
 class DecodeFootprint:
     """Per-device figures of one compiled decode_{slots} program."""
 
     slots: int
-    weight_bytes: int
-    weight_elements: int  # matrix and vector elements, scales excluded
+    weight_bytes: int  # every weight array, as resident
+    dense_bytes: int  # read whole every step
+    expert_bytes: int  # MoE experts: read per picked expert
+    dense_elements: int  # matrix and vector elements, scales excluded
+    expert_elements: int
     kv_bytes_per_lane: int
     kv_elements_per_lane: int
     argument_bytes: int  # XLA memory analysis
@@ -75,7 +123,7 @@ def _shard_size(info, sharding) -> int:
     return math.prod(sharding.shard_shape(tuple(info.shape)))
 
 
-def decode_footprint(compiled, slots: int) -> DecodeFootprint:
+def decode_footprint(compiled, slots: int, reads: ReadModel = ReadModel()) -> DecodeFootprint:
     """Read a compiled decode program whose first two arguments are the weights and the pools."""
     (args, _kwargs) = compiled.args_info
     (shardings, _) = compiled.input_shardings
@@ -88,10 +136,16 @@ def decode_footprint(compiled, slots: int) -> DecodeFootprint:
     weights, pools = sizes
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
+
+    def total(kind: str, elements: bool = False) -> int:
+        return sum(n if elements else n * b for k, n, b in weights if reads.kind(k) == kind
+                   and not (elements and k.endswith(".scale")))
+
     return DecodeFootprint(
         slots=slots,
         weight_bytes=sum(n * b for _, n, b in weights),
-        weight_elements=sum(n for k, n, _ in weights if not k.endswith(".scale")),
+        dense_bytes=total("dense"), expert_bytes=total("expert"),
+        dense_elements=total("dense", True), expert_elements=total("expert", True),
         kv_bytes_per_lane=sum(n * b for _, n, b in pools) // slots,
         kv_elements_per_lane=sum(n for k, n, _ in pools if not k.endswith(".scale")) // slots,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
@@ -101,14 +155,18 @@ def decode_footprint(compiled, slots: int) -> DecodeFootprint:
 
 
 def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
+             reads: ReadModel = ReadModel(),
              batches: tuple[int, ...] = REPORT_BATCHES) -> list[dict]:
     """One row per batch: bytes, flops, step time, tok/s, HBM need and fit (see the module)."""
     rows = []
+    picked = reads.top_k / reads.experts if reads.experts else 0.0
     for b in sorted({*batches, fp.slots}):
-        nbytes = fp.weight_bytes + b * fp.kv_bytes_per_lane
-        flops = 2 * b * (fp.weight_elements + query_per_kv * fp.kv_elements_per_lane)
+        nbytes = round(fp.dense_bytes + fp.expert_bytes * reads.expert_fraction(b)
+                       + b * fp.kv_bytes_per_lane)
+        flops = 2 * b * (fp.dense_elements + fp.expert_elements * picked
+                         + query_per_kv * fp.kv_elements_per_lane)
         step = max(nbytes / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
-        need = nbytes + fp.temp_bytes
+        need = fp.weight_bytes + b * fp.kv_bytes_per_lane + fp.temp_bytes
         rows.append({"batch": b, "bytes": nbytes, "flops": flops, "step_ms": step * 1e3,
                      "tok_s": b / step, "bound": "memory" if nbytes / chip.hbm_bytes_per_s
                      >= flops / chip.bf16_flops else "compute",
@@ -117,15 +175,17 @@ def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
 
 
 def cost_report(compiled_decode, slots: int, chip: TpuChip, query_per_kv: int,
-                context: int) -> dict:
+                context: int, reads: ReadModel = ReadModel()) -> dict:
     """The manifest's cost report of one topology."""
-    fp = decode_footprint(compiled_decode, slots)
+    fp = decode_footprint(compiled_decode, slots, reads)
     return {
         "label": "estimate (roofline from the compiled program; not a measurement)",
         "chip": asdict(chip), "context": context, "query_per_kv": query_per_kv,
+        "reads": {"gathered": sorted(reads.gathered), "experts": reads.experts,
+                  "top_k": reads.top_k},
         "per_device": {**asdict(fp), "peak_bytes": fp.peak_bytes},
         "fits_at_slots": fp.peak_bytes <= chip.hbm_bytes,
-        "decode": estimate(fp, chip, query_per_kv),
+        "decode": estimate(fp, chip, query_per_kv, reads),
     }
 
 
@@ -136,7 +196,8 @@ def format_report(name: str, report: dict) -> list[str]:
         f"  {name}: cost {report['label']}",
         f"    chip {chip['generation']}: {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s HBM, "
         f"{chip['bf16_flops'] / 1e12:.0f} bf16 TFLOP/s, {chip['hbm_bytes'] / GiB:.0f} GiB",
-        f"    per device: weights {dev['weight_bytes'] / GiB:.2f} GiB, KV "
+        f"    per device: weights {dev['weight_bytes'] / GiB:.2f} GiB (read per step: dense "
+        f"{dev['dense_bytes'] / GiB:.2f}, experts {dev['expert_bytes'] / GiB:.2f} as picked), KV "
         f"{dev['kv_bytes_per_lane'] / GiB:.3f} GiB per sequence at {report['context']} tokens, "
         f"XLA peak {dev['peak_bytes'] / GiB:.2f} GiB at B={dev['slots']} "
         f"({'fits' if report['fits_at_slots'] else 'DOES NOT FIT'})",

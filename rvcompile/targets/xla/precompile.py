@@ -26,7 +26,7 @@ from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.config import ConfigError
-from rvcompile.targets.xla.cost_report import CHIPS, cost_report
+from rvcompile.targets.xla.cost_report import CHIPS, ReadModel, cost_report
 
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+)x(\d+)$")
 MAX_HOST_CHIPS = 8  # rvrun is one process: one TPU host, at most 8 chips
@@ -187,7 +187,7 @@ def executables_section(sets: list[Precompiled]) -> tuple[bytes, dict[str, dict]
 
 
 def precompile_topologies(topologies: tuple[Topology, ...], programs: dict[str, bytes],
-                          xla_manifest: dict, *, query_per_kv: int,
+                          xla_manifest: dict, *, query_per_kv: int, reads: ReadModel,
                           log=print) -> tuple[bytes, dict[str, dict]]:
     """Precompile every topology and attach its cost report (from its decode program)."""
     sets = []
@@ -196,6 +196,6 @@ def precompile_topologies(topologies: tuple[Topology, ...], programs: dict[str, 
         pre = precompile(topo, programs, xla_manifest)
         decode = pre.compiled[f"decode_{xla_manifest['slots']}"]
         pre.record["cost"] = cost_report(decode, xla_manifest["slots"], CHIPS[topo.generation],
-                                         query_per_kv, xla_manifest["max_context"])
+                                         query_per_kv, xla_manifest["max_context"], reads)
         sets.append(pre)
     return executables_section(sets)
