@@ -4,8 +4,8 @@
   subprocess, since the flag must be set before jax starts and the other tests keep one device),
   xla-f32 builds of every oracle case at TP=1, 2 and 4 give the same greedy tokens, and logits
   within float32 reduction-order rounding of the TP=1 build (the row-parallel O/down projections
-  sum their partial products in another order). Measured max abs logit difference vs TP=1 (logits
-  std ~1.2): see TP_LOGIT_BOUND.
+  sum their partial products in another order; measured figures at TP_LOGIT_BOUND). The
+  compiled programs all-gather no weight, KV pool or activation matrix.
 - The rules: which arrays split on which axis, KV heads fewer than devices stay whole, counts
   that do not divide are refused naming the field; h100-fp8 refuses --tp.
 - The artifact: manifest xla.mesh, header min_devices, `rvcompile inspect`; a host with too few
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -35,6 +36,7 @@ SEQ, PROMPT, N_NEW = 40, 12, 16
 # moe 7.6e-6 (TP=2); a wrong split (a head or expert lost, a double-counted all-reduce) moves
 # logits by O(1).
 TP_LOGIT_BOUND = 5e-5
+MAX_GATHER = 64  # elements of the largest all-gather any compiled entry point may hold
 
 
 def _child(ckpt: str, out: str, ids: list[int], prompt: list[int]) -> None:
@@ -54,9 +56,13 @@ def _child(ckpt: str, out: str, ids: list[int], prompt: list[int]) -> None:
         np.save(Path(out) / f"logits{tp}.npy", m.logits(ids))
         res = m.generate(prompt, max_tokens=N_NEW, ignore_eos=True)
         mesh = m.manifest["xla"].get("mesh")
+        gathers = [int(np.prod([int(x) for x in dims.split(",") if x]))
+                   for fn in m.executor.fns.values()
+                   for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", fn.as_text())]
         result[tp] = {"tokens": res.token_ids, "mesh": mesh["size"] if mesh else None,
                       "devices": len({d for w in m.executor.weights.values()
-                                      for d in w.sharding.device_set})}
+                                      for d in w.sharding.device_set}),
+                      "largest_all_gather": max(gathers, default=0)}
     print(json.dumps(result))
 
 
@@ -84,6 +90,9 @@ def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
     for tp in TPS[1:]:
         assert result[tp]["mesh"] == tp and result[tp]["devices"] == tp
         assert result[tp]["tokens"] == result[1]["tokens"], f"tp={tp}"
+        # Only the MoE's [E] int32 group sizes are gathered: no weight, KV pool or activation
+        # matrix moves between devices (an unhinted scan once all-gathered whole KV pools).
+        assert result[tp]["largest_all_gather"] <= MAX_GATHER, result[tp]
         diff = np.abs(np.load(tmp_path / f"logits{tp}.npy") - ref).max()
         print(f"\n[measured] {case} tp={tp} vs tp=1: max abs logit difference {diff:.2e}")
         assert diff <= TP_LOGIT_BOUND, f"{case} tp={tp}: {diff:.3g}"

@@ -87,16 +87,17 @@ def weight_layout(ir: ModelIR, plan: LayoutPlan):
     return arrays, offset, slots
 
 
-def _sharded_jit(fn, args: tuple, layout: TpLayout, mesh: AbstractMesh):
-    """`fn` jitted with the weights and pools placed by `layout` over `mesh`, everything else
-    (tokens, tables, sampling parameters, the returned tokens or logits) replicated; the pools
-    are donated and come back with their own shardings."""
-    def named(spec):
-        return NamedSharding(mesh, partition_spec(spec))
+def _named(layout: TpLayout, specs: dict) -> dict[str, NamedSharding]:
+    mesh = AbstractMesh((layout.size,), (TP_AXIS,))
+    return {k: NamedSharding(mesh, partition_spec(v)) for k, v in specs.items()}
 
-    weights = {k: named(v) for k, v in layout.weights.items()}
-    pools = {k: named(v) for k, v in layout.pools.items()}
-    whole = NamedSharding(mesh, PartitionSpec())
+
+def _sharded_jit(fn, args: tuple, layout: TpLayout):
+    """`fn` jitted with the weights and pools placed by `layout` over an abstract mesh,
+    everything else (tokens, tables, sampling parameters, the returned tokens or logits)
+    replicated; the pools are donated and come back with their own shardings."""
+    weights, pools = _named(layout, layout.weights), _named(layout, layout.pools)
+    whole = NamedSharding(AbstractMesh((layout.size,), (TP_AXIS,)), PartitionSpec())
     rest = jax.tree.map(lambda _: whole, args[2:])
     outs = jax.eval_shape(fn, *args)[1:]
     return jax.jit(fn, in_shardings=(weights, pools, *rest),
@@ -111,8 +112,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     plan = plan_layout(ir)
     layout = plan_tp(ir, plan, tp) if tp > 1 else None
-    mesh = AbstractMesh((tp,), (TP_AXIS,)) if layout else None
-    prog = Program(ir, plan, mesh)
+    prog = Program(ir, plan, _named(layout, layout.pools) if layout else None)
     kinds = prog.kinds
     symbols = export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds))
     ws = weight_shapes(ir, plan)
@@ -139,7 +139,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
     programs = {}
     for name, (fn, args) in entries.items():
         jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
-                  else _sharded_jit(fn, args, layout, mesh))
+                  else _sharded_jit(fn, args, layout))
         exp = export.export(jitted, platforms=platforms)(*args)
         programs[name] = bytes(exp.serialize())
     arrays, nbytes, slot_map = weight_layout(ir, plan)

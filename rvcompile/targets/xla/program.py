@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AbstractMesh
+from jax.sharding import NamedSharding
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
 from rvcompile.ir.ops import Op
@@ -211,9 +211,12 @@ def attends_blockwise(ir: ModelIR) -> bool:
 class Program:
     """Builds the traced functions of one ModelIR under one layout."""
 
-    def __init__(self, ir: ModelIR, plan: LayoutPlan, mesh: AbstractMesh | None = None):
-        """`mesh`: the 1-D tensor-parallel mesh the entry points are exported over, if any."""
-        self.ir, self.plan, self.mesh = ir, plan, mesh
+    def __init__(self, ir: ModelIR, plan: LayoutPlan,
+                 pool_shardings: dict[str, NamedSharding] | None = None):
+        """`pool_shardings`: each KV pool's sharding when the entry points are exported for
+        tensor parallelism (targets/xla/sharding.py); the layer scans keep the pools they carry
+        in it, or XLA may pick another and all-gather a whole pool at the end of every call."""
+        self.ir, self.plan, self.pool_shardings = ir, plan, pool_shardings or {}
         self.kinds = kv_kinds(ir)
         pools = cache_pools(ir, plan)
         self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}
@@ -287,9 +290,10 @@ class Program:
                 h = out["h"]
                 for name, v in out.items():
                     if name in CACHE_ARGS:
-                        own[f"g{gi}.{j}.{name}"] = v.pool
+                        key = f"g{gi}.{j}.{name}"
+                        own[key] = self._placed(key, v.pool)
                         if v.scale is not None:
-                            own[f"g{gi}.{j}.{name}{SCALE_SUFFIX}"] = v.scale
+                            own[key + SCALE_SUFFIX] = self._placed(key + SCALE_SUFFIX, v.scale)
             return (h, own), None
 
         xs = (jnp.arange(g.count, dtype=jnp.int32), ple_xs)
@@ -298,6 +302,10 @@ class Program:
         else:
             (h, own), _ = lax.scan(body, (h, own), xs)
         return h, {**caches, **own}
+
+    def _placed(self, key: str, pool):
+        sharding = self.pool_shardings.get(key)
+        return pool if sharding is None else lax.with_sharding_constraint(pool, sharding)
 
     def head(self, weights, h):
         return run_graph(self.ir.head, {"h": h}, weights.__getitem__)["logits"]
