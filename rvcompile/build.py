@@ -64,6 +64,12 @@ TARGETS: dict[str, TargetSpec] = {
         ("fuse_qkv", fuse_qkv.run),
     ), "a kernel schedule over sm_90a cubins + CUDA-graph decode; FP8 e4m3 per-channel "
        "weights, bf16 KV cache", lowering="h100"),
+    "h100-f32": TargetSpec("h100-f32", (
+        ("fuse_residual_norm", fuse_residual_norm.run),  # no casts, no quantization
+        ("fuse_gated_mlp", fuse_gated_mlp.run),
+        ("fuse_qkv", fuse_qkv.run),
+    ), "the h100-fp8 kernel schedule through the kernels' float32 entries: float32 weights, "
+       "activations and KV cache (exact tests)", lowering="h100"),
 }
 
 

@@ -6,7 +6,9 @@ token's normalised base: V = base and K = rope(base * k_norm weight, t), derived
 
 Entries for head dims 32, 64, 128 (tiny test models), 256 and 512 (Gemma 4) and GQA groups 1, 2,
 4, 8, 16, each for bf16 pools and (suffix `_fp8`, an FP8-KV build) e4m3 pools, which the kernel
-widens exactly to f32; the references read either dtype. A launch is the split kernel
+widens exactly to f32; the references read either dtype. The float32 plan's entries (suffix `_f32`)
+take q and the pools as float32; it also runs prefill chunks through them, a row per sequence
+(the tensor-core attn_prefill is bf16/e4m3 only). A launch is the split kernel
 (`split_geometry`: a CTA of 128 threads per (split, KV head, sequence), writing part_acc f32
 [B, nh, splits, D] and part_ml f32 [B, nh, splits, 2]) then `attn_decode_combine`
 (`combine_geometry`: a CTA of D threads per (sequence, head), splits f32 weights of dynamic
@@ -25,7 +27,8 @@ COMBINE_ENTRY = "attn_decode_combine"
 BLOCK = 16
 GROUPS = (1, 2, 4, 8, 16)
 HEAD_DIMS = (32, 64, 128, 256, 512)
-KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+_SUFFIX = {"bfloat16": "", "float8_e4m3fn": "_fp8", "float32": "_f32"}
 SPLIT_THREADS = 128  # must match the kernel (WARPS * 32)
 
 
@@ -34,7 +37,7 @@ def entry(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
         raise ValueError(f"no decode attention kernel for head_dim {head_dim}, group {group}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"no decode attention kernel for KV dtype {kv_dtype}")
-    return f"attn_decode_d{head_dim}_g{group}{'_fp8' if kv_dtype == 'float8_e4m3fn' else ''}"
+    return f"attn_decode_d{head_dim}_g{group}{_SUFFIX[kv_dtype]}"
 
 
 def entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:

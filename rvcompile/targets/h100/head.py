@@ -6,9 +6,11 @@
 `embed_rows_bf16(table bf16 [V, H], ids int32 [M], mult, h f32 [M, H], H)`: h = table[ids] * mult.
 `embed_rows_fp8(table e4m3 uint8 [V, H], row_scale f32 [V], ids int32 [M], mult, h, H)`:
     h = (e4m3(table[ids]) * row_scale[ids]) * mult.
+`embed_rows_f32(table f32 [V, H], ids, mult, h, H)` (the float32 plan): h = table[ids] * mult.
 Both are ops.ref_embed with mult = the bf16-rounded sqrt(H) of Gemma 4 (passed by the caller).
 Limits: any M >= 1; argmax V % 4 == 0 (one CTA of 1024 threads per row, from the tiny models'
-vocab 1024 to 262144); embed H % 8 (bf16) or H % 16 (e4m3), the tiny models' H = 64, 128 too.
+vocab 1024 to 262144); embed H % 8 (bf16), H % 16 (e4m3) or H % 4 (f32), the tiny models'
+H = 64, 128 too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SOURCE = "head.cu"
 ARGMAX_ENTRY = "softcap_argmax"
 EMBED_BF16_ENTRY = "embed_rows_bf16"
 EMBED_FP8_ENTRY = "embed_rows_fp8"
+EMBED_F32_ENTRY = "embed_rows_f32"
 ARGMAX_THREADS = 1024  # must match the kernel
 EMBED_THREADS = 128  # must match the kernel
 
@@ -37,7 +40,7 @@ def softcap_argmax(logits: np.ndarray, cap: float) -> np.ndarray:
 
 def embed_rows(table: np.ndarray, ids: np.ndarray, mult: float,
                row_scale: np.ndarray | None = None) -> np.ndarray:
-    """table bf16, or uint8 e4m3 codes with row_scale."""
+    """table bf16 or f32, or uint8 e4m3 codes with row_scale."""
     if row_scale is not None:
         table = np.asarray(table).view(ml_dtypes.float8_e4m3fn)
     return ops.ref_embed(ops.EmbedAttrs(mult), table, np.asarray(ids), row_scale)
@@ -49,8 +52,8 @@ def argmax_geometry(m: int, v: int) -> Launch:
     return Launch((m, 1, 1), (ARGMAX_THREADS, 1, 1), 0)
 
 
-def embed_geometry(m: int, h: int, fp8: bool) -> Launch:
-    per = 16 if fp8 else 8  # elements per 16-byte table load
+def embed_geometry(m: int, h: int, fp8: bool, f32: bool = False) -> Launch:
+    per = 4 if f32 else 16 if fp8 else 8  # elements per 16-byte table load
     if m < 1 or h % per:
         raise ValueError(f"embed_rows needs M >= 1 and H % {per} == 0 (M={m}, H={h})")
     return Launch((-(-(h // per) // EMBED_THREADS), m, 1), (EMBED_THREADS, 1, 1), 0)

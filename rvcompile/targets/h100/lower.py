@@ -1,6 +1,10 @@
 """Lower a fused, FP8-quantized ModelIR to the H100 kernel schedule (artifacts.kernel_schedule).
 
-Input: the IR after cast_bf16, quantize_fp8 and the fusion passes. Each graph is walked in node
+Input: the IR after the fusion passes, quantized (cast_bf16 + quantize_fp8: h100-fp8) or all
+float32 (h100-f32). Entries follow the dtypes the IR carries: with every matrix float32 the plan
+keeps activations, the values linears read and the KV pools float32 (the `_f32` entries, each
+linear a float32 GEMV per 4 rows, prefill attention through the decode kernel a row each), else
+linears read bf16 copies and FP8 weights. Each graph is walked in node
 order and every node becomes kernel launches over symbolic pointers (`Ref`); an attention
 cluster (q/k/v slices, norms, RoPE, KV writes, cache positions, attention) is recognised as a
 whole and becomes qkv_post, then split-KV attention + combine for decode, or for a chunk of
@@ -13,8 +17,8 @@ Then the layout: weights packed (the members of a fused GEMV adjacent, so one la
 them), constants, paged KV pools (per cache-owning layer: `slots * blocks` blocks of 16
 tokens; sliding layers a ring of window + chunk - 1 tokens rounded up to blocks; K=V layers one
 pool of normalised bases; KV-shared layers read their producer's; bf16, or e4m3 (half the
-bytes) when the IR's caches are, in an FP8-KV build), the io fields and the activations,
-planned per entry by liveness (memory_plan).
+bytes) when the IR's caches are, in an FP8-KV build, or float32 in a float32 build), the io
+fields and the activations, planned per entry by liveness (memory_plan).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from rvcompile.targets.h100 import (
     gelu_mul,
     gemm_fp8w,
     gemv_bf16,
+    gemv_f32,
     gemv_fp8,
     head,
     memory_plan,
@@ -84,11 +89,12 @@ class _Launch:
 
 @dataclass
 class _Val:
-    """An activation [rows, cols]: its float32 and/or bf16 copy."""
+    """An activation [rows, cols]: its float32 value and/or the copy linears read (`lin`: bf16 in
+    a quantized plan; in a float32 plan float32, usually the same buffer)."""
 
     cols: int
     f32: Ref | None = None
-    bf16: Ref | None = None
+    lin: Ref | None = None
 
 
 @dataclass(frozen=True)
@@ -206,10 +212,10 @@ class _Pool:
     kv_heads: int
     head_dim: int
     table_width: int
-    dtype: str  # "bfloat16" or "float8_e4m3fn" (an FP8-KV build)
+    dtype: str  # "bfloat16", "float8_e4m3fn" (an FP8-KV build) or "float32" (h100-f32)
 
 
-KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
 
 
 def _pools(ir: ModelIR) -> tuple[dict[int, _Pool], int, int]:
@@ -223,7 +229,7 @@ def _pools(ir: ModelIR) -> tuple[dict[int, _Pool], int, int]:
     for c in ir.caches:
         if c.dtype not in KV_DTYPES:
             raise LoweringError(f"layer {c.layer}: KV cache dtype {c.dtype}; the H100 kernels "
-                                "keep bf16 (cast_bf16) or e4m3 (kv_fp8) caches")
+                                "keep bf16 (cast_bf16), e4m3 (kv_fp8) or float32 caches")
         pools[c.layer] = _Pool(c.layer, c.names, c.ring, c.kv_heads, c.head_dim,
                                ring if c.ring else full, c.dtype)
     if len({p.dtype for p in pools.values()}) > 1:
@@ -247,6 +253,12 @@ def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tupl
     }
 
 
+def float32_activations(ir: ModelIR) -> bool:
+    """Whether the plan keeps activations float32: every matrix of the IR (linears, tables) is
+    float32, as in a build without cast_bf16 and quantize_fp8. Else linears read bf16 copies."""
+    return all(p.dtype == "float32" for p in ir.params if len(p.shape) >= 2)
+
+
 # ---------------------------------------------------------------- one entry point
 
 class _EntryLowering:
@@ -258,6 +270,8 @@ class _EntryLowering:
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
         self.specs = ir.param_map()
+        self.f32 = float32_activations(ir)
+        self.lin_size = 4 if self.f32 else 2  # bytes per element of the copies linears read
         self.clustered = {id(g): _attention_cluster_nodes(g) | _moe_cluster_nodes(g)
                           for g in ir.graphs()}
         self.ple_embed = _trace_ple_embed(ir.embed) if ir.config.ple else None
@@ -346,7 +360,7 @@ class _EntryLowering:
             src = env[n.inputs[0]]
             if not isinstance(src, _Val):
                 raise LoweringError("reshape of a non-activation")
-            return _Val(int(n.shape[-1]) if n.shape[-1] != "T" else src.cols, src.f32, src.bf16)
+            return _Val(int(n.shape[-1]) if n.shape[-1] != "T" else src.cols, src.f32, src.lin)
         if op == Op.SOFTCAP:
             self.softcap = n.attrs.cap
             return self.softcapped(env[n.inputs[0]])
@@ -367,6 +381,10 @@ class _EntryLowering:
             self.emit(head.SOURCE, head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
                       Ref("weights", table), Ref("io", "tokens"), _f32(n.attrs.multiplier),
                       self.h, _i32(hdim))
+        elif dtype == "float32":
+            self.emit(head.SOURCE, head.EMBED_F32_ENTRY,
+                      head.embed_geometry(self.m, hdim, False, f32=True), Ref("weights", table),
+                      Ref("io", "tokens"), _f32(n.attrs.multiplier), self.h, _i32(hdim))
         elif dtype == "float8_e4m3fn":
             self.emit(head.SOURCE, head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
                       Ref("weights", table), Ref("weights", f"{table}.scale"),
@@ -388,13 +406,14 @@ class _EntryLowering:
             raise LoweringError("rmsnorm without a weight outside attention")
         w = Ref("weights", self.param_name(g, n.inputs[1], spec))
         hdim = x.cols
-        y = self.buffer(self.m * hdim * 2)
+        y = self.buffer(self.m * hdim * self.lin_size)
         if self.pending is not None and x.f32 == self.h:
             self.fill_pending(w, y)
         else:
-            self.emit(norms.SOURCE, norms.RMSNORM_ENTRY, norms.launch_geometry(self.m, hdim),
+            entry = norms.RMSNORM_F32_ENTRY if self.f32 else norms.RMSNORM_ENTRY
+            self.emit(norms.SOURCE, entry, norms.launch_geometry(self.m, hdim),
                       x.f32, w, y, _i32(hdim), _f32(n.attrs.eps))
-        return _Val(hdim, bf16=y)
+        return _Val(hdim, f32=y if self.f32 else None, lin=y)
 
     def residual(self, g: Graph, n: Node, env, spec):
         h, x = env[n.inputs[0]], env[n.inputs[1]]
@@ -408,8 +427,8 @@ class _EntryLowering:
         scalar = (Ref("weights", self.param_name(g, n.inputs[3], spec)) if len(n.inputs) > 3
                   else self.consts.add(np.ones(1)))
         args = [self.h, x.f32, w_post, scalar, None, None, _i32(hdim), _f32(n.attrs.eps)]
-        index = self.emit(norms.SOURCE, norms.RESIDUAL_ENTRY, norms.launch_geometry(self.m, hdim),
-                          *args)
+        entry = norms.RESIDUAL_F32_ENTRY if self.f32 else norms.RESIDUAL_ENTRY
+        index = self.emit(norms.SOURCE, entry, norms.launch_geometry(self.m, hdim), *args)
         self.pending = _Pending(index)
         return _Val(hdim, f32=self.h)
 
@@ -418,7 +437,8 @@ class _EntryLowering:
         scratch buffer through a weight of ones."""
         if self.pending is not None:
             hdim = self.cfg.hidden_size
-            self.fill_pending(self.consts.add(np.ones(hdim)), self.buffer(self.m * hdim * 2))
+            self.fill_pending(self.consts.add(np.ones(hdim)),
+                              self.buffer(self.m * hdim * self.lin_size))
 
     def fill_pending(self, w_next: Ref, y: Ref) -> None:
         launch = self.launches[self.pending.index]
@@ -430,7 +450,15 @@ class _EntryLowering:
 
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
         """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
-        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS."""
+        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS. Float32
+        weights (x float32 too): the float32 GEMV in groups of MAX_ROWS."""
+        if self.specs[w.key].dtype == "float32":
+            for r0 in range(0, rows, gemv_f32.MAX_ROWS):
+                r = min(gemv_f32.MAX_ROWS, rows - r0)
+                self.emit(gemv_f32.SOURCE, gemv_f32.ENTRY,
+                          gemv_f32.launch_geometry(r, n, k, SM_COUNT), w, x.at(r0 * k * 4),
+                          y.at(r0 * n * 4), _i32(r), _i32(n), _i32(k))
+            return
         if scale is not None and rows > gemv_fp8.MAX_ROWS:
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
             self.emit(gemm_fp8w.SOURCE, g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), w,
@@ -457,44 +485,50 @@ class _EntryLowering:
             return values, scales
         if dtypes == {"bfloat16"} and not scales and count == 1:
             return values, []
+        if dtypes == {"float32"} and not scales:
+            return values, []
         raise LoweringError(f"linear weights of dtype {sorted(dtypes)}: the H100 GEMVs take "
-                            "FP8 with per-row scales (or the bf16 tied head)")
+                            "FP8 with per-row scales (or the bf16 tied head), or float32")
 
     def linear(self, g: Graph, n: Node, env, spec):
         x = env[n.inputs[0]]
         if isinstance(x, _PleGated):
             return self.ple_project(g, n, x, spec)
-        self.residual_bf16(x)
-        if not (isinstance(x, _Val) and x.bf16 is not None):
-            raise LoweringError("linear input has no bf16 copy")
+        self.residual_lin(x)
+        if not (isinstance(x, _Val) and x.lin is not None):
+            raise LoweringError("linear input has no copy for the GEMV (bf16 or float32)")
         count = n.attrs.count if n.op == Op.MULTI_LINEAR else 1
         values, scales = self.linear_weights(g, n, spec, count)
         rows_out = sum(self.specs[v].shape[0] for v in values)
         k = self.specs[values[0]].shape[1]
-        x_ref, rows = x.bf16, self.m
+        x_ref, rows = x.lin, self.m
         if g is self.ir.head and self.kind == "prefill":
-            x_ref, rows = self.select_last_row(x.bf16, k), 1
+            x_ref, rows = self.select_last_row(x.lin, k), 1
         y = self.buffer(rows * rows_out * 4)
         self.gemv(x_ref, Ref("weights", values[0]),
                   Ref("weights", scales[0]) if scales else None, y, rows, rows_out, k)
         return _Val(rows_out, f32=y)
 
-    def residual_bf16(self, x) -> None:
+    def residual_lin(self, x) -> None:
         """Give the residual stream read by a LINEAR (the per-layer gate, the per-layer model
-        projection of the embedding) its bf16 copy: the pending residual launch writes it
-        instead of a normed copy, else (after the embedding) a cast does."""
-        if not (isinstance(x, _Val) and x.f32 == self.h and x.bf16 is None):
+        projection of the embedding) its copy for the GEMV: in a float32 plan h itself; else
+        bf16, which the pending residual launch writes instead of a normed copy, or (after the
+        embedding) a cast."""
+        if not (isinstance(x, _Val) and x.f32 == self.h and x.lin is None):
+            return
+        if self.f32:
+            x.lin = self.h
             return
         hdim = self.cfg.hidden_size
-        x.bf16 = self.buffer(self.m * hdim * 2)
+        x.lin = self.buffer(self.m * hdim * 2)
         if self.pending is None:
             self.emit(ple.SOURCE, ple.TO_BF16_ENTRY, ple.to_bf16_geometry(self.m * hdim),
-                      self.h, x.bf16, ("i64", self.m * hdim))
+                      self.h, x.lin, ("i64", self.m * hdim))
             return
         launch = self.launches[self.pending.index]
         if launch.kernel != norms.RESIDUAL_ENTRY:
             raise LoweringError(f"a bf16 copy of h after {launch.kernel}")
-        args = (*launch.args[:4], x.bf16, *launch.args[6:])  # w_next and y -> the copy
+        args = (*launch.args[:4], x.lin, *launch.args[6:])  # w_next and y -> the copy
         self.launches[self.pending.index] = _Launch(
             ple.SOURCE, ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim), args)
         self.pending = None
@@ -507,12 +541,14 @@ class _EntryLowering:
         c = self.ple_embed
         ctx = env[c.projection]
         table = self.param_name(g, c.table, None)
-        if self.specs[table].dtype != "bfloat16":
+        entry = {"bfloat16": ple.COMBINE_ENTRY,
+                 "float32": ple.COMBINE_F32_ENTRY}.get(self.specs[table].dtype)
+        if entry is None:
             raise LoweringError(f"per-layer embedding table dtype {self.specs[table].dtype}; "
-                                "ple_combine gathers bf16 rows")
+                                "ple_combine gathers bf16 or float32 rows")
         layers, p = self.cfg.num_layers, self.cfg.hidden_size_per_layer_input
         out = self.buffer(self.m * layers * p * 4)
-        self.emit(ple.SOURCE, ple.COMBINE_ENTRY, ple.combine_geometry(self.m, layers, p),
+        self.emit(ple.SOURCE, entry, ple.combine_geometry(self.m, layers, p),
                   ctx.f32, Ref("weights", table), Ref("io", "tokens"),
                   Ref("weights", self.param_name(g, c.norm_weight, None)), out,
                   _f32(c.ctx_scale), _f32(c.tok_mult), _f32(c.out_scale), _f32(c.eps),
@@ -528,10 +564,16 @@ class _EntryLowering:
 
     def ple_project(self, g: Graph, n: Node, x: _PleGated, spec):
         values, scales = self.linear_weights(g, n, spec, 1)
-        if not scales:
-            raise LoweringError("the per-layer projection needs FP8 weights")
         hdim, p = self.specs[values[0]].shape
         y = self.buffer(self.m * hdim * 4)
+        if self.specs[values[0]].dtype == "float32":
+            self.emit(ple.SOURCE, ple.PROJECT_F32_ENTRY,
+                      ple.project_geometry(self.m, hdim, p, SM_COUNT, f32=True), x.gate.f32,
+                      self.ple, _i32(x.layer), _i32(self.cfg.num_layers),
+                      Ref("weights", values[0]), y, _i32(self.m), _i32(hdim), _i32(p))
+            return _Val(hdim, f32=y)
+        if not scales:
+            raise LoweringError("the per-layer projection needs FP8 or float32 weights")
         if ple.use_gemm(self.m, p):
             gated = self.buffer(self.m * p * 2)
             self.emit(ple.SOURCE, ple.GELU_MUL_ENTRY, ple.gelu_mul_geometry(self.m, p),
@@ -547,26 +589,28 @@ class _EntryLowering:
         return _Val(hdim, f32=y)
 
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
-        out = self.buffer(hdim * 2)
-        self.emit(rows.SOURCE, rows.SELECT_ENTRY, rows.select_geometry(hdim), x,
-                  Ref("io", "last_row"), out, _i32(hdim))
+        out = self.buffer(hdim * self.lin_size)
+        entry = rows.SELECT_F32_ENTRY if self.f32 else rows.SELECT_ENTRY
+        self.emit(rows.SOURCE, entry, rows.select_geometry(hdim), x, Ref("io", "last_row"), out,
+                  _i32(hdim))
         return out
 
     def gated(self, g: Graph, n: Node, env, spec):
         x = env[n.inputs[0]]
-        if not (isinstance(x, _Val) and x.bf16 is not None):
-            raise LoweringError("gated linear input has no bf16 copy")
+        if not (isinstance(x, _Val) and x.lin is not None):
+            raise LoweringError("gated linear input has no copy for the GEMV (bf16 or float32)")
         values, scales = self.linear_weights(g, n, spec, 2)
-        if not scales:
-            raise LoweringError("gated linear needs FP8 weights")
+        f32 = self.specs[values[0]].dtype == "float32"
+        if not (scales or f32):
+            raise LoweringError("gated linear needs FP8 or float32 weights")
         inter, k = self.specs[values[0]].shape
         gu = self.buffer(self.m * 2 * inter * 4)
-        self.gemv(x.bf16, Ref("weights", values[0]), Ref("weights", scales[0]), gu, self.m,
-                  2 * inter, k)
-        out = self.buffer(self.m * inter * 2)
-        self.emit(gelu_mul.SOURCE, gelu_mul.ENTRY, gelu_mul.launch_geometry(self.m, inter), gu,
-                  out, _i32(inter))
-        return _Val(inter, bf16=out)
+        self.gemv(x.lin, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
+                  gu, self.m, 2 * inter, k)
+        out = self.buffer(self.m * inter * (4 if f32 else 2))
+        self.emit(gelu_mul.SOURCE, gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
+                  gelu_mul.launch_geometry(self.m, inter), gu, out, _i32(inter))
+        return _Val(inter, f32=out if f32 else None, lin=out)
 
     # -- mixture of experts
 
@@ -694,9 +738,10 @@ class _EntryLowering:
         width = owner.table_width
         k_pool, v_pool = Ref("kv", (owner.layer, 0)), (Ref("kv", (owner.layer, 1))
                                                        if len(owner.names) == 2 else None)
-        q_out = self.buffer(self.m * nh * d * 2)
         write_kv = not a.shared
         kv_dtype = owner.dtype
+        f32 = kv_dtype == "float32"  # q and the attention output stay float32 too
+        q_out = self.buffer(self.m * nh * d * (4 if f32 else 2))
         self.emit(qkv_post.SOURCE, qkv_post.entry(d, kv_dtype),
                   qkv_post.launch_geometry(self.m, nh, kh if write_kv else 0, d),
                   qkv.f32, _i32(qkv.cols), _i32(nh), _i32(kh if write_kv else 0), _i32(d),
@@ -705,8 +750,10 @@ class _EntryLowering:
                   _i32(width), _i32(width))
         wkv = Ref("weights", self.param_name(g, a.k_eq_v_norm, spec)) if a.k_eq_v else None
         out = self.buffer(self.m * nh * d * 4)
-        out_bf16 = self.buffer(self.m * nh * d * 2)
-        if self.kind != "decode" and self.m > 1:  # one sequence's chunk: flash-style kernel
+        out_bf16 = None if f32 else self.buffer(self.m * nh * d * 2)
+        # One sequence's chunk: the flash-style kernel (bf16/e4m3 only); a float32 plan runs the
+        # decode kernel, each row its own query (seq_len = position + 1, its own table row).
+        if self.kind != "decode" and self.m > 1 and not f32:
             geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
             if a.k_eq_v:
                 self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh, kv_dtype),
@@ -718,7 +765,7 @@ class _EntryLowering:
                           geometry,
                           q_out, k_pool, v_pool, table, _i32(width), Ref("io", "positions"),
                           _i32(a.window), _i32(kh), _i32(self.m), out, out_bf16)
-            return _Val(d, f32=out, bf16=out_bf16)
+            return _Val(d, f32=out, lin=out_bf16)
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
         part_acc = self.buffer(self.m * nh * splits * d * 4)
@@ -736,7 +783,7 @@ class _EntryLowering:
         self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
                   attn_decode.combine_geometry(self.m, nh, d, splits),
                   part_acc, part_ml, _i32(splits), _i32(d), out, out_bf16)
-        return _Val(d, f32=out, bf16=out_bf16)
+        return _Val(d, f32=out, lin=out if f32 else out_bf16)
 
 
 # ---------------------------------------------------------------- attention cluster matching

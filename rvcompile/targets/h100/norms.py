@@ -8,8 +8,9 @@ y bf16 [M, H], H, eps)`, one launch for "residual add + post-norm + layer scalar
     y  = bf16(rmsnorm(h) * w_next)                    (of the NEW h)
 where rmsnorm(v) = v * (mean(v^2) + eps)^-1/2, f32, the IR's ops.ref_rmsnorm and
 ops.ref_residual_rmsnorm step for step. One CTA of 512 threads per row; H % 4 == 0, H <= 8192,
-any M >= 1. Small rows leave threads idle but stay correct (the tiny models' H = 64 and 128 and
-their per-layer-input dim 16 are tested).
+any M >= 1. The `_f32` entries (`rmsnorm_f32`, `residual_rmsnorm_f32`: the float32 plan) take
+the same arguments with y float32, unrounded. Small rows leave threads idle but stay correct
+(the tiny models' H = 64 and 128 and their per-layer-input dim 16 are tested).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from rvcompile.targets.h100.gemv_fp8 import Launch
 SOURCE = "norms.cu"
 RMSNORM_ENTRY = "rmsnorm_bf16"
 RESIDUAL_ENTRY = "residual_rmsnorm"
+RMSNORM_F32_ENTRY = "rmsnorm_f32"
+RESIDUAL_F32_ENTRY = "residual_rmsnorm_f32"
 THREADS = 512  # must match the kernel
 MAX_H = THREADS * 4 * 4
 
@@ -32,12 +35,24 @@ def rmsnorm_bf16(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return ops.ref_rmsnorm(ops.RMSNormAttrs(eps), x, w).astype(ml_dtypes.bfloat16)
 
 
+def rmsnorm_f32(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """float32 [M, H]."""
+    return ops.ref_rmsnorm(ops.RMSNormAttrs(eps), x, w)
+
+
 def residual_rmsnorm(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
                      w_next: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
     """(new h f32 [M, H], y bf16 [M, H])."""
+    h_new, y = residual_rmsnorm_f32(h, x, w_post, scalar, w_next, eps)
+    return h_new, y.astype(ml_dtypes.bfloat16)
+
+
+def residual_rmsnorm_f32(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
+                         w_next: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(new h f32 [M, H], y f32 [M, H])."""
     a = ops.RMSNormAttrs(eps)
     h_new = ops.ref_residual_rmsnorm(a, h, x, w_post, np.asarray(scalar, np.float32))
-    return h_new, ops.ref_rmsnorm(a, h_new, w_next).astype(ml_dtypes.bfloat16)
+    return h_new, ops.ref_rmsnorm(a, h_new, w_next)
 
 
 def launch_geometry(m: int, h: int) -> Launch:

@@ -18,6 +18,9 @@ y f32 [M, N], M, N, P)`:
     and the FP8 prefill GEMM (gemm_fp8w) instead:
 `ple_gelu_mul(gate, ple, layer, L, out bf16 [M, P], M, P)`:
     out = bf16(gelu_tanh(gate) * ple[:, layer]).
+The float32 plan (h100-f32) takes `ple_combine_f32` (table f32 [V, L*P]) and, for every chunk,
+`ple_project_f32(gate, ple, layer, L, W f32 [N, P], y, M, N, P)`: y = (gelu_tanh(gate) *
+ple[:, layer]) @ W^T, nothing rounded, no scale.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ COMBINE_ENTRY = "ple_combine"
 PROJECT_ENTRY = "ple_project"
 RESIDUAL_COPY_ENTRY = "residual_rmsnorm_copy"
 GELU_MUL_ENTRY = "ple_gelu_mul"
+COMBINE_F32_ENTRY = "ple_combine_f32"
+PROJECT_F32_ENTRY = "ple_project_f32"
 WARPS = 8  # must match the kernel
 ROWS = 4  # token rows per ple_project CTA; must match the kernel
 CAST_THREADS = 256  # must match the kernel
@@ -48,7 +53,8 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
 
 def combine(ctx: np.ndarray, tok_rows: np.ndarray, w: np.ndarray, ctx_scale: float,
             tok_mult: float, out_scale: float, eps: float, layers: int) -> np.ndarray:
-    """ctx f32 [M, L*P], tok_rows bf16 [M, L*P] (the gathered table rows) -> f32 [M, L, P]."""
+    """ctx f32 [M, L*P], tok_rows bf16 or f32 [M, L*P] (the gathered table rows) -> f32
+    [M, L, P]."""
     m = ctx.shape[0]
     scale = ops.OPS[ops.Op.SCALE].reference
     c = scale(ops.ScaleAttrs(ctx_scale), np.asarray(ctx, np.float32)).reshape(m, layers, -1)
@@ -66,6 +72,12 @@ def project(gate: np.ndarray, ple_layer: np.ndarray, w_fp8: np.ndarray,
             scale: np.ndarray) -> np.ndarray:
     """gate f32 [M, P], ple_layer f32 [M, P], W e4m3 codes uint8 [N, P] -> f32 [M, N]."""
     return gemv_fp8.reference(w_fp8, scale, gelu_mul(gate, ple_layer))
+
+
+def project_f32(gate: np.ndarray, ple_layer: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """gate f32 [M, P], ple_layer f32 [M, P], W f32 [N, P] -> f32 [M, N]."""
+    gated = ops.ref_mul(None, ops.gelu_tanh(np.asarray(gate, np.float32)), ple_layer)
+    return gated @ np.asarray(w, np.float32).T
 
 
 def residual_copy(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scalar: np.ndarray,
@@ -88,14 +100,17 @@ def combine_geometry(m: int, layers: int, p: int) -> Launch:
     return Launch((-(-(m * layers) // WARPS), 1, 1), (WARPS * 32, 1, 1), 0)
 
 
-def project_geometry(m: int, n: int, p: int, sm_count: int) -> Launch:
-    """Grid (output-row blocks, row tiles of ROWS); each CTA stages its rows' gated vectors."""
-    if m < 1 or n < 1 or p % 4 or not 4 <= p <= MAX_P:
-        raise ValueError(f"ple_project needs M, N >= 1 and P % 4 == 0, 4 <= P <= {MAX_P} "
+def project_geometry(m: int, n: int, p: int, sm_count: int, f32: bool = False) -> Launch:
+    """Grid (output-row blocks, row tiles of ROWS); each CTA stages its rows' gated vectors
+    (bf16, or float32 for ple_project_f32: half the largest P)."""
+    size = 4 if f32 else 2
+    max_p = MAX_P * 2 // size
+    if m < 1 or n < 1 or p % 4 or not 4 <= p <= max_p:
+        raise ValueError(f"ple_project needs M, N >= 1 and P % 4 == 0, 4 <= P <= {max_p} "
                          f"(M={m}, N={n}, P={p})")
     tiles = -(-m // ROWS)
     blocks = min(-(-n // WARPS), max(1, 4 * sm_count // tiles))
-    return Launch((blocks, tiles, 1), (WARPS * 32, 1, 1), min(m, ROWS) * p * 2)
+    return Launch((blocks, tiles, 1), (WARPS * 32, 1, 1), min(m, ROWS) * p * size)
 
 
 def use_gemm(m: int, p: int) -> bool:

@@ -18,6 +18,8 @@ models; both have this argument list, `entry(d)` picks one. Any M >= 1.
 FP8 KV (`entry(d, "float8_e4m3fn")`, the `_fp8` entries): the pools hold e4m3 and each K/V value
 is rounded once from its f32 value (nearest even, saturating at +-448: `to_pool`, as the IR's
 KV_WRITE does for a float8_e4m3fn cache).
+float32 (`entry(d, "float32")`, the `_f32` entries of the float32 plan): q_out and the pools are
+float32 and nothing is rounded.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ SMALL_HEAD_DIMS = (32, 64, 128)
 BLOCK = 16  # tokens per cache block, as in attn_decode
 
 
-KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+_SUFFIX = {"bfloat16": "", "float8_e4m3fn": "_fp8", "float32": "_f32"}
 
 
 def entry(d: int, kv_dtype: str = "bfloat16") -> str:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"qkv_post has no entry for KV dtype {kv_dtype}")
-    suffix = "_fp8" if kv_dtype == "float8_e4m3fn" else ""
+    suffix = _SUFFIX[kv_dtype]
     if d in SMALL_HEAD_DIMS:
         return SMALL_ENTRY + suffix
     if d in (256, 512):
@@ -63,7 +66,8 @@ def row_width(nh: int, kh: int, d: int, k_eq_v: bool) -> int:
 
 def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, inv_freq,
               eps: float, k_pool, v_pool, table, ring: int, store_once: bool = False):
-    """(q bf16 [M, nh, d], new k_pool, new v_pool); the pools are copied, not modified.
+    """(q [M, nh, d], new k_pool, new v_pool); the pools are copied, not modified. q is bf16,
+    or float32 when the pools are (the `_f32` entries).
     store_once (K=V layers; the kernel gets a null v_pool): k_pool receives the normalised base
     rmsnorm(k_raw) (= V) and nothing else is written; attention derives K from it."""
     qkv = np.asarray(qkv, np.float32)
@@ -88,7 +92,8 @@ def reference(qkv, nh: int, kh: int, d: int, k_eq_v: bool, wq, wk, positions, in
                     continue
                 k_pool[blk, p % BLOCK] = to_pool(k[b], k_pool.dtype)
                 v_pool[blk, p % BLOCK] = to_pool(v[b], v_pool.dtype)
-    return q_out.astype(ml_dtypes.bfloat16), k_pool, v_pool
+    f32 = k_pool.dtype == np.float32
+    return (q_out if f32 else q_out.astype(ml_dtypes.bfloat16)), k_pool, v_pool
 
 
 def launch_geometry(m: int, nh: int, kv_heads: int, d: int) -> Launch:

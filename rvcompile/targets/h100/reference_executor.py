@@ -5,6 +5,9 @@ weight layout, memory plan, KV paging, io) against the oracle with it, no GPU ne
     ex = reference_executor(artifact)       # an executor for runtime.Model
     m = Model(artifact, ex)
 
+The `_f32` entries (the float32 plan, h100-f32) read and write float32 where the others hold bf16
+(or e4m3) values: `_lin_dtype` and `_pool_dtype` pick the view by entry name.
+
 Attention references write the finished output as split 0 (m = 0, l = 1) and mark the other
 splits empty, so the combine reference (the kernel's merge, exactly) reproduces it.
 """
@@ -21,6 +24,7 @@ from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
+    gemv_f32,
     head,
     moe,
     norms,
@@ -83,21 +87,36 @@ def _embed_fp8(dev, launch: Launch, table, row_scale, ids, mult, h, hdim):
     dev.view(h, F32, (m, hdim))[:] = head.embed_rows(rows_, np.arange(m), mult, scales)
 
 
+def _embed_f32(dev, launch: Launch, table, ids, mult, h, hdim):
+    m = launch.grid[1]
+    idx = dev.view(ids, I32, (m,))
+    rows_ = np.stack([dev.view(table + int(i) * hdim * 4, F32, (hdim,)) for i in idx])
+    dev.view(h, F32, (m, hdim))[:] = head.embed_rows(rows_, np.arange(m), mult)
+
+
+def _lin_dtype(kernel: str):
+    """The dtype of the values linears read (normed rows, q, gated products): float32 in the
+    `_f32` entries, else bf16."""
+    return F32 if kernel.endswith("_f32") else BF16
+
+
 def _rmsnorm(dev, launch: Launch, x, w, y, hdim, eps):
     m = launch.grid[0]
-    dev.view(y, BF16, (m, hdim))[:] = norms.rmsnorm_bf16(dev.view(x, F32, (m, hdim)),
-                                                         dev.view(w, F32, (hdim,)), eps)
+    f32 = launch.kernel == norms.RMSNORM_F32_ENTRY
+    ref = norms.rmsnorm_f32 if f32 else norms.rmsnorm_bf16
+    dev.view(y, _lin_dtype(launch.kernel), (m, hdim))[:] = ref(dev.view(x, F32, (m, hdim)),
+                                                               dev.view(w, F32, (hdim,)), eps)
 
 
 def _residual(dev, launch: Launch, h, x, w_post, scalar, w_next, y, hdim, eps):
     m = launch.grid[0]
+    f32 = launch.kernel == norms.RESIDUAL_F32_ENTRY
     hv = dev.view(h, F32, (m, hdim))
-    new_h, out = norms.residual_rmsnorm(hv, dev.view(x, F32, (m, hdim)),
-                                        dev.view(w_post, F32, (hdim,)),
-                                        dev.view(scalar, F32, (1,)),
-                                        dev.view(w_next, F32, (hdim,)), eps)
+    new_h, out = (norms.residual_rmsnorm_f32 if f32 else norms.residual_rmsnorm)(
+        hv, dev.view(x, F32, (m, hdim)), dev.view(w_post, F32, (hdim,)),
+        dev.view(scalar, F32, (1,)), dev.view(w_next, F32, (hdim,)), eps)
     hv[:] = new_h
-    dev.view(y, BF16, (m, hdim))[:] = out
+    dev.view(y, _lin_dtype(launch.kernel), (m, hdim))[:] = out
 
 
 def _gemv_fp8(dev, launch: Launch, w, scale, x, y, m, n, k):
@@ -111,14 +130,20 @@ def _gemv_bf16(dev, launch: Launch, w, x, y, m, n, k):
     dev.view(y, F32, (m, n))[:] = dev.view(x, BF16, (m, k)).astype(F32) @ wv.T
 
 
+def _gemv_f32(dev, launch: Launch, w, x, y, m, n, k):
+    dev.view(y, F32, (m, n))[:] = gemv_f32.reference(dev.view(w, F32, (n, k)),
+                                                     dev.view(x, F32, (m, k)))
+
+
 def _pool(dev, ptr, kh, d, table, kernel: str) -> np.ndarray:
-    """A KV pool as the kernel reads it: e4m3 for the `_fp8` entries (FP8-KV), else bf16."""
+    """A KV pool as the kernel reads it: e4m3 for the `_fp8` entries (FP8-KV), float32 for the
+    `_f32` ones, else bf16."""
     blocks = int(np.max(table)) + 1
     return dev.view(ptr, _pool_dtype(kernel), (blocks, attn_decode.BLOCK, kh, d))
 
 
 def _pool_dtype(kernel: str):
-    return ml_dtypes.float8_e4m3fn if kernel.endswith("_fp8") else BF16
+    return ml_dtypes.float8_e4m3fn if kernel.endswith("_fp8") else _lin_dtype(kernel)
 
 
 def _qkv_post(dev, launch: Launch, qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,
@@ -133,7 +158,7 @@ def _qkv_post(dev, launch: Launch, qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions
         dev.view(qkv, F32, (m, ld)), nh, kh, d, bool(k_eq_v), dev.view(wq, F32, (d,)),
         dev.view(wk, F32, (d,)) if wk else None, pos, dev.view(inv_freq, F32, (d // 2,)), eps,
         kp, vp, tab, ring, store_once=bool(kh) and not v_pool)
-    dev.view(q_out, BF16, (m, nh, d))[:] = q
+    dev.view(q_out, _lin_dtype(launch.kernel), (m, nh, d))[:] = q
     if kh:
         kp[:] = k_new
         if v_pool:
@@ -156,7 +181,7 @@ def _attn(dev, launch: Launch, q, kc, vc, table, max_blocks, ring, seq_len, wind
     d, g = _dims(launch.kernel)
     nh = kh * g
     tab = dev.view(table, I32, (m, max_blocks))
-    out = attn_decode.reference(dev.view(q, BF16, (m, nh, d)),
+    out = attn_decode.reference(dev.view(q, _lin_dtype(launch.kernel), (m, nh, d)),
                                 _pool(dev, kc, kh, d, tab, launch.kernel),
                                 _pool(dev, vc, kh, d, tab, launch.kernel), tab, ring,
                                 dev.view(seq_len, I32, (m,)), window)
@@ -169,7 +194,7 @@ def _attn_keqv(dev, launch: Launch, q, base, table, max_blocks, ring, seq_len, w
     d, g = _dims(launch.kernel)
     nh = kh * g
     tab = dev.view(table, I32, (m, max_blocks))
-    out = attn_decode.reference_keqv(dev.view(q, BF16, (m, nh, d)),
+    out = attn_decode.reference_keqv(dev.view(q, _lin_dtype(launch.kernel), (m, nh, d)),
                                      _pool(dev, base, kh, d, tab, launch.kernel),
                                      tab, ring, dev.view(seq_len, I32, (m,)), window,
                                      dev.view(wk, F32, (d,)), dev.view(inv_freq, F32, (d // 2,)))
@@ -224,7 +249,9 @@ def _combine(dev, launch: Launch, part_acc, part_ml, splits, d, out, out_bf16):
 
 def _gelu_mul(dev, launch: Launch, gu, out, inter):
     m = launch.grid[1]
-    dev.view(out, BF16, (m, inter))[:] = gelu_mul.reference(dev.view(gu, F32, (m, 2 * inter)))
+    ref = gelu_mul.reference_f32 if launch.kernel == gelu_mul.F32_ENTRY else gelu_mul.reference
+    dev.view(out, _lin_dtype(launch.kernel), (m, inter))[:] = ref(dev.view(gu, F32,
+                                                                           (m, 2 * inter)))
 
 
 def _sample_prepare(dev, launch: Launch, logits, m, v, cap, ws):
@@ -245,7 +272,9 @@ def _sample_pick(dev, launch: Launch, m, v, temperature, top_k, top_p, seed, ste
 
 def _select_row(dev, launch: Launch, src, row, dst, hdim):
     r = int(dev.view(row, I32, (1,))[0])
-    dev.view(dst, BF16, (hdim,))[:] = dev.view(src + r * hdim * 2, BF16, (hdim,))
+    dtype = _lin_dtype(launch.kernel)
+    dev.view(dst, dtype, (hdim,))[:] = dev.view(src + r * hdim * np.dtype(dtype).itemsize, dtype,
+                                                (hdim,))
 
 
 def _softcap_rows(dev, launch: Launch, x, n, cap):
@@ -260,7 +289,9 @@ def _to_bf16(dev, launch: Launch, x, y, n):
 def _ple_combine(dev, launch: Launch, ctx, table, ids, w, out, ctx_scale, tok_mult, out_scale,
                  eps, m, layers, p):
     width = layers * p
-    tok = np.stack([dev.view(table + int(i) * width * 2, BF16, (width,))
+    dtype = F32 if launch.kernel == ple.COMBINE_F32_ENTRY else BF16
+    size = np.dtype(dtype).itemsize
+    tok = np.stack([dev.view(table + int(i) * width * size, dtype, (width,))
                     for i in dev.view(ids, I32, (m,))])
     dev.view(out, F32, (m, layers, p))[:] = ple.combine(
         dev.view(ctx, F32, (m, width)), tok, dev.view(w, F32, (p,)), ctx_scale, tok_mult,
@@ -271,6 +302,12 @@ def _ple_project(dev, launch: Launch, gate, ple_in, layer, layers, w, scale, y, 
     dev.view(y, F32, (m, n))[:] = ple.project(
         dev.view(gate, F32, (m, p)), dev.view(ple_in, F32, (m, layers, p))[:, layer],
         dev.view(w, np.uint8, (n, p)), dev.view(scale, F32, (n,)))
+
+
+def _ple_project_f32(dev, launch: Launch, gate, ple_in, layer, layers, w, y, m, n, p):
+    dev.view(y, F32, (m, n))[:] = ple.project_f32(
+        dev.view(gate, F32, (m, p)), dev.view(ple_in, F32, (m, layers, p))[:, layer],
+        dev.view(w, F32, (n, p)))
 
 
 def _ple_gelu_mul(dev, launch: Launch, gate, ple_in, layer, layers, out, m, p):
@@ -372,24 +409,34 @@ def _moe_branch_sum(dev, launch: Launch, f, w1, y, w2, out, hdim, eps):
 _REFS = {
     head.EMBED_BF16_ENTRY: _embed_bf16,
     head.EMBED_FP8_ENTRY: _embed_fp8,
+    head.EMBED_F32_ENTRY: _embed_f32,
     norms.RMSNORM_ENTRY: _rmsnorm,
+    norms.RMSNORM_F32_ENTRY: _rmsnorm,
     norms.RESIDUAL_ENTRY: _residual,
+    norms.RESIDUAL_F32_ENTRY: _residual,
     "gemv_fp8_rowscale": _gemv_fp8,
     "gemv_bf16": _gemv_bf16,
+    gemv_f32.ENTRY: _gemv_f32,
     qkv_post.ENTRY: _qkv_post,
     qkv_post.SMALL_ENTRY: _qkv_post,
     qkv_post.entry(256, "float8_e4m3fn"): _qkv_post,
     qkv_post.entry(32, "float8_e4m3fn"): _qkv_post,
+    qkv_post.entry(256, "float32"): _qkv_post,
+    qkv_post.entry(32, "float32"): _qkv_post,
     attn_decode.COMBINE_ENTRY: _combine,
     gelu_mul.ENTRY: _gelu_mul,
+    gelu_mul.F32_ENTRY: _gelu_mul,
     rows.SELECT_ENTRY: _select_row,
+    rows.SELECT_F32_ENTRY: _select_row,
     sample.PREPARE_ENTRY: _sample_prepare,
     sample.FILTER_ENTRY: _sample_filter,
     sample.PICK_ENTRY: _sample_pick,
     rows.SOFTCAP_ENTRY: _softcap_rows,
     ple.TO_BF16_ENTRY: _to_bf16,
     ple.COMBINE_ENTRY: _ple_combine,
+    ple.COMBINE_F32_ENTRY: _ple_combine,
     ple.PROJECT_ENTRY: _ple_project,
+    ple.PROJECT_F32_ENTRY: _ple_project_f32,
     ple.GELU_MUL_ENTRY: _ple_gelu_mul,
     ple.RESIDUAL_COPY_ENTRY: _residual_copy,
     moe.NORMS_ENTRY: _moe_norms,

@@ -1,6 +1,7 @@
 """Row utilities (kernels/rows.cu): numpy references and launch geometry.
 
 `select_row_bf16(src bf16 [M, H], row int32 [1], dst bf16 [1, H], H)`: dst = src[row[0]].
+`select_row_f32(src f32 [M, H], row, dst f32 [1, H], H)`: the same over float32 rows.
 `softcap_rows(x f32 [n], n, cap)`: x = cap * tanh(x / cap) in place (the IR's SOFTCAP).
 """
 
@@ -13,6 +14,7 @@ from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "rows.cu"
 SELECT_ENTRY = "select_row_bf16"
+SELECT_F32_ENTRY = "select_row_f32"
 SOFTCAP_ENTRY = "softcap_rows"
 THREADS = 256
 

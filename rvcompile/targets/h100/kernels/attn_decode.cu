@@ -14,6 +14,9 @@
 // test models) as one narrower load of VEC bf16 per lane. Groups: 1, 2, 4, 8, 16.
 // The _fp8 entries read e4m3 pools (an FP8-KV build): one load of VEC bytes per lane and row,
 // widened exactly to f32; everything after is the bf16 entries' math.
+// The _f32 entries (the float32 plan) read q and the pools as float32 (16-byte chunks from D = 128
+// up, else one load of VEC floats per lane); nothing is rounded. attn_prefill.cu is bf16/e4m3
+// only (tensor cores), so the float32 plan runs prefill chunks through these, one row each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -40,6 +43,23 @@ __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]
     } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) out[i] = __bfloat162float(p[i]);
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void load_f32(const float* p, float out[VEC]) {
+    if constexpr (VEC >= 4) {
+#pragma unroll
+        for (int c = 0; c < VEC / 4; ++c) {
+            const float4 v = *reinterpret_cast<const float4*>(p + 4 * c);
+            out[4 * c] = v.x;
+            out[4 * c + 1] = v.y;
+            out[4 * c + 2] = v.z;
+            out[4 * c + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = p[i];
     }
 }
 
@@ -72,17 +92,28 @@ template <> struct LaneShare<4, true> { using type = uint32_t; };
 template <> struct LaneShare<2, true> { using type = uint16_t; };
 template <> struct LaneShare<1, true> { using type = uint8_t; };
 
-// a pool element: bf16, or an e4m3 byte (FP8)
-template <bool FP8> struct Elem { using type = __nv_bfloat16; };
+// float32 pools (F32): 16-byte chunks of 4 floats from VEC = 4 up, else one load of VEC floats
+template <int VEC> struct F32Share { using type = uint4; };
+template <> struct F32Share<2> { using type = uint2; };
+template <> struct F32Share<1> { using type = uint32_t; };
+
+template <bool B, typename T, typename F> struct Pick { using type = T; };
+template <typename T, typename F> struct Pick<false, T, F> { using type = F; };
+
+// a pool element: bf16, an e4m3 byte (FP8) or a float (F32); q is float32 for F32, else bf16
+template <bool FP8, bool F32 = false> struct Elem { using type = __nv_bfloat16; };
 template <> struct Elem<true> { using type = unsigned char; };
+template <> struct Elem<false, true> { using type = float; };
+template <bool F32> struct Query { using type = __nv_bfloat16; };
+template <> struct Query<true> { using type = float; };
 
 // KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
 // K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
 // at the same register index (D/2 = 16 lanes * VEC dims for every head dim).
-template <int D, int G, bool KEQV, bool FP8>
-__device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
-                             const typename Elem<FP8>::type* __restrict__ kc,
-                             const typename Elem<FP8>::type* __restrict__ vc,
+template <int D, int G, bool KEQV, bool FP8, bool F32 = false>
+__device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
+                             const typename Elem<FP8, F32>::type* __restrict__ kc,
+                             const typename Elem<FP8, F32>::type* __restrict__ vc,
                              const int* __restrict__ table, int max_blocks, int ring,
                              const int* __restrict__ seq_len, int window, int kv_heads,
                              const float* __restrict__ wk, const float* __restrict__ inv_freq,
@@ -105,7 +136,11 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
     for (int g = 0; g < GW; ++g) {
         const int head = kh * G + hc * GW + g;
-        load_bf16<VEC>(q + ((size_t)b * nh + head) * D + lane * VEC, qr[g]);
+        if constexpr (F32) {
+            load_f32<VEC>(q + ((size_t)b * nh + head) * D + lane * VEC, qr[g]);
+        } else {
+            load_bf16<VEC>(q + ((size_t)b * nh + head) * D + lane * VEC, qr[g]);
+        }
         m[g] = -INFINITY;
         l[g] = 0.f;
 #pragma unroll
@@ -114,8 +149,11 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
     // UNROLL keys' K and V rows are loaded (packed bf16) before any is used, so several
     // loads per lane are in flight instead of one.
     constexpr int UNROLL = VEC == 16 ? 2 : 4;
-    constexpr int CH = (VEC >= 8 && !FP8) ? VEC / 8 : 1;  // loads per lane per row
-    using Raw = typename LaneShare<VEC, FP8>::type;
+    constexpr int CH = F32 ? (VEC >= 4 ? VEC / 4 : 1)
+                           : (VEC >= 8 && !FP8) ? VEC / 8 : 1;  // loads per lane per row
+    constexpr int STRIDE = F32 ? 4 : 8;  // pool elements per load when CH > 1
+    using Raw = typename Pick<F32, typename F32Share<VEC>::type,
+                              typename LaneShare<VEC, FP8>::type>::type;
     float wkr[KEQV ? VEC : 1], invf[KEQV ? VEC : 1];
     if constexpr (KEQV) {
 #pragma unroll
@@ -136,8 +174,9 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                     (((size_t)block * BS + t % BS) * kv_heads + kh) * D + lane * VEC;
 #pragma unroll
                 for (int c = 0; c < CH; ++c) {
-                    kraw[u][c] = *reinterpret_cast<const Raw*>(kc + off + 8 * c);
-                    if constexpr (!KEQV) vraw[u][c] = *reinterpret_cast<const Raw*>(vc + off + 8 * c);
+                    kraw[u][c] = *reinterpret_cast<const Raw*>(kc + off + STRIDE * c);
+                    if constexpr (!KEQV)
+                        vraw[u][c] = *reinterpret_cast<const Raw*>(vc + off + STRIDE * c);
                 }
             }
         }
@@ -147,6 +186,8 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
             float k[VEC], v[VEC];
             if constexpr (FP8) {
                 load_fp8<VEC>(reinterpret_cast<const unsigned char*>(kraw[u]), k);
+            } else if constexpr (F32) {
+                load_f32<VEC>(reinterpret_cast<const float*>(kraw[u]), k);
             } else {
                 load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
             }
@@ -163,6 +204,8 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
                 }
             } else if constexpr (FP8) {
                 load_fp8<VEC>(reinterpret_cast<const unsigned char*>(vraw[u]), v);
+            } else if constexpr (F32) {
+                load_f32<VEC>(reinterpret_cast<const float*>(vraw[u]), v);
             } else {
                 load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
             }
@@ -222,25 +265,27 @@ __device__ void attn_partial(const __nv_bfloat16* __restrict__ q,
 }
 }  // namespace
 
-#define ATTN_ENTRIES(D, G, SUFFIX, FP8)                                                         \
+#define ATTN_ENTRIES(D, G, SUFFIX, FP8, F32)                                                    \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G##SUFFIX(  \
-        const __nv_bfloat16* q, const Elem<FP8>::type* kc, const Elem<FP8>::type* vc,         \
-        const int* table, int max_blocks, int ring, const int* seq_len, int window,           \
-        int kv_heads, float* part_acc, float* part_ml) {                                      \
-        attn_partial<D, G, false, FP8>(q, kc, vc, table, max_blocks, ring, seq_len, window,    \
-                                       kv_heads, nullptr, nullptr, part_acc, part_ml);         \
+        const Query<F32>::type* q, const Elem<FP8, F32>::type* kc,                            \
+        const Elem<FP8, F32>::type* vc, const int* table, int max_blocks, int ring,           \
+        const int* seq_len, int window, int kv_heads, float* part_acc, float* part_ml) {      \
+        attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len,       \
+                                            window, kv_heads, nullptr, nullptr, part_acc,      \
+                                            part_ml);                                          \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         attn_decode_keqv_d##D##_g##G##SUFFIX(                                                   \
-            const __nv_bfloat16* q, const Elem<FP8>::type* base, const int* table,             \
+            const Query<F32>::type* q, const Elem<FP8, F32>::type* base, const int* table,     \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
             const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {         \
-        attn_partial<D, G, true, FP8>(q, base, nullptr, table, max_blocks, ring, seq_len,       \
-                                      window, kv_heads, wk, inv_freq, part_acc, part_ml);      \
+        attn_partial<D, G, true, FP8, F32>(q, base, nullptr, table, max_blocks, ring, seq_len,  \
+                                           window, kv_heads, wk, inv_freq, part_acc, part_ml); \
     }
-#define ATTN_ENTRY(D, G)            \
-    ATTN_ENTRIES(D, G, , false)     \
-    ATTN_ENTRIES(D, G, _fp8, true)
+#define ATTN_ENTRY(D, G)                   \
+    ATTN_ENTRIES(D, G, , false, false)     \
+    ATTN_ENTRIES(D, G, _fp8, true, false)  \
+    ATTN_ENTRIES(D, G, _f32, false, true)
 ATTN_ENTRY(32, 1)
 ATTN_ENTRY(32, 2)
 ATTN_ENTRY(32, 4)

@@ -2,6 +2,7 @@
 // gu f32 [M, 2I]; gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), rounded step
 // by step in the order of ops.gelu_tanh (no FMA contraction). Each thread: 4 columns, two 16-byte
 // loads, one 8-byte store. Grid (ceil(I/4 / THREADS), M). Contract: I % 4 == 0.
+// gelu_mul_f32 (the float32 plan): the same product stored as float32, unrounded (16-byte store).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -32,4 +33,17 @@ gelu_mul(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, int I) {
     v.x = *reinterpret_cast<const uint32_t*>(&lo);
     v.y = *reinterpret_cast<const uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(out + (size_t)m * I + 4 * c) = v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+gelu_mul_f32(const float* __restrict__ gu, float* __restrict__ out, int I) {
+    const int m = blockIdx.y;
+    const int c = blockIdx.x * THREADS + threadIdx.x;
+    if (c >= I / 4) return;
+    const float* row = gu + (size_t)m * 2 * I;
+    const float4 g = __ldg(reinterpret_cast<const float4*>(row) + c);
+    const float4 u = __ldg(reinterpret_cast<const float4*>(row + I) + c);
+    *reinterpret_cast<float4*>(out + (size_t)m * I + 4 * c) = make_float4(
+        __fmul_rn(gelu_tanh(g.x), u.x), __fmul_rn(gelu_tanh(g.y), u.y),
+        __fmul_rn(gelu_tanh(g.z), u.z), __fmul_rn(gelu_tanh(g.w), u.w));
 }

@@ -8,6 +8,8 @@
 // embed_rows_bf16: h[m, :] = f32(table[ids[m], :]) * mult          table bf16 [V, H], H % 8 == 0
 // embed_rows_fp8:  h[m, :] = (f32(table[ids[m], :]) * row_scale[ids[m]]) * mult
 //                  table e4m3 (uint8) [V, H], H % 16 == 0
+// embed_rows_f32:  h[m, :] = table[ids[m], :] * mult               table f32 [V, H], H % 4 == 0
+//                  (the float32 plan)
 // (ops.ref_embed, same f32 steps.) Grid (ceil(chunks / EMBED_THREADS), M), one 16-byte table
 // load per thread.
 #include <cuda_bf16.h>
@@ -121,4 +123,17 @@ embed_rows_fp8(const uint8_t* __restrict__ table, const float* __restrict__ row_
         }
         dst[w] = make_float4(f[0], f[1], f[2], f[3]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
+embed_rows_f32(const float* __restrict__ table, const int* __restrict__ ids, float mult,
+               float* __restrict__ h, int H) {
+    const int m = blockIdx.y;
+    const int c = blockIdx.x * EMBED_THREADS + threadIdx.x;
+    if (c >= H / 4) return;
+    const size_t id = (size_t)ids[m];
+    const float4 v = __ldg(reinterpret_cast<const float4*>(table + id * H) + c);
+    reinterpret_cast<float4*>(h + (size_t)m * H)[c] =
+        make_float4(__fmul_rn(v.x, mult), __fmul_rn(v.y, mult), __fmul_rn(v.z, mult),
+                    __fmul_rn(v.w, mult));
 }

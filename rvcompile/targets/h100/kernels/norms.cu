@@ -3,7 +3,8 @@
 // rmsnorm_bf16:      y[m, :] = bf16(x[m, :] * r(x[m, :]) * w)
 // residual_rmsnorm:  h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]   (in place)
 //                    y[m, :] = bf16(h[m, :] * r(h[m, :]) * w_next)                      (new h)
-// with r(v) = 1 / sqrt(sum(v^2) / H + eps). All math in f32, step for step in the order of the
+// with r(v) = 1 / sqrt(sum(v^2) / H + eps). The _f32 entries (rmsnorm_f32, residual_rmsnorm_f32,
+// the float32 plan) write y as float32, unrounded; otherwise the same code. All math in f32, step for step in the order of the
 // IR references (ops.ref_rmsnorm, ops.ref_residual_rmsnorm: x * r, then * w, then + h, then * s;
 // no FMA contraction in the elementwise steps); only the sum of squares is ordered differently.
 // Contract: H % 4 == 0, H <= THREADS * 4 * NV = 8192, rows 16-byte aligned; the row stays in
@@ -56,24 +57,30 @@ __device__ __forceinline__ float4 scale_w(const float4 v, float r, const float4 
                        __fmul_rn(__fmul_rn(v.z, r), w.z), __fmul_rn(__fmul_rn(v.w, r), w.w));
 }
 
-// y row = bf16(v * r * w) from the NV float4 held by this thread
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float4 o) {
+    store_bf16x4(p, o.x, o.y, o.z, o.w);
+}
+
+__device__ __forceinline__ void store4(float* p, const float4 o) {
+    *reinterpret_cast<float4*>(p) = o;
+}
+
+// y row = Out(v * r * w) from the NV float4 held by this thread (Out: bf16, or f32 unrounded)
+template <typename Out>
 __device__ __forceinline__ void write_normed(const float4 v[NV], float r,
                                              const float4* __restrict__ w4,
-                                             __nv_bfloat16* __restrict__ yrow, int n4) {
+                                             Out* __restrict__ yrow, int n4) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
         const int c = threadIdx.x + i * THREADS;
-        if (c < n4) {
-            const float4 o = scale_w(v[i], r, __ldg(w4 + c));
-            store_bf16x4(yrow + 4 * c, o.x, o.y, o.z, o.w);
-        }
+        if (c < n4) store4(yrow + 4 * c, scale_w(v[i], r, __ldg(w4 + c)));
     }
 }
-}  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-rmsnorm_bf16(const float* __restrict__ x, const float* __restrict__ w,
-             __nv_bfloat16* __restrict__ y, int H, float eps) {
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x,
+                                            const float* __restrict__ w, Out* __restrict__ y,
+                                            int H, float eps) {
     __shared__ float red[32];
     const int n4 = H / 4;
     const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * H);
@@ -89,11 +96,12 @@ rmsnorm_bf16(const float* __restrict__ x, const float* __restrict__ w,
     write_normed(v, r, reinterpret_cast<const float4*>(w), y + (size_t)blockIdx.x * H, n4);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-residual_rmsnorm(float* __restrict__ h, const float* __restrict__ x,
-                 const float* __restrict__ w_post, const float* __restrict__ scalar,
-                 const float* __restrict__ w_next, __nv_bfloat16* __restrict__ y, int H,
-                 float eps) {
+template <typename Out>
+__device__ __forceinline__ void residual_row(float* __restrict__ h, const float* __restrict__ x,
+                                             const float* __restrict__ w_post,
+                                             const float* __restrict__ scalar,
+                                             const float* __restrict__ w_next,
+                                             Out* __restrict__ y, int H, float eps) {
     __shared__ float red[32];
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
@@ -128,4 +136,32 @@ residual_rmsnorm(float* __restrict__ h, const float* __restrict__ x,
     }
     const float rh = inv_rms(block_sum(ss, red), H, eps);
     write_normed(hv, rh, reinterpret_cast<const float4*>(w_next), y + row, n4);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+rmsnorm_bf16(const float* __restrict__ x, const float* __restrict__ w,
+             __nv_bfloat16* __restrict__ y, int H, float eps) {
+    rmsnorm_row(x, w, y, H, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+            int H, float eps) {
+    rmsnorm_row(x, w, y, H, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+residual_rmsnorm(float* __restrict__ h, const float* __restrict__ x,
+                 const float* __restrict__ w_post, const float* __restrict__ scalar,
+                 const float* __restrict__ w_next, __nv_bfloat16* __restrict__ y, int H,
+                 float eps) {
+    residual_row(h, x, w_post, scalar, w_next, y, H, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+residual_rmsnorm_f32(float* __restrict__ h, const float* __restrict__ x,
+                     const float* __restrict__ w_post, const float* __restrict__ scalar,
+                     const float* __restrict__ w_next, float* __restrict__ y, int H, float eps) {
+    residual_row(h, x, w_post, scalar, w_next, y, H, eps);
 }

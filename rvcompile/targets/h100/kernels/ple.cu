@@ -14,10 +14,14 @@
 // residual_rmsnorm_copy: h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]
 //                y[m, :] = bf16(h[m, :])   (the un-normed copy the per-layer gate reads)
 //                one CTA of NORM_THREADS per row, H % 4 == 0, H <= NORM_THREADS * 4 * NV.
+// The float32 plan's entries: ple_combine_f32 (table f32) and ple_project_f32 (W f32 [N, P], no
+// scale, the gated vector kept f32 in shared memory: nothing rounded); same arguments otherwise.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 namespace {
 constexpr int WARPS = 8;
@@ -57,33 +61,96 @@ __device__ __forceinline__ float4 fp8x4_to_f32(uint32_t v) {
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
-template <int R>
-__device__ __forceinline__ void project_rows(const uint8_t* __restrict__ W,
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+
+// four weights of a row from chunk c: e4m3 bytes or f32
+__device__ __forceinline__ float4 load_w4(const uint8_t* __restrict__ row, int c) {
+    return fp8x4_to_f32(__ldg(reinterpret_cast<const uint32_t*>(row) + c));
+}
+
+__device__ __forceinline__ float4 load_w4(const float* __restrict__ row, int c) {
+    return __ldg(reinterpret_cast<const float4*>(row) + c);
+}
+
+// y = vs @ W^T for R staged rows: W e4m3 [N, P] times scale, or W f32 [N, P] (no scale);
+// vs bf16, or f32 with f32 weights
+template <int R, typename WT, typename V>
+__device__ __forceinline__ void project_rows(const WT* __restrict__ W,
                                              const float* __restrict__ scale,
-                                             const __nv_bfloat16* __restrict__ vs,
+                                             const V* __restrict__ vs,
                                              float* __restrict__ y, int m0, int N, int P) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int chunks = P / 4;
     for (int n = blockIdx.x * WARPS + warp; n < N; n += gridDim.x * WARPS) {
-        const uint32_t* wrow = reinterpret_cast<const uint32_t*>(W + (size_t)n * P);
+        const WT* wrow = W + (size_t)n * P;
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.f;
         for (int c = lane; c < chunks; c += 32) {
-            const float4 w = fp8x4_to_f32(__ldg(wrow + c));
+            const float4 w = load_w4(wrow, c);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const __nv_bfloat16* v = vs + r * P + 4 * c;
-                acc[r] = fmaf(w.x, __bfloat162float(v[0]), acc[r]);
-                acc[r] = fmaf(w.y, __bfloat162float(v[1]), acc[r]);
-                acc[r] = fmaf(w.z, __bfloat162float(v[2]), acc[r]);
-                acc[r] = fmaf(w.w, __bfloat162float(v[3]), acc[r]);
+                const V* v = vs + r * P + 4 * c;
+                acc[r] = fmaf(w.x, to_f32(v[0]), acc[r]);
+                acc[r] = fmaf(w.y, to_f32(v[1]), acc[r]);
+                acc[r] = fmaf(w.z, to_f32(v[2]), acc[r]);
+                acc[r] = fmaf(w.w, to_f32(v[3]), acc[r]);
             }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float a = warp_sum(acc[r]);
-            if (lane == 0) y[(size_t)(m0 + r) * N + n] = a * __ldg(scale + n);
+            if constexpr (std::is_same<WT, float>::value) {
+                if (lane == 0) y[(size_t)(m0 + r) * N + n] = a;
+            } else {
+                if (lane == 0) y[(size_t)(m0 + r) * N + n] = a * __ldg(scale + n);
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void combine_group(const float* __restrict__ ctx,
+                                              const T* __restrict__ table,
+                                              const int* __restrict__ ids,
+                                              const float* __restrict__ w, float* __restrict__ ple,
+                                              float ctx_scale, float tok_mult, float out_scale,
+                                              float eps, int M, int L, int P) {
+    const int lane = threadIdx.x & 31;
+    const int group = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (group >= M * L) return;
+    const int m = group / L, l = group % L;
+    const size_t off = (size_t)m * L * P + (size_t)l * P;
+    const float* c = ctx + off;
+    float ss = 0.f;
+    for (int k = lane; k < P; k += 32) {
+        const float v = __fmul_rn(c[k], ctx_scale);
+        ss = fmaf(v, v, ss);
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / (float)P + eps);
+    const T* tok = table + (size_t)__ldg(ids + m) * L * P + (size_t)l * P;
+    for (int k = lane; k < P; k += 32) {
+        const float v = __fmul_rn(__fmul_rn(__fmul_rn(c[k], ctx_scale), r), __ldg(w + k));
+        const float t = __fmul_rn(to_f32(tok[k]), tok_mult);
+        ple[off + k] = __fmul_rn(__fadd_rn(v, t), out_scale);
+    }
+}
+
+// stage gelu_tanh(gate) * ple[:, layer] of rows m0 .. m0 + rows - 1 as V (bf16 or f32)
+template <typename V>
+__device__ __forceinline__ void stage_gated(const float* __restrict__ gate,
+                                            const float* __restrict__ ple, int layer, int L,
+                                            V* vs, int m0, int rows, int P) {
+    for (int i = threadIdx.x; i < rows * P; i += blockDim.x) {
+        const int r = i / P, k = i % P;
+        const float g = gelu_tanh(__ldg(gate + (size_t)(m0 + r) * P + k));
+        const float p = __ldg(ple + ((size_t)(m0 + r) * L + layer) * P + k);
+        if constexpr (std::is_same<V, float>::value) {
+            vs[i] = __fmul_rn(g, p);
+        } else {
+            vs[i] = __float2bfloat16_rn(__fmul_rn(g, p));
         }
     }
 }
@@ -105,24 +172,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_combine(const float* __restrict__ ctx, const __nv_bfloat16* __restrict__ table,
             const int* __restrict__ ids, const float* __restrict__ w, float* __restrict__ ple,
             float ctx_scale, float tok_mult, float out_scale, float eps, int M, int L, int P) {
-    const int lane = threadIdx.x & 31;
-    const int group = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (group >= M * L) return;
-    const int m = group / L, l = group % L;
-    const size_t off = (size_t)m * L * P + (size_t)l * P;
-    const float* c = ctx + off;
-    float ss = 0.f;
-    for (int k = lane; k < P; k += 32) {
-        const float v = __fmul_rn(c[k], ctx_scale);
-        ss = fmaf(v, v, ss);
-    }
-    const float r = 1.f / sqrtf(warp_sum(ss) / (float)P + eps);
-    const __nv_bfloat16* tok = table + (size_t)__ldg(ids + m) * L * P + (size_t)l * P;
-    for (int k = lane; k < P; k += 32) {
-        const float v = __fmul_rn(__fmul_rn(__fmul_rn(c[k], ctx_scale), r), __ldg(w + k));
-        const float t = __fmul_rn(__bfloat162float(tok[k]), tok_mult);
-        ple[off + k] = __fmul_rn(__fadd_rn(v, t), out_scale);
-    }
+    combine_group(ctx, table, ids, w, ple, ctx_scale, tok_mult, out_scale, eps, M, L, P);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+ple_combine_f32(const float* __restrict__ ctx, const float* __restrict__ table,
+                const int* __restrict__ ids, const float* __restrict__ w, float* __restrict__ ple,
+                float ctx_scale, float tok_mult, float out_scale, float eps, int M, int L,
+                int P) {
+    combine_group(ctx, table, ids, w, ple, ctx_scale, tok_mult, out_scale, eps, M, L, P);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -133,18 +191,30 @@ ple_project(const float* __restrict__ gate, const float* __restrict__ ple, int l
     __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     const int m0 = blockIdx.y * ROWS;
     const int rows = min(ROWS, M - m0);
-    for (int i = threadIdx.x; i < rows * P; i += blockDim.x) {
-        const int r = i / P, k = i % P;
-        const float g = gelu_tanh(__ldg(gate + (size_t)(m0 + r) * P + k));
-        const float p = __ldg(ple + ((size_t)(m0 + r) * L + layer) * P + k);
-        vs[i] = __float2bfloat16_rn(__fmul_rn(g, p));
-    }
+    stage_gated(gate, ple, layer, L, vs, m0, rows, P);
     __syncthreads();
     switch (rows) {
         case 1: project_rows<1>(W, scale, vs, y, m0, N, P); break;
         case 2: project_rows<2>(W, scale, vs, y, m0, N, P); break;
         case 3: project_rows<3>(W, scale, vs, y, m0, N, P); break;
         case 4: project_rows<4>(W, scale, vs, y, m0, N, P); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+ple_project_f32(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
+                const float* __restrict__ W, float* __restrict__ y, int M, int N, int P) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* vs = reinterpret_cast<float*>(smem_raw);
+    const int m0 = blockIdx.y * ROWS;
+    const int rows = min(ROWS, M - m0);
+    stage_gated(gate, ple, layer, L, vs, m0, rows, P);
+    __syncthreads();
+    switch (rows) {
+        case 1: project_rows<1>(W, nullptr, vs, y, m0, N, P); break;
+        case 2: project_rows<2>(W, nullptr, vs, y, m0, N, P); break;
+        case 3: project_rows<3>(W, nullptr, vs, y, m0, N, P); break;
+        case 4: project_rows<4>(W, nullptr, vs, y, m0, N, P); break;
     }
 }
 

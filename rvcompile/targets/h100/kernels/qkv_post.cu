@@ -13,6 +13,7 @@
 // Launch grid (nh, M) for KV-shared layers: then only q is written.
 // The _fp8 entries keep e4m3 pools: each K/V value is rounded once, from f32, to the nearest
 // e4m3 (saturating at +-448) instead of to bf16; q_out stays bf16.
+// The _f32 entries (the float32 plan) keep q_out and the pools float32: nothing is rounded.
 //
 // Thread t owns dims 4t..4t+3 and their RoPE partners d/2 + 4t.. as float4 pairs, so d / 8
 // threads cover a head. Two entries with the same arguments:
@@ -62,17 +63,13 @@ __device__ __forceinline__ void store_fp8x4(unsigned char* p, const float o[4]) 
     *reinterpret_cast<uint32_t*>(p) = lo | (hi << 16);
 }
 
-// a pool element type: bf16, or e4m3 bytes (FP8)
-template <bool FP8> struct Pool { using type = __nv_bfloat16; };
-template <> struct Pool<true> { using type = unsigned char; };
+// four values to q_out or a pool, by element type: bf16, e4m3 bytes (FP8) or f32
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float o[4]) { store_bf16x4(p, o); }
 
-template <bool FP8>
-__device__ __forceinline__ void store4(typename Pool<FP8>::type* p, const float o[4]) {
-    if constexpr (FP8) {
-        store_fp8x4(p, o);
-    } else {
-        store_bf16x4(p, o);
-    }
+__device__ __forceinline__ void store4(unsigned char* p, const float o[4]) { store_fp8x4(p, o); }
+
+__device__ __forceinline__ void store4(float* p, const float o[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
 }
 
 __device__ __forceinline__ void to4(const float4 v, float o[4]) {
@@ -86,8 +83,8 @@ __device__ __forceinline__ float sq4(const float a[4]) {
     return a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
 }
 
-// normalise (x * r * w), rotate, and store both halves as bf16 (or e4m3: FP8)
-template <bool FP8, typename Out>
+// normalise (x * r * w), rotate, and store both halves as Out (bf16, e4m3 bytes or f32)
+template <typename Out>
 __device__ __forceinline__ void norm_rope_store(const float lo[4], const float hi[4], float r,
                                                 const float* __restrict__ w, int t, int half,
                                                 const float c[4], const float s[4], Out* dst) {
@@ -101,19 +98,19 @@ __device__ __forceinline__ void norm_rope_store(const float lo[4], const float h
         ol[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
         oh[i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
     }
-    store4<FP8>(dst + 4 * t, ol);
-    store4<FP8>(dst + half + 4 * t, oh);
+    store4(dst + 4 * t, ol);
+    store4(dst + half + 4 * t, oh);
 }
 
 // The whole kernel; PADDED: the CTA is one warp and lanes t >= d / 8 only join the sums.
-// FP8: the pools hold e4m3.
-template <bool PADDED, bool FP8>
+// Q: q_out's element type (bf16 or f32); KV: the pools' (bf16, e4m3 bytes or f32).
+template <bool PADDED, typename Q, typename KV>
 __device__ __forceinline__ void qkv_post_head(
     const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,
     const float* __restrict__ wq, const float* __restrict__ wk, const int* __restrict__ positions,
-    const float* __restrict__ inv_freq, float eps, __nv_bfloat16* __restrict__ q_out,
-    typename Pool<FP8>::type* __restrict__ k_pool, typename Pool<FP8>::type* __restrict__ v_pool,
-    const int* __restrict__ table, int max_blocks, int ring) {
+    const float* __restrict__ inv_freq, float eps, Q* __restrict__ q_out,
+    KV* __restrict__ k_pool, KV* __restrict__ v_pool, const int* __restrict__ table,
+    int max_blocks, int ring) {
     __shared__ float2 red[32];
     const int x = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = d / 2;
     const bool live = !PADDED || t < d / 8;
@@ -147,7 +144,7 @@ __device__ __forceinline__ void qkv_post_head(
     if (!live) return;
     const float r = 1.f / sqrtf(ss.x / (float)d + eps);
     if (is_q) {
-        norm_rope_store<false>(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
+        norm_rope_store(lo, hi, r, wq, t, half, c, s, q_out + ((size_t)m * nh + x) * d);
         return;
     }
     if (pos < 0) return;
@@ -161,28 +158,29 @@ __device__ __forceinline__ void qkv_post_head(
         oh[i] = __fmul_rn(vhi[i], rv);
     }
     if (v_pool == nullptr) {  // K=V stored once: the normalised base (= V); K is derived on read
-        store4<FP8>(k_pool + off + 4 * t, ol);
-        store4<FP8>(k_pool + off + half + 4 * t, oh);
+        store4(k_pool + off + 4 * t, ol);
+        store4(k_pool + off + half + 4 * t, oh);
         return;
     }
-    norm_rope_store<FP8>(lo, hi, r, wk, t, half, c, s, k_pool + off);
-    store4<FP8>(v_pool + off + 4 * t, ol);
-    store4<FP8>(v_pool + off + half + 4 * t, oh);
+    norm_rope_store(lo, hi, r, wk, t, half, c, s, k_pool + off);
+    store4(v_pool + off + 4 * t, ol);
+    store4(v_pool + off + half + 4 * t, oh);
 }
 }  // namespace
 
-#define QKV_POST_ENTRY(NAME, THREADS, PADDED, FP8)                                              \
+#define QKV_POST_ENTRY(NAME, THREADS, PADDED, Q, KV)                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                 \
         const float* __restrict__ qkv, int ld, int nh, int kh, int d, int k_eq_v,              \
         const float* __restrict__ wq, const float* __restrict__ wk,                            \
         const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,      \
-        __nv_bfloat16* __restrict__ q_out, Pool<FP8>::type* __restrict__ k_pool,               \
-        Pool<FP8>::type* __restrict__ v_pool, const int* __restrict__ table, int max_blocks,   \
-        int ring) {                                                                             \
-        qkv_post_head<PADDED, FP8>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq,     \
-                                   eps, q_out, k_pool, v_pool, table, max_blocks, ring);       \
+        Q* __restrict__ q_out, KV* __restrict__ k_pool, KV* __restrict__ v_pool,               \
+        const int* __restrict__ table, int max_blocks, int ring) {                             \
+        qkv_post_head<PADDED>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,     \
+                              q_out, k_pool, v_pool, table, max_blocks, ring);                 \
     }
-QKV_POST_ENTRY(qkv_post, 64, false, false)
-QKV_POST_ENTRY(qkv_post_small, 32, true, false)
-QKV_POST_ENTRY(qkv_post_fp8, 64, false, true)
-QKV_POST_ENTRY(qkv_post_small_fp8, 32, true, true)
+QKV_POST_ENTRY(qkv_post, 64, false, __nv_bfloat16, __nv_bfloat16)
+QKV_POST_ENTRY(qkv_post_small, 32, true, __nv_bfloat16, __nv_bfloat16)
+QKV_POST_ENTRY(qkv_post_fp8, 64, false, __nv_bfloat16, unsigned char)
+QKV_POST_ENTRY(qkv_post_small_fp8, 32, true, __nv_bfloat16, unsigned char)
+QKV_POST_ENTRY(qkv_post_f32, 64, false, float, float)
+QKV_POST_ENTRY(qkv_post_small_f32, 32, true, float, float)
