@@ -622,6 +622,8 @@ class _EntryLowering:
         r = env[t.residual]
         if not (isinstance(r, _Val) and r.f32 is not None):
             raise LoweringError("MoE norms over a value with no float32 copy")
+        if t.gate_up_scale < 0:
+            return self.moe_f32(g, t, r, spec)
         router = self.param_name(g, t.router, spec)
         if self.specs[router].dtype != "bfloat16":
             raise LoweringError(f"router weight dtype {self.specs[router].dtype}; the H100 "
@@ -673,6 +675,37 @@ class _EntryLowering:
                   weights, part, _i32(inter), _i32(hdim))
         self.emit(moe.SOURCE, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, hdim), part, y,
                   _i32(k), _i32(hdim))
+        return _Val(hdim, f32=y)
+
+    def moe_f32(self, g: Graph, t: _MoE, r: _Val, spec):
+        """The float32 plan's MoE (unquantized experts): moe_norms_f32, the float32 router GEMV,
+        moe_route, then one launch each for the experts' gate/up and down at any row count."""
+        names = {i: self.param_name(g, i, spec) for i in (
+            t.router, t.router_scale, t.expert_norm, t.per_expert_scale, t.gate_up, t.down)}
+        for i in (t.router, t.gate_up, t.down):
+            if self.specs[names[i]].dtype != "float32":
+                raise LoweringError(f"MoE weight {names[i]} is {self.specs[names[i]].dtype} "
+                                    "beside unquantized float32 experts")
+        w = {i: Ref("weights", name) for i, name in names.items()}
+        experts, two_inter, hdim = self.specs[names[t.gate_up]].shape
+        inter, k, m = two_inter // 2, t.top_k, self.m
+        z, x2 = self.buffer(m * hdim * 4), self.buffer(m * hdim * 4)
+        self.emit(moe.SOURCE, moe.NORMS_F32_ENTRY, moe.norm_geometry(m, hdim), r.f32,
+                  w[t.router_scale], _f32(t.router_mul), w[t.expert_norm], z, x2, _i32(hdim),
+                  _f32(t.eps))
+        logits = self.buffer(m * experts * 4)
+        self.gemv(z, w[t.router], None, logits, m, experts, hdim)
+        ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
+        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits,
+                  w[t.per_expert_scale], ids, weights, _i32(experts), _i32(k))
+        hid, y = self.buffer(m * k * inter * 4), self.buffer(m * hdim * 4)
+        dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.GATE_UP_F32_ENTRY,
+                  moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=True),
+                  w[t.gate_up], x2, ids, hid, *dims)
+        self.emit(moe.SOURCE, moe.DOWN_F32_ENTRY,
+                  moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=False),
+                  w[t.down], hid, ids, weights, y, *dims)
         return _Val(hdim, f32=y)
 
     def moe_branch_sum(self, g: Graph, n: Node, env, spec):
@@ -928,7 +961,7 @@ class _MoE:
     per_expert_scale: int
     gate_up: int
     down: int
-    gate_up_scale: int
+    gate_up_scale: int  # -1 for float32 experts (unquantized: h100-f32)
     down_scale: int
     top_k: int
     nodes: frozenset[int]  # non-PARAM nodes the MoE launches compute (the MOE node aside)
@@ -944,12 +977,13 @@ def _expect(g: Graph, idx: int, op: Op, inputs: int, what: str) -> Node:
 
 def _trace_moe(g: Graph, idx: int) -> _MoE:
     """MOE(RMSNORM(r, w2), LINEAR_router(SCALE(MUL(RMSNORM(r), router.scale))), pes,
-    gate_up, down, gate_up.scale, down.scale), the front end's and quantize_fp8's form."""
+    gate_up, down, gate_up.scale, down.scale), the front end's and quantize_fp8's form; the
+    front end's unquantized form has no scales (-1)."""
     moe_node = g.nodes[idx]
-    if not moe_node.attrs.quantized:
-        raise LoweringError("MoE experts are not quantized; the H100 expert kernels take FP8 "
-                            "with per-row scales (run quantize_fp8)")
-    x2_i, logits_i, pes, gate_up, down, gus, ds = moe_node.inputs
+    if moe_node.attrs.quantized:
+        x2_i, logits_i, pes, gate_up, down, gus, ds = moe_node.inputs
+    else:
+        (x2_i, logits_i, pes, gate_up, down), gus, ds = moe_node.inputs, -1, -1
     x2 = _expect(g, x2_i, Op.RMSNORM, 2, "expert input")
     router = _expect(g, logits_i, Op.LINEAR, 2, "router logits")
     if router.attrs.role != "router":

@@ -29,6 +29,11 @@ the first pass):
 and its router linear is one launch (decode uses gemv_bf16):
     moe_router_rows(z bf16 [M, H], Wr bf16 [E, H], logits f32 [M, E], M, E, H)
 Limits: H % 16 == 0, I % 16 == 0, H <= 8192 (the norms), E <= 256, 1 <= K <= min(E, 32).
+The float32 plan (h100-f32: float32 weights, no scales) takes moe_norms_f32 (z, x2 float32),
+the float32 router GEMV (gemv_f32, 4 rows a launch), moe_route, then for any M (decode and
+prefill alike: nothing is staged) moe_gate_up_f32(W f32 [E, 2I, H], x2, ids, hid f32 [M, K, I],
+M, K, I, H) and moe_down_f32(D f32 [E, H, I], hid, ids, wts, y, M, K, I, H), nothing rounded;
+H % 4 == 0, I % 4 == 0.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ GATE_UP_GROUPED_ENTRY = "moe_gate_up_grouped"
 DOWN_GROUPED_ENTRY = "moe_down_grouped"
 SUM_PAIRS_ENTRY = "moe_sum_pairs"
 ROUTER_ROWS_ENTRY = "moe_router_rows"
+NORMS_F32_ENTRY = "moe_norms_f32"
+GATE_UP_F32_ENTRY = "moe_gate_up_f32"
+DOWN_F32_ENTRY = "moe_down_f32"
 NORM_THREADS = 512  # these must match the kernel
 WARPS = 8
 SORT_THREADS = 1024
@@ -73,9 +81,39 @@ def norms_reference(r: np.ndarray, router_scale: np.ndarray, router_mul: float, 
                     eps: float) -> tuple[np.ndarray, np.ndarray]:
     """(z, x2), both bf16 [M, H]: the IR's SCALE(MUL(RMSNORM(r), router_scale)) and
     RMSNORM(r, w2), rounded as the router GEMV and the experts read them."""
+    z, x2 = norms_f32_reference(r, router_scale, router_mul, w2, eps)
+    return z.astype(BF16), x2.astype(BF16)
+
+
+def norms_f32_reference(r: np.ndarray, router_scale: np.ndarray, router_mul: float,
+                        w2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(z, x2) float32 [M, H] (moe_norms_f32), unrounded."""
     a = ops.RMSNormAttrs(eps)
     z = ops.ref_mul(None, ops.ref_rmsnorm(a, r), router_scale) * np.float32(router_mul)
-    return z.astype(BF16), ops.ref_rmsnorm(a, r, w2).astype(BF16)
+    return z, ops.ref_rmsnorm(a, r, w2)
+
+
+def gate_up_f32_reference(w: np.ndarray, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """hid f32 [M, K, I] from W f32 [E, 2I, H], x f32 [M, H] (moe_gate_up_f32)."""
+    m, k = ids.shape
+    inter = w.shape[1] // 2
+    out = np.zeros((m, k, inter), np.float32)
+    for r in range(m):
+        for j in range(k):
+            gu = np.asarray(w[int(ids[r, j])], np.float32) @ np.asarray(x[r], np.float32)
+            out[r, j] = ops.gelu_tanh(gu[:inter]) * gu[inter:]
+    return out
+
+
+def down_f32_reference(d: np.ndarray, hid: np.ndarray, ids: np.ndarray,
+                       weights: np.ndarray) -> np.ndarray:
+    """y f32 [M, H] from D f32 [E, H, I], hid f32 [M, K, I] (moe_down_f32)."""
+    m, k = ids.shape
+    y = np.zeros((m, d.shape[1]), np.float32)
+    for r in range(m):
+        for j in range(k):
+            y[r] += weights[r, j] * (np.asarray(d[int(ids[r, j])], np.float32) @ hid[r, j])
+    return y
 
 
 def route_reference(logits: np.ndarray, per_expert_scale: np.ndarray,
@@ -214,6 +252,16 @@ def down_geometry(m: int, k: int, inter: int, h: int, sm_count: int) -> Launch:
     smem = m * k * inter * 2
     _check_expert_dims(m, k, inter, h, smem)
     return Launch((_blocks(m * h, sm_count), 1, 1), (WARPS * 32, 1, 1), smem)
+
+
+def expert_f32_geometry(m: int, k: int, inter: int, h: int, sm_count: int,
+                        gate_up: bool) -> Launch:
+    """moe_gate_up_f32 (a warp per (row, slot, i)) or moe_down_f32 (a warp per (row, n))."""
+    if m < 1 or k < 1 or h % 4 or inter % 4:
+        raise ValueError(f"moe f32 expert kernels need M, K >= 1, H % 4 == 0 and I % 4 == 0 "
+                         f"(M={m}, K={k}, I={inter}, H={h})")
+    tasks = m * k * inter if gate_up else m * h
+    return Launch((_blocks(tasks, sm_count), 1, 1), (WARPS * 32, 1, 1), 0)
 
 
 def sort_geometry(pairs: int, experts: int) -> Launch:

@@ -333,6 +333,30 @@ def _moe_norms(dev, launch: Launch, r, router_scale, router_mul, w2, z, x2, hdim
     dev.view(x2, BF16, (m, hdim))[:] = xv
 
 
+def _moe_norms_f32(dev, launch: Launch, r, router_scale, router_mul, w2, z, x2, hdim, eps):
+    m = launch.grid[0]
+    zv, xv = moe.norms_f32_reference(dev.view(r, F32, (m, hdim)),
+                                     dev.view(router_scale, F32, (hdim,)), router_mul,
+                                     dev.view(w2, F32, (hdim,)), eps)
+    dev.view(z, F32, (m, hdim))[:] = zv
+    dev.view(x2, F32, (m, hdim))[:] = xv
+
+
+def _moe_gate_up_f32(dev, launch: Launch, w, x, ids, hid, m, k, inter, hdim):
+    idv = dev.view(ids, I32, (m, k))
+    e = int(idv.max()) + 1
+    dev.view(hid, F32, (m, k, inter))[:] = moe.gate_up_f32_reference(
+        dev.view(w, F32, (e, 2 * inter, hdim)), dev.view(x, F32, (m, hdim)), idv)
+
+
+def _moe_down_f32(dev, launch: Launch, d, hid, ids, weights, y, m, k, inter, hdim):
+    idv = dev.view(ids, I32, (m, k))
+    e = int(idv.max()) + 1
+    dev.view(y, F32, (m, hdim))[:] = moe.down_f32_reference(
+        dev.view(d, F32, (e, hdim, inter)), dev.view(hid, F32, (m, k, inter)), idv,
+        dev.view(weights, F32, (m, k)))
+
+
 def _moe_route(dev, launch: Launch, logits, per_expert_scale, ids, weights, experts, k):
     m = launch.grid[0]
     got_ids, got_w = moe.route_reference(dev.view(logits, F32, (m, experts)),
@@ -449,6 +473,9 @@ _REFS = {
     moe.GATE_UP_GROUPED_ENTRY: _moe_gate_up_grouped,
     moe.DOWN_GROUPED_ENTRY: _moe_down_grouped,
     moe.SUM_PAIRS_ENTRY: _moe_sum_pairs,
+    moe.NORMS_F32_ENTRY: _moe_norms_f32,
+    moe.GATE_UP_F32_ENTRY: _moe_gate_up_f32,
+    moe.DOWN_F32_ENTRY: _moe_down_f32,
 }
 
 

@@ -571,3 +571,86 @@ moe_router_rows(const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __rest
         }
     }
 }
+
+// The float32 plan's MoE entries (h100-f32: float32 weights, no scales, nothing rounded).
+// moe_norms_f32: moe_norms with z and x2 float32.
+// moe_gate_up_f32: hid[m, j, i] = gelu_tanh(W[e, i, :] . x[m]) * (W[e, I + i, :] . x[m]),
+//   e = ids[m, j]; W f32 [E, 2I, H], x f32 [M, H], hid f32 [M, K, I]; a warp per (m, j, i).
+// moe_down_f32: y[m, n] = sum_j wts[m, j] * (D[e_j, n, :] . hid[m, j]); D f32 [E, H, I]; a
+//   warp per (m, n), the K experts summed in slot order. Neither stages anything, so any M
+//   (prefill chunks too). Contract: H % 4 == 0, I % 4 == 0, 16-byte aligned rows.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+moe_norms_f32(const float* __restrict__ r, const float* __restrict__ router_scale,
+              float router_mul, const float* __restrict__ w2, float* __restrict__ z,
+              float* __restrict__ x2, int H, float eps) {
+    __shared__ float red[32];
+    const int n4 = H / 4;
+    const size_t row = (size_t)blockIdx.x * H;
+    float4 v[NV];
+    const float rr = load_row(r + row, v, n4, H, eps, red);
+    const float4* rs4 = reinterpret_cast<const float4*>(router_scale);
+    const float4* w4 = reinterpret_cast<const float4*>(w2);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * NORM_THREADS;
+        if (c < n4) {
+            const float4 n = mul4(v[i], rr);
+            reinterpret_cast<float4*>(z + row)[c] = mul4(mul4(n, __ldg(rs4 + c)), router_mul);
+            reinterpret_cast<float4*>(x2 + row)[c] = mul4(n, __ldg(w4 + c));
+        }
+    }
+}
+
+namespace {
+// a . b over n floats (n % 4 == 0), lane-strided float4s, summed over the warp
+__device__ __forceinline__ float warp_dot_f32(const float* __restrict__ a,
+                                              const float* __restrict__ b, int n) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0.f;
+    for (int c = lane; c < n / 4; c += 32) {
+        const float4 x = __ldg(reinterpret_cast<const float4*>(a) + c);
+        const float4 y = __ldg(reinterpret_cast<const float4*>(b) + c);
+        acc = fmaf(x.x, y.x, acc);
+        acc = fmaf(x.y, y.y, acc);
+        acc = fmaf(x.z, y.z, acc);
+        acc = fmaf(x.w, y.w, acc);
+    }
+    return warp_sum(acc);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+moe_gate_up_f32(const float* __restrict__ W, const float* __restrict__ x,
+                const int* __restrict__ ids, float* __restrict__ hid, int M, int K, int I,
+                int H) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tasks = M * K * I;
+    for (int t = blockIdx.x * WARPS + warp; t < tasks; t += gridDim.x * WARPS) {
+        const int pair = t / I, i = t - pair * I;  // pair = m * K + j
+        const int m = pair / K;
+        const int e = __ldg(ids + pair);
+        const size_t gate_row = (size_t)e * 2 * I + i, up_row = gate_row + I;
+        const float* xm = x + (size_t)m * H;
+        const float gv = warp_dot_f32(W + gate_row * H, xm, H);
+        const float uv = warp_dot_f32(W + up_row * H, xm, H);
+        if (lane == 0) hid[(size_t)pair * I + i] = __fmul_rn(gelu_tanh(gv), uv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+moe_down_f32(const float* __restrict__ D, const float* __restrict__ hid,
+             const int* __restrict__ ids, const float* __restrict__ wts, float* __restrict__ y,
+             int M, int K, int I, int H) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = blockIdx.x * WARPS + warp; t < M * H; t += gridDim.x * WARPS) {
+        const int m = t / H, n = t - m * H;
+        float acc = 0.f;
+        for (int j = 0; j < K; ++j) {
+            const int pair = m * K + j;
+            const int e = __ldg(ids + pair);
+            const float part = warp_dot_f32(D + ((size_t)e * H + n) * I, hid + (size_t)pair * I, I);
+            acc = fmaf(part, __ldg(wts + pair), acc);
+        }
+        if (lane == 0) y[(size_t)m * H + n] = acc;
+    }
+}
