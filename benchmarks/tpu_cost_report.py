@@ -46,7 +46,8 @@ def report(model: str, context: int, args) -> dict:
                                names=(decode,))[decode]
     t_compile = time.perf_counter() - t0 - t_export
     rep = cost_report(compiled, args.slots, CHIPS[topo.generation], query_per_kv(ir),
-                      ir.max_context, read_model(ir))
+                      ir.max_context, read_model(ir),
+                      tuple(g["count"] for g in lowering.manifest["layer_groups"]))
     rep["model"], rep["topology"], rep["tp"], rep["target"] = model, topo.name, args.tp, \
         args.target
     rep["seconds"] = {"export": round(t_export, 1), "compile_decode": round(t_compile, 1)}
@@ -63,9 +64,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the reports here")
     args = ap.parse_args()
     reports = []
-    print("| model | context | B | per-device weights GiB | KV/seq GiB | est. step ms "
-          "| est. tok/s | HBM need GiB | fits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | context | B | per-device weights GiB | KV/seq GiB | roofline step ms "
+          "| roofline tok/s | tok/s at XLA's traffic | HBM need GiB | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.models:
         model, context = spec.rsplit(":", 1)
         rep = report(model, int(context), args)
@@ -74,11 +75,12 @@ def main() -> None:
         for r in rep["decode"]:
             print(f"| {model} | {context} | {r['batch']} | {dev['weight_bytes'] / GiB:.2f} "
                   f"| {dev['kv_bytes_per_lane'] / GiB:.3f} | {r['step_ms']:.2f} "
-                  f"| {r['tok_s']:.1f} | {r['hbm_need_bytes'] / GiB:.2f} "
+                  f"| {r['tok_s']:.1f} | {r['tok_s_xla']:.1f} | {r['hbm_need_bytes'] / GiB:.2f} "
                   f"| {'yes' if r['fits'] else 'no'} |")
         print(f"<!-- {model}:{context} XLA temp {dev['temp_bytes'] / GiB:.2f} GiB, peak "
               f"{dev['peak_bytes'] / GiB:.2f} GiB; XLA cost analysis {dev['xla_flops']:.3g} "
-              f"flops, {dev['xla_bytes_accessed']:.3g} bytes; times {rep['seconds']} -->")
+              f"flops, {dev['xla_bytes_accessed']:.3g} bytes, amplification "
+              f"{dev['xla_amplification']:.2f}; times {rep['seconds']} -->")
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

@@ -91,7 +91,7 @@ FOOTPRINT = DecodeFootprint(
     slots=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
     expert_elements=0, kv_bytes_per_lane=GiB // 4, kv_elements_per_lane=GiB // 8,
     argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB, temp_bytes=GiB // 2,
-    xla_flops=1.0, xla_bytes_accessed=2.0)
+    xla_flops=1.0, xla_bytes_accessed=3 * GiB, once_bytes=GiB)
 
 
 def test_estimate_is_a_roofline_per_device():
@@ -104,6 +104,7 @@ def test_estimate_is_a_roofline_per_device():
     assert b1["step_ms"] == pytest.approx(b1["bytes"] / 1640e9 * 1e3)
     assert b1["tok_s"] == pytest.approx(1 / (b1["bytes"] / 1640e9))
     assert b1["bound"] == "memory" and b1["fits"]
+    assert b1["tok_s_xla"] == pytest.approx(b1["tok_s"] / 3)  # XLA moves 3x the roofline's bytes
     assert b1["hbm_need_bytes"] == 9 * GiB + GiB // 4 + GiB // 2  # all weights are resident
     assert not rows[1024]["fits"]  # 1024 lanes of 1/4 GiB KV: 264 GiB
     short_kv = replace(FOOTPRINT, kv_bytes_per_lane=1024, kv_elements_per_lane=512)
@@ -166,8 +167,12 @@ def test_decode_footprint_reads_the_compiled_arguments():
     pools = {"g0.0.cache_k": sds((3, 2 * slots, 16, 2, 8), jnp.bfloat16)}
     compiled = jax.jit(_toy_decode, donate_argnums=(1,)).lower(
         weights, pools, sds((1, 64), jnp.float32)).compile()
-    fp = decode_footprint(compiled, slots)
+    fp = decode_footprint(compiled, slots, group_counts=(3,))
     assert fp.weight_bytes == fp.dense_bytes == 64 * 32 + 32 * 4
+    # XLA counts a scan body once: group 0's pool (3 layers stacked) counts a third
+    pool = 3 * 2 * slots * 16 * 2 * 8 * 2
+    assert fp.once_bytes == fp.weight_bytes + pool // 3
+    assert fp.xla_amplification == fp.xla_bytes_accessed / fp.once_bytes
     assert fp.dense_elements == 64 * 32  # scales are not multiplied
     assert fp.expert_bytes == fp.expert_elements == 0
     assert decode_footprint(compiled, slots, ReadModel(gathered=frozenset({"w"}))).dense_bytes == 0

@@ -196,6 +196,7 @@ def precompile_topologies(topologies: tuple[Topology, ...], programs: dict[str, 
         pre = precompile(topo, programs, xla_manifest)
         decode = pre.compiled[f"decode_{xla_manifest['slots']}"]
         pre.record["cost"] = cost_report(decode, xla_manifest["slots"], CHIPS[topo.generation],
-                                         query_per_kv, xla_manifest["max_context"], reads)
+                                         query_per_kv, xla_manifest["max_context"], reads,
+                                         tuple(g["count"] for g in xla_manifest["layer_groups"]))
         sets.append(pre)
     return executables_section(sets)
