@@ -6,7 +6,7 @@ CPU (the plan on the reference executor, through the normal build path):
 - every oracle case: teacher-forced logits of 3 sequences x 40 tokens within F32_BOUND of the
   oracle (the xla-f32 standard, tests/test_oracle.py), greedy tokens equal to the oracle's, and
   greedy decode (chunked prefill + paged decode) equal to the argmax of the plan's own logits;
-- the schedule launches only float32 entries and keeps float32 pools.
+- the schedule launches only float32 entries and keeps float32 pools; 26B-A4B and E4B lower.
 Measured max abs logit error against the oracle (3 x 40 tokens; oracle logits up to ~7):
     dense 9.7e-06   k_eq_v 8.1e-06   kv_shared 1.3e-05   ple 8.7e-06   moe 7.5e-06   all 2.2e-05
 GPU (skipped without one; not yet run on a GPU):
@@ -91,6 +91,22 @@ def test_f32_schedule_is_float32_throughout(built):
     assert all(k.endswith("_f32") for k in kernels if k.startswith(("attn_decode_d",
                                                                      "attn_decode_keqv")))
     assert {"gemv_f32", "qkv_post_small_f32", "moe_gate_up_f32", "ple_project_f32"} <= kernels
+
+
+@pytest.mark.parametrize("preset", ["gemma-4-26B-A4B", "gemma-4-E4B"])
+def test_released_models_lower_to_f32(preset):
+    """MoE and per-layer inputs at real dims fit the f32 entries' limits (no weights needed)."""
+    from rvcompile.build import lower_model
+    from rvcompile.checkpoint import load_model_source
+    from rvcompile.targets.h100.lower import lower_to_h100
+
+    source = load_model_source(preset, random_weights=True)
+    ir = lower_model(source, BuildOptions("h100-f32", max_context=2048, prefill_buckets=(16, 64)),
+                     log=lambda s: None)
+    lowering = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64))
+    kernels = {x.kernel for e in lowering.schedule.entries.values() for x in e.launches}
+    assert lowering.schedule.kv.kv_dtype == "float32"
+    assert not kernels & set(NARROW_ENTRIES)
 
 
 # ---------------------------------------------------------------- GPU
