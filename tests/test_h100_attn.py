@@ -533,4 +533,4 @@ def test_qkv_post_fp8_writes_the_reference_bytes(name, nh, kh, d, k_eq_v, window
         step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0 ** -6))) - 3)
         assert np.isfinite(g).all() and (np.abs(g - w) <= step).all()
         assert differ.sum() <= max(1, 1e-3 * m * (kh * d)), differ.sum()
-    assert np.abs(want_k.astype(np.float32)).max() == 448.0 or k_eq_v
+    assert np.nanmax(np.abs(want_k.astype(np.float32))) == 448.0 or k_eq_v  # NaN: unwritten
