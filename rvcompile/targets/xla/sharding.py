@@ -14,8 +14,14 @@ inserts after the row-parallel O and down projections):
   grouped matmuls (ragged_dot) by expert group: each device multiplies the rows routed to its
   own experts and one all-reduce sums them (no expert weight moves; checked in the compiled
   HLO of the oracle's MoE case: the only all-gathers are the [E] int32 group sizes);
-- everything else whole on every device: embeddings and the tied head, norms, the router,
-  layer scalars, the per-layer-input (PLE) weights.
+- embedding tables (the token table, tied to the head, and the PLE table), values and per-row
+  scales, split by vocabulary row. The head reads 1/tp of the tied table per device per decode
+  step (the 31B's is 1.4 GB in int8, about 1/6 of its per-device bytes at tp=4), and the PLE
+  table (E4B: 2.8 GB in int8), only ever gathered from, takes 1/tp of the memory. A lookup
+  becomes a local masked gather plus an all-reduce of the rows; the head's logits come out
+  split by vocabulary and are all-gathered (B x T x V floats) for sampling;
+- everything else whole on every device: norms, the router, layer scalars, the per-layer-input
+  projections.
 Head and width counts that do not divide evenly are refused by `check_tp`, naming the field.
 """
 
@@ -27,6 +33,7 @@ from jax.sharding import PartitionSpec
 
 from rvcompile.config import ConfigError, Gemma4Config
 from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
+from rvcompile.ir.ops import Op
 from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
 
 TP_AXIS = "tp"
@@ -92,6 +99,16 @@ def _param_axis(rel: str, kv_split: bool) -> int | None:
     return None
 
 
+def _embedding_params(ir: ModelIR) -> set[str]:
+    """The tables EMBED reads, with their per-row scales (quantized targets)."""
+    names = set()
+    for n in ir.embed.nodes:
+        if n.op is Op.EMBED:
+            leaves = [ir.embed.nodes[i] for i in (n.inputs[0], *n.inputs[2:])]
+            names |= {leaf.attrs.name for leaf in leaves if leaf.op is Op.PARAM}
+    return names
+
+
 def _spec(ndim: int, axis: int | None) -> Spec:
     return tuple(TP_AXIS if i == axis else None for i in range(ndim))
 
@@ -100,7 +117,8 @@ def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
     """The spec of every weight array and KV pool of `plan` (`check_tp` must have passed)."""
     check_tp(ir.config, tp)
     shapes = weight_shapes(ir, plan)
-    weights: dict[str, Spec] = {name: _spec(len(shapes[name].shape), None)
+    tables = _embedding_params(ir) if tp > 1 else set()
+    weights: dict[str, Spec] = {name: _spec(len(shapes[name].shape), 0 if name in tables else None)
                                 for name in plan.globals_}
     for sp in plan.stacked:
         spec = ir.config.layers[plan.groups[sp.group].layer(0, sp.j)]
