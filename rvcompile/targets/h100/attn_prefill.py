@@ -99,8 +99,11 @@ def reference_keqv(q, base_pool, table, ring: int, positions, window: int, wk,
 
 
 def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) -> np.ndarray:
-    """Masked softmax over the keys the chunk's real rows see, all heads at once (float32)."""
-    q = np.asarray(q).astype(np.float32)
+    """Masked softmax over the keys the chunk's real rows see, all heads at once, in float64 and
+    rounded once to float32: the key range and the einsum shapes depend on how a prompt is cut
+    into chunks (a prefix-cache hit cuts it elsewhere), and float32 sums in another order would
+    make a row's result, and a seeded sample drawn from it, depend on that cut."""
+    q = np.asarray(q).astype(np.float64)
     m, nh, d = q.shape
     pos = np.asarray(positions, np.int64)
     out = np.zeros((m, nh, d), np.float32)
@@ -113,13 +116,13 @@ def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) ->
     k, v = rows(np.asarray(table)[0, (ts // BLOCK) % ring], ts)  # [S, KH, D]
     g = nh // kv_heads
     qg = q.reshape(m, kv_heads, g, d)
-    s = np.einsum("mkgd,skd->kgms", qg, k, dtype=np.float32)
+    s = np.einsum("mkgd,skd->kgms", qg, k.astype(np.float64))
     mask = visible(pos, window, ts)  # [M, S]
     s = np.where(mask[None, None], s, -np.inf)
     top = np.max(s, axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         p = np.where(mask[None, None], np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
-    p = (p / np.maximum(p.sum(-1, keepdims=True), np.float32(1e-30))).astype(np.float32)
-    o = np.einsum("kgms,skd->mkgd", p, v, dtype=np.float32).reshape(m, nh, d)
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    o = np.einsum("kgms,skd->mkgd", p, v.astype(np.float64)).reshape(m, nh, d)
     out[real] = o[real]
     return out
