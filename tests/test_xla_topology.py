@@ -85,6 +85,21 @@ def test_build_refuses_topology_before_writing(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def test_cli_refuses_a_topology_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from rvcompile.cli import app
+
+    out = tmp_path / "x.rvp"
+    r = CliRunner().invoke(app, ["build", "gemma-4-tiny-dense", "--target", "tpu-int8",
+                                 "--random-weights", "-o", str(out), "--topology", "v6e:2x2"])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines() == [
+        "rvcompile: error: --topology v6e:2x2 has 4 chips but the programs are sharded over "
+        "--tp 1; give --tp 4 or another topology"]
+    assert not out.exists()
+
+
 # ---- the cost report ----------------------------------------------------------------------
 
 FOOTPRINT = DecodeFootprint(
