@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
 from rvcompile.ir.ops import Op
@@ -303,6 +303,15 @@ class Program:
             (h, own), _ = lax.scan(body, (h, own), xs)
         return h, {**caches, **own}
 
+    def _whole(self, x):
+        """`x` on every device, whole. Under tensor parallelism the head's logits come out split
+        by vocabulary; sampling reads all of them, and gathering once here replaces one
+        all-gather per sampling step (sort, cumulative sums, choice)."""
+        if not self.pool_shardings:
+            return x
+        mesh = next(iter(self.pool_shardings.values())).mesh
+        return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
     def _placed(self, key: str, pool):
         sharding = self.pool_shardings.get(key)
         return pool if sharding is None else lax.with_sharding_constraint(pool, sharding)
@@ -323,7 +332,7 @@ class Program:
         tokens and sample the next token of every lane from its last valid row."""
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
-        logits = self.head(weights, last)[:, 0]
+        logits = self._whole(self.head(weights, last)[:, 0])
         return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
 
     def logits(self, weights, caches, tokens, start, n_new, tables):
