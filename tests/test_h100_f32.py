@@ -323,7 +323,7 @@ def test_gpu_qkv_post_f32(nh, kh, d, k_eq_v):
 
     ctx = h100_context()
     rng = np.random.default_rng(nh * d + kh)
-    m, ring, blocks, eps = 3, 4, 9, 1e-6
+    m, ring, blocks, eps = 3, 4, 15, 1e-6
     ld = qkv_post.row_width(nh, kh, d, k_eq_v)
     qkv = _f32(rng, (m, ld), 2)
     wq, wk = rng.uniform(0.5, 1.5, (2, d)).astype(np.float32)
