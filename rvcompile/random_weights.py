@@ -2,12 +2,11 @@
 
 Every tensor is a function of (seed, name) alone, so tensors can be generated in any order, in
 parallel, or one at a time while streaming. Values are uniform (cheap to make from raw random
-bits) with the spread a trained Gemma 4 has, except the q/k norms:
+bits) with the spread a trained Gemma 4 has:
 
     linear weights / experts      std 1/sqrt(fan_in), fan_in = last dim
     embed_tokens(_per_layer)      std 0.03
     RMSNorm weights               [0.5, 1.5]  (Gemma 4 scales by w, not 1 + w)
-    q_norm / k_norm weights       [0.125, 0.375]
     layer_scalar                  [0.5, 1.0]
     router.scale                  [0.8, 1.2]
     router.per_expert_scale       [0.5, 1.5]
@@ -16,13 +15,6 @@ A tensor is cut into CHUNK-value pieces; piece k comes from its own SFC64 stream
 (seed, hash(name), k), so the result does not depend on how many threads fill it. Each raw
 64-bit word gives four int16 samples, mapped to float32 with one multiply (and one add for
 ranges not centred on zero).
-
-Why the q/k norms are small: Gemma 4 attends with scale 1, so unit-RMS random q and k of
-256-512 dims give scores of std ~16 and a one-hot softmax. A trained model's q and k are
-correlated where it matters; random ones are not, and a saturated softmax makes any comparison
-of two builds meaningless (one rounding flips the argmax). Weights near 1/4 give scores of
-std ~4, as the oracle's tiny configs are conditioned (tests/oracle.py). Decode speed does not
-depend on these values.
 """
 
 from __future__ import annotations
@@ -53,8 +45,6 @@ def init_range(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
         return 0.5, 1.5
     if parts[-2:] == ["router", "scale"]:
         return 0.8, 1.2
-    if module in ("q_norm", "k_norm"):
-        return 0.125, 0.375
     if "norm" in module:
         return 0.5, 1.5
     if parts[0] in ("embed_tokens", "embed_tokens_per_layer"):

@@ -84,7 +84,8 @@ def test_inspect_json(tiny, tiny_info):
     assert info["target"] == "tpu-bf16"
     assert info["passes"] == ["cast_bf16"]
     assert "cpu" in info["platforms"]
-    assert info["entry_points"] == ["decode_2", "logits_32", "prefill_32", "prefill_8"]
+    assert info["entry_points"] == ["decode_2", "decode_loop_2", "logits_32", "prefill_32",
+                                    "prefill_8"]  # the CLI builds the device-side loop
     assert info["slots"] == 2 and info["max_context"] == 128
     assert info["requirements"]["runtime"] == "xla"
     assert info["jax_version"] and info["compiler_version"]

@@ -239,9 +239,9 @@ def test_kernel_chain_matches_ir_reference() -> None:
     # the base and derives K = rope(base * wk) in float32 on every read (sincosf in the kernel vs
     # numpy's cos/sin, amplified by scale-1 scores). Where a 1e-7 difference lands a value on the
     # other side of a bf16 rounding boundary (KV entry, GEMV input), that step moves by up to
-    # 1e-2. Each reference step therefore starts from the GPU's KV cache: with attention spread
-    # over many keys (random q/k norms near 1/4) one flipped cache entry would otherwise stay in
-    # every later step (seen: 2e-3 on every step after the first; 1e-7 relative noise on the
+    # 1e-2. Each reference step therefore starts from the GPU's KV cache: once attention spreads
+    # over many keys, one flipped cache entry would otherwise stay in every later step (seen with
+    # q/k norm weights near 1/4: 2e-3 on every step after the first; 1e-7 relative noise on the
     # reference's own GEMV outputs moves it by 2e-3 a step). A layout bug gives O(1) errors.
     assert float(np.median(per_step)) < 1e-5
     assert kernel_err < 2e-2
