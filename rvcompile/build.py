@@ -84,8 +84,7 @@ class BuildOptions:
     topologies: tuple[str, ...] = ()  # TPU slices to precompile for, e.g. "v6e:2x2" (libtpu)
     decode_loop_steps: int = 0  # XLA: steps per device-side decode_loop call; 0 = no such entry
     tp: int = 1  # tensor-parallel devices the XLA programs are sharded over (targets/xla/sharding)
-    kv_cache: str = "auto"  # "float" (the target's), "int8" (passes/kv_int8), "auto": see below
-    kv_dtype: str = "bf16"  # h100-fp8's KV pools: "bf16" or "fp8" (e4m3, passes/kv_fp8)
+    kv_cache: str = "auto"  # "float" (the target's), "int8", "fp8", "auto": kv_cache_choice
 
 
 @dataclass(frozen=True)
@@ -105,9 +104,10 @@ def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
     if opts.dump_ir == "frontend":
         log(format_ir(ir))
     passes = TARGETS[opts.target].passes
-    if kv_cache_choice(opts, max_context) == "int8":
+    kv = kv_cache_choice(opts, max_context)
+    if kv == "int8":
         passes += (("kv_int8", kv_int8.run),)  # after the casts: the cache dtype is the last word
-    if _kv_fp8(opts):
+    if kv == "fp8":
         passes += (("kv_fp8", kv_fp8.run),)  # likewise
     for name, run in passes:
         ir = run(ir)
@@ -117,14 +117,16 @@ def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
     return ir
 
 
-KV_CACHE_CHOICES = ("auto", "float", "int8")
+KV_CACHE_CHOICES = ("auto", "float", "int8", "fp8")
 INT8_KV_CONTEXT = 32768  # "auto": XLA targets but xla-f32 store longer contexts' KV as int8
 
 
 def kv_cache_choice(opts: BuildOptions, max_context: int) -> str:
-    """"float" or "int8": the KV cache `opts.kv_cache` asks for at `max_context`. "auto" is int8
-    beyond INT8_KV_CONTEXT tokens on the XLA targets other than the exact xla-f32, else the
-    target's float cache. int8 caches exist on XLA targets only."""
+    """"float", "int8" or "fp8": the KV cache `opts.kv_cache` asks for at `max_context`.
+    "float" is the target's own (bf16, or float32 for the exact targets). "int8" (values + a
+    float32 scale per token and KV head, passes/kv_int8) exists on the XLA targets, "fp8"
+    (unscaled e4m3, passes/kv_fp8) on h100-fp8. "auto" is int8 beyond INT8_KV_CONTEXT tokens on
+    the XLA targets other than the exact xla-f32, else float."""
     if opts.kv_cache not in KV_CACHE_CHOICES:
         raise CheckpointError(f"--kv-cache {opts.kv_cache!r}: expected one of "
                               f"{', '.join(KV_CACHE_CHOICES)}")
@@ -132,23 +134,13 @@ def kv_cache_choice(opts: BuildOptions, max_context: int) -> str:
     if opts.kv_cache == "int8" and not xla:
         raise CheckpointError(f"--kv-cache int8: target {opts.target} has no int8 KV cache; "
                               "int8 caches are for the XLA targets")
+    if opts.kv_cache == "fp8" and opts.target != "h100-fp8":
+        raise CheckpointError(f"--kv-cache fp8: target {opts.target} has no FP8 KV cache "
+                              "(only h100-fp8 does)")
     if opts.kv_cache == "auto":
         long = max_context > INT8_KV_CONTEXT
         return "int8" if xla and opts.target != "xla-f32" and long else "float"
     return opts.kv_cache
-
-
-KV_DTYPES = ("bf16", "fp8")
-
-
-def _kv_fp8(opts: BuildOptions) -> bool:
-    """Whether `opts.kv_dtype` asks for an e4m3 KV cache; only h100-fp8 has the kernels."""
-    if opts.kv_dtype not in KV_DTYPES:
-        raise CheckpointError(f"--kv-dtype {opts.kv_dtype!r}: expected bf16 or fp8")
-    if opts.kv_dtype == "fp8" and opts.target != "h100-fp8":
-        raise CheckpointError(f"--kv-dtype fp8: target {opts.target} has no FP8 KV cache "
-                              "(only h100-fp8 does)")
-    return opts.kv_dtype == "fp8"
 
 
 def format_ir(ir: ModelIR) -> str:

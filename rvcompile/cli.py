@@ -43,7 +43,8 @@ def _buckets(text: str) -> tuple[int, ...]:
 @app.command()
 def build(
     model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
-    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8, xla-f32 or h100-fp8"),
+    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8, xla-f32, xla-fp8, "
+                                                     "h100-fp8 or h100-f32 (see `targets`)"),
     output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
     weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
     random_weights: bool = typer.Option(False, "--random-weights",
@@ -66,11 +67,9 @@ def build(
     kv_cache: str = typer.Option("auto", "--kv-cache",
                                  help="KV cache: float (the target's), int8 (XLA targets: int8 "
                                       "+ a scale per token and KV head, blockwise global "
-                                      "attention), auto (int8 beyond 32K context on XLA "
-                                      "targets but xla-f32)"),
-    kv_dtype: str = typer.Option("bf16", "--kv-dtype",
-                                 help="h100-fp8 KV pools: bf16, or fp8 (e4m3, unit scale: half "
-                                      "the bytes)"),
+                                      "attention), fp8 (h100-fp8: e4m3, unit scale, half the "
+                                      "bytes), auto (int8 beyond 32K context on XLA targets "
+                                      "but xla-f32)"),
     decode_loop_steps: int = typer.Option(32, "--decode-loop-steps",
                                           help="XLA targets: decode steps per device-side loop "
                                                "call (at most the largest prefill bucket); 0: "
@@ -90,7 +89,6 @@ def build(
         fail(f"--platforms {platforms!r}: expected a comma list of tpu, cuda, cpu")
     opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
                         slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir, kv_cache=kv_cache,
-                        kv_dtype=kv_dtype,
                         decode_loop_steps=decode_loop_steps, topologies=tuple(topology))
     try:
         report = build_artifact(model, output, opts, weights=weights,

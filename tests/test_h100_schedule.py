@@ -8,7 +8,7 @@ error; oracle logits std 1.24), with the bounds asserted in FP8_BOUNDS:
     k_eq_v     0.781  0.113  0.85    measured 0.750 / 0.787 / 0.787 top-1, the same errors
     kv_shared  0.781  0.130  1.45    within 0.02)
     ple        0.731  0.120  1.04   (oracle logits std 1.21)
-With the FP8 KV cache (--kv-dtype fp8: e4m3 pools, unit scale), FP8_KV_BOUNDS:
+With the FP8 KV cache (--kv-cache fp8: e4m3 pools, unit scale), FP8_KV_BOUNDS:
     k_eq_v     0.756  0.129  1.00
     kv_shared  0.756  0.143  1.57
 This is FP8 itself, not the plan: the IR interpreter on the same FP8 IR lands within 0.05 max /
@@ -48,15 +48,15 @@ FP8_BOUNDS = {
 def h100_model(oracle_dir, tmp_path_factory):
     cache = {}
 
-    def get(case: str, kv_dtype: str = "bf16"):
-        if (case, kv_dtype) not in cache:
+    def get(case: str, kv_cache: str = "float"):
+        if (case, kv_cache) not in cache:
             hf, ckpt = oracle_dir(case)
-            out = tmp_path_factory.mktemp(f"h100-{case}-{kv_dtype}") / f"{case}.rvp"
-            build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS, kv_dtype=kv_dtype),
+            out = tmp_path_factory.mktemp(f"h100-{case}-{kv_cache}") / f"{case}.rvp"
+            build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS, kv_cache=kv_cache),
                            progress=False, log=lambda s: None)
             art = Artifact.open(out)
-            cache[(case, kv_dtype)] = (hf, Model(art, reference_executor(art)))
-        return cache[(case, kv_dtype)]
+            cache[(case, kv_cache)] = (hf, Model(art, reference_executor(art)))
+        return cache[(case, kv_cache)]
 
     return get
 
@@ -163,7 +163,7 @@ def test_released_models_lower(preset, layers):
     assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
 
 
-# ---------------------------------------------------------------- FP8 KV cache (--kv-dtype fp8)
+# ---------------------------------------------------------------- FP8 KV cache (--kv-cache fp8)
 
 # case -> (min top-1, max mean abs, max max abs) against the oracle, FP8 weights and e4m3 KV;
 # measured figures in the module docstring. k_eq_v covers K=V full and plain sliding pools,
@@ -215,7 +215,7 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
     assert attn and all(k.endswith("_fp8") for k in attn)
 
     ir = lower_model(load_model_source(str(oracle_dir("k_eq_v")[1])),
-                     BuildOptions("h100-fp8", **OPTS, kv_dtype="fp8"), log=lambda s: None)
+                     BuildOptions("h100-fp8", **OPTS, kv_cache="fp8"), log=lambda s: None)
     assert {c.dtype for c in ir.caches} == {"float8_e4m3fn"}
     stored = np.frombuffer(m8.art.buffer("weights"), np.uint8)
     slots, _ = layout_weights(ir)
@@ -237,10 +237,10 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
 def test_fp8_kv_refused_off_h100(oracle_dir, tmp_path):
     _, ckpt = oracle_dir("dense")
     out = tmp_path / "x.rvp"
-    with pytest.raises(CheckpointError, match="--kv-dtype fp8: target xla-f32 has no FP8 KV"):
-        build_artifact(str(ckpt), out, BuildOptions("xla-f32", **OPTS, kv_dtype="fp8"),
+    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no FP8 KV"):
+        build_artifact(str(ckpt), out, BuildOptions("xla-f32", **OPTS, kv_cache="fp8"),
                        progress=False, log=lambda s: None)
-    with pytest.raises(CheckpointError, match="--kv-dtype 'e5m2': expected bf16 or fp8"):
-        build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS, kv_dtype="e5m2"),
+    with pytest.raises(CheckpointError, match="--kv-cache 'e5m2': expected one of"):
+        build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS, kv_cache="e5m2"),
                        progress=False, log=lambda s: None)
     assert not out.exists()

@@ -1,4 +1,4 @@
-"""FP8 KV cache, the h100-fp8 build option `--kv-dtype fp8`. Expects a ModelIR with float KV
+"""FP8 KV cache, the h100-fp8 build option `--kv-cache fp8`. Expects a ModelIR with float KV
 caches. Guarantees: every CacheSpec and every cache ARG is "float8_e4m3fn" (IR semantics in
 ir/ops.py: KV_WRITE rounds each value once, from float32, to the nearest e4m3, saturating at
 +-448; readers widen exactly); nothing else changes. The H100 pools halve in bytes.
