@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,7 +268,9 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
         raise CheckpointError(f"target {opts.target} runs on cuda only, not "
                               f"{', '.join(opts.platforms)}")
     lowering = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
-    cubins = {m: compile_cubin(m) for m in lowering.modules}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one nvcc per module
+        cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
+                          strict=True))
     blob, index = _concat(cubins)
     for name, loc in index.items():
         loc["sha256"] = hashlib.sha256(cubins[name]).hexdigest()
