@@ -15,24 +15,11 @@ unit-rms row). A per-token scale would buy nothing over this range and cost a re
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, rewrite_nodes
-from rvcompile.ir.ops import Op
+from rvcompile.ir.graph import ModelIR
+from rvcompile.passes.kv_retype import retype_kv_caches
 
 KV_DTYPE = "float8_e4m3fn"
 
 
-def _retype_cache_args(g: Graph) -> Graph:
-    def rule(b, n, ins):
-        if n.op is Op.ARG and n.attrs.name in CACHE_ARGS and n.dtype != KV_DTYPE:
-            return b.arg(n.attrs.name, n.shape, KV_DTYPE)
-        return None
-
-    return rewrite_nodes(g, rule)
-
-
 def run(ir: ModelIR) -> ModelIR:
-    caches = tuple(replace(c, dtype=KV_DTYPE) for c in ir.caches)
-    return replace(ir.with_graphs(_retype_cache_args), caches=caches,
-                   notes=(*ir.notes, "kv_fp8"))
+    return retype_kv_caches(ir, KV_DTYPE, "kv_fp8")
