@@ -426,3 +426,26 @@ def test_serve_refuses_bad_options(artifact):
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("rvrun: error: ") and needle in lines[0]
+
+
+def test_inter_token_latency_is_observed_per_token():
+    """A device-side decode loop hands several tokens over in one output: the histogram still
+    gets one observation per token after the first, with the gap spread over them."""
+    from rvcompile.runtime.engine import RequestOutput
+    from rvcompile.runtime.server import Metrics, _Stream
+
+    metrics = Metrics(thread=None)  # the engine collector is only read at scrape time
+    queue: asyncio.Queue = asyncio.Queue()
+    stream = _Stream("r", queue, None, metrics, received=time.perf_counter())
+    for i, tokens in enumerate(([7], [8, 9, 10], [11])):
+        queue.put_nowait(RequestOutput("r", tokens, "", i == 2, "length" if i == 2 else None,
+                                       3, 0, 0))
+
+    async def drain():
+        for _ in range(3):
+            await stream.next()
+
+    asyncio.run(drain())
+    get = metrics.registry.get_sample_value
+    assert get("rvrun_time_to_first_token_seconds_count") == 1
+    assert get("rvrun_inter_token_latency_seconds_count") == 4

@@ -379,8 +379,10 @@ class _Stream:
         if out.token_ids:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.received)
-            else:
-                self.metrics.itl.observe(now - self.last)
+            else:  # a device-side decode loop hands over several tokens at once: per token
+                gap = (now - self.last) / len(out.token_ids)
+                for _ in out.token_ids:
+                    self.metrics.itl.observe(gap)
             self.last = now
         if out.finished:
             self.done = True
