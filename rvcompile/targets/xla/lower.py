@@ -329,8 +329,10 @@ def rope_lazy(a, x, pos):
 
 def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None,
         down_scale=None):
-    """Tokens sorted by expert, then two grouped matmuls (lax.ragged_dot): each token reads only
-    its top-k experts' weights."""
+    """Each token's top-k experts. With no more (token, expert) pairs than experts (decode) the
+    chosen experts' weights are gathered, so a step reads only those; with more (prefill) the
+    pairs are sorted by expert and run as two grouped matmuls (lax.ragged_dot), every expert
+    read once."""
     lead = x.shape[:-1]
     xf = f32(x).reshape(-1, x.shape[-1])
     n, k = xf.shape[0], a.top_k
@@ -338,12 +340,15 @@ def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None
     probs = jax.nn.softmax(router_logits.reshape(n, -1).astype(jnp.float32), axis=-1)
     w, idx = lax.top_k(probs, k)
     w = w / jnp.sum(w, -1, keepdims=True) * per_expert_scale.astype(jnp.float32)[idx]
+    compute = jnp.float32 if gate_up.dtype == jnp.float32 else jnp.bfloat16
+    precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
+    if n * k <= e_count:
+        return _moe_gathered(xf, w, idx, gate_up, down, gate_up_scale, down_scale, compute,
+                             precision).reshape(*lead, -1)
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tokens = (jnp.arange(n * k) // k)[order]
     group_sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)
-    compute = jnp.float32 if gate_up.dtype == jnp.float32 else jnp.bfloat16
-    precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
     xs = xf[tokens].astype(compute)
     gu = lax.ragged_dot(xs, jnp.swapaxes(gate_up.astype(compute), 1, 2), group_sizes,
                         precision=precision, preferred_element_type=jnp.float32)
@@ -358,6 +363,21 @@ def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None
     y = y * w.reshape(-1)[order][:, None]
     out = jnp.zeros_like(xf).at[tokens].add(y)
     return out.reshape(*lead, -1)
+
+
+def _moe_gathered(xf, w, idx, gate_up, down, gate_up_scale, down_scale, compute, precision):
+    """xf [n, H]; w, idx [n, k]: sum over k of w * expert_idx(xf), from gathered weights."""
+    im = down.shape[-1]
+    gu = jnp.einsum("nh,nkih->nki", xf.astype(compute), gate_up[idx].astype(compute),
+                    precision=precision, preferred_element_type=jnp.float32)
+    if gate_up_scale is not None:
+        gu = gu * gate_up_scale[idx]
+    hidden = (gelu_tanh(gu[..., :im]) * gu[..., im:]).astype(compute)
+    y = jnp.einsum("nki,nkhi->nkh", hidden, down[idx].astype(compute), precision=precision,
+                   preferred_element_type=jnp.float32)
+    if down_scale is not None:
+        y = y * down_scale[idx]
+    return jnp.sum(y * w[..., None], axis=1)
 
 
 def mix32(x):
