@@ -70,7 +70,7 @@ class KvKindLayout:
 class KvLayout:
     block_size: int  # tokens per block
     pool_bytes: int  # all layers' pools together
-    kv_dtype: str  # "bfloat16", "float8_e4m3fn" (build --kv-dtype fp8: e4m3, no scale) or
+    kv_dtype: str  # "bfloat16", "float8_e4m3fn" (build --kv-cache fp8: e4m3, no scale) or
     #                "float32" (h100-f32)
     kinds: tuple[KvKindLayout, ...]
 
