@@ -78,9 +78,11 @@ def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
             f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
             f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
     tp = check_devices(art, platform)
-    need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kv_kinds(art, blocks))
+    kinds = kv_kinds(art, blocks)
     if tp > 1:  # the largest per-device share: split arrays count 1/tp, whole ones in full
-        need = _per_device_bytes(art, kv_kinds(art, blocks))
+        need = _per_device_bytes(art, kinds)
+    else:
+        need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kinds)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
