@@ -1,0 +1,97 @@
+"""One side of tests/test_h100_vs_xla.py, run in its own process: build TARGET from the 31B's
+config cut to LAYERS layers with conditioned random weights (below), load it, and save its
+teacher-forced logits and greedy tokens of the shared prompt to ROOT/TARGET.npz (phase times to
+ROOT/TARGET.json).
+
+    python tests/h100_vs_xla_run.py ROOT TARGET LAYERS [--keep-artifact]
+
+Its own process because JAX keeps the GPU memory it allocated until the process ends, and the
+other target must then find the GPU free. `--keep-artifact` leaves ROOT/TARGET.rvp in place (for
+a benchmark run on the same build); otherwise it is deleted, as two full-depth 31B artifacts do
+not fit the GPU machine's disk together.
+
+The conditioning (see the test's docstring for why): q/k norm weights near 1/4, post-norm
+weights in [0.05, 0.15], layer scalars in [0.95, 1]; every other tensor as `--random-weights`
+draws it. The patch of `random_weights.init_range` lives and dies with this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import rvcompile.random_weights as rw
+from rvcompile import runtime
+from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.presets import gemma_4_31b
+from rvcompile.tokenizer_files import synthetic_tokenizer_json
+
+# max_context and slots as benchmarks/h100_decode.py wants them (contexts 16 and 1200)
+OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "slots": 4}
+PROMPT = np.random.default_rng(1).integers(4, 262144, 96).tolist()
+GREEDY_PROMPT, GREEDY_TOKENS = 40, 16
+DRAWN_AS_TRAINED = rw.init_range
+
+
+def near_identity_layers(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return 0.125, 0.375
+    if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+        return 0.05, 0.15
+    if name.endswith("layer_scalar"):
+        return 0.95, 1.0
+    return DRAWN_AS_TRAINED(name, shape)
+
+
+def write_model_dir(model: Path, layers: int) -> None:
+    """config.json (the 31B's, first `layers` layers) and a synthetic tokenizer, once."""
+    if (model / "config.json").exists():
+        return
+    cfg = gemma_4_31b().to_hf_dict()
+    cfg["num_hidden_layers"] = layers
+    cfg["layer_types"] = cfg["layer_types"][:layers]
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "tokenizer.json").write_text(synthetic_tokenizer_json(cfg["vocab_size"]))
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
+def run_target(root: Path, target: str, layers: int, keep_artifact: bool) -> None:
+    write_model_dir(root / "model", layers)
+    rw.init_range = near_identity_layers
+    out = root / f"{target}.rvp"
+    times = {}
+    t = time.perf_counter()
+    build_artifact(str(root / "model"), out, BuildOptions(target, platforms=("cuda",), **OPTS),
+                   random_weights=True, seed=0, progress=False, log=lambda s: None)
+    times["build_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    model = runtime.load(out)
+    times["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    logits = model.logits(PROMPT)
+    greedy = model.generate(PROMPT[:GREEDY_PROMPT], max_tokens=GREEDY_TOKENS,
+                            ignore_eos=True).token_ids
+    times["run_s"] = time.perf_counter() - t
+    np.savez(root / f"{target}.npz", logits=logits, greedy=np.asarray(greedy))
+    (root / f"{target}.json").write_text(json.dumps(times))
+    print(f"{target} x {layers} layers: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    if not keep_artifact:
+        out.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root", type=Path)
+    ap.add_argument("target")
+    ap.add_argument("layers", type=int)
+    ap.add_argument("--keep-artifact", action="store_true")
+    args = ap.parse_args()
+    run_target(args.root, args.target, args.layers, args.keep_artifact)
+
+
+if __name__ == "__main__":
+    main()
