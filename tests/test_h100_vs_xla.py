@@ -4,11 +4,12 @@ artifacts are built from the same `--random-weights` seed and run through `rvcom
 one after the other (two full-depth 31B artifacts do not fit the GPU, or the disk, together).
 
 The two compute one IR; they differ where the kernels round q to bf16 and sum in another order.
-The random weights are conditioned in two ways (`near_identity_layers` in tests/h100_vs_xla_run.py). q/k norm
-weights are drawn near 1/4, as the oracle's tiny configs are conditioned (tests/oracle.py): with
-`--random-weights`' [0.5, 1.5], unit-RMS random q and k over 256-512 dims give scores of std ~16,
-a near one-hot softmax that any rounding flips (seen: mean abs logit difference 0.85 with top-1
-trivially 1.0, because the tied head mostly returns the input token). Measured figures and
+The random weights are conditioned in two ways (`near_identity_layers` in
+tests/h100_vs_xla_run.py). q/k norm weights are drawn near 1/4, as the oracle's tiny configs are
+conditioned (tests/oracle.py): with `--random-weights`' [0.5, 1.5], unit-RMS random q and k over
+256-512 dims give scores of std ~16, a near one-hot softmax that any rounding flips (seen: mean
+abs logit difference 0.85 with top-1 trivially 1.0, because the tied head mostly returns the
+input token). Measured figures and
 bounds: BOUNDS.
 
 Depth needs one more condition. With the post-norm weights and layer scalars drawn as
