@@ -42,9 +42,11 @@ import pytest
 from h100_helpers import h100_context
 
 RUNNER = Path(__file__).with_name("h100_vs_xla_run.py")
-# layers -> (min top-1 agreement of teacher-forced logits, max mean abs logit difference)
-BOUNDS = {6: (0.9, 0.05), 60: (0.9, 0.05)}
-
+# layers -> (min top-1 agreement of teacher-forced logits, max mean abs logit difference), about
+# twice the measured distance. Measured on an H100 at e8c5361 (logits std 2.28): 6 layers top-1
+# 1.000, mean abs 0.0027, max 0.019; 60 layers top-1 1.000, mean abs 0.0098, max 0.069; both
+# 16 of 16 greedy tokens equal.
+BOUNDS = {6: (0.98, 0.006), 60: (0.98, 0.02)}
 
 def _target_results(root: Path, target: str, layers: int) -> tuple[np.ndarray, list[int]]:
     if not (root / f"{target}.npz").exists():
@@ -81,3 +83,4 @@ def test_logits_and_greedy_agree_with_xla(pair):
     assert np.isfinite(a).all()
     assert top1 >= BOUNDS[layers][0]
     assert err.mean() <= BOUNDS[layers][1]
+    assert ga == gb
