@@ -1,0 +1,44 @@
+"""The h100 cubin cache key covers the module and every header beside it (CPU only, no nvcc)."""
+
+from __future__ import annotations
+
+import shutil
+
+from rvcompile.targets.h100.nvcc import KERNEL_DIR, cache_key
+
+VERSION = "Build cuda_13.0.r13.0/compiler.36424714_0"
+
+
+def _kernel_copy(tmp_path):
+    """A copy of the kernel directory, so the test can edit files."""
+    return shutil.copytree(KERNEL_DIR, tmp_path / "kernels")
+
+
+def test_key_is_stable(tmp_path) -> None:
+    kernels = _kernel_copy(tmp_path)
+    assert cache_key(kernels / "norms.cu", VERSION) == cache_key(kernels / "norms.cu", VERSION)
+    assert cache_key(kernels / "norms.cu", VERSION) == cache_key(KERNEL_DIR / "norms.cu", VERSION)
+
+
+def test_header_edit_changes_key(tmp_path) -> None:
+    kernels = _kernel_copy(tmp_path)
+    header = kernels / "extra.cuh"
+    header.write_text("#pragma once\n")
+    before = cache_key(kernels / "norms.cu", VERSION)
+    header.write_text("#pragma once\n// edited\n")
+    assert cache_key(kernels / "norms.cu", VERSION) != before
+
+
+def test_new_header_changes_key(tmp_path) -> None:
+    kernels = _kernel_copy(tmp_path)
+    before = cache_key(kernels / "rows.cu", VERSION)
+    (kernels / "extra.cuh").write_text("#pragma once\n")
+    assert cache_key(kernels / "rows.cu", VERSION) != before
+
+
+def test_module_and_version_change_key(tmp_path) -> None:
+    kernels = _kernel_copy(tmp_path)
+    before = cache_key(kernels / "rows.cu", VERSION)
+    assert cache_key(kernels / "rows.cu", VERSION + "x") != before
+    (kernels / "rows.cu").write_text((kernels / "rows.cu").read_text() + "\n")
+    assert cache_key(kernels / "rows.cu", VERSION) != before
