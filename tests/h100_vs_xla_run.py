@@ -10,9 +10,10 @@ other target must then find the GPU free. `--keep-artifact` leaves ROOT/TARGET.r
 a benchmark run on the same build); otherwise it is deleted, as two full-depth 31B artifacts do
 not fit the GPU machine's disk together.
 
-The conditioning (see the test's docstring for why): q/k norm weights near 1/4, post-norm
-weights in [0.05, 0.15], layer scalars in [0.95, 1]; every other tensor as `--random-weights`
-draws it. The patch of `random_weights.init_range` lives and dies with this process.
+The random weights are conditioned by `random_weights.near_identity_init_range` (see the test's
+docstring for why): q/k norm weights near 1/4, post-norm weights in [0.05, 0.15], layer scalars
+in [0.95, 1]; every other tensor as `--random-weights` draws it. It replaces
+`random_weights.init_range` in this process only.
 """
 
 from __future__ import annotations
@@ -34,17 +35,6 @@ from rvcompile.tokenizer_files import synthetic_tokenizer_json
 OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "slots": 4}
 PROMPT = np.random.default_rng(1).integers(4, 262144, 96).tolist()
 GREEDY_PROMPT, GREEDY_TOKENS = 40, 16
-DRAWN_AS_TRAINED = rw.init_range
-
-
-def near_identity_layers(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return 0.125, 0.375
-    if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
-        return 0.05, 0.15
-    if name.endswith("layer_scalar"):
-        return 0.95, 1.0
-    return DRAWN_AS_TRAINED(name, shape)
 
 
 def write_model_dir(model: Path, layers: int) -> None:
@@ -61,7 +51,7 @@ def write_model_dir(model: Path, layers: int) -> None:
 
 def run_target(root: Path, target: str, layers: int, keep_artifact: bool) -> None:
     write_model_dir(root / "model", layers)
-    rw.init_range = near_identity_layers
+    rw.init_range = rw.near_identity_init_range
     out = root / f"{target}.rvp"
     times = {}
     t = time.perf_counter()

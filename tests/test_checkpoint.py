@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+import rvcompile.random_weights as rw
 from rvcompile.checkpoint import (
     CheckpointError,
     ModelSource,
@@ -488,6 +489,28 @@ def test_random_magnitudes() -> None:
         assert lo <= t[name].min() and t[name].max() <= hi, name
     for arr in t.values():
         assert arr.dtype == np.float32 and arr.flags.c_contiguous and np.isfinite(arr).all()
+
+
+def test_near_identity_ranges(monkeypatch) -> None:
+    conditioned = {"self_attn.q_norm.weight": (0.125, 0.375),
+                   "self_attn.k_norm.weight": (0.125, 0.375),
+                   "post_attention_layernorm.weight": (0.05, 0.15),
+                   "post_feedforward_layernorm.weight": (0.05, 0.15),
+                   "layer_scalar": (0.95, 1.0)}
+    seen = set()
+    for name, shape in expected_tensors(get_preset("gemma-4-tiny")).items():
+        suffix = name.split(".", 2)[-1]
+        want = conditioned.get(suffix, rw.init_range(name, shape))
+        assert rw.near_identity_init_range(name, shape) == want, name
+        seen.add(suffix)
+    assert set(conditioned) <= seen
+    # As tests/h100_vs_xla_run.py uses it: rebound in place of init_range, still drawing every
+    # other tensor from the original ranges.
+    monkeypatch.setattr(rw, "init_range", rw.near_identity_init_range)
+    post = random_array(0, "layers.3.post_feedforward_layernorm.weight", (4096,))
+    assert 0.05 <= post.min() and post.max() <= 0.15
+    norm = random_array(0, "layers.3.input_layernorm.weight", (4096,))
+    assert 0.5 <= norm.min() and norm.max() <= 1.5 and norm.max() > 1.4
 
 
 def test_every_preset_random_shapes() -> None:
