@@ -117,7 +117,9 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
                 "layer_groups": m["xla"]["layer_groups"],
                 "precompiled": m["xla"].get("precompiled", {}),
                 "mesh": m["xla"].get("mesh"),
-                "sections": {n: {"offset": s.offset, "size": s.size, "sha256": s.sha256}
+                "piece_size": art.piece_size,
+                "sections": {n: {"offset": s.offset, "size": s.size,
+                                 "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
     except USER_ERRORS as e:
@@ -132,9 +134,10 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
         _echo_mesh(info["mesh"])
     if info["precompiled"]:
         _echo_precompiled(info["precompiled"])
-    typer.echo("sections:")
+    typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
-        typer.echo(f"  {n:18} {s['size']:>14,} B  sha256 {s['sha256'][:16]}")
+        typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
+                   f"digest {s['digest'][:16]}")
 
 
 def _echo_mesh(mesh: dict) -> None:

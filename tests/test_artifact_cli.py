@@ -94,10 +94,13 @@ def test_inspect_json(tiny, tiny_info):
     assert {"weights", "programs", "tokenizer", "generation_config",
             "chat_template"} <= set(sections)
     data = tiny.read_bytes()
+    step = info["piece_size"]
     for name, s in sections.items():
         assert s["offset"] % 4096 == 0 and s["offset"] >= HEADER_SIZE, name
-        assert hashlib.sha256(data[s["offset"]:s["offset"] + s["size"]]).hexdigest() == \
-            s["sha256"], name
+        body = data[s["offset"]:s["offset"] + s["size"]]
+        pieces = [hashlib.sha256(body[i:i + step]).digest() for i in range(0, len(body), step)]
+        assert len(pieces) == s["pieces"], name
+        assert hashlib.sha256(b"".join(pieces)).hexdigest() == s["digest"], name
     assert sections["weights"]["size"] > 1 << 20
 
 
@@ -105,7 +108,7 @@ def test_inspect_text_and_verify(tiny, tiny_info):
     p = run(RVCOMPILE, "inspect", str(tiny))
     assert p.returncode == 0, p.stderr
     for needle in ("gemma-4-tiny", "tpu-bf16", "cast_bf16", "sections:", "weights", "programs",
-                   tiny_info["sections"]["weights"]["sha256"][:16]):
+                   tiny_info["sections"]["weights"]["digest"][:16]):
         assert needle in p.stdout, needle
     p = run(RVCOMPILE, "verify", str(tiny))
     assert p.returncode == 0, p.stderr
@@ -176,9 +179,9 @@ def test_newer_format_version_refused(tiny, tmp_path):
 def _with_platforms(src: Path, dst: Path, platforms: tuple[str, ...]) -> None:
     """A copy of `src` whose (checksummed) header lists only `platforms`."""
     data = bytearray(src.read_bytes())
-    header, sections, manifest = decode_header_block(bytes(data[:HEADER_SIZE]), src.name)
-    header = dataclasses.replace(header, platforms=platforms)
-    data[:HEADER_SIZE] = encode_header_block(header, sections, manifest, dst.name)
+    block = decode_header_block(bytes(data[:HEADER_SIZE]), src.name)
+    header = dataclasses.replace(block.header, platforms=platforms)
+    data[:HEADER_SIZE] = encode_header_block(dataclasses.replace(block, header=header), dst.name)
     dst.write_bytes(bytes(data))
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import struct
 from pathlib import Path
 
@@ -17,7 +21,15 @@ from rvcompile.artifacts import (
     ArtifactWriter,
     check_platform,
 )
-from rvcompile.artifacts.format import ALIGN, HEADER_SIZE, MIN_READABLE_FORMAT
+from rvcompile.artifacts.format import (
+    ALIGN,
+    DIGEST_SIZE,
+    HEADER_SIZE,
+    MIN_READABLE_FORMAT,
+    align_up,
+    decode_header_block,
+    encode_header_block,
+)
 
 HEADER = ArtifactHeader(
     compiler_version="0.1.0",
@@ -226,3 +238,168 @@ def test_layout_starts_sections_after_header(tmp_path: Path) -> None:
     with Artifact.open(build(tmp_path / "tiny.rvp")) as art:
         offsets = [s.offset for s in art.sections.values()]
     assert offsets == [HEADER_SIZE, 2 * ALIGN, 3 * ALIGN]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces: each section is hashed in pieces of `piece_size` bytes, in parallel
+
+PIECE = 64  # bytes per piece in these tests
+
+
+def build_pieces(path: Path, sizes: dict[str, int], threads: int | None = None) -> Path:
+    """Sections of the given sizes filled with distinct bytes, hashed in PIECE-byte pieces."""
+    rng = np.random.default_rng(0)
+    with ArtifactWriter(path, HEADER, piece_size=PIECE, threads=threads) as w:
+        for name, size in sizes.items():
+            w.add(name, rng.integers(0, 256, size, dtype=np.uint8))
+        w.commit(MANIFEST)
+    return path
+
+
+def flip(path: Path, at: int) -> None:
+    patched(path, at, bytes([path.read_bytes()[at] ^ 0x01]))
+
+
+@pytest.mark.parametrize(
+    ("at", "piece", "span"),
+    [(0, 0, "[0, 64)"), (5 * PIECE + 9, 5, "[320, 384)"), (10 * PIECE + 16, 10, "[640, 657)")],
+    ids=["first", "middle", "last-short"],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_corrupt_piece_is_named(tmp_path: Path, at: int, piece: int, span: str,
+                                threads: int) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"program": 10, "weights": 10 * PIECE + 17})
+    with Artifact.open(path) as art:
+        weights = art.sections["weights"]
+        assert len(weights.piece_sha256) == 11 and weights.piece(10) == (640, 17)
+        art.verify(threads=threads)
+    flip(path, weights.offset + at)
+    with Artifact.open(path) as art:
+        art.verify(["program"], threads=threads)
+        with pytest.raises(ArtifactError) as e:
+            art.verify(threads=threads)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"p.rvp: section 'weights' is corrupt: piece {piece} of 11 (bytes {span}) has sha256 "
+    )
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(("at", "piece"), [(2 * PIECE - 1, 1), (2 * PIECE, 2), (4 * PIECE - 1, 3)])
+def test_piece_boundaries_at_exact_multiples(tmp_path: Path, at: int, piece: int) -> None:
+    sizes = {"empty": 0, "one": PIECE, "one_more": PIECE + 1, "weights": 4 * PIECE}
+    path = build_pieces(tmp_path / "p.rvp", sizes)
+    data = path.read_bytes()
+    with Artifact.open(path) as art:
+        counts = {n: len(s.piece_sha256) for n, s in art.sections.items()}
+        assert counts == {"empty": 0, "one": 1, "one_more": 2, "weights": 4}
+        for s in art.sections.values():
+            body = data[s.offset : s.offset + s.size]
+            want = [hashlib.sha256(body[i : i + PIECE]).digest() for i in range(0, s.size, PIECE)]
+            assert list(s.piece_sha256) == want, s.name
+            assert s.digest == hashlib.sha256(b"".join(want)).hexdigest()
+        weights = art.sections["weights"]
+    flip(path, weights.offset + at)
+    with Artifact.open(path) as art, pytest.raises(ArtifactError) as e:
+        art.verify()
+    start = piece * PIECE
+    assert f"piece {piece} of 4 (bytes [{start}, {start + PIECE}))" in str(e.value)
+
+
+def test_first_corrupt_piece_in_order_is_reported(tmp_path: Path) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"a": 3 * PIECE, "b": 50 * PIECE})
+    with Artifact.open(path) as art:
+        a, b = art.sections["a"], art.sections["b"]
+    for at in (b.offset + 40 * PIECE, b.offset + 7 * PIECE, a.offset + 2 * PIECE + 1):
+        flip(path, at)
+    with Artifact.open(path) as art:
+        for threads in (1, 2, 8):
+            with pytest.raises(ArtifactError, match=r"section 'a' is corrupt: piece 2 of 3 "):
+                art.verify(threads=threads)
+        with pytest.raises(ArtifactError, match=r"section 'b' is corrupt: piece 7 of 50 "):
+            art.verify(["b"], threads=4)
+
+
+def test_thread_count_does_not_change_bytes(tmp_path: Path) -> None:
+    sizes = {"program": 5, "weights": 20 * PIECE + 3}
+    one = build_pieces(tmp_path / "one.rvp", sizes, threads=1).read_bytes()
+    many = build_pieces(tmp_path / "many.rvp", sizes, threads=8).read_bytes()
+    assert one == many
+
+
+def test_truncated_after_open_fails_verify(tmp_path: Path) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"weights": 10 * PIECE})
+    with Artifact.open(path) as art:
+        cut = art.sections["weights"].offset + 3 * PIECE + 5
+        os.truncate(path, cut)
+        with pytest.raises(ArtifactError) as e:
+            art.verify(threads=2)
+    assert str(e.value) == "p.rvp: section 'weights' piece 3: file ended while hashing it"
+    with pytest.raises(ArtifactError, match=r"^p\.rvp: truncated: section 'weights' ends at"):
+        Artifact.open(path)
+
+
+def test_truncated_digest_table_refused(tmp_path: Path) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"weights": 10 * PIECE})
+    with Artifact.open(path) as art:
+        weights = art.sections["weights"]
+    table_at = align_up(weights.offset + weights.size)
+    path.write_bytes(path.read_bytes()[: table_at + 100])
+    with pytest.raises(ArtifactError) as e:
+        Artifact.open(path)
+    assert str(e.value) == (
+        f"p.rvp: truncated: piece-digest table ends at byte {table_at + 320} but the file is "
+        f"{table_at + 100} bytes"
+    )
+
+
+def test_corrupt_digest_table_refused(tmp_path: Path) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"weights": 10 * PIECE})
+    with Artifact.open(path) as art:
+        weights = art.sections["weights"]
+    flip(path, align_up(weights.offset + weights.size) + 33)
+    with pytest.raises(ArtifactError, match=r"^p\.rvp: piece-digest table is corrupt"):
+        Artifact.open(path)
+
+
+def test_digest_table_size_must_match_pieces(tmp_path: Path) -> None:
+    path = build_pieces(tmp_path / "p.rvp", {"weights": 10 * PIECE})
+    data = bytearray(path.read_bytes())
+    block = decode_header_block(bytes(data[:HEADER_SIZE]), "p.rvp")
+    table = dataclasses.replace(block.piece_digests, size=9 * DIGEST_SIZE)
+    data[:HEADER_SIZE] = encode_header_block(dataclasses.replace(block, piece_digests=table), "p")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"^p\.rvp: header is inconsistent: the piece-digest "
+                                            r"table is 288 bytes but 10 pieces need 320$"):
+        Artifact.open(path)
+
+
+def test_version_1_artifact_refused_with_rebuild(tmp_path: Path) -> None:
+    """A file as format v1 wrote it (whole-section sha256, no piece digests) is refused, not
+    verified serially."""
+    body = json.dumps({
+        "compiler_version": "0.1.0", "target": "xla", "platforms": ["cpu"], "requirements": {},
+        "manifest": {"offset": 8192, "length": 2, "sha256": hashlib.sha256(b"{}").hexdigest()},
+        "sections": [{"name": "weights", "offset": 4096, "size": 4,
+                      "sha256": hashlib.sha256(b"\0" * 4).hexdigest()}],
+    }).encode()
+    prefix = struct.pack("<8sII32s", b"\x89RVP\r\n\x1a\n", 1, len(body),
+                         hashlib.sha256(body).digest())
+    path = tmp_path / "old.rvp"
+    path.write_bytes((prefix + body).ljust(8192, b"\0") + b"{}")
+    with pytest.raises(ArtifactError) as e:
+        Artifact.open(path)
+    assert str(e.value) == (
+        f"old.rvp: artifact format version 1 is older than this rvcompile reads (formats "
+        f"{MIN_READABLE_FORMAT}..{FORMAT_VERSION}); rebuild the artifact with this rvcompile"
+    )
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"piece_size": 0}, "piece_size must be at least 1, not 0"),
+    ({"piece_size": 1.5}, "piece_size must be an integer"),
+    ({"threads": 0}, "threads must be at least 1, not 0"),
+])
+def test_writer_refuses_bad_hashing_options(tmp_path: Path, kwargs: dict, words: str) -> None:
+    with pytest.raises(ArtifactError, match=rf"^tiny\.rvp: {words}"):
+        ArtifactWriter(tmp_path / "tiny.rvp", HEADER, **kwargs)

@@ -11,26 +11,39 @@ An .rvp file holds one compiled model. Layout (all integers little-endian):
     48+n    ...   zero padding up to HEADER_SIZE (4096)
     4096    ...   sections, each at a multiple of ALIGN (4096), in the order they were reserved;
                   the bytes between them are zero
-    ...     ...   manifest JSON (canonical), at a multiple of ALIGN after the last section;
+    ...     ...   piece-digest table (v2), at a multiple of ALIGN after the last section: for
+                  each section in file order, for each of its pieces in order, the 32-byte
+                  sha256 of that piece
+    ...     ...   manifest JSON (canonical), at a multiple of ALIGN after the piece-digest table;
                   the file ends where the manifest ends
 
-Header JSON fields (every one added in format v1):
+A section of `size` bytes is cut into ceil(size / piece_size) pieces of `piece_size` bytes, the
+last one shorter when `size` is not a multiple (an empty section has none). Pieces are hashed
+independently so that writers and verifiers can hash them on many cores at once.
+
+Header JSON fields (added in format v1 unless marked):
     compiler_version  str: version of rvcompile that wrote the file.
     target            str: compile target the programs were built by, e.g. "xla".
     platforms         list of str: platforms the programs run on, e.g. ["tpu", "cuda", "cpu"].
     requirements      dict, free-form: what a runtime must provide, e.g.
                       {"jax": ">=0.10", "min_devices": 1}.
     manifest          {"offset": int, "length": int, "sha256": hex str} locating the manifest.
-    sections          list in file order of {"name": str, "offset": int, "size": int,
-                      "sha256": hex str}; offsets are absolute.
+    sections          list in file order of {"name": str, "offset": int, "size": int}; offsets
+                      are absolute. (v1 entries also had "sha256" of the whole section; v2 has
+                      per-piece digests instead.)
+    piece_size        int > 0 (v2): bytes per piece.
+    piece_digests     {"offset": int, "length": int, "sha256": hex str} (v2) locating the
+                      piece-digest table; length is 32 times the total number of pieces.
 
 The section table lives in the header, not the manifest, so a loader can check the file size and
 map sections before it reads (or trusts) anything past the first 4096 bytes, and a truncated
 file is reported by the section it cuts. The price is a cap of a few dozen sections: sections are
 coarse blobs (weights, programs, tokenizer); tensors are addressed by offsets inside a section,
-recorded in the manifest. The manifest is exactly the caller's dict; it holds no layout.
+recorded in the manifest. The manifest is exactly the caller's dict; it holds no layout. The
+piece digests sit outside the header because a large section has hundreds of them; the header's
+checksum covers the table's sha256, which covers each piece's.
 
-Readers accept MIN_READABLE_FORMAT <= version <= FORMAT_VERSION. Any change a v1 reader would
+Readers accept MIN_READABLE_FORMAT <= version <= FORMAT_VERSION. Any change an older reader would
 misread bumps FORMAT_VERSION and gets a CHANGELOG entry. Errors are `ArtifactError`, one line,
 starting with the file name.
 """
@@ -43,8 +56,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 1
-MIN_READABLE_FORMAT = 1
+FORMAT_VERSION = 2
+# v1 files are refused, not read serially: they are rebuilt in minutes, and one way to verify
+# keeps the reader and the section digest (a cache key) single-meaning.
+MIN_READABLE_FORMAT = 2
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -57,6 +72,10 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "point (offset, size, sha256), what a runtime must match (platform, device "
                       "kind, ids, coords, jax/jaxlib/libtpu, KV blocks) and a cost estimate; "
                       "absent means compile the StableHLO, as before"),
+    ("2026-11-22", 2, "sections are hashed in pieces of header piece_size bytes (default 256 "
+                      "MiB), the digests in a table located by header piece_digests, so that "
+                      "commit and verify hash on all cores; section entries lose their "
+                      "whole-section sha256; v1 files are refused (rebuild them)"),
 )
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies
@@ -66,6 +85,10 @@ HEADER_SIZE = 4096
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sII32s")  # magic, format version, header JSON length, its sha256
 MAX_HEADER_JSON = HEADER_SIZE - _PREFIX.size
+# Big enough that per-piece overhead (a task, a 32-byte digest) is nothing, small enough that a
+# 30 GiB section splits into ~120 pieces to spread over any number of cores.
+PIECE_SIZE = 256 << 20
+DIGEST_SIZE = 32  # bytes of one sha256
 
 
 class ArtifactError(ValueError):
@@ -88,11 +111,61 @@ class ArtifactHeader:
 
 
 @dataclass(frozen=True)
-class SectionInfo:
+class Blob:
+    """A small region the header locates and checksums whole: the manifest or the digest table."""
+
+    offset: int  # absolute, a multiple of ALIGN
+    size: int  # bytes
+    sha256: str  # hex digest of the bytes
+
+
+@dataclass(frozen=True)
+class SectionSpan:
+    """A section as the header table places it."""
+
     name: str
     offset: int  # absolute byte offset in the file, a multiple of ALIGN
     size: int  # bytes
-    sha256: str  # hex digest of the section's bytes
+
+
+@dataclass(frozen=True)
+class HeaderBlock:
+    """Everything the first HEADER_SIZE bytes of a file say."""
+
+    header: ArtifactHeader
+    sections: tuple[SectionSpan, ...]  # in file order
+    piece_size: int
+    piece_digests: Blob
+    manifest: Blob
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", tuple(self.sections))
+
+
+@dataclass(frozen=True)
+class SectionInfo:
+    """A section with the recorded sha256 of each of its pieces."""
+
+    name: str
+    offset: int  # absolute byte offset in the file, a multiple of ALIGN
+    size: int  # bytes
+    piece_size: int  # bytes per piece; the last piece may be shorter
+    piece_sha256: tuple[bytes, ...]  # the 32-byte sha256 of each piece, in order
+
+    def piece(self, index: int) -> tuple[int, int]:
+        """(start, size) of piece `index`, start relative to the section."""
+        start = index * self.piece_size
+        return start, min(self.piece_size, self.size - start)
+
+    @property
+    def digest(self) -> str:
+        """Hex sha256 of the piece digests in order: changes whenever any byte does, so it
+        names the content (cache keys, `inspect`); it is not the sha256 of the section bytes."""
+        return hashlib.sha256(b"".join(self.piece_sha256)).hexdigest()
+
+
+def piece_count(size: int, piece_size: int) -> int:
+    return -(-size // piece_size)
 
 
 def align_up(n: int) -> int:
@@ -106,20 +179,17 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("ascii")
 
 
-def encode_header_block(
-    header: ArtifactHeader, sections: list[SectionInfo], manifest: SectionInfo, fname: str
-) -> bytes:
-    """The full HEADER_SIZE block; `manifest` reuses SectionInfo (offset, size=length, sha256)."""
+def encode_header_block(block: HeaderBlock, fname: str) -> bytes:
+    """The full HEADER_SIZE block."""
     doc = {
-        "compiler_version": header.compiler_version,
-        "target": header.target,
-        "platforms": list(header.platforms),
-        "requirements": header.requirements,
-        "manifest": {"offset": manifest.offset, "length": manifest.size, "sha256": manifest.sha256},
-        "sections": [
-            {"name": s.name, "offset": s.offset, "size": s.size, "sha256": s.sha256}
-            for s in sections
-        ],
+        "compiler_version": block.header.compiler_version,
+        "target": block.header.target,
+        "platforms": list(block.header.platforms),
+        "requirements": block.header.requirements,
+        "manifest": _blob_json(block.manifest),
+        "sections": [{"name": s.name, "offset": s.offset, "size": s.size} for s in block.sections],
+        "piece_size": block.piece_size,
+        "piece_digests": _blob_json(block.piece_digests),
     }
     try:
         body = canonical_json(doc)
@@ -128,17 +198,15 @@ def encode_header_block(
     if len(body) > MAX_HEADER_JSON:
         raise ArtifactError(
             f"{fname}: header JSON is {len(body)} bytes, over the {MAX_HEADER_JSON} that fit in "
-            f"the {HEADER_SIZE}-byte header block ({len(sections)} sections); "
+            f"the {HEADER_SIZE}-byte header block ({len(block.sections)} sections); "
             "use fewer, larger sections"
         )
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), hashlib.sha256(body).digest())
     return (prefix + body).ljust(HEADER_SIZE, b"\0")
 
 
-def decode_header_block(
-    block: bytes, fname: str
-) -> tuple[ArtifactHeader, list[SectionInfo], SectionInfo]:
-    """Checks magic, then version, then the header checksum; returns header, sections, manifest."""
+def decode_header_block(block: bytes, fname: str) -> HeaderBlock:
+    """Checks magic, then version, then the header checksum, then the layout it describes."""
     if len(block) < _PREFIX.size or block[:8] != MAGIC:
         raise ArtifactError(f"{fname}: not an rvcompile artifact (bad magic {block[:8]!r})")
     _, version, length, digest = _PREFIX.unpack_from(block)
@@ -151,7 +219,7 @@ def decode_header_block(
     if version < MIN_READABLE_FORMAT:
         raise ArtifactError(
             f"{fname}: artifact format version {version} is older than this rvcompile reads "
-            f"(formats {supported}); recompile the model or use an older rvcompile"
+            f"(formats {supported}); rebuild the artifact with this rvcompile"
         )
     body = block[_PREFIX.size : _PREFIX.size + length]
     if length > MAX_HEADER_JSON or hashlib.sha256(body).digest() != digest:
@@ -165,16 +233,43 @@ def decode_header_block(
             requirements=_typed(doc["requirements"], dict),
             source=fname,
         )
-        sections = [
-            _section(d["name"], d["offset"], d["size"], d["sha256"])
+        sections = tuple(
+            SectionSpan(_typed(d["name"], str), _typed(d["offset"], int), _typed(d["size"], int))
             for d in _typed(doc["sections"], list)
-        ]
-        m = doc["manifest"]
-        manifest = _section("manifest", m["offset"], m["length"], m["sha256"])
+        )
+        decoded = HeaderBlock(
+            header=header,
+            sections=sections,
+            piece_size=_typed(doc["piece_size"], int),
+            piece_digests=_blob(doc["piece_digests"]),
+            manifest=_blob(doc["manifest"]),
+        )
     except (ValueError, TypeError, KeyError) as e:
         raise ArtifactError(f"{fname}: header JSON is malformed ({type(e).__name__}: {e})") from e
-    _check_layout(sections, manifest, fname)
-    return header, sections, manifest
+    _check_layout(decoded, fname)
+    return decoded
+
+
+def split_piece_digests(block: HeaderBlock, table: bytes) -> tuple[SectionInfo, ...]:
+    """The sections with their piece digests, cut from the table `block.piece_digests` locates
+    (whose size `decode_header_block` has checked against the section sizes)."""
+    sections = []
+    start = 0
+    for s in block.sections:
+        end = start + DIGEST_SIZE * piece_count(s.size, block.piece_size)
+        digests = tuple(table[i : i + DIGEST_SIZE] for i in range(start, end, DIGEST_SIZE))
+        sections.append(SectionInfo(s.name, s.offset, s.size, block.piece_size, digests))
+        start = end
+    return tuple(sections)
+
+
+def _blob_json(blob: Blob) -> dict[str, Any]:
+    return {"offset": blob.offset, "length": blob.size, "sha256": blob.sha256}
+
+
+def _blob(d: Any) -> Blob:
+    d = _typed(d, dict)
+    return Blob(_typed(d["offset"], int), _typed(d["length"], int), _typed(d["sha256"], str))
 
 
 def _typed(value: Any, kind: type) -> Any:
@@ -183,18 +278,22 @@ def _typed(value: Any, kind: type) -> Any:
     return value
 
 
-def _section(name: Any, offset: Any, size: Any, sha256: Any) -> SectionInfo:
-    return SectionInfo(
-        _typed(name, str), _typed(offset, int), _typed(size, int), _typed(sha256, str)
-    )
-
-
-def _check_layout(sections: list[SectionInfo], manifest: SectionInfo, fname: str) -> None:
-    """Sections aligned, in file order, non-overlapping, uniquely named; manifest after them."""
+def _check_layout(block: HeaderBlock, fname: str) -> None:
+    """Sections aligned, in file order, non-overlapping, uniquely named; then the digest table,
+    sized for every piece; then the manifest."""
+    sections = block.sections
     if len({s.name for s in sections}) != len(sections):
         raise ArtifactError(f"{fname}: header names a section twice")
+    if block.piece_size <= 0:
+        raise ArtifactError(f"{fname}: header has a bad piece_size {block.piece_size}")
     end = HEADER_SIZE
-    for s in [*sections, manifest]:
+    for s in [*sections, block.piece_digests, block.manifest]:
         if s.offset % ALIGN or s.offset < end or s.size < 0:
             raise ArtifactError(f"{fname}: header has a bad section table entry {s}")
         end = s.offset + s.size
+    pieces = sum(piece_count(s.size, block.piece_size) for s in sections)
+    if block.piece_digests.size != DIGEST_SIZE * pieces:
+        raise ArtifactError(
+            f"{fname}: header is inconsistent: the piece-digest table is "
+            f"{block.piece_digests.size} bytes but {pieces} pieces need {DIGEST_SIZE * pieces}"
+        )

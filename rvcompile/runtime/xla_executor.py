@@ -36,7 +36,7 @@ def _version(v: str) -> tuple[int, ...]:
 
 def _cache_dir(art: Artifact) -> Path:
     root = Path(os.environ.get("RVCOMPILE_CACHE", Path.home() / ".cache" / "rvcompile"))
-    return root / "xla" / f"{art.sections['programs'].sha256[:16]}-jax{jax.__version__}"
+    return root / "xla" / f"{art.sections['programs'].digest[:16]}-jax{jax.__version__}"
 
 
 def kv_kinds(art: Artifact, blocks: dict[str, int] | None = None) -> dict[str, KvKind]:
