@@ -271,7 +271,7 @@ def test_corrupt_piece_is_named(tmp_path: Path, at: int, piece: int, span: str,
     path = build_pieces(tmp_path / "p.rvp", {"program": 10, "weights": 10 * PIECE + 17})
     with Artifact.open(path) as art:
         weights = art.sections["weights"]
-        assert len(weights.piece_sha256) == 11 and weights.piece(10) == (640, 17)
+        assert len(weights.piece_sha256) == 11
         art.verify(threads=threads)
     flip(path, weights.offset + at)
     with Artifact.open(path) as art:

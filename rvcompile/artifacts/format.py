@@ -152,11 +152,6 @@ class SectionInfo:
     piece_size: int  # bytes per piece; the last piece may be shorter
     piece_sha256: tuple[bytes, ...]  # the 32-byte sha256 of each piece, in order
 
-    def piece(self, index: int) -> tuple[int, int]:
-        """(start, size) of piece `index`, start relative to the section."""
-        start = index * self.piece_size
-        return start, min(self.piece_size, self.size - start)
-
     @property
     def digest(self) -> str:
         """Hex sha256 of the piece digests in order: changes whenever any byte does, so it
