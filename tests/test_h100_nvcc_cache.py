@@ -42,3 +42,12 @@ def test_module_and_version_change_key(tmp_path) -> None:
     assert cache_key(kernels / "rows.cu", VERSION + "x") != before
     (kernels / "rows.cu").write_text((kernels / "rows.cu").read_text() + "\n")
     assert cache_key(kernels / "rows.cu", VERSION) != before
+
+
+def test_shared_header_edit_changes_every_key(tmp_path) -> None:
+    kernels = _kernel_copy(tmp_path)
+    modules = sorted(kernels.glob("*.cu"))
+    before = {m.name: cache_key(m, VERSION) for m in modules}
+    common = kernels / "common.cuh"
+    common.write_text(common.read_text() + "\n// edited\n")
+    assert all(cache_key(m, VERSION) != before[m.name] for m in modules)

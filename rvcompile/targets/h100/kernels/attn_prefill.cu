@@ -20,10 +20,7 @@
 // Tiles are double-buffered in dynamic shared memory (attn_prefill.py smem_bytes); the next
 // tile's global loads are issued before the current tile's math. Keys outside the CTA's
 // [kmin, kmax] in a loaded block are zero-filled, so stale cache bytes never reach P.V.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int BS = 16;
@@ -43,10 +40,6 @@ struct Shape {
 
 template <bool FP8> struct Raw { using type = uint4; };  // 8 bf16
 template <> struct Raw<true> { using type = uint2; };    // 8 e4m3
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void to_float(const uint4& r, float f[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
@@ -83,14 +76,6 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float f[8]) {
 // x - bf16(x): what the bf16 rounding of x left out
 __device__ __forceinline__ float rest_bf16(float x) {
     return x - __bfloat162float(__float2bfloat16_rn(x));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {

@@ -3,18 +3,10 @@
 // by step in the order of ops.gelu_tanh (no FMA contraction). Each thread: 4 columns, two 16-byte
 // loads, one 8-byte store. Grid (ceil(I/4 / THREADS), M). Contract: I % 4 == 0.
 // gelu_mul_f32 (the float32 plan): the same product stored as float32, unrounded (16-byte store).
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int THREADS = 256;
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
-    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
-    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
-    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -25,14 +17,9 @@ gelu_mul(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, int I) {
     const float* row = gu + (size_t)m * 2 * I;
     const float4 g = __ldg(reinterpret_cast<const float4*>(row) + c);
     const float4 u = __ldg(reinterpret_cast<const float4*>(row + I) + c);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(__fmul_rn(gelu_tanh(g.x), u.x),
-                                                    __fmul_rn(gelu_tanh(g.y), u.y));
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(__fmul_rn(gelu_tanh(g.z), u.z),
-                                                    __fmul_rn(gelu_tanh(g.w), u.w));
-    uint2 v;
-    v.x = *reinterpret_cast<const uint32_t*>(&lo);
-    v.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(out + (size_t)m * I + 4 * c) = v;
+    store_bf16x4(out + (size_t)m * I + 4 * c, __fmul_rn(gelu_tanh(g.x), u.x),
+                 __fmul_rn(gelu_tanh(g.y), u.y), __fmul_rn(gelu_tanh(g.z), u.z),
+                 __fmul_rn(gelu_tanh(g.w), u.w));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)

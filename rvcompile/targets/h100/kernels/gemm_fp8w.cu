@@ -20,10 +20,8 @@
 // on load and masked on store); grid (ceil(M / BM), ceil(N / 128), SPLIT), 256 threads, dynamic
 // shared memory as gemm_fp8w.py computes it (the kernel traps when given less).
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+
+#include "common.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -45,10 +43,6 @@ struct Tile {
     static constexpr int PIPE_SMEM = STAGES * (W_STAGE + X_STAGE);
     static constexpr int RED_SMEM = BM * RED_STRIDE * 4;
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read). The
 // L2 prefetch hint pulls the whole 128-byte line, so the next stage's half of it is an L2 hit.
@@ -79,14 +73,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t pair) {
                                                      __ushort_as_bfloat16(0x7780));
     const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&biased), two112);
     return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // y[row, col] and y[row, col + 1] (col even), scaled; float2 when N is even (then col + 1 < N

@@ -4,29 +4,11 @@
 // shared memory once per block; each warp owns one row at a time and streams it with 16-byte
 // loads, UNROLL of them in flight per lane; e4m3 -> f16 uses the hardware pair convert and the
 // products accumulate in f32. Contract: K % 16 == 0, M <= 4, x and W rows 16-byte aligned.
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int WARPS = 16;
 constexpr int UNROLL = 4;
-
-__device__ __forceinline__ void fp8x16_to_f32(const uint4 v, float out[16]) {
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __nv_fp8x2_storage_t pair = (words[w] >> (16 * h)) & 0xFFFF;
-            const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-            out[4 * w + 2 * h] = f.x;
-            out[4 * w + 2 * h + 1] = f.y;
-        }
-    }
-}
 
 template <int M>
 __device__ __forceinline__ void gemv_rows(const uint8_t* __restrict__ W,
@@ -69,9 +51,7 @@ __device__ __forceinline__ void gemv_rows(const uint8_t* __restrict__ W,
         }
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            float a = acc[m];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            const float a = warp_sum(acc[m]);
             if (lane == 0) y[(size_t)m * N + row] = a * scale[row];
         }
     }

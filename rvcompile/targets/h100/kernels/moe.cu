@@ -36,10 +36,7 @@
 // Elementwise steps round like the numpy references (no FMA contraction); dot products
 // accumulate in f32 in a different order. Contract: H % 16 == 0, I % 16 == 0, rows 16-byte
 // aligned, M <= 4 for moe_gate_up / moe_down.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int NORM_THREADS = 512;
@@ -52,86 +49,10 @@ constexpr int PAIRS = 8;  // pairs per shared-memory group of the grouped kernel
 constexpr int GROUP_I = 4 * WARPS;  // gate/up outputs per CTA of moe_gate_up_grouped
 constexpr int GROUP_N = 4 * WARPS;  // down outputs per CTA of moe_down_grouped
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
-}
-
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-    v = warp_sum(v);
-    __syncthreads();
-    return v;
-}
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
-    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
-    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
-    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
-}
-
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, float a, float b, float c,
-                                             float d) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&lo);
-    u.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(p) = u;
-}
-
-__device__ __forceinline__ float sq4(const float4 v) {
-    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-}
-
-// A row of H floats into NV float4 per thread; returns 1 / rms.
-__device__ __forceinline__ float load_row(const float* __restrict__ x, float4 v[NV], int n4,
-                                          int H, float eps, float* red) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int c = threadIdx.x + i * NORM_THREADS;
-        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        ss += sq4(v[i]);
-    }
-    return 1.f / sqrtf(block_sum(ss, red) / (float)H + eps);
-}
-
-__device__ __forceinline__ float4 mul4(const float4 v, float r) {
-    return make_float4(__fmul_rn(v.x, r), __fmul_rn(v.y, r), __fmul_rn(v.z, r),
-                       __fmul_rn(v.w, r));
-}
-
-__device__ __forceinline__ float4 mul4(const float4 v, const float4 w) {
-    return make_float4(__fmul_rn(v.x, w.x), __fmul_rn(v.y, w.y), __fmul_rn(v.z, w.z),
-                       __fmul_rn(v.w, w.w));
-}
-
-__device__ __forceinline__ void fp8x16_to_f32(const uint4 v, float out[16]) {
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __nv_fp8x2_storage_t pair = (words[w] >> (16 * h)) & 0xFFFF;
-            const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-            out[4 * w + 2 * h] = f.x;
-            out[4 * w + 2 * h + 1] = f.y;
-        }
-    }
 }
 
 // acc += 16 e4m3 weights . 16 bf16 activations
@@ -165,7 +86,7 @@ moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, f
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
     float4 v[NV];
-    const float rr = load_row(r + row, v, n4, H, eps, red);
+    const float rr = load_row_rms<NORM_THREADS, NV>(r + row, v, n4, H, eps, red);
     const float4* rs4 = reinterpret_cast<const float4*>(router_scale);
     const float4* w4 = reinterpret_cast<const float4*>(w2);
 #pragma unroll
@@ -175,8 +96,8 @@ moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, f
             const float4 n = mul4(v[i], rr);
             const float4 a = mul4(mul4(n, __ldg(rs4 + c)), router_mul);
             const float4 b = mul4(n, __ldg(w4 + c));
-            store_bf16x4(z + row + 4 * c, a.x, a.y, a.z, a.w);
-            store_bf16x4(x2 + row + 4 * c, b.x, b.y, b.z, b.w);
+            store_bf16x4(z + row + 4 * c, a);
+            store_bf16x4(x2 + row + 4 * c, b);
         }
     }
 }
@@ -342,8 +263,8 @@ moe_branch_sum(const float* __restrict__ f, const float* __restrict__ w1,
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
     float4 a[NV], b[NV];
-    const float rf = load_row(f + row, a, n4, H, eps, red);
-    const float ry = load_row(y + row, b, n4, H, eps, red);
+    const float rf = load_row_rms<NORM_THREADS, NV>(f + row, a, n4, H, eps, red);
+    const float ry = load_row_rms<NORM_THREADS, NV>(y + row, b, n4, H, eps, red);
     const float4* w14 = reinterpret_cast<const float4*>(w1);
     const float4* w24 = reinterpret_cast<const float4*>(w2);
     float4* o4 = reinterpret_cast<float4*>(out + row);
@@ -587,7 +508,7 @@ moe_norms_f32(const float* __restrict__ r, const float* __restrict__ router_scal
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
     float4 v[NV];
-    const float rr = load_row(r + row, v, n4, H, eps, red);
+    const float rr = load_row_rms<NORM_THREADS, NV>(r + row, v, n4, H, eps, red);
     const float4* rs4 = reinterpret_cast<const float4*>(router_scale);
     const float4* w4 = reinterpret_cast<const float4*>(w2);
 #pragma unroll

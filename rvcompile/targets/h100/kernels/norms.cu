@@ -9,57 +9,18 @@
 // no FMA contraction in the elementwise steps); only the sum of squares is ordered differently.
 // Contract: H % 4 == 0, H <= THREADS * 4 * NV = 8192, rows 16-byte aligned; the row stays in
 // registers (NV float4 per thread), so x and h are each read once.
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int THREADS = 512;
 constexpr int NV = 4;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over the CTA; every thread gets the total. red: 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-    v = warp_sum(v);
-    __syncthreads();  // red may be reused
-    return v;
-}
-
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, float a, float b, float c,
-                                             float d) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&lo);
-    u.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(p) = u;
-}
-
-__device__ __forceinline__ float sq4(const float4 v) {
-    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-}
-
-__device__ __forceinline__ float inv_rms(float ss, int H, float eps) {
-    return 1.f / sqrtf(ss / (float)H + eps);
-}
-
 // v * r * w, rounded per step like numpy
 __device__ __forceinline__ float4 scale_w(const float4 v, float r, const float4 w) {
-    return make_float4(__fmul_rn(__fmul_rn(v.x, r), w.x), __fmul_rn(__fmul_rn(v.y, r), w.y),
-                       __fmul_rn(__fmul_rn(v.z, r), w.z), __fmul_rn(__fmul_rn(v.w, r), w.w));
+    return mul4(mul4(v, r), w);
 }
 
-__device__ __forceinline__ void store4(__nv_bfloat16* p, const float4 o) {
-    store_bf16x4(p, o.x, o.y, o.z, o.w);
-}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float4 o) { store_bf16x4(p, o); }
 
 __device__ __forceinline__ void store4(float* p, const float4 o) {
     *reinterpret_cast<float4*>(p) = o;
@@ -83,16 +44,8 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x,
                                             int H, float eps) {
     __shared__ float red[32];
     const int n4 = H / 4;
-    const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * H);
     float4 v[NV];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int c = threadIdx.x + i * THREADS;
-        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        ss += sq4(v[i]);
-    }
-    const float r = inv_rms(block_sum(ss, red), H, eps);
+    const float r = load_row_rms<THREADS, NV>(x + (size_t)blockIdx.x * H, v, n4, H, eps, red);
     write_normed(v, r, reinterpret_cast<const float4*>(w), y + (size_t)blockIdx.x * H, n4);
 }
 

@@ -16,42 +16,15 @@
 //                one CTA of NORM_THREADS per row, H % 4 == 0, H <= NORM_THREADS * 4 * NV.
 // The float32 plan's entries: ple_combine_f32 (table f32) and ple_project_f32 (W f32 [N, P], no
 // scale, the gated vector kept f32 in shared memory: nothing rounded); same arguments otherwise.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
-
 #include <type_traits>
+
+#include "common.cuh"
 
 namespace {
 constexpr int WARPS = 8;
 constexpr int ROWS = 4;
 constexpr int NORM_THREADS = 512;
 constexpr int NV = 4;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-    v = warp_sum(v);
-    __syncthreads();
-    return v;
-}
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
-    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
-    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
-    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
-}
 
 __device__ __forceinline__ float4 fp8x4_to_f32(uint32_t v) {
     const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(v & 0xFFFF, __NV_E4M3);
@@ -160,12 +133,7 @@ extern "C" __global__ void __launch_bounds__(256)
 to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, long long n) {
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
-    const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&lo);
-    u.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(y + i) = u;
+    store_bf16x4(y + i, __ldg(reinterpret_cast<const float4*>(x + i)));
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -235,18 +203,10 @@ residual_rmsnorm_copy(float* __restrict__ h, const float* __restrict__ x,
     __shared__ float red[32];
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
-    const float4* x4 = reinterpret_cast<const float4*>(x + row);
     float4* h4 = reinterpret_cast<float4*>(h + row);
     const float4* wp4 = reinterpret_cast<const float4*>(w_post);
     float4 v[NV];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int c = threadIdx.x + i * NORM_THREADS;
-        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-    }
-    const float r = 1.f / sqrtf(block_sum(ss, red) / (float)H + eps);
+    const float r = load_row_rms<NORM_THREADS, NV>(x + row, v, n4, H, eps, red);
     const float s = __ldg(scalar);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -259,12 +219,7 @@ residual_rmsnorm_copy(float* __restrict__ h, const float* __restrict__ x,
                 __fmul_rn(__fadd_rn(hv.z, __fmul_rn(__fmul_rn(v[i].z, r), w.z)), s),
                 __fmul_rn(__fadd_rn(hv.w, __fmul_rn(__fmul_rn(v[i].w, r), w.w)), s));
             h4[c] = o;
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y);
-            const __nv_bfloat162 hi = __floats2bfloat162_rn(o.z, o.w);
-            uint2 u;
-            u.x = *reinterpret_cast<const uint32_t*>(&lo);
-            u.y = *reinterpret_cast<const uint32_t*>(&hi);
-            *reinterpret_cast<uint2*>(y + row + 4 * c) = u;
+            store_bf16x4(y + row + 4 * c, o);
         }
     }
 }

@@ -22,9 +22,7 @@
 //                   t >= d / 8 idle (they add zeros to the sums and write nothing).
 // Elementwise steps are rounded one by one (no FMA contraction), matching ops.ref_rmsnorm and
 // ops.ref_rope.
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int BS = 16;
@@ -45,15 +43,6 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float2* red) {
     __syncthreads();
     v = lane < (int)(blockDim.x >> 5) ? red[lane] : make_float2(0.f, 0.f);
     return warp_sum2(v);
-}
-
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const float o[4]) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(o[2], o[3]);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&lo);
-    u.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(p) = u;
 }
 
 // four values to e4m3 (round to nearest even, saturating), one 4-byte store

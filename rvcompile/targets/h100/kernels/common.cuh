@@ -1,0 +1,130 @@
+// Device helpers shared by the h100 kernel modules: warp and CTA sums, the RMSNorm row load,
+// gelu_tanh rounded like ops.gelu_tanh, e4m3 widening, bf16x4 stores, the mma / shared-memory
+// wrappers of the tensor-core kernels. Everything is static and force-inlined: each module
+// compiles only what it calls and no symbol crosses modules. Elementwise helpers round step by
+// step (__fmul_rn / __fadd_rn: no FMA contraction), as the numpy references do.
+// nvcc.py keys every cubin on every *.cuh, so an edit here rebuilds all modules.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+// ---------------------------------------------------------------- reductions
+
+static __device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the CTA; every thread gets the total. red: 32 floats of shared memory.
+static __device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();  // red may be reused
+    return v;
+}
+
+// ---------------------------------------------------------------- RMSNorm rows
+
+static __device__ __forceinline__ float sq4(const float4 v) {
+    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+}
+
+// 1 / sqrt(ss / H + eps): the RMSNorm factor of a row of H values with sum of squares ss
+static __device__ __forceinline__ float inv_rms(float ss, int H, float eps) {
+    return 1.f / sqrtf(ss / (float)H + eps);
+}
+
+// A row of H floats into NV float4 per thread of a THREADS-thread CTA (zeros beyond the row);
+// returns r = 1 / sqrt(sum(x^2) / H + eps). red: 32 floats of shared memory.
+template <int THREADS, int NV>
+static __device__ __forceinline__ float load_row_rms(const float* __restrict__ x, float4 v[NV],
+                                                     int n4, int H, float eps, float* red) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        v[i] = c < n4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += sq4(v[i]);
+    }
+    return inv_rms(block_sum(ss, red), H, eps);
+}
+
+static __device__ __forceinline__ float4 mul4(const float4 v, float r) {
+    return make_float4(__fmul_rn(v.x, r), __fmul_rn(v.y, r), __fmul_rn(v.z, r),
+                       __fmul_rn(v.w, r));
+}
+
+static __device__ __forceinline__ float4 mul4(const float4 v, const float4 w) {
+    return make_float4(__fmul_rn(v.x, w.x), __fmul_rn(v.y, w.y), __fmul_rn(v.z, w.z),
+                       __fmul_rn(v.w, w.w));
+}
+
+// ---------------------------------------------------------------- elementwise
+
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in the order of ops.gelu_tanh
+static __device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // float32(sqrt(2 / pi))
+    const float x3 = __fmul_rn(__fmul_rn(x, x), x);
+    const float inner = __fmul_rn(c, __fadd_rn(x, __fmul_rn(0.044715f, x3)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.f, tanhf(inner)));
+}
+
+// ---------------------------------------------------------------- conversions and stores
+
+// 16 e4m3 bytes (low byte first) -> f32, exactly (e4m3 -> f16 is exact)
+static __device__ __forceinline__ void fp8x16_to_f32(const uint4 v, float out[16]) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __nv_fp8x2_storage_t pair = (words[w] >> (16 * h)) & 0xFFFF;
+            const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+            out[4 * w + 2 * h] = f.x;
+            out[4 * w + 2 * h + 1] = f.y;
+        }
+    }
+}
+
+// four floats -> bf16 (round to nearest even), one 8-byte store
+static __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, float a, float b, float c,
+                                                    float d) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+
+static __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const float4 o) {
+    store_bf16x4(p, o.x, o.y, o.z, o.w);
+}
+
+static __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const float o[4]) {
+    store_bf16x4(p, o[0], o[1], o[2], o[3]);
+}
+
+// ---------------------------------------------------------------- tensor-core kernels
+
+static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// c += a . b on one m16n8k16 tile: a bf16 row-major fragments, b col-major, f32 accumulators
+static __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4],
+                                                uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
