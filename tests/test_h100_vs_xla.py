@@ -4,8 +4,8 @@ artifacts are built from the same `--random-weights` seed and run through `rvcom
 one after the other (two full-depth 31B artifacts do not fit the GPU, or the disk, together).
 
 The two compute one IR; they differ where the kernels round q to bf16 and sum in another order.
-The random weights are conditioned in two ways (`near_identity_layers` in
-tests/h100_vs_xla_run.py). q/k norm weights are drawn near 1/4, as the oracle's tiny configs are
+The random weights are conditioned in two ways (rvcompile.random_weights'
+`near_identity_init_range`). q/k norm weights are drawn near 1/4, as the oracle's tiny configs are
 conditioned (tests/oracle.py): with `--random-weights`' [0.5, 1.5], unit-RMS random q and k over
 256-512 dims give scores of std ~16, a near one-hot softmax that any rounding flips (seen: mean
 abs logit difference 0.85 with top-1 trivially 1.0, because the tied head mostly returns the
@@ -16,15 +16,18 @@ Depth needs one more condition. With the post-norm weights and layer scalars dra
 `--random-weights` draws them, every layer replaces most of the residual stream with unit-RMS
 functions of it, and a random network like that is chaotic: two builds' rounding differences
 grow by a constant factor per layer. Measured on the CPU with the 31B's layer pattern at hidden
-256 (q/k norms near 1/4), xla-f32 against tpu-bf16: mean abs logit difference 0.005 / 0.037 /
-0.48 at 6 / 30 / 60 layers, top-1 0.98 / 0.98 / 0.00 (unrelated logits). Trained models update
-the stream a little per layer; so do these builds, with post-norm weights in [0.05, 0.15] and
-layer scalars in [0.95, 1] (the same measurement: 0.002 / 0.004 / 0.006, top-1 1.0), so that a
-lowering bug in any one layer stands out of the accumulated rounding.
+256, xla-f32 against tpu-bf16 (`python benchmarks/depth_drift.py`,
+docs/results/2026-11-22-cpu-depth-drift.txt; logits std 0.5): with q/k norms near 1/4 only, mean
+abs logit difference 0.0050 / 0.037 / 0.48 at 6 / 30 / 60 layers, top-1 0.98 / 0.98 / 0.00
+(unrelated logits); with no conditioning at all, 0.31 / 0.51 / 0.53, top-1 0.14 / 0.05 / 0.00.
+Trained models update the stream a little per layer; so do these builds, with post-norm weights
+in [0.05, 0.15] and layer scalars in [0.95, 1] as well (the same measurement: 0.0019 / 0.0037 /
+0.0055, max 0.011 / 0.025 / 0.037, top-1 1.000), so that a lowering bug in any one layer stands
+out of the accumulated rounding.
 
 The full-depth case builds two 31 GB artifacts (about 4 minutes each on a 16-core GPU machine):
 run it on its own, `scripts/gpu_tests.sh tests/test_h100_vs_xla.py -k 60`. Each target runs in
-its own process (tests/h100_vs_xla_run.py, which also holds the conditioning). Where one command
+its own process (tests/h100_vs_xla_run.py, which also applies the conditioning). Where one command
 may not run that long, set RV_H100_VS_XLA_DIR to a directory: a target whose results are already
 in DIR/g31-LAYERS/ (from `python tests/h100_vs_xla_run.py DIR/g31-60 h100-fp8 60`, say) is not
 run again. Unset, both are always built and run.
