@@ -76,12 +76,23 @@ __device__ __forceinline__ void stage(void* dst, const void* src, int nbytes) {
     for (int i = threadIdx.x; i < nbytes / 16; i += blockDim.x) d[i] = s[i];
     __syncthreads();
 }
-}  // namespace
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, float router_mul,
-          const float* __restrict__ w2, __nv_bfloat16* __restrict__ z,
-          __nv_bfloat16* __restrict__ x2, int H, float eps) {
+// float4 c of a row stored as bf16 (rounded) or float32
+__device__ __forceinline__ void store4_at(__nv_bfloat16* row, int c, const float4 o) {
+    store_bf16x4(row + 4 * c, o);
+}
+
+__device__ __forceinline__ void store4_at(float* row, int c, const float4 o) {
+    reinterpret_cast<float4*>(row)[c] = o;
+}
+
+// One row of moe_norms / moe_norms_f32, z and x2 stored as Out (bf16, or f32 unrounded)
+template <typename Out>
+__device__ __forceinline__ void norms_row(const float* __restrict__ r,
+                                          const float* __restrict__ router_scale,
+                                          float router_mul, const float* __restrict__ w2,
+                                          Out* __restrict__ z, Out* __restrict__ x2, int H,
+                                          float eps) {
     __shared__ float red[32];
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
@@ -94,12 +105,18 @@ moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, f
         const int c = threadIdx.x + i * NORM_THREADS;
         if (c < n4) {
             const float4 n = mul4(v[i], rr);
-            const float4 a = mul4(mul4(n, __ldg(rs4 + c)), router_mul);
-            const float4 b = mul4(n, __ldg(w4 + c));
-            store_bf16x4(z + row + 4 * c, a);
-            store_bf16x4(x2 + row + 4 * c, b);
+            store4_at(z + row, c, mul4(mul4(n, __ldg(rs4 + c)), router_mul));
+            store4_at(x2 + row, c, mul4(n, __ldg(w4 + c)));
         }
     }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, float router_mul,
+          const float* __restrict__ w2, __nv_bfloat16* __restrict__ z,
+          __nv_bfloat16* __restrict__ x2, int H, float eps) {
+    norms_row(r, router_scale, router_mul, w2, z, x2, H, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(32)
@@ -504,22 +521,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 moe_norms_f32(const float* __restrict__ r, const float* __restrict__ router_scale,
               float router_mul, const float* __restrict__ w2, float* __restrict__ z,
               float* __restrict__ x2, int H, float eps) {
-    __shared__ float red[32];
-    const int n4 = H / 4;
-    const size_t row = (size_t)blockIdx.x * H;
-    float4 v[NV];
-    const float rr = load_row_rms<NORM_THREADS, NV>(r + row, v, n4, H, eps, red);
-    const float4* rs4 = reinterpret_cast<const float4*>(router_scale);
-    const float4* w4 = reinterpret_cast<const float4*>(w2);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int c = threadIdx.x + i * NORM_THREADS;
-        if (c < n4) {
-            const float4 n = mul4(v[i], rr);
-            reinterpret_cast<float4*>(z + row)[c] = mul4(mul4(n, __ldg(rs4 + c)), router_mul);
-            reinterpret_cast<float4*>(x2 + row)[c] = mul4(n, __ldg(w4 + c));
-        }
-    }
+    norms_row(r, router_scale, router_mul, w2, z, x2, H, eps);
 }
 
 namespace {

@@ -4,9 +4,10 @@
 // residual_rmsnorm:  h[m, :] = (h[m, :] + x[m, :] * r(x[m, :]) * w_post) * scalar[0]   (in place)
 //                    y[m, :] = bf16(h[m, :] * r(h[m, :]) * w_next)                      (new h)
 // with r(v) = 1 / sqrt(sum(v^2) / H + eps). The _f32 entries (rmsnorm_f32, residual_rmsnorm_f32,
-// the float32 plan) write y as float32, unrounded; otherwise the same code. All math in f32, step for step in the order of the
-// IR references (ops.ref_rmsnorm, ops.ref_residual_rmsnorm: x * r, then * w, then + h, then * s;
-// no FMA contraction in the elementwise steps); only the sum of squares is ordered differently.
+// the float32 plan) write y as float32, unrounded; otherwise the same code. All math in f32,
+// step for step in the order of the IR references (ops.ref_rmsnorm, ops.ref_residual_rmsnorm:
+// x * r, then * w, then + h, then * s; no FMA contraction in the elementwise steps); only the
+// sum of squares is ordered differently.
 // Contract: H % 4 == 0, H <= THREADS * 4 * NV = 8192, rows 16-byte aligned; the row stays in
 // registers (NV float4 per thread), so x and h are each read once.
 #include "common.cuh"
