@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rvcompile.build import TARGETS
+
 CUT = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
 CONDITIONINGS = ("none", "qk-norms", "near-identity")
 QK_NORMS = ("q_norm.weight", "k_norm.weight")
@@ -126,10 +128,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="builds at once, each its own process")
     ap.add_argument("--json", type=Path, help="write the report here")
     args = ap.parse_args()
-    depths = [int(d) for d in args.depths.split(",")]
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        ap.error(f"--depths: comma-separated integers (got {args.depths!r})")
     targets = tuple(args.targets.split(","))
     if len(targets) != 2:
         ap.error(f"--targets: two targets, comma-separated (got {args.targets!r})")
+    xla_targets = [name for name, spec in TARGETS.items() if spec.lowering == "xla"]
+    if unknown := [t for t in targets if t not in xla_targets]:
+        ap.error(f"--targets: {', '.join(unknown)} not an XLA target (known: "
+                 f"{', '.join(xla_targets)})")
     if min(depths) < 1:
         ap.error(f"--depths: every depth must be >= 1 (got {args.depths!r})")
     if not 0 < args.prompt_tokens <= MAX_CONTEXT:
