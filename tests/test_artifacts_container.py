@@ -403,3 +403,9 @@ def test_version_1_artifact_refused_with_rebuild(tmp_path: Path) -> None:
 def test_writer_refuses_bad_hashing_options(tmp_path: Path, kwargs: dict, words: str) -> None:
     with pytest.raises(ArtifactError, match=rf"^tiny\.rvp: {words}"):
         ArtifactWriter(tmp_path / "tiny.rvp", HEADER, **kwargs)
+
+
+def test_verify_refuses_bad_thread_count(tmp_path: Path) -> None:
+    with Artifact.open(build(tmp_path / "tiny.rvp")) as art:
+        with pytest.raises(ArtifactError, match=r"^tiny\.rvp: verify threads must be at least 1"):
+            art.verify(threads=0)
