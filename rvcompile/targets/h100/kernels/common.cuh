@@ -114,6 +114,15 @@ static __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* p, const floa
     store_bf16x4(p, o[0], o[1], o[2], o[3]);
 }
 
+// four values stored as bf16 (rounded) or float32 (as they are)
+static __device__ __forceinline__ void store4(__nv_bfloat16* p, const float4 o) {
+    store_bf16x4(p, o);
+}
+
+static __device__ __forceinline__ void store4(float* p, const float4 o) {
+    *reinterpret_cast<float4*>(p) = o;
+}
+
 // ---------------------------------------------------------------- tensor-core kernels
 
 static __device__ __forceinline__ uint32_t smem_u32(const void* p) {

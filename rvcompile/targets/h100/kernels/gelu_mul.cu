@@ -7,30 +7,29 @@
 
 namespace {
 constexpr int THREADS = 256;
+
+// out[m, 4c : 4c + 4] = Out(gelu_tanh(g) * u) for the thread's 4 columns
+template <typename Out>
+__device__ __forceinline__ void gelu_mul_cols(const float* __restrict__ gu, Out* __restrict__ out,
+                                              int I) {
+    const int m = blockIdx.y;
+    const int c = blockIdx.x * THREADS + threadIdx.x;
+    if (c >= I / 4) return;
+    const float* row = gu + (size_t)m * 2 * I;
+    const float4 g = __ldg(reinterpret_cast<const float4*>(row) + c);
+    const float4 u = __ldg(reinterpret_cast<const float4*>(row + I) + c);
+    store4(out + (size_t)m * I + 4 * c,
+           make_float4(__fmul_rn(gelu_tanh(g.x), u.x), __fmul_rn(gelu_tanh(g.y), u.y),
+                       __fmul_rn(gelu_tanh(g.z), u.z), __fmul_rn(gelu_tanh(g.w), u.w)));
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 gelu_mul(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, int I) {
-    const int m = blockIdx.y;
-    const int c = blockIdx.x * THREADS + threadIdx.x;
-    if (c >= I / 4) return;
-    const float* row = gu + (size_t)m * 2 * I;
-    const float4 g = __ldg(reinterpret_cast<const float4*>(row) + c);
-    const float4 u = __ldg(reinterpret_cast<const float4*>(row + I) + c);
-    store_bf16x4(out + (size_t)m * I + 4 * c, __fmul_rn(gelu_tanh(g.x), u.x),
-                 __fmul_rn(gelu_tanh(g.y), u.y), __fmul_rn(gelu_tanh(g.z), u.z),
-                 __fmul_rn(gelu_tanh(g.w), u.w));
+    gelu_mul_cols(gu, out, I);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 gelu_mul_f32(const float* __restrict__ gu, float* __restrict__ out, int I) {
-    const int m = blockIdx.y;
-    const int c = blockIdx.x * THREADS + threadIdx.x;
-    if (c >= I / 4) return;
-    const float* row = gu + (size_t)m * 2 * I;
-    const float4 g = __ldg(reinterpret_cast<const float4*>(row) + c);
-    const float4 u = __ldg(reinterpret_cast<const float4*>(row + I) + c);
-    *reinterpret_cast<float4*>(out + (size_t)m * I + 4 * c) = make_float4(
-        __fmul_rn(gelu_tanh(g.x), u.x), __fmul_rn(gelu_tanh(g.y), u.y),
-        __fmul_rn(gelu_tanh(g.z), u.z), __fmul_rn(gelu_tanh(g.w), u.w));
+    gelu_mul_cols(gu, out, I);
 }

@@ -21,12 +21,6 @@ __device__ __forceinline__ float4 scale_w(const float4 v, float r, const float4 
     return mul4(mul4(v, r), w);
 }
 
-__device__ __forceinline__ void store4(__nv_bfloat16* p, const float4 o) { store_bf16x4(p, o); }
-
-__device__ __forceinline__ void store4(float* p, const float4 o) {
-    *reinterpret_cast<float4*>(p) = o;
-}
-
 // y row = Out(v * r * w) from the NV float4 held by this thread (Out: bf16, or f32 unrounded)
 template <typename Out>
 __device__ __forceinline__ void write_normed(const float4 v[NV], float r,

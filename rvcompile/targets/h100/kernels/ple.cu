@@ -127,6 +127,28 @@ __device__ __forceinline__ void stage_gated(const float* __restrict__ gate,
         }
     }
 }
+
+// The ROWS token rows of CTA blockIdx.y: their gated vectors staged as V in shared memory, then
+// projected, a warp per output row (ple_project: V bf16, W e4m3 and scale; _f32: f32, f32, none)
+template <typename V, typename WT>
+__device__ __forceinline__ void project_block(const float* __restrict__ gate,
+                                              const float* __restrict__ ple, int layer, int L,
+                                              const WT* __restrict__ W,
+                                              const float* __restrict__ scale,
+                                              float* __restrict__ y, int M, int N, int P) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    V* vs = reinterpret_cast<V*>(smem_raw);
+    const int m0 = blockIdx.y * ROWS;
+    const int rows = min(ROWS, M - m0);
+    stage_gated(gate, ple, layer, L, vs, m0, rows, P);
+    __syncthreads();
+    switch (rows) {
+        case 1: project_rows<1>(W, scale, vs, y, m0, N, P); break;
+        case 2: project_rows<2>(W, scale, vs, y, m0, N, P); break;
+        case 3: project_rows<3>(W, scale, vs, y, m0, N, P); break;
+        case 4: project_rows<4>(W, scale, vs, y, m0, N, P); break;
+    }
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -155,35 +177,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_project(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
             const uint8_t* __restrict__ W, const float* __restrict__ scale,
             float* __restrict__ y, int M, int N, int P) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    const int m0 = blockIdx.y * ROWS;
-    const int rows = min(ROWS, M - m0);
-    stage_gated(gate, ple, layer, L, vs, m0, rows, P);
-    __syncthreads();
-    switch (rows) {
-        case 1: project_rows<1>(W, scale, vs, y, m0, N, P); break;
-        case 2: project_rows<2>(W, scale, vs, y, m0, N, P); break;
-        case 3: project_rows<3>(W, scale, vs, y, m0, N, P); break;
-        case 4: project_rows<4>(W, scale, vs, y, m0, N, P); break;
-    }
+    project_block<__nv_bfloat16>(gate, ple, layer, L, W, scale, y, M, N, P);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_project_f32(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
                 const float* __restrict__ W, float* __restrict__ y, int M, int N, int P) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* vs = reinterpret_cast<float*>(smem_raw);
-    const int m0 = blockIdx.y * ROWS;
-    const int rows = min(ROWS, M - m0);
-    stage_gated(gate, ple, layer, L, vs, m0, rows, P);
-    __syncthreads();
-    switch (rows) {
-        case 1: project_rows<1>(W, nullptr, vs, y, m0, N, P); break;
-        case 2: project_rows<2>(W, nullptr, vs, y, m0, N, P); break;
-        case 3: project_rows<3>(W, nullptr, vs, y, m0, N, P); break;
-        case 4: project_rows<4>(W, nullptr, vs, y, m0, N, P); break;
-    }
+    project_block<float>(gate, ple, layer, L, W, nullptr, y, M, N, P);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
