@@ -68,6 +68,15 @@ static __device__ __forceinline__ float4 mul4(const float4 v, const float4 w) {
                        __fmul_rn(v.w, w.w));
 }
 
+// (h + v * r * w) * s, each step rounded: the residual update of residual_rmsnorm (ops order)
+static __device__ __forceinline__ float4 residual4(const float4 h, const float4 v, float r,
+                                                   const float4 w, float s) {
+    const float4 n = mul4(mul4(v, r), w);
+    return mul4(make_float4(__fadd_rn(h.x, n.x), __fadd_rn(h.y, n.y), __fadd_rn(h.z, n.z),
+                            __fadd_rn(h.w, n.w)),
+                s);
+}
+
 // ---------------------------------------------------------------- elementwise
 
 // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in the order of ops.gelu_tanh

@@ -73,10 +73,7 @@ __device__ __forceinline__ void residual_row(float* __restrict__ h, const float*
     for (int i = 0; i < NV; ++i) {
         const int c = threadIdx.x + i * THREADS;
         if (c < n4) {
-            const float4 n = scale_w(v[i], rx, __ldg(wp4 + c));
-            const float4 o = make_float4(
-                __fmul_rn(__fadd_rn(hv[i].x, n.x), s), __fmul_rn(__fadd_rn(hv[i].y, n.y), s),
-                __fmul_rn(__fadd_rn(hv[i].z, n.z), s), __fmul_rn(__fadd_rn(hv[i].w, n.w), s));
+            const float4 o = residual4(hv[i], v[i], rx, __ldg(wp4 + c), s);
             h4[c] = o;
             hv[i] = o;
         }

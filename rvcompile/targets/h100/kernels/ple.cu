@@ -212,12 +212,7 @@ residual_rmsnorm_copy(float* __restrict__ h, const float* __restrict__ x,
     for (int i = 0; i < NV; ++i) {
         const int c = threadIdx.x + i * NORM_THREADS;
         if (c < n4) {
-            const float4 hv = h4[c], w = __ldg(wp4 + c);
-            const float4 o = make_float4(
-                __fmul_rn(__fadd_rn(hv.x, __fmul_rn(__fmul_rn(v[i].x, r), w.x)), s),
-                __fmul_rn(__fadd_rn(hv.y, __fmul_rn(__fmul_rn(v[i].y, r), w.y)), s),
-                __fmul_rn(__fadd_rn(hv.z, __fmul_rn(__fmul_rn(v[i].z, r), w.z)), s),
-                __fmul_rn(__fadd_rn(hv.w, __fmul_rn(__fmul_rn(v[i].w, r), w.w)), s));
+            const float4 o = residual4(h4[c], v[i], r, __ldg(wp4 + c), s);
             h4[c] = o;
             store_bf16x4(y + row + 4 * c, o);
         }
