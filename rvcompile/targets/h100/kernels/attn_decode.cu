@@ -17,10 +17,7 @@
 // The _f32 entries (the float32 plan) read q and the pools as float32 (16-byte chunks from D = 128
 // up, else one load of VEC floats per lane); nothing is rounded. attn_prefill.cu is bf16/e4m3
 // only (tensor cores), so the float32 plan runs prefill chunks through these, one row each.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int BS = 16;
@@ -214,8 +211,7 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
                 float s = 0.f;
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) s = fmaf(qr[g][i], k[i], s);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                s = warp_sum(s);
                 const float mn = fmaxf(m[g], s);
                 const float alpha = __expf(m[g] - mn), p = __expf(s - mn);
                 l[g] = l[g] * alpha + p;
@@ -327,16 +323,14 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_ac
     if (threadIdx.x < 32) {
         float mt = -INFINITY;
         for (int s = threadIdx.x; s < splits; s += 32) mt = fmaxf(mt, ml[2 * s]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+        mt = warp_max(mt);
         float lt = 0.f;
         for (int s = threadIdx.x; s < splits; s += 32) {
             const float w = ml[2 * s] == -INFINITY ? 0.f : __expf(ml[2 * s] - mt);
             weight[s] = w;
             lt += ml[2 * s + 1] * w;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffffu, lt, o);
+        lt = warp_sum(lt);
         if (threadIdx.x == 0) inv_sum = 1.f / lt;
     }
     __syncthreads();

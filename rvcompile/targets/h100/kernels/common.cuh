@@ -19,6 +19,12 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+static __device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Sum over the CTA; every thread gets the total. red: 32 floats of shared memory.
 static __device__ __forceinline__ float block_sum(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

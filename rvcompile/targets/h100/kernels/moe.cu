@@ -49,12 +49,6 @@ constexpr int PAIRS = 8;  // pairs per shared-memory group of the grouped kernel
 constexpr int GROUP_I = 4 * WARPS;  // gate/up outputs per CTA of moe_gate_up_grouped
 constexpr int GROUP_N = 4 * WARPS;  // down outputs per CTA of moe_down_grouped
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 // acc += 16 e4m3 weights . 16 bf16 activations
 __device__ __forceinline__ float dot16(const uint4 w8, const __nv_bfloat16* __restrict__ x,
                                        float acc) {
