@@ -1,8 +1,9 @@
-// Device helpers shared by the h100 kernel modules: warp and CTA sums, the RMSNorm row load,
-// gelu_tanh rounded like ops.gelu_tanh, e4m3 widening, bf16x4 stores, the mma / shared-memory
-// wrappers of the tensor-core kernels. Everything is static and force-inlined: each module
-// compiles only what it calls and no symbol crosses modules. Elementwise helpers round step by
-// step (__fmul_rn / __fadd_rn: no FMA contraction), as the numpy references do.
+// Device helpers shared by the h100 kernel modules: warp sums and maxima, the CTA sum, the
+// RMSNorm row load and residual update, gelu_tanh rounded like ops.gelu_tanh, e4m3 widening,
+// bf16x4 and float4 stores, the mma / shared-memory wrappers of the tensor-core kernels.
+// Everything is static and force-inlined: each module compiles only what it calls and no symbol
+// crosses modules. Elementwise helpers round step by step (__fmul_rn / __fadd_rn: no FMA
+// contraction), as the numpy references do.
 // nvcc.py keys every cubin on every *.cuh, so an edit here rebuilds all modules.
 #pragma once
 
