@@ -21,6 +21,7 @@ import numpy as np
 
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
 from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
@@ -278,7 +279,7 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
     return _Lowered(
         ("cuda",),
         {"runtime": "h100", "compute_capability": "9.0", "min_driver": min_driver(),
-         "arena_bytes": schedule.arena_bytes},
+         "arena_bytes": schedule.arena_bytes, "kernel_launch": KERNEL_LAUNCH},
         {"h100": {"schedule": schedule.to_json(), "nvcc": nvcc_version(), "arch": "sm_90a"}},
         {"cubins": blob, "constants": lowering.constants},
         schedule.weights_bytes, lowering.slots_by_param)

@@ -144,8 +144,9 @@ class _LaunchByLaunch:
             if check:
                 before = self.ref.mem.copy()
                 self.ctx.copy_to_device(self.gpu.arena.ptr, before, 0)
-                for fn, grid, block, smem, packed in prepared[i:i + span]:
-                    self.ctx.launch_packed(fn, grid, block, smem, packed, 0)
+                for fn, config, packed in prepared[i:i + span]:
+                    # on the device's stream, which waits for the copy on the legacy stream
+                    self.ctx.launch_configured(fn, config, packed)
                 self.ctx.synchronize()
             for launch in launches[i:i + span]:
                 _kernel_ref(launch.kernel)(self.ref, launch, *[a.value for a in launch.args])

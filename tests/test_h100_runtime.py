@@ -45,6 +45,13 @@ def built(oracle_dir, tmp_path_factory):
     return get
 
 
+def test_refuses_artifacts_built_before_programmatic_launch(built):
+    art = Artifact.open(built("dense"))
+    del art.header.requirements["kernel_launch"]
+    with pytest.raises(ArtifactError, match="programmatic dependent launch.*rebuild it"):
+        check_fits(art, _FakeContext())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "k_eq_v", "kv_shared"])
 def test_gpu_matches_reference_executor(built, case):

@@ -76,6 +76,9 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "MiB), the digests in a table located by header piece_digests, so that "
                       "commit and verify hash on all cores; section entries lose their "
                       "whole-section sha256; v1 files are refused (rebuild them)"),
+    ("2026-11-22", 2, "h100 artifacts carry header requirement kernel_launch = \"programmatic\" "
+                      "(every kernel opens with griddepcontrol.wait, so the runtime launches "
+                      "with programmatic stream serialization); absent: refused (rebuild)"),
 )
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies

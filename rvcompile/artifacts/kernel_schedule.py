@@ -19,6 +19,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
+# Header requirement "kernel_launch": how the runtime may launch the artifact's kernels.
+# "programmatic": every kernel opens with griddepcontrol.wait, so each may be launched with
+# programmatic stream serialization (start while its predecessor runs). Artifacts without it
+# were built before that and are refused: rebuilding them takes minutes.
+KERNEL_LAUNCH = "programmatic"
 
 
 @dataclass(frozen=True)

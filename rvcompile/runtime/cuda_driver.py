@@ -1,6 +1,12 @@
 """The CUDA driver API as the H100 runtime uses it: cuda-python's `cuda.bindings.driver` and
 numpy only (no torch, no NVRTC). Every call's CUresult is checked; a failure raises CudaError
 naming the call. Kernel arguments are packed by hand into a void** array.
+
+Every kernel is launched (cuLaunchKernelEx) with programmatic stream serialization: it may start
+while the kernel before it in the stream is still running, and stream capture records that as a
+programmatic graph edge. That is safe only because every kernel of the h100 target begins with
+griddepcontrol.wait (kernels/common.cuh pdl_wait), which blocks until its predecessor has
+completed and flushed its writes.
 """
 
 from __future__ import annotations
@@ -139,12 +145,30 @@ class CudaContext:
     def launch(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                args: list[ctypes._SimpleCData], stream=0) -> None:
         """`args` are ctypes values in kernel-parameter order (c_uint64 for pointers)."""
-        self.launch_packed(fn, grid, block, smem, pack_args(args), stream)
+        self.launch_configured(fn, self.launch_config(grid, block, smem, stream), pack_args(args))
 
-    def launch_packed(self, fn, grid, block, smem: int, packed, stream=0) -> None:
-        """`packed`: pack_args' result, built once and kept alive by the caller."""
-        check(self.cu.cuLaunchKernel(fn, *grid, *block, smem, stream,
-                                     ctypes.addressof(packed[0]), 0), "cuLaunchKernel")
+    def launch_config(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                      stream=0):
+        """The CUlaunchConfig of one launch on `stream`, programmatic stream serialization on."""
+        cu = self.cu
+        serialization = cu.CUlaunchAttribute()
+        ids = cu.CUlaunchAttributeID
+        serialization.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        serialization.value.programmaticStreamSerializationAllowed = 1
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = smem
+        config.hStream = stream
+        config.attrs = [serialization]
+        config.numAttrs = 1
+        return config
+
+    def launch_configured(self, fn, config, packed) -> None:
+        """`config`: launch_config's result; `packed`: pack_args' result. Both may be built once
+        and reused; the caller keeps `packed` alive while it may be launched."""
+        check(self.cu.cuLaunchKernelEx(config, fn, ctypes.addressof(packed[0]), 0),
+              "cuLaunchKernelEx")
 
     def synchronize(self) -> None:
         check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -1,13 +1,16 @@
 """Executor for h100-fp8 artifacts: cuda-python's driver API and numpy only (no torch, JAX, nvcc,
 NVRTC or Triton). Nothing compiles at load.
 
-`check_fits` refuses, before any allocation, a machine whose GPU is not compute capability
-9.0, whose driver is older than the cubins need, or whose free memory is short of the arena.
-Then: one arena allocation; weights streamed from the mapped artifact through two pinned
+`check_fits` refuses, before any allocation, an artifact built before its kernels opened with
+griddepcontrol.wait (header requirement kernel_launch), and a machine whose GPU is not compute
+capability 9.0, whose driver is older than the cubins need, or whose free memory is short of the
+arena. Then: one arena allocation; weights streamed from the mapped artifact through two pinned
 staging buffers (disk reads overlap the copies); constants uploaded, the rest zeroed; cubins
-loaded (each checked against its sha256); every launch's argument block packed once; each
-decode entry captured into a CUDA graph. A call writes the io fields with one copy, replays the
-entry and copies back only token ids (or the logits the logits entry asks for).
+loaded (each checked against its sha256); every launch's argument block and launch configuration
+(programmatic stream serialization on: cuda_driver.py) built once; each decode entry captured
+into a CUDA graph, consecutive kernels joined by programmatic edges. A call writes the io fields
+with one copy, replays the entry and copies back only token ids (or the logits the logits entry
+asks for).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.kernel_schedule import KernelSchedule
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.runtime.cuda_driver import CudaContext, CudaError, pack_args
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 
@@ -31,6 +34,9 @@ HEADROOM = 256 << 20  # driver and module memory beyond the arena
 def check_fits(art: Artifact, ctx: CudaContext) -> None:
     req = art.header.requirements
     name = art.path.name
+    if req.get("kernel_launch") != KERNEL_LAUNCH:
+        raise ArtifactError(f"{name}: built before its kernels waited on their predecessors "
+                            "(programmatic dependent launch); rebuild it with this rvcompile")
     want = tuple(int(x) for x in str(req.get("compute_capability", "9.0")).split("."))
     if ctx.compute_capability != want:
         raise ArtifactError(
@@ -138,12 +144,13 @@ class CudaScheduleDevice:
                     args.append(ctypes.c_float(float(a.value)))
                 else:
                     raise ArtifactError(f"unknown kernel argument kind {a.kind!r}")
-            prepared.append((fn, x.grid, x.block, x.smem, pack_args(args)))
+            config = self.ctx.launch_config(x.grid, x.block, x.smem, self.stream)
+            prepared.append((fn, config, pack_args(args)))
         return prepared
 
     def _launch_all(self, name: str) -> None:
-        for fn, grid, block, smem, packed in self.entries[name]:
-            self.ctx.launch_packed(fn, grid, block, smem, packed, self.stream)
+        for fn, config, packed in self.entries[name]:
+            self.ctx.launch_configured(fn, config, packed)
 
     # -- ScheduleDevice
 

@@ -266,6 +266,8 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
         const Query<F32>::type* q, const Elem<FP8, F32>::type* kc,                            \
         const Elem<FP8, F32>::type* vc, const int* table, int max_blocks, int ring,           \
         const int* seq_len, int window, int kv_heads, float* part_acc, float* part_ml) {      \
+        pdl_wait();                                                                           \
+        pdl_launch_dependents();                                                              \
         attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len,       \
                                             window, kv_heads, nullptr, nullptr, part_acc,      \
                                             part_ml);                                          \
@@ -275,6 +277,8 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
             const Query<F32>::type* q, const Elem<FP8, F32>::type* base, const int* table,     \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
             const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {         \
+        pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         attn_partial<D, G, true, FP8, F32>(q, base, nullptr, table, max_blocks, ring, seq_len,  \
                                            window, kv_heads, wk, inv_freq, part_acc, part_ml); \
     }
@@ -316,6 +320,8 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_ac
                                                const float* __restrict__ part_ml, int splits,
                                                int d, float* __restrict__ out,
                                                __nv_bfloat16* __restrict__ out_bf16) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ float weight[];  // [splits]
     __shared__ float inv_sum;
     const size_t bh = blockIdx.x;

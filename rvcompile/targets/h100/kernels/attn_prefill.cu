@@ -371,6 +371,8 @@ __device__ __forceinline__ void attn_prefill(
             const __nv_bfloat16* q, const unsigned char* kc, const unsigned char* vc,          \
             const int* table, int ring, const int* positions, int window, int kv_heads,        \
             int rows, float* out, __nv_bfloat16* out_bf16) {                                    \
+        pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
         attn_prefill<D, G, false, FP8>(q, kc, vc, table, ring, positions, window, kv_heads,    \
                                        rows, nullptr, nullptr, out, out_bf16);                 \
     }                                                                                           \
@@ -379,6 +381,8 @@ __device__ __forceinline__ void attn_prefill(
             const __nv_bfloat16* q, const unsigned char* base, const int* table, int ring,     \
             const int* positions, int window, int kv_heads, int rows, const float* wk,         \
             const float* inv_freq, float* out, __nv_bfloat16* out_bf16) {                       \
+        pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
         attn_prefill<D, G, true, FP8>(q, base, nullptr, table, ring, positions, window,         \
                                       kv_heads, rows, wk, inv_freq, out, out_bf16);            \
     }

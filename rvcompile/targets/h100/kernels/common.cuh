@@ -1,6 +1,7 @@
-// Device helpers shared by the h100 kernel modules: warp sums and maxima, the CTA sum, the
-// RMSNorm row load and residual update, gelu_tanh rounded like ops.gelu_tanh, e4m3 widening,
-// bf16x4 and float4 stores, the mma / shared-memory wrappers of the tensor-core kernels.
+// Device helpers shared by the h100 kernel modules: the programmatic-dependent-launch pair every
+// entry begins with, warp sums and maxima, the CTA sum, the RMSNorm row load and residual update,
+// gelu_tanh rounded like ops.gelu_tanh, e4m3 widening, bf16x4 and float4 stores, the mma /
+// shared-memory wrappers of the tensor-core kernels.
 // Everything is static and force-inlined: each module compiles only what it calls and no symbol
 // crosses modules. Elementwise helpers round step by step (__fmul_rn / __fadd_rn: no FMA
 // contraction), as the numpy references do.
@@ -11,6 +12,23 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+
+// ---------------------------------------------------------------- programmatic dependent launch
+
+// The runtime launches every kernel with programmatic stream serialization (cuda_driver.py), so a
+// kernel's CTAs may start while the kernel before it in the stream is still running. Every entry
+// begins with pdl_wait(); pdl_launch_dependents();: the wait blocks until the previous kernel
+// has completed and its writes are visible (and, since that kernel waited too, every earlier
+// one), so nothing before it may read or write global memory; the trigger lets the next kernel's
+// CTAs be scheduled now, to wait on this one. Neither instruction does anything in a kernel
+// launched without the attribute.
+static __device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
 
 // ---------------------------------------------------------------- reductions
 

@@ -26,10 +26,14 @@ __device__ __forceinline__ void gelu_mul_cols(const float* __restrict__ gu, Out*
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 gelu_mul(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, int I) {
+    pdl_wait();
+    pdl_launch_dependents();
     gelu_mul_cols(gu, out, I);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 gelu_mul_f32(const float* __restrict__ gu, float* __restrict__ out, int I) {
+    pdl_wait();
+    pdl_launch_dependents();
     gelu_mul_cols(gu, out, I);
 }

@@ -270,6 +270,8 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ W,
     extern "C" __global__ void CLUSTER __launch_bounds__(THREADS, MIN_BLOCKS)                 \
     NAME(const uint8_t* __restrict__ W, const float* __restrict__ scale,                      \
          const __nv_bfloat16* __restrict__ x, float* __restrict__ y, int M, int N, int K) {   \
+        pdl_wait();                                                                           \
+        pdl_launch_dependents();                                                              \
         gemm_tile<MT, WM, SPLIT>(W, scale, x, y, M, N, K);                                     \
     }
 #define NO_CLUSTER

@@ -10,5 +10,7 @@
 extern "C" __global__ void __launch_bounds__(gemv::WARPS * 32, 4)
 gemv_bf16(const __nv_bfloat16* __restrict__ W, const __nv_bfloat16* __restrict__ x,
           float* __restrict__ y, int M, int N, int K) {
+    pdl_wait();
+    pdl_launch_dependents();
     gemv::gemv<gemv::Bf16Weights>(W, nullptr, gemv::stage_x(x, M, K), y, M, N, K);
 }

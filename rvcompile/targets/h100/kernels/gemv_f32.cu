@@ -11,5 +11,7 @@
 extern "C" __global__ void __launch_bounds__(gemv::WARPS * 32, 4)
 gemv_f32(const float* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int M,
          int N, int K) {
+    pdl_wait();
+    pdl_launch_dependents();
     gemv::gemv<gemv::F32Weights>(W, nullptr, x, y, M, N, K);
 }

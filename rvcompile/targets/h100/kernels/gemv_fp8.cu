@@ -11,5 +11,7 @@ extern "C" __global__ void __launch_bounds__(gemv::WARPS * 32, 4)
 gemv_fp8_rowscale(const uint8_t* __restrict__ W, const float* __restrict__ scale,
                   const __nv_bfloat16* __restrict__ x, float* __restrict__ y, int M, int N,
                   int K) {
+    pdl_wait();
+    pdl_launch_dependents();
     gemv::gemv<gemv::Fp8Weights>(W, scale, gemv::stage_x(x, M, K), y, M, N, K);
 }

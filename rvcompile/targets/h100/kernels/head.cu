@@ -12,10 +12,7 @@
 //                  (the float32 plan)
 // (ops.ref_embed, same f32 steps.) Grid (ceil(chunks / EMBED_THREADS), M), one 16-byte table
 // load per thread.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int THREADS = 1024;
@@ -32,6 +29,8 @@ __device__ __forceinline__ void take(float v, int i, float& best, int& bi) {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 softcap_argmax(const float* __restrict__ logits, int V, float cap, int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float s_val[32];
     __shared__ int s_idx[32];
     const float4* row = reinterpret_cast<const float4*>(logits + (size_t)blockIdx.x * V);
@@ -85,6 +84,8 @@ softcap_argmax(const float* __restrict__ logits, int V, float cap, int* __restri
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
 embed_rows_bf16(const __nv_bfloat16* __restrict__ table, const int* __restrict__ ids, float mult,
                 float* __restrict__ h, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int m = blockIdx.y;
     const int c = blockIdx.x * EMBED_THREADS + threadIdx.x;
     if (c >= H / 8) return;
@@ -102,6 +103,8 @@ embed_rows_bf16(const __nv_bfloat16* __restrict__ table, const int* __restrict__
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
 embed_rows_fp8(const uint8_t* __restrict__ table, const float* __restrict__ row_scale,
                const int* __restrict__ ids, float mult, float* __restrict__ h, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int m = blockIdx.y;
     const int c = blockIdx.x * EMBED_THREADS + threadIdx.x;
     if (c >= H / 16) return;
@@ -128,6 +131,8 @@ embed_rows_fp8(const uint8_t* __restrict__ table, const float* __restrict__ row_
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
 embed_rows_f32(const float* __restrict__ table, const int* __restrict__ ids, float mult,
                float* __restrict__ h, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int m = blockIdx.y;
     const int c = blockIdx.x * EMBED_THREADS + threadIdx.x;
     if (c >= H / 4) return;

@@ -110,12 +110,16 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 moe_norms(const float* __restrict__ r, const float* __restrict__ router_scale, float router_mul,
           const float* __restrict__ w2, __nv_bfloat16* __restrict__ z,
           __nv_bfloat16* __restrict__ x2, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     norms_row(r, router_scale, router_mul, w2, z, x2, H, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(32)
 moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
           int* __restrict__ ids, float* __restrict__ wts, int E, int K) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int lane = threadIdx.x;
     const float* l = logits + (size_t)blockIdx.x * E;
     float p[MAX_E_PER_LANE];
@@ -182,6 +186,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 moe_gate_up(const uint8_t* __restrict__ W, const float* __restrict__ scale,
             const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
             __nv_bfloat16* __restrict__ hid, int M, int K, int I, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     stage(xs, x, M * H * 2);
@@ -228,6 +234,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 moe_down(const uint8_t* __restrict__ D, const float* __restrict__ scale,
          const __nv_bfloat16* __restrict__ hid, const int* __restrict__ ids,
          const float* __restrict__ wts, float* __restrict__ y, int M, int K, int I, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     stage(hs, hid, M * K * I * 2);
@@ -270,6 +278,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 moe_branch_sum(const float* __restrict__ f, const float* __restrict__ w1,
                const float* __restrict__ y, const float* __restrict__ w2,
                float* __restrict__ out, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float red[32];
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;
@@ -294,6 +304,8 @@ moe_branch_sum(const float* __restrict__ f, const float* __restrict__ w1,
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 moe_sort(const int* __restrict__ ids, int* __restrict__ order, int* __restrict__ offsets, int P,
          int E) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ int start[MAX_E_PER_LANE * 32 + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = SORT_THREADS / 32;
     const unsigned below = (1u << lane) - 1;
@@ -351,6 +363,8 @@ moe_gate_up_grouped(const uint8_t* __restrict__ W, const float* __restrict__ sca
                     const __nv_bfloat16* __restrict__ x, const int* __restrict__ order,
                     const int* __restrict__ offsets, __nv_bfloat16* __restrict__ hid, int K,
                     int I, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][H]
     const int e = blockIdx.y;
@@ -408,6 +422,8 @@ moe_down_grouped(const uint8_t* __restrict__ D, const float* __restrict__ scale,
                  const __nv_bfloat16* __restrict__ hid, const int* __restrict__ order,
                  const int* __restrict__ offsets, const float* __restrict__ wts,
                  float* __restrict__ part, int I, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][I]
     const int e = blockIdx.y;
@@ -447,6 +463,8 @@ moe_down_grouped(const uint8_t* __restrict__ D, const float* __restrict__ scale,
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_sum_pairs(const float* __restrict__ part, float* __restrict__ y, int K, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int m = blockIdx.y;
     const int c = blockIdx.x * 256 + threadIdx.x;  // float4 column
     if (c >= H / 4) return;
@@ -463,6 +481,8 @@ moe_sum_pairs(const float* __restrict__ part, float* __restrict__ y, int K, int 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_router_rows(const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ Wr,
                 float* __restrict__ logits, int M, int E, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* zs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [PAIRS][H]
     const int r0 = blockIdx.x * PAIRS, n = min(PAIRS, M - r0);
@@ -515,6 +535,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 moe_norms_f32(const float* __restrict__ r, const float* __restrict__ router_scale,
               float router_mul, const float* __restrict__ w2, float* __restrict__ z,
               float* __restrict__ x2, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     norms_row(r, router_scale, router_mul, w2, z, x2, H, eps);
 }
 
@@ -540,6 +562,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 moe_gate_up_f32(const float* __restrict__ W, const float* __restrict__ x,
                 const int* __restrict__ ids, float* __restrict__ hid, int M, int K, int I,
                 int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tasks = M * K * I;
     for (int t = blockIdx.x * WARPS + warp; t < tasks; t += gridDim.x * WARPS) {
@@ -558,6 +582,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 moe_down_f32(const float* __restrict__ D, const float* __restrict__ hid,
              const int* __restrict__ ids, const float* __restrict__ wts, float* __restrict__ y,
              int M, int K, int I, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = blockIdx.x * WARPS + warp; t < M * H; t += gridDim.x * WARPS) {
         const int m = t / H, n = t - m * H;

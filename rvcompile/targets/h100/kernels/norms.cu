@@ -87,12 +87,16 @@ __device__ __forceinline__ void residual_row(float* __restrict__ h, const float*
 extern "C" __global__ void __launch_bounds__(THREADS)
 rmsnorm_bf16(const float* __restrict__ x, const float* __restrict__ w,
              __nv_bfloat16* __restrict__ y, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     rmsnorm_row(x, w, y, H, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
             int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     rmsnorm_row(x, w, y, H, eps);
 }
 
@@ -101,6 +105,8 @@ residual_rmsnorm(float* __restrict__ h, const float* __restrict__ x,
                  const float* __restrict__ w_post, const float* __restrict__ scalar,
                  const float* __restrict__ w_next, __nv_bfloat16* __restrict__ y, int H,
                  float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     residual_row(h, x, w_post, scalar, w_next, y, H, eps);
 }
 
@@ -108,5 +114,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 residual_rmsnorm_f32(float* __restrict__ h, const float* __restrict__ x,
                      const float* __restrict__ w_post, const float* __restrict__ scalar,
                      const float* __restrict__ w_next, float* __restrict__ y, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     residual_row(h, x, w_post, scalar, w_next, y, H, eps);
 }

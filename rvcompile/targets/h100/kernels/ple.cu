@@ -153,6 +153,8 @@ __device__ __forceinline__ void project_block(const float* __restrict__ gate,
 
 extern "C" __global__ void __launch_bounds__(256)
 to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, long long n) {
+    pdl_wait();
+    pdl_launch_dependents();
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
     store_bf16x4(y + i, __ldg(reinterpret_cast<const float4*>(x + i)));
@@ -162,6 +164,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_combine(const float* __restrict__ ctx, const __nv_bfloat16* __restrict__ table,
             const int* __restrict__ ids, const float* __restrict__ w, float* __restrict__ ple,
             float ctx_scale, float tok_mult, float out_scale, float eps, int M, int L, int P) {
+    pdl_wait();
+    pdl_launch_dependents();
     combine_group(ctx, table, ids, w, ple, ctx_scale, tok_mult, out_scale, eps, M, L, P);
 }
 
@@ -170,6 +174,8 @@ ple_combine_f32(const float* __restrict__ ctx, const float* __restrict__ table,
                 const int* __restrict__ ids, const float* __restrict__ w, float* __restrict__ ple,
                 float ctx_scale, float tok_mult, float out_scale, float eps, int M, int L,
                 int P) {
+    pdl_wait();
+    pdl_launch_dependents();
     combine_group(ctx, table, ids, w, ple, ctx_scale, tok_mult, out_scale, eps, M, L, P);
 }
 
@@ -177,18 +183,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_project(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
             const uint8_t* __restrict__ W, const float* __restrict__ scale,
             float* __restrict__ y, int M, int N, int P) {
+    pdl_wait();
+    pdl_launch_dependents();
     project_block<__nv_bfloat16>(gate, ple, layer, L, W, scale, y, M, N, P);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 ple_project_f32(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
                 const float* __restrict__ W, float* __restrict__ y, int M, int N, int P) {
+    pdl_wait();
+    pdl_launch_dependents();
     project_block<float>(gate, ple, layer, L, W, nullptr, y, M, N, P);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 ple_gelu_mul(const float* __restrict__ gate, const float* __restrict__ ple, int layer, int L,
              __nv_bfloat16* __restrict__ out, int M, int P) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= M * P) return;
     const int m = i / P, k = i % P;
@@ -200,6 +212,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 residual_rmsnorm_copy(float* __restrict__ h, const float* __restrict__ x,
                       const float* __restrict__ w_post, const float* __restrict__ scalar,
                       __nv_bfloat16* __restrict__ y, int H, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float red[32];
     const int n4 = H / 4;
     const size_t row = (size_t)blockIdx.x * H;

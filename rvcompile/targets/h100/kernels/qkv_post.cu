@@ -164,6 +164,8 @@ __device__ __forceinline__ void qkv_post_head(
         const int* __restrict__ positions, const float* __restrict__ inv_freq, float eps,      \
         Q* __restrict__ q_out, KV* __restrict__ k_pool, KV* __restrict__ v_pool,               \
         const int* __restrict__ table, int max_blocks, int ring) {                             \
+        pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         qkv_post_head<PADDED>(qkv, ld, nh, kh, d, k_eq_v, wq, wk, positions, inv_freq, eps,     \
                               q_out, k_pool, v_pool, table, max_blocks, ring);                 \
     }

@@ -30,7 +30,7 @@
 // Contract: V % 128 == 0, V <= 2^19, finite logits and temperatures, the workspace of sample.py's
 // workspace_bytes(M, V) (no state between calls). top_p <= 0 keeps the first token (the reference
 // then clamps its empty kept set to the row's last sorted token).
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 using u32 = unsigned int;
@@ -436,6 +436,8 @@ struct Picker {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 sample_prepare(const float* __restrict__ logits, int M, int V, float cap, void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
     const Workspace ws = carve(workspace, M, V);
     const int row = blockIdx.y;
     if (blockIdx.x == 0) {
@@ -463,6 +465,8 @@ sample_prepare(const float* __restrict__ logits, int M, int V, float cap, void* 
 extern "C" __global__ void __launch_bounds__(THREADS)
 sample_filter(int M, int V, int chunk, const float* __restrict__ temperature,
               const int* __restrict__ top_k, void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int row = blockIdx.y;
     const float T = temperature[row];
     if (T <= 0.0f) return;  // greedy row
@@ -526,6 +530,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 sample_pick(int M, int V, const float* __restrict__ temperature, const int* __restrict__ top_k,
             const float* __restrict__ top_p, const int* __restrict__ seed,
             const int* __restrict__ step, void* workspace, int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ u64 smem[];
     PickShared& sh = *reinterpret_cast<PickShared*>(smem);
     const Workspace ws = carve(workspace, M, V);
