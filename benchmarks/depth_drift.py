@@ -14,7 +14,8 @@ Each runs teacher-forced logits of one fixed random prompt; per (depth, conditio
 the top-1 agreement of the two targets, their mean and max abs logit difference and the first
 target's logits std. This is the measurement behind the conditioning of tests/test_h100_vs_xla.py.
 
-Every build runs in a fresh process: the conditioning rebinds `random_weights.init_range`.
+Every build runs in a process of its own (`--jobs` of them at once), passing its conditioning
+to build_artifact as `random_ranges`.
 
     python benchmarks/depth_drift.py --json docs/results/depth-drift.json
     python benchmarks/depth_drift.py --depths 6,12 --targets xla-f32,xla-fp8 --jobs 2
@@ -74,21 +75,18 @@ def target_logits(model: Path, target: str, conditioning: str, seed: int,
     from rvcompile import runtime
     from rvcompile.build import BuildOptions, build_artifact
 
-    drawn_as_trained, near_identity = rw.init_range, rw.near_identity_init_range
-
     def qk_norms_only(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
-        return (near_identity if name.endswith(QK_NORMS) else drawn_as_trained)(name, shape)
+        rule = rw.near_identity_init_range if name.endswith(QK_NORMS) else rw.init_range
+        return rule(name, shape)
 
-    if conditioning == "near-identity":
-        rw.init_range = near_identity
-    elif conditioning == "qk-norms":
-        rw.init_range = qk_norms_only
+    ranges = {"none": rw.init_range, "qk-norms": qk_norms_only,
+              "near-identity": rw.near_identity_init_range}[conditioning]
     t = time.perf_counter()
     out = model.parent / f"{target}-{conditioning}.rvp"
     opts = BuildOptions(target, max_context=MAX_CONTEXT, prefill_buckets=(len(prompt),), slots=1,
                         platforms=("cpu",))
-    build_artifact(str(model), out, opts, random_weights=True, seed=seed, progress=False,
-                   log=lambda s: None)
+    build_artifact(str(model), out, opts, random_weights=True, seed=seed, random_ranges=ranges,
+                   progress=False, log=lambda s: None)
     logits = runtime.load(out).logits(prompt)
     out.unlink()
     return logits, time.perf_counter() - t

@@ -159,11 +159,14 @@ def format_ir(ir: ModelIR) -> str:
 
 
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
-                   random_weights: bool = False, seed: int = 0, progress: bool = True,
-                   log=print) -> BuildReport:
+                   random_weights: bool = False, seed: int = 0, random_ranges=None,
+                   progress: bool = True, log=print) -> BuildReport:
+    """`random_ranges`: with random_weights, what each tensor is drawn from (a
+    random_weights.RangeRule; default what `--random-weights` draws); the manifest names it."""
     t0 = time.perf_counter()
     _check_topologies(opts)
-    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed)
+    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
+                               random_ranges=random_ranges)
     ir = lower_model(source, opts, log)
     if TARGETS[opts.target].lowering == "h100":
         lowered = _lower_h100(ir, opts)
@@ -183,7 +186,8 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         "compiler_version": __version__,
         "passes": list(ir.notes),
         **lowered.manifest,
-        "random_weights": {"seed": seed} if random_weights else None,
+        "random_weights": (None if not random_weights else {"seed": seed} if random_ranges is None
+                           else {"seed": seed, "ranges": random_ranges.__name__}),
     }
     specs_by_source: dict[str, list] = {}
     for p in ir.params:

@@ -717,7 +717,8 @@ def _first_difference(want: Any, got: Any, path: str = "") -> str | None:
 
 
 def _load_directory(directory: Path, *, random_weights: bool, seed: int,
-                    expect: Gemma4Config | None = None, name: str | None = None) -> ModelSource:
+                    expect: Gemma4Config | None = None, name: str | None = None,
+                    random_ranges=None) -> ModelSource:
     """A model directory; `expect` (a preset's config) must agree with its config.json."""
     from rvcompile import random_weights as rw
     from rvcompile import tokenizer_files as tf
@@ -734,7 +735,7 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
     if name is not None:
         cfg = dataclasses.replace(cfg, name=name)
     if random_weights:
-        tensors = rw.random_tensors(cfg, seed)
+        tensors = rw.random_tensors(cfg, seed, random_ranges or rw.init_range)
         if not (directory / "tokenizer.json").is_file():
             return ModelSource(
                 config=cfg, tensors=tensors, tokenizer_json=tf.synthetic_tokenizer_json(
@@ -752,7 +753,7 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
 
 
 def load_model_source(model: str, *, weights: Path | None = None, random_weights: bool = False,
-                      seed: int = 0) -> ModelSource:
+                      seed: int = 0, random_ranges=None) -> ModelSource:
     """Resolve MODEL (a model directory, else a preset name) and its weights.
 
     directory                       its config.json, safetensors and tokenizer files
@@ -761,7 +762,8 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
     preset --weights DIR            DIR as a directory; its config must match the preset's shape
     preset --random-weights         preset config, random tensors, synthetic tokenizer files
     MODEL --weights DIR (MODEL a directory) works like a preset: DIR must match MODEL's config.
-    A directory wins over a preset of the same name.
+    A directory wins over a preset of the same name. `random_ranges` (random_weights.RangeRule,
+    default random_weights.init_range) says what each random tensor is drawn from.
     """
     from rvcompile import random_weights as rw
     from rvcompile import tokenizer_files as tf
@@ -783,7 +785,8 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
                                  name=expect.name)
         return dataclasses.replace(source, origin=f"{model} (weights from {weights})")
     if is_dir:
-        return _load_directory(path, random_weights=random_weights, seed=seed)
+        return _load_directory(path, random_weights=random_weights, seed=seed,
+                               random_ranges=random_ranges)
     cfg = get_preset(model)
     if not random_weights:
         raise CheckpointError(
@@ -791,7 +794,7 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
             "checkpoint directory) or --random-weights [--seed S]"
         )
     return ModelSource(
-        config=cfg, tensors=rw.random_tensors(cfg, seed),
+        config=cfg, tensors=rw.random_tensors(cfg, seed, random_ranges or rw.init_range),
         tokenizer_json=tf.synthetic_tokenizer_json(cfg.vocab_size),
         generation_config=tf.default_generation_config(cfg),
         chat_template=tf.default_chat_template(), origin=model,

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -33,6 +34,7 @@ from rvcompile.config import Gemma4Config
 CHUNK = 1 << 20  # values per independently seeded stream; changing it changes every tensor
 EMBED_STD = 0.03
 SQRT3 = math.sqrt(3.0)  # a uniform on [-a, a] has std a / sqrt(3)
+RangeRule = Callable[[str, tuple[int, ...]], tuple[float, float]]  # (name, shape) -> (low, high)
 
 
 def init_range(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -54,9 +56,6 @@ def init_range(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     return -a, a
 
 
-_DRAWN_AS_TRAINED = init_range  # kept apart: a caller may rebind `init_range` to the one below
-
-
 def near_identity_init_range(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     """Ranges for build-against-build comparisons at full depth; not what `--random-weights`
     draws. As drawn by `init_range`, every layer replaces most of the residual stream with
@@ -70,8 +69,7 @@ def near_identity_init_range(name: str, shape: tuple[int, ...]) -> tuple[float, 
         layer_scalar                              [0.95, 1.0]
         everything else                           as init_range
 
-    Use it by rebinding `init_range` to it in a process of its own (random_array looks the name
-    up on every call), as tests/h100_vs_xla_run.py does.
+    Pass it as `ranges` (build_artifact's `random_ranges`), as tests/h100_vs_xla_run.py does.
     """
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return 0.125, 0.375
@@ -79,7 +77,7 @@ def near_identity_init_range(name: str, shape: tuple[int, ...]) -> tuple[float, 
         return 0.05, 0.15
     if name.endswith("layer_scalar"):
         return 0.95, 1.0
-    return _DRAWN_AS_TRAINED(name, shape)
+    return init_range(name, shape)
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,9 +94,11 @@ def _name_key(name: str) -> list[int]:
     return [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
 
 
-def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 C-contiguous [shape], a pure function of (seed, name, shape)."""
-    low, high = init_range(name, shape)
+def random_array(seed: int, name: str, shape: tuple[int, ...],
+                 ranges: RangeRule = init_range) -> np.ndarray:
+    """float32 C-contiguous [shape], a pure function of (seed, name, shape), uniform on
+    ranges(name, shape)."""
+    low, high = ranges(name, shape)
     scale = np.float32((high - low) / 65536.0)
     mid = (high + low) / 2.0
     offset = np.float32(mid + float(scale) / 2.0) if mid else None  # int16 -32768.. -> low..
@@ -126,13 +126,15 @@ def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return out.reshape(shape)
 
 
-def random_tensors(cfg: Gemma4Config, seed: int) -> tuple[TensorRef, ...]:
+def random_tensors(cfg: Gemma4Config, seed: int,
+                   ranges: RangeRule = init_range) -> tuple[TensorRef, ...]:
     """One TensorRef per expected_tensors(cfg) entry, in that order, generated on load()."""
     if seed < 0:
         raise CheckpointError(f"--seed must be >= 0 (got {seed})")
-    origin = f"random(seed={seed})"
+    origin = (f"random(seed={seed})" if ranges is init_range
+              else f"random(seed={seed}, ranges={ranges.__name__})")
     return tuple(
         TensorRef(name=name, shape=shape, source_dtype="float32", origin=origin,
-                  reader=functools.partial(random_array, seed, name, shape))
+                  reader=functools.partial(random_array, seed, name, shape, ranges))
         for name, shape in expected_tensors(cfg).items()
     )

@@ -254,6 +254,11 @@ def test_directory_with_random_weights(tmp_path: Path, tiny) -> None:
     assert [t.name for t in source.tensors] == list(expected_tensors(source.config))
     assert source.tensors[0].origin == "random(seed=3)"
     Tokenizer.from_str(source.tokenizer_json)  # synthetic fallback
+    other = load_model_source(str(d), random_weights=True, seed=3,
+                              random_ranges=rw.near_identity_init_range)
+    assert other.tensors[0].origin == "random(seed=3, ranges=near_identity_init_range)"
+    layer_scalar = next(t for t in other.tensors if t.name.endswith("layer_scalar"))
+    assert layer_scalar.load().min() >= 0.95
 
 
 def test_preset_random_weights() -> None:
@@ -491,7 +496,7 @@ def test_random_magnitudes() -> None:
         assert arr.dtype == np.float32 and arr.flags.c_contiguous and np.isfinite(arr).all()
 
 
-def test_near_identity_ranges(monkeypatch) -> None:
+def test_near_identity_ranges() -> None:
     conditioned = {"self_attn.q_norm.weight": (0.125, 0.375),
                    "self_attn.k_norm.weight": (0.125, 0.375),
                    "post_attention_layernorm.weight": (0.05, 0.15),
@@ -504,12 +509,12 @@ def test_near_identity_ranges(monkeypatch) -> None:
         assert rw.near_identity_init_range(name, shape) == want, name
         seen.add(suffix)
     assert set(conditioned) <= seen
-    # As tests/h100_vs_xla_run.py uses it: rebound in place of init_range, still drawing every
-    # other tensor from the original ranges.
-    monkeypatch.setattr(rw, "init_range", rw.near_identity_init_range)
-    post = random_array(0, "layers.3.post_feedforward_layernorm.weight", (4096,))
+    # As tests/h100_vs_xla_run.py uses it: the ranges of random_array, every other tensor drawn
+    # from init_range's.
+    ranges = rw.near_identity_init_range
+    post = random_array(0, "layers.3.post_feedforward_layernorm.weight", (4096,), ranges)
     assert 0.05 <= post.min() and post.max() <= 0.15
-    norm = random_array(0, "layers.3.input_layernorm.weight", (4096,))
+    norm = random_array(0, "layers.3.input_layernorm.weight", (4096,), ranges)
     assert 0.5 <= norm.min() and norm.max() <= 1.5 and norm.max() > 1.4
 
 

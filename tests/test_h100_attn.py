@@ -143,19 +143,29 @@ KEQV_CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens): full layer
                          ids=[c[0] for c in KEQV_CASES])
 def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, lens) -> None:
     """One pool of normalised bases; K = rope(base * wk) at each key's position, V = base."""
+    got, want = _run_keqv_decode(np.random.default_rng(zlib.crc32(name.encode())), batch,
+                                 kv_heads, group, d, lens, fp8=False)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel
+
+
+def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool):
+    """(GPU output, reference) of the K=V split-KV decode kernel and its combine on one random
+    case; `fp8`: the base pool in e4m3 (the `_fp8` entry)."""
     from rvcompile.config import RopeSpec
     from rvcompile.targets.h100.nvcc import compile_cubin
 
     ctx = h100_context()
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
     q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
+    if fp8:
+        base = to_e4m3(base)
     wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
     inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
     cubin = compile_cubin(ad.SOURCE)
-    fn = ctx.load_function(cubin, ad.entry_keqv(d, group))
+    fn = ctx.load_function(cubin, ad.entry_keqv(d, group, "float8_e4m3fn" if fp8 else "bfloat16"))
     combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
-    keys = max(lens)
-    splits = ad.num_splits(batch, kv_heads, keys, ctx.sm_count)
+    splits = ad.num_splits(batch, kv_heads, max(lens), ctx.sm_count)
     nh = kv_heads * group
     bufs = [ctx.upload(x) for x in (q, base, table, lens_arr, wk, inv_freq)]
     acc, ml = ctx.alloc(batch * nh * splits * d * 4), ctx.alloc(batch * nh * splits * 8)
@@ -175,10 +185,7 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, len
     got = ctx.download(out, np.float32, (batch, nh, d))
     for x in (*bufs, acc, ml, out):
         ctx.free(x)
-    want = ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
-    assert np.isfinite(got).all()
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < 1e-5, rel
+    return got, ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
 
 
 # ---------------------------------------------------------------- prefill attention (attn_prefill)
@@ -416,39 +423,8 @@ def test_attn_decode_fp8_matches_reference(name, batch, kv_heads, group, d, lens
 @pytest.mark.parametrize("name,batch,kv_heads,group,d,lens", KEQV_CASES[:4],
                          ids=[c[0] for c in KEQV_CASES[:4]])
 def test_attn_decode_keqv_fp8_matches_reference(name, batch, kv_heads, group, d, lens) -> None:
-    from rvcompile.config import RopeSpec
-    from rvcompile.targets.h100.nvcc import compile_cubin
-
-    ctx = h100_context()
-    rng = np.random.default_rng(zlib.crc32(f"fp8 {name}".encode()))
-    q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
-    base = to_e4m3(base)
-    wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
-    inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
-    cubin = compile_cubin(ad.SOURCE)
-    fn = ctx.load_function(cubin, ad.entry_keqv(d, group, "float8_e4m3fn"))
-    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
-    splits = ad.num_splits(batch, kv_heads, max(lens), ctx.sm_count)
-    nh = kv_heads * group
-    bufs = [ctx.upload(x) for x in (q, base, table, lens_arr, wk, inv_freq)]
-    acc, ml = ctx.alloc(batch * nh * splits * d * 4), ctx.alloc(batch * nh * splits * 8)
-    out = ctx.alloc(batch * nh * d * 4)
-    ctx.memset(out, 0xFF)
-    p = [ctypes.c_uint64(x.ptr) for x in bufs]
-    split = ad.split_geometry(batch, kv_heads, splits)
-    comb = ad.combine_geometry(batch, nh, d, splits)
-    ctx.launch(fn, split.grid, split.block, split.smem,
-               [p[0], p[1], p[2], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[3],
-                ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5], ctypes.c_uint64(acc.ptr),
-                ctypes.c_uint64(ml.ptr)])
-    ctx.launch(combine, comb.grid, comb.block, comb.smem,
-               [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)])
-    ctx.synchronize()
-    got = ctx.download(out, np.float32, (batch, nh, d))
-    for x in (*bufs, acc, ml, out):
-        ctx.free(x)
-    want = ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
+    got, want = _run_keqv_decode(np.random.default_rng(zlib.crc32(f"fp8 {name}".encode())),
+                                 batch, kv_heads, group, d, lens, fp8=True)
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < 1e-5, rel
