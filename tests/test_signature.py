@@ -36,6 +36,7 @@ from rvcompile.artifacts.signature import (
     load_signing_key,
     load_trusted_key,
     sign_artifact,
+    status,
     write_keypair,
 )
 
@@ -130,8 +131,8 @@ def test_wrong_key_refused(tmp_path: Path, keys) -> None:
     path = small(tmp_path / "w.rvp")
     sign(path, keys, "alice", "Alice")
     alice, carol = trusted(keys, "alice", "carol")
-    msg = refused(path, [carol], "signed only by Alice (key ", alice.key_id, carol.key_id,
-                  "not by a trusted key")
+    msg = refused(path, [carol], f"signed only by Alice (key {alice.key_id}), not by a trusted "
+                  f"key ({carol.key_id} from {keys['carol'][1]})")
     assert msg.count(alice.key_id) == 1
 
 
@@ -171,7 +172,11 @@ def test_an_invalid_trusted_signature_is_refused_beside_a_valid_one(tmp_path: Pa
     with open(path, "r+b") as f:
         f.seek(at)
         f.write(encode_page([alice_sig, bad], path.name))
-    Artifact.open(path, trusted_keys=trusted(keys, "alice")).close()  # bob's is not checked
+    with Artifact.open(path, trusted_keys=trusted(keys, "alice")) as art:  # bob's unchecked
+        statuses = [status(s, art.signable, trusted(keys, "alice", "bob"))
+                    for s in art.signatures]
+        assert statuses == ["valid", "INVALID"]
+        assert status(bad, art.signable, trusted(keys, "alice")) == "not checked"
     refused(path, trusted(keys, "alice", "bob"), "signature by key ", "does not match")
 
 
@@ -346,12 +351,12 @@ def test_bad_key_files_are_one_line_errors(tmp_path: Path, keys) -> None:
         (load_signing_key, tmp_path / "none.key", "cannot read key file"),
         (load_signing_key, garbage, "not a PEM private key"),
         (load_signing_key, public, "this is a public key"),
-        (load_signing_key, rsa_private, "RSAPrivateKey private key; signing needs Ed25519"),
+        (load_signing_key, rsa_private, "RSAPrivateKey, not an Ed25519 private key"),
         (load_signing_key, encrypted, "the private key is encrypted"),
         (load_trusted_key, tmp_path / "none.pub", "cannot read key file"),
         (load_trusted_key, garbage, "not a PEM public key"),
         (load_trusted_key, private, "this is a private key"),
-        (load_trusted_key, rsa_public, "RSAPublicKey public key; signatures are Ed25519"),
+        (load_trusted_key, rsa_public, "RSAPublicKey, not an Ed25519 public key"),
     ]
     for load, path, needle in cases:
         with pytest.raises(KeyFileError) as e:

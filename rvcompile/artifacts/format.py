@@ -16,8 +16,8 @@ An .rvp file holds one compiled model. Layout (all integers little-endian):
                   sha256 of that piece
     ...     ...   manifest JSON (canonical), at a multiple of ALIGN after the piece-digest table;
                   an unsigned file ends where the manifest ends
-    ...     4096  signature page (optional; v2 since 2026-11-24), at the first multiple of ALIGN after
-                  the manifest; a signed file ends where it ends. Layout below.
+    ...     4096  signature page (optional; v2 since 2026-11-24), at the first multiple of
+                  ALIGN after the manifest; a signed file ends where it ends. Layout below.
 
 Each region (section, table, manifest, signature page) starts at the first multiple of ALIGN
 after the previous one ends, and the bytes between them are zero (readers check both), so that

@@ -123,7 +123,7 @@ def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
         hint = " (this is a public key; sign with the private one)" if b"PUBLIC KEY" in data else ""
         raise KeyFileError(f"{name}: not a PEM private key{hint}") from e
     if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{name}: a {type(key).__name__} private key; signing needs Ed25519")
+        raise KeyFileError(f"{name}: {type(key).__name__}, not an Ed25519 private key")
     return key
 
 
@@ -137,7 +137,7 @@ def load_trusted_key(path: str | os.PathLike[str]) -> TrustedKey:
         hint = " (this is a private key; trust the public one)" if b"PRIVATE KEY" in data else ""
         raise KeyFileError(f"{name}: not a PEM public key{hint}") from e
     if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(f"{name}: a {type(key).__name__} public key; signatures are Ed25519")
+        raise KeyFileError(f"{name}: {type(key).__name__}, not an Ed25519 public key")
     return TrustedKey(key_id(key), key, name)
 
 
@@ -219,7 +219,7 @@ def require_trusted(signatures: Sequence[Signature], signable: Signable,
     if not ours:
         raise ArtifactError(
             f"{fname}: signed only by {', '.join(s.who() for s in signatures)}, not by a trusted "
-            f"key ({', '.join(keys)})"
+            f"key ({', '.join(f'{k.key_id} from {k.source}' for k in keys.values())})"
         )
     for s in ours:
         if not signable.is_valid(s, keys[s.key_id]):
