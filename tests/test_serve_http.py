@@ -99,8 +99,9 @@ def _read_reply(sock: socket.socket) -> Reply:
 
 def raw(server: Server, method: str, path: str, body: bytes = b"", headers=None,
         content_length: int | None = None) -> Reply:
-    """One request as given, on a new connection."""
-    hdrs = {**AUTH, "content-type": "application/json", **(headers or {})}
+    """One request as given, on a new connection (a header given as None is left out)."""
+    hdrs = {**AUTH, **JSON, **(headers or {})}
+    hdrs = {k: v for k, v in hdrs.items() if v is not None}
     if method == "POST" or body:
         hdrs["content-length"] = str(len(body) if content_length is None else content_length)
     with _connect(server) as sock:
@@ -258,7 +259,8 @@ def test_malformed_http_is_refused(guarded):
 
 
 def test_api_key(guarded):
-    for headers, needle in (({}, "needs an API key"),
+    for headers, needle in (({"authorization": None}, "needs an API key"),
+                            ({"authorization": ""}, "needs an API key"),
                             ({"authorization": "Bearer wrong"}, "incorrect API key"),
                             ({"authorization": f"Bearer {KEY}x"}, "incorrect API key"),
                             ({"authorization": f"Basic {KEY}"}, "incorrect API key"),
@@ -266,7 +268,7 @@ def test_api_key(guarded):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
                              ("GET", "/v1/nope")):  # no route listing without a key
             r = raw(guarded, method, path, completion("hi") if method == "POST" else b"",
-                    headers={"authorization": "", **headers})
+                    headers=headers)
             assert openai_error(r, 401, needle)["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
         normal(guarded)
@@ -416,6 +418,24 @@ def test_ctrl_c_drains_and_the_drain_timeout_cuts_what_is_left(artifact):
     log = "".join(s.lines)
     assert "rvrun: interrupted: new requests get 503; waiting up to 1 s for 1 in flight" in log
     assert "rvrun: cutting 1 requests still running" in log and "Traceback" not in log
+
+
+def test_a_second_signal_cuts_at_once(artifact):
+    s = Server(artifact, *POOLS, "--drain-timeout", "60", "--body-timeout", "60")
+    try:
+        with _start_partial(s, _stream_body("never finished", 8)) as waiting:
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            _refused_with_503(s)  # draining, `waiting` in flight
+            s.proc.send_signal(signal.SIGTERM)
+            r = _read_reply(waiting)
+        assert openai_error(r, 503, "shut down before this request finished")
+        assert s.proc.wait(15) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+    assert "Traceback" not in "".join(s.lines)
 
 
 # ---------------------------------------------------------------------------------------------
