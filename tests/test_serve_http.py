@@ -9,7 +9,8 @@ live processes on loopback serving the tiny artifact of test_serve (its `Server`
 - SIGTERM: in-flight requests finish while new ones get 503, then exit 0; Ctrl-C drains too and
   exits 130; the drain timeout cuts what is left; no traceback.
 - `rvrun`: bad listening flags and non-UTF-8 prompts or text files give one line and exit 2;
-  Ctrl-C while generating or loading gives one line and exit 130.
+  Ctrl-C while generating or loading gives one line and exit 130; a closed stdout exits 141
+  quietly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -494,11 +496,36 @@ def test_ctrl_c_while_generating(artifact):
     assert [line for line in err.decode().splitlines() if line] == ["rvrun: interrupted"], err
 
 
+def test_closed_stdout_ends_quietly(artifact):
+    """`rvrun ... | head`: the reader goes away while rvrun writes."""
+    p = subprocess.Popen([RVRUN, str(artifact), "--prompt", "In the", "--max-tokens", "120",
+                          "--ignore-eos", "--no-verify"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout.read1(4096)  # the first piece: generating
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(60) == 141 and err == b"", err
+
+
+def _opened(pid: int, path) -> bool:
+    """Whether process `pid` has `path` open or mapped (Linux)."""
+    try:
+        fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # a descriptor closed between the listing and the readlink
+        return False
+    return str(path) in fds or str(path) in maps
+
+
 def test_ctrl_c_while_loading(artifact):
-    p = subprocess.Popen(_with_default_sigint(RVRUN, "serve", str(artifact), "--port", "0"),
+    p = subprocess.Popen(_with_default_sigint(RVRUN, str(artifact), "--prompt", "In the",
+                                              "--no-verify"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # past the interpreter's start (0.2 s here), inside the load (2 s here)
+    deadline = time.monotonic() + 60
+    while not _opened(p.pid, artifact.resolve()):  # the load has begun: jax, compiling are next
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
+    assert p.returncode == 130 and out == b"", err  # nothing generated: stopped in the load
     assert [line for line in err.decode().splitlines() if line] == ["rvrun: interrupted"], err

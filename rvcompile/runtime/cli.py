@@ -4,7 +4,8 @@
 OpenAI-compatible HTTP server (rvcompile.runtime.server); SIGTERM drains it and exits 0.
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
-exits 2. Ctrl-C prints `rvrun: interrupted` and exits 130 (serve: after draining).
+exits 2. Ctrl-C prints `rvrun: interrupted` and exits 130 (serve: after draining); a closed
+stdout (`rvrun ... | head`) ends it quietly with 141.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from rvcompile.artifacts import ArtifactError
 
 def main(argv: list[str] | None = None) -> int:
     previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.SIG_IGN:  # started to ignore Ctrl-C (a background job): keep to it
-        return _main(argv)
-    signal.signal(signal.SIGINT, _exit_on_interrupt)
+    if previous is not signal.SIG_IGN:  # a background job started ignoring Ctrl-C: keep to it
+        signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
         return _main(argv)
+    except BrokenPipeError:  # stdout's reader went away (`rvrun ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the flush at exit
+        return 141  # as a process ended by SIGPIPE
     finally:
         signal.signal(signal.SIGINT, previous)
 
