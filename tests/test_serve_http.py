@@ -273,7 +273,7 @@ def test_api_key(guarded):
                     headers=headers)
             assert openai_error(r, 401, needle)["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
-        normal(guarded)
+            normal(guarded)
     assert raw(guarded, "GET", "/v1/models", headers={"authorization": f"bearer {KEY}"}).status \
         == 200  # the scheme is case-insensitive
     for path in ("/health", "/metrics"):  # open for probes and scrapers
