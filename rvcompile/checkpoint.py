@@ -271,12 +271,14 @@ def read_safetensors_header(path: Path) -> list[_Entry]:
             raise CheckpointError(f"{what}: entry is not a JSON object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _ITEMSIZE:
-            raise CheckpointError(f"{what}: unknown dtype {dtype!r}")
+            raise CheckpointError(f"{what}: unknown dtype {json.dumps(dtype)}")
         if not isinstance(shape, list) or not all(_is_count(x) for x in shape):
-            raise CheckpointError(f"{what}: shape {shape!r} is not a list of integers >= 0")
+            raise CheckpointError(
+                f"{what}: shape {json.dumps(shape)} is not a list of integers >= 0")
         if not (isinstance(offsets, list) and len(offsets) == 2
                 and all(_is_count(x) for x in offsets)):
-            raise CheckpointError(f"{what}: data_offsets {offsets!r} is not two integers >= 0")
+            raise CheckpointError(
+                f"{what}: data_offsets {json.dumps(offsets)} is not two integers >= 0")
         begin, end = offsets
         if begin > end:
             raise CheckpointError(f"{what}: data_offsets [{begin}, {end}] end before they begin")

@@ -19,6 +19,7 @@ other fields.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -259,11 +260,11 @@ class Gemma4Config:
         if global_head_dim is None and overrides and full_ids:
             global_head_dim = dict(dict(overrides).get(full_ids[0], ())).get("head_dim")
         if d.get("tie_word_embeddings", True) is not True:
-            raise ConfigError(f"tie_word_embeddings is {d['tie_word_embeddings']!r}; Gemma 4 ties "
-                              "the head to the embedding and rvcompile supports only that")
+            raise ConfigError(f"tie_word_embeddings is {_show(d['tie_word_embeddings'])}; Gemma 4 "
+                              "ties the head to the embedding and rvcompile supports only that")
         rope = _get(d, "rope_parameters", {})
         if not isinstance(rope, dict):
-            raise ConfigError(f"rope_parameters is {rope!r}; expected a JSON object")
+            raise ConfigError(f"rope_parameters is {_show(rope)}; expected a JSON object")
         eos = _get(d, "eos_token_id", 1)
         moe = _get(d, "enable_moe_block", False)
         return cls(
@@ -329,10 +330,10 @@ def _rope_from_hf(rope: dict[str, Any], kind: str, default_theta: float,
     if p is None:
         return RopeSpec(theta=default_theta, rotary_fraction=default_fraction)
     if not isinstance(p, dict):
-        raise ConfigError(f"{key} is {p!r}; expected a JSON object")
+        raise ConfigError(f"{key} is {_show(p)}; expected a JSON object")
     rope_type = p.get("rope_type", "default")
     if rope_type not in ("default", "proportional"):
-        raise ConfigError(f"{key}.rope_type {rope_type!r} is not supported "
+        raise ConfigError(f"{key}.rope_type {_show(rope_type)} is not supported "
                           "(default, proportional)")
     theta = _get(p, "rope_theta", default_theta)
     if rope_type == "proportional":
@@ -341,7 +342,7 @@ def _rope_from_hf(rope: dict[str, Any], kind: str, default_theta: float,
     for ignored in ("partial_rotary_factor", "factor"):
         # transformers' default RoPE reads neither: honouring one would compute another model.
         if _get(p, ignored, 1.0) != 1.0:
-            raise ConfigError(f"{key}.{ignored} is {p[ignored]!r}, but rope_type 'default' "
+            raise ConfigError(f"{key}.{ignored} is {_show(p[ignored])}, but rope_type 'default' "
                               "does not apply it (only 'proportional' does)")
     return RopeSpec(theta=theta)
 
@@ -350,14 +351,15 @@ def _check_semantics(d: dict[str, Any]) -> None:
     """config.json switches the dataclass cannot express: only Gemma 4's own values pass."""
     act = _get(d, "hidden_activation", _get(d, "hidden_act", "gelu_pytorch_tanh"))
     if act not in SUPPORTED_ACTIVATIONS:
-        raise ConfigError(f"hidden_activation {act!r} is not supported: Gemma 4 uses GELU with "
-                          f"the tanh approximation ({', '.join(SUPPORTED_ACTIVATIONS)})")
+        raise ConfigError(f"hidden_activation {_show(act)} is not supported: Gemma 4 uses GELU "
+                          f"with the tanh approximation ({', '.join(SUPPORTED_ACTIVATIONS)})")
     if _get(d, "attention_bias", False) is not False:
-        raise ConfigError(f"attention_bias is {d['attention_bias']!r}; Gemma 4 has no biases")
-    if d.get("use_bidirectional_attention") not in (None, "vision"):
+        raise ConfigError(f"attention_bias is {_show(d['attention_bias'])}; Gemma 4 has no biases")
+    bidirectional = d.get("use_bidirectional_attention")
+    if bidirectional not in (None, "vision"):
         # "vision" only changes image tokens, which a text decoder never sees.
-        raise ConfigError(f"use_bidirectional_attention is {d['use_bidirectional_attention']!r}; "
-                          "only causal text attention is supported (null or \"vision\")")
+        raise ConfigError(f"use_bidirectional_attention is {_show(bidirectional)}; only causal "
+                          "text attention is supported (null or \"vision\")")
 
 
 def _layer_kinds(layer_types: Any, num_layers: int) -> tuple[AttnKind, ...]:
@@ -366,11 +368,11 @@ def _layer_kinds(layer_types: Any, num_layers: int) -> tuple[AttnKind, ...]:
         return tuple(AttnKind.FULL if (i + 1) % 6 == 0 else AttnKind.SLIDING
                      for i in range(num_layers))
     if not isinstance(layer_types, list):
-        raise ConfigError(f"layer_types is {layer_types!r}; expected a list")
+        raise ConfigError(f"layer_types is {_show(layer_types)}; expected a list")
     known = [k.value for k in AttnKind]
     for i, t in enumerate(layer_types):
         if t not in known:
-            raise ConfigError(f"layer_types[{i}] is {t!r}; expected {' or '.join(known)}")
+            raise ConfigError(f"layer_types[{i}] is {_show(t)}; expected {' or '.join(known)}")
     return tuple(AttnKind(t) for t in layer_types)
 
 
@@ -380,13 +382,13 @@ def _layer_overrides(per_layer: Any) -> tuple[tuple[int, tuple[tuple[str, int], 
     if per_layer is None:
         return ()
     if not isinstance(per_layer, dict):
-        raise ConfigError(f"per_layer_config is {per_layer!r}; expected a JSON object")
+        raise ConfigError(f"per_layer_config is {_show(per_layer)}; expected a JSON object")
     out = []
     for key, val in per_layer.items():
         if not (isinstance(key, str) and key.isdigit()):
             raise ConfigError(f"per_layer_config key {key!r} is not a layer index")
         if not isinstance(val, dict):
-            raise ConfigError(f"per_layer_config.{key} is {val!r}; expected a JSON object")
+            raise ConfigError(f"per_layer_config.{key} is {_show(val)}; expected a JSON object")
         out.append((int(key), tuple(sorted(val.items()))))
     return tuple(sorted(out))
 
@@ -423,7 +425,7 @@ def _check_fields(c: Gemma4Config) -> None:
                       ("use_double_wide_mlp", c.use_double_wide_mlp),
                       ("enable_moe_block", c.enable_moe_block)):
         if not isinstance(flag, bool):
-            raise ConfigError(f"{key} is {flag!r}; expected true or false")
+            raise ConfigError(f"{key} is {_show(flag)}; expected true or false")
     _check_int("hidden_size_per_layer_input", c.hidden_size_per_layer_input, 0)
     _check_int("vocab_size_per_layer_input", c.vocab_size_per_layer_input, 1)
     if c.ple and c.vocab_size_per_layer_input < c.vocab_size:
@@ -463,11 +465,16 @@ def _check_fields(c: Gemma4Config) -> None:
             _check_int(f"per_layer_config.{index}.{key}", value, 1)
 
 
+def _show(value: Any) -> str:
+    """`value` as config.json spells it (true, null, NaN, "text"), for error messages."""
+    return json.dumps(value, default=repr)
+
+
 def _check_int(key: str, value: Any, low: int, high: int | None = None) -> None:
     """`value` is an int (not a bool) in [low, high]."""
     want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} is {value!r}; expected {want}")
+        raise ConfigError(f"{key} is {_show(value)}; expected {want}")
     if value < low or (high is not None and value > high):
         raise ConfigError(f"{key} is {value}; expected {want}")
 
@@ -482,10 +489,10 @@ def _check_float(key: str, value: Any, low: float = 0.0, *, closed: bool = False
     if high is not None:
         want += f" and <= {high:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} is {value!r}; expected {want}")
+        raise ConfigError(f"{key} is {_show(value)}; expected {want}")
     above = value >= low if closed else value > low
     if not (math.isfinite(value) and above and (high is None or value <= high)):
-        raise ConfigError(f"{key} is {value!r}; expected {want}")
+        raise ConfigError(f"{key} is {_show(value)}; expected {want}")
 
 
 def _check_rope(key: str, r: RopeSpec) -> None:
