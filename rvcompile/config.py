@@ -447,7 +447,8 @@ def _check_fields(c: Gemma4Config) -> None:
     for key, value in (("pad_token_id", c.pad_token_id), ("bos_token_id", c.bos_token_id)):
         _check_int(key, value, 0, c.vocab_size - 1)
     if not isinstance(c.eos_token_ids, tuple):
-        raise ConfigError(f"eos_token_id is {c.eos_token_ids!r}; expected a list of token ids")
+        raise ConfigError(f"eos_token_id is {_show(c.eos_token_ids)}; expected a list of token "
+                          "ids")
     for value in c.eos_token_ids:
         _check_int("eos_token_id", value, 0, c.vocab_size - 1)
     if not isinstance(c.layer_kinds, tuple) or not all(
@@ -482,10 +483,7 @@ def _check_int(key: str, value: Any, low: int, high: int | None = None) -> None:
 def _check_float(key: str, value: Any, low: float = 0.0, *, closed: bool = False,
                  high: float | None = None) -> None:
     """`value` is a finite number (not a bool) > low (>= low if `closed`), <= high if given."""
-    if closed:
-        want = f"a finite number >= {low:g}"
-    else:
-        want = f"a finite number > {low:g}"
+    want = f"a finite number {'>=' if closed else '>'} {low:g}"
     if high is not None:
         want += f" and <= {high:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
