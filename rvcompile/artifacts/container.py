@@ -226,7 +226,10 @@ class ArtifactWriter:
         if self._fd is not None or self._committed:
             raise ArtifactError(f"{self._fname}: an ArtifactWriter can be entered only once")
         with _os_errors(f"{self._fname}: cannot create {self._tmp}"):
-            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+            # 0o666 less the umask, as for any file a program writes (0644 under umask 022):
+            # an artifact is data, not an executable.
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                               0o666)
         return self
 
     def __exit__(self, *exc: object) -> None:
