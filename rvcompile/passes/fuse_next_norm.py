@@ -36,6 +36,7 @@ from rvcompile.ir.graph import (
     ModelIR,
     Node,
     check_graph,
+    drop_unread,
     readers,
     resolve_param,
 )
@@ -100,7 +101,7 @@ def _rebuild(g: Graph, name: str, input_norm: int | None,
         outputs["x"] = b.add(op, (h, w), attrs)
     out = b.build(outputs)
     check_graph(out)
-    return out
+    return drop_unread(out)  # the moved norm's weight
 
 
 def run(ir: ModelIR) -> ModelIR:

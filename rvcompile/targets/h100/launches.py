@@ -102,9 +102,9 @@ class _At:
     def input_node(self, k: int) -> Node:
         return self.g.nodes[self.node.inputs[k]]
 
-    def weight(self, k: int) -> str:
-        """The full name of the weight that is input k."""
-        n = self.input_node(k)
+    def weight(self, k: int, of: int | None = None) -> str:
+        """The full name of the weight that is input k (of node `of`, by default this one)."""
+        n = self.g.nodes[self.g.nodes[self.idx if of is None else of].inputs[k]]
         if n.op != Op.PARAM:
             raise LoweringError("expected a weight")
         return resolve_param(n.attrs.name, self.spec) if self.spec else n.attrs.name
@@ -251,7 +251,7 @@ class EntryLowering:
             norm = g.nodes[nxt[0]]
             if norm.attrs.eps != n.attrs.eps:
                 raise LoweringError("next_norm with another eps than its residual's")
-            w_next = Ref("weights", _At(g, nxt[0], at.spec, at.env, []).weight(1))
+            w_next = Ref("weights", at.weight(1, of=nxt[0]))
             y = self.buffer(self.m * hdim * self.lin_size)
             self.next_norms[nxt[0]] = _Val(hdim, f32=y if self.f32 else None, lin=y)
             self.emit(norms.SOURCE, entry, geometry, self.h, x.f32, w_post, scalar, w_next, y,
@@ -376,7 +376,7 @@ class EntryLowering:
         """qkv_post (q norm + RoPE; the KV_STOREs' norms, RoPE and writes), then split-KV
         attention + combine for decode, or for a chunk of more than one row the flash-style
         attn_prefill (bf16/e4m3 plans)."""
-        a, g, n = at.node.attrs, at.g, at.node
+        a, n = at.node.attrs, at.node
         if a.scale != 1.0:
             raise LoweringError(f"attention scale {a.scale}: the kernels use 1.0 (Gemma 4)")
         if not (at.is_arg(1, "positions") and at.is_arg(2, "cache_len")):
@@ -387,11 +387,10 @@ class EntryLowering:
         stores = self.checked_stores(at, kh)
         inv_freq = self.consts.add(np.asarray(a.rope.inv_freq, np.float32))
         wq = Ref("weights", at.weight(3))
-        if a.k_eq_v:
+        if a.k_eq_v:  # the read-time k_norm (the producer's, KV-shared)
             wk = Ref("weights", at.weight(5))
-        else:
-            wk = Ref("weights", _At(g, n.inputs[4], at.spec, at.env, []).weight(3)) if stores \
-                else None
+        else:  # the K store's norm weight; a KV-shared layer writes nothing
+            wk = Ref("weights", at.weight(3, of=n.inputs[4])) if stores else None
         table = Ref("io", "table_ring" if owner.ring else "table_full")
         width = owner.table_width
         k_pool, v_pool = Ref("kv", (owner.layer, 0)), (Ref("kv", (owner.layer, 1))
