@@ -171,6 +171,16 @@ def test_h100_pipelines_leave_only_ops_with_launches(preset, target):
     assert per_layer(ir, Op.MOE_BLOCK) == [int(s.moe) for s in ir.config.layers]
 
 
+def test_h100_lowering_matches_no_patterns():
+    """Without the block passes the H100 lowering refuses the unfused ops, naming them: it does
+    not trace attention clusters itself."""
+    from rvcompile.targets.h100.lower import LoweringError, lower_to_h100
+
+    ir = prefused("gemma-4-tiny-dense", "fp8")
+    with pytest.raises(LoweringError, match=r"layer0_template, node %\d+ \(\w+\): no H100 "):
+        lower_to_h100(ir, slots=1, prefill_buckets=(4,))
+
+
 def test_dump_ir_shows_the_blocks():
     out: list[str] = []
     _shape_only("gemma-4-tiny", "h100-fp8", dump_ir="fuse_next_norm", log=out.append)
