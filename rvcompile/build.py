@@ -27,7 +27,11 @@ from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import (
     cast_bf16,
+    fuse_attention,
     fuse_gated_mlp,
+    fuse_moe,
+    fuse_next_norm,
+    fuse_ple,
     fuse_qkv,
     fuse_residual_norm,
     kv_fp8,
@@ -47,6 +51,14 @@ class TargetSpec:
 
 
 _XLA_EMITS = "serialized StableHLO (jax.export) for tpu, cuda and cpu"
+# What the H100 kernels run as one unit, made IR ops after the fusions above; the lowering then
+# maps each op to its launches (targets/h100/launches.py).
+_H100_BLOCKS = (
+    ("fuse_attention", fuse_attention.run),  # q/k/v norms, RoPE, KV writes, attention
+    ("fuse_moe", fuse_moe.run),  # router chain, experts, branch sum
+    ("fuse_ple", fuse_ple.run),  # per-layer inputs: embed's, each layer's projection
+    ("fuse_next_norm", fuse_next_norm.run),  # a residual add's next RMSNORM, across graphs too
+)
 TARGETS: dict[str, TargetSpec] = {
     "tpu-bf16": TargetSpec("tpu-bf16", (("cast_bf16", cast_bf16.run),),
                            _XLA_EMITS + "; bf16 weights and KV cache"),
@@ -65,12 +77,14 @@ TARGETS: dict[str, TargetSpec] = {
         ("fuse_residual_norm", fuse_residual_norm.run),
         ("fuse_gated_mlp", fuse_gated_mlp.run),
         ("fuse_qkv", fuse_qkv.run),
+        *_H100_BLOCKS,
     ), "a kernel schedule over sm_90a cubins + CUDA-graph decode; FP8 e4m3 per-channel "
        "weights, bf16 KV cache", lowering="h100"),
     "h100-f32": TargetSpec("h100-f32", (
         ("fuse_residual_norm", fuse_residual_norm.run),  # no casts, no quantization
         ("fuse_gated_mlp", fuse_gated_mlp.run),
         ("fuse_qkv", fuse_qkv.run),
+        *_H100_BLOCKS,
     ), "the h100-fp8 kernel schedule through the kernels' float32 entries: float32 weights, "
        "activations and KV cache (exact tests)", lowering="h100"),
 }
