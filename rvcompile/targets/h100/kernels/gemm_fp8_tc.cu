@@ -101,7 +101,7 @@ using Tc128x128c2 = Config<128, 128, 128, 2, 1, Cooperative, EpiCooperative>;
 using Tc128x256 = Config<128, 256, 128, 1, 1, Cooperative, EpiCooperative>;
 using Tc128x256c2 = Config<128, 256, 128, 2, 1, Cooperative, EpiCooperative>;
 using Tc256x128c12 = Config<256, 128, 128, 1, 2, Cooperative, EpiCooperative>;
-using Tc128x256c2p = Config<128, 256, 128, 2, 1, CooperativePromoted, EpiCooperative>;
+using Tc128x128c2p = Config<128, 128, 128, 2, 1, CooperativePromoted, EpiCooperative>;
 }  // namespace gemm_fp8_tc
 
 // X(entry name, configuration): every entry of the module. Names must match gemm_fp8_tc.py.
@@ -113,7 +113,7 @@ using Tc128x256c2p = Config<128, 256, 128, 2, 1, CooperativePromoted, EpiCoopera
     X(gemm_fp8_tc_128x256_c1x1, gemm_fp8_tc::Tc128x256)      \
     X(gemm_fp8_tc_128x256_c2x1, gemm_fp8_tc::Tc128x256c2)    \
     X(gemm_fp8_tc_256x128_c1x2, gemm_fp8_tc::Tc256x128c12)   \
-    X(gemm_fp8_tc_128x256_c2x1_promoted, gemm_fp8_tc::Tc128x256c2p)
+    X(gemm_fp8_tc_128x128_c2x1_promoted, gemm_fp8_tc::Tc128x128c2p)
 
 #ifndef GEMM_FP8_TC_PROBE
 
