@@ -1,7 +1,7 @@
 """The FP8 tensor-core GEMM (kernels/gemm_fp8_tc.cu, CUTLASS SM90 TMA + wgmma) and the per-token
 activation quantization that feeds it (kernels/quant_fp8_rows.cu): numpy references, shape
-checks, tile configuration per M bucket, and the build-time probe of the kernel's parameter
-block.
+checks, the tile configuration for an M x N output, and the build-time probe of the kernel's
+parameter block.
 
     a_scale[m] = max_k |x[m, k]| / 448,  a[m, k] = e4m3(x[m, k] * 448 / max_k |x[m, k]|)
     d[m, n] = bf16((sum_k a[m, k] * b[n, k]) * b_scale[n] * a_scale[m])
@@ -9,6 +9,12 @@ block.
 a: e4m3 [M, K] activations, b: e4m3 [N, K] weights with one float32 scale per row (channel), d:
 bf16 [M, N]. Limits: M >= 1, K % 16 == 0, N % 8 == 0 (16-byte TMA row strides); every buffer
 16-byte aligned.
+
+Numerics: Hopper's FP8 tensor cores add products into an accumulator with about 13 mantissa
+bits, truncating (others measured "FP22"); fast-accumulation entries keep all of K there, the
+promoted entry adds each 128-deep k tile's partial sum into float32 registers. Sums that fit
+those bits (e.g. products on a 1/4 grid with partial sums below 2^11) come out exact, and then d
+equals the reference bit for bit; otherwise d differs from it by that accumulation error.
 
 The GEMM takes CUTLASS's `Params` struct by value. params_template runs the module's probe (the
 source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
@@ -53,26 +59,24 @@ class TileConfig:
     cluster: tuple[int, int]  # CTAs per cluster along M and N (TMA multicast)
     schedule: str  # "pingpong" (a warpgroup per tile) or "cooperative" (two on one tile)
     fast_accum: bool  # all of K in the wgmma accumulator; else promoted into float32
+    # TFLOP/s per SM in full waves of this tile (benchmarks/h100_gemm_tc.py --sweep, H100 SXM,
+    # 31B gate_up at M = 2048); 0: never picked by default_entry
+    sm_tflops: float
 
 
 CONFIGS = {c.entry: c for c in (
-    TileConfig("gemm_fp8_tc_64x128_c1x1", (64, 128, 128), (1, 1), "pingpong", True),
-    TileConfig("gemm_fp8_tc_64x256_c1x1", (64, 256, 128), (1, 1), "pingpong", True),
-    TileConfig("gemm_fp8_tc_128x128_c1x1", (128, 128, 128), (1, 1), "cooperative", True),
-    TileConfig("gemm_fp8_tc_128x128_c2x1", (128, 128, 128), (2, 1), "cooperative", True),
-    TileConfig("gemm_fp8_tc_128x256_c1x1", (128, 256, 128), (1, 1), "cooperative", True),
-    TileConfig("gemm_fp8_tc_128x256_c2x1", (128, 256, 128), (2, 1), "cooperative", True),
-    TileConfig("gemm_fp8_tc_256x128_c1x2", (256, 128, 128), (1, 2), "cooperative", True),
+    TileConfig("gemm_fp8_tc_64x128", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
+    TileConfig("gemm_fp8_tc_64x256", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
+    TileConfig("gemm_fp8_tc_128x128", (128, 128, 128), (1, 1), "cooperative", True, 8.76),
+    TileConfig("gemm_fp8_tc_128x128_pingpong", (128, 128, 128), (1, 1), "pingpong", True, 0),
+    TileConfig("gemm_fp8_tc_128x256", (128, 256, 128), (1, 1), "cooperative", True, 9.34),
+    TileConfig("gemm_fp8_tc_128x256_c2x1", (128, 256, 128), (2, 1), "cooperative", True, 0),
     # promotion needs a second accumulator: at 128 x 256 it spills, at 128 x 128 it fits
-    TileConfig("gemm_fp8_tc_128x128_c2x1_promoted", (128, 128, 128), (2, 1), "cooperative",
-               False),
+    TileConfig("gemm_fp8_tc_128x128_promoted", (128, 128, 128), (1, 1), "cooperative", False,
+               0),
 )}
-# (largest M, entry): the first bucket holding M picks the tile configuration
-BUCKETS = (
-    (64, "gemm_fp8_tc_64x128_c1x1"),
-    (128, "gemm_fp8_tc_128x128_c1x1"),
-    (None, "gemm_fp8_tc_128x256_c2x1"),
-)
+RASTERS = {"heuristic": 0, "along_m": 1, "along_n": 2}  # CUTLASS's RasterOrderOptions
+SWIZZLES = (1, 2, 4, 8)
 
 
 def check_shape(m: int, n: int, k: int) -> None:
@@ -81,9 +85,21 @@ def check_shape(m: int, n: int, k: int) -> None:
                          f"multiple of 16 (M={m}, N={n}, K={k})")
 
 
-def default_entry(m: int) -> str:
-    """The tile configuration for M rows."""
-    return next(entry for top, entry in BUCKETS if top is None or m <= top)
+def tiles(entry: str, m: int, n: int) -> int:
+    tm, tn, _ = CONFIGS[entry].tile
+    return -(-m // tm) * -(-n // tn)
+
+
+def default_entry(m: int, n: int, sm_count: int) -> str:
+    """The tile configuration for an M x N output: the least estimated time, one tile's work
+    over its measured rate times the waves of tiles over the SMs (the persistent grid runs one
+    CTA per SM). Small M picks 64-row tiles, large M 128 x 256, and wave quantization moves
+    the choice between them (e.g. 128 x 128 where 128 x 256 would leave most SMs idle)."""
+    def estimate(c: TileConfig) -> float:
+        waves = -(-tiles(c.entry, m, n) // sm_count)
+        return waves * c.tile[0] * c.tile[1] / c.sm_tflops
+
+    return min((c for c in CONFIGS.values() if c.sm_tflops), key=estimate).entry
 
 
 # ---------------------------------------------------------------- numpy references
@@ -137,19 +153,25 @@ def quant_launch(m: int, k: int, dtype: str) -> QuantLaunch:
 # ---------------------------------------------------------------- the parameter block probe
 
 def params_template(entry: str, m: int, n: int, k: int, sm_count: int,
+                    raster: str = "heuristic", swizzle: int = 1,
                     cache_dir: Path | None = None) -> ParamsTemplate:
     """The parameter template of `entry` for an [m, k] x [n, k]^T product on a GPU with
-    `sm_count` SMs (the persistent grid's size), from the module's host probe."""
+    `sm_count` SMs (the persistent grid's size), from the module's host probe. `raster` and
+    `swizzle` set the persistent scheduler's tile order (CUTLASS's raster order and maximum
+    swizzle size)."""
     from rvcompile.targets.h100.nvcc import NvccError, compile_host_probe
 
     check_shape(m, n, k)
     if entry not in CONFIGS:
         raise ValueError(f"gemm_fp8_tc: unknown entry {entry!r}")
+    if raster not in RASTERS or swizzle not in SWIZZLES:
+        raise ValueError(f"gemm_fp8_tc: raster {raster!r} / swizzle {swizzle} not one of "
+                         f"{sorted(RASTERS)} / {SWIZZLES}")
     probe = compile_host_probe(SOURCE, PROBE_DEFINE, cache_dir)
     reports = []
     for _ in range(2):  # two processes: stack addresses left in padding differ between them
-        p = subprocess.run([str(probe), entry, str(m), str(n), str(k), str(sm_count)],
-                           capture_output=True, text=True)
+        p = subprocess.run([str(probe), entry, str(m), str(n), str(k), str(sm_count),
+                            str(RASTERS[raster]), str(swizzle)], capture_output=True, text=True)
         if p.returncode != 0:
             raise NvccError(f"{SOURCE} probe ({entry}, M={m}, N={n}, K={k}) failed: "
                             f"{p.stderr.strip()}")

@@ -97,23 +97,21 @@ using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using Tc64x128 = Config<64, 128, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc64x256 = Config<64, 256, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc128x128 = Config<128, 128, 128, 1, 1, Cooperative, EpiCooperative>;
-using Tc128x128c2 = Config<128, 128, 128, 2, 1, Cooperative, EpiCooperative>;
+using Tc128x128pp = Config<128, 128, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc128x256 = Config<128, 256, 128, 1, 1, Cooperative, EpiCooperative>;
 using Tc128x256c2 = Config<128, 256, 128, 2, 1, Cooperative, EpiCooperative>;
-using Tc256x128c12 = Config<256, 128, 128, 1, 2, Cooperative, EpiCooperative>;
-using Tc128x128c2p = Config<128, 128, 128, 2, 1, CooperativePromoted, EpiCooperative>;
+using Tc128x128p = Config<128, 128, 128, 1, 1, CooperativePromoted, EpiCooperative>;
 }  // namespace gemm_fp8_tc
 
 // X(entry name, configuration): every entry of the module. Names must match gemm_fp8_tc.py.
-#define GEMM_FP8_TC_CONFIGS(X)                               \
-    X(gemm_fp8_tc_64x128_c1x1, gemm_fp8_tc::Tc64x128)        \
-    X(gemm_fp8_tc_64x256_c1x1, gemm_fp8_tc::Tc64x256)        \
-    X(gemm_fp8_tc_128x128_c1x1, gemm_fp8_tc::Tc128x128)      \
-    X(gemm_fp8_tc_128x128_c2x1, gemm_fp8_tc::Tc128x128c2)    \
-    X(gemm_fp8_tc_128x256_c1x1, gemm_fp8_tc::Tc128x256)      \
-    X(gemm_fp8_tc_128x256_c2x1, gemm_fp8_tc::Tc128x256c2)    \
-    X(gemm_fp8_tc_256x128_c1x2, gemm_fp8_tc::Tc256x128c12)   \
-    X(gemm_fp8_tc_128x128_c2x1_promoted, gemm_fp8_tc::Tc128x128c2p)
+#define GEMM_FP8_TC_CONFIGS(X)                                \
+    X(gemm_fp8_tc_64x128, gemm_fp8_tc::Tc64x128)              \
+    X(gemm_fp8_tc_64x256, gemm_fp8_tc::Tc64x256)              \
+    X(gemm_fp8_tc_128x128, gemm_fp8_tc::Tc128x128)            \
+    X(gemm_fp8_tc_128x128_pingpong, gemm_fp8_tc::Tc128x128pp) \
+    X(gemm_fp8_tc_128x256, gemm_fp8_tc::Tc128x256)            \
+    X(gemm_fp8_tc_128x256_c2x1, gemm_fp8_tc::Tc128x256c2)     \
+    X(gemm_fp8_tc_128x128_promoted, gemm_fp8_tc::Tc128x128p)
 
 #ifndef GEMM_FP8_TC_PROBE
 
@@ -194,7 +192,7 @@ Stride row_major(int64_t rows, int64_t cols) {  // a packed (rows, cols, 1) matr
 }
 
 template <class Cfg>
-int probe(int m, int n, int k, int sm_count) {
+int probe(int m, int n, int k, int sm_count, int raster, int swizzle) {
     using Kernel = typename Cfg::Kernel;
     using Params = typename Cfg::Params;
     using StrideA = typename Kernel::StrideA;
@@ -211,6 +209,10 @@ int probe(int m, int n, int k, int sm_count) {
     };
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = sm_count;
+    using Raster = typename Kernel::TileScheduler::RasterOrderOptions;
+    args.scheduler.raster_order = raster == 1 ? Raster::AlongM
+                                  : raster == 2 ? Raster::AlongN : Raster::Heuristic;
+    args.scheduler.max_swizzle_size = swizzle;
     // thread = {op_0: {op_0: acc, op_1: b_scale, op_2: multiply}, op_1: a_scale, op_2: multiply}
     auto& thread = args.epilogue.thread;
     thread.op_0.op_1.ptr_row = reinterpret_cast<const float*>(ptr(4));
@@ -305,14 +307,16 @@ extern "C" CUresult CUDAAPI cuTensorMapEncodeTiled(
 }
 
 int main(int argc, char** argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s ENTRY M N K SM_COUNT\n", argv[0]);
+    if (argc != 8) {
+        fprintf(stderr, "usage: %s ENTRY M N K SM_COUNT RASTER(0 heuristic, 1 along M, 2 along N) "
+                "SWIZZLE\n", argv[0]);
         return 2;
     }
     const std::string entry = argv[1];
     const int m = atoi(argv[2]), n = atoi(argv[3]), k = atoi(argv[4]), sms = atoi(argv[5]);
+    const int raster = atoi(argv[6]), swizzle = atoi(argv[7]);
 #define GEMM_FP8_TC_PROBE_CASE(NAME, CFG) \
-    if (entry == #NAME) return probe<CFG>(m, n, k, sms);
+    if (entry == #NAME) return probe<CFG>(m, n, k, sms, raster, swizzle);
     GEMM_FP8_TC_CONFIGS(GEMM_FP8_TC_PROBE_CASE)
     fprintf(stderr, "unknown entry %s\n", entry.c_str());
     return 2;
