@@ -1,12 +1,14 @@
 """FP8 tensor-core GEMM and per-token activation quantization (targets/h100/gemm_fp8_tc.py,
 kernels/gemm_fp8_tc.cu, kernels/quant_fp8_rows.cu, runtime/tma.py).
 
-CPU: the numpy references; the parameter template's parsing from a synthetic probe report, its
-JSON round trip and refusals; filling a template through a stand-in driver; where nvcc and the
-CUTLASS headers are present, the real probe of every entry. GPU: every entry against the numpy
-reference on fresh random inputs at tiny shapes with M, N and K tails, the default entry at real
-31B / E4B / 26B-A4B shapes in every M bucket, NaN-poisoned outputs with a guard past the end;
-the quantization kernel bit for bit; quantization then GEMM chained.
+CPU: the numpy references; the tile choice; the parameter template's parsing from a synthetic
+probe report, its JSON round trip and refusals; filling a template through a stand-in driver;
+where nvcc and the CUTLASS headers are present, the real probe of every entry. GPU, on fresh
+random inputs, outputs NaN-poisoned with a guard past the end: every entry bit for bit against
+the numpy reference on inputs the tensor cores sum exactly, at tiny shapes with M, N and K tails
+and at a real shape; the default entry likewise at real 31B / E4B / 26B-A4B shapes for M from 16
+to 2048; every entry's accumulation error on model-like data; the quantization kernel bit for
+bit; quantization then GEMM chained.
 """
 
 from __future__ import annotations
@@ -429,10 +431,14 @@ def normal_case(m: int, n: int, k: int, seed: int):
     return a, sa, b, sb
 
 
-# Besides the bf16 rounding of d (at most 2^-8 of |d|), the accumulation may lose this fraction
-# of sum_k |a b| * scales; cancellation makes that larger than |d| (measured maxima in
-# docs/BENCHMARKS.md, "FP8 tensor-core GEMM").
-ACC_TOL = {True: 2.0 ** -11, False: 2.0 ** -13}
+# The accumulation's error on model-like data, measured on an H100 (docs/BENCHMARKS.md, "FP8
+# tensor-core GEMM"; the same to three digits as torch._scaled_mm's, cuBLAS, in the same
+# accumulation mode): with fast accumulation row-wise ||d - exact|| / ||exact|| up to 0.20 /
+# 0.25 / 0.44 % at K = 2112 / 5376 / 21504 and |d - exact| beyond the bf16 rounding up to
+# 2.6e-4 / 2.7e-4 / 5.3e-4 of sum_k |a b| (the 13-bit accumulator truncating over K); promoted
+# 0.17 % (the bf16 rounding of d alone) and 2.1e-5 at most. Bounds: about twice those.
+ROW_TOL = {True: 2.0 ** -7, False: 2.0 ** -8}
+ACC_TOL = {True: 2.0 ** -10, False: 2.0 ** -14}
 
 
 @pytest.mark.gpu
@@ -447,11 +453,11 @@ def test_accumulation_error_on_model_like_data(gpu: Gpu, entry: str, k: int) -> 
     scales = sb.astype(np.float64)[None, :] * sa.astype(np.float64)[:, None]
     exact = (af @ bf.T) * scales
     magnitude = (np.abs(af) @ np.abs(bf).T) * scales
+    fast = gemm_fp8_tc.CONFIGS[entry].fast_accum
     excess = (np.abs(got - exact) - 2.0 ** -8 * np.abs(exact)) / magnitude
-    tol = ACC_TOL[gemm_fp8_tc.CONFIGS[entry].fast_accum]
-    assert excess.max() <= tol, f"accumulation error {excess.max():.3g} of sum |a b| > {tol:.3g}"
+    assert excess.max() <= ACC_TOL[fast], f"{excess.max():.3g} of sum |a b| > {ACC_TOL[fast]:.3g}"
     row_rel = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
-    assert np.median(row_rel) < 2.0 ** -8, np.median(row_rel)
+    assert row_rel.max() <= ROW_TOL[fast], f"row error {row_rel.max():.3g} > {ROW_TOL[fast]:.3g}"
 
 
 @pytest.mark.gpu

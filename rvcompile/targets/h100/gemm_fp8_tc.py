@@ -68,9 +68,7 @@ CONFIGS = {c.entry: c for c in (
     TileConfig("gemm_fp8_tc_64x128", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
     TileConfig("gemm_fp8_tc_64x256", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
     TileConfig("gemm_fp8_tc_128x128", (128, 128, 128), (1, 1), "cooperative", True, 8.76),
-    TileConfig("gemm_fp8_tc_128x128_pingpong", (128, 128, 128), (1, 1), "pingpong", True, 0),
     TileConfig("gemm_fp8_tc_128x256", (128, 256, 128), (1, 1), "cooperative", True, 9.34),
-    TileConfig("gemm_fp8_tc_128x256_c2x1", (128, 256, 128), (2, 1), "cooperative", True, 0),
     # promotion needs a second accumulator: at 128 x 256 it spills, at 128 x 128 it fits
     TileConfig("gemm_fp8_tc_128x128_promoted", (128, 128, 128), (1, 1), "cooperative", False,
                0),

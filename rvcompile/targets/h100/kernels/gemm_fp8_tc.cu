@@ -87,19 +87,20 @@ struct Config {
 
 using Pingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
-// FP8 without fast accumulation: the wgmma partial sums are added into a separate float32
-// accumulator every few k blocks (CUTLASS's mma promotion) instead of accumulating all of K in the
-// tensor core's own, less precise, accumulator.
+// FP8 without fast accumulation: each 128-deep k tile's wgmma partial sums are added into a
+// separate float32 accumulator (CUTLASS's mma promotion) instead of accumulating all of K in the
+// tensor core's own, less precise, accumulator. A second accumulator: 128 x 256 tiles spill.
 using CooperativePromoted = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpiPingpong = cutlass::epilogue::TmaWarpSpecialized;
 using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
+// The tiles default_entry chooses among, and the promoted variant. (Measured and dropped: 2 x 1
+// clusters with the weight tile multicast, 256 x 128 tiles with 1 x 2 clusters and a 128 x 128
+// ping-pong were no faster at the 31B shapes; docs/BENCHMARKS.md.)
 using Tc64x128 = Config<64, 128, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc64x256 = Config<64, 256, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc128x128 = Config<128, 128, 128, 1, 1, Cooperative, EpiCooperative>;
-using Tc128x128pp = Config<128, 128, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc128x256 = Config<128, 256, 128, 1, 1, Cooperative, EpiCooperative>;
-using Tc128x256c2 = Config<128, 256, 128, 2, 1, Cooperative, EpiCooperative>;
 using Tc128x128p = Config<128, 128, 128, 1, 1, CooperativePromoted, EpiCooperative>;
 }  // namespace gemm_fp8_tc
 
@@ -108,9 +109,7 @@ using Tc128x128p = Config<128, 128, 128, 1, 1, CooperativePromoted, EpiCooperati
     X(gemm_fp8_tc_64x128, gemm_fp8_tc::Tc64x128)              \
     X(gemm_fp8_tc_64x256, gemm_fp8_tc::Tc64x256)              \
     X(gemm_fp8_tc_128x128, gemm_fp8_tc::Tc128x128)            \
-    X(gemm_fp8_tc_128x128_pingpong, gemm_fp8_tc::Tc128x128pp) \
     X(gemm_fp8_tc_128x256, gemm_fp8_tc::Tc128x256)            \
-    X(gemm_fp8_tc_128x256_c2x1, gemm_fp8_tc::Tc128x256c2)     \
     X(gemm_fp8_tc_128x128_promoted, gemm_fp8_tc::Tc128x128p)
 
 #ifndef GEMM_FP8_TC_PROBE
