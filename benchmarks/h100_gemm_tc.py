@@ -2,9 +2,10 @@
 per-channel scales) on the GPU at a model's linear shapes for M token rows, against the mma.sync
 FP8-weight GEMM (gemm_fp8w: bf16 x, f32 out) and torch._scaled_mm (cuBLASLt FP8, row-wise
 scales, bf16 out; fast accumulation on and off), plus the per-token quantization kernel that
-feeds it. Each figure is the median over 5 batches of 20 back-to-back launches (CUDA events
-around each batch, after warm-up), rotating among enough weight copies that the 50 MB L2 cannot
-hold them; inputs are random (never zeros).
+feeds it. Each figure is the median over 5 replays of a CUDA graph of 20 launches (CUDA events
+around each replay, after warm-up; the graph keeps host launch overhead out, as the runtime's
+graphs do), rotating among enough weight copies that the 50 MB L2 cannot hold them; inputs are
+random (never zeros).
 
     python benchmarks/h100_gemm_tc.py [--model 31b|e4b|26b] [--rows 16,256,2048] [--sweep]
                                       [--no-baselines] [--json FILE] [--accuracy]
@@ -224,17 +225,24 @@ def random_fp8(rng, shape) -> np.ndarray:
 
 
 def median_seconds(ctx: CudaContext, fn, grid, block, smem, args: list) -> float:
-    """Per-launch time: median over batches of back-to-back launches (the queue stays full, so
-    host launch overhead is hidden as in a CUDA graph), rotating through `args`."""
-    for i in range(5):
-        ctx.launch(fn, grid, block, smem, args[i % len(args)])
+    """Per-launch time: median over batches, each one replay of a CUDA graph of PER_BATCH
+    launches (rotating through `args`), so that host launch overhead stays out as it does in the
+    runtime's graphs."""
+    stream = ctx.stream()
+
+    def record() -> None:
+        for i in range(PER_BATCH):
+            ctx.launch(fn, grid, block, smem, args[i % len(args)], stream)
+
+    graph = ctx.capture(stream, record)
+    for _ in range(2):
+        ctx.graph_launch(graph, stream)
     times = []
     for _ in range(BATCHES):
         start, end = ctx.event(), ctx.event()
-        ctx.record(start)
-        for i in range(PER_BATCH):
-            ctx.launch(fn, grid, block, smem, args[i % len(args)])
-        ctx.record(end)
+        ctx.record(start, stream)
+        ctx.graph_launch(graph, stream)
+        ctx.record(end, stream)
         times.append(ctx.elapsed_ms(start, end) * 1e-3 / PER_BATCH)
     return float(np.median(times))
 
@@ -250,14 +258,21 @@ def scaled_mm_seconds(torch, rng, m, n, k, w_copies, fast: bool) -> float:
         return torch._scaled_mm(a, w_copies[i % len(w_copies)].t(), scale_a=sa, scale_b=sb,
                                 out_dtype=torch.bfloat16, use_fast_accum=fast)
 
-    for i in range(5):
-        run(i)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm-up (cuBLASLt's heuristics) before capture
+        for i in range(5):
+            run(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(PER_BATCH):
+            run(i)
+    graph.replay()
     times = []
     for _ in range(BATCHES):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(PER_BATCH):
-            run(i)
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / PER_BATCH)
