@@ -99,6 +99,7 @@ def main() -> None:
                        entry == default and not order)
             x = ctx.upload(rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16))
             q = gemm_fp8_tc.quant_launch(m, k, "bfloat16")
+            ctx.set_max_dynamic_smem(ctx.get_function(quant, q.entry), q.smem)
             qs = median_seconds(ctx, ctx.get_function(quant, q.entry), q.grid, q.block, q.smem,
                                 [[ctypes.c_uint64(x.ptr), ctypes.c_uint64(bufs["a"].ptr),
                                   ctypes.c_uint64(bufs["a_scale"].ptr), ctypes.c_int(m),

@@ -87,10 +87,13 @@ def test_shapes_and_default_entries() -> None:
     assert pick(1, 8, 132) == "gemm_fp8_tc_64x128"
     launch = gemm_fp8_tc.quant_launch(3, 32, "float32")
     assert launch.entry == "quant_fp8_rows_f32" and launch.grid == (3, 1, 1)
+    assert launch.smem == 128 and gemm_fp8_tc.quant_launch(3, 21504, "bfloat16").smem == 43008
     with pytest.raises(ValueError, match="dtype"):
         gemm_fp8_tc.quant_launch(3, 32, "float16")
     with pytest.raises(ValueError, match="K a positive multiple of 16"):
         gemm_fp8_tc.quant_launch(3, 40, "bfloat16")
+    with pytest.raises(ValueError, match="at most"):
+        gemm_fp8_tc.quant_launch(3, 60000, "float32")
 
 
 # ---------------------------------------------------------------- parameter templates (CPU)
@@ -344,6 +347,7 @@ class Gpu:
         ctx = self.ctx
         m, k = x.shape
         launch = gemm_fp8_tc.quant_launch(m, k, np.dtype(x.dtype).name)
+        ctx.set_max_dynamic_smem(self.fns[launch.entry], launch.smem)
         dx, dq, ds = ctx.upload(x), ctx.alloc(m * k + GUARD), ctx.alloc(m * 4 + GUARD)
         try:
             ctx.memset(dq, 0x7F)  # e4m3 NaN
@@ -462,7 +466,7 @@ def test_accumulation_error_on_model_like_data(gpu: Gpu, entry: str, k: int) -> 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("m,k", [(1, 16), (7, 5376), (64, 21504), (300, 2816)])
+@pytest.mark.parametrize("m,k", [(1, 16), (7, 5376), (64, 21504), (300, 2816), (2048, 16384)])
 def test_quantize_rows_bit_exact(gpu: Gpu, dtype: str, m: int, k: int) -> None:
     rng = np.random.default_rng(m * 13 + k)
     x = (rng.normal(size=(m, k)) * np.exp(rng.uniform(-20, 20, (m, 1)))).astype(

@@ -48,6 +48,8 @@ E4M3_MAX = 448.0
 ROLES = ("a", "b", "d", "a_scale", "b_scale")
 QUANT_THREADS = 256  # must match quant_fp8_rows.cu
 QUANT_ENTRIES = {"bfloat16": "quant_fp8_rows_bf16", "float32": "quant_fp8_rows_f32"}
+QUANT_ITEMSIZE = {"bfloat16": 2, "float32": 4}
+MAX_SMEM = 227 * 1024  # H100: dynamic shared memory one block may opt into
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,15 @@ class QuantLaunch:
 
 
 def quant_launch(m: int, k: int, dtype: str) -> QuantLaunch:
-    """One 256-thread CTA per row; `dtype` of x: "bfloat16" or "float32"."""
+    """One 256-thread CTA per row, the row staged in shared memory; `dtype` of x: "bfloat16" or
+    "float32"."""
     if dtype not in QUANT_ENTRIES:
         raise ValueError(f"quant_fp8_rows: x dtype {dtype!r} not one of {sorted(QUANT_ENTRIES)}")
-    if m < 1 or k < 16 or k % 16:
-        raise ValueError(f"quant_fp8_rows needs M >= 1 and K a positive multiple of 16 "
-                         f"(M={m}, K={k})")
-    return QuantLaunch(QUANT_ENTRIES[dtype], (m, 1, 1), (QUANT_THREADS, 1, 1), 0)
+    smem = k * QUANT_ITEMSIZE[dtype]
+    if m < 1 or k < 16 or k % 16 or smem > MAX_SMEM:
+        raise ValueError(f"quant_fp8_rows needs M >= 1, K a positive multiple of 16 and a row of "
+                         f"at most {MAX_SMEM} bytes (M={m}, K={k}, {dtype})")
+    return QuantLaunch(QUANT_ENTRIES[dtype], (m, 1, 1), (QUANT_THREADS, 1, 1), smem)
 
 
 # ---------------------------------------------------------------- the parameter block probe

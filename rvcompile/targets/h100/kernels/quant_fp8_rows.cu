@@ -6,13 +6,14 @@
 // float32 multiply, each rounded to nearest, then one conversion to e4m3 (round to nearest even,
 // clamped to +-448): bit for bit the numpy reference (gemm_fp8_tc.quantize_rows_reference).
 //
-// One CTA of 256 threads per row: a pass over the row for amax (16-byte loads), a CTA maximum, a
-// second pass (the row is in L1/L2 by then) converting and storing 8 (bf16) or 4 (float32)
-// e4m3 bytes per load. Fusing this into the producing kernels' epilogues comes with the
-// integration into the lowering.
+// One CTA of 256 threads per row: a pass over the row for amax (16-byte loads) that also keeps
+// the row in shared memory, a CTA maximum, a second pass over the shared copy converting and
+// storing 8 (bf16) or 4 (float32) e4m3 bytes per load (re-read from global memory, the rows in
+// flight outgrow L2 at large M x K: docs/BENCHMARKS.md). Fusing this into the producing kernels'
+// epilogues comes with the integration into the lowering.
 //
-// Contract: K % 16 == 0; x, q 16-byte aligned; grid (M, 1, 1), 256 threads, no dynamic shared
-// memory; inputs finite.
+// Contract: K % 16 == 0; x, q 16-byte aligned; grid (M, 1, 1), 256 threads, dynamic shared
+// memory K * sizeof(x element) (the kernel traps when given less); inputs finite.
 #include "common.cuh"
 
 namespace {
@@ -73,15 +74,24 @@ template <class Row>
 __device__ __forceinline__ void quant_row(const void* __restrict__ x, uint8_t* __restrict__ q,
                                           float* __restrict__ scale, int M, int K) {
     __shared__ float red[32];
+    extern __shared__ __align__(16) unsigned char stage[];  // the row as loaded
+    const int nvec = K / Row::PER;
+    {
+        uint32_t dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (uint32_t)nvec * sizeof(typename Row::Vec)) __trap();
+    }
     const int m = blockIdx.x;
     if (m >= M) return;
-    const int nvec = K / Row::PER;
     const auto* row = reinterpret_cast<const typename Row::Vec*>(x) + (size_t)m * nvec;
+    auto* copy = reinterpret_cast<typename Row::Vec*>(stage);
     uint8_t* qrow = q + (size_t)m * K;
     float amax = 0.f;
     for (int i = threadIdx.x; i < nvec; i += THREADS) {
+        const typename Row::Vec raw = row[i];
+        copy[i] = raw;  // read back below by this same thread
         float v[Row::PER];
-        Row::unpack(row[i], v);
+        Row::unpack(raw, v);
 #pragma unroll
         for (int j = 0; j < Row::PER; ++j) amax = fmaxf(amax, fabsf(v[j]));
     }
@@ -90,7 +100,7 @@ __device__ __forceinline__ void quant_row(const void* __restrict__ x, uint8_t* _
     if (threadIdx.x == 0) scale[m] = __fdiv_rn(amax, E4M3_MAX);
     for (int i = threadIdx.x; i < nvec; i += THREADS) {
         float v[Row::PER];
-        Row::unpack(row[i], v);
+        Row::unpack(copy[i], v);
         Row::store(qrow, i, v, inv);
     }
 }
