@@ -110,9 +110,10 @@ def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def reference(a: np.ndarray, a_scale: np.ndarray, b: np.ndarray,
               b_scale: np.ndarray) -> np.ndarray:
-    """d (bf16 [M, N]) of e4m3 bit patterns a [M, K] and b [N, K]: the dot products exactly
-    (float64; a product of two e4m3 has at most 8 significant bits), rounded to float32, times
-    b_scale[n], times a_scale[m] (float32 multiplies, as the kernel's epilogue), rounded to bf16."""
+    """d (bf16 [M, N]) of e4m3 bit patterns a [M, K] and b [N, K]: the dot products in float64
+    (each product of two e4m3 is exact there, and so is any sum the tests compare bit for bit),
+    rounded to float32, times b_scale[n], times a_scale[m] (float32 multiplies, as the kernel's
+    epilogue), rounded to bf16."""
     acc = (e4m3_to_f32(a).astype(np.float64) @ e4m3_to_f32(b).astype(np.float64).T)
     acc = acc.astype(np.float32)
     y = (acc * np.asarray(b_scale, np.float32)[None, :]) * np.asarray(a_scale, np.float32)[:, None]
