@@ -56,7 +56,11 @@ class CudaContext:
 
     def __init__(self, ordinal: int = 0):
         self.cu = cu = _driver()
-        check(cu.cuInit(0), "cuInit")
+        try:
+            initialized = cu.cuInit(0)
+        except RuntimeError as e:  # cuda-python raises when it finds no libcuda (no driver)
+            raise CudaError(f"cuInit failed: {e}") from None
+        check(initialized, "cuInit")
         self.device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")

@@ -5,11 +5,19 @@ directory, every flag and the nvcc version, so a rebuild with unchanged sources 
 and a change to a module or to any header it may include recompiles. Modules include headers by
 name from the kernel directory (passed as `-I`); the key hashes all headers rather than parsing
 includes, so it cannot miss one.
+
+A module that includes CUTLASS (`#include "cutlass/..."` or `"cute/..."`) compiles against the
+headers of the `nvidia-cutlass` wheel (the `build` extra) with CUTLASS_FLAGS, and its key also
+covers the wheel's version and CUTLASS's own version header. Such a module may also hold a
+host-side probe (compile_host_probe): the same source built as a host executable with one macro
+defined, run at build time to learn what the runtime needs (e.g. a kernel's parameter layout).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -18,6 +26,12 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
+CUTLASS_FLAGS = ("--expt-relaxed-constexpr",)
+# The probe links a stub in place of the driver's cuTensorMapEncodeTiled and needs no libcuda;
+# static C++ runtime libraries let it run on the GPU machine's image too.
+PROBE_FLAGS = ("-O1", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+               "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL",
+               "-Xcompiler=-static-libstdc++,-static-libgcc")
 
 
 class NvccError(RuntimeError):
@@ -50,37 +64,88 @@ def min_driver() -> int:
     return int(release.group(1)) * 1000 + int(release.group(2)) * 10
 
 
-def cache_key(src: Path, version: str) -> str:
+def uses_cutlass(src: Path) -> bool:
+    """Whether module `src` includes CUTLASS or CuTe headers."""
+    return re.search(rb'#include\s+"(cutlass|cute)/', src.read_bytes()) is not None
+
+
+def cutlass_include() -> Path:
+    """The CUTLASS headers of the installed `nvidia-cutlass` wheel (found without importing
+    it)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    include = Path(spec.origin).parent / "source" / "include" if spec and spec.origin else None
+    if include is None or not (include / "cutlass" / "version.h").exists():
+        raise NvccError("CUTLASS headers not found: the FP8 tensor-core GEMM builds against the "
+                        "nvidia-cutlass wheel (pip install 'rvcompile[build]')")
+    return include
+
+
+def cutlass_version() -> str:
+    """What of CUTLASS a module's key covers: the wheel's version, the sha256 of CUTLASS's version
+    header and CUTLASS_FLAGS."""
+    header = hashlib.sha256((cutlass_include() / "cutlass" / "version.h").read_bytes())
+    return (f"nvidia-cutlass {importlib.metadata.version('nvidia-cutlass')} "
+            f"version.h {header.hexdigest()[:16]} {CUTLASS_FLAGS!r}")
+
+
+def cache_key(src: Path, version: str, cutlass: str = "") -> str:
     """The cubin cache key of module `src`: its bytes, every `*.cuh` beside it (sorted by name),
-    NVCC_FLAGS and the nvcc `version` line. Each part is hashed separately, so no two different
-    inputs concatenate to the same bytes."""
+    NVCC_FLAGS, the nvcc `version` line and, for a CUTLASS module, `cutlass` (cutlass_version).
+    Each part is hashed separately, so no two different inputs concatenate to the same bytes."""
     parts = [src.read_bytes()]
     for header in sorted(src.parent.glob("*.cuh")):
         parts += [header.name.encode(), header.read_bytes()]
     parts += [repr(NVCC_FLAGS).encode(), version.encode()]
+    if cutlass:
+        parts.append(cutlass.encode())
     digest = hashlib.sha256()
     for part in parts:
         digest.update(hashlib.sha256(part).digest())
     return digest.hexdigest()[:24]
 
 
+def _cache_dir(cache_dir: Path | None) -> Path:
+    return cache_dir or Path(os.environ.get("RVCOMPILE_CACHE",
+                                            Path.home() / ".cache" / "rvcompile")) / "cubin"
+
+
+def _run_nvcc(src: Path, out: Path, args: list[str]) -> None:
+    """nvcc `args` writing `out` atomically (a temporary name, then a rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    p = subprocess.run([*args, "-I", str(KERNEL_DIR), "-o", str(tmp), str(src)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        errors = [ln for ln in p.stderr.splitlines() if "error" in ln]
+        first = (errors or p.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise NvccError(f"{src.name}: nvcc failed: {first}")
+    tmp.replace(out)
+
+
 def compile_cubin(source: str, cache_dir: Path | None = None) -> bytes:
     """The sm_90a cubin of kernels/<source>."""
     src = KERNEL_DIR / source
     nvcc = nvcc_path()
-    key = cache_key(src, _nvcc_version(nvcc))
-    cache = cache_dir or Path(os.environ.get("RVCOMPILE_CACHE",
-                                             Path.home() / ".cache" / "rvcompile")) / "cubin"
-    out = cache / f"{src.stem}-{key}.cubin"
-    if out.exists():
-        return out.read_bytes()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    p = subprocess.run([nvcc, *NVCC_FLAGS, "-I", str(KERNEL_DIR), "-o", str(tmp), str(src)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        first = (p.stderr.strip().splitlines() or ["(no output)"])[0]
-        raise NvccError(f"{src.name}: nvcc failed: {first}")
-    tmp.replace(out)
+    cutlass = uses_cutlass(src)
+    key = cache_key(src, _nvcc_version(nvcc), cutlass_version() if cutlass else "")
+    out = _cache_dir(cache_dir) / f"{src.stem}-{key}.cubin"
+    if not out.exists():
+        extra = [*CUTLASS_FLAGS, "-I", str(cutlass_include())] if cutlass else []
+        _run_nvcc(src, out, [nvcc, *NVCC_FLAGS, *extra])
     return out.read_bytes()
+
+
+def compile_host_probe(source: str, define: str, cache_dir: Path | None = None) -> Path:
+    """kernels/<source> built as a host executable with macro `define` set (its probe section),
+    cached beside the cubins under the module's key; returns the executable's path."""
+    src = KERNEL_DIR / source
+    nvcc = nvcc_path()
+    cutlass = uses_cutlass(src)
+    key = cache_key(src, _nvcc_version(nvcc), cutlass_version() if cutlass else "")
+    flags_key = hashlib.sha256(repr((define, PROBE_FLAGS)).encode()).hexdigest()[:8]
+    out = _cache_dir(cache_dir) / f"{src.stem}-{key}-probe-{flags_key}"
+    if not out.exists():
+        extra = [*CUTLASS_FLAGS, "-I", str(cutlass_include())] if cutlass else []
+        _run_nvcc(src, out, [nvcc, *PROBE_FLAGS, *extra, f"-D{define}"])
+    return out

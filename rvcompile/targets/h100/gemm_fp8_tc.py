@@ -1,0 +1,254 @@
+"""The FP8 tensor-core GEMM (kernels/gemm_fp8_tc.cu, CUTLASS SM90 TMA + wgmma) and the per-token
+activation quantization that feeds it (kernels/quant_fp8_rows.cu): numpy references, shape
+checks, the tile configuration for an M x N output, and the build-time probe of the kernel's
+parameter block.
+
+    a_scale[m] = max_k |x[m, k]| / 448,  a[m, k] = e4m3(x[m, k] * 448 / max_k |x[m, k]|)
+    d[m, n] = bf16((sum_k a[m, k] * b[n, k]) * b_scale[n] * a_scale[m])
+
+a: e4m3 [M, K] activations, b: e4m3 [N, K] weights with one float32 scale per row (channel), d:
+bf16 [M, N]. Limits: M >= 1, K % 16 == 0, N % 8 == 0 (16-byte TMA row strides); every buffer
+16-byte aligned.
+
+Numerics: Hopper's FP8 tensor cores add products into an accumulator with about 13 mantissa
+bits, truncating (others measured "FP22"); fast-accumulation entries keep all of K there, the
+promoted entry adds each 128-deep k tile's partial sum into float32 registers. Sums that fit
+those bits (e.g. products on a 1/4 grid with partial sums below 2^11) come out exact, and then d
+equals the reference bit for bit; otherwise d differs from it by that accumulation error.
+
+The GEMM takes CUTLASS's `Params` struct by value. params_template runs the module's probe (the
+source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
+kernel_params.ParamsTemplate: the struct with its addresses zeroed, the places of the pointers
+and TMA descriptors by role ("a", "b", "d", "a_scale", "b_scale") and the launch geometry. The
+runtime completes it for real addresses (runtime/tma.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from rvcompile.artifacts.kernel_params import (
+    DESCRIPTOR_BYTES,
+    DescriptorSlot,
+    ParamsTemplate,
+    PointerSlot,
+)
+
+SOURCE = "gemm_fp8_tc.cu"
+QUANT_SOURCE = "quant_fp8_rows.cu"
+PROBE_DEFINE = "GEMM_FP8_TC_PROBE"
+E4M3_MAX = 448.0
+ROLES = ("a", "b", "d", "a_scale", "b_scale")
+QUANT_THREADS = 256  # must match quant_fp8_rows.cu
+QUANT_ENTRIES = {"bfloat16": "quant_fp8_rows_bf16", "float32": "quant_fp8_rows_f32"}
+QUANT_ITEMSIZE = {"bfloat16": 2, "float32": 4}
+MAX_SMEM = 227 * 1024  # H100: dynamic shared memory one block may opt into
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One entry of gemm_fp8_tc.cu (its name and template arguments must match)."""
+
+    entry: str
+    tile: tuple[int, int, int]  # CTA tile M x N x K
+    cluster: tuple[int, int]  # CTAs per cluster along M and N (TMA multicast)
+    schedule: str  # "pingpong" (a warpgroup per tile) or "cooperative" (two on one tile)
+    fast_accum: bool  # all of K in the wgmma accumulator; else promoted into float32
+    # TFLOP/s per SM in full waves of this tile (benchmarks/h100_gemm_tc.py --sweep, H100 SXM,
+    # 31B gate_up at M = 2048); 0: never picked by default_entry
+    sm_tflops: float
+
+
+CONFIGS = {c.entry: c for c in (
+    TileConfig("gemm_fp8_tc_64x128", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
+    TileConfig("gemm_fp8_tc_64x256", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
+    TileConfig("gemm_fp8_tc_128x128", (128, 128, 128), (1, 1), "cooperative", True, 8.76),
+    TileConfig("gemm_fp8_tc_128x256", (128, 256, 128), (1, 1), "cooperative", True, 9.34),
+    # promotion needs a second accumulator: at 128 x 256 it spills, at 128 x 128 it fits
+    TileConfig("gemm_fp8_tc_128x128_promoted", (128, 128, 128), (1, 1), "cooperative", False,
+               0),
+)}
+RASTERS = {"heuristic": 0, "along_m": 1, "along_n": 2}  # CUTLASS's RasterOrderOptions
+SWIZZLES = (1, 2, 4, 8)
+
+
+def check_shape(m: int, n: int, k: int) -> None:
+    if m < 1 or n < 8 or k < 16 or n % 8 or k % 16:
+        raise ValueError(f"gemm_fp8_tc needs M >= 1, N a positive multiple of 8 and K a positive "
+                         f"multiple of 16 (M={m}, N={n}, K={k})")
+
+
+def tiles(entry: str, m: int, n: int) -> int:
+    tm, tn, _ = CONFIGS[entry].tile
+    return -(-m // tm) * -(-n // tn)
+
+
+def default_entry(m: int, n: int, sm_count: int) -> str:
+    """The tile configuration for an M x N output: the least estimated time, one tile's work
+    over its measured rate times the waves of tiles over the SMs (the persistent grid runs one
+    CTA per SM). Small M picks 64-row tiles, large M 128 x 256, and wave quantization moves
+    the choice between them (e.g. 128 x 128 where 128 x 256 would leave most SMs idle)."""
+    def estimate(c: TileConfig) -> float:
+        waves = -(-tiles(c.entry, m, n) // sm_count)
+        return waves * c.tile[0] * c.tile[1] / c.sm_tflops
+
+    return min((c for c in CONFIGS.values() if c.sm_tflops), key=estimate).entry
+
+
+# ---------------------------------------------------------------- numpy references
+
+def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def reference(a: np.ndarray, a_scale: np.ndarray, b: np.ndarray,
+              b_scale: np.ndarray) -> np.ndarray:
+    """d (bf16 [M, N]) of e4m3 bit patterns a [M, K] and b [N, K]: the dot products in float64
+    (each product of two e4m3 is exact there, and so is any sum the tests compare bit for bit),
+    rounded to float32, times b_scale[n], times a_scale[m] (float32 multiplies, as the kernel's
+    epilogue), rounded to bf16."""
+    acc = (e4m3_to_f32(a).astype(np.float64) @ e4m3_to_f32(b).astype(np.float64).T)
+    acc = acc.astype(np.float32)
+    y = (acc * np.asarray(b_scale, np.float32)[None, :]) * np.asarray(a_scale, np.float32)[:, None]
+    return y.astype(ml_dtypes.bfloat16)
+
+
+def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 bits uint8 [M, K], float32 scale [M]) of bf16 or float32 rows x [M, K], as
+    quant_fp8_rows.cu computes them: scale = amax / 448; q = e4m3(x * (448 / amax)) rounded to
+    nearest even and clamped to +-448; q = 0 and scale = 0 for an all-zero row."""
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.abs(x32).max(axis=1)
+    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(E4M3_MAX) / amax, np.float32(0)).astype(np.float32)
+    y = np.clip(x32 * inv[:, None], -E4M3_MAX, E4M3_MAX)
+    return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+@dataclass(frozen=True)
+class QuantLaunch:
+    entry: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+
+def quant_launch(m: int, k: int, dtype: str) -> QuantLaunch:
+    """One 256-thread CTA per row, the row staged in shared memory; `dtype` of x: "bfloat16" or
+    "float32"."""
+    if dtype not in QUANT_ENTRIES:
+        raise ValueError(f"quant_fp8_rows: x dtype {dtype!r} not one of {sorted(QUANT_ENTRIES)}")
+    smem = k * QUANT_ITEMSIZE[dtype]
+    if m < 1 or k < 16 or k % 16 or smem > MAX_SMEM:
+        raise ValueError(f"quant_fp8_rows needs M >= 1, K a positive multiple of 16 and a row of "
+                         f"at most {MAX_SMEM} bytes (M={m}, K={k}, {dtype})")
+    return QuantLaunch(QUANT_ENTRIES[dtype], (m, 1, 1), (QUANT_THREADS, 1, 1), smem)
+
+
+# ---------------------------------------------------------------- the parameter block probe
+
+def params_template(entry: str, m: int, n: int, k: int, sm_count: int,
+                    raster: str = "heuristic", swizzle: int = 1,
+                    cache_dir: Path | None = None) -> ParamsTemplate:
+    """The parameter template of `entry` for an [m, k] x [n, k]^T product on a GPU with
+    `sm_count` SMs (the persistent grid's size), from the module's host probe. `raster` and
+    `swizzle` set the persistent scheduler's tile order (CUTLASS's raster order and maximum
+    swizzle size)."""
+    from rvcompile.targets.h100.nvcc import NvccError, compile_host_probe
+
+    check_shape(m, n, k)
+    if entry not in CONFIGS:
+        raise ValueError(f"gemm_fp8_tc: unknown entry {entry!r}")
+    if raster not in RASTERS or swizzle not in SWIZZLES:
+        raise ValueError(f"gemm_fp8_tc: raster {raster!r} / swizzle {swizzle} not one of "
+                         f"{sorted(RASTERS)} / {SWIZZLES}")
+    probe = compile_host_probe(SOURCE, PROBE_DEFINE, cache_dir)
+    reports = []
+    for _ in range(2):  # two processes: stack addresses left in padding differ between them
+        p = subprocess.run([str(probe), entry, str(m), str(n), str(k), str(sm_count),
+                            str(RASTERS[raster]), str(swizzle)], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise NvccError(f"{SOURCE} probe ({entry}, M={m}, N={n}, K={k}) failed: "
+                            f"{p.stderr.strip()}")
+        reports.append(json.loads(p.stdout))
+    return parse_probe(entry, reports)
+
+
+def parse_probe(entry: str, reports: list[dict]) -> ParamsTemplate:
+    """The template from the probe's reports. Each holds the struct built twice ("bytes" over
+    memory filled with 0x00, "bytes_alt" with 0xff), with a sentinel address per role and a
+    marker (descriptor_mark | call << 8 | word) in every word of the i-th encoded descriptor.
+    Bytes that differ between the images are padding or never set: zeroed. Each descriptor is
+    found by its marker (and must sit where the probe's offsetof says), each 8-byte word whose
+    upper half is a role sentinel's is a pointer of that role; all of them are zeroed too."""
+    out = reports[0]
+    for r in reports[1:]:
+        if {k: v for k, v in r.items() if not k.startswith("bytes")} != {
+                k: v for k, v in out.items() if not k.startswith("bytes")}:
+            raise ValueError(f"{entry} probe: two runs disagree beyond the struct's bytes")
+    images = np.stack([np.frombuffer(bytes.fromhex(r[key]), np.uint8)
+                       for r in reports for key in ("bytes", "bytes_alt")
+                       if len(r[key]) == 2 * out["size"]] or [np.zeros((0,), np.uint8)])
+    if images.shape != (2 * len(reports), out["size"]):
+        raise ValueError(f"{entry} probe: the images are not all {out['size']} bytes")
+    raw = bytearray(np.where((images == images[0]).all(axis=0), images[0], 0).tobytes())
+    bases = {role: int(out["roles"][role]) for role in ROLES}
+
+    def role_of(address: int) -> tuple[str, int]:
+        for role, base in bases.items():
+            if address >> 32 == base >> 32:
+                return role, address - base
+        raise ValueError(f"{entry} probe: address {address:#x} is no role's")
+
+    descriptors = []
+    for i, e in enumerate(out["encodes"]):
+        mark = b"".join(struct.pack("<Q", out["descriptor_mark"] | i << 8 | w)
+                        for w in range(DESCRIPTOR_BYTES // 8))
+        at = _occurrences(raw, mark)
+        if len(at) != 1:
+            raise ValueError(f"{entry} probe: descriptor {i} found {len(at)} times in Params")
+        role, delta = role_of(e["address"])
+        raw[at[0]:at[0] + DESCRIPTOR_BYTES] = bytes(DESCRIPTOR_BYTES)
+        descriptors.append(DescriptorSlot(
+            offset=at[0], role=role, delta=delta, dtype=e["dtype"], rank=e["rank"],
+            dims=tuple(e["dims"]), strides=tuple(e["strides"]), box=tuple(e["box"]),
+            elem_strides=tuple(e["elem_strides"]), interleave=e["interleave"],
+            swizzle=e["swizzle"], l2_promotion=e["l2_promotion"], oob_fill=e["oob_fill"]))
+    found = {d.role: d.offset for d in descriptors}
+    if found != out["known_descriptors"]:
+        raise ValueError(f"{entry} probe: descriptors at {found}, the struct's fields at "
+                         f"{out['known_descriptors']}")
+
+    highs = {base >> 32 for base in bases.values()}
+    pointers = []
+    for off in range(0, len(raw) - 7, 4):
+        word = int.from_bytes(raw[off:off + 8], "little")
+        if word >> 32 not in highs:
+            continue
+        if off % 8:
+            raise ValueError(f"{entry} probe: a role address at unaligned offset {off}")
+        role, delta = role_of(word)
+        pointers.append(PointerSlot(off, role, delta))
+        raw[off:off + 8] = bytes(8)
+    for role in ("a_scale", "b_scale"):
+        if role not in {p.role for p in pointers}:
+            raise ValueError(f"{entry} probe: no {role} pointer in Params")
+    return ParamsTemplate(kernel=entry, grid=tuple(out["grid"]), block=tuple(out["block"]),
+                          smem=out["smem"], template=bytes(raw), roles=ROLES,
+                          pointers=tuple(pointers), descriptors=tuple(descriptors))
+
+
+def _occurrences(data: bytearray, pattern: bytes) -> list[int]:
+    out, at = [], data.find(pattern)
+    while at >= 0:
+        out.append(at)
+        at = data.find(pattern, at + 1)
+    return out
