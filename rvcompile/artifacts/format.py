@@ -56,7 +56,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # v1 files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # keeps the reader and the section digest (a cache key) single-meaning.
 MIN_READABLE_FORMAT = 2
@@ -79,7 +79,13 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-22", 2, "h100 artifacts carry header requirement kernel_launch = \"programmatic\" "
                       "(every kernel opens with griddepcontrol.wait, so the runtime launches "
                       "with programmatic stream serialization); absent: refused (rebuild)"),
+    ("2026-11-23", 3, "xla.precompiled executables are stored without pickle: each entry holds "
+                      "the PJRT-serialized executable and a JSON signature of its flat inputs "
+                      "and outputs; records carry encoding EXECUTABLES_ENCODING; v2 records "
+                      "(jax's pickle) are never loaded"),
 )
+# xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
+EXECUTABLES_ENCODING = "pjrt-1"
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies
 # and keep the file from being mistaken for text.

@@ -14,11 +14,13 @@ __all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
          kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
-         max_model_len: int | None = None) -> Model:
+         max_model_len: int | None = None, trust_executables: bool = False) -> Model:
     """Open `path`, check its header and (by default) every section's sha256, then load it on
     this machine. Raises ArtifactError with a one-line message when it doesn't fit.
     `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
-    slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's)."""
+    slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's).
+    `trust_executables`: load the artifact's precompiled XLA executables, which run unchecked
+    like a program (runtime/precompiled.py); by default the StableHLO is compiled."""
     art = Artifact.open(Path(path))
     runtime = art.header.requirements.get("runtime")
     if runtime == "h100":
@@ -47,5 +49,5 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         raise ArtifactError(f"{Path(path).name}: {e}") from None
     if verify:
         art.verify()
-    return Model(art, XlaExecutor(art, kv_blocks), max_num_seqs=max_num_seqs,
-                 max_model_len=max_model_len)
+    return Model(art, XlaExecutor(art, kv_blocks, trust_executables=trust_executables),
+                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)

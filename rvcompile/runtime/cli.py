@@ -16,6 +16,10 @@ from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
 
+TRUST_HELP = ("load the artifact's precompiled XLA executables (--topology builds): XLA runs "
+              "them unchecked, so trust the file as you would a program; by default the "
+              "StableHLO is compiled")
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    p.add_argument("--trust-executables", action="store_true", help=TRUST_HELP)
     a = p.parse_args(argv)
     if a.max_tokens < 1 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.temperature < 0:
         return _fail("need --max-tokens >= 1, --top-k >= 0, 0 < --top-p <= 1, --temperature >= 0")
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -76,6 +82,7 @@ def ppl_main(argv: list[str]) -> int:
                    help="text tokens between window starts (default: window // 2)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    p.add_argument("--trust-executables", action="store_true", help=TRUST_HELP)
     a = p.parse_args(argv)
     from rvcompile.runtime import perplexity
 
@@ -92,7 +99,8 @@ def ppl_main(argv: list[str]) -> int:
     from rvcompile import runtime
 
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
@@ -129,6 +137,7 @@ def serve_main(argv: list[str]) -> int:
                    help="the model id requests name (default: the artifact's file stem)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    p.add_argument("--trust-executables", action="store_true", help=TRUST_HELP)
     a = p.parse_args(argv)
     numbers = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len,
                "--kv-blocks": a.kv_blocks, "--kv-sliding-blocks": a.kv_sliding_blocks,
@@ -149,7 +158,8 @@ def serve_main(argv: list[str]) -> int:
                  if n is not None}
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
-                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
