@@ -8,8 +8,9 @@ A build for a TPU topology runs when libtpu is installed (scripts/setup.sh puts 
 .venv/tpu-aot); loading a TPU set needs a TPU and is not tested here.
 
 Loading never runs code from the file (issue 12): executables are stored as XLA's own bytes with
-a JSON signature (no pickle) and loaded only with trust_executables; a crafted entry holding a
-pickle that would run code is refused or ignored with one line, and its code never runs.
+a JSON signature (no pickle) and loaded only with trust_executables, from a file a trusted key
+signed; a crafted entry holding a pickle that would run code is refused or ignored with one
+line, and its code never runs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
+from rvcompile.artifacts.signature import (
+    load_signing_key,
+    load_trusted_key,
+    sign_artifact,
+    write_keypair,
+)
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.checkpoint import CheckpointError
 from rvcompile.runtime.precompiled import Choice, Machine, choose
@@ -254,7 +261,7 @@ def test_choose_loads_nothing_untrusted_and_no_pickled_set():
     c = choose({"v6e:2x2": RECORD}, V6E_4, BLOCKS, trusted=False)
     assert c == Choice(None, "not loading the precompiled executables (v6e:2x2): XLA runs an "
                              "executable unchecked, so rvrun loads one only when trusted "
-                             "(--trust-executables); compiling StableHLO")
+                             "(--trust-executables --trusted-key); compiling StableHLO")
     legacy = {k: v for k, v in RECORD.items() if k != "encoding"}  # format v2: jax's pickle
     c = choose({"v6e:2x2": legacy}, V6E_4, BLOCKS, trusted=True)
     assert c.topology is None and "v6e:2x2: it is stored as jax's pickle, which rvrun does " \
@@ -299,14 +306,25 @@ def _with_cpu_set(src: Path, dst: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+def key(tmp_path_factory) -> tuple[Path, Path]:
+    """(private, public) key files of the signer the tests trust."""
+    return write_keypair(tmp_path_factory.mktemp("key") / "release")[:2]
+
+
+def _signed(path: Path, key: tuple[Path, Path]) -> Path:
+    sign_artifact(path, load_signing_key(key[0]), "release")
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, key):
     d = tmp_path_factory.mktemp("topology")
     plain = _tiny_artifact(d / "plain.rvp")
     record = _with_cpu_set(plain, d / "cpu-set.rvp")
-    return plain, d / "cpu-set.rvp", record
+    return plain, _signed(d / "cpu-set.rvp", key), record
 
 
-def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, capsys):
+def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key, capsys):
     from rvcompile.runtime import load
 
     plain, with_set, record = artifacts
@@ -322,7 +340,7 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, caps
     assert all(i["donated"] for i in sig["inputs"][len(weights):len(weights) + len(pools)])
     assert [o["shape"] for o in sig["outputs"]][-1] == [2]  # the sampled token per lane
     prompt = [2, 17, 5, 99, 3]
-    model = load(with_set, trust_executables=True)
+    model = load(with_set, trusted_keys=[key[1]], trust_executables=True)
     note = model.executor.load_note
     assert note.startswith("precompiled executables for cpu:1") and "nothing compiled" in note
     assert model.executor.compile_s == 0.0
@@ -334,24 +352,43 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, caps
     assert "[rvrun]" not in capsys.readouterr().err
 
 
-def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, capsys, monkeypatch):
+def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,
+                                                           monkeypatch):
     from rvcompile.runtime import load
     from rvcompile.runtime import precompiled as runtime_precompiled
     from rvcompile.runtime.xla_executor import XlaExecutor
 
     _, with_set, _ = artifacts
     monkeypatch.setattr(XlaExecutor, "_warm_up", lambda self: 0.0)  # the note, not the compile
-    assert load(with_set).executor.load_note.startswith("XLA compile")
-    err = capsys.readouterr().err
-    assert err == ("[rvrun] not loading the precompiled executables (cpu:1): XLA runs an "
-                   "executable unchecked, so rvrun loads one only when trusted "
-                   "(--trust-executables); compiling StableHLO\n")
+    for keys in (None, [key[1]]):  # signed by a trusted key, but executables not trusted
+        assert load(with_set, trusted_keys=keys).executor.load_note.startswith("XLA compile")
+        err = capsys.readouterr().err
+        assert err == ("[rvrun] not loading the precompiled executables (cpu:1): XLA runs an "
+                       "executable unchecked, so rvrun loads one only when trusted "
+                       "(--trust-executables --trusted-key); compiling StableHLO\n")
+    with pytest.raises(ArtifactError, match="^cpu-set.rvp: trust_executables needs trusted_keys: "
+                                            "XLA runs an executable unchecked, so only a signer "
+                                            "you trust may supply one$"):
+        load(with_set, trust_executables=True)
     monkeypatch.setattr(runtime_precompiled, "libtpu_version", lambda: "9.9.9")
-    assert load(with_set, trust_executables=True).executor.load_note.startswith("XLA compile")
+    assert load(with_set, trusted_keys=[key[1]], trust_executables=True).executor \
+        .load_note.startswith("XLA compile")
     err = capsys.readouterr().err
     assert "[rvrun] no precompiled executable for cpu x1" in err
     assert "cpu:1: it was compiled with libtpu" in err and err.rstrip().endswith(
         "compiling StableHLO")
+
+
+def test_rvrun_trusts_executables_only_with_a_trusted_key(artifacts, capsys):
+    from rvcompile.runtime.cli import main, ppl_main, serve_main
+
+    _, with_set, _ = artifacts
+    for run, args in ((main, ["--prompt", "hi"]), (ppl_main, ["--text", __file__]),
+                      (serve_main, ["--port", "0"])):
+        assert run([str(with_set), *args, "--trust-executables"]) == 2
+        assert capsys.readouterr().err == (
+            "rvrun: error: --trust-executables needs --trusted-key: XLA runs an executable "
+            "unchecked, so only a signer you trust may supply one\n")
 
 
 def test_corrupt_executable_is_refused(artifacts, tmp_path):
@@ -394,7 +431,7 @@ def _with_entries(src: Path, dst: Path, data: bytes, *, encoding: bool) -> None:
     _rewrite(src, dst, manifest, {"executables": data})
 
 
-def test_a_pickle_in_an_entry_never_runs(artifacts, tmp_path, capsys):
+def test_a_pickle_in_an_entry_never_runs(artifacts, key, tmp_path, capsys):
     from rvcompile.runtime import load
 
     _, with_set, _ = artifacts
@@ -406,18 +443,22 @@ def test_a_pickle_in_an_entry_never_runs(artifacts, tmp_path, capsys):
     v3, v2 = tmp_path / "v3.rvp", tmp_path / "v2.rvp"
     _with_entries(with_set, v3, payload, encoding=True)
     _with_entries(with_set, v2, payload, encoding=False)
-    for path in (v3, v2):  # verify checks integrity, and the digests are consistent
-        with Artifact.open(path) as art:
+    with pytest.raises(ArtifactError, match="^v3.rvp: not signed"):  # an attacker has no key
+        load(v3, trusted_keys=[key[1]], trust_executables=True)
+    # signed (a signer's mistake, or a stolen key): verify checks integrity, and it is whole
+    for path in (v3, v2):
+        _signed(path, key)
+        with Artifact.open(path, trusted_keys=[load_trusted_key(key[1])]) as art:
             art.verify()
     # trusted, an entry in the new encoding goes to XLA's parser, which refuses it
     with pytest.raises(ArtifactError) as e:
-        load(v3, trust_executables=True)
+        load(v3, trusted_keys=[key[1]], trust_executables=True)
     assert str(e.value).startswith("v3.rvp: precompiled cpu:1/decode_2: XLA cannot load it: ")
     assert "\n" not in str(e.value)
     # a v2 set (jax's pickle) is never loaded, nor is any set untrusted: the StableHLO runs
     for path, trust, why in ((v2, True, "cpu:1: it is stored as jax's pickle"),
                              (v3, False, "loads one only when trusted")):
-        model = load(path, trust_executables=trust)
+        model = load(path, trusted_keys=[key[1]], trust_executables=trust)
         assert model.executor.load_note.startswith("XLA compile")
         assert why in capsys.readouterr().err
         assert len(model.generate([2, 17, 5], max_tokens=3, ignore_eos=True).token_ids) == 3
@@ -450,14 +491,16 @@ def _tampered(src: Path, dst: Path, edit) -> None:
         {k: r["entries"]["prefill_16"][k] for k in ("offset", "size", "sha256")}),
      "decode_2: the executable's input"),
 ], ids=["shape", "dtype", "outputs", "donated", "spec", "unknown-dtype", "other-executable"])
-def test_a_signature_that_disagrees_is_refused(artifacts, tmp_path, edit, says):
+def test_a_signature_that_disagrees_is_refused(artifacts, key, tmp_path, edit, says):
+    """As a signer's own mistake would make it (a signed file): refused in one line."""
     from rvcompile.runtime import load
 
     _, with_set, _ = artifacts
     bad = tmp_path / "bad.rvp"
     _tampered(with_set, bad, edit)
+    _signed(bad, key)
     with pytest.raises(ArtifactError, match=re.escape(says)) as e:
-        load(bad, trust_executables=True)
+        load(bad, trusted_keys=[key[1]], trust_executables=True)
     assert str(e.value).startswith("bad.rvp: precompiled cpu:1/") and "\n" not in str(e.value)
 
 

@@ -4,8 +4,9 @@ An artifact may carry, per named topology, executables compiled at build for tha
 (targets/xla/precompile.py). XLA loads an executable without checking it, and running it runs
 what it holds (jaxlib's `Client.deserialize_executable`: "Even loading such an executable may
 run arbitrary code on your machine. It is not safe to pass untrusted data here"). So a set is
-loaded only when the operator trusts the artifact as they would a program (`trusted`, rvrun's
-`--trust-executables`); otherwise `choose` says in one line that it compiles the StableHLO.
+loaded only when the operator trusts the artifact's executables as they would a program, and
+its signer (`trusted`: rvrun's `--trust-executables`, which needs `--trusted-key`); otherwise
+`choose` says in one line that it compiles the StableHLO.
 
 `choose` picks the set this machine can load as it is: encoding EXECUTABLES_ENCODING (sets
 written as jax's pickle, format v2, are never loaded), same platform, device kind, device ids
@@ -98,7 +99,7 @@ def choose(precompiled: dict[str, dict], machine: Machine, blocks: dict[str, int
         sets = ", ".join(sorted(precompiled))
         return Choice(None, f"not loading the precompiled executables ({sets}): XLA runs an "
                             "executable unchecked, so rvrun loads one only when trusted "
-                            "(--trust-executables); compiling StableHLO")
+                            "(--trust-executables --trusted-key); compiling StableHLO")
     reasons = []
     for name, rec in sorted(precompiled.items()):
         why = _mismatch(rec, machine, blocks)
