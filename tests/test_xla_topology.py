@@ -8,9 +8,9 @@ A build for a TPU topology runs when libtpu is installed (scripts/setup.sh puts 
 .venv/tpu-aot); loading a TPU set needs a TPU and is not tested here.
 
 Loading never runs code from the file (issue 12): executables are stored as XLA's own bytes with
-a JSON signature (no pickle) and loaded only with trust_executables, from a file a trusted key
-signed; a crafted entry holding a pickle that would run code is refused or ignored with one
-line, and its code never runs.
+a JSON description of their operands (no pickle) and loaded only with trust_executables, from a
+file a trusted key signed; a crafted entry holding a pickle that would run code is refused or
+ignored with one line, and its code never runs.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
     assert record["platform"] == "cpu" and record["libtpu"] == precompile.libtpu_version()
     assert record["encoding"] == "pjrt-1"
     assert sorted(record["entries"]) == ["decode_2", "logits_16", "prefill_16"]
-    sig = record["entries"]["decode_2"]["signature"]
+    sig = record["entries"]["decode_2"]["operands"]
     with Artifact.open(with_set) as art:
         pools = art.manifest["xla"]["kv"]["pools"]
         weights = art.manifest["xla"]["weights"]
@@ -474,24 +474,24 @@ def _tampered(src: Path, dst: Path, edit) -> None:
 
 
 @pytest.mark.parametrize("edit, says", [
-    (lambda r: r["entries"]["decode_2"]["signature"]["inputs"][0].update(shape=[7, 128]),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][0].update(shape=[7, 128]),
      "decode_2: input 0 is float32[7, 128] P(), its program's is float32[1024, 128] P()"),
-    (lambda r: r["entries"]["decode_2"]["signature"]["inputs"][0].update(dtype="bfloat16"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][0].update(dtype="bfloat16"),
      "decode_2: input 0 is bfloat16"),
-    (lambda r: r["entries"]["decode_2"]["signature"]["outputs"].pop(),
+    (lambda r: r["entries"]["decode_2"]["operands"]["outputs"].pop(),
      "decode_2: 5 outputs, its program has 6"),
-    (lambda r: r["entries"]["decode_2"]["signature"]["outputs"][0].update(donated=True),
-     "decode_2: signature.outputs: an output cannot be donated"),
-    (lambda r: r["entries"]["decode_2"]["signature"]["inputs"][1].update(spec=["tp", 3]),
-     "decode_2: signature.inputs[1].spec: expected a PartitionSpec"),
-    (lambda r: r["entries"]["decode_2"]["signature"]["inputs"][1].update(dtype="float99"),
-     "decode_2: signature.inputs[1].dtype: unknown dtype 'float99'"),
-    # decode_2's signature over prefill_16's executable: XLA loads it, the shapes disagree
+    (lambda r: r["entries"]["decode_2"]["operands"]["outputs"][0].update(donated=True),
+     "decode_2: operands.outputs: an output cannot be donated"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(spec=["tp", 3]),
+     "decode_2: operands.inputs[1].spec: expected a PartitionSpec"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(dtype="float99"),
+     "decode_2: operands.inputs[1].dtype: unknown dtype 'float99'"),
+    # decode_2's operands over prefill_16's executable: XLA loads it, the shapes disagree
     (lambda r: r["entries"]["decode_2"].update(
         {k: r["entries"]["prefill_16"][k] for k in ("offset", "size", "sha256")}),
      "decode_2: the executable's input"),
 ], ids=["shape", "dtype", "outputs", "donated", "spec", "unknown-dtype", "other-executable"])
-def test_a_signature_that_disagrees_is_refused(artifacts, key, tmp_path, edit, says):
+def test_operands_that_disagree_are_refused(artifacts, key, tmp_path, edit, says):
     """As a signer's own mistake would make it (a signed file): refused in one line."""
     from rvcompile.runtime import load
 

@@ -112,8 +112,8 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "bytes between; unsigned files are unchanged, and earlier v2 readers "
                       "refuse signed ones (unexpected bytes after the manifest)"),
     ("2026-11-24", 3, "xla.precompiled executables are stored without pickle: each entry holds "
-                      "the PJRT-serialized executable and a JSON signature of its flat inputs "
-                      "and outputs; records carry encoding EXECUTABLES_ENCODING; v2 records "
+                      "the PJRT-serialized executable and JSON operands: its flat inputs and "
+                      "outputs; records carry encoding EXECUTABLES_ENCODING; v2 records "
                       "(jax's pickle) are never loaded, and v2 readers refuse v3 files instead "
                       "of unpickling XLA's bytes"),
 )

@@ -16,9 +16,9 @@ why in one line, and the executor compiles the StableHLO.
 
 `load` deserializes a chosen set with no compilation and no pickle: the PJRT bytes go to the
 backend's `deserialize_executable`, and the calling convention (avals, shardings over the mesh,
-donation, layouts) is rebuilt from the entry's JSON signature, after checking that signature
-against the artifact's own exported program and against the parameter and result shapes of the
-executable XLA loaded. Any mismatch is an ArtifactError, one line.
+donation, layouts) is rebuilt from the entry's JSON `operands`, after checking them against the
+artifact's own exported program and against the parameter and result shapes of the executable
+XLA loaded. Any mismatch is an ArtifactError, one line.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def choose(precompiled: dict[str, dict], machine: Machine, blocks: dict[str, int
 
 @dataclass(frozen=True)
 class Operand:
-    """One flat input or output of an executable, as the entry's signature describes it."""
+    """One flat input or output of an executable, as the entry's `operands` describe it."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -124,7 +124,7 @@ class Operand:
 
 
 def _operands(items, where: str) -> list[Operand]:
-    """The signature's JSON list of operands, checked field by field."""
+    """A JSON list of operands, checked field by field."""
     if not isinstance(items, list):
         raise ArtifactError(f"{where}: expected a list of operands")
     out = []
@@ -152,7 +152,7 @@ def _operands(items, where: str) -> list[Operand]:
 
 def _check_against_program(where: str, ops: list[Operand], avals, shardings, blocks: dict,
                            mesh: Mesh, kind: str) -> None:
-    """The signature's operands are the exported program's, with the pools' block counts
+    """The described operands are the exported program's, with the pools' block counts
     concrete and each placed as the program says."""
     if len(ops) != len(avals):
         raise ArtifactError(f"{where}: {len(ops)} {kind}s, its program has {len(avals)}")
@@ -171,20 +171,24 @@ def _check_executable(where: str, xla_exe, inputs: list[Operand], outputs: list[
     """The executable XLA loaded takes and returns one shard of each operand."""
     from jax._src.lib import xla_client
 
-    program = xla_client.XlaComputation(
-        xla_exe.hlo_modules()[0].as_serialized_hlo_module_proto()).program_shape()
+    try:
+        program = xla_client.XlaComputation(
+            xla_exe.hlo_modules()[0].as_serialized_hlo_module_proto()).program_shape()
+    except Exception as e:  # a backend that keeps no HLO with a loaded executable
+        raise ArtifactError(f"{where}: XLA gives no program shape to check it against: "
+                            f"{str(e).strip().splitlines()[0]}") from None
     result = program.result_shape()
     results = result.tuple_shapes() if result.is_tuple() else [result]
     for kind, ops, shapes in (("input", inputs, program.parameter_shapes()),
                               ("output", outputs, results)):
         if len(shapes) != len(ops):
             raise ArtifactError(f"{where}: the executable has {len(shapes)} {kind}s, its "
-                                f"signature {len(ops)}")
+                                f"operands {len(ops)}")
         for i, (op, shape) in enumerate(zip(ops, shapes, strict=True)):
             shard = NamedSharding(mesh, op.spec).shard_shape(op.shape)
             if tuple(shape.dimensions()) != shard or shape.numpy_dtype() != op.dtype:
                 raise ArtifactError(f"{where}: the executable's {kind} {i} is {shape}, its "
-                                    f"signature's shard is {op.dtype}{list(shard)}")
+                                    f"operands' shard is {op.dtype}{list(shard)}")
 
 
 def _compiled(xla_exe, exp, inputs: list[Operand], outputs: list[Operand], mesh: Mesh,
@@ -217,8 +221,8 @@ def _compiled(xla_exe, exp, inputs: list[Operand], outputs: list[Operand], mesh:
 
 def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
     """Deserialize every entry of `topology`'s set onto `devices`, without pickle; `exported`
-    maps entry name to its jax.export.Exported (the in/out pytrees, and what each signature must
-    agree with). Checks each sha256 and signature."""
+    maps entry name to its jax.export.Exported (the in/out pytrees, and what each entry's operands
+    must agree with). Checks each sha256 and the operands."""
     from jax._src.lib import xla_client
 
     xla = art.manifest["xla"]
@@ -236,13 +240,13 @@ def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
         exp = exported.get(name)
         if exp is None:
             raise ArtifactError(f"{where}: the artifact has no program {name!r}")
-        sig = loc.get("signature")
-        if not isinstance(sig, dict):
-            raise ArtifactError(f"{where}: no signature")
-        inputs = _operands(sig.get("inputs"), f"{where}: signature.inputs")
-        outputs = _operands(sig.get("outputs"), f"{where}: signature.outputs")
+        ops = loc.get("operands")
+        if not isinstance(ops, dict):
+            raise ArtifactError(f"{where}: no operands")
+        inputs = _operands(ops.get("inputs"), f"{where}: operands.inputs")
+        outputs = _operands(ops.get("outputs"), f"{where}: operands.outputs")
         if any(op.donated for op in outputs):
-            raise ArtifactError(f"{where}: signature.outputs: an output cannot be donated")
+            raise ArtifactError(f"{where}: operands.outputs: an output cannot be donated")
         sharded = exp.nr_devices > 1
         _check_against_program(where, inputs, exp.in_avals, exp.in_shardings_jax(mesh)
                                if sharded else [None] * len(exp.in_avals),

@@ -9,11 +9,11 @@ with the KV pools at the manifest's default block counts.
 What is stored per entry (encoding EXECUTABLES_ENCODING): the bytes XLA serializes the
 executable to (`LoadedExecutable.serialize`, the PJRT format; no Python pickle, unlike
 `jax.experimental.serialize_executable`, whose payload is a pickle that runs code when loaded)
-and `signature`, our JSON description of its flat inputs (shape, dtype, PartitionSpec, donated)
+and `operands`, our JSON description of its flat inputs (shape, dtype, PartitionSpec, donated)
 and outputs (shape, dtype, PartitionSpec); the pytrees around them are the Exported's. The record
 says what a runtime must match to load them: platform, device kind, device ids and coordinates,
-jax, jaxlib and libtpu versions, and the pools' block counts. A compiled entry the signature
-cannot describe (effects, host callbacks, constants, dropped arguments, shardings that are not a
+jax, jaxlib and libtpu versions, and the pools' block counts. A compiled entry the operands
+cannot describe (constants, effect tokens, dropped arguments, shardings that are not a
 PartitionSpec over the mesh) is refused here, not stored.
 
 `compile_entries` works on any devices (CPU ones too), so the load path is tested without a TPU.
@@ -147,7 +147,7 @@ def _spec(sharding, where: str) -> list:
     return [p if p is None or isinstance(p, str) else list(p) for p in sharding.spec]
 
 
-def signature(compiled, name: str) -> dict:
+def operands(compiled, name: str) -> dict:
     """Our description of `compiled`'s flat inputs and outputs, from which the runtime rebuilds
     its calling convention; refuses what the description cannot carry."""
     exe = compiled.runtime_executable()
@@ -191,7 +191,7 @@ def precompile_for(name: str, programs: dict[str, bytes], xla_manifest: dict,
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": libtpu_version(),
         "kv_blocks": default_blocks(xla_manifest),
         "entries": {e: {"sha256": hashlib.sha256(b).hexdigest(),
-                        "signature": signature(compiled[e], e)}
+                        "operands": operands(compiled[e], e)}
                     for e, b in executables.items()},
     }
     return Precompiled(record, executables, compiled)
