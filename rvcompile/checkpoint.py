@@ -41,6 +41,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from rvcompile import chat_template
 from rvcompile.config import ConfigError, Gemma4Config
 from rvcompile.presets import PRESETS, get_preset
 
@@ -669,12 +670,14 @@ def _compressed_tensors_scheme(path: Path, q: dict) -> Fp8Scheme:
 
 
 def _read_chat_template(directory: Path) -> str | None:
+    """The directory's chat template, checked to render in the runtime's sandbox."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         try:
-            return jinja.read_text(encoding="utf-8")
+            text = jinja.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{jinja}: cannot read: {e}") from None
+        return _checked_chat_template(text, jinja)
     tok_cfg_path = directory / "tokenizer_config.json"
     if not tok_cfg_path.is_file():
         return None
@@ -685,6 +688,14 @@ def _read_chat_template(directory: Path) -> str | None:
         template = named.get("default", next(iter(named.values()), None))
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{tok_cfg_path}: chat_template is not a string")
+    return None if template is None else _checked_chat_template(template, tok_cfg_path)
+
+
+def _checked_chat_template(template: str, where: Path) -> str:
+    try:
+        chat_template.check(template, bos_token="<bos>", eos_token="<eos>")
+    except chat_template.ChatTemplateError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     return template
 
 

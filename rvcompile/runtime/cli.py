@@ -79,7 +79,8 @@ def _main(argv: list[str] | None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -133,7 +134,8 @@ def ppl_main(argv: list[str]) -> int:
     from rvcompile import runtime
 
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
@@ -210,7 +212,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                         trusted_keys=keys)
+                         trusted_keys=keys, trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
@@ -258,11 +260,19 @@ def _add_trusted_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
                    help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
                         "--trusted-key) signed it (repeatable)")
+    p.add_argument("--trust-executables", action="store_true",
+                   help="load the artifact's precompiled XLA executables (--topology builds); XLA "
+                        "runs them unchecked, like a program, so this needs --trusted-key "
+                        "(default: compile the StableHLO)")
 
 
 def _trusted_keys(a: argparse.Namespace) -> list[TrustedKey] | None:
     """The --trusted-key files read, or None without the flag; ValueError (one line) if a file
-    is not an Ed25519 public key or the flag comes with --no-verify."""
+    is not an Ed25519 public key, the flag comes with --no-verify, or --trust-executables
+    without it."""
+    if a.trust_executables and not a.trusted_key:
+        raise ValueError("--trust-executables needs --trusted-key: XLA runs an executable "
+                         "unchecked, so only a signer you trust may supply one")
     if not a.trusted_key:
         return None
     if a.no_verify:

@@ -15,6 +15,7 @@ the engine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from rvcompile import chat_template
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
 
@@ -72,14 +74,17 @@ class Model:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The artifact's chat template over `messages`, rendered in jinja2's immutable sandbox
+        (rvcompile.chat_template); a template that fails or reaches outside it raises
+        ChatTemplateError (a ValueError), one line."""
+        return self._chat_template.render(messages, add_generation_prompt=True,
+                                          bos_token="<bos>", eos_token="<eos>")
+
+    @functools.cached_property
+    def _chat_template(self) -> chat_template.ChatTemplate:
         if not self.chat_template:
             raise ValueError(f"{self.art.path.name}: the artifact has no chat template")
-        import jinja2
-
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token="<bos>",
-            eos_token="<eos>")
+        return chat_template.compile_template(self.chat_template)
 
     def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

@@ -1,9 +1,10 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
-paged KV pools, deserializes the jax.export programs, compiles them once for the chosen pool
-sizes (through a persistent cache keyed on the artifact and jax version), or loads the
-executables precompiled for this machine's topology (runtime/precompiled.py), and runs prefill /
-decode / logits / decode_many (the device-side decode loop) over sequences' block tables.
-Makes no policy: the engine drives it.
+paged KV pools, deserializes and checks the jax.export programs (runtime/programs.py), compiles
+them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
+version), or, when the operator trusts them, loads the executables precompiled for this
+machine's topology (runtime/precompiled.py), and runs prefill / decode / logits / decode_many
+(the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
+it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
@@ -26,6 +26,7 @@ from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
 from rvcompile.runtime.precompiled import choose, this_machine
 from rvcompile.runtime.precompiled import load as load_precompiled
+from rvcompile.runtime.programs import load_programs
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -149,7 +150,8 @@ class TpPlacement:
 
 
 class XlaExecutor:
-    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None):
+    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None, *,
+                 trust_executables: bool = False):
         check_fits(art, blocks)
         self.art = art
         m = art.manifest["xla"]
@@ -172,13 +174,11 @@ class XlaExecutor:
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        blob = art.buffer("programs")
-        exported = {name: export.deserialize(bytearray(blob[loc["offset"]:
-                                                           loc["offset"] + loc["size"]]))
-                    for name, loc in m["programs"].items()}
+        exported = load_programs(art)
         precompiled = m.get("precompiled", {})
         choice = choose(precompiled, this_machine(),
-                        {k.name: k.num_blocks for k in self.kinds.values()})
+                        {k.name: k.num_blocks for k in self.kinds.values()},
+                        trusted=trust_executables)
         if choice.topology is not None:
             t0 = time.perf_counter()
             self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
