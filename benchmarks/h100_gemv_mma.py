@@ -10,7 +10,7 @@ per kernel and M, and its ratio to the best M = 1 step.
     python benchmarks/h100_gemv_mma.py [--sweep] [--cubin LABEL=PATH ...] [--json OUT]
 
 --sweep also times every (warps, split) entry of gemv_mma_fp8 (* marks the default); --cubin
-times the default launches of another build of gemv_mma_fp8.cu (an A/B of kernel variants).
+times another build of gemv_mma_fp8.cu the same way (an A/B of kernel variants).
 """
 
 from __future__ import annotations
@@ -74,16 +74,19 @@ def median_seconds(ctx: CudaContext, fn, launch, args: list) -> float:
     return float(np.median(times))
 
 
-def candidates(m: int, n: int, k: int, sm_count: int, sweep: bool, variants: list[str]):
-    """(kernel label, launch, is the default) to time for one shape and M."""
-    out = [("gemv_mma", gm.launch_geometry(m, n, k, sm_count), True)]
-    out += [(v, gm.launch_geometry(m, n, k, sm_count), True) for v in variants]
-    if sweep:
-        default = out[0][1]
-        out += [("gemv_mma", launch, False)
-                for w in gm.WARPS for s in gm.SPLITS
-                if (launch := gm.launch_geometry(m, n, k, sm_count, warps=w, split=s)) != default
-                and (s == 1 or -(-k // gm.BLOCK_K) >= s * gm.WINDOW_BLOCKS)]
+def candidates(m: int, n: int, k: int, sm_count: int, sweep: bool, builds: list[str]):
+    """(kernel label, launch, is the default) to time for one shape and M: each build of
+    gemv_mma_fp8 (its default launch, and with sweep every other entry that leaves each CTA a
+    whole x window), gemv_fp8 where M fits, gemm_fp8w."""
+    out = []
+    for label in builds:
+        default = gm.launch_geometry(m, n, k, sm_count)
+        out.append((label, default, True))
+        if sweep:
+            out += [(label, launch, False)
+                    for w in gm.WARPS for s in gm.SPLITS
+                    if (launch := gm.launch_geometry(m, n, k, sm_count, warps=w, split=s))
+                    != default and (s == 1 or -(-k // gm.BLOCK_K) >= s * gm.WINDOW_BLOCKS)]
     if m <= gemv_fp8.MAX_ROWS:
         g = gemv_fp8.launch_geometry(m, n, k, sm_count)
         out.append(("gemv_fp8", gm.Launch(gemv_fp8.ENTRY, g.grid, g.block, g.smem), True))
@@ -127,13 +130,13 @@ def main() -> None:
                      ctypes.c_uint64(dy.ptr), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
                     for b in bufs]
             for label, launch, default in candidates(m, n, k, ctx.sm_count, a.sweep,
-                                                     list(variants)):
+                                                     ["gemv_mma", *variants]):
                 fn = kernels.get(label, launch.entry, launch.smem)
                 t = median_seconds(ctx, fn, launch, args)
                 rows.append({"matrix": name, "n": n, "k": k, "m": m, "kernel": label,
                              "entry": launch.entry, "grid": list(launch.grid),
                              "default": default, "us": t * 1e6, "gbs": n * k / t / 1e9})
-                mark = "*" if default and label == "gemv_mma" else " "
+                mark = "*" if default and label not in ("gemv_fp8", "gemm_fp8w") else " "
                 print(f"{name:12} {n:>5}x{k:<6} {m:>3} {label:>10} {launch.entry:>25}{mark}"
                       f"{str(launch.grid):>14} {t * 1e6:8.1f} {n * k / t / 1e9:6.0f}",
                       flush=True)
@@ -149,14 +152,14 @@ def main() -> None:
 
 def step_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Milliseconds of one 31B decode step's linears per kernel and M, default launches;
-    'today' is gemv_fp8 up to its 4 rows and gemm_fp8w above; 'gemv_mma_best' takes the fastest
-    measured gemv_mma_fp8 launch of each shape (the sweep's pick)."""
+    'today' is gemv_fp8 up to its 4 rows and gemm_fp8w above; LABEL_best takes the fastest
+    measured launch of each shape of a gemv_mma_fp8 build (the sweep's pick)."""
     uses = step_layers()
     best: dict[tuple[str, str, int], float] = {}
     for r in rows:
         labels = [r["kernel"]] if r["default"] else []
-        if r["kernel"] == "gemv_mma":
-            labels.append("gemv_mma_best")
+        if r["kernel"] not in ("gemv_fp8", "gemm_fp8w"):
+            labels.append(r["kernel"] + "_best")
         for label in labels:
             key = (label, r["matrix"], r["m"])
             best[key] = min(best.get(key, float("inf")), r["us"])
