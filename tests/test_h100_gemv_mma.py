@@ -45,7 +45,7 @@ ROWS = (*range(1, 17), 32)
 
 def test_geometry_buckets_and_shared_memory() -> None:
     for m, bucket in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32)):
-        launch = gm.launch_geometry(m, 5376, 8192, SM_COUNT, split=1)
+        launch = gm.launch_geometry(m, 5376, 8192, SM_COUNT, warps=4, split=1)
         assert launch.entry == f"gemv_mma_fp8_m{bucket}_w4_s1"
         assert launch.grid == (84, 1, 1) and launch.block == (128, 1, 1)
         assert launch.smem == 3 * m * (4 * 64 * 2 + 16)
@@ -70,22 +70,42 @@ def test_geometry_every_choice_is_an_entry() -> None:
             assert gm.launch_geometry(m, n, k, SM_COUNT).entry in names
 
 
-def test_geometry_default_split_fills_the_gpu() -> None:
-    """The default split gives the short-N 31B shapes (84 row groups) enough CTAs to cover the
-    132 SMs several times, leaves every CTA at least one x window of K, and never splits K = 16."""
-    for n, k in SHAPES_31B.values():
-        for m in (1, 16, 32):
+# (warps, split) the sweep found within ~2% of the fastest at each 31B shape (docs/BENCHMARKS.md)
+DEFAULTS_31B = {
+    8: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
+        "gate_up": (4, 6), "down": (4, 4)},
+    16: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
+         "gate_up": (8, 1), "down": (4, 4)},
+    32: {"qkv_sliding": (8, 2), "qk_full": (8, 2), "o_sliding": (8, 8), "o_full": (8, 8),
+         "gate_up": (8, 1), "down": (8, 8)},
+}
+
+
+@pytest.mark.parametrize("bucket", sorted(DEFAULTS_31B))
+def test_geometry_defaults_at_31b_shapes(bucket: int) -> None:
+    for name, (warps, split) in DEFAULTS_31B[bucket].items():
+        n, k = SHAPES_31B[name]
+        launch = gm.launch_geometry(bucket, n, k, SM_COUNT)
+        assert launch.entry == gm.entry_name(bucket, warps, split), name
+
+
+def test_geometry_default_is_one_light_wave_or_many() -> None:
+    """Every default grid is one wave of at most CTAS_PER_SM CTAs per SM, or an unsplittable one
+    (K below two windows), or split so that every CTA keeps MANY_WAVES_WINDOWS windows; no split
+    leaves a CTA less than one window of K."""
+    cap = gm.CTAS_PER_SM * SM_COUNT
+    for m in ROWS:
+        for n, k in (*SHAPES_31B.values(), *SHAPES_E4B.values(), *SHAPES_SMALL.values()):
             launch = gm.launch_geometry(m, n, k, SM_COUNT)
-            ctas = launch.grid[0] * launch.grid[2]
-            assert ctas >= 2 * SM_COUNT, (n, k, m, launch)
-            assert -(-k // 64) >= launch.grid[2] * 4
+            groups, split = launch.grid[0], launch.grid[2]
+            blocks = -(-k // 64)
+            assert split == 1 or blocks >= split * 4
+            if groups <= cap:
+                assert groups * split <= cap
+            else:
+                assert split == 1 or blocks >= split * 4 * gm.MANY_WAVES_WINDOWS
     assert gm.launch_geometry(1, 128, 16, SM_COUNT).grid == (2, 1, 1)
-
-
-def test_geometry_cost_prefers_one_wave_to_a_ragged_second() -> None:
-    resident = 8 * SM_COUNT
-    assert gm.estimated_cost(resident, 1, resident) < gm.estimated_cost(resident, 2, resident)
-    assert gm.estimated_cost(84, 8, resident) < gm.estimated_cost(84, 1, resident)
+    assert gm.launch_geometry(1, 16, 4096, SM_COUNT).grid == (1, 1, 8)  # one row group: split
 
 
 def test_geometry_refuses_bad_shapes() -> None:

@@ -24,14 +24,18 @@ X_ROW_BYTES = WINDOW_BLOCKS * BLOCK_K * 2 + 16
 ROW_BUCKETS = (8, 16, 32)  # token rows per entry: 8 per mma n tile
 WARPS = (4, 8)  # warps per CTA, 16 W rows each
 SPLITS = (1, 2, 3, 4, 6, 8)  # split-K cluster sizes
-MIN_BLOCKS = {(8, 4): 8, (16, 4): 6, (32, 4): 4,  # CTAs per SM each entry's registers allow
-              (8, 8): 4, (16, 8): 3, (32, 8): 2}  # (its __launch_bounds__ minimum)
 MAX_ROWS = ROW_BUCKETS[-1]
-DEFAULT_WARPS = 4
 MAX_GRID_X = 2**31 - 1
-# The split choice's cost model (see default_split), fit to benchmarks/h100_gemv_mma.py --sweep.
-SATURATION = 0.5  # fraction of the resident CTAs that already streams W at full bandwidth
-WAVE_OVERHEAD = 0.10  # a wave's fixed cost (ramp, x prologue, split-K sum), in full-wave units
+# The default launch, fit to benchmarks/h100_gemv_mma.py --sweep on an H100 (2026-11-24, see
+# docs/BENCHMARKS.md): one wave of at most CTAS_PER_SM CTAs per SM streamed W fastest; grids
+# between that and several waves streamed 10-25% slower (not profiled; SMs holding one CTA more
+# than others making the tail would fit). Where even an unsplit grid is larger, many small CTAs
+# (split-K, each keeping at least MANY_WAVES_WINDOWS x windows) balance over the SMs as they
+# finish. Warps per CTA in order of preference per row bucket: 8 warps halve the x reads per W
+# byte (best at M = 32), 4 keep CTAs small.
+CTAS_PER_SM = 2.6
+MANY_WAVES_WINDOWS = 3
+PREFERRED_WARPS = {8: (4,), 16: (4, 8), 32: (8,)}
 
 reference = gemv_fp8.reference
 
@@ -63,27 +67,27 @@ def smem_bytes(m: int) -> int:
     return STAGES * m * X_ROW_BYTES
 
 
-def estimated_cost(row_groups: int, split: int, resident: int) -> float:
-    """Time in units of one full wave over all of K: resident CTAs run as a wave, each wave takes
-    the time its CTAs' bytes need at full bandwidth, except that a wave of fewer than
-    SATURATION x resident CTAs runs no faster than one of that many, plus a fixed overhead."""
-    ctas = row_groups * split
-    cost = 0.0
-    while ctas > 0:
-        wave = min(ctas, resident)
-        cost += max(wave, SATURATION * resident) / (resident * split) + WAVE_OVERHEAD
-        ctas -= wave
-    return cost
+def row_groups(n: int, warps: int) -> int:
+    return -(-n // (16 * warps))
 
 
-def default_split(n: int, k: int, rows: int, warps: int, sm_count: int) -> int:
-    """The split with the lowest estimated_cost among those that leave every CTA at least one
-    whole x window of K; the smaller split on ties."""
-    row_groups = -(-n // (16 * warps))
-    resident = MIN_BLOCKS[rows, warps] * sm_count
-    blocks = -(-k // BLOCK_K)
-    fits = [s for s in SPLITS if s == 1 or blocks >= s * WINDOW_BLOCKS]
-    return min(fits, key=lambda s: (estimated_cost(row_groups, s, resident), s))
+def default_warps(m: int, n: int, sm_count: int) -> int:
+    """The first preferred warps count whose unsplit grid fits one wave of CTAS_PER_SM, else the
+    last preferred."""
+    prefs = PREFERRED_WARPS[row_bucket(m)]
+    return next((w for w in prefs if row_groups(n, w) <= CTAS_PER_SM * sm_count), prefs[-1])
+
+
+def default_split(n: int, k: int, warps: int, sm_count: int) -> int:
+    """The largest split whose grid is still one wave of at most CTAS_PER_SM CTAs per SM, or,
+    when the unsplit grid is already larger, the largest that leaves every CTA at least
+    MANY_WAVES_WINDOWS x windows of K; never one that leaves a CTA less than one window."""
+    cap = CTAS_PER_SM * sm_count
+    groups, blocks = row_groups(n, warps), -(-k // BLOCK_K)
+    splits = [s for s in SPLITS if s == 1 or blocks >= s * WINDOW_BLOCKS]
+    if groups <= cap:
+        return max(s for s in splits if groups * s <= cap)
+    return max(s for s in splits if s == 1 or blocks >= s * WINDOW_BLOCKS * MANY_WAVES_WINDOWS)
 
 
 def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = None,
@@ -92,15 +96,14 @@ def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = N
     if not 1 <= m <= MAX_ROWS or n < 1 or k < 16 or k % 16:
         raise ValueError(f"gemv_mma_fp8 needs 1 <= M <= {MAX_ROWS}, N >= 1 and K a positive "
                          f"multiple of 16 (M={m}, N={n}, K={k})")
-    warps = DEFAULT_WARPS if warps is None else warps
+    warps = default_warps(m, n, sm_count) if warps is None else warps
     if warps not in WARPS:
         raise ValueError(f"gemv_mma_fp8: warps {warps} not one of {WARPS}")
-    rows = row_bucket(m)
-    split = default_split(n, k, rows, warps, sm_count) if split is None else split
+    split = default_split(n, k, warps, sm_count) if split is None else split
     if split not in SPLITS:
         raise ValueError(f"gemv_mma_fp8: split {split} not one of {SPLITS}")
-    row_groups = -(-n // (16 * warps))
-    if row_groups > MAX_GRID_X:
+    groups = row_groups(n, warps)
+    if groups > MAX_GRID_X:
         raise ValueError(f"gemv_mma_fp8: N={n} needs more than {MAX_GRID_X} CTAs")
-    return Launch(entry_name(rows, warps, split), (row_groups, 1, split), (32 * warps, 1, 1),
+    return Launch(entry_name(row_bucket(m), warps, split), (groups, 1, split), (32 * warps, 1, 1),
                   smem_bytes(m))

@@ -211,10 +211,10 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
         const bool more = w + 1 < windows;
 #pragma unroll
         for (int i = 0; i < WIN; ++i) {
-            if (kb + i >= kb1) break;  // the last window of the K share may be partial
-            mma_block<NT>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g, acc);
-            // refill the slot just used with block i of the next window
-            load_block(next + i, more, w_regs[i][0], w_regs[i][1]);
+            // The last window of the K share may be partial (and is visited anywhere in the
+            // rotated order); its missing blocks are skipped, their slots still refilled.
+            if (kb + i < kb1) mma_block<NT>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g, acc);
+            load_block(next + i, more, w_regs[i][0], w_regs[i][1]);  // block i of the next window
         }
     }
 
