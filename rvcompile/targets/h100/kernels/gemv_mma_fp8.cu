@@ -7,13 +7,17 @@
 // row and the work per weight byte barely grows with M.
 //
 // A CTA of NW warps owns 16 NW rows of W; each warp owns 16 of them. The CTA walks its share of K
-// in windows of WIN 64-wide k blocks, starting at a window that depends on the CTA (so that
-// neighbours do not march through W in step): every lane loads 16 bytes of its rows g and g + 8
-// per block straight into registers, up to WIN blocks ahead (2 WIN - 2 .. 2 WIN 16-byte loads in
-// flight per lane). The x rows of the current window sit in shared memory, NSTAGE windows staged
-// ahead by cp.async, one __syncthreads per window. A split-K variant (_s2 .. _s8) is a
-// thread-block cluster along z: each CTA sums a contiguous share of the k blocks and the partial
-// tiles are added in rank order through distributed shared memory. Results are deterministic.
+// in 64-wide k blocks, in order: every lane loads 16 bytes of its rows g and g + 8 per block
+// straight into registers, up to WIN blocks ahead (2 WIN - 2 .. 2 WIN 16-byte loads in flight per
+// lane; a slot is refilled right after its block's mma). The x rows of the current k window (WIN
+// blocks) sit in shared memory, NSTAGE windows staged ahead by cp.async, one __syncthreads per
+// window. A split-K variant (_s2 .. _s8) is a thread-block cluster along z: each CTA sums a
+// contiguous share of the k blocks and the partial tiles are added in rank order through
+// distributed shared memory. Results are deterministic.
+//
+// Tried and dropped (H100 sweeps, 2026-11-24): starting each CTA at a different k window so that
+// neighbours do not march through W in step (3-18% slower); issuing a slot's refill before its
+// block's mma at 80-96 registers (fewer CTAs per SM; slower at the chosen launches).
 //
 // Numerics: e4m3 -> bf16 is exact, x is used as given, products are exact in f32; each 64-wide
 // k block goes into a fresh mma accumulator that is then added (round-to-nearest) into the
@@ -154,28 +158,20 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
     const int part = SPLIT == 1 ? 0 : (int)blockIdx.z;
     const int kb0 = blocks * part / SPLIT, kb1 = blocks * (part + 1) / SPLIT;
     const int windows = (kb1 - kb0 + WIN - 1) / WIN;
-    // The CTA visits its windows from a start that depends on its row group (wrapping around),
-    // so that CTAs running side by side read different k offsets of their rows instead of
-    // marching through W in step. first_block(w): the first k block of the w-th window visited.
-    const int rotation = windows > 0 ? (int)(blockIdx.x % (unsigned)windows) : 0;
-    auto first_block = [&](int w) {
-        const int v = w + rotation;
-        return kb0 + (v < windows ? v : v - windows) * WIN;
-    };
 
     const int row_a = n0 + warp * 16 + g, row_b = row_a + 8;
     const bool ok_a = row_a < N, ok_b = row_b < N;
     const uint8_t* wa = W + (size_t)(ok_a ? row_a : 0) * K + 16 * t;
     const uint8_t* wb = W + (size_t)(ok_b ? row_b : 0) * K + 16 * t;
-    auto load_block = [&](int kb, bool wanted, uint4& va, uint4& vb) {
-        const bool in = wanted && kb < kb1 && kb * KB + 16 * t < K;
+    auto load_block = [&](int kb, uint4& va, uint4& vb) {
+        const bool in = kb < kb1 && kb * KB + 16 * t < K;
         va = load_w(wa + (size_t)kb * KB, in && ok_a);
         vb = load_w(wb + (size_t)kb * KB, in && ok_b);
     };
-    // x of the w-th window visited (WIN * KB wide) into stage w % NSTAGE
+    // x window w of this CTA (k from (kb0 + WIN w) * KB, WIN * KB wide) into stage w % NSTAGE
     auto load_window = [&](int w) {
         unsigned char* xs = smem + (w % NSTAGE) * M * XROW;
-        const int k0 = first_block(w) * KB;
+        const int k0 = (kb0 + w * WIN) * KB;
 #pragma unroll 1  // a few chunks per thread once per window: keep registers for W
         for (int c = tid; c < M * (WIN * KB / 8); c += THREADS) {
             const int m = c / (WIN * KB / 8), ch = c % (WIN * KB / 8);
@@ -187,9 +183,7 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
 
     uint4 w_regs[WIN][2];
 #pragma unroll
-    for (int i = 0; i < WIN; ++i) {
-        load_block(first_block(0) + i, windows > 0, w_regs[i][0], w_regs[i][1]);
-    }
+    for (int i = 0; i < WIN; ++i) load_block(kb0 + i, w_regs[i][0], w_regs[i][1]);
 #pragma unroll
     for (int s = 0; s < NSTAGE - 1; ++s) {
         if (s < windows) load_window(s);
@@ -207,14 +201,12 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
         if (w + NSTAGE - 1 < windows) load_window(w + NSTAGE - 1);
         cp_async_commit();
         const unsigned char* xs = smem + (w % NSTAGE) * M * XROW + 32 * t;
-        const int kb = first_block(w), next = first_block(w + 1);
-        const bool more = w + 1 < windows;
 #pragma unroll
         for (int i = 0; i < WIN; ++i) {
-            // The last window of the K share may be partial (and is visited anywhere in the
-            // rotated order); its missing blocks are skipped, their slots still refilled.
-            if (kb + i < kb1) mma_block<NT>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g, acc);
-            load_block(next + i, more, w_regs[i][0], w_regs[i][1]);  // block i of the next window
+            const int kb = kb0 + w * WIN + i;
+            if (kb >= kb1) break;  // only the last window may be partial: nothing follows it
+            mma_block<NT>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g, acc);
+            load_block(kb + WIN, w_regs[i][0], w_regs[i][1]);  // refill the slot just used
         }
     }
 
