@@ -15,9 +15,10 @@
 // contiguous share of the k blocks and the partial tiles are added in rank order through
 // distributed shared memory. Results are deterministic.
 //
-// Tried and dropped (H100 sweeps, 2026-11-24): starting each CTA at a different k window so that
-// neighbours do not march through W in step (3-18% slower); issuing a slot's refill before its
-// block's mma at 80-96 registers (fewer CTAs per SM; slower at the chosen launches).
+// Tried and dropped (H100 sweeps, 2026-11-24, docs/BENCHMARKS.md): starting each CTA at a
+// different k window so that neighbours do not march through W in step (3-18% slower); no L2
+// 256-byte prefetch hint on the W loads (slower). Open: issuing a slot's refill before its
+// block's mma at 80-96 registers was faster at M <= 8 but only timed at an older launch choice.
 //
 // Numerics: e4m3 -> bf16 is exact, x is used as given, products are exact in f32; each 64-wide
 // k block goes into a fresh mma accumulator that is then added (round-to-nearest) into the
