@@ -4,7 +4,8 @@
 OpenAI-compatible HTTP server (rvcompile.runtime.server).
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
-exits 2.
+exits 2. The sampling flags get the engine's own request check (runtime/request_limits), the
+parts that need no artifact before it loads; a generation the engine fails exits 1.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     a = p.parse_args(argv)
-    if a.max_tokens < 1 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.temperature < 0:
-        return _fail("need --max-tokens >= 1, --top-k >= 0, 0 < --top-p <= 1, --temperature >= 0")
+    from rvcompile.runtime import request_limits as rl
+    from rvcompile.runtime.executor_api import Sampling
+
+    try:  # before the (slow) load; the vocabulary and context limits follow in generate
+        rl.check_max_tokens(a.max_tokens)
+        rl.check_sampling(Sampling(a.temperature, a.top_k, a.top_p, a.seed), vocab_size=None)
+        rl.check_stop(a.stop)
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
     from rvcompile import runtime
 
     t0 = time.perf_counter()
@@ -54,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                                        chat=a.chat):
             sys.stdout.write(piece)
             sys.stdout.flush()
-    except ValueError as e:
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
+    except ValueError as e:  # the chat template refused the prompt
         return _fail(str(e))
+    except RuntimeError as e:  # the engine failed the generation
+        return _fail(str(e), status=1)
     sys.stdout.write("\n")
     r = m.last_result
     ex = m.executor
@@ -169,9 +181,14 @@ def serve_main(argv: list[str]) -> int:
     return 0
 
 
-def _fail(msg: str) -> int:
+def _flag_error(e) -> str:
+    """A RequestError in the CLI's words: its field as the flag that set it."""
+    return f"--{e.param.replace('_', '-')}: {e.problem}"
+
+
+def _fail(msg: str, status: int = 2) -> int:
     print(f"rvrun: error: {msg.splitlines()[0]}", file=sys.stderr)
-    return 2
+    return status
 
 
 if __name__ == "__main__":
