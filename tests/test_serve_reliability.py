@@ -21,7 +21,6 @@ import json
 import logging
 import random
 import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,10 +29,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from test_serve import BIN, KV_BLOCKS, NAME, POOLS, Server
+from test_serve import KV_BLOCKS, NAME, POOLS, Server
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime import cli
 from rvcompile.runtime.executor_api import DeviceError
 from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.server import ServeOptions, create_app
@@ -106,11 +106,14 @@ def test_out_of_range_values_get_a_400_and_the_server_serves_on(server):
     assert m.get("rvrun_request_finish_total{reason=error}", 0) == 0
 
 
-def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, server):
-    def rvrun(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "rvrun"), str(artifact), "--prompt", "hi", "--no-verify",
-                               "--max-tokens", "4", *args], capture_output=True, text=True,
-                              timeout=300)
+def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, capsys, monkeypatch):
+    m = runtime.load(artifact, verify=False, kv_blocks=KV_BLOCKS)
+    # rvrun's loads get this model: the artifact compiled once, for these pools.
+    monkeypatch.setattr(runtime, "load", lambda *args, **kw: m)
+
+    def rvrun(*args: str) -> tuple[int, list[str]]:
+        rc = cli.main([str(artifact), "--prompt", "hi", "--max-tokens", "4", *args])
+        return rc, capsys.readouterr().err.strip().splitlines()
 
     for args, needle in ((["--top-k", str(2**31)], "--top-k: "),  # before the load
                          (["--temperature", "nan"], "--temperature: must be finite"),
@@ -119,16 +122,15 @@ def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, server):
                          (["--stop", ""], "--stop: "),
                          (["--top-k", "1025"], "--top-k: must be -1 or 0 (no cut) to 1024"),
                          (["--max-tokens", "200"], "--max-tokens: this model's maximum")):
-        p = rvrun(*args)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1, (args, p.stderr)
+        rc, lines = rvrun(*args)
+        assert rc == 2 and len(lines) == 1, (args, lines)
         assert lines[0].startswith(f"rvrun: error: {needle}"), (args, lines[0])
-    p = rvrun("--top-k", "1024", "--temperature", "1", "--ignore-eos")
-    assert p.returncode == 0 and "new 4 tokens" in p.stderr, p.stderr
-    m = runtime.load(artifact, verify=False, kv_blocks=KV_BLOCKS)
+    rc, lines = rvrun("--top-k", "1024", "--temperature", "1", "--ignore-eos")
+    assert rc == 0 and "new 4 tokens" in lines[-1], lines
     for kw, param in (({"top_k": 2**31}, "top_k"), ({"temperature": float("nan")}, "temperature"),
                       ({"seed": 2**70}, "seed"), ({"stop": [""]}, "stop"),
-                      ({"ignore_eos": "no"}, "ignore_eos"), ({"max_tokens": 0}, "max_tokens")):
+                      ({"ignore_eos": "no"}, "ignore_eos"), ({"max_tokens": 0}, "max_tokens"),
+                      ({"max_tokens": 200}, "max_tokens")):
         with pytest.raises(RequestError) as e:
             m.generate("hi", **kw)
         assert e.value.param == param

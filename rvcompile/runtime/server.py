@@ -416,8 +416,11 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
                 return text, out
 
     async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a channel that fails is a client gone too
+            return
 
     collector = asyncio.ensure_future(collect())
     watcher = asyncio.ensure_future(disconnected())
