@@ -27,7 +27,11 @@ from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import (
     cast_bf16,
+    fuse_attention,
     fuse_gated_mlp,
+    fuse_moe,
+    fuse_next_norm,
+    fuse_ple,
     fuse_qkv,
     fuse_residual_norm,
     kv_fp8,
@@ -47,6 +51,14 @@ class TargetSpec:
 
 
 _XLA_EMITS = "serialized StableHLO (jax.export) for tpu, cuda and cpu"
+# What the H100 kernels run as one unit, made IR ops after the fusions above; the lowering then
+# maps each op to its launches (targets/h100/launches.py).
+_H100_BLOCKS = (
+    ("fuse_attention", fuse_attention.run),  # q/k/v norms, RoPE, KV writes, attention
+    ("fuse_moe", fuse_moe.run),  # router chain, experts, branch sum
+    ("fuse_ple", fuse_ple.run),  # per-layer inputs: embed's, each layer's projection
+    ("fuse_next_norm", fuse_next_norm.run),  # a residual add's next RMSNORM, across graphs too
+)
 TARGETS: dict[str, TargetSpec] = {
     "tpu-bf16": TargetSpec("tpu-bf16", (("cast_bf16", cast_bf16.run),),
                            _XLA_EMITS + "; bf16 weights and KV cache"),
@@ -65,12 +77,14 @@ TARGETS: dict[str, TargetSpec] = {
         ("fuse_residual_norm", fuse_residual_norm.run),
         ("fuse_gated_mlp", fuse_gated_mlp.run),
         ("fuse_qkv", fuse_qkv.run),
+        *_H100_BLOCKS,
     ), "a kernel schedule over sm_90a cubins + CUDA-graph decode; FP8 e4m3 per-channel "
        "weights, bf16 KV cache", lowering="h100"),
     "h100-f32": TargetSpec("h100-f32", (
         ("fuse_residual_norm", fuse_residual_norm.run),  # no casts, no quantization
         ("fuse_gated_mlp", fuse_gated_mlp.run),
         ("fuse_qkv", fuse_qkv.run),
+        *_H100_BLOCKS,
     ), "the h100-fp8 kernel schedule through the kernels' float32 entries: float32 weights, "
        "activations and KV cache (exact tests)", lowering="h100"),
 }
@@ -89,6 +103,48 @@ class BuildOptions:
     tp: int = 1  # tensor-parallel devices the XLA programs are sharded over (targets/xla/sharding)
     kv_cache: str = "auto"  # "float" (the target's), "int8", "fp8", "auto": kv_cache_choice
 
+    def __post_init__(self) -> None:
+        """Every option inside its documented range, else a one-line CheckpointError naming the
+        CLI option; what depends on the model or the target is checked where that is known."""
+        if self.target not in TARGETS:
+            raise CheckpointError(f"unknown target {self.target!r} (known: {', '.join(TARGETS)})")
+        _check_count("--max-context", self.max_context, 1)
+        _check_count("--max-seqs", self.slots, 1)
+        if not isinstance(self.prefill_buckets, tuple) or not self.prefill_buckets:
+            raise CheckpointError(f"--prefill-buckets {self.prefill_buckets!r}: expected one or "
+                                  "more sizes")
+        for size in self.prefill_buckets:
+            _check_count("--prefill-buckets", size, 1)
+        chunk = max(self.prefill_buckets)
+        if chunk > self.max_context:
+            raise CheckpointError(f"--max-context {self.max_context} must be >= the largest "
+                                  f"prefill bucket {chunk}")
+        if not self.platforms or set(self.platforms) - set(PLATFORMS):
+            raise CheckpointError(f"--platforms {','.join(self.platforms)!r}: expected a comma "
+                                  f"list of {', '.join(PLATFORMS)}")
+        _check_count("--tp", self.tp, 1)
+        # One decode_loop call writes at most one prefill chunk of positions (the sliding ring
+        # is sized for that): more steps than the largest bucket would not fit.
+        steps = self.decode_loop_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= chunk:
+            raise CheckpointError(f"--decode-loop-steps {steps!r}: expected 0 (no loop) to "
+                                  f"{chunk}, the largest prefill bucket")
+        if self.kv_cache not in KV_CACHE_CHOICES:
+            raise CheckpointError(f"--kv-cache {self.kv_cache!r}: expected one of "
+                                  f"{', '.join(KV_CACHE_CHOICES)}")
+
+
+PLATFORMS = ("tpu", "cuda", "cpu")
+
+
+def _check_count(option: str, value: object, low: int, high: int | None = None) -> None:
+    """`value` is an int in [low, high]; CheckpointError naming `option` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+        high is not None and value > high
+    ):
+        want = f">= {low}" if high is None else f"from {low} to {high}"
+        raise CheckpointError(f"{option} {value!r}: expected an integer {want}")
+
 
 @dataclass(frozen=True)
 class BuildReport:
@@ -99,19 +155,24 @@ class BuildReport:
 
 
 def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
-    if opts.target not in TARGETS:
-        raise CheckpointError(f"unknown target {opts.target!r} (known: {', '.join(TARGETS)})")
     cfg = source.config
     max_context = min(opts.max_context, cfg.max_position_embeddings)
-    ir = build_model_ir(cfg, max_context=max_context, max_chunk=max(opts.prefill_buckets))
-    if opts.dump_ir == "frontend":
-        log(format_ir(ir))
     passes = TARGETS[opts.target].passes
     kv = kv_cache_choice(opts, max_context)
     if kv == "int8":
         passes += (("kv_int8", kv_int8.run),)  # after the casts: the cache dtype is the last word
     if kv == "fp8":
         passes += (("kv_fp8", kv_fp8.run),)  # likewise
+    stages = ("frontend", *(name for name, _ in passes))
+    if opts.dump_ir is not None and opts.dump_ir not in stages:
+        raise CheckpointError(f"--dump-ir {opts.dump_ir!r}: this build has no such stage (it "
+                              f"has {', '.join(stages)})")
+    if max(opts.prefill_buckets) > max_context:
+        raise CheckpointError(f"--prefill-buckets: the largest bucket {max(opts.prefill_buckets)} "
+                              f"is above {cfg.name}'s max_position_embeddings {max_context}")
+    ir = build_model_ir(cfg, max_context=max_context, max_chunk=max(opts.prefill_buckets))
+    if opts.dump_ir == "frontend":
+        log(format_ir(ir))
     for name, run in passes:
         ir = run(ir)
         check_model(ir)
@@ -130,9 +191,6 @@ def kv_cache_choice(opts: BuildOptions, max_context: int) -> str:
     float32 scale per token and KV head, passes/kv_int8) exists on the XLA targets, "fp8"
     (unscaled e4m3, passes/kv_fp8) on h100-fp8. "auto" is int8 beyond INT8_KV_CONTEXT tokens on
     the XLA targets other than the exact xla-f32, else float."""
-    if opts.kv_cache not in KV_CACHE_CHOICES:
-        raise CheckpointError(f"--kv-cache {opts.kv_cache!r}: expected one of "
-                              f"{', '.join(KV_CACHE_CHOICES)}")
     xla = TARGETS[opts.target].lowering == "xla"
     if opts.kv_cache == "int8" and not xla:
         raise CheckpointError(f"--kv-cache int8: target {opts.target} has no int8 KV cache; "
@@ -168,6 +226,10 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
                                random_ranges=random_ranges)
     ir = lower_model(source, opts, log)
+    if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
+        log(f"rvcompile: warning: --max-context {opts.max_context} is above "
+            f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
+            f"{ir.max_context} tokens")
     if TARGETS[opts.target].lowering == "h100":
         lowered = _lower_h100(ir, opts)
     else:
@@ -269,6 +331,9 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
     if opts.tp != 1:
         raise CheckpointError(f"target {opts.target} runs on one GPU; --tp {opts.tp} is for the "
                               "XLA targets")
+    if opts.decode_loop_steps:
+        raise CheckpointError(f"--decode-loop-steps {opts.decode_loop_steps}: target "
+                              f"{opts.target} has no device-side decode loop (XLA targets only)")
     if opts.platforms != ("cuda",) and set(opts.platforms) != set(BuildOptions.platforms):
         raise CheckpointError(f"target {opts.target} runs on cuda only, not "
                               f"{', '.join(opts.platforms)}")

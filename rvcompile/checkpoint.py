@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -217,8 +218,23 @@ class _Entry:
     nbytes: int
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook: a name given twice would silently lose one of its tensors."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"tensor {key} appears twice")
+        out[key] = value
+    return out
+
+
 def read_safetensors_header(path: Path) -> list[_Entry]:
-    """Parse and validate a safetensors header; entries sorted by data offset."""
+    """Parse and validate a safetensors header; entries sorted by data offset.
+
+    Checked: the header length fits the file and the library's limit, the header is a JSON
+    object without repeated names, every entry has a known dtype, a shape of non-negative
+    integers and two integer data_offsets whose span is exactly shape * itemsize bytes inside
+    the data section, and no two tensors' bytes overlap."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -226,7 +242,12 @@ def read_safetensors_header(path: Path) -> list[_Entry]:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, too short)")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > _MAX_HEADER:
+            if n > _MAX_HEADER:
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header: header length {n} is above the "
+                    f"{_MAX_HEADER}-byte limit (not a safetensors file?)"
+                )
+            if n > size - 8:
                 raise CheckpointError(
                     f"{path}: corrupt safetensors header: header length {n} runs past the end "
                     f"of the {size}-byte file (truncated or not a safetensors file?)"
@@ -235,8 +256,8 @@ def read_safetensors_header(path: Path) -> list[_Entry]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: corrupt safetensors header: not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
@@ -245,35 +266,48 @@ def read_safetensors_header(path: Path) -> list[_Entry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(x) for x in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-            if not isinstance(dtype, str) or any(x < 0 for x in shape):
-                raise ValueError
-        except (TypeError, KeyError, ValueError):
+        what = f"{path}: corrupt safetensors header: tensor {name}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{what}: entry is not a JSON object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{what}: unknown dtype {json.dumps(dtype)}")
+        if not isinstance(shape, list) or not all(_is_count(x) for x in shape):
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: bad entry for tensor {name}"
-            ) from None
-        if not 0 <= begin <= end:
+                f"{what}: shape {json.dumps(shape)} is not a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(_is_count(x) for x in offsets)):
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} has data_offsets "
-                f"[{begin}, {end}]"
-            )
+                f"{what}: data_offsets {json.dumps(offsets)} is not two integers >= 0")
+        begin, end = offsets
+        if begin > end:
+            raise CheckpointError(f"{what}: data_offsets [{begin}, {end}] end before they begin")
         if end > data_len:
             raise CheckpointError(
                 f"{path}: tensor {name} data ends at byte {end} but the data section has only "
                 f"{data_len} bytes (truncated file?)"
             )
-        itemsize = _ITEMSIZE.get(dtype)
-        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+        need = math.prod(shape) * _ITEMSIZE[dtype]
+        if end - begin != need:
             raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name} has {end - begin} bytes "
-                f"but {dtype}{list(shape)} needs {math.prod(shape) * itemsize}"
+                f"{what}: has {end - begin} bytes but {dtype}{shape} needs {need}"
             )
-        entries.append(_Entry(name, dtype, shape, data_start + begin, end - begin))
-    entries.sort(key=lambda e: e.start)
+        entries.append(_Entry(name, dtype, tuple(shape), data_start + begin, end - begin))
+    entries.sort(key=lambda e: (e.start, e.nbytes))
+    for before, after in itertools.pairwise(entries):
+        if after.start < before.start + before.nbytes:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensors {before.raw_name} and "
+                f"{after.raw_name} overlap (data_offsets [{before.start - data_start}, "
+                f"{before.start - data_start + before.nbytes}] and [{after.start - data_start}, "
+                f"{after.start - data_start + after.nbytes}])"
+            )
     return entries
+
+
+def _is_count(x: Any) -> bool:
+    """A JSON integer >= 0 (true/false are not sizes)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _read_stored(path: str, raw_name: str, start: int, nbytes: int,
@@ -655,6 +689,8 @@ def _read_chat_template(directory: Path) -> str | None:
 
 
 def _generation_config(directory: Path, cfg: Gemma4Config) -> dict[str, Any]:
+    """generation_config.json, the config's ids filling a missing bos/pad/eos, eos as a list;
+    `_check_tokenizer` checks the ids."""
     path = directory / "generation_config.json"
     gen: dict[str, Any] = {}
     if path.is_file():
@@ -669,10 +705,7 @@ def _generation_config(directory: Path, cfg: Gemma4Config) -> dict[str, Any]:
     eos = gen.get("eos_token_id")
     if eos is None:
         eos = list(cfg.eos_token_ids)
-    try:
-        gen["eos_token_id"] = [int(x) for x in (eos if isinstance(eos, list) else [eos])]
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path}: eos_token_id {eos!r} is not an id or list of ids") from None
+    gen["eos_token_id"] = list(eos) if isinstance(eos, list) else [eos]
     return gen
 
 
@@ -688,6 +721,41 @@ def _read_tokenizer_json(directory: Path) -> str:
     if not isinstance(parsed, dict) or "model" not in parsed:
         raise CheckpointError(f"{path}: not a tokenizers tokenizer.json (no \"model\")")
     return text
+
+
+def _check_tokenizer(directory: Path, tokenizer_json: str, gen: dict[str, Any],
+                     cfg: Gemma4Config) -> None:
+    """The tokenizer loads as the runtime will load it, and every id it or generation_config
+    can produce indexes the embedding: id < vocab_size. Fewer tokens than vocab_size is fine
+    (checkpoints pad the embedding; the extra rows are never looked up), an id at or above it
+    would read past the table (XLA clamps such a gather: a silently wrong token, not an error)."""
+    from tokenizers import Tokenizer
+
+    path = directory / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # tokenizers raises plain Exception
+        raise CheckpointError(f"{path}: the tokenizers library cannot load it "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                              ) from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if vocab:
+        token, top = max(vocab.items(), key=lambda kv: kv[1])
+        if top >= cfg.vocab_size:
+            raise CheckpointError(
+                f"{path}: token {token!r} has id {top}, outside the model's vocabulary "
+                f"(vocab_size {cfg.vocab_size} in {directory / 'config.json'})"
+            )
+    where = directory / "generation_config.json"
+    for key in ("bos_token_id", "pad_token_id"):
+        _check_token_id(where, key, gen[key], cfg.vocab_size)
+    for token_id in gen["eos_token_id"]:
+        _check_token_id(where, "eos_token_id", token_id, cfg.vocab_size)
+
+
+def _check_token_id(where: Path, key: str, value: Any, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise CheckpointError(f"{where}: {key} {value!r} is not a token id in [0, {vocab_size})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,9 +813,12 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
             )
     else:
         tensors = _file_tensors(directory, cfg, read_fp8_scheme(directory))
+    tokenizer_json = _read_tokenizer_json(directory)
+    generation_config = _generation_config(directory, cfg)
+    _check_tokenizer(directory, tokenizer_json, generation_config, cfg)
     return ModelSource(
-        config=cfg, tensors=tensors, tokenizer_json=_read_tokenizer_json(directory),
-        generation_config=_generation_config(directory, cfg),
+        config=cfg, tensors=tensors, tokenizer_json=tokenizer_json,
+        generation_config=generation_config,
         chat_template=_read_chat_template(directory), origin=str(directory),
     )
 

@@ -1,18 +1,31 @@
-"""`rvcompile`: build, inspect and verify artifacts, list targets.
+"""`rvcompile`: build, inspect, verify and sign artifacts, make signing keys, list targets.
 
 Every failure caused by the user's input prints one line `rvcompile: error: ...` to stderr and
-exits 2; nothing is left at the output path.
+exits 2; nothing is left at the output path. A build stopped by SIGTERM or SIGINT removes its
+temporary file, prints one line and dies of that signal. SIGKILL cannot be caught: a build killed
+with it leaves `.NAME.tmp-PID` beside the output path (never a partial NAME).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.signature import (
+    load_signing_key,
+    load_trusted_key,
+    sign_artifact,
+    status,
+    write_keypair,
+)
 from rvcompile.checkpoint import CheckpointError
 from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
@@ -28,6 +41,45 @@ USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, LoweringE
 def fail(msg: str) -> None:
     typer.echo(f"rvcompile: error: {msg}", err=True)
     raise typer.Exit(2)
+
+
+class BuildInterrupted(BaseException):
+    """SIGTERM or SIGINT during a build. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way up swallows it; unwinding runs every `with` block's cleanup,
+    the artifact writer's removal of its temp file included."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """Within the block, the first SIGTERM/SIGINT raises BuildInterrupted in the main thread
+    (between bytecodes: a long C call, an XLA compile say, finishes first) and later ones are
+    ignored, so the cleanup they started is not cut short. The handlers are restored after."""
+
+    def handler(signum: int, frame: object) -> None:
+        for s in CLEANUP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise BuildInterrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in CLEANUP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _die_of(signum: int) -> None:
+    """Exit as killed by `signum` (what a shell or supervisor that sent it expects to see)."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise typer.Exit(128 + signum)  # not reached unless the signal is blocked
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -49,7 +101,8 @@ def build(
     weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
     random_weights: bool = typer.Option(False, "--random-weights",
                                         help="seeded random weights of the real shapes"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
+                                                          ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
     slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
@@ -70,41 +123,55 @@ def build(
                                       "attention), fp8 (h100-fp8: e4m3, unit scale, half the "
                                       "bytes), auto (int8 beyond 32K context on XLA targets "
                                       "but xla-f32)"),
-    decode_loop_steps: int = typer.Option(32, "--decode-loop-steps",
-                                          help="XLA targets: decode steps per device-side loop "
-                                               "call (at most the largest prefill bucket); 0: "
-                                               "no loop, one host round trip per token"),
+    decode_loop_steps: int | None = typer.Option(
+        None, "--decode-loop-steps",
+        help="XLA targets: decode steps per device-side loop call, 0 to the largest prefill "
+             "bucket (default 32, or that bucket if smaller); 0: no loop, one host round trip "
+             "per token"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
-    from rvcompile.build import BuildOptions, build_artifact
+    from rvcompile.build import TARGETS, BuildOptions, build_artifact
 
+    if seed is not None and not random_weights:
+        fail(f"--seed {seed}: only --random-weights uses a seed")
+    if seed is not None and seed < 0:
+        fail(f"--seed {seed}: expected an integer >= 0")
     buckets = _buckets(prefill_buckets)
-    if max_context < buckets[-1] or slots < 1:
-        fail(f"--max-context {max_context} must be >= the largest prefill bucket "
-             f"{buckets[-1]}, and --max-seqs >= 1")
-    if decode_loop_steps < 0:
-        fail(f"--decode-loop-steps {decode_loop_steps}: expected 0 (no loop) or more")
+    if decode_loop_steps is None:  # the default: 32 steps where there is a loop and room
+        xla = target in TARGETS and TARGETS[target].lowering == "xla"
+        decode_loop_steps = min(32, buckets[-1]) if xla else 0
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
-    if not chosen or set(chosen) - {"tpu", "cuda", "cpu"}:
-        fail(f"--platforms {platforms!r}: expected a comma list of tpu, cuda, cpu")
-    opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                        slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir, kv_cache=kv_cache,
-                        decode_loop_steps=decode_loop_steps, topologies=tuple(topology))
     try:
-        report = build_artifact(model, output, opts, weights=weights,
-                                random_weights=random_weights, seed=seed,
-                                progress=progress and sys.stderr.isatty(),
-                                log=lambda s: typer.echo(s, err=True))
+        with _signals_unwind():
+            opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
+                                slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
+                                kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
+                                topologies=tuple(topology))
+            report = build_artifact(model, output, opts, weights=weights,
+                                    random_weights=random_weights, seed=seed or 0,
+                                    progress=progress and sys.stderr.isatty(),
+                                    log=lambda s: typer.echo(s, err=True))
+    except BuildInterrupted as e:
+        typer.echo(f"rvcompile: error: interrupted by {e}; no temporary file left behind",
+                   err=True)
+        _die_of(e.signum)
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {report.path} ({report.artifact_bytes / 2**20:.1f} MiB, weights "
                f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
 
 
+TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)"
+
+
 @app.command()
-def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show an artifact's model, target, platforms, entry points, sizes, hashes and versions."""
+def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
+            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
+            ) -> None:
+    """Show an artifact's model, target, platforms, entry points, sizes, hashes, versions and
+    signers (each signature valid, INVALID, or not checked without its --trusted-key)."""
     try:
+        keys = [load_trusted_key(k) for k in trusted_key]
         with Artifact.open(artifact) as art:
             h, m = art.header, art.manifest
             info = {
@@ -122,6 +189,9 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
+            signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
+            info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
+                                  for s, st in signed]
     except USER_ERRORS as e:
         fail(str(e))
     if as_json:
@@ -138,6 +208,9 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
                    f"digest {s['digest'][:16]}")
+    typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
+    for sig, st in signed:
+        typer.echo(f"  signed by {sig.who()}, {st}")
 
 
 def _echo_mesh(mesh: dict) -> None:
@@ -167,15 +240,48 @@ def _echo_precompiled(sets: dict) -> None:
 
 
 @app.command()
-def verify(artifact: Path) -> None:
-    """Re-hash every section; exit 0 when all match, 2 otherwise."""
+def verify(artifact: Path,
+           trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
+           ) -> None:
+    """Re-hash every section; with --trusted-key, first require a valid signature by one of the
+    keys. Exit 0 when all checks pass, 2 otherwise."""
     try:
-        with Artifact.open(artifact) as art:
+        keys = [load_trusted_key(k) for k in trusted_key] or None
+        with Artifact.open(artifact, trusted_keys=keys) as art:
             art.verify()
             n = len(art.sections)
+            signed = "; ".join(f"signed by {s.who()}, {status(s, art.signable, keys or [])}"
+                               for s in art.signatures) or "unsigned"
     except USER_ERRORS as e:
         fail(str(e))
-    typer.echo(f"{artifact}: OK ({n} sections)")
+    typer.echo(f"{artifact}: OK ({n} sections; {signed})")
+
+
+@app.command()
+def sign(artifact: Path,
+         key: Path = typer.Option(..., "--key", help="PEM Ed25519 private key (see `keygen`)"),
+         signer: str = typer.Option("", "--signer", help="a name shown with the signature")
+         ) -> None:
+    """Add an Ed25519 signature over the artifact's header and digest table (replacing one by
+    the same key). Fast at any size: the sections are not re-hashed; `verify` them first if the
+    file's history is unknown."""
+    try:
+        signatures = sign_artifact(artifact, load_signing_key(key), signer)
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(f"{artifact}: signed by {signatures[-1].who()} "
+               f"({len(signatures)} signature{'s' if len(signatures) > 1 else ''})")
+
+
+@app.command()
+def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private, mode 0600) "
+                                                       "and OUT.pub")) -> None:
+    """Make an Ed25519 key pair for `sign` (private) and `rvrun --trusted-key` (public)."""
+    try:
+        private, public, kid = write_keypair(out)
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(f"wrote {private} (private, keep it secret) and {public}; key id {kid}")
 
 
 @app.command()

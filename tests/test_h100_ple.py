@@ -38,9 +38,9 @@ from rvcompile.config import Gemma4Config
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir import ops
 from rvcompile.ir.interpret import run_graph
+from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
-from rvcompile.targets.h100.lower import _trace_ple_embed
 from rvcompile.targets.h100.reference_executor import reference_executor
 
 BF16 = ml_dtypes.bfloat16
@@ -65,7 +65,7 @@ def _ple_config() -> Gemma4Config:
 
 def test_combine_reference_is_the_embed_graph() -> None:
     """ple_combine's reference, given the model projection's output and the gathered bf16 table
-    rows, with the constants lowering traces from the graph, equals the embed graph's `ple`."""
+    rows, with the constants fuse_ple puts in the PLE_EMBED op, equals the embed graph's `ple`."""
     cfg = _ple_config()
     ir = build_model_ir(cfg, max_context=64, max_chunk=8)
     rng = np.random.default_rng(0)
@@ -73,13 +73,13 @@ def test_combine_reference_is_the_embed_graph() -> None:
                for p in ir.params}
     ids = rng.integers(0, cfg.vocab_size, (1, 5)).astype(np.int32)
     want = run_graph(ir.embed, {"tokens": ids}, weights.__getitem__)
-    traced = _trace_ple_embed(ir.embed)
+    [fused] = [n.attrs for n in fuse_ple.run(ir).embed.nodes if n.op is ops.Op.PLE_EMBED]
     layers, p = cfg.num_layers, cfg.hidden_size_per_layer_input
     ctx = ops.ref_linear(ops.LinearAttrs(), want["h"][0],
                          weights["per_layer_model_projection.weight"])
     tok = weights["embed_tokens_per_layer.weight"][ids[0]].astype(BF16)
-    got = ple.combine(ctx, tok, weights["per_layer_projection_norm.weight"], traced.ctx_scale,
-                      traced.tok_mult, traced.out_scale, traced.eps, layers)
+    got = ple.combine(ctx, tok, weights["per_layer_projection_norm.weight"], fused.ctx_scale,
+                      fused.table_scale, fused.out_scale, fused.eps, layers)
     assert got.shape == (5, layers, p)
     assert np.array_equal(got, want["ple"][0])
 

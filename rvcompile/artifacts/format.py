@@ -15,7 +15,13 @@ An .rvp file holds one compiled model. Layout (all integers little-endian):
                   each section in file order, for each of its pieces in order, the 32-byte
                   sha256 of that piece
     ...     ...   manifest JSON (canonical), at a multiple of ALIGN after the piece-digest table;
-                  the file ends where the manifest ends
+                  an unsigned file ends where the manifest ends
+    ...     4096  signature page (optional; v2 since 2026-11-24), at the first multiple of
+                  ALIGN after the manifest; a signed file ends where it ends. Layout below.
+
+Each region (section, table, manifest, signature page) starts at the first multiple of ALIGN
+after the previous one ends, and the bytes between them are zero (readers check both), so that
+no byte of a file lies outside what its hashes and signature cover.
 
 A section of `size` bytes is cut into ceil(size / piece_size) pieces of `piece_size` bytes, the
 last one shorter when `size` is not a multiple (an empty section has none). Pieces are hashed
@@ -34,6 +40,27 @@ Header JSON fields (added in format v1 unless marked):
     piece_size        int > 0 (v2): bytes per piece.
     piece_digests     {"offset": int, "length": int, "sha256": hex str} (v2) locating the
                       piece-digest table; length is 32 times the total number of pieces.
+
+Signature page (see `signature.py`): one ALIGN-byte page, so that `rvcompile sign` rewrites
+exactly one page and never a byte before it:
+    offset  size
+    0       8     SIGNATURE_MAGIC (signature.py)
+    8       4     length n of the signature JSON, uint32
+    12      32    sha256 of the signature JSON
+    44      n     signature JSON (canonical): {"signatures": [{"key_id": str, "signer": str,
+                  "ed25519": str}, ...]}, at least one, at most one per key id
+    44+n    ...   zeros up to 4096
+Signature fields:
+    key_id            str, 64 lowercase hex digits: sha256 of the signer's raw 32-byte Ed25519
+                      public key (the key's fingerprint).
+    signer            str: a name the signer chose, may be empty; at most 128 printable
+                      characters (`inspect` prints it).
+    ed25519           str, 128 lowercase hex digits: the Ed25519 signature of the message
+                      MESSAGE_TAG | key_id (32 raw bytes) | uint32 length + UTF-8 signer |
+                      the header block (all HEADER_SIZE bytes) | the piece-digest table.
+The header block binds the format version, every header field and the sha256 of the table and
+of the manifest; the table binds every section byte. Signatures are independent: adding one
+leaves the others valid.
 
 The section table lives in the header, not the manifest, so a loader can check the file size and
 map sections before it reads (or trusts) anything past the first 4096 bytes, and a truncated
@@ -79,6 +106,11 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-22", 2, "h100 artifacts carry header requirement kernel_launch = \"programmatic\" "
                       "(every kernel opens with griddepcontrol.wait, so the runtime launches "
                       "with programmatic stream serialization); absent: refused (rebuild)"),
+    ("2026-11-24", 2, "optional signature page after the manifest: Ed25519 signatures over the "
+                      "header block and the piece-digest table (signature.py); readers require "
+                      "every region at the first ALIGN multiple after the previous one and zero "
+                      "bytes between; unsigned files are unchanged, and earlier v2 readers "
+                      "refuse signed ones (unexpected bytes after the manifest)"),
 )
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies

@@ -4,11 +4,15 @@ which ties the graphs of one Gemma 4 model together with its weights and KV cach
 A `ModelIR` is four kinds of graph plus data:
 - `embed`: ARG tokens [B,T] -> outputs "h" [B,T,H] (and "ple" [B,T,L,P] with per-layer inputs);
 - `layers[k]`: a layer template; `layer_template[i]` says which one layer i runs. Its PARAM names
-  are relative ("self_attn.q_proj.weight" means "layers.{i}.self_attn.q_proj.weight"). ARGs: "h",
-  "positions" [B,T] (-1 = padding), "cache_len" [B] (cached tokens after this step), "ple"
-  [B,T,P] if any, and its caches ("cache_k"+"cache_v", or "cache_kv" for K=V layers, holding the
-  normalised shared K/V base); outputs "h" and, for layers that own a cache, the updated caches;
+  are relative ("self_attn.q_proj.weight" means "layers.{i}.self_attn.q_proj.weight"; see
+  resolve_param for the prefixes). ARGs: "h", "positions" [B,T] (-1 = padding), "cache_len" [B]
+  (cached tokens after this step), "ple" [B,T,P] if any, and its caches ("cache_k"+"cache_v", or
+  "cache_kv" for K=V layers, holding the normalised shared K/V base); outputs "h" and, for layers
+  that own a cache, the updated caches;
 - `head`: ARG "h" -> "logits" [B,T,V]; `sampler`: "logits" [B,V] + sampling ARGs -> "tokens".
+After passes/fuse_next_norm every graph that hands "h" on also hands "x", the next graph's first
+RMSNORM of h (its input norm), and the next graph takes ARG "x" instead of computing it: embed,
+layers and head pass the CARRIED values from one graph to the next.
 `params` lists every stored weight (full names) with its dtype and how the build derives it from
 a checkpoint tensor; `caches` lists the KV caches, one per layer that owns one.
 """
@@ -149,14 +153,21 @@ class ModelIR:
                        head=fn(self.head), sampler=fn(self.sampler))
 
 
-KV_SOURCE_PREFIX = "kv_source."
+KV_SOURCE_PREFIX = "kv_source."  # the layer whose cache this one reads (KV sharing)
+NEXT_LAYER_PREFIX = "next_layer."  # the next layer (fuse_next_norm: its input norm)
+HEAD_PREFIX = "head."  # a weight of the head graph (fuse_next_norm: the final norm)
 CACHE_ARGS = ("cache_k", "cache_v", "cache_kv")
+CARRIED = ("h", "x")  # the outputs one graph hands the next as ARGs of the same name
 
 
 def resolve_param(rel: str, layer: LayerSpec) -> str:
     """Full weight name of a layer template's PARAM `rel` for layer `layer`."""
     if rel.startswith(KV_SOURCE_PREFIX):
         return f"layers.{layer.kv_source}.{rel[len(KV_SOURCE_PREFIX):]}"
+    if rel.startswith(NEXT_LAYER_PREFIX):
+        return f"layers.{layer.index + 1}.{rel[len(NEXT_LAYER_PREFIX):]}"
+    if rel.startswith(HEAD_PREFIX):
+        return rel[len(HEAD_PREFIX):]
     return f"layers.{layer.index}.{rel}"
 
 
@@ -181,6 +192,20 @@ def check_graph(g: Graph) -> None:
     for name, i in g.outputs:
         if not 0 <= i < len(g.nodes):
             raise SpecError(f"{g.name}: output {name} points nowhere")
+    _check_next_norms(g)
+
+
+def _check_next_norms(g: Graph) -> None:
+    """A NEXT_NORM is computed by the kernel of the RESIDUAL_RMSNORM it reads, which writes one
+    normed copy: it must read one, and no other NEXT_NORM may read the same."""
+    seen: set[int] = set()
+    for i, n in enumerate(g.nodes):
+        if n.op is Op.NEXT_NORM:
+            src = n.inputs[0]
+            if g.nodes[src].op is not Op.RESIDUAL_RMSNORM or src in seen:
+                raise SpecError(f"{g.name}: node {i} (next_norm) must be the only next_norm of "
+                                f"a residual_rmsnorm; it reads %{src} ({g.nodes[src].op.value})")
+            seen.add(src)
 
 
 def check_model(m: ModelIR) -> None:
@@ -215,17 +240,24 @@ def _check_params(g: Graph, specs: dict[str, ParamSpec], resolve) -> None:
 def rewrite_nodes(g: Graph, rule) -> Graph:
     """Rebuild `g` with `rule(builder, node, new_inputs) -> int | None` deciding each node's
     replacement (None keeps it). Returns `g` itself when nothing changed."""
+    return rewrite_indexed(
+        g, lambda b, i, remap: rule(b, g.nodes[i], tuple(remap[j] for j in g.nodes[i].inputs)))
+
+
+def rewrite_indexed(g: Graph, rule) -> Graph:
+    """As rewrite_nodes, for rules that match several nodes: `rule(builder, i, remap) -> int |
+    None` decides node i's replacement, `remap[j]` is any earlier node j's index in the new
+    graph."""
     b = GraphBuilder(g.name)
     remap: dict[int, int] = {}
     changed = False
     for i, n in enumerate(g.nodes):
-        ins = tuple(remap[j] for j in n.inputs)
-        new = rule(b, n, ins)
+        new = rule(b, i, remap)
         if new is None:
             if n.op in (Op.ARG, Op.PARAM):
                 new = b.leaf(n.op, n.attrs.name, n.shape, n.dtype)
-            else:
-                new = b.add(n.op, ins, n.attrs)  # re-inferred: an input may have changed dtype
+            else:  # re-inferred: an input may have changed dtype
+                new = b.add(n.op, tuple(remap[j] for j in n.inputs), n.attrs)
         else:
             changed = True
         remap[i] = new
@@ -233,6 +265,15 @@ def rewrite_nodes(g: Graph, rule) -> Graph:
         return g
     out = b.build({name: remap[i] for name, i in g.outputs})
     check_graph(out)
+    return out
+
+
+def readers(g: Graph) -> list[list[int]]:
+    """The nodes that read each node, in graph order (graph outputs not included)."""
+    out: list[list[int]] = [[] for _ in g.nodes]
+    for i, n in enumerate(g.nodes):
+        for j in n.inputs:
+            out[j].append(i)
     return out
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rvcompile.ir.graph import CACHE_ARGS, Graph, ModelIR, resolve_param
+from rvcompile.ir.graph import CACHE_ARGS, CARRIED, Graph, ModelIR, resolve_param
 from rvcompile.ir.ops import OPS, Int8Cache, Op, empty_cache
 
 ParamGetter = Callable[[str], np.ndarray]
@@ -58,21 +58,24 @@ class ReferenceModel:
         positions = np.where(offs < n_new[:, None], start[:, None] + offs, -1).astype(np.int32)
         cache_len = (start + n_new).astype(np.int32)
         emb = run_graph(ir.embed, {"tokens": tokens.astype(np.int32)}, self.weights.__getitem__)
-        h = emb["h"]
+        carried = {name: v for name, v in emb.items() if name in CARRIED}
         for spec, tid in zip(cfg.layers, ir.layer_template, strict=True):
             g = ir.layers[tid]
-            args = {"h": h, "positions": positions, "cache_len": cache_len}
+            args = {"positions": positions, "cache_len": cache_len}
             if cfg.ple:
                 args["ple"] = emb["ple"][:, :, spec.index]
             for name in g.args():
                 if name in CACHE_ARGS:
                     args[name] = self.caches[(spec.kv_source, name)]
+                elif name in CARRIED:
+                    args[name] = carried[name]
             out = run_graph(g, args, lambda rel, s=spec: self.weights[resolve_param(rel, s)])
-            h = out["h"]
+            carried = {name: v for name, v in out.items() if name in CARRIED}
             for name, v in out.items():
                 if name in CACHE_ARGS:
                     self.caches[(spec.index, name)] = v
-        return run_graph(ir.head, {"h": h}, self.weights.__getitem__)["logits"]
+        args = {name: carried[name] for name in ir.head.args()}
+        return run_graph(ir.head, args, self.weights.__getitem__)["logits"]
 
     def sample(self, logits: np.ndarray, temperature, top_k, top_p, seed, step) -> np.ndarray:
         args = {"logits": logits, "temperature": np.asarray(temperature, np.float32),

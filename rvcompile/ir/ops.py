@@ -50,6 +50,13 @@ class Op(enum.Enum):
     GATED_LINEAR = "gated_linear"  # gelu_tanh(x @ Wg^T) * (x @ Wu^T), each a LINEAR (int8: scaled)
     MULTI_LINEAR = "multi_linear"  # LINEARs of one input, outputs concatenated on the last axis
     SLICE_LAST = "slice_last"  # x[..., start:stop]
+    # Blocks the fusion passes make of what the H100 target runs as one unit (passes/fuse_*):
+    KV_STORE = "kv_store"  # K or V columns of a projection as heads, RMSNORM (x w) [ROPE], KV_WRITE
+    ATTENTION_BLOCK = "attention_block"  # q from a projection (norm, RoPE), ATTENTION over caches
+    MOE_BLOCK = "moe_block"  # router chain, MOE, both MLP branches post-normed and summed
+    PLE_EMBED = "ple_embed"  # per-layer inputs [B,T,L,P]: model projection + per-layer table
+    PLE_PROJECTION = "ple_projection"  # LINEAR(GELU_TANH(gate) * ple, W): a layer's PLE branch
+    NEXT_NORM = "next_norm"  # RMSNORM(h, w) of a RESIDUAL_RMSNORM's h, by the residual's kernel
 
 
 @dataclass(frozen=True)
@@ -131,9 +138,50 @@ class SliceLastAttrs:
     stop: int
 
 
+@dataclass(frozen=True)
+class KVStoreAttrs:
+    start: int  # the rows' first column in the projection's last axis
+    heads: int  # KV heads
+    head_dim: int
+    eps: float
+    rope: RopeAttrs | None  # K of a layer without K=V; None: V, or a K=V layer's shared base
+    ring: bool  # as KVWriteAttrs
+
+
+@dataclass(frozen=True)
+class AttentionBlockAttrs:
+    heads: int  # query heads: q is the projection's first heads * head_dim columns
+    head_dim: int
+    eps: float  # q's RMSNORM
+    rope: RopeAttrs  # q's, and a K=V layer's K derived from the cache
+    window: int | None  # as AttentionAttrs
+    scale: float
+    ring: bool  # the caches' slots hold positions as CachePositionsAttrs(ring) says
+    k_eq_v: bool  # inputs end (cache_kv, k_norm) instead of (cache_k, cache_v)
+
+
+@dataclass(frozen=True)
+class MoEBlockAttrs:
+    top_k: int
+    eps: float  # every norm of the block
+    router_scale: float  # the SCALE between the router input's norm and its projection
+    quantized: bool = False  # expert weights with per-row scales as two extra inputs
+
+
+@dataclass(frozen=True)
+class PleEmbedAttrs:
+    layers: int  # L
+    dim: int  # P
+    ctx_scale: float  # the SCALE after the model projection
+    table_scale: float  # the per-layer table's EMBED multiplier
+    out_scale: float  # the SCALE of the sum
+    eps: float
+
+
 Attrs = (ArgAttrs | ParamAttrs | EmbedAttrs | LinearAttrs | RMSNormAttrs | ScaleAttrs
          | SoftcapAttrs | ReshapeAttrs | RopeAttrs | KVWriteAttrs | CachePositionsAttrs
-         | AttentionAttrs | MoEAttrs | MultiLinearAttrs | SliceLastAttrs | None)
+         | AttentionAttrs | MoEAttrs | MultiLinearAttrs | SliceLastAttrs | KVStoreAttrs
+         | AttentionBlockAttrs | MoEBlockAttrs | PleEmbedAttrs | None)
 
 
 class SpecError(ValueError):
@@ -256,6 +304,10 @@ def ref_rmsnorm(a: RMSNormAttrs, x, w=None):
     return y.astype(np.float32)
 
 
+def ref_scale(a: ScaleAttrs, x):
+    return (x * np.float32(a.value)).astype(np.float32)
+
+
 def ref_add(a, x, y):
     return (x + as_compute(y)).astype(np.float32)
 
@@ -372,6 +424,65 @@ def ref_moe(a: MoEAttrs, x, router_logits, per_expert_scale, gate_up, down,
                 y = y * as_compute(down_scale[e])
             out[n] += w[n, j] * y
     return out.reshape(*lead, -1).astype(np.float32)
+
+# The fused blocks: each reference is the unfused ops' references called in the same order on the
+# same arrays, so a fused graph computes the same bits as the graph it replaced.
+
+def _heads(x, start: int, heads: int, head_dim: int):
+    """SLICE_LAST of a projection's columns [start, start + heads * head_dim), then RESHAPE to
+    [..., heads, head_dim]."""
+    cols = ref_slice_last(SliceLastAttrs(start, start + heads * head_dim), x)
+    return cols.reshape(*cols.shape[:-1], heads, head_dim)
+
+
+def ref_kv_store(a: KVStoreAttrs, cache, qkv, pos, w=None):
+    """KV_WRITE(cache, [ROPE](RMSNORM(heads of qkv[, w])), pos)."""
+    x = ref_rmsnorm(RMSNormAttrs(a.eps), _heads(qkv, a.start, a.heads, a.head_dim), w)
+    if a.rope is not None:
+        x = ref_rope(a.rope, x, pos)
+    return ref_kv_write(KVWriteAttrs(a.ring), cache, x, pos)
+
+
+def ref_attention_block(a: AttentionBlockAttrs, qkv, pos, cache_len, q_norm, cache, last):
+    """ATTENTION(ROPE(RMSNORM(q heads, q_norm)), K, V, pos, CACHE_POSITIONS(cache_len)): K, V
+    the caches (cache_k, cache_v = cache, last), or for K=V K = ROPE(MUL(cache_kv, k_norm),
+    slot positions) and V = cache_kv (cache_kv, k_norm = cache, last)."""
+    q = _heads(qkv, 0, a.heads, a.head_dim)
+    q = ref_rope(a.rope, ref_rmsnorm(RMSNormAttrs(a.eps), q, q_norm), pos)
+    k_pos = ref_cache_positions(CachePositionsAttrs(cache.shape[1], a.ring), cache_len)
+    if a.k_eq_v:
+        k, v = ref_rope(a.rope, ref_mul(None, cache, last), k_pos), cache
+    else:
+        k, v = cache, last
+    return ref_attention(AttentionAttrs(a.window, a.scale), q, k, v, pos, k_pos)
+
+
+def ref_moe_block(a: MoEBlockAttrs, r, f, router_scale, router, expert_norm, per_expert_scale,
+                  gate_up, down, post_norm_1, post_norm_2, gate_up_scale=None, down_scale=None):
+    """RESIDUAL_RMSNORM(RMSNORM(f, post_norm_1), MOE(RMSNORM(r, expert_norm), router logits,
+    ...), post_norm_2), the router logits LINEAR(SCALE(MUL(RMSNORM(r), router_scale)), router):
+    the dense branch f and the expert branch, each post-normed, summed."""
+    eps = RMSNormAttrs(a.eps)
+    z = ref_mul(None, ref_rmsnorm(eps, r), router_scale)
+    logits = ref_linear(LinearAttrs("router"), ref_scale(ScaleAttrs(a.router_scale), z), router)
+    y = ref_moe(MoEAttrs(a.top_k, a.quantized), ref_rmsnorm(eps, r, expert_norm), logits,
+                per_expert_scale, gate_up, down, gate_up_scale, down_scale)
+    return ref_residual_rmsnorm(eps, ref_rmsnorm(eps, f, post_norm_1), y, post_norm_2)
+
+
+def ref_ple_embed(a: PleEmbedAttrs, ctx, table, ids, norm):
+    """SCALE(ADD(RMSNORM(RESHAPE(SCALE(ctx)), norm), RESHAPE(EMBED(table, ids)))): ctx is the
+    model projection of h [..., L * P], the result [..., L, P]."""
+    lead = ctx.shape[:-1]
+    c = ref_scale(ScaleAttrs(a.ctx_scale), ctx).reshape(*lead, a.layers, a.dim)
+    c = ref_rmsnorm(RMSNormAttrs(a.eps), c, norm)
+    t = ref_embed(EmbedAttrs(a.table_scale), table, ids).reshape(*lead, a.layers, a.dim)
+    return ref_scale(ScaleAttrs(a.out_scale), ref_add(None, c, t))
+
+
+def ref_ple_projection(a, gate, ple, w, scale=None):
+    """LINEAR(MUL(GELU_TANH(gate), ple), w[, scale])."""
+    return ref_linear(LinearAttrs(), ref_mul(None, gelu_tanh(gate), ple), w, scale)
 
 
 def sample_sorted(logits, temperature, top_k, top_p, uniform):
@@ -544,6 +655,70 @@ def infer_sample(a, logits, temperature, top_k, top_p, seed, step):
     return (logits[0][0],), "int32"
 
 
+def infer_kv_store(a: KVStoreAttrs, cache, qkv, pos, w=None):
+    _float(qkv[1], "kv_store projection")
+    width = qkv[0][-1] if qkv[0] else None
+    if not isinstance(width, int) or not 0 <= a.start <= width - a.heads * a.head_dim:
+        raise SpecError(f"kv_store: heads [{a.start}, +{a.heads}x{a.head_dim}) of {qkv[0]}")
+    new = ((*qkv[0][:-1], a.heads, a.head_dim), "float32")
+    if a.rope is not None:
+        infer_rope(a.rope, new, pos)
+    if w is not None and w[0] != (a.head_dim,):
+        raise SpecError(f"kv_store: norm weight {w[0]} for head dim {a.head_dim}")
+    return infer_kv_write(KVWriteAttrs(a.ring), cache, new, pos)
+
+
+def infer_attention_block(a: AttentionBlockAttrs, qkv, pos, cache_len, q_norm, cache, last):
+    _float(qkv[1], "attention_block projection")
+    width = qkv[0][-1] if qkv[0] else None
+    if not isinstance(width, int) or width < a.heads * a.head_dim:
+        raise SpecError(f"attention_block: {a.heads}x{a.head_dim} query columns of {qkv[0]}")
+    if q_norm[0] != (a.head_dim,) or pos[1] != "int32" or cache_len[1] != "int32":
+        raise SpecError(f"attention_block: q norm {q_norm[0]}, positions {pos[1]}, cache_len "
+                        f"{cache_len[1]}")
+    q = ((*qkv[0][:-1], a.heads, a.head_dim), "float32")
+    infer_rope(a.rope, q, pos)
+    k_pos = infer_cache_positions(CachePositionsAttrs(cache[0][1], a.ring), cache_len)
+    if a.k_eq_v and last[0] != (a.head_dim,):
+        raise SpecError(f"attention_block: k norm {last[0]} for head dim {a.head_dim}")
+    return infer_attention(AttentionAttrs(a.window, a.scale), q, cache,
+                           cache if a.k_eq_v else last, pos, k_pos)
+
+
+def infer_moe_block(a: MoEBlockAttrs, r, f, router_scale, router, expert_norm, per_expert_scale,
+                    gate_up, down, post_norm_1, post_norm_2, *scales):
+    if r[0] != f[0]:
+        raise SpecError(f"moe_block: residual {r[0]} and dense branch {f[0]}")
+    for w in (router_scale, post_norm_1, post_norm_2):
+        infer_rmsnorm(RMSNormAttrs(a.eps), r, w)
+    infer_linear(LinearAttrs("router"), r, router)
+    infer_moe(MoEAttrs(a.top_k, a.quantized), infer_rmsnorm(RMSNormAttrs(a.eps), r, expert_norm),
+              ((*r[0][:-1], router[0][0]), "float32"), per_expert_scale, gate_up, down, *scales)
+    return r[0], "float32"
+
+
+def infer_ple_embed(a: PleEmbedAttrs, ctx, table, ids, norm):
+    _float(ctx[1], "ple_embed projection")
+    rows, _ = infer_embed(EmbedAttrs(a.table_scale), table, ids)
+    lead = ids[0]
+    if ctx[0] != (*lead, a.layers * a.dim) or rows[-1] != a.layers * a.dim:
+        raise SpecError(f"ple_embed: projection {ctx[0]}, table {table[0]} for {a.layers}x{a.dim}")
+    if norm[0] != (a.dim,):
+        raise SpecError(f"ple_embed: norm weight {norm[0]} for P = {a.dim}")
+    return (*lead, a.layers, a.dim), "float32"
+
+
+def infer_ple_projection(a, gate, ple, w, scale=None):
+    _float(gate[1], "ple_projection gate")
+    if gate[0] != ple[0]:
+        raise SpecError(f"ple_projection: gate {gate[0]} and per-layer input {ple[0]}")
+    return infer_linear(LinearAttrs(), gate, w, scale)
+
+
+def infer_next_norm(a: RMSNormAttrs, h, w):
+    return infer_rmsnorm(a, h, w)
+
+
 @dataclass(frozen=True)
 class OpDef:
     infer: Callable  # (attrs, *(shape, dtype)) -> (shape, dtype); raises SpecError
@@ -559,8 +734,7 @@ OPS: dict[Op, OpDef] = {
     Op.RMSNORM: OpDef(infer_rmsnorm, ref_rmsnorm, (1, 2)),
     Op.ADD: OpDef(infer_elementwise, ref_add, (2, 2)),
     Op.MUL: OpDef(infer_elementwise, ref_mul, (2, 2)),
-    Op.SCALE: OpDef(infer_unary, lambda a, x: (x * np.float32(a.value)).astype(np.float32),
-                    (1, 1)),
+    Op.SCALE: OpDef(infer_unary, ref_scale, (1, 1)),
     Op.GELU_TANH: OpDef(infer_unary, lambda a, x: gelu_tanh(x), (1, 1)),
     Op.SOFTCAP: OpDef(
         infer_unary,
@@ -577,4 +751,10 @@ OPS: dict[Op, OpDef] = {
     Op.GATED_LINEAR: OpDef(infer_gated_linear, ref_gated_linear, (3, 5)),
     Op.MULTI_LINEAR: OpDef(infer_multi_linear, ref_multi_linear, (3, 7)),
     Op.SLICE_LAST: OpDef(infer_slice_last, ref_slice_last, (1, 1)),
+    Op.KV_STORE: OpDef(infer_kv_store, ref_kv_store, (3, 4)),
+    Op.ATTENTION_BLOCK: OpDef(infer_attention_block, ref_attention_block, (6, 6)),
+    Op.MOE_BLOCK: OpDef(infer_moe_block, ref_moe_block, (10, 12)),
+    Op.PLE_EMBED: OpDef(infer_ple_embed, ref_ple_embed, (4, 4)),
+    Op.PLE_PROJECTION: OpDef(infer_ple_projection, ref_ple_projection, (3, 4)),
+    Op.NEXT_NORM: OpDef(infer_next_norm, ref_rmsnorm, (2, 2)),
 }

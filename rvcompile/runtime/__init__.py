@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.runtime.model import GenerationResult, Model
 
 __all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
@@ -14,12 +16,23 @@ __all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
          kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
-         max_model_len: int | None = None) -> Model:
+         max_model_len: int | None = None,
+         trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None) -> Model:
     """Open `path`, check its header and (by default) every section's sha256, then load it on
     this machine. Raises ArtifactError with a one-line message when it doesn't fit.
+    `trusted_keys` (TrustedKeys or PEM public key files): refuse the artifact, before reading
+    anything past its header block and digest table, unless one of them signed it (see
+    rvcompile.artifacts.signature); the sections are then verified against the signed digests,
+    so `verify=False` is refused with it.
     `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
     slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's)."""
-    art = Artifact.open(Path(path))
+    keys = None
+    if trusted_keys is not None:
+        if not verify:
+            raise ArtifactError(f"{Path(path).name}: trusted_keys needs verify: a signature "
+                                "vouches for the sections only through their digests")
+        keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
+    art = Artifact.open(Path(path), trusted_keys=keys)
     runtime = art.header.requirements.get("runtime")
     if runtime == "h100":
         from rvcompile.runtime.h100_executor import h100_executor, open_context

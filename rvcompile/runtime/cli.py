@@ -1,24 +1,53 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
-OpenAI-compatible HTTP server (rvcompile.runtime.server).
+OpenAI-compatible HTTP server (rvcompile.runtime.server); SIGTERM drains it and exits 0.
+Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
+public keys signed it (`rvcompile sign`), before anything past its header and digest table is read.
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
 exits 2. The sampling flags get the engine's own request check (runtime/request_limits), the
-parts that need no artifact before it loads; a generation the engine fails exits 1.
+parts that need no artifact before it loads; a generation the engine fails exits 1. Ctrl-C prints
+`rvrun: interrupted` and exits 130 (serve: after draining); a closed stdout (`rvrun ... | head`)
+ends it quietly with 141.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
+from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 
 
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # a background job started ignoring Ctrl-C: keep to it
+        signal.signal(signal.SIGINT, _exit_on_interrupt)
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout's reader went away (`rvrun ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the flush at exit
+        return 141  # as a process ended by SIGPIPE
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _exit_on_interrupt(signum: int, frame) -> None:
+    """SIGINT (Ctrl-C): one line and exit 130 at once. A KeyboardInterrupt instead may land in
+    an import, in a garbage-collector callback that swallows it, or before JAX's teardown, and
+    print tracebacks; rvrun holds nothing that needs cleaning up (stdout is flushed per piece)."""
+    os.write(2, b"\nrvrun: interrupted\n")
+    os._exit(130)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ppl"]:
         return ppl_main(argv[1:])
@@ -37,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
     a = p.parse_args(argv)
     from rvcompile.runtime import request_limits as rl
     from rvcompile.runtime.executor_api import Sampling
@@ -47,11 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         rl.check_stop(a.stop)
     except rl.RequestError as e:
         return _fail(_flag_error(e))
+    problem = _not_utf8("--prompt", a.prompt)
+    if problem:
+        return _fail(problem)
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     from rvcompile import runtime
 
     t0 = time.perf_counter()
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -88,9 +125,14 @@ def ppl_main(argv: list[str]) -> int:
                    help="text tokens between window starts (default: window // 2)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
     a = p.parse_args(argv)
     from rvcompile.runtime import perplexity
 
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     try:
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
@@ -104,7 +146,7 @@ def ppl_main(argv: list[str]) -> int:
     from rvcompile import runtime
 
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
@@ -141,18 +183,37 @@ def serve_main(argv: list[str]) -> int:
                    help="the model id requests name (default: the artifact's file stem)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
+    p.add_argument("--api-key", default=os.environ.get("RVRUN_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                        "/metrics (default: $RVRUN_API_KEY; neither: no key needed)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="longer request bodies get 413 (default: 8 MiB)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its headers; then "
+                        "408 and the connection is closed")
+    p.add_argument("--drain-timeout", type=float, default=20.0,
+                   help="on SIGTERM or Ctrl-C, seconds in-flight requests may still run while "
+                        "new ones get 503")
     a = p.parse_args(argv)
+    problem = _check_http_flags(a)
+    if problem:
+        return _fail(problem)
     numbers = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len,
                "--kv-blocks": a.kv_blocks, "--kv-sliding-blocks": a.kv_sliding_blocks,
                "--max-waiting": a.max_waiting}
     for flag, value in numbers.items():
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     import socket
 
     try:
         sock = socket.create_server((a.host, a.port))
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a host name IDNA or the OS cannot take
         return _fail(f"cannot listen on {a.host}:{a.port}: {e}")
     from rvcompile import runtime
 
@@ -161,24 +222,66 @@ def serve_main(argv: list[str]) -> int:
                  if n is not None}
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
-                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                         trusted_keys=keys)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
-    import uvicorn
-
-    from rvcompile.runtime.server import ServeOptions, create_app
+    from rvcompile.runtime.server import HttpOptions, ServeOptions, create_app, run
 
     name = a.model_name or Path(a.artifact).stem
-    app = create_app(m, ServeOptions(name, a.max_waiting))
+    app = create_app(m, ServeOptions(name, a.max_waiting),
+                     HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout))
     host, port = sock.getsockname()[:2]
     kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
     print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
           f"context {m.max_context}, KV blocks {kv}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
-    return 0
+    return run(app, sock, a.drain_timeout, log=lambda line: print(line, file=sys.stderr,
+                                                                  flush=True))
+
+
+def _check_http_flags(a: argparse.Namespace) -> str | None:
+    """What is wrong with serve's listening and HTTP flags, if anything."""
+    if not 0 <= a.port <= 65535:
+        return f"--port must be in 0..65535 (0 picks a free port), got {a.port}"
+    if a.api_key is not None and not (a.api_key.isascii() and a.api_key.isprintable()
+                                      and a.api_key.strip() == a.api_key != ""):
+        return ("--api-key (or RVRUN_API_KEY) must be printable ASCII without surrounding "
+                "spaces, and not empty")
+    if a.max_body_bytes < 1:
+        return f"--max-body-bytes must be at least 1, got {a.max_body_bytes}"
+    for flag, value in (("--body-timeout", a.body_timeout), ("--drain-timeout", a.drain_timeout)):
+        if not (math.isfinite(value) and value > 0):
+            return f"{flag} must be a positive number of seconds, got {value}"
+    return None
+
+
+def _not_utf8(flag: str, text: str) -> str | None:
+    """Arguments that are not UTF-8 reach Python with each bad byte as a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        return f"{flag} is not valid UTF-8 text ({byte} at character {e.start})"
+    return None
+
+
+def _add_trusted_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
+                   help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
+                        "--trusted-key) signed it (repeatable)")
+
+
+def _trusted_keys(a: argparse.Namespace) -> list[TrustedKey] | None:
+    """The --trusted-key files read, or None without the flag; ValueError (one line) if a file
+    is not an Ed25519 public key or the flag comes with --no-verify."""
+    if not a.trusted_key:
+        return None
+    if a.no_verify:
+        raise ValueError("--trusted-key needs the sections verified: a signature vouches for "
+                         "them only through their digests; drop --no-verify")
+    return [load_trusted_key(k) for k in a.trusted_key]
 
 
 def _flag_error(e) -> str:

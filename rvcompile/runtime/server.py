@@ -10,26 +10,43 @@ waiting queue is full or the engine is lost (a device error; /health then says w
 the engine fails to run gets a 500 (or an error event in its stream); the others go on. A client
 that disconnects, streaming or not, aborts its request, which frees its sequence at the next
 step.
+
+The HTTP layer (`HttpOptions`, the guards at the end of this module): every error, unknown routes
+(404), wrong methods (405) and failures in a route (500, traceback in the server log only)
+included, is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a body must
+be UTF-8 JSON of valid Unicode, at most `max_body_bytes` long (413) and all there within
+`body_timeout_s` of its headers (408, connection closed); with an `api_key`, every route but
+/health and /metrics needs `Authorization: Bearer <key>` (401). `run` serves until SIGTERM or
+SIGINT, then drains: new requests get 503 while in-flight ones finish, up to a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 import random
+import re
+import signal
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
@@ -208,8 +225,9 @@ class ServeOptions:
     max_waiting: int = 256  # requests queued beyond this get 503
 
 
-def create_app(model: Model, options: ServeOptions) -> FastAPI:
-    """The ASGI app; its lifespan starts the engine thread and stops it."""
+def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts the engine thread and stops it. `http`: the HTTP
+    layer's limits (default: HttpOptions())."""
     state: dict[str, object] = {}
 
     @asynccontextmanager
@@ -221,7 +239,8 @@ def create_app(model: Model, options: ServeOptions) -> FastAPI:
         finally:
             thread.stop()
 
-    app = FastAPI(title="rvrun serve", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: every route is listed in this module's docstring.
+    app = FastAPI(title="rvrun serve", lifespan=lifespan, openapi_url=None)
     app.state.rvrun = state
 
     @app.exception_handler(RequestValidationError)
@@ -232,6 +251,7 @@ def create_app(model: Model, options: ServeOptions) -> FastAPI:
     async def _on_api_error(_: Request, exc: ApiError):
         return exc.response()
 
+    _install_http_guards(app, http or HttpOptions())  # before _CountRequests: it sees them all
     app.add_middleware(_CountRequests, state=state)
 
     @app.get("/health")
@@ -496,3 +516,333 @@ def _completion_events(stream: _Stream, model_name: str,
         return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
 
     return _events(stream, include_usage, head, None, piece)
+
+
+# ---------------------------------------------------------------------------------- HTTP guards
+
+_log = logging.getLogger("uvicorn.error")  # the server's own log: same stream and format
+_OPEN_ROUTES = ("/health", "/metrics")  # no API key needed: probes and scrapers
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """Limits of the HTTP layer (`rvrun serve` flags)."""
+
+    api_key: str | None = None  # set: routes but _OPEN_ROUTES need `Authorization: Bearer <key>`
+    max_body_bytes: int = 8 << 20  # a longer request body gets 413
+    body_timeout_s: float = 30.0  # a body not all there this long after its headers gets 408
+
+
+def _install_http_guards(app: FastAPI, http: HttpOptions) -> None:
+    """Error bodies for everything FastAPI and Starlette answer themselves, the strict JSON body
+    parser, and the guard middleware; sets `app.state.drain` for `run`. Called before any route
+    is added (the route class applies to routes added after it)."""
+    app.router.route_class = _JsonRoute
+    app.exception_handler(HTTPException)(_on_http_exception)
+    app.state.drain = drain = _Drain()
+    # add_middleware puts each one outside the ones before: requests meet them bottom to top.
+    app.add_middleware(_BodyGuard, max_bytes=http.max_body_bytes, timeout_s=http.body_timeout_s)
+    if http.api_key is not None:
+        app.add_middleware(_ApiKey, key=http.api_key)
+    app.add_middleware(_Draining, drain=drain)
+    app.add_middleware(_InternalErrors)
+
+
+async def _on_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
+    """404 (no such route), 405 (wrong method), 400 (a body FastAPI could not parse) and our own
+    body errors, as OpenAI-style errors (Starlette's default is `{"detail": ...}`)."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"Invalid URL ({where}): no such route"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"Invalid method ({where}): this route allows {allowed}"
+    else:
+        message = str(exc.detail)
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    response = ApiError(exc.status_code, message, type_=type_).response()
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _send_error(scope, receive, send, error: ApiError, *, close: bool = False,
+                      headers: dict[str, str] | None = None) -> None:
+    """Answer from a middleware. `close`: end the connection after it (an unread or partial
+    body is left on it)."""
+    response = error.response()
+    response.headers.update(headers or {})
+    if close:
+        response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
+def _json_body(body: bytes) -> Any:
+    """A request body as JSON: UTF-8 text (RFC 8259; json.loads alone also takes UTF-16 and
+    UTF-32), the JSON grammar's numbers only (no NaN or Infinity), and valid Unicode in every
+    string (json.loads keeps a lone surrogate escape such as \\ud800, which no tokenizer can
+    encode). A syntax error stays json.JSONDecodeError, which FastAPI reports as invalid JSON."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HTTPException(400, f"the request body is not UTF-8: byte 0x{body[e.start]:02x} at "
+                                 f"offset {e.start}") from None
+
+    def no_constant(name: str) -> None:
+        raise HTTPException(400, f"the request body is not valid JSON: {name} is not a number")
+
+    try:
+        value = json.loads(text, parse_constant=no_constant)
+    except RecursionError:
+        raise HTTPException(400, "the request body nests arrays or objects too deeply") from None
+    pending = [value]  # a stack, not recursion: json.loads took the nesting, so can we
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            lone = _LONE_SURROGATE.search(item)
+            if lone:
+                raise HTTPException(400, f"the request body holds a lone surrogate "
+                                         f"\\u{ord(lone.group()):04x} in a string: not Unicode")
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
+class _JsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = _json_body(await self.body())
+        return self._json
+
+
+class _JsonRoute(APIRoute):
+    """Routes whose JSON body goes through `_json_body` (FastAPI's documented way to change how
+    a request is read: a custom Request in a custom route class)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def strict_json(request: Request) -> Response:
+            return await handler(_JsonRequest(request.scope, request.receive))
+
+        return strict_json
+
+
+class _InternalErrors:
+    """ASGI middleware: an exception escaping a route is logged with its traceback under an error
+    id, and the client gets a 500 naming only that id; the server goes on serving. A response
+    already under way (a stream) cannot change its status: it is cut (uvicorn closes the
+    connection)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            error_id = uuid.uuid4().hex[:16]
+            _log.exception("rvrun: error %s in %s %s", error_id, scope["method"], scope["path"])
+            if not started:
+                await _send_error(scope, receive, send, ApiError(
+                    500, f"the server failed on this request (error id {error_id} in its log)",
+                    type_="server_error", code="internal_error"))
+
+
+class _Drain:
+    """Shutdown state, shared by `_Draining` and `run`: once `draining`, new requests get 503
+    while the `active` ones (their tasks) finish; `cut` cancels those still running."""
+
+    def __init__(self):
+        self.draining = False
+        self.cutting = False
+        self.active: set[asyncio.Task] = set()
+
+    def cut(self) -> None:
+        self.cutting = True
+        for task in self.active:
+            task.cancel()
+
+
+class _Draining:
+    """ASGI middleware: refuses requests with 503 while the server drains, and tracks the tasks
+    of those in flight. A request cut by the drain timeout gets a 503 if its response has not
+    started, else its connection closes; its engine request is aborted as for a client gone."""
+
+    def __init__(self, app, drain: _Drain):
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.drain.draining:
+            return await _send_error(scope, receive, send, ApiError(
+                503, "the server is shutting down; retry elsewhere or later",
+                type_="server_error", code="server_shutting_down"), close=True)
+        task = asyncio.current_task()
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        self.drain.active.add(task)
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not self.drain.cutting:
+                raise
+            task.uncancel()  # our own cancel, handled here: the task carries on normally
+            if not started:
+                await _send_error(scope, receive, send, ApiError(
+                    503, "the server shut down before this request finished",
+                    type_="server_error", code="server_shutting_down"), close=True)
+        finally:
+            self.drain.active.discard(task)
+
+
+class _ApiKey:
+    """ASGI middleware: every route but _OPEN_ROUTES needs `Authorization: Bearer <key>` (401
+    otherwise). The keys are compared as SHA-256 digests with hmac.compare_digest: in constant
+    time, whatever the length of the key sent."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.digest = hashlib.sha256(key.encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_ROUTES:
+            return await self.app(scope, receive, send)
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(
+                hashlib.sha256(token.strip()).digest(), self.digest):
+            return await self.app(scope, receive, send)
+        message = ("incorrect API key in the Authorization header" if value else
+                   "this server needs an API key: send the header `Authorization: Bearer <key>`")
+        await _send_error(scope, receive, send, ApiError(401, message, code="invalid_api_key"),
+                          headers={"www-authenticate": "Bearer"})
+
+
+class _BodyGuard:
+    """ASGI middleware: reads each request's whole body before the app runs. A body longer than
+    `max_bytes` gets 413 (before reading, when Content-Length says so); one not complete within
+    `timeout_s` of the headers gets 408 (a slow or truncated upload); both close the connection.
+    Only that request waits: the event loop serves the others meanwhile. uvicorn has no such
+    timeout (its timeout_keep_alive covers idle connections between requests). The app then
+    receives the body as one message, and the client's later messages (a disconnect) as sent."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((int(v) for k, v in scope["headers"] if k == b"content-length"), None)
+        too_large = ApiError(413, f"the request body is larger than this server's limit of "
+                                  f"{self.max_bytes} bytes", code="request_too_large")
+        if declared is not None and declared > self.max_bytes:
+            return await _send_error(scope, receive, send, too_large, close=True)
+        chunks, size, more = [], 0, True
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while more and size <= self.max_bytes:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client left: nobody to answer
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            of = f" of {declared}" if declared is not None else ""
+            return await _send_error(scope, receive, send, ApiError(
+                408, f"the request body did not arrive within {self.timeout_s:g} s (got {size}"
+                     f"{of} bytes)", code="request_timeout"), close=True)
+        if size > self.max_bytes:
+            return await _send_error(scope, receive, send, too_large, close=True)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+# ---------------------------------------------------------------------------------- serving
+
+
+def run(app: FastAPI, sock: socket.socket, drain_timeout_s: float,
+        log: Callable[[str], None]) -> int:
+    """Serve `app` (from create_app) on the listening `sock` until SIGTERM or SIGINT, then
+    drain: new requests get 503 while the in-flight ones finish for up to `drain_timeout_s`;
+    those still running then are cut; the engine stops. A second signal cuts at once. Returns
+    the exit code: 0 after SIGTERM, 130 after SIGINT."""
+    server = _DrainingServer(uvicorn.Config(app, log_level="warning",
+                                            timeout_graceful_shutdown=1),
+                             app.state.drain, drain_timeout_s, log)
+    server.run(sockets=[sock])
+    return 130 if server.stopped_by == signal.SIGINT else 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, draining on the first signal. uvicorn's own graceful shutdown closes
+    the listening socket at once (new clients get a refused connection, not a 503) and raises
+    the signal again once stopped (so SIGTERM would end the process with -15, not 0)."""
+
+    def __init__(self, config: uvicorn.Config, drain: _Drain, timeout_s: float,
+                 log: Callable[[str], None]):
+        super().__init__(config)
+        self.drain, self.timeout_s, self.log = drain, timeout_s, log
+        self.stopped_by: int | None = None  # the first signal
+        self.hurry = False  # a second signal: cut now
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drainer: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """uvicorn's handler of SIGINT and SIGTERM (main thread, between two steps of the loop)."""
+        if self.stopped_by is not None:
+            self.hurry = True
+            return
+        self.stopped_by = sig
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self.drainer = self.loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        drain = self.drain
+        drain.draining = True
+        what = "interrupted" if self.stopped_by == signal.SIGINT else "SIGTERM"
+        self.log(f"rvrun: {what}: new requests get 503; waiting up to {self.timeout_s:g} s for "
+                 f"{len(drain.active)} in flight (a second signal cuts them)")
+        deadline = self.loop.time() + self.timeout_s
+        while drain.active and not self.hurry and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)  # polling: a few wake-ups a second, only while stopping
+        if drain.active:
+            self.log(f"rvrun: cutting {len(drain.active)} requests still running")
+            drain.cut()
+            deadline = self.loop.time() + 1.0
+            while drain.active and self.loop.time() < deadline:  # they unwind at their next await
+                await asyncio.sleep(0.01)
+        self.should_exit = True

@@ -1,0 +1,686 @@
+"""The kernel launches of one H100 entry point: a table from each IR op to the launches that
+compute it (LOWER), applied to every node of embed, each layer, head and sampler in order.
+
+Input: the IR after the h100 pipelines' fusions (build.TARGETS), where each op is a unit the
+kernels run: ATTENTION_BLOCK, MOE_BLOCK, PLE_EMBED, PLE_PROJECTION, RESIDUAL_RMSNORM with its
+NEXT_NORM, the fused GEMVs. An op's function reads its inputs' values (the buffers holding them),
+emits launches over symbolic pointers (layout.Ref) and returns its own value. Two ops write what
+their readers read, in their own launch:
+- RESIDUAL_RMSNORM also writes its NEXT_NORM reader's value (`residual_rmsnorm`); with none,
+  in a bf16 plan where a LINEAR reads it, the bf16 copy of h the GEMV reads
+  (`residual_rmsnorm_copy`); else a normed copy through ones into scratch;
+- KV_STORE emits nothing: the ATTENTION_BLOCK reading it writes the cache (qkv_post).
+Whatever has no kernel stops the build with a LoweringError naming the op and graph.
+
+Kernels follow the IR's dtypes: with every matrix float32 (h100-f32) activations, the values
+linears read and the KV pools stay float32 (the `_f32` entries: each linear a float32 GEMV per
+4 rows; prefill attention through the decode kernel, a row per query); else linears read bf16
+copies and FP8 weights (GEMV up to 4 rows, the FP8-weight GEMM beyond; the bf16 GEMV for the
+tied head), and prefill attention is the flash-style attn_prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from rvcompile.config import LayerSpec
+from rvcompile.ir.graph import Graph, ModelIR, Node, readers, resolve_param
+from rvcompile.ir.ops import Op
+from rvcompile.targets.h100 import (
+    attn_decode,
+    attn_prefill,
+    gelu_mul,
+    gemm_fp8w,
+    gemv_bf16,
+    gemv_f32,
+    gemv_fp8,
+    head,
+    moe,
+    norms,
+    ple,
+    qkv_post,
+    rows,
+    sample,
+)
+from rvcompile.targets.h100.layout import (
+    Constants,
+    EntryPlan,
+    LoweringError,
+    PlannedLaunch,
+    Pool,
+    Ref,
+)
+
+SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
+GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
+
+
+def _i32(v) -> tuple:
+    return ("i32", int(v))
+
+
+def _f32(v) -> tuple:
+    return ("f32", float(v))
+
+
+def float32_activations(ir: ModelIR) -> bool:
+    """Whether the plan keeps activations float32: every matrix of the IR (linears, tables) is
+    float32, as in a build without cast_bf16 and quantize_fp8. Else linears read bf16 copies."""
+    return all(p.dtype == "float32" for p in ir.params if len(p.shape) >= 2)
+
+
+@dataclass
+class _Val:
+    """An activation [rows, cols]: its float32 value and/or the copy linears read (`lin`: bf16 in
+    a quantized plan; in a float32 plan float32, usually the same buffer)."""
+
+    cols: int
+    f32: Ref | None = None
+    lin: Ref | None = None
+
+
+@dataclass(frozen=True)
+class _At:
+    """The node being lowered, in its graph and layer, with the values of the nodes before it."""
+
+    g: Graph
+    idx: int
+    spec: LayerSpec | None  # the layer, inside a layer template
+    env: dict[int, object]
+    users: list[int]  # the nodes reading this one
+
+    @property
+    def node(self) -> Node:
+        return self.g.nodes[self.idx]
+
+    def input(self, k: int):
+        return self.env[self.node.inputs[k]]
+
+    def input_node(self, k: int) -> Node:
+        return self.g.nodes[self.node.inputs[k]]
+
+    def weight(self, k: int, of: int | None = None) -> str:
+        """The full name of the weight that is input k (of node `of`, by default this one)."""
+        n = self.g.nodes[self.g.nodes[self.idx if of is None else of].inputs[k]]
+        if n.op != Op.PARAM:
+            raise LoweringError("expected a weight")
+        return resolve_param(n.attrs.name, self.spec) if self.spec else n.attrs.name
+
+    def is_arg(self, k: int, name: str) -> bool:
+        n = self.input_node(k)
+        return n.op == Op.ARG and n.attrs.name == name
+
+
+class EntryLowering:
+    """Lowers embed, every layer, head and sampler for one entry point of `rows` token rows."""
+
+    def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
+                 pools: dict[int, Pool]):
+        self.ir, self.kind, self.m = ir, kind, rows
+        self.consts, self.pools = consts, pools
+        self.cfg = ir.config
+        self.specs = ir.param_map()
+        self.f32 = float32_activations(ir)
+        self.lin_size = 4 if self.f32 else 2  # bytes per element of the copies linears read
+        self.ple: Ref | None = None  # [rows, L, P] f32, the embed graph's per-layer inputs
+        self.launches: list[PlannedLaunch] = []
+        self.sizes: dict[int, int] = {}
+        self.softcap: float | None = None
+        self.h = self.buffer(rows * self.cfg.hidden_size * 4)  # the residual stream, f32
+        self.next_norms: dict[int, _Val] = {}  # NEXT_NORM node -> what its residual wrote
+        self.outputs: dict[str, tuple[Ref, str, tuple[int, ...]]] = {}
+
+    def buffer(self, nbytes: int) -> Ref:
+        key = len(self.sizes)
+        self.sizes[key] = nbytes
+        return Ref("act", key)
+
+    def emit(self, module: str, kernel: str, geometry, *args) -> None:
+        self.launches.append(PlannedLaunch(module, kernel, geometry, tuple(args)))
+
+    def residual_stream(self) -> _Val:
+        return _Val(self.cfg.hidden_size, f32=self.h, lin=self.h if self.f32 else None)
+
+    # -- the walk
+
+    def run(self, name: str) -> EntryPlan:
+        out = self.walk(self.ir.embed, None, {})
+        self.ple = out.get("ple")
+        for li, spec in enumerate(self.cfg.layers):
+            out = self.walk(self.ir.layers[self.ir.layer_template[li]], spec, _handed(out))
+        logits = self.walk(self.ir.head, None, _handed(out))["logits"]
+        self.walk(self.ir.sampler, None, {"logits": logits})
+        return EntryPlan(name, self.m, self.kind == "decode", tuple(self.launches), self.sizes,
+                         self.outputs)
+
+    def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict) -> dict:
+        """Lower g, its ARGs named in `inputs` bound to those values; its outputs' values."""
+        env: dict[int, object] = {}
+        users = readers(g)
+        for idx, n in enumerate(g.nodes):
+            if n.op == Op.ARG and n.attrs.name in inputs:
+                env[idx] = inputs[n.attrs.name]
+                continue
+            try:
+                env[idx] = LOWER.get(n.op, EntryLowering.no_kernel)(
+                    self, _At(g, idx, spec, env, users[idx]))
+            except LoweringError as e:
+                raise LoweringError(f"graph {g.name}, node %{idx} ({n.op.value}): {e}") from None
+        return {name: env.get(i) for name, i in g.outputs}
+
+    def no_kernel(self, at: _At):
+        raise LoweringError(f"no H100 kernel implements {at.node.op.value!r} (the h100 "
+                            "pipelines' fusion passes make the ops the kernels run)")
+
+    def arg(self, at: _At):
+        return self.residual_stream() if at.node.attrs.name == "h" else ("arg", at.node.attrs.name)
+
+    def param(self, at: _At):
+        n = at.node
+        return ("param", resolve_param(n.attrs.name, at.spec) if at.spec else n.attrs.name)
+
+    def reshape(self, at: _At):
+        src, n = at.input(0), at.node
+        if not isinstance(src, _Val):
+            raise LoweringError("reshape of a non-activation")
+        return _Val(int(n.shape[-1]) if n.shape[-1] != "T" else src.cols, src.f32, src.lin)
+
+    # -- embedding, norms, residual adds
+
+    def embed(self, at: _At):
+        table = at.weight(0)
+        if not at.is_arg(1, "tokens"):
+            raise LoweringError("embedding ids other than the step's tokens")
+        dtype, mult = self.specs[table].dtype, _f32(at.node.attrs.multiplier)
+        hdim = self.cfg.hidden_size
+        tokens = Ref("io", "tokens")
+        if dtype == "bfloat16":
+            self.emit(head.SOURCE, head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
+                      Ref("weights", table), tokens, mult, self.h, _i32(hdim))
+        elif dtype == "float32":
+            self.emit(head.SOURCE, head.EMBED_F32_ENTRY,
+                      head.embed_geometry(self.m, hdim, False, f32=True), Ref("weights", table),
+                      tokens, mult, self.h, _i32(hdim))
+        elif dtype == "float8_e4m3fn":
+            self.emit(head.SOURCE, head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
+                      Ref("weights", table), Ref("weights", f"{table}.scale"), tokens, mult,
+                      self.h, _i32(hdim))
+        else:
+            raise LoweringError(f"embedding table dtype {dtype}")
+        return self.residual_stream()
+
+    def rmsnorm(self, at: _At):
+        x, n = at.input(0), at.node
+        if not isinstance(x, _Val) or x.f32 is None or len(n.shape) != 3:
+            raise LoweringError("rmsnorm over something other than a float32 [B, T, H] value")
+        if len(n.inputs) < 2:
+            raise LoweringError("rmsnorm without a weight outside a fused block")
+        w = Ref("weights", at.weight(1))
+        y = self.buffer(self.m * x.cols * self.lin_size)
+        entry = norms.RMSNORM_F32_ENTRY if self.f32 else norms.RMSNORM_ENTRY
+        self.emit(norms.SOURCE, entry, norms.launch_geometry(self.m, x.cols), x.f32, w, y,
+                  _i32(x.cols), _f32(n.attrs.eps))
+        return _Val(x.cols, f32=y if self.f32 else None, lin=y)
+
+    def next_norm(self, at: _At):
+        if at.idx not in self.next_norms:
+            raise LoweringError("next_norm of a residual that wrote no normed copy")
+        return self.next_norms.pop(at.idx)
+
+    def residual(self, at: _At):
+        """h += rmsnorm(x) * w (times the layer scalar) in place; the same launch writes the
+        NEXT_NORM reader's value, or the bf16 copy a LINEAR reader takes, or a normed copy into
+        scratch (module docstring)."""
+        h, x, n, g = at.input(0), at.input(1), at.node, at.g
+        if not (isinstance(h, _Val) and h.f32 == self.h):
+            raise LoweringError("residual add into something other than the residual stream")
+        if not (isinstance(x, _Val) and x.f32 is not None):
+            raise LoweringError("residual add of a value with no float32 copy")
+        hdim, eps = self.cfg.hidden_size, _f32(n.attrs.eps)
+        w_post = Ref("weights", at.weight(2))
+        scalar = (Ref("weights", at.weight(3)) if len(n.inputs) > 3
+                  else self.consts.add(np.ones(1)))
+        entry = norms.RESIDUAL_F32_ENTRY if self.f32 else norms.RESIDUAL_ENTRY
+        geometry = norms.launch_geometry(self.m, hdim)
+        out = self.residual_stream()
+        nxt = [u for u in at.users if g.nodes[u].op == Op.NEXT_NORM]
+        if nxt:
+            norm = g.nodes[nxt[0]]
+            if norm.attrs.eps != n.attrs.eps:
+                raise LoweringError("next_norm with another eps than its residual's")
+            w_next = Ref("weights", at.weight(1, of=nxt[0]))
+            y = self.buffer(self.m * hdim * self.lin_size)
+            self.next_norms[nxt[0]] = _Val(hdim, f32=y if self.f32 else None, lin=y)
+            self.emit(norms.SOURCE, entry, geometry, self.h, x.f32, w_post, scalar, w_next, y,
+                      _i32(hdim), eps)
+        elif not self.f32 and any(g.nodes[u].op in GEMV_READERS for u in at.users):
+            out.lin = self.buffer(self.m * hdim * 2)
+            self.emit(ple.SOURCE, ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim),
+                      self.h, x.f32, w_post, scalar, out.lin, _i32(hdim), eps)
+        else:
+            ones = self.consts.add(np.ones(hdim))
+            self.emit(norms.SOURCE, entry, geometry, self.h, x.f32, w_post, scalar, ones,
+                      self.buffer(self.m * hdim * self.lin_size), _i32(hdim), eps)
+        return out
+
+    # -- linears
+
+    def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
+        """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
+        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS. Float32
+        weights (x float32 too): the float32 GEMV in groups of MAX_ROWS."""
+        if self.specs[w.key].dtype == "float32":
+            for r0 in range(0, rows, gemv_f32.MAX_ROWS):
+                r = min(gemv_f32.MAX_ROWS, rows - r0)
+                self.emit(gemv_f32.SOURCE, gemv_f32.ENTRY,
+                          gemv_f32.launch_geometry(r, n, k, SM_COUNT), w, x.at(r0 * k * 4),
+                          y.at(r0 * n * 4), _i32(r), _i32(n), _i32(k))
+            return
+        if scale is not None and rows > gemv_fp8.MAX_ROWS:
+            g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
+            self.emit(gemm_fp8w.SOURCE, g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), w,
+                      scale, x, y, _i32(rows), _i32(n), _i32(k))
+            return
+        step = gemv_fp8.MAX_ROWS
+        for r0 in range(0, rows, step):
+            r = min(step, rows - r0)
+            xr, yr = x.at(r0 * k * 2), y.at(r0 * n * 4)
+            if scale is None:
+                self.emit(gemv_bf16.SOURCE, gemv_bf16.ENTRY,
+                          gemv_bf16.launch_geometry(r, n, k, SM_COUNT), w, xr, yr, _i32(r),
+                          _i32(n), _i32(k))
+            else:
+                self.emit(gemv_fp8.SOURCE, gemv_fp8.ENTRY,
+                          gemv_fp8.launch_geometry(r, n, k, SM_COUNT), w, scale, xr, yr, _i32(r),
+                          _i32(n), _i32(k))
+
+    def linear_weights(self, at: _At, first: int, count: int) -> tuple[list[str], list[str]]:
+        """(values, scales) of the `count` weights from input `first` on."""
+        names = [at.weight(i) for i in range(first, len(at.node.inputs))]
+        values, scales = names[:count], names[count:]
+        dtypes = {self.specs[v].dtype for v in values}
+        if dtypes == {"float8_e4m3fn"} and len(scales) == count:
+            return values, scales
+        if dtypes == {"bfloat16"} and not scales and count == 1:
+            return values, []
+        if dtypes == {"float32"} and not scales:
+            return values, []
+        raise LoweringError(f"linear weights of dtype {sorted(dtypes)}: the H100 GEMVs take "
+                            "FP8 with per-row scales (or the bf16 tied head), or float32")
+
+    def gemv_copy(self, x) -> None:
+        """Give the residual stream read by a LINEAR (the per-layer model projection of the
+        embedding) its bf16 copy for the GEMV when no launch wrote one."""
+        if isinstance(x, _Val) and x.f32 == self.h and x.lin is None:
+            hdim = self.cfg.hidden_size
+            x.lin = self.buffer(self.m * hdim * 2)
+            self.emit(ple.SOURCE, ple.TO_BF16_ENTRY, ple.to_bf16_geometry(self.m * hdim),
+                      self.h, x.lin, ("i64", self.m * hdim))
+
+    def linear(self, at: _At):
+        """LINEAR and MULTI_LINEAR; in the head of a prefill, of the last real row only."""
+        x, n = at.input(0), at.node
+        self.gemv_copy(x)
+        if not (isinstance(x, _Val) and x.lin is not None):
+            raise LoweringError("linear input has no copy for the GEMV (bf16 or float32)")
+        count = n.attrs.count if n.op == Op.MULTI_LINEAR else 1
+        values, scales = self.linear_weights(at, 1, count)
+        rows_out = sum(self.specs[v].shape[0] for v in values)
+        k = self.specs[values[0]].shape[1]
+        x_ref, m = x.lin, self.m
+        if at.g is self.ir.head and self.kind == "prefill":
+            x_ref, m = self.select_last_row(x.lin, k), 1
+        y = self.buffer(m * rows_out * 4)
+        self.gemv(x_ref, Ref("weights", values[0]),
+                  Ref("weights", scales[0]) if scales else None, y, m, rows_out, k)
+        return _Val(rows_out, f32=y)
+
+    def select_last_row(self, x: Ref, hdim: int) -> Ref:
+        out = self.buffer(hdim * self.lin_size)
+        entry = rows.SELECT_F32_ENTRY if self.f32 else rows.SELECT_ENTRY
+        self.emit(rows.SOURCE, entry, rows.select_geometry(hdim), x, Ref("io", "last_row"), out,
+                  _i32(hdim))
+        return out
+
+    def gated(self, at: _At):
+        """GATED_LINEAR: gate || up in one GEMV, then gelu(gate) * up."""
+        x = at.input(0)
+        if not (isinstance(x, _Val) and x.lin is not None):
+            raise LoweringError("gated linear input has no copy for the GEMV (bf16 or float32)")
+        values, scales = self.linear_weights(at, 1, 2)
+        f32 = self.specs[values[0]].dtype == "float32"
+        if not (scales or f32):
+            raise LoweringError("gated linear needs FP8 or float32 weights")
+        inter, k = self.specs[values[0]].shape
+        gu = self.buffer(self.m * 2 * inter * 4)
+        self.gemv(x.lin, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
+                  gu, self.m, 2 * inter, k)
+        out = self.buffer(self.m * inter * (4 if f32 else 2))
+        self.emit(gelu_mul.SOURCE, gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
+                  gelu_mul.launch_geometry(self.m, inter), gu, out, _i32(inter))
+        return _Val(inter, f32=out if f32 else None, lin=out)
+
+    # -- attention
+
+    def kv_store(self, at: _At):
+        """No launch: the ATTENTION_BLOCK reading this store writes the rows (qkv_post)."""
+        if not any(at.g.nodes[u].op == Op.ATTENTION_BLOCK and at.idx in at.g.nodes[u].inputs[4:6]
+                   for u in at.users):
+            raise LoweringError("kv_store read by no attention_block: nothing would write it")
+        return ("stored", at.idx)
+
+    def attention(self, at: _At):
+        """qkv_post (q norm + RoPE; the KV_STOREs' norms, RoPE and writes), then split-KV
+        attention + combine for decode, or for a chunk of more than one row the flash-style
+        attn_prefill (bf16/e4m3 plans)."""
+        a, n = at.node.attrs, at.node
+        if a.scale != 1.0:
+            raise LoweringError(f"attention scale {a.scale}: the kernels use 1.0 (Gemma 4)")
+        if not (at.is_arg(1, "positions") and at.is_arg(2, "cache_len")):
+            raise LoweringError("attention over other positions than the step's")
+        owner = self.pools[at.spec.kv_source]
+        qkv = at.input(0)
+        nh, kh, d = a.heads, owner.kv_heads, a.head_dim
+        stores = self.checked_stores(at, kh)
+        inv_freq = self.consts.add(np.asarray(a.rope.inv_freq, np.float32))
+        wq = Ref("weights", at.weight(3))
+        if a.k_eq_v:  # the read-time k_norm (the producer's, KV-shared)
+            wk = Ref("weights", at.weight(5))
+        else:  # the K store's norm weight; a KV-shared layer writes nothing
+            wk = Ref("weights", at.weight(3, of=n.inputs[4])) if stores else None
+        table = Ref("io", "table_ring" if owner.ring else "table_full")
+        width = owner.table_width
+        k_pool, v_pool = Ref("kv", (owner.layer, 0)), (Ref("kv", (owner.layer, 1))
+                                                       if len(owner.names) == 2 else None)
+        write_kv = bool(stores)
+        kv_dtype = owner.dtype
+        f32 = kv_dtype == "float32"  # q and the attention output stay float32 too
+        q_out = self.buffer(self.m * nh * d * (4 if f32 else 2))
+        self.emit(qkv_post.SOURCE, qkv_post.entry(d, kv_dtype),
+                  qkv_post.launch_geometry(self.m, nh, kh if write_kv else 0, d),
+                  qkv.f32, _i32(qkv.cols), _i32(nh), _i32(kh if write_kv else 0), _i32(d),
+                  _i32(a.k_eq_v), wq, wk, Ref("io", "positions"), inv_freq, _f32(a.eps), q_out,
+                  k_pool if write_kv else None, v_pool if write_kv else None, table,
+                  _i32(width), _i32(width))
+        wkv = wk if a.k_eq_v else None
+        window = a.window or 0
+        out = self.buffer(self.m * nh * d * 4)
+        out_bf16 = None if f32 else self.buffer(self.m * nh * d * 2)
+        # One sequence's chunk: the flash-style kernel (bf16/e4m3 only); a float32 plan runs the
+        # decode kernel, each row its own query (seq_len = position + 1, its own table row).
+        if self.kind != "decode" and self.m > 1 and not f32:
+            geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
+            if a.k_eq_v:
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh, kv_dtype),
+                          geometry,
+                          q_out, k_pool, table, _i32(width), Ref("io", "positions"),
+                          _i32(window), _i32(kh), _i32(self.m), wkv, inv_freq, out, out_bf16)
+            else:
+                self.emit(attn_prefill.SOURCE, attn_prefill.entry(d, nh // kh, kv_dtype),
+                          geometry,
+                          q_out, k_pool, v_pool, table, _i32(width), Ref("io", "positions"),
+                          _i32(window), _i32(kh), _i32(self.m), out, out_bf16)
+            return _Val(d, f32=out, lin=out_bf16)
+        keys = min(self.ir.max_context, a.window or self.ir.max_context)
+        splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
+        part_acc = self.buffer(self.m * nh * splits * d * 4)
+        part_ml = self.buffer(self.m * nh * splits * 2 * 4)
+        geometry = attn_decode.split_geometry(self.m, kh, splits)
+        if a.k_eq_v:
+            self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh, kv_dtype),
+                      geometry,
+                      q_out, k_pool, table, _i32(width), _i32(width), Ref("io", "seq_len"),
+                      _i32(window), _i32(kh), wkv, inv_freq, part_acc, part_ml)
+        else:
+            self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh, kv_dtype), geometry,
+                      q_out, k_pool, v_pool, table, _i32(width), _i32(width),
+                      Ref("io", "seq_len"), _i32(window), _i32(kh), part_acc, part_ml)
+        self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
+                  attn_decode.combine_geometry(self.m, nh, d, splits),
+                  part_acc, part_ml, _i32(splits), _i32(d), out, out_bf16)
+        return _Val(d, f32=out, lin=out if f32 else out_bf16)
+
+    def checked_stores(self, at: _At, kv_heads: int) -> list[Node]:
+        """The KV_STOREs an ATTENTION_BLOCK reads (none: KV-shared), checked to be what qkv_post
+        writes: k (or the K=V base) right after q's columns, v after k, the step's positions,
+        q's eps, RoPE on k only, a norm weight on k only."""
+        a, g, n = at.node.attrs, at.g, at.node
+        caches = n.inputs[4:5] if a.k_eq_v else n.inputs[4:6]
+        stores = [g.nodes[c] for c in caches if g.nodes[c].op == Op.KV_STORE]
+        if not stores:
+            if any(g.nodes[c].op != Op.ARG for c in caches):
+                raise LoweringError("attention over caches neither stored here nor shared")
+            return []
+        if len(stores) != len(caches):
+            raise LoweringError("attention over one stored and one shared cache")
+        start = a.heads * a.head_dim
+        for i, s in enumerate(stores):
+            k = i == 0 and not a.k_eq_v
+            want = (start + i * kv_heads * a.head_dim, kv_heads, a.head_dim, a.eps)
+            got = (s.attrs.start, s.attrs.heads, s.attrs.head_dim, s.attrs.eps)
+            if (s.inputs[1:3] != n.inputs[0:2] or got != want
+                    or s.attrs.rope != (a.rope if k else None) or (len(s.inputs) == 4) != k):
+                raise LoweringError(f"kv_store %{caches[i]} is not what qkv_post writes beside "
+                                    "this attention's q (columns q | k | v, RoPE and weight on "
+                                    "k only, q's eps)")
+        return stores
+
+    # -- mixture of experts
+
+    def moe(self, at: _At):
+        """MOE_BLOCK: both norms of the residual in one launch, the router GEMV (bf16), the
+        top-k route, then the experts: per row up to moe.MAX_ROWS rows, grouped by expert
+        beyond; the expert ids stay on the device. Then the branch sum."""
+        r, a = at.input(0), at.node.attrs
+        if not (isinstance(r, _Val) and r.f32 is not None):
+            raise LoweringError("MoE norms over a value with no float32 copy")
+        y = self.moe_quantized(at, r) if a.quantized else self.moe_f32(at, r)
+        f = at.input(1)
+        if not (isinstance(f, _Val) and f.f32 is not None):
+            raise LoweringError("MoE dense branch has no float32 copy")
+        hdim = self.cfg.hidden_size
+        out = self.buffer(self.m * hdim * 4)
+        self.emit(moe.SOURCE, moe.BRANCH_SUM_ENTRY, moe.norm_geometry(self.m, hdim), f.f32,
+                  Ref("weights", at.weight(8)), y.f32, Ref("weights", at.weight(9)), out,
+                  _i32(hdim), _f32(a.eps))
+        return _Val(hdim, f32=out)
+
+    def moe_quantized(self, at: _At, r: _Val) -> _Val:
+        a = at.node.attrs
+        router = at.weight(3)
+        if self.specs[router].dtype != "bfloat16":
+            raise LoweringError(f"router weight dtype {self.specs[router].dtype}; the H100 "
+                                "router GEMV takes bf16 (run cast_bf16)")
+        gate_up, down = at.weight(6), at.weight(7)
+        for name in (gate_up, down):
+            if self.specs[name].dtype != "float8_e4m3fn":
+                raise LoweringError(f"expert weight {name} is {self.specs[name].dtype}; the H100 "
+                                    "expert kernels take FP8 with per-row scales")
+        experts, two_inter, hdim = self.specs[gate_up].shape
+        inter, k, m = two_inter // 2, a.top_k, self.m
+        w = {i: Ref("weights", at.weight(i)) for i in (2, 4, 5, 10, 11)}
+        z, x2 = self.buffer(m * hdim * 2), self.buffer(m * hdim * 2)
+        self.emit(moe.SOURCE, moe.NORMS_ENTRY, moe.norm_geometry(m, hdim), r.f32, w[2],
+                  _f32(a.router_scale), w[4], z, x2, _i32(hdim), _f32(a.eps))
+        logits = self.buffer(m * experts * 4)
+        if m <= moe.MAX_ROWS:
+            self.gemv(z, Ref("weights", router), None, logits, m, experts, hdim)
+        else:
+            self.emit(moe.SOURCE, moe.ROUTER_ROWS_ENTRY, moe.router_rows_geometry(m, experts, hdim),
+                      z, Ref("weights", router), logits, _i32(m), _i32(experts), _i32(hdim))
+        ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
+        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits, w[5],
+                  ids, weights, _i32(experts), _i32(k))
+        y = self.buffer(m * hdim * 4)
+        gate_up_w = (Ref("weights", gate_up), w[10])
+        down_w = (Ref("weights", down), w[11])
+        if m <= moe.MAX_ROWS:  # decode: one launch each, the chosen experts' rows only
+            dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
+            hid = self.buffer(m * k * inter * 2)
+            self.emit(moe.SOURCE, moe.GATE_UP_ENTRY,
+                      moe.gate_up_geometry(m, k, inter, hdim, SM_COUNT), *gate_up_w, x2, ids,
+                      hid, *dims)
+            self.emit(moe.SOURCE, moe.DOWN_ENTRY, moe.down_geometry(m, k, inter, hdim, SM_COUNT),
+                      *down_w, hid, ids, weights, y, *dims)
+            return _Val(hdim, f32=y)
+        pairs = m * k  # prefill: the (row, slot) pairs grouped by expert
+        order, offsets = self.buffer(pairs * 4), self.buffer((experts + 1) * 4)
+        hid, part = self.buffer(pairs * inter * 2), self.buffer(pairs * hdim * 4)
+        self.emit(moe.SOURCE, moe.SORT_ENTRY, moe.sort_geometry(pairs, experts), ids, order,
+                  offsets, _i32(pairs), _i32(experts))
+        self.emit(moe.SOURCE, moe.GATE_UP_GROUPED_ENTRY,
+                  moe.gate_up_grouped_geometry(experts, inter, hdim), *gate_up_w, x2, order,
+                  offsets, hid, _i32(k), _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.DOWN_GROUPED_ENTRY,
+                  moe.down_grouped_geometry(experts, inter, hdim), *down_w, hid, order, offsets,
+                  weights, part, _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, hdim), part, y,
+                  _i32(k), _i32(hdim))
+        return _Val(hdim, f32=y)
+
+    def moe_f32(self, at: _At, r: _Val) -> _Val:
+        """The float32 plan's experts (unquantized): moe_norms_f32, the float32 router GEMV,
+        moe_route, then one launch each for the experts' gate/up and down at any row count."""
+        a = at.node.attrs
+        names = {i: at.weight(i) for i in (3, 2, 4, 5, 6, 7)}
+        for i in (3, 6, 7):
+            if self.specs[names[i]].dtype != "float32":
+                raise LoweringError(f"MoE weight {names[i]} is {self.specs[names[i]].dtype} "
+                                    "beside unquantized float32 experts")
+        w = {i: Ref("weights", name) for i, name in names.items()}
+        experts, two_inter, hdim = self.specs[names[6]].shape
+        inter, k, m = two_inter // 2, a.top_k, self.m
+        z, x2 = self.buffer(m * hdim * 4), self.buffer(m * hdim * 4)
+        self.emit(moe.SOURCE, moe.NORMS_F32_ENTRY, moe.norm_geometry(m, hdim), r.f32, w[2],
+                  _f32(a.router_scale), w[4], z, x2, _i32(hdim), _f32(a.eps))
+        logits = self.buffer(m * experts * 4)
+        self.gemv(z, w[3], None, logits, m, experts, hdim)
+        ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
+        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits, w[5],
+                  ids, weights, _i32(experts), _i32(k))
+        hid, y = self.buffer(m * k * inter * 4), self.buffer(m * hdim * 4)
+        dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
+        self.emit(moe.SOURCE, moe.GATE_UP_F32_ENTRY,
+                  moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=True),
+                  w[6], x2, ids, hid, *dims)
+        self.emit(moe.SOURCE, moe.DOWN_F32_ENTRY,
+                  moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=False),
+                  w[7], hid, ids, weights, y, *dims)
+        return _Val(hdim, f32=y)
+
+    # -- per-layer inputs (PLE)
+
+    def ple_embed(self, at: _At) -> Ref:
+        """PLE_EMBED, the embed graph's per-layer inputs [rows, L, P]: one launch from the
+        model projection's output and the per-layer table."""
+        a, ctx = at.node.attrs, at.input(0)
+        table = at.weight(1)
+        if not at.is_arg(2, "tokens"):
+            raise LoweringError("per-layer embedding ids other than the step's tokens")
+        entry = {"bfloat16": ple.COMBINE_ENTRY,
+                 "float32": ple.COMBINE_F32_ENTRY}.get(self.specs[table].dtype)
+        if entry is None:
+            raise LoweringError(f"per-layer embedding table dtype {self.specs[table].dtype}; "
+                                "ple_combine gathers bf16 or float32 rows")
+        layers, p = self.cfg.num_layers, self.cfg.hidden_size_per_layer_input
+        out = self.buffer(self.m * layers * p * 4)
+        self.emit(ple.SOURCE, entry, ple.combine_geometry(self.m, layers, p),
+                  ctx.f32, Ref("weights", table), Ref("io", "tokens"),
+                  Ref("weights", at.weight(3)), out, _f32(a.ctx_scale), _f32(a.table_scale),
+                  _f32(a.out_scale), _f32(a.eps), _i32(self.m), _i32(layers), _i32(p))
+        return out
+
+    def ple_projection(self, at: _At):
+        """PLE_PROJECTION: gelu(gate) * the layer's slice of the per-layer inputs, times the
+        projection: ple_project (any P % 4), or for more than 4 rows with P % 16 == 0
+        ple_gelu_mul and the FP8 GEMM; float32 weights the f32 entry."""
+        gate = at.input(0)
+        if not (isinstance(gate, _Val) and gate.f32 is not None):
+            raise LoweringError("per-layer gate with no float32 copy")
+        if not (at.is_arg(1, "ple") and self.ple is not None):
+            raise LoweringError("ple_projection of other than the layer's per-layer input")
+        values, scales = self.linear_weights(at, 2, 1)
+        hdim, p = self.specs[values[0]].shape
+        layer, layers = _i32(at.spec.index), _i32(self.cfg.num_layers)
+        y = self.buffer(self.m * hdim * 4)
+        if self.specs[values[0]].dtype == "float32":
+            self.emit(ple.SOURCE, ple.PROJECT_F32_ENTRY,
+                      ple.project_geometry(self.m, hdim, p, SM_COUNT, f32=True), gate.f32,
+                      self.ple, layer, layers, Ref("weights", values[0]), y, _i32(self.m),
+                      _i32(hdim), _i32(p))
+            return _Val(hdim, f32=y)
+        if not scales:
+            raise LoweringError("the per-layer projection needs FP8 or float32 weights")
+        if ple.use_gemm(self.m, p):
+            gated = self.buffer(self.m * p * 2)
+            self.emit(ple.SOURCE, ple.GELU_MUL_ENTRY, ple.gelu_mul_geometry(self.m, p),
+                      gate.f32, self.ple, layer, layers, gated, _i32(self.m), _i32(p))
+            self.gemv(gated, Ref("weights", values[0]), Ref("weights", scales[0]), y, self.m,
+                      hdim, p)
+            return _Val(hdim, f32=y)
+        self.emit(ple.SOURCE, ple.PROJECT_ENTRY, ple.project_geometry(self.m, hdim, p, SM_COUNT),
+                  gate.f32, self.ple, layer, layers, Ref("weights", values[0]),
+                  Ref("weights", scales[0]), y, _i32(self.m), _i32(hdim), _i32(p))
+        return _Val(hdim, f32=y)
+
+    # -- logits and sampling
+
+    def softcapped(self, at: _At):
+        x = at.input(0)
+        self.softcap = at.node.attrs.cap
+        if self.kind != "logits":
+            return x  # the sampler applies the cap on the fly
+        n = self.m * x.cols
+        self.emit(rows.SOURCE, rows.SOFTCAP_ENTRY, rows.softcap_geometry(n), x.f32, ("i64", n),
+                  _f32(self.softcap))
+        self.outputs["logits"] = (x.f32, "float32", (self.m, x.cols))
+        return x
+
+    def sample(self, at: _At):
+        """The IR's SAMPLE over softcap(logits), per row from the io sampling fields."""
+        if self.kind == "logits":
+            return None
+        logits = at.input(0)
+        m, v = (1 if self.kind == "prefill" else self.m), logits.cols
+        plan = sample.plan(m, v, SM_COUNT)
+        ws, out = self.buffer(plan.workspace), self.buffer(m * 4)
+        io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
+        self.emit(sample.SOURCE, sample.PREPARE_ENTRY, plan.prepare, logits.f32, _i32(m), _i32(v),
+                  _f32(self.softcap or 0.0), ws)
+        self.emit(sample.SOURCE, sample.FILTER_ENTRY, plan.filter, _i32(m), _i32(v),
+                  _i32(plan.chunk), io["temperature"], io["top_k"], ws)
+        self.emit(sample.SOURCE, sample.PICK_ENTRY, plan.pick, _i32(m), _i32(v),
+                  io["temperature"], io["top_k"], io["top_p"], io["seed"], io["step"], ws, out)
+        self.outputs["out_tokens"] = (out, "int32", (m,))
+        return None
+
+
+def _handed(outputs: dict) -> dict:
+    """What one graph hands the next besides the residual stream (one buffer for the whole
+    entry): the next graph's normed input "x" (passes/fuse_next_norm)."""
+    return {"x": outputs["x"]} if outputs.get("x") is not None else {}
+
+
+# The table: each op's launches. An op that is not here has no kernel (LoweringError).
+LOWER: dict[Op, Callable[[EntryLowering, _At], object]] = {
+    Op.ARG: EntryLowering.arg,
+    Op.PARAM: EntryLowering.param,
+    Op.RESHAPE: EntryLowering.reshape,  # a view: no launch
+    Op.EMBED: EntryLowering.embed,  # embed_{bf16,fp8,f32}
+    Op.RMSNORM: EntryLowering.rmsnorm,  # rmsnorm (embed: layer 0's input norm)
+    Op.RESIDUAL_RMSNORM: EntryLowering.residual,  # residual_rmsnorm[_copy]
+    Op.NEXT_NORM: EntryLowering.next_norm,  # written by its residual's launch
+    Op.LINEAR: EntryLowering.linear,  # GEMV / FP8 GEMM (+ to_bf16, + select_last_row)
+    Op.MULTI_LINEAR: EntryLowering.linear,  # one GEMV over the adjacent weights
+    Op.GATED_LINEAR: EntryLowering.gated,  # GEMV + gelu_mul
+    Op.KV_STORE: EntryLowering.kv_store,  # written by its ATTENTION_BLOCK's qkv_post
+    Op.ATTENTION_BLOCK: EntryLowering.attention,  # qkv_post + attn_decode/combine | attn_prefill
+    Op.MOE_BLOCK: EntryLowering.moe,  # moe_norms, router, route, experts, branch sum
+    Op.PLE_EMBED: EntryLowering.ple_embed,  # ple_combine
+    Op.PLE_PROJECTION: EntryLowering.ple_projection,  # ple_project | ple_gelu_mul + GEMM
+    Op.SOFTCAP: EntryLowering.softcapped,  # in place for logits entries, else in the sampler
+    Op.SAMPLE: EntryLowering.sample,  # prepare, filter, pick
+}

@@ -1,0 +1,282 @@
+"""Where everything of an H100 schedule lives: ONE arena whose regions are, in order, the packed
+weights (the artifact's weights section), constants, the paged KV pools, the io fields the host
+writes per call, and the activations. Launches are planned over symbolic pointers (`Ref`: a
+region, a key in it, a byte offset); `place` turns each into an arena offset.
+
+- weights: every stored weight 256-byte aligned in ParamSpec order, except that the members of a
+  fused GEMV (a MULTI_LINEAR's or GATED_LINEAR's weights) come first and adjacent, values then
+  scales, so one launch reads them as one matrix;
+- constants: float32 arrays the launches need (RoPE frequencies, ones), each stored once;
+- KV pools, per cache-owning layer (KV-shared layers read their producer's): `slots * width`
+  blocks of 16 tokens, width the blocks a sequence spans: the whole context for full layers, a
+  ring of window + chunk - 1 tokens plus a block for sliding ones; K=V layers one pool of
+  normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches are;
+- io: tokens, positions, seq_len, the prefill's last row, one block-table row per token row
+  and KV kind, the sampling parameters;
+- activations: per entry point, each temporary buffer lives from its first launch to its last,
+  and buffers whose lives overlap never share bytes (memory_plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rvcompile.artifacts.kernel_schedule import (
+    Arg,
+    EntryPoint,
+    Field,
+    KernelSchedule,
+    KvKindLayout,
+    KvLayout,
+    Launch,
+)
+from rvcompile.dtypes import numpy_dtype
+from rvcompile.ir.graph import ModelIR, resolve_param
+from rvcompile.ir.ops import Op
+from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
+
+BLOCK = attn_decode.BLOCK
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+
+
+class LoweringError(ValueError):
+    """The IR holds something the H100 kernels do not implement; the message names it."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A pointer before layout: a region, a key inside it, a byte offset from there."""
+
+    region: str  # "weights", "const", "kv", "io", "act"
+    key: object
+    offset: int = 0
+
+    def at(self, nbytes: int) -> Ref:
+        return Ref(self.region, self.key, self.offset + nbytes)
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """A kernel launch over symbolic pointers."""
+
+    module: str
+    kernel: str
+    geometry: gemv_fp8.Launch
+    args: tuple  # Ref | ("i32", v) | ("i64", v) | ("f32", v) | None (null pointer)
+
+
+@dataclass(frozen=True)
+class EntryPlan:
+    """One entry point's launches before layout."""
+
+    name: str
+    rows: int
+    graph: bool  # captured into a CUDA graph (decode)
+    launches: tuple[PlannedLaunch, ...]
+    sizes: dict[int, int]  # activation buffer -> bytes
+    outputs: dict[str, tuple[Ref, str, tuple[int, ...]]]  # host-read results: ref, dtype, shape
+
+
+# ---------------------------------------------------------------- weights and constants
+
+@dataclass
+class WeightSlot:
+    offset: int
+    nbytes: int
+
+
+def _fused_groups(ir: ModelIR) -> list[list[str]]:
+    """Per layer, the weight names each MULTI_LINEAR / GATED_LINEAR reads in one launch:
+    [values..., scales...] in the order the kernel expects them."""
+    groups = []
+    for li, spec in enumerate(ir.config.layers):
+        g = ir.layers[ir.layer_template[li]]
+        for n in g.nodes:
+            if n.op in (Op.MULTI_LINEAR, Op.GATED_LINEAR):
+                names = [resolve_param(g.nodes[i].attrs.name, spec) for i in n.inputs[1:]]
+                groups.append(names)
+    return groups
+
+
+def layout_weights(ir: ModelIR) -> tuple[dict[str, WeightSlot], int]:
+    """Offsets of every stored weight; a fused group's values are adjacent, and so are its
+    scales, each run 256-byte aligned."""
+    specs = ir.param_map()
+
+    def nbytes(name: str) -> int:
+        s = specs[name]
+        return int(np.prod(s.shape)) * numpy_dtype(s.dtype).itemsize
+
+    slots: dict[str, WeightSlot] = {}
+    offset = 0
+    for group in _fused_groups(ir):
+        half = len(group) // 2
+        for run in (group[:half], group[half:]):
+            offset = memory_plan.align(offset)
+            for name in run:
+                if name in slots:
+                    raise LoweringError(f"weight {name} is in two fused groups")
+                slots[name] = WeightSlot(offset, nbytes(name))
+                offset += nbytes(name)
+    for p in ir.params:
+        if p.name not in slots:
+            offset = memory_plan.align(offset)
+            slots[p.name] = WeightSlot(offset, nbytes(p.name))
+            offset += nbytes(p.name)
+    return slots, memory_plan.align(offset)
+
+
+class Constants:
+    """The constants region: each distinct float32 array once, in the order first asked for."""
+
+    def __init__(self):
+        self.blobs: list[bytes] = []
+        self.offsets: dict[bytes, int] = {}
+        self.size = 0
+
+    def add(self, values: np.ndarray) -> Ref:
+        b = np.ascontiguousarray(values, np.float32).tobytes()
+        if b not in self.offsets:
+            self.offsets[b] = self.size
+            self.blobs.append(b + bytes(memory_plan.align(len(b)) - len(b)))
+            self.size += memory_plan.align(len(b))
+        return Ref("const", 0, self.offsets[b])
+
+    def data(self) -> bytes:
+        return b"".join(self.blobs)
+
+
+# ---------------------------------------------------------------- the KV pools and io
+
+@dataclass(frozen=True)
+class Pool:
+    layer: int  # the owning layer
+    names: tuple[str, ...]  # ("cache_k", "cache_v") or ("cache_kv",)
+    ring: bool
+    kv_heads: int
+    head_dim: int
+    table_width: int
+    dtype: str  # "bfloat16", "float8_e4m3fn" (an FP8-KV build) or "float32" (h100-f32)
+
+
+@dataclass(frozen=True)
+class KvPools:
+    pools: dict[int, Pool]  # by owning layer
+    full: int  # a full layer's table width (blocks)
+    ring: int  # a sliding layer's ring width (blocks)
+
+
+def kv_pools(ir: ModelIR) -> KvPools:
+    """The pool of every cache-owning layer. The ring holds every block a step can touch: the
+    window behind a chunk's first query plus the chunk, and one more so a block can be swapped
+    in while its predecessor is still read."""
+    full = -(-ir.max_context // BLOCK)
+    windows = [ir.config.layers[c.layer].window for c in ir.caches if c.ring]
+    ring = min(full, -(-(max(windows) + ir.max_chunk - 1) // BLOCK) + 1) if windows else 1
+    pools = {}
+    for c in ir.caches:
+        if c.dtype not in KV_DTYPES:
+            raise LoweringError(f"layer {c.layer}: KV cache dtype {c.dtype}; the H100 kernels "
+                                "keep bf16 (cast_bf16), e4m3 (kv_fp8) or float32 caches")
+        pools[c.layer] = Pool(c.layer, c.names, c.ring, c.kv_heads, c.head_dim,
+                              ring if c.ring else full, c.dtype)
+    if len({p.dtype for p in pools.values()}) > 1:
+        raise LoweringError("KV caches of different dtypes; one schedule keeps one")
+    return KvPools(pools, full, ring)
+
+
+def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {
+        "tokens": ("int32", (max_rows,)),
+        "positions": ("int32", (max_rows,)),
+        "seq_len": ("int32", (max_rows,)),
+        "last_row": ("int32", (1,)),
+        "table_full": ("int32", (max_rows, full)),
+        "table_ring": ("int32", (max_rows, ring)),
+        "temperature": ("float32", (max_rows,)),
+        "top_k": ("int32", (max_rows,)),
+        "top_p": ("float32", (max_rows,)),
+        "seed": ("int32", (max_rows,)),
+        "step": ("int32", (max_rows,)),
+    }
+
+
+def _kv_kinds(ir: ModelIR, kv: KvPools, slots: int) -> tuple[KvKindLayout, ...]:
+    pools = kv.pools.values()
+    kinds = []
+    if any(not p.ring for p in pools):
+        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, slots * kv.full))
+    if any(p.ring for p in pools):
+        window = max(ir.config.layers[p.layer].window for p in pools if p.ring)
+        kinds.append(KvKindLayout("sliding", "table_ring", kv.ring, True, window,
+                                  slots * kv.ring))
+    return tuple(kinds)
+
+
+# ---------------------------------------------------------------- the arena
+
+def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
+          weights_bytes: int, consts: Constants, kv: KvPools, slots: int,
+          max_rows: int) -> KernelSchedule:
+    """The schedule: regions placed one after another, every pointer an arena offset."""
+    offset = weights_bytes
+    const_offset = offset
+    offset = memory_plan.align(offset + consts.size)
+    kv_offset = offset
+    pool_offsets: dict[tuple[int, int], int] = {}
+    for layer, pool in sorted(kv.pools.items()):
+        nbytes = (slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
+                  * numpy_dtype(pool.dtype).itemsize)
+        for t in range(len(pool.names)):
+            pool_offsets[(layer, t)] = offset
+            offset = memory_plan.align(offset + nbytes)
+    pool_bytes = offset - kv_offset
+    io_offset = offset
+    io: dict[str, Field] = {}
+    for name, (dtype, shape) in _io_fields(max_rows, kv.full, kv.ring).items():
+        io[name] = Field(offset, dtype, shape)
+        offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
+    io_bytes = offset - io_offset
+    act_offset = offset
+    act_bytes = 0
+    resolved: dict[str, EntryPoint] = {}
+    outputs: dict[str, Field] = {}
+    for e in entries:
+        uses = [tuple(a.key for a in launch.args if isinstance(a, Ref) and a.region == "act")
+                for launch in e.launches]
+        lives = memory_plan.lifetimes(uses, e.sizes)
+        offsets, total = memory_plan.plan(lives)
+        memory_plan.check(lives, offsets)
+        act_bytes = max(act_bytes, total)
+
+        def address(ref: Ref, act: dict[int, int] = offsets) -> int:
+            if ref.region == "weights":
+                return weights[ref.key].offset + ref.offset
+            return ref.offset + {"const": lambda: const_offset,
+                                 "kv": lambda: pool_offsets[ref.key],
+                                 "io": lambda: io[ref.key].offset,
+                                 "act": lambda: act_offset + act[ref.key]}[ref.region]()
+
+        def arg(a, address=address) -> Arg:
+            if a is None:
+                return Arg("null", 0)
+            if isinstance(a, Ref):
+                return Arg("ptr", address(a))
+            return Arg(a[0], a[1])
+
+        resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
+            Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
+                   x.geometry.smem, tuple(arg(a) for a in x.args)) for x in e.launches))
+        for out_name, (ref, dtype, shape) in e.outputs.items():
+            outputs[f"{e.name}.{out_name}"] = Field(address(ref), dtype, shape)
+    pools = kv.pools.values()
+    return KernelSchedule(
+        arena_bytes=memory_plan.align(act_offset + act_bytes), weights_bytes=weights_bytes,
+        constants_offset=const_offset, constants_bytes=consts.size, kv_offset=kv_offset,
+        io_offset=io_offset, io_bytes=io_bytes, slots=slots, max_context=ir.max_context,
+        max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
+        kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
+                    _kv_kinds(ir, kv, slots)),
+        io=io, outputs=outputs, entries=resolved, cubins={})

@@ -1,0 +1,99 @@
+"""Golden H100 kernel schedules: refactors of the IR, the passes or the H100 lowering must not
+change what the build emits. Each case lowers one model's IR (shape only: lowering needs no
+weights) through its target's pipeline (build.lower_model) and `lower_to_h100`, and hashes
+everything the build takes from the lowering: the schedule's JSON (every launch, geometry and
+argument, the io fields, the KV layout, the outputs), the constants' bytes, every weight's
+slot and the kernel modules. The hashes in h100_golden_schedules.json were written at commit
+f9c3679, before the fusion passes took the lowering's pattern matching over.
+
+Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
+PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
+layers). Targets: h100-fp8, h100-f32, and h100-fp8 with the FP8 KV cache. Two plans each: the
+build's defaults-like (4 slots, buckets 16 / 64, 2048 tokens) and an odd one (3 slots, buckets
+1 / 5 / 40, 512 tokens: single-row prefill, GEMM rows, the MoE sort, a ring shorter than some
+windows).
+
+`python tests/test_h100_golden_schedules.py write` rewrites the hashes (only for a change that
+is meant to change the schedules: say why in the commit); `... dump DIR` writes each case's
+canonical JSON to DIR, to diff a failing case against a dump made at the base commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rvcompile.build import BuildOptions, lower_model
+from rvcompile.checkpoint import ModelSource, read_config
+from rvcompile.presets import get_preset
+
+GOLDEN = Path(__file__).with_name("h100_golden_schedules.json")
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
+MODELS = ("gemma-4-tiny", "gemma-4-tiny-dense", "rv-gemma4-tiny", "gemma-4-E2B", "gemma-4-E4B",
+          "gemma-4-12B", "gemma-4-26B-A4B", "gemma-4-31B")
+TARGETS = (("h100-fp8", "float"), ("h100-f32", "float"), ("h100-fp8", "fp8"))
+PLANS = {"a": {"slots": 4, "prefill_buckets": (16, 64), "max_context": 2048},
+         "b": {"slots": 3, "prefill_buckets": (1, 5, 40), "max_context": 512}}
+CASES = [f"{m}:{t}:{kv}:{p}" for m in MODELS for t, kv in TARGETS for p in PLANS]
+
+
+def _config(model: str):
+    return read_config(MODEL_DIR) if model == "rv-gemma4-tiny" else get_preset(model)
+
+
+def canonical(case: str) -> dict:
+    """Everything the build takes from lower_to_h100 for `case`, as plain JSON data."""
+    from rvcompile.targets.h100.lower import lower_to_h100
+
+    model, target, kv, plan = case.split(":")
+    cfg = _config(model)
+    source = ModelSource(cfg, (), "", {}, None, model)  # shape only: no tensors are read
+    opts = BuildOptions(target, kv_cache=kv, **PLANS[plan])
+    ir = lower_model(source, opts, log=lambda s: None)
+    low = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    return {
+        "schedule": low.schedule.to_json(),
+        "constants_sha256": hashlib.sha256(low.constants).hexdigest(),
+        "weights": {name: [[s.offset, s.nbytes] for s in slots]
+                    for name, slots in sorted(low.slots_by_param.items())},
+        "modules": list(low.modules),
+    }
+
+
+def digest(data: dict) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_unchanged(case: str) -> None:
+    golden = json.loads(GOLDEN.read_text())
+    assert digest(canonical(case)) == golden[case], (
+        f"{case}: the H100 schedule changed; `python {__file__} dump DIR` here and at the base "
+        "commit, then diff the case's JSON")
+
+
+def test_every_case_has_a_golden_hash() -> None:
+    assert sorted(json.loads(GOLDEN.read_text())) == sorted(CASES)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["write"]:
+        hashes = {case: digest(canonical(case)) for case in CASES}
+        GOLDEN.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+    elif argv[:1] == ["dump"] and len(argv) == 2:
+        out = Path(argv[1])
+        out.mkdir(parents=True, exist_ok=True)
+        for case in CASES:
+            (out / f"{case.replace(':', '_')}.json").write_text(
+                json.dumps(canonical(case), sort_keys=True, indent=1))
+    else:
+        raise SystemExit(f"usage: python {sys.argv[0]} write | dump DIR")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
