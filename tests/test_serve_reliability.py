@@ -8,7 +8,8 @@ by default) on the CPU, in small KV pools (16 full and 8 sliding blocks of 16 to
   Python API;
 - a step that fails (injected into the executor of an in-process server) fails only its
   requests, with an OpenAI-style error, and the server serves on; a device error marks it
-  unhealthy, and /health and the log say why;
+  unhealthy, and /health and the log say why; the XLA executor reports a call that lost its
+  KV pools as a device error, any other failure as itself;
 - a client that disconnects from a non-streaming request has it aborted within a step;
 - a load of streaming and non-streaming clients, some of them hanging up, in waves into the
   small pools: every request is answered or cleanly aborted, none lost, the pools whole after.
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -34,7 +37,7 @@ from test_serve import KV_BLOCKS, NAME, POOLS, Server
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime import cli
-from rvcompile.runtime.executor_api import DeviceError
+from rvcompile.runtime.executor_api import DeviceError, SeqChunk
 from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.server import ServeOptions, create_app
 
@@ -110,8 +113,14 @@ def test_out_of_range_values_get_a_400_and_the_server_serves_on(server):
     assert m.get("rvrun_request_finish_total{reason=error}", 0) == 0
 
 
-def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, capsys, monkeypatch):
-    m = runtime.load(artifact, verify=False, kv_blocks=KV_BLOCKS)
+@pytest.fixture(scope="module")
+def model(artifact):
+    """The artifact in this process, in the server's pools (compiled once: a cache hit)."""
+    return runtime.load(artifact, verify=False, kv_blocks=KV_BLOCKS)
+
+
+def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, model, capsys, monkeypatch):
+    m = model
     # rvrun's loads get this model: the artifact compiled once, for these pools.
     monkeypatch.setattr(runtime, "load", lambda *args, **kw: m)
 
@@ -164,6 +173,36 @@ def test_non_streaming_disconnect_aborts_within_a_step(server):
     aborted = "rvrun_request_finish_total{reason=abort}"
     assert after[aborted] == before.get(aborted, 0) + 1
     assert after[gen] - before[gen] < 60  # far from its 120 tokens
+
+
+def test_xla_calls_that_lose_the_kv_pools_are_device_errors(model):
+    """The XLA executor's calls take the KV pools (donated): a call failing before that is an
+    ordinary error, one that took them with it (deleted, or the results of a failed
+    computation) is a DeviceError, since no later call could run."""
+    ex = model.executor
+    name = f"decode_{ex.decode_width}"
+    entry, saved = ex.fns[name], {k: np.asarray(v) for k, v in ex.caches.items()}
+    lanes = [SeqChunk([5], 3, {k.name: [0] * k.table_width for k in ex.kinds.values()})]
+
+    def before(weights, caches, *args):
+        raise ValueError("refused its arguments")
+
+    def lose(weights, caches, *args):
+        for c in caches.values():
+            c.delete()
+        raise RuntimeError("execution failed")
+
+    try:
+        ex.fns[name] = before
+        with pytest.raises(ValueError, match="refused its arguments"):
+            ex.decode(lanes)
+        ex.fns[name] = lose
+        with pytest.raises(DeviceError, match="took the KV pools with it: RuntimeError"):
+            ex.decode(lanes)
+    finally:
+        ex.fns[name] = entry
+        ex.caches = {k: jax.device_put(v) for k, v in saved.items()}
+    assert len(model.generate("hi", max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
 # ---------------------------------------------------------------------------------------------
