@@ -4,8 +4,7 @@ them once for the chosen pool sizes (through a persistent cache keyed on the art
 version), or, when the operator trusts them, loads the executables precompiled for this
 machine's topology (runtime/precompiled.py), and runs prefill / decode / logits / decode_many
 (the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
-it. A failed call that lost
-the KV pools raises DeviceError.
+it. A failed call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
