@@ -22,8 +22,7 @@ import numpy as np
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
-from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import (
     cast_bf16,
@@ -40,6 +39,7 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.sources.checkpoint import CheckpointError, ModelSource, load_model_source
 
 
 @dataclass(frozen=True)

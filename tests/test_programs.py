@@ -1,5 +1,5 @@
 """The artifact's exported programs are checked before anything compiles them
-(rvcompile/runtime/programs.py, issue 12).
+(rvcompile/runtime/executors/programs.py, issue 12).
 
 A program's StableHLO can name any custom-call target. One that jax.export would never have
 written, a host callback with no callback behind it, crashes the process when it runs (measured:
@@ -19,7 +19,7 @@ from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.runtime.programs import custom_call_targets, load_programs
+from rvcompile.runtime.executors.programs import custom_call_targets, load_programs
 
 CALLBACK = """\
 module @jit_f attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {

@@ -28,7 +28,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
     slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs
-    unchecked like a program (runtime/precompiled.py), so only from a file one of
+    unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
     `trusted_keys` signed; by default the StableHLO is compiled."""
     if trust_executables and trusted_keys is None:
         raise ArtifactError(f"{Path(path).name}: trust_executables needs trusted_keys: XLA runs "
@@ -42,7 +42,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     art = Artifact.open(Path(path), trusted_keys=keys)
     runtime = art.header.requirements.get("runtime")
     if runtime == "h100":
-        from rvcompile.runtime.h100_executor import h100_executor, open_context
+        from rvcompile.runtime.executors.h100 import h100_executor, open_context
 
         ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
         if verify:
@@ -56,7 +56,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
                             "does not have")
     from rvcompile.runtime.engine import engine_limits
-    from rvcompile.runtime.xla_executor import XlaExecutor, check_fits, kv_kinds
+    from rvcompile.runtime.executors.xla import XlaExecutor, check_fits, kv_kinds
 
     check_fits(art, kv_blocks)
     xla = art.manifest["xla"]  # refuse impossible limits before compiling anything

@@ -1,8 +1,8 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
-paged KV pools, deserializes and checks the jax.export programs (runtime/programs.py), compiles
+paged KV pools, deserializes and checks the jax.export programs (programs.py), compiles
 them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
 version), or, when the operator trusts them, loads the executables precompiled for this
-machine's topology (runtime/precompiled.py), and runs prefill / decode / logits / decode_many
+machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
 (the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
 it. A failed call that lost the KV pools raises DeviceError.
 """
@@ -24,9 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import DeviceError, KvKind, LoopLane, SeqChunk
-from rvcompile.runtime.precompiled import choose, this_machine
-from rvcompile.runtime.precompiled import load as load_precompiled
-from rvcompile.runtime.programs import load_programs
+from rvcompile.runtime.executors.precompiled import choose, this_machine
+from rvcompile.runtime.executors.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.programs import load_programs
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
