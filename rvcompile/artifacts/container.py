@@ -6,10 +6,12 @@ Sections are planned with `reserve` and filled with `write` in pieces, in any or
 holding a section in memory; `commit` refuses gaps and overlaps, hashes what is on disk, and the
 same inputs always give the same bytes (for the same piece size).
 
-`Artifact.open` checks the header block first (magic, format version, checksum), then the file
-size against the section table, then the sha256 of the piece-digest table and of the manifest;
-sections are served zero-copy from a read-only mmap. Section bytes are only hashed on `verify`,
-since that reads the whole file.
+`Artifact.open` refuses anything but a regular file (a FIFO would block it), then checks the
+header block (magic, format version, checksum, zero padding), the file size against the section
+table, the padding between regions, then the sha256 of the piece-digest table and of the
+manifest, which must parse as a JSON object; sections are served zero-copy from a read-only
+mmap. Section bytes are only hashed on `verify`, since that reads the whole file. What a model
+artifact's manifest and sections mean is checked by manifest.py and contents.py.
 
 `commit` and `verify` hash the pieces of every section (see `format.py`) on a thread pool, one
 thread per core by default: hashlib and os.preadv release the GIL, so a 30 GB file hashes at
@@ -21,11 +23,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import io
-import json
 import math
 import mmap
 import operator
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +54,7 @@ from rvcompile.artifacts.format import (
     piece_count,
     split_piece_digests,
 )
+from rvcompile.artifacts.schema import SchemaError, parse_json
 
 _CHUNK = 8 << 20  # bytes per read when hashing: large enough to stream, small enough to not matter
 _thread_buffers = threading.local()  # each hashing thread reads into its own _CHUNK buffer
@@ -374,13 +377,23 @@ class Artifact:
     def open(cls, path: str | os.PathLike[str]) -> Artifact:
         path = Path(path)
         fname = path.name
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
         with _os_errors(f"{fname}: cannot open"):
-            file = open(path, "rb", buffering=0)  # closed by close(), or below on error
-        fd = file.fileno()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ArtifactError(f"{fname}: not a regular file (a {_file_kind(st)}); an "
+                                        "artifact is a file")
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
+        file = open(fd, "rb", buffering=0)  # closed by close(), or below on error
         try:
             with _os_errors(f"{fname}: cannot read"):
                 block = os.pread(fd, HEADER_SIZE, 0)
-                file_size = os.fstat(fd).st_size
+                file_size = st.st_size
             layout = decode_header_block(block, fname)
             tinfo, minfo = layout.piece_digests, layout.manifest
             for label, s in [
@@ -403,11 +416,15 @@ class Artifact:
             if hashlib.sha256(table).hexdigest() != tinfo.sha256:
                 raise ArtifactError(f"{fname}: piece-digest table is corrupt (sha256 mismatch)")
             sections = split_piece_digests(layout, table)
+            _check_gaps(fd, layout, fname)
             with _os_errors(f"{fname}: cannot read the manifest"):
                 body = os.pread(fd, minfo.size, minfo.offset)
             if hashlib.sha256(body).hexdigest() != minfo.sha256:
                 raise ArtifactError(f"{fname}: manifest is corrupt (sha256 mismatch)")
-            manifest = json.loads(body)
+            try:
+                manifest = parse_json(body, "manifest")
+            except SchemaError as e:
+                raise ArtifactError(f"{fname}: {e}") from None
             if not isinstance(manifest, dict):
                 raise ArtifactError(f"{fname}: manifest is not a JSON object")
             with _os_errors(f"{fname}: cannot map"):
@@ -485,6 +502,30 @@ class Artifact:
                 f"{self.path.name}: no section '{name}' (has: {', '.join(self.sections)})"
             )
         return self.sections[name]
+
+
+def _file_kind(st: os.stat_result) -> str:
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")]
+    return next((name for test, name in kinds if test(st.st_mode)), "special file")
+
+
+def _check_gaps(fd: int, layout: HeaderBlock, fname: str) -> None:
+    """The alignment padding between regions (under ALIGN bytes each, as `_check_layout`
+    holds) must be zeros: no byte of the file is outside what the hashes and checks cover."""
+    end = HEADER_SIZE
+    for label, offset, size in [*((f"section '{s.name}'", s.offset, s.size)
+                                  for s in layout.sections),
+                                ("piece-digest table", layout.piece_digests.offset,
+                                 layout.piece_digests.size),
+                                ("manifest", layout.manifest.offset, layout.manifest.size)]:
+        if offset > end:
+            with _os_errors(f"{fname}: cannot read"):
+                pad = os.pread(fd, offset - end, end)
+            if pad.count(0) != len(pad):
+                raise ArtifactError(f"{fname}: the padding before the {label} (bytes [{end}, "
+                                    f"{offset})) is not zeros")
+        end = offset + size
 
 
 def check_platform(header: ArtifactHeader, platform: str) -> None:

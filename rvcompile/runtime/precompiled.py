@@ -89,7 +89,8 @@ def choose(precompiled: dict[str, dict], machine: Machine, blocks: dict[str, int
 
 def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
     """Deserialize every entry of `topology`'s set onto `devices`; `exported` maps entry name
-    to its jax.export.Exported (which holds the in/out pytrees). Checks each sha256."""
+    to its jax.export.Exported (which holds the in/out pytrees). Checks each sha256. The record
+    is the checked manifest's (artifacts/manifest.py)."""
     from jax.experimental import serialize_executable
 
     rec = art.manifest["xla"]["precompiled"][topology]
@@ -103,7 +104,11 @@ def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
             raise ArtifactError(f"{art.path.name}: precompiled {topology}/{name} is corrupt "
                                 "(sha256 mismatch)")
         exp = exported[name]
-        out[name] = serialize_executable.deserialize_and_load(
-            data, exp.in_tree, exp.out_tree, backend=run_on[0].client,
-            execution_devices=run_on)
+        try:  # bytes from the file: any failure of the deserializer is the file's
+            out[name] = serialize_executable.deserialize_and_load(
+                data, exp.in_tree, exp.out_tree, backend=run_on[0].client,
+                execution_devices=run_on)
+        except Exception as e:
+            raise ArtifactError(f"{art.path.name}: precompiled {topology}/{name} cannot be "
+                                f"loaded ({type(e).__name__}: {str(e)[:120]})") from None
     return out
