@@ -219,14 +219,11 @@ def _echo_precompiled(sets: dict) -> None:
 def verify(artifact: Path) -> None:
     """Re-hash every section and check what the manifest and sections hold; exit 0 when all
     is well, 2 otherwise."""
-    from rvcompile.artifacts.contents import read_contents
-    from rvcompile.artifacts.manifest import read_manifest
+    from rvcompile.artifacts.contents import verify_artifact
 
     try:
         with Artifact.open(artifact) as art:
-            checked = read_manifest(art)
-            art.verify()
-            read_contents(art, checked)
+            verify_artifact(art)
             n = len(art.sections)
     except USER_ERRORS as e:
         fail(str(e))

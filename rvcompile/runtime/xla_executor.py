@@ -3,8 +3,8 @@ paged KV pools, deserializes the jax.export programs, compiles them once for the
 sizes (through a persistent cache keyed on the artifact and jax version), or loads the
 executables precompiled for this machine's topology (runtime/precompiled.py), and runs prefill /
 decode / logits / decode_many (the device-side decode loop) over sequences' block tables.
-It reads the manifest checked by artifacts/manifest.py, and checks each program's signature
-against it (deserialize_programs) before uploading anything.
+It reads the manifest checked by artifacts/manifest.py, and the programs checked against it
+by artifacts/contents.py (xla_programs) before it uploads anything.
 Makes no policy: the engine drives it.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
+from rvcompile.artifacts.contents import xla_programs
 from rvcompile.artifacts.manifest import XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
@@ -116,57 +116,6 @@ def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
             + sum(share(p.key, _pool_bytes(p, kinds)) for p in xla.pools))
 
 
-def deserialize_programs(art: Artifact, xla: XlaManifest,
-                         kinds: dict[str, KvKind]) -> dict[str, export.Exported]:
-    """Every entry point's jax.export program, each checked against the manifest before any
-    weight is uploaded: it deserializes, runs on this platform, and takes the weight arrays,
-    KV pools and block tables the manifest describes (names, shapes, dtypes)."""
-    platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
-    blob = art.buffer("programs")
-    out = {}
-    for name, loc in xla.programs.items():
-        where = f"{art.path.name}: program {name}"
-        try:  # bytes from the file: any failure of the deserializer is the file's
-            exp = export.deserialize(bytearray(blob[loc.offset:loc.offset + loc.size]))
-            args = jax.tree.unflatten(exp.in_tree, exp.in_avals)[0]
-        except Exception as e:
-            raise ArtifactError(f"{where} is not a jax.export program "
-                                f"({type(e).__name__}: {str(e)[:120]})") from None
-        if platform not in exp.platforms:
-            raise ArtifactError(f"{where} was exported for {', '.join(exp.platforms)}, not "
-                                f"{platform}")
-        _check_signature(where, args, xla, kinds)
-        out[name] = exp
-    return out
-
-
-def _check_signature(where: str, args, xla: XlaManifest, kinds: dict[str, KvKind]) -> None:
-    """args: the program's positional avals (weights dict, pools dict, tokens, start, n_new,
-    tables dict, ...)."""
-    if not (isinstance(args, tuple) and len(args) >= 6
-            and all(isinstance(args[i], dict) for i in (0, 1, 5))):
-        raise ArtifactError(f"{where} does not take (weights, pools, tokens, start, n_new, "
-                            "tables, ...)")
-    want = {
-        **{("weight", w.key): (w.shape, w.dtype) for w in xla.weights},
-        **{("pool", p.key): ((p.layers, None, *p.block_shape), p.dtype) for p in xla.pools},
-        **{("table", k.name): ((None, k.table_width), "int32") for k in kinds.values()},
-    }
-    got = {(kind, key): aval for kind, d in (("weight", args[0]), ("pool", args[1]),
-                                            ("table", args[5])) for key, aval in d.items()}
-    if set(got) != set(want):
-        diff = sorted(set(got) ^ set(want))[0]
-        raise ArtifactError(f"{where}: the manifest and the program disagree on {diff[0]} "
-                            f"{diff[1]!r}")
-    for (kind, key), (shape, dtype) in want.items():
-        aval = got[(kind, key)]
-        dims = tuple(d if isinstance(d, int) else None for d in aval.shape)
-        fixed = tuple(None if w is None else g for w, g in zip(shape, dims, strict=False))
-        if len(dims) != len(shape) or fixed != shape or np.dtype(aval.dtype).name != dtype:
-            raise ArtifactError(f"{where} takes {kind} {key!r} as {aval.dtype.name}"
-                                f"{list(aval.shape)}; the manifest says {dtype}{list(shape)}")
-
-
 class TpPlacement:
     """Where the artifact's weights and KV pools live: one default device, or, for an artifact
     with a mesh (tensor parallelism), the mesh's shardings over the first `size` local devices."""
@@ -205,7 +154,12 @@ class XlaExecutor:
         self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
             xla.decode_loop_stops
         self.kinds = kv_kinds(xla, blocks, art.path.name)
-        exported = deserialize_programs(art, xla, self.kinds)
+        exported = xla_programs(art, xla)
+        platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
+        for name, exp in exported.items():
+            if platform not in exp.platforms:
+                raise ArtifactError(f"{art.path.name}: program {name} was exported for "
+                                    f"{', '.join(exp.platforms)}, not {platform}")
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
         self.weights = {w.key: self.placement.weight(w.key, art.array(
