@@ -68,12 +68,12 @@ def _kernels(data: bytes) -> dict[str, Kernel]:
     names_at = spans[shstrndx][1]
     for name, offset, size in spans:
         end = data.index(b"\0", names_at + name)
-        sections[data[names_at + name:end].decode()] = data[offset:offset + size]
+        sections[data[names_at + name:end].decode()] = (offset, size)
     out = {}
-    for section, body in sections.items():
+    for section, (offset, size) in sections.items():
         kernel = section.removeprefix(".nv.info.")
         if kernel != section and f".text.{kernel}" in sections:
-            out[kernel] = _kernel(kernel, body)
+            out[kernel] = _kernel(kernel, data[offset:offset + size])
     return out
 
 

@@ -306,20 +306,14 @@ def _launch(at: At, cubins: dict[str, Cubin], arena_bytes: int) -> Launch:
     block = tuple(d.int(1, hi) for d, hi in zip(at["block"].items(3, 3), MAX_BLOCK, strict=True))
     if math.prod(block) > MAX_THREADS:
         at["block"].fail(f"{math.prod(block)} threads per block; CUDA allows {MAX_THREADS}")
+    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
+              "i64": (-(1 << 63), (1 << 63) - 1)}
     args = []
     for a in at["args"].items(0, 256):
         kind = a["kind"].str(ARG_KINDS)
         value = a["value"]
-        if kind == "ptr":
-            args.append(Arg(kind, value.int(0, arena_bytes - 1)))
-        elif kind == "null":
-            args.append(Arg(kind, value.int(0, 0)))
-        elif kind == "i32":
-            args.append(Arg(kind, value.int(INT32_MIN, INT32_MAX)))
-        elif kind == "i64":
-            args.append(Arg(kind, value.int(-(1 << 63), (1 << 63) - 1)))
-        else:
-            args.append(Arg(kind, value.number(-FLOAT32_MAX, FLOAT32_MAX)))
+        args.append(Arg(kind, value.number(-FLOAT32_MAX, FLOAT32_MAX) if kind == "f32"
+                        else value.int(*ranges[kind])))
     return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
                   at["smem"].int(0, MAX_SMEM), tuple(args))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 INT64_MAX = (1 << 63) - 1
@@ -66,12 +65,38 @@ def _range(lo: float | None, hi: float | None) -> str:
     return "" if hi is None else f" <= {hi}"
 
 
-@dataclass(frozen=True)
-class At:
-    """A JSON value and its path from the document root."""
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.:+-]{1,80}")
 
-    value: Any
-    path: str
+
+class At:
+    """A JSON value and where it sits: `At(doc, "manifest")` for a root, `at["key"]`,
+    `at.get("key")`, `at.items()` and `at.members()` for what is inside. The path is put
+    together only for an error (a schedule holds hundreds of thousands of values)."""
+
+    __slots__ = ("value", "_parent", "_key")
+
+    def __init__(self, value: Any, path: str, parent: At | None = None) -> None:
+        self.value = value
+        self._parent = parent  # None for a root, whose `path` is its name
+        self._key: str | int = path
+
+    def _child(self, value: Any, key: str | int) -> At:
+        child = object.__new__(At)  # the hot path: no __init__ call
+        child.value, child._parent, child._key = value, self, key
+        return child
+
+    @property
+    def path(self) -> str:
+        """Dotted for plain keys, else quoted: a key from a damaged file may hold anything,
+        newlines included."""
+        key = self._key
+        if self._parent is None:
+            return str(key)
+        if isinstance(key, int):
+            return f"{self._parent.path}[{key}]"
+        if _PLAIN_KEY.fullmatch(key):
+            return f"{self._parent.path}.{key}"
+        return f"{self._parent.path}[{describe(key)}]"
 
     def fail(self, what: str) -> NoReturn:
         raise SchemaError(f"{self.path}: {what}")
@@ -86,31 +111,24 @@ class At:
             self.expected("an object")
         return self.value
 
-    def child(self, key: str) -> str:
-        """The path of member `key`: dotted when the key is a plain name, else quoted (a key
-        read from a damaged file may hold anything, newlines included)."""
-        if re.fullmatch(r"[A-Za-z0-9_.:+-]{1,80}", key):
-            return f"{self.path}.{key}"
-        return f"{self.path}[{describe(key)}]"
-
     def __getitem__(self, key: str) -> At:
         """A required member of an object."""
         d = self.obj()
         if key not in d:
             self.fail(f"missing required key {key!r}")
-        return At(d[key], self.child(key))
+        return self._child(d[key], key)
 
     def get(self, key: str) -> At | None:
         """An optional member of an object; None when absent."""
         d = self.obj()
-        return At(d[key], self.child(key)) if key in d else None
+        return self._child(d[key], key) if key in d else None
 
     def members(self, max_len: int = INT64_MAX) -> dict[str, At]:
         """An object's members in order."""
         d = self.obj()
         if len(d) > max_len:
             self.expected(f"an object of at most {max_len} keys")
-        return {k: At(v, self.child(k)) for k, v in d.items()}
+        return {k: self._child(v, k) for k, v in d.items()}
 
     def items(self, min_len: int = 0, max_len: int = INT64_MAX) -> list[At]:
         """A list's elements."""
@@ -121,7 +139,7 @@ class At:
                     else f"{min_len} to {max_len}" if max_len < INT64_MAX
                     else f"at least {min_len}")
             self.expected(f"a list of {want} elements")
-        return [At(v, f"{self.path}[{i}]") for i, v in enumerate(self.value)]
+        return [self._child(v, i) for i, v in enumerate(self.value)]
 
     # -- scalars
 
