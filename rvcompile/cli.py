@@ -1,4 +1,4 @@
-"""`rvcompile`: build, inspect and verify artifacts, list targets.
+"""`rvcompile`: build, inspect, verify and sign artifacts, make signing keys, list targets.
 
 Every failure caused by the user's input prints one line `rvcompile: error: ...` to stderr and
 exits 2; nothing is left at the output path.
@@ -13,6 +13,13 @@ from pathlib import Path
 import typer
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.signature import (
+    load_signing_key,
+    load_trusted_key,
+    sign_artifact,
+    status,
+    write_keypair,
+)
 from rvcompile.checkpoint import CheckpointError
 from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
@@ -101,12 +108,20 @@ def build(
                f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
 
 
+TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)"
+
+
 @app.command()
-def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show an artifact's model, target, platforms, entry points, sizes, hashes and versions."""
+def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
+            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
+            ) -> None:
+    """Show an artifact's model, target, platforms, entry points (an h100 artifact's kernel
+    schedule), sizes, hashes, versions and signers (each signature valid, INVALID, or not
+    checked without its --trusted-key)."""
     from rvcompile.artifacts.manifest import read_manifest
 
     try:
+        keys = [load_trusted_key(k) for k in trusted_key]
         with Artifact.open(artifact) as art:
             checked = read_manifest(art)  # every field shown below is checked
             h, m = art.header, art.manifest
@@ -128,15 +143,18 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
                     "mesh": x.get("mesh")})
             else:
                 info.update(_schedule_info(checked.h100))
+            signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
+            info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
+                                  for s, st in signed]
     except USER_ERRORS as e:
         fail(str(e))
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    keys = ("file", "model", "target", "platforms", "compiler_version",
-            *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
-            "passes", "entry_points", "slots", "max_context", "requirements")
-    for key in keys:
+    shown = ("file", "model", "target", "platforms", "compiler_version",
+             *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
+             "passes", "entry_points", "slots", "max_context", "requirements")
+    for key in shown:
         typer.echo(f"{key:17} {info[key]}")
     if info.get("mesh"):
         _echo_mesh(info["mesh"])
@@ -148,6 +166,9 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json")) -> No
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
                    f"digest {s['digest'][:16]}")
+    typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
+    for sig, st in signed:
+        typer.echo(f"  signed by {sig.who()}, {st}")
 
 
 def _schedule_info(h100) -> dict:
@@ -216,18 +237,51 @@ def _echo_precompiled(sets: dict) -> None:
 
 
 @app.command()
-def verify(artifact: Path) -> None:
-    """Re-hash every section and check what the manifest and sections hold; exit 0 when all
-    is well, 2 otherwise."""
+def verify(artifact: Path,
+           trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
+           ) -> None:
+    """Re-hash every section and check what the manifest and sections hold
+    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
     from rvcompile.artifacts.contents import verify_artifact
 
     try:
-        with Artifact.open(artifact) as art:
+        keys = [load_trusted_key(k) for k in trusted_key] or None
+        with Artifact.open(artifact, trusted_keys=keys) as art:
             verify_artifact(art)
             n = len(art.sections)
+            signed = "; ".join(f"signed by {s.who()}, {status(s, art.signable, keys or [])}"
+                               for s in art.signatures) or "unsigned"
     except USER_ERRORS as e:
         fail(str(e))
-    typer.echo(f"{artifact}: OK ({n} sections)")
+    typer.echo(f"{artifact}: OK ({n} sections; {signed})")
+
+
+@app.command()
+def sign(artifact: Path,
+         key: Path = typer.Option(..., "--key", help="PEM Ed25519 private key (see `keygen`)"),
+         signer: str = typer.Option("", "--signer", help="a name shown with the signature")
+         ) -> None:
+    """Add an Ed25519 signature over the artifact's header and digest table (replacing one by
+    the same key). Fast at any size: the sections are not re-hashed; `verify` them first if the
+    file's history is unknown."""
+    try:
+        signatures = sign_artifact(artifact, load_signing_key(key), signer)
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(f"{artifact}: signed by {signatures[-1].who()} "
+               f"({len(signatures)} signature{'s' if len(signatures) > 1 else ''})")
+
+
+@app.command()
+def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private, mode 0600) "
+                                                       "and OUT.pub")) -> None:
+    """Make an Ed25519 key pair for `sign` (private) and `rvrun --trusted-key` (public)."""
+    try:
+        private, public, kid = write_keypair(out)
+    except USER_ERRORS as e:
+        fail(str(e))
+    typer.echo(f"wrote {private} (private, keep it secret) and {public}; key id {kid}")
 
 
 @app.command()

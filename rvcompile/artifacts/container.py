@@ -7,11 +7,13 @@ holding a section in memory; `commit` refuses gaps and overlaps, hashes what is 
 same inputs always give the same bytes (for the same piece size).
 
 `Artifact.open` refuses anything but a regular file (a FIFO would block it), then checks the
-header block (magic, format version, checksum, zero padding), the file size against the section
-table, the padding between regions, then the sha256 of the piece-digest table and of the
-manifest, which must parse as a JSON object; sections are served zero-copy from a read-only
-mmap. Section bytes are only hashed on `verify`, since that reads the whole file. What a model
-artifact's manifest and sections mean is checked by manifest.py and contents.py.
+header block (magic, format version, checksum, zero padding), then the file size against the
+section table, then the shape of the signature page if there is one (and, given trusted keys,
+the signatures: see `signature.py`), then that the padding between regions is zero, then the
+sha256 of the piece-digest table and of the manifest, which must parse as a JSON object;
+sections are served zero-copy from a read-only mmap. Section bytes are only hashed on `verify`,
+since that reads the whole file. What a model artifact's manifest and sections mean is checked
+by manifest.py and contents.py.
 
 `commit` and `verify` hash the pieces of every section (see `format.py`) on a thread pool, one
 thread per core by default: hashlib and os.preadv release the GIL, so a 30 GB file hashes at
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from rvcompile.artifacts.format import (
+    ALIGN,
     HEADER_SIZE,
     PIECE_SIZE,
     ArtifactError,
@@ -55,6 +58,13 @@ from rvcompile.artifacts.format import (
     split_piece_digests,
 )
 from rvcompile.artifacts.schema import SchemaError, parse_json
+from rvcompile.artifacts.signature import (
+    Signable,
+    Signature,
+    TrustedKey,
+    decode_page,
+    require_trusted,
+)
 
 _CHUNK = 8 << 20  # bytes per read when hashing: large enough to stream, small enough to not matter
 _thread_buffers = threading.local()  # each hashing thread reads into its own _CHUNK buffer
@@ -364,17 +374,26 @@ class Artifact:
         piece_size: int,
         sections: dict[str, SectionInfo],
         manifest: dict[str, Any],
+        signable: Signable,
+        signatures: tuple[Signature, ...],
     ) -> None:
         self.path = path
         self.header = header
         self.piece_size = piece_size  # bytes per hashed piece of every section
         self.sections = sections  # name -> SectionInfo (with piece digests), in file order
         self.manifest = manifest  # the dict given to ArtifactWriter.commit, as JSON round-trips it
+        self.signable = signable  # what signatures sign, and where the signature page goes
+        self.signatures = signatures  # as the signature page lists them, not checked; () unsigned
         self._file = file  # for streaming reads in verify; closes itself if never closed
         self._mm: mmap.mmap | None = mm
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Artifact:
+    def open(
+        cls, path: str | os.PathLike[str], *, trusted_keys: Sequence[TrustedKey] | None = None
+    ) -> Artifact:
+        """With `trusted_keys`, refuses the file unless it is signed by one of them and every
+        signature by one of them is valid; that check runs on the header block and the digest
+        table as read, before the table or the manifest is trusted or the manifest read."""
         path = Path(path)
         fname = path.name
         # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
@@ -406,17 +425,17 @@ class Artifact:
                         f"{fname}: truncated: {label} ends at byte {s.offset + s.size} but the "
                         f"file is {file_size} bytes"
                     )
-            if file_size != minfo.offset + minfo.size:
-                raise ArtifactError(
-                    f"{fname}: {file_size - minfo.offset - minfo.size} unexpected bytes after "
-                    "the manifest"
-                )
+            page_offset = align_up(minfo.offset + minfo.size)
+            signatures = _read_signatures(fd, file_size, minfo, page_offset, fname)
             with _os_errors(f"{fname}: cannot read the piece-digest table"):
                 table = os.pread(fd, tinfo.size, tinfo.offset)
+            signable = Signable(block, table, page_offset)
+            if trusted_keys is not None:
+                require_trusted(signatures, signable, trusted_keys, fname)
+            _check_padding(fd, layout, file_size, fname)
             if hashlib.sha256(table).hexdigest() != tinfo.sha256:
                 raise ArtifactError(f"{fname}: piece-digest table is corrupt (sha256 mismatch)")
             sections = split_piece_digests(layout, table)
-            _check_gaps(fd, layout, fname)
             with _os_errors(f"{fname}: cannot read the manifest"):
                 body = os.pread(fd, minfo.size, minfo.offset)
             if hashlib.sha256(body).hexdigest() != minfo.sha256:
@@ -431,7 +450,7 @@ class Artifact:
                 mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             return cls(
                 path, file, mm, layout.header, layout.piece_size, {s.name: s for s in sections},
-                manifest,
+                manifest, signable, signatures,
             )
         except BaseException:
             file.close()
@@ -510,21 +529,44 @@ def _file_kind(st: os.stat_result) -> str:
     return next((name for test, name in kinds if test(st.st_mode)), "special file")
 
 
-def _check_gaps(fd: int, layout: HeaderBlock, fname: str) -> None:
-    """The alignment padding between regions (under ALIGN bytes each, as `_check_layout`
-    holds) must be zeros: no byte of the file is outside what the hashes and checks cover."""
+def _read_signatures(
+    fd: int, file_size: int, manifest: Blob, page_offset: int, fname: str
+) -> tuple[Signature, ...]:
+    """The signatures on the page after the manifest; () when the file ends with the manifest."""
+    end = manifest.offset + manifest.size
+    if file_size == end:
+        return ()
+    if file_size != page_offset + ALIGN:
+        raise ArtifactError(
+            f"{fname}: {file_size - end} unexpected bytes after the manifest (a signature page "
+            f"is {ALIGN} bytes at byte {page_offset})"
+        )
+    with _os_errors(f"{fname}: cannot read the signature page"):
+        page = os.pread(fd, ALIGN, page_offset)
+    return decode_page(page, end, fname)
+
+
+def _check_padding(fd: int, layout: HeaderBlock, file_size: int, fname: str) -> None:
+    """Every region starts at the first multiple of ALIGN after the previous one ends, and the
+    bytes between them are zero: no byte of the file lies outside what hashes and signatures
+    cover. Reads less than ALIGN bytes per region."""
+    regions = [
+        *((f"section '{s.name}'", s.offset, s.size) for s in layout.sections),
+        ("piece-digest table", layout.piece_digests.offset, layout.piece_digests.size),
+        ("manifest", layout.manifest.offset, layout.manifest.size),
+    ]
+    end_of_manifest = layout.manifest.offset + layout.manifest.size
+    if file_size > end_of_manifest:  # _read_signatures accepted a page there
+        regions.append(("signature page", align_up(end_of_manifest), ALIGN))
     end = HEADER_SIZE
-    for label, offset, size in [*((f"section '{s.name}'", s.offset, s.size)
-                                  for s in layout.sections),
-                                ("piece-digest table", layout.piece_digests.offset,
-                                 layout.piece_digests.size),
-                                ("manifest", layout.manifest.offset, layout.manifest.size)]:
-        if offset > end:
-            with _os_errors(f"{fname}: cannot read"):
-                pad = os.pread(fd, offset - end, end)
-            if pad.count(0) != len(pad):
-                raise ArtifactError(f"{fname}: the padding before the {label} (bytes [{end}, "
-                                    f"{offset})) is not zeros")
+    for label, offset, size in regions:
+        if offset != align_up(end):
+            raise ArtifactError(f"{fname}: {label} starts at byte {offset}, not at the first "
+                                f"multiple of {ALIGN} after byte {end}")
+        with _os_errors(f"{fname}: cannot read the padding before the {label}"):
+            padding = os.pread(fd, offset - end, end)
+        if any(padding):
+            raise ArtifactError(f"{fname}: the padding before the {label} is not zero")
         end = offset + size
 
 

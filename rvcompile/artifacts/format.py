@@ -8,14 +8,20 @@ An .rvp file holds one compiled model. Layout (all integers little-endian):
     12      4     length n of the header JSON, uint32
     16      32    sha256 of the header JSON bytes
     48      n     header JSON (canonical, see `canonical_json`)
-    48+n    ...   zero padding up to HEADER_SIZE (4096)
-    4096    ...   sections, each at the first multiple of ALIGN (4096) after the previous one
-                  (v3), in the order they were reserved; the bytes between them are zero
-    ...     ...   piece-digest table (v2), at the first multiple of ALIGN after the last section:
-                  for each section in file order, for each of its pieces in order, the 32-byte
+    48+n    ...   zero padding up to HEADER_SIZE (4096), checked (v3)
+    4096    ...   sections, each at a multiple of ALIGN (4096), in the order they were reserved;
+                  the bytes between them are zero
+    ...     ...   piece-digest table (v2), at a multiple of ALIGN after the last section: for
+                  each section in file order, for each of its pieces in order, the 32-byte
                   sha256 of that piece
-    ...     ...   manifest JSON (canonical), at the first multiple of ALIGN after the
-                  piece-digest table; the file ends where the manifest ends
+    ...     ...   manifest JSON (canonical), at a multiple of ALIGN after the piece-digest table;
+                  an unsigned file ends where the manifest ends
+    ...     4096  signature page (optional; v2 since 2026-11-24), at the first multiple of
+                  ALIGN after the manifest; a signed file ends where it ends. Layout below.
+
+Each region (section, table, manifest, signature page) starts at the first multiple of ALIGN
+after the previous one ends, and the bytes between them are zero (readers check both), so that
+no byte of a file lies outside what its hashes and signature cover.
 
 A section of `size` bytes is cut into ceil(size / piece_size) pieces of `piece_size` bytes, the
 last one shorter when `size` is not a multiple (an empty section has none). Pieces are hashed
@@ -36,6 +42,27 @@ characters, since v3):
     piece_digests     {"offset": int, "length": int, "sha256": hex str} (v2) locating the
                       piece-digest table; length is 32 times the total number of pieces.
 
+Signature page (see `signature.py`): one ALIGN-byte page, so that `rvcompile sign` rewrites
+exactly one page and never a byte before it:
+    offset  size
+    0       8     SIGNATURE_MAGIC (signature.py)
+    8       4     length n of the signature JSON, uint32
+    12      32    sha256 of the signature JSON
+    44      n     signature JSON (canonical): {"signatures": [{"key_id": str, "signer": str,
+                  "ed25519": str}, ...]}, at least one, at most one per key id
+    44+n    ...   zeros up to 4096
+Signature fields:
+    key_id            str, 64 lowercase hex digits: sha256 of the signer's raw 32-byte Ed25519
+                      public key (the key's fingerprint).
+    signer            str: a name the signer chose, may be empty; at most 128 printable
+                      characters (`inspect` prints it).
+    ed25519           str, 128 lowercase hex digits: the Ed25519 signature of the message
+                      MESSAGE_TAG | key_id (32 raw bytes) | uint32 length + UTF-8 signer |
+                      the header block (all HEADER_SIZE bytes) | the piece-digest table.
+The header block binds the format version, every header field and the sha256 of the table and
+of the manifest; the table binds every section byte. Signatures are independent: adding one
+leaves the others valid.
+
 The section table lives in the header, not the manifest, so a loader can check the file size and
 map sections before it reads (or trusts) anything past the first 4096 bytes, and a truncated
 file is reported by the section it cuts. The price is a cap of a few dozen sections: sections are
@@ -45,7 +72,8 @@ model artifact's manifest has the schema of `manifest.py`, checked by its reader
 digests sit outside the header because a large section has hundreds of them; the header's
 checksum covers the table's sha256, which covers each piece's. Every byte of the file is covered:
 the header JSON by its checksum, the padding by being zeros (checked at open), sections by their
-pieces (checked by `verify`), the table and the manifest by their sha256.
+pieces (checked by `verify`), the table and the manifest by their sha256, the signature page by
+its own checksum.
 
 Readers accept MIN_READABLE_FORMAT <= version <= FORMAT_VERSION. Any change an older reader would
 misread bumps FORMAT_VERSION and gets a CHANGELOG entry. Errors are `ArtifactError`, one line,
@@ -83,12 +111,17 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-22", 2, "h100 artifacts carry header requirement kernel_launch = \"programmatic\" "
                       "(every kernel opens with griddepcontrol.wait, so the runtime launches "
                       "with programmatic stream serialization); absent: refused (rebuild)"),
+    ("2026-11-24", 2, "optional signature page after the manifest: Ed25519 signatures over the "
+                      "header block and the piece-digest table (signature.py); readers require "
+                      "every region at the first ALIGN multiple after the previous one and zero "
+                      "bytes between; unsigned files are unchanged, and earlier v2 readers "
+                      "refuse signed ones (unexpected bytes after the manifest)"),
     ("2026-11-24", 3, "a model artifact's manifest, header requirements and generation_config "
                       "have a schema (artifacts/manifest.py, contents.py), checked field by field "
                       "where a reader opens the file; the h100 kernel schedule carries its own "
-                      "version (kernel_schedule.SCHEDULE_VERSION); regions lie at the first "
-                      "ALIGN multiple after the previous one and every padding byte is zero; "
-                      "v2 files are refused (rebuild them)"),
+                      "version (kernel_schedule.SCHEDULE_VERSION); header strings are printable "
+                      "and the header block's padding zero; v2 files are refused (rebuild "
+                      "them)"),
 )
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies
@@ -299,9 +332,10 @@ def _word(value: Any) -> str:
 
 
 def _check_layout(block: HeaderBlock, fname: str) -> None:
-    """Sections in file order, each at the first multiple of ALIGN after the one before (so no
-    more than ALIGN - 1 bytes of padding lie between regions), uniquely named; then the digest
-    table, sized for every piece; then the manifest."""
+    """Sections aligned, in file order, non-overlapping, uniquely named, of at most MAX_SIZE
+    bytes; then the digest table, sized for every piece; then the manifest. (That each region
+    starts at the first multiple of ALIGN after the previous one, with zeros between, the
+    reader checks on the file.)"""
     sections = block.sections
     if len({s.name for s in sections}) != len(sections):
         raise ArtifactError(f"{fname}: header names a section twice")
@@ -309,9 +343,8 @@ def _check_layout(block: HeaderBlock, fname: str) -> None:
         raise ArtifactError(f"{fname}: header has a bad piece_size {block.piece_size}")
     end = HEADER_SIZE
     for s in [*sections, block.piece_digests, block.manifest]:
-        if s.offset != align_up(end) or not 0 <= s.size <= MAX_SIZE:
-            raise ArtifactError(f"{fname}: header has a bad section table entry {s} (expected "
-                                f"it at byte {align_up(end)}, of 0 to {MAX_SIZE} bytes)")
+        if s.offset % ALIGN or s.offset < end or not 0 <= s.size <= MAX_SIZE:
+            raise ArtifactError(f"{fname}: header has a bad section table entry {s}")
         end = s.offset + s.size
     pieces = sum(piece_count(s.size, block.piece_size) for s in sections)
     if block.piece_digests.size != DIGEST_SIZE * pieces:

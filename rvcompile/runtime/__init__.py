@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.contents import Contents, content_sections, read_contents
 from rvcompile.artifacts.manifest import Manifest, read_manifest
+from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.runtime.engine import engine_limits
 from rvcompile.runtime.model import GenerationResult, Model
 
@@ -17,18 +19,29 @@ __all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
          kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
-         max_model_len: int | None = None) -> Model:
+         max_model_len: int | None = None,
+         trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None) -> Model:
     """Open `path` and check it, then load it on this machine. Raises ArtifactError with a
     one-line message when the file is damaged or does not fit.
 
-    Order: the header and the manifest's schema (artifacts/manifest.py); with `verify`, the
-    sha256 of the small sections, which are then parsed (tokenizer, generation config, chat
-    template, an h100 artifact's cubins against its schedule: artifacts/contents.py); then this
-    machine (platform, devices, memory: refused before any weight is read); then, with
-    `verify`, the sha256 of every other section; then the executor.
+    Order: with `trusted_keys` (TrustedKeys or PEM public key files), a valid signature by one
+    of them, before anything past the header block and digest table is read (see
+    rvcompile.artifacts.signature; the sections are then verified against the signed digests,
+    so `verify=False` is refused with it); the header and the manifest's schema
+    (artifacts/manifest.py); with `verify`, the sha256 of the small sections, which are then
+    parsed (tokenizer, generation config, chat template, an h100 artifact's cubins against its
+    schedule: artifacts/contents.py); then this machine (platform, devices, memory: refused
+    before any weight is read); then, with `verify`, the sha256 of every other section; then
+    the executor.
     `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
     slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's)."""
-    art = Artifact.open(Path(path))
+    keys = None
+    if trusted_keys is not None:
+        if not verify:
+            raise ArtifactError(f"{Path(path).name}: trusted_keys needs verify: a signature "
+                                "vouches for the sections only through their digests")
+        keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
+    art = Artifact.open(Path(path), trusted_keys=keys)
     try:
         manifest = read_manifest(art)
         small = content_sections(manifest)

@@ -2,6 +2,8 @@
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.server).
+Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
+public keys signed it (`rvcompile sign`), before anything past its header and digest table is read.
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
 exits 2.
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
+from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
     a = p.parse_args(argv)
     if a.max_tokens < 1 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.temperature < 0:
         return _fail("need --max-tokens >= 1, --top-k >= 0, 0 < --top-p <= 1, --temperature >= 0")
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     from rvcompile import runtime
 
     t0 = time.perf_counter()
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -76,9 +84,14 @@ def ppl_main(argv: list[str]) -> int:
                    help="text tokens between window starts (default: window // 2)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
     a = p.parse_args(argv)
     from rvcompile.runtime import perplexity
 
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     try:
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
@@ -92,7 +105,7 @@ def ppl_main(argv: list[str]) -> int:
     from rvcompile import runtime
 
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
@@ -129,6 +142,7 @@ def serve_main(argv: list[str]) -> int:
                    help="the model id requests name (default: the artifact's file stem)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
     a = p.parse_args(argv)
     numbers = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len,
                "--kv-blocks": a.kv_blocks, "--kv-sliding-blocks": a.kv_sliding_blocks,
@@ -136,6 +150,10 @@ def serve_main(argv: list[str]) -> int:
     for flag, value in numbers.items():
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
     import socket
 
     try:
@@ -149,7 +167,8 @@ def serve_main(argv: list[str]) -> int:
                  if n is not None}
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
-                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
+                         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                         trusted_keys=keys)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
@@ -167,6 +186,23 @@ def serve_main(argv: list[str]) -> int:
                                            timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
+
+
+def _add_trusted_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
+                   help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
+                        "--trusted-key) signed it (repeatable)")
+
+
+def _trusted_keys(a: argparse.Namespace) -> list[TrustedKey] | None:
+    """The --trusted-key files read, or None without the flag; ValueError (one line) if a file
+    is not an Ed25519 public key or the flag comes with --no-verify."""
+    if not a.trusted_key:
+        return None
+    if a.no_verify:
+        raise ValueError("--trusted-key needs the sections verified: a signature vouches for "
+                         "them only through their digests; drop --no-verify")
+    return [load_trusted_key(k) for k in a.trusted_key]
 
 
 def _fail(msg: str) -> int:
