@@ -415,7 +415,7 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "mesh naming no arrays": _set((*x, "mesh"), {"axis": "tp", "size": 2,
                                                          "weights": {}, "pools": {}}),
             "jax_version not a version": _set((*x, "jax_version"), "latest"),
-            "platforms differ from the header": _set((*x, "platforms"), ["tpu"]),
+            "platforms lack the header's": _set((*x, "platforms"), ["tpu"]),
             "layer group negative": _set((*x, "layer_groups", 0, "start"), -1),
             "precompiled without executables": _set((*x, "precompiled"), {"cpu:1": {}}),
         }
