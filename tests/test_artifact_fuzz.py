@@ -26,9 +26,11 @@ import copy
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -60,6 +62,7 @@ H100_OPTS = {"max_context": 64, "prefill_buckets": (16,), "slots": 1}
 READERS = ("api", "inspect", "verify", "rvrun")
 _PREFIX = struct.Struct("<8sII32s")
 DEEP = 5000  # nesting levels, past Python's recursion limit
+MACHINE_CHECK = "needs an NVIDIA H100"  # rvrun's refusal of this machine, after validation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,62 +611,63 @@ class Tally:
         return "\n".join(rows)
 
 
-def _one_line(err: str, prog: str) -> bool:
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "refused" (one clean line), "accepted", "traceback", "bad" (any other output)
+    message: str  # the error line, the exception, or what was printed
+
+
+def read_all(path: Path) -> dict[str, Outcome]:
+    """What each reader makes of the file at `path`."""
+    out: dict[str, Outcome] = {}
+    try:
+        with Artifact.open(path) as art:
+            verify_artifact(art)
+        out["api"] = Outcome("accepted", "")
+    except ArtifactError as e:
+        out["api"] = Outcome("refused" if "\n" not in str(e) else "bad", str(e))
+    except BaseException as e:  # noqa: BLE001  the point: nothing else may escape
+        out["api"] = Outcome("traceback", f"{type(e).__name__}: {e}")
+    # The commands' functions, called as typer would (parsing aside), output captured.
+    for cmd, call in (("inspect", lambda: cli.inspect(path, as_json=False, trusted_key=[])),
+                      ("verify", lambda: cli.verify(path, trusted_key=[]))):
+        out[cmd] = _run(call, "rvcompile")
+    out["rvrun"] = _run(lambda: rvrun([str(path), "--prompt", "In the beginning",
+                                       "--max-tokens", "1"]), "rvrun")
+    return out
+
+
+def _run(call: Callable, prog: str) -> Outcome:
+    """A CLI entry point's outcome: its exit code (returned, None for 0, or raised as
+    typer.Exit) and the one stderr line `prog: error: ...` a refusal must print."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = call() or 0
+    except typer.Exit as e:
+        code = e.exit_code
+    except BaseException as e:  # noqa: BLE001
+        return Outcome("traceback", f"{type(e).__name__}: {e}")
+    err = stderr.getvalue()
     lines = err.strip().splitlines()
-    return len(lines) == 1 and lines[0].startswith(f"{prog}: error: ")
+    if code == 0:
+        return Outcome("accepted", err)
+    if code == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "):
+        return Outcome("refused", lines[0])
+    return Outcome("bad", f"exit {code}: {err}")
 
 
 def run_readers(path: Path, case: Case, tally: Tally) -> None:
     tally.inputs += 1
-
-    def record(reader: str, outcome: str, detail: str = "") -> None:
-        tally.outcomes[(reader, outcome)] += 1
-        if outcome == "traceback":
-            tally.exceptions[(reader, detail.split(":")[0])] += 1
-        if outcome == "traceback" or outcome == "bad" or (
-                outcome == "accepted" and not (reader == "inspect" and case.inspect_may_accept)):
-            tally.problems.append(f"{case.label}: {reader} {outcome}: {detail[-600:]}")
-
-    try:
-        with Artifact.open(path) as art:
-            verify_artifact(art)
-        record("api", "accepted")
-    except ArtifactError as e:
-        record("api", "refused" if "\n" not in str(e) else "bad", str(e))
-    except BaseException as e:  # noqa: BLE001  the point: nothing else may escape
-        record("api", "traceback", f"{type(e).__name__}: {e}")
-    # The commands' functions, called as typer would (parsing aside), output captured.
-    for cmd, call in (("inspect", lambda: cli.inspect(path, as_json=False)),
-                      ("verify", lambda: cli.verify(path))):
-        out, err = io.StringIO(), io.StringIO()
-        code = 0
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                call()
-        except typer.Exit as e:
-            code = e.exit_code
-        except BaseException as e:  # noqa: BLE001
-            record(cmd, "traceback", f"{type(e).__name__}: {e}")
-            continue
-        if code == 0:
-            record(cmd, "accepted")
-        elif code == 2 and _one_line(err.getvalue(), "rvcompile"):
-            record(cmd, "refused")
-        else:
-            record(cmd, "bad", f"exit {code}: {err.getvalue()}")
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = rvrun([str(path), "--prompt", "In the beginning", "--max-tokens", "1"])
-    except BaseException as e:  # noqa: BLE001
-        record("rvrun", "traceback", f"{type(e).__name__}: {e}")
-        return
-    if rc == 0:
-        record("rvrun", "accepted", err.getvalue())
-    elif rc == 2 and _one_line(err.getvalue(), "rvrun"):
-        record("rvrun", "refused")
-    else:
-        record("rvrun", "bad", f"rc {rc}: {err.getvalue()}")
+    for reader, o in read_all(path).items():
+        tally.outcomes[(reader, o.kind)] += 1
+        if o.kind == "traceback":
+            tally.exceptions[(reader, o.message.split(":")[0])] += 1
+        if o.kind in ("traceback", "bad") or (
+                o.kind == "accepted" and not (reader == "inspect" and case.inspect_may_accept)):
+            tally.problems.append(f"{case.label}: {reader} {o.kind}: {o.message[-600:]}")
+        if MACHINE_CHECK in o.message:  # every input is damaged: validation must say so first
+            tally.problems.append(f"{case.label}: {reader} passed validation: {o.message}")
 
 
 def fuzz(pristine_path: Path, tmp: Path, seed: int, n_damage: int, n_random: int) -> Tally:
@@ -716,3 +720,131 @@ def test_fuzz_xla_artifact(xla_artifact, tmp_path):
 
 def test_fuzz_h100_artifact(h100_artifact, tmp_path):
     _check(fuzz(h100_artifact, tmp_path, SEED + 1, n_damage=12, n_random=16), "h100-fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# One regression test per finding of the review (crafted files with valid hashes)
+
+
+def refused_by_all(path: Path, *needles: str, readers: tuple[str, ...] = READERS) -> None:
+    outcomes = read_all(path)
+    for reader in readers:
+        o = outcomes[reader]
+        assert o.kind == "refused", (reader, o)
+        for n in needles:
+            assert n in o.message, (reader, n, o.message)
+
+
+def crafted(src: Path, dst: Path, edit: Callable[[Parts], None]) -> Path:
+    p = Parts.read(src).copy()
+    edit(p)
+    dst.write_bytes(assemble(p))
+    return dst
+
+
+def test_inspect_shows_an_h100_schedule(h100_artifact):
+    """Was: KeyError 'xla' (inspect read the XLA part of every manifest)."""
+    out = read_all(h100_artifact)
+    assert out["inspect"].kind == "accepted" and out["api"].kind == "accepted"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        cli.inspect(h100_artifact, as_json=False, trusted_key=[])
+    text = stdout.getvalue()
+    assert "schedule          version 1: arena" in text and "launches of" in text
+    assert "decode_1" in text and "(CUDA graph)" in text and "nvcc" in text
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        cli.inspect(h100_artifact, as_json=True, trusted_key=[])
+    info = json.loads(stdout.getvalue())
+    sched = info["schedule"]
+    assert sched["launches"] == sum(e["launches"] for e in sched["entries"].values()) > 0
+    assert info["entry_points"] == sorted(sched["entries"]) and sched["modules"] > 0
+
+
+def test_h100_load_refuses_this_machine_after_validation(h100_artifact, tmp_path):
+    """No GPU here: a sound h100 artifact stops at the machine check in one line, and a damaged
+    one at its damage, before the machine is asked."""
+    refused_by_all(h100_artifact, MACHINE_CHECK, readers=("rvrun",))
+    bad = crafted(h100_artifact, tmp_path / "bad.rvp", lambda p: put(
+        p.manifest, ("h100", "schedule", "entries", "decode_1", "launches", 0, "kernel"),
+        "no_such_kernel"))
+    refused_by_all(bad, "launches[0]: kernel 'no_such_kernel' is not in",
+                   readers=("api", "verify", "rvrun"))
+
+
+def test_fifo_and_directory_refused(tmp_path):
+    """Was: a FIFO given as the artifact hung every reader (open blocked for a writer)."""
+    fifo = tmp_path / "pipe.rvp"
+    os.mkfifo(fifo)
+
+    def hung(*_) -> None:
+        raise TimeoutError("a reader blocked on the FIFO")
+
+    # A hang fails this test instead of stalling the suite (the handler interrupts open()).
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        refused_by_all(fifo, "pipe.rvp: not a regular file (a FIFO)")
+        refused_by_all(tmp_path, "not a regular file (a directory)")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_deep_nesting_refused(xla_artifact, tmp_path):
+    """Was: RecursionError from json.loads of a manifest (or generation_config) nested deeper
+    than Python's stack."""
+    p = Parts.read(xla_artifact)
+    bad = tmp_path / "deep.rvp"
+    bad.write_bytes(assemble(p, manifest_bytes=b"[" * DEEP + b"]" * DEEP))
+    refused_by_all(bad, "deep.rvp: manifest: JSON nested too deeply")
+    crafted(xla_artifact, bad, lambda p: p.sections.update(
+        generation_config=b"[" * DEEP + b"]" * DEEP))
+    refused_by_all(bad, "generation_config: JSON nested too deeply",
+                   readers=("api", "verify", "rvrun"))
+
+
+def test_missing_key_refused(xla_artifact, tmp_path):
+    """Was: KeyError from a manifest field read where it was used."""
+    bad = crafted(xla_artifact, tmp_path / "k.rvp",
+                  lambda p: drop(p.manifest, ("xla", "kv", "block_size")))
+    refused_by_all(bad, "k.rvp: manifest.xla.kv: missing required key 'block_size'")
+
+
+def test_zero_block_size_refused(xla_artifact, h100_artifact, tmp_path):
+    """Was: ZeroDivisionError in the engine's block arithmetic."""
+    bad = crafted(xla_artifact, tmp_path / "z.rvp",
+                  lambda p: put(p.manifest, ("xla", "kv", "block_size"), 0))
+    refused_by_all(bad, "manifest.xla.kv.block_size: expected an int in [1, 65536], got 0")
+    bad = crafted(h100_artifact, tmp_path / "z.rvp",
+                  lambda p: put(p.manifest, ("h100", "schedule", "kv", "block_size"), 0))
+    refused_by_all(bad, "manifest.h100.schedule.kv.block_size: expected an int in [1, 65536]")
+
+
+def test_garbage_program_refused(xla_artifact, tmp_path):
+    """Was: struct.error (and others) from jax.export's deserializer on program bytes."""
+    def zero_decode(p: Parts) -> None:
+        loc = p.manifest["xla"]["programs"]["decode_1"]
+        a, b = loc["offset"], loc["offset"] + loc["size"]
+        p.sections["programs"] = p.sections["programs"][:a] + bytes(b - a) + \
+            p.sections["programs"][b:]
+
+    bad = crafted(xla_artifact, tmp_path / "g.rvp", zero_decode)
+    refused_by_all(bad, "g.rvp: program decode_1 is not a jax.export program",
+                   readers=("api", "verify", "rvrun"))
+
+
+def test_schedule_version_names_the_range(h100_artifact, tmp_path):
+    bad = crafted(h100_artifact, tmp_path / "v.rvp",
+                  lambda p: put(p.manifest, ("h100", "schedule", "version"), 99))
+    refused_by_all(bad, "manifest.h100.schedule.version: kernel schedule version 99; this "
+                        "runtime reads versions 1..1")
+
+
+def test_newline_in_a_key_stays_on_one_line(h100_artifact, tmp_path):
+    def odd_module(p: Parts) -> None:
+        cubins = p.manifest["h100"]["schedule"]["cubins"]
+        cubins["x\nboom.cu"] = cubins.pop(next(iter(cubins)))
+
+    bad = crafted(h100_artifact, tmp_path / "n.rvp", odd_module)
+    refused_by_all(bad, "manifest.h100.schedule.cubins['x\\nboom.cu']")

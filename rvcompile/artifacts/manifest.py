@@ -269,6 +269,8 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int]) -> Xl
         req["jax"].fail(f"{req['jax'].value!r} is not '>={jax_version}' (manifest.xla."
                         "jax_version)")
     platforms = tuple(p.str(XLA_PLATFORMS) for p in x["platforms"].items(1, 3))
+    if not header.platforms:
+        At([], "header.platforms").expected("at least one platform")
     if not set(header.platforms) <= set(platforms):  # the header may promise fewer
         x["platforms"].fail(f"{list(platforms)} lack platforms the header names "
                             f"{list(header.platforms)}")
