@@ -294,11 +294,14 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int) -> Entr
     rows = at["rows"].int(1, MAX_ROWS)
     if name != key or rows != int(m[2]):
         at.fail(f"entry {key} must be named {key} with {m[2]} rows, not {name!r} with {rows}")
-    launches = tuple(_launch(x, cubins, arena_bytes) for x in at["launches"].items(1))
+    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
+              "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
+    launches = tuple(_launch(x, cubins, ranges) for x in at["launches"].items(1))
     return EntryPoint(name, rows, at["graph"].bool(), launches)
 
 
-def _launch(at: At, cubins: dict[str, Cubin], arena_bytes: int) -> Launch:
+def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple]) -> Launch:
+    """`ranges`: each argument kind's allowed values (pointers inside the arena)."""
     module = at["module"].str()
     if module not in cubins:
         at["module"].fail(f"launches module {module!r}, which has no cubin in the artifact")
@@ -306,14 +309,35 @@ def _launch(at: At, cubins: dict[str, Cubin], arena_bytes: int) -> Launch:
     block = tuple(d.int(1, hi) for d, hi in zip(at["block"].items(3, 3), MAX_BLOCK, strict=True))
     if math.prod(block) > MAX_THREADS:
         at["block"].fail(f"{math.prod(block)} threads per block; CUDA allows {MAX_THREADS}")
-    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
-              "i64": (-(1 << 63), (1 << 63) - 1)}
+    return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
+                  at["smem"].int(0, MAX_SMEM), _args(at["args"], ranges))
+
+
+def _args(at: At, ranges: dict[str, tuple]) -> tuple[Arg, ...]:
+    """A launch's arguments. Schedules hold hundreds of thousands, so well-formed ones are
+    checked directly on the JSON values; the first that is not (or any extra key) goes through
+    At, which names what is wrong."""
+    values = at.value
+    if isinstance(values, list) and len(values) <= 256:
+        args = []
+        for a in values:
+            if type(a) is not dict or len(a) != 2:
+                break
+            kind, value = a.get("kind"), a.get("value")
+            if type(kind) is not str or kind not in ranges:
+                break
+            lo, hi = ranges[kind]
+            plain = type(value) is int or (kind == "f32" and type(value) is float
+                                           and math.isfinite(value))
+            if not plain or not lo <= value <= hi:
+                break
+            args.append(Arg(kind, value))
+        else:
+            return tuple(args)
     args = []
-    for a in at["args"].items(0, 256):
+    for a in at.items(0, 256):
         kind = a["kind"].str(ARG_KINDS)
         value = a["value"]
-        args.append(Arg(kind, value.number(-FLOAT32_MAX, FLOAT32_MAX) if kind == "f32"
+        args.append(Arg(kind, value.number(*ranges[kind]) if kind == "f32"
                         else value.int(*ranges[kind])))
-    return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
-                  at["smem"].int(0, MAX_SMEM), tuple(args))
-
+    return tuple(args)
