@@ -384,6 +384,8 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
                                                     1 << 40),
             "program size zero": _set((*x, "programs", decode, "size"), 0),
             "program size negative": _set((*x, "programs", decode, "size"), -5),
+            "program named oddly": lambda mm: mm["xla"]["programs"].update(
+                {"warm\nup": mm["xla"]["programs"][decode]}),
             "programs swapped": lambda mm: mm["xla"]["programs"].update({
                 decode: mm["xla"]["programs"][prefill], prefill: mm["xla"]["programs"][decode]}),
             "weight offset past the section": _set((*x, "weights", 0, "offset"), 1 << 40),

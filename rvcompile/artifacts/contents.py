@@ -104,6 +104,15 @@ def _contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview]) ->
         chat_template=template or None)
 
 
+def _first_line(error: BaseException | str | None) -> str:
+    """A one-line, bounded rendering of a third-party parser's error."""
+    text = str(error or "").strip()
+    head = text.splitlines()[0][:160] if text else ""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {head}" if head else type(error).__name__
+    return head
+
+
 def _text(data: bytes | memoryview, section: str) -> str:
     try:
         return bytes(data).decode("utf-8")
@@ -115,8 +124,8 @@ def _tokenizer(text: str, vocab: int) -> Tokenizer:
     try:
         tok = Tokenizer.from_str(text)
     except Exception as e:  # the Rust parser's errors come as plain Exception
-        raise SchemaError(f"tokenizer: not a tokenizers tokenizer.json "
-                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise SchemaError(f"tokenizer: not a tokenizers tokenizer.json ({_first_line(e)})"
+                          ) from None
     ids = tok.get_vocab(with_added_tokens=True).values()
     if not ids:
         raise SchemaError("tokenizer: has no tokens")
@@ -133,7 +142,7 @@ def _parse_template(text: str) -> None:
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise SchemaError(f"chat_template: line {e.lineno}: {e.message}") from None
+        raise SchemaError(f"chat_template: line {e.lineno}: {_first_line(e.message)}") from None
     except (jinja2.TemplateError, RecursionError) as e:
         raise SchemaError(f"chat_template: cannot be parsed ({type(e).__name__})") from None
 
@@ -191,8 +200,7 @@ def xla_programs(art: Artifact, xla: XlaManifest) -> dict:
             exp = export.deserialize(bytearray(blob[loc.offset:loc.offset + loc.size]))
             args = _unflatten(exp)
         except Exception as e:
-            raise ArtifactError(f"{where} is not a jax.export program "
-                                f"({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            raise ArtifactError(f"{where} is not a jax.export program ({_first_line(e)})"
                                 ) from None
         _check_signature(where, name, args, xla)
         out[name] = exp

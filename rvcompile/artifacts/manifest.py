@@ -39,6 +39,7 @@ checked once hashed, by contents.py.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +171,7 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
     runtime = req["runtime"].str(RUNTIMES)
     if m["target"].str() != header.target:
         m["target"].fail(f"{m['target'].value!r} differs from the header's {header.target!r}")
-    m["compiler_version"].str()
+    m["compiler_version"].str(max_len=200, printable=True)
     for p in m["passes"].items(0, 64):
         p.str(pattern=NAME)
     rw = m["random_weights"].nullable()
@@ -243,7 +244,8 @@ def _model(at: At) -> ModelInfo:
         c["top_k_experts"].int(1, experts)
         c["moe_intermediate_size"].int(1, MAX_DIM)
     return ModelInfo(
-        name=at["name"].str(pattern=NAME), origin=at["origin"].str(), vocab_size=vocab,
+        name=at["name"].str(max_len=200, printable=True), origin=at["origin"].str(),
+        vocab_size=vocab,
         num_layers=layers, eos_ids=token_ids(c["eos_token_id"], vocab),
         bos_id=_token_id(c["bos_token_id"], vocab), pad_id=_token_id(c["pad_token_id"], vocab),
         config=c.value)
@@ -284,8 +286,11 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int]) -> Xl
     loop = x.get("decode_loop")
     steps = loop["steps"].int(0, max_chunk) if loop is not None else 0
     stops = loop["stop_ids"].int(0, 1024) if loop is not None else 0
-    programs = {name: _span(loc, "programs", sections)
-                for name, loc in x["programs"].members(256).items()}
+    programs = {}
+    for name, loc in x["programs"].members(256).items():
+        if not re.fullmatch(r"(prefill|decode|decode_loop|logits)_[1-9][0-9]{0,6}", name):
+            loc.fail("an entry point is named prefill_N, decode_N, decode_loop_N or logits_N")
+        programs[name] = _span(loc, "programs", sections)
     names = [e.str() for e in x["entry_points"].items(1, 256)]
     if names != sorted(programs):
         x["entry_points"].fail(f"{names} are not the programs' names {sorted(programs)}")
@@ -466,5 +471,6 @@ def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,
             where["cubins"][module].fail(
                 f"bytes [{c.offset}, {c.offset + c.size}) fall outside section 'cubins' of "
                 f"{sections['cubins']} bytes")
-    return H100Manifest(schedule, h["nvcc"].str(), h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"))
+    return H100Manifest(schedule, h["nvcc"].str(max_len=200, printable=True),
+                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"))
 

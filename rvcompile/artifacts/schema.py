@@ -165,10 +165,13 @@ class At:
         return self.value
 
     def str(self, choices: tuple[str, ...] | None = None, pattern: str | None = None,
-            max_len: int = 4096) -> str:
+            max_len: int = 4096, printable: bool = False) -> str:
+        """`printable`: no newlines or other control characters (a name errors may quote)."""
         v = self.value
         if not isinstance(v, str) or len(v) > max_len:
             self.expected(f"a string of at most {max_len} characters")
+        if printable and not v.isprintable():
+            self.expected("a printable string")
         if choices is not None and v not in choices:
             self.expected(f"one of {', '.join(repr(c) for c in choices)}")
         if pattern is not None and not re.fullmatch(pattern, v):

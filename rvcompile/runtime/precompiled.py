@@ -109,6 +109,7 @@ def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
                 data, exp.in_tree, exp.out_tree, backend=run_on[0].client,
                 execution_devices=run_on)
         except Exception as e:
+            reason = (str(e).strip().splitlines() or [""])[0][:160]
             raise ArtifactError(f"{art.path.name}: precompiled {topology}/{name} cannot be "
-                                f"loaded ({type(e).__name__}: {str(e)[:120]})") from None
+                                f"loaded ({type(e).__name__}: {reason})") from None
     return out
