@@ -395,8 +395,8 @@ def _mesh(at: At, weights: tuple[XlaWeight, ...], pools: tuple[XlaPool, ...]) ->
 
 def _precompiled(rec: At, name: str, programs: dict[str, Span], kinds: dict[str, XlaKvKind],
                  mesh: XlaMesh | None, sections: dict[str, int]) -> dict:
-    """A topology's record (targets/xla/precompile.py writes it, runtime/executors/precompiled.py reads
-    it), returned as it is once every field the runtime and `inspect` read is checked."""
+    """A topology's record (targets/xla/precompile.py writes it, runtime/executors/precompiled.py
+    reads it), returned as it is once every field the runtime and `inspect` read is checked."""
     n = mesh.size if mesh else 1
     if rec["topology"].str() != name:
         rec["topology"].fail(f"differs from its key {name!r}")
