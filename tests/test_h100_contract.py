@@ -115,7 +115,7 @@ def expand(text: str, macros: dict[str, tuple[list[str] | None, str]]) -> str:
             args, end = split_args(text, j)
             assert len(args) == len(params), f"{m[0]}: {len(args)} arguments for {params}"
             values = dict(zip(params, args, strict=True))
-            body = _IDENT.sub(lambda t: values.get(t[0], t[0]), body)
+            body = _IDENT.sub(lambda t, v=values: v.get(t[0], t[0]), body)
             body = re.sub(r"\s*##\s*", "", body)
         text = text[:m.start()] + body + text[end:]
         i = m.start()

@@ -54,9 +54,10 @@ class Param:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"param {self.name}: kind {self.kind!r} not one of {KINDS}")
-        if (self.kind == "ptr") != (self.dtype in DTYPES and self.role in ROLES):
+        if (self.kind == "ptr") != (self.dtype in DTYPES and self.role in ROLES) or (
+                self.nullable and self.kind != "ptr"):
             raise ValueError(f"param {self.name}: a pointer has a dtype of {sorted(DTYPES)} and "
-                             f"a role of {ROLES}; nothing else has either")
+                             f"a role of {ROLES} and may be nullable; nothing else is any")
 
 
 def ptr(name: str, dtype: str, role: str = "in", nullable: bool = False) -> Param:
