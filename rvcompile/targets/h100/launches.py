@@ -4,7 +4,8 @@ compute it (LOWER), applied to every node of embed, each layer, head and sampler
 Input: the IR after the h100 pipelines' fusions (build.TARGETS), where each op is a unit the
 kernels run: ATTENTION_BLOCK, MOE_BLOCK, PLE_EMBED, PLE_PROJECTION, RESIDUAL_RMSNORM with its
 NEXT_NORM, the fused GEMVs. An op's function reads its inputs' values (the buffers holding them),
-emits launches over symbolic pointers (layout.Ref) and returns its own value. Two ops write what
+emits launches over symbolic pointers (layout.Ref), each argument named after the kernel's
+parameter and checked against its entry (contract.py), and returns its own value. Two ops write what
 their readers read, in their own launch:
 - RESIDUAL_RMSNORM also writes its NEXT_NORM reader's value (`residual_rmsnorm`); with none,
   in a bf16 plan where a LINEAR reads it, the bf16 copy of h the GEMV reads
