@@ -430,6 +430,7 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
         decode = f"decode_{sched['slots']}"
         module = sched["entries"][decode]["launches"][0]["module"]
         launch = (*s, "entries", decode, "launches", 0)
+        names = [a["name"] for a in sched["entries"][decode]["launches"][0]["args"]]
         edits |= {
             "schedule version missing": _del((*s, "version")),
             "schedule version newer": _set((*s, "version"), 99),
@@ -477,16 +478,25 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "smem past the device": _set((*launch, "smem"), 1 << 20),
             "argument dropped": lambda mm: get(mm, launch)["args"].pop(),
             "argument added": lambda mm: get(mm, launch)["args"].append(
-                {"kind": "i32", "value": 0}),
+                {"name": "extra", "kind": "i32", "value": 0}),
             "argument kind unknown": _set((*launch, "args", 0, "kind"), "f64"),
-            "pointer negative": _set((*launch, "args", 0), {"kind": "ptr", "value": -8}),
+            "argument without a name": _del((*launch, "args", 0, "name")),
+            "argument name not an identifier": _set((*launch, "args", 0, "name"), "a b"),
+            "argument name a number": _set((*launch, "args", 0, "name"), 3),
+            "argument named twice": _set((*launch, "args", 1, "name"), names[0]),
+            "argument with an unknown key": lambda mm: get(mm, launch)["args"][0].update(
+                unit="bytes"),
+            "pointer negative": _set((*launch, "args", 0),
+                                     {"name": names[0], "kind": "ptr", "value": -8}),
             "pointer past the arena": _set((*launch, "args", 0),
-                                           {"kind": "ptr", "value": sched["arena_bytes"]}),
-            "null pointer not zero": _set((*launch, "args", 0), {"kind": "null", "value": 8}),
+                                           {"name": names[0], "kind": "ptr",
+                                            "value": sched["arena_bytes"]}),
+            "null pointer not zero": _set((*launch, "args", 0),
+                                          {"name": names[0], "kind": "null", "value": 8}),
             "i32 past int32": lambda mm: get(mm, launch)["args"].__setitem__(
-                -1, {"kind": "i32", "value": 1 << 31}),
+                -1, {"name": names[-1], "kind": "i32", "value": 1 << 31}),
             "f32 past float32": lambda mm: get(mm, launch)["args"].__setitem__(
-                2, {"kind": "f32", "value": 1e39}),
+                2, {"name": names[2], "kind": "f32", "value": 1e39}),
             "cubin past the section": _set((*s, "cubins", module, "offset"), 1 << 40),
             "cubin sha256 not hex": _set((*s, "cubins", module, "sha256"), "xyz"),
             "cubin sha256 wrong": _set((*s, "cubins", module, "sha256"), "0" * 64),
@@ -752,7 +762,7 @@ def test_inspect_shows_an_h100_schedule(h100_artifact):
     with contextlib.redirect_stdout(stdout):
         cli.inspect(h100_artifact, as_json=False, trusted_key=[])
     text = stdout.getvalue()
-    assert "schedule          version 1: arena" in text and "launches of" in text
+    assert "schedule          version 2: arena" in text and "launches of" in text
     assert "decode_1" in text and "(CUDA graph)" in text and "nvcc" in text
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -840,7 +850,7 @@ def test_schedule_version_names_the_range(h100_artifact, tmp_path):
     bad = crafted(h100_artifact, tmp_path / "v.rvp",
                   lambda p: put(p.manifest, ("h100", "schedule", "version"), 99))
     refused_by_all(bad, "manifest.h100.schedule.version: kernel schedule version 99; this "
-                        "runtime reads versions 1..1")
+                        "runtime reads versions 2..2")
 
 
 def test_newline_in_a_key_stays_on_one_line(h100_artifact, tmp_path):

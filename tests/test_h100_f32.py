@@ -133,8 +133,6 @@ class _LaunchByLaunch:
         return self.ref.read(offset, nbytes)
 
     def run(self, entry: str) -> None:
-        from rvcompile.targets.h100.reference_executor import _kernel_ref
-
         launches, prepared = self.schedule.entries[entry].launches, self.gpu.entries[entry]
         i = 0
         while i < len(launches):
@@ -149,7 +147,7 @@ class _LaunchByLaunch:
                     self.ctx.launch_configured(fn, config, packed)
                 self.ctx.synchronize()
             for launch in launches[i:i + span]:
-                _kernel_ref(launch.kernel)(self.ref, launch, *[a.value for a in launch.args])
+                self.ref.launch(launch)
             if check:
                 got = np.empty_like(before)
                 self.ctx.copy_to_host(got, self.gpu.arena.ptr, 0)
@@ -157,8 +155,9 @@ class _LaunchByLaunch:
                 words = np.unique(np.nonzero((got != before) | (self.ref.mem != before))[0] // 4)
                 if span == 2:  # the combine's out [rows * heads, d]
                     combine = launches[i + 1]
-                    start = combine.args[4].value // 4
-                    count = combine.grid[0] * combine.args[3].value
+                    args = {a.name: a.value for a in combine.args}
+                    start = args["out"] // 4
+                    count = combine.grid[0] * args["d"]
                     words = np.arange(start, start + count)
                 self._compare(kernel, got.view(np.float32)[words],
                               self.ref.mem.view(np.float32)[words])

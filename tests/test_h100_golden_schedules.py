@@ -4,7 +4,10 @@ weights) through its target's pipeline (build.lower_model) and `lower_to_h100`, 
 everything the build takes from the lowering: the schedule's JSON (every launch, geometry and
 argument, the io fields, the KV layout, the outputs), the constants' bytes, every weight's
 slot and the kernel modules. The hashes in h100_golden_schedules.json were written at commit
-f9c3679, before the fusion passes took the lowering's pattern matching over.
+f9c3679, before the fusion passes took the lowering's pattern matching over, and rewritten when
+the schedule became version 2 (named arguments), after checking that every case still made the
+same launches (module, kernel, geometry, argument kinds and values, in order) and the same
+everything else.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -36,6 +36,7 @@ from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
+from rvcompile.targets.h100.contract import Bound
 
 BLOCK = attn_decode.BLOCK
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
@@ -64,7 +65,7 @@ class PlannedLaunch:
     module: str
     kernel: str
     geometry: gemv_fp8.Launch
-    args: tuple  # Ref | ("i32", v) | ("i64", v) | ("f32", v) | None (null pointer)
+    args: tuple[Bound, ...]  # checked against the entry, in its order; pointers are Refs
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,8 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     resolved: dict[str, EntryPoint] = {}
     outputs: dict[str, Field] = {}
     for e in entries:
-        uses = [tuple(a.key for a in launch.args if isinstance(a, Ref) and a.region == "act")
+        uses = [tuple(a.value.key for a in launch.args
+                      if isinstance(a.value, Ref) and a.value.region == "act")
                 for launch in e.launches]
         lives = memory_plan.lifetimes(uses, e.sizes)
         offsets, total = memory_plan.plan(lives)
@@ -259,12 +261,12 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                                  "io": lambda: io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
-        def arg(a, address=address) -> Arg:
-            if a is None:
-                return Arg("null", 0)
-            if isinstance(a, Ref):
-                return Arg("ptr", address(a))
-            return Arg(a[0], a[1])
+        def arg(a: Bound, address=address) -> Arg:
+            if a.param.kind != "ptr":
+                return Arg(a.param.name, a.param.kind, a.value)
+            if a.value is None:
+                return Arg(a.param.name, "null", 0)
+            return Arg(a.param.name, "ptr", address(a.value))
 
         resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
             Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
