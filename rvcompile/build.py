@@ -39,7 +39,8 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import CheckpointError, ModelSource, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, ModelSource
 
 
 @dataclass(frozen=True)

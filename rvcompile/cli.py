@@ -28,7 +28,7 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.ir.ops import SpecError
 from rvcompile.model.config import ConfigError
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100.lower import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError
 

@@ -18,7 +18,8 @@ import json
 import pytest
 
 from rvcompile.chat_template import ChatTemplateError, check, compile_template
-from rvcompile.sources.checkpoint import CheckpointError, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.sources.tokenizer_files import default_chat_template
 
 # Written for this test in the style of the Gemma 4 template: the constructs it relies on.

@@ -1,4 +1,4 @@
-"""Pre-quantized FP8 checkpoints (checkpoint.read_fp8_scheme and Fp8Tensor, weight_math.encode_all).
+"""Pre-quantized FP8 checkpoints (sources/fp8_schemes.py and Fp8Tensor, weight_math.encode_all).
 
 The oracle's "dense" checkpoint is rewritten the way llm-compressor writes FP8-Dynamic: every
 linear projection an F8_E4M3 `X.weight` with an `X.weight_scale`, and a compressed-tensors
@@ -36,7 +36,8 @@ from rvcompile.passes.weight_math import (
     quantize_fp8_per_channel,
     quantize_int8_per_channel,
 )
-from rvcompile.sources.checkpoint import CheckpointError, Fp8Tensor, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, Fp8Tensor
 from rvcompile.targets.h100.lower import layout_weights
 
 LINEAR = re.compile(

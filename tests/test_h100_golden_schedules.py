@@ -29,7 +29,8 @@ import pytest
 
 from rvcompile.build import BuildOptions, lower_model
 from rvcompile.model.presets import get_preset
-from rvcompile.sources.checkpoint import ModelSource, read_config
+from rvcompile.sources.checkpoint import read_config
+from rvcompile.sources.model_source import ModelSource
 
 GOLDEN = Path(__file__).with_name("h100_golden_schedules.json")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"

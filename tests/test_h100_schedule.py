@@ -27,7 +27,7 @@ from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir import ops
 from rvcompile.runtime.model import Model
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
 from rvcompile.targets.h100.reference_executor import reference_executor

@@ -43,7 +43,7 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.precompiled import Choice, Machine, choose
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.xla import precompile
 from rvcompile.targets.xla.cost_report import (
     CHIPS,
