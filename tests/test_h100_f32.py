@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, oracle_greedy, oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
@@ -32,7 +32,7 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100.reference_executor import ReferenceDevice, reference_executor
+from rvcompile.targets.h100.reference_executor import ReferenceDevice
 
 OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
 F32_BOUND = 1e-4  # as test_oracle.F32_BOUND: float32 rounding, amplified through 6 layers

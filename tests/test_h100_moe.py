@@ -177,10 +177,11 @@ def test_kernel_compiles(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def moe_model(oracle_dir, tmp_path_factory):
+    from h100_helpers import reference_executor
+
     from rvcompile.artifacts import Artifact
     from rvcompile.build import BuildOptions, build_artifact
     from rvcompile.runtime.model import Model
-    from rvcompile.targets.h100.reference_executor import reference_executor
 
     hf, ckpt = oracle_dir("moe")
     out = tmp_path_factory.mktemp("h100-moe") / "moe.rvp"

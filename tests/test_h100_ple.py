@@ -28,7 +28,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, agreement_with_oracle, random_token_ids
 from test_h100_elementwise import assert_bf16_close, rel_l2
 
@@ -41,7 +41,6 @@ from rvcompile.model.config import Gemma4Config
 from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
-from rvcompile.targets.h100.reference_executor import reference_executor
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn

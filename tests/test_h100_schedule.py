@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together
+from h100_helpers import decode_three_together, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
@@ -30,7 +30,6 @@ from rvcompile.runtime.model import Model
 from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
-from rvcompile.targets.h100.reference_executor import reference_executor
 
 OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
 SEQ = 40

@@ -2,8 +2,8 @@
 runtime/executor_api.py over a KernelSchedule. It picks the entry point for a call, fills the io
 fields (tokens, positions, one block-table row per token row and KV kind, sampling parameters)
 and reads the results back. The device it drives only offers `write(offset, bytes)`,
-`read(offset, nbytes)` and `run(entry)`: the CUDA device (h100_executor) or the CPU reference
-(targets/h100/reference_executor).
+`read(offset, nbytes)` and `run(entry)`: the CUDA device (h100.py) or the CPU reference
+(targets/h100/reference_executor.py; tests compose the two).
 
 The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.

@@ -2,8 +2,9 @@
 the launch's arguments exactly as the CUDA kernel reads them. CI checks the H100 plan (lowering,
 weight layout, memory plan, KV paging, io) against the oracle with it, no GPU needed.
 
-    ex = reference_executor(artifact)       # an executor for runtime.Model
-    m = Model(artifact, ex)
+    dev = reference_device(artifact)        # write / read / run, like the CUDA device
+    ex = ScheduledExecutor(dev.schedule, dev)   # the runtime's executor over it (tests compose
+    m = Model(artifact, ex)                     # the two: targets never import the runtime)
 
 The `_f32` entries (the float32 plan, h100-f32) read and write float32 where the others hold bf16
 (or e4m3) values: `_lin_dtype` and `_pool_dtype` pick the view by entry name.
@@ -19,7 +20,6 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
-from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
@@ -64,10 +64,10 @@ class ReferenceDevice:
         return self.mem[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def reference_executor(art: Artifact) -> ScheduledExecutor:
+def reference_device(art: Artifact) -> ReferenceDevice:
+    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants."""
     schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
-    device = ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
-    return ScheduledExecutor(schedule, device)
+    return ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
 
 
 # ---------------------------------------------------------------- kernel references
