@@ -233,7 +233,7 @@ def test_a_model_refuses_a_hostile_template_at_render(tmp_path, monkeypatch):
     plain, hostile = tmp_path / "plain.rvp", tmp_path / "hostile.rvp"
     build_artifact("gemma-4-tiny-dense", plain,
                    BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,),
-                                slots=1, platforms=("cpu",)), random_weights=True,
+                                max_seqs=1, platforms=("cpu",)), random_weights=True,
                    progress=False, log=lambda s: None)
     with Artifact.open(plain) as art, ArtifactWriter(hostile, art.header) as w:
         for name in art.sections:

@@ -43,10 +43,10 @@ from rvcompile.targets.h100.lower import layout_weights
 LINEAR = re.compile(
     r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 PER_TENSOR_SHAPE = {"q_proj": (), "k_proj": (), "v_proj": (1,), "o_proj": (1,)}
-OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "slots": 1}
+OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "max_seqs": 1}
 # test_oracle.py's options: the same programs as its "dense" xla-f32 artifact (programs depend on
 # the config and options, not the weights), so the XLA compile comes from the persistent cache.
-XLA_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 2}
+XLA_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 2}
 QUANT_GROUP = {
     "format": "float-quantized",
     "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,

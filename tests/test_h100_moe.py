@@ -34,7 +34,7 @@ from rvcompile.ir import ops
 from rvcompile.targets.h100 import moe
 
 BF16 = ml_dtypes.bfloat16
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 MOE_BOUNDS = (0.62, 0.27, 3.2)  # min top-1, max mean abs, max max abs; measured above
 
 # (hidden, experts, top_k, moe intermediate)
@@ -258,7 +258,7 @@ def test_26b_a4b_lowers() -> None:
     for _, run in TARGETS["h100-fp8"].passes:
         ir = run(ir)
     check_model(ir)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     decode = s.entries["decode_1"].launches
     assert len(decode) == 2 + 16 * 6 + 4
     layer = [x.kernel for x in decode[2:18]]

@@ -24,7 +24,7 @@ from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.h100 import check_fits
 from rvcompile.runtime.model import Model
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 GPU_BOUND = (0.15, 0.015)  # max and mean abs logit difference, GPU against the reference
 
 

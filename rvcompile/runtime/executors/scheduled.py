@@ -48,7 +48,7 @@ class ScheduledExecutor:
                                             if e.name.startswith("prefill_")))
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
-        self.decode_width = self.decode_buckets[-1]
+        self.max_seqs = self.decode_buckets[-1]
 
     # -- io
 
@@ -123,9 +123,9 @@ class ScheduledExecutor:
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
     def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
-        if not 0 < len(lanes) <= self.decode_width:
+        if not 0 < len(lanes) <= self.max_seqs:
             raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
-                             f"{self.decode_width}")
+                             f"{self.max_seqs}")
         b = next(x for x in self.decode_buckets if x >= len(lanes))
         toks = np.zeros(b, np.int32)
         pos = np.full(b, -1, np.int32)
