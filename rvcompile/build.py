@@ -42,7 +42,8 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import CheckpointError, ModelSource, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, ModelSource
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class BuildOptions:
     target: str
     max_context: int = 2048
     prefill_buckets: tuple[int, ...] = (16, 64, 256)
-    slots: int = 4
+    max_seqs: int = 4
     platforms: tuple[str, ...] = ("tpu", "cuda", "cpu")  # what the StableHLO is exported for
     dump_ir: str | None = None  # print the IR after this pass ("frontend" or a pass name)
     topologies: tuple[str, ...] = ()  # TPU slices to precompile for, e.g. "v6e:2x2" (libtpu)
@@ -112,7 +113,7 @@ class BuildOptions:
         if self.target not in TARGETS:
             raise CheckpointError(f"unknown target {self.target!r} (known: {', '.join(TARGETS)})")
         _check_count("--max-context", self.max_context, 1)
-        _check_count("--max-seqs", self.slots, 1)
+        _check_count("--max-seqs", self.max_seqs, 1)
         if not isinstance(self.prefill_buckets, tuple) or not self.prefill_buckets:
             raise CheckpointError(f"--prefill-buckets {self.prefill_buckets!r}: expected one or "
                                   "more sizes")
@@ -315,7 +316,7 @@ def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log) -> tuple[bytes, 
 def _lower_xla(ir: ModelIR, opts: BuildOptions, log=print) -> _Lowered:
     from rvcompile.targets.xla.export import lower_to_xla
 
-    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
+    lowering = lower_to_xla(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
                             platforms=opts.platforms, tp=opts.tp,
                             decode_loop_steps=opts.decode_loop_steps)
     programs_blob, program_index = _concat(lowering.programs)
@@ -346,7 +347,7 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
     if opts.platforms != ("cuda",) and set(opts.platforms) != set(BuildOptions.platforms):
         raise CheckpointError(f"target {opts.target} runs on cuda only, not "
                               f"{', '.join(opts.platforms)}")
-    lowering = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    lowering = lower_to_h100(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one nvcc per module
         cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
                           strict=True))

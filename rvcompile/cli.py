@@ -28,7 +28,7 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.ir.ops import SpecError
 from rvcompile.model.config import ConfigError
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100.lower import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError
 
@@ -104,7 +104,7 @@ def build(
     seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
                                                           ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
-    slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
+    max_seqs: int = typer.Option(4, "--max-seqs", help="sequences in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
                                         help="prefill chunk sizes; the largest is the chunk"),
     platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
@@ -144,7 +144,7 @@ def build(
     try:
         with _signals_unwind():
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                                slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
+                                max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
                                 topologies=tuple(topology))
             report = build_artifact(model, output, opts, weights=weights,
@@ -190,7 +190,7 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
             if checked.xla:
                 x = m["xla"]
                 info.update({
-                    "entry_points": x["entry_points"], "slots": x["slots"],
+                    "entry_points": x["entry_points"], "max_seqs": x["max_seqs"],
                     "max_context": x["max_context"], "jax_version": x["jax_version"],
                     "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),
                     "mesh": x.get("mesh")})
@@ -206,7 +206,7 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
         return
     shown = ("file", "model", "target", "platforms", "compiler_version",
              *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
-             "passes", "entry_points", "slots", "max_context", "requirements")
+             "passes", "entry_points", "max_seqs", "max_context", "requirements")
     for key in shown:
         typer.echo(f"{key:17} {info[key]}")
     if info.get("mesh"):
@@ -229,7 +229,7 @@ def _schedule_info(h100) -> dict:
     s = h100.schedule
     launches = [x for e in s.entries.values() for x in e.launches]
     return {
-        "entry_points": sorted(s.entries), "slots": s.slots, "max_context": s.max_context,
+        "entry_points": sorted(s.entries), "max_seqs": s.max_seqs, "max_context": s.max_context,
         "nvcc": h100.nvcc, "arch": h100.arch,
         "schedule": {
             "version": s.version, "arena_bytes": s.arena_bytes,

@@ -57,8 +57,8 @@ from rvcompile.runtime.cli import main as rvrun
 SEED = 20261124
 # Small on purpose: every reader parses the whole manifest of every input (an h100 schedule
 # holds every launch of every entry point).
-XLA_OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "slots": 1, "decode_loop_steps": 8}
-H100_OPTS = {"max_context": 64, "prefill_buckets": (16,), "slots": 1}
+XLA_OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "max_seqs": 1, "decode_loop_steps": 8}
+H100_OPTS = {"max_context": 64, "prefill_buckets": (16,), "max_seqs": 1}
 READERS = ("api", "inspect", "verify", "rvrun")
 _PREFIX = struct.Struct("<8sII32s")
 DEEP = 5000  # nesting levels, past Python's recursion limit
@@ -368,10 +368,10 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
     }
     if runtime == "xla":
         x = ("xla",)
-        decode, prefill = f"decode_{m['xla']['slots']}", f"prefill_{m['xla']['max_chunk']}"
+        decode, prefill = f"decode_{m['xla']['max_seqs']}", f"prefill_{m['xla']['max_chunk']}"
         edits |= {
-            "slots zero": _set((*x, "slots"), 0),
-            "slots with no decode program": _set((*x, "slots"), 3),
+            "max_seqs zero": _set((*x, "max_seqs"), 0),
+            "max_seqs with no decode program": _set((*x, "max_seqs"), 3),
             "max_context below max_chunk": _set((*x, "max_context"), m["xla"]["max_chunk"] - 1),
             "max_chunk not the largest bucket": _set((*x, "max_chunk"),
                                                      m["xla"]["max_chunk"] // 2),
@@ -427,7 +427,7 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
     else:
         s = ("h100", "schedule")
         sched = m["h100"]["schedule"]
-        decode = f"decode_{sched['slots']}"
+        decode = f"decode_{sched['max_seqs']}"
         module = sched["entries"][decode]["launches"][0]["module"]
         launch = (*s, "entries", decode, "launches", 0)
         names = [a["name"] for a in sched["entries"][decode]["launches"][0]["args"]]
@@ -441,8 +441,8 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "weights_bytes not the section": _set((*s, "weights_bytes"), 4096),
             "constants overlapping the weights": _set((*s, "constants_offset"), 0),
             "io overlapping the pools": _set((*s, "io_offset"), sched["kv_offset"]),
-            "slots zero": _set((*s, "slots"), 0),
-            "slots with no decode entry": _set((*s, "slots"), 3),
+            "max_seqs zero": _set((*s, "max_seqs"), 0),
+            "max_seqs with no decode entry": _set((*s, "max_seqs"), 3),
             "max_chunk zero": _set((*s, "max_chunk"), 0),
             "vocab_size not the model's": _set((*s, "vocab_size"), 1000),
             "block_size zero": _set((*s, "kv", "block_size"), 0),
@@ -559,7 +559,7 @@ def section_cases(p: Parts) -> list[Case]:
     ]
     if "programs" in p.sections:
         progs = p.sections["programs"]
-        decode = f"decode_{p.manifest['xla']['slots']}"
+        decode = f"decode_{p.manifest['xla']['max_seqs']}"
         loc = p.manifest["xla"]["programs"][decode]
         start, end = loc["offset"], loc["offset"] + loc["size"]
         cases += [
@@ -572,7 +572,7 @@ def section_cases(p: Parts) -> list[Case]:
         ]
     if "cubins" in p.sections:
         sched = p.manifest["h100"]["schedule"]
-        module = sched["entries"][f"decode_{sched['slots']}"]["launches"][0]["module"]
+        module = sched["entries"][f"decode_{sched['max_seqs']}"]["launches"][0]["module"]
         loc = sched["cubins"][module]
         blob = p.sections["cubins"]
         cubin = blob[loc["offset"]:loc["offset"] + loc["size"]]

@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, oracle_greedy, oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
@@ -32,9 +32,9 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100.reference_executor import ReferenceDevice, reference_executor
+from rvcompile.targets.h100.reference_executor import ReferenceDevice
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 F32_BOUND = 1e-4  # as test_oracle.F32_BOUND: float32 rounding, amplified through 6 layers
 SEQ = 40
 CASES = sorted(ORACLE_CASES)
@@ -103,7 +103,7 @@ def test_released_models_lower_to_f32(preset):
     source = load_model_source(preset, random_weights=True)
     ir = lower_model(source, BuildOptions("h100-f32", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    lowering = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64))
+    lowering = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64))
     kernels = {x.kernel for e in lowering.schedule.entries.values() for x in e.launches}
     assert lowering.schedule.kv.kv_dtype == "float32"
     assert not kernels & set(NARROW_ENTRIES)

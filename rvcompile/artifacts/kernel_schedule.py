@@ -38,12 +38,14 @@ from rvcompile.artifacts.schema import FLOAT32_MAX, INT32_MAX, INT32_MIN, At
 SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-24", 1, "first versioned schedule (format v3): the layout below, checked field by "
                       "field at load"),
-    ("2026-11-25", 2, "launch arguments named: each {name, kind, value}, in the kernel's "
+    ("2026-11-24", 2, "launch arguments named: each {name, kind, value}, in the kernel's "
                       "parameter order (the H100 target's kernel contract); version 1's "
                       "positional arguments are no longer read"),
+    ("2026-11-24", 3, "slots -> max_seqs (the decode width, as `rvcompile build --max-seqs` "
+                      "names it); version 2 is no longer read"),
 )
-SCHEDULE_VERSION = 2
-MIN_SCHEDULE_VERSION = 2
+SCHEDULE_VERSION = 3
+MIN_SCHEDULE_VERSION = 3
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
 ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}  # as the kernel receives it
@@ -153,7 +155,7 @@ class KernelSchedule:
     kv_offset: int
     io_offset: int
     io_bytes: int
-    slots: int  # rows of the widest decode entry; the pools hold this many full sequences
+    max_seqs: int  # rows of the widest decode entry; the pools hold this many full sequences
     max_context: int
     max_chunk: int
     vocab_size: int
@@ -186,7 +188,7 @@ def _parse(s: At) -> KernelSchedule:
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
         "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
         "io_offset", "io_bytes")}
-    slots = s["slots"].int(1, MAX_ROWS)
+    max_seqs = s["max_seqs"].int(1, MAX_ROWS)
     max_context = s["max_context"].int(1, MAX_ROWS * 64)
     max_chunk = s["max_chunk"].int(1, max_context)
     vocab = s["vocab_size"].int(1, INT32_MAX)
@@ -215,7 +217,7 @@ def _parse(s: At) -> KernelSchedule:
                for name, e in s["entries"].members().items()}
     rows = {kind: sorted(e.rows for e in entries.values() if e.name.startswith(kind + "_"))
             for kind in ENTRY_KINDS}
-    _need(s["entries"], rows["decode"], slots, "decode", "the widest decode entry")
+    _need(s["entries"], rows["decode"], max_seqs, "decode", "the widest decode entry")
     _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
     _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
     max_rows = max(e.rows for e in entries.values())
@@ -247,7 +249,7 @@ def _parse(s: At) -> KernelSchedule:
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
         constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
         kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
-        slots=slots, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
+        max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v)
 
 

@@ -75,7 +75,7 @@ def _load_h100(art: Artifact, manifest: Manifest, contents: Contents, verify: li
     if kv_blocks:
         raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
                             "build; kv_blocks applies to XLA artifacts")
-    _check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.slots,
+    _check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
                   schedule.max_context, max_num_seqs, max_model_len)
     ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
     art.verify(verify)
@@ -89,7 +89,7 @@ def _load_xla(art: Artifact, manifest: Manifest, contents: Contents, verify: lis
 
     xla = manifest.xla
     check_fits(art, xla, kv_blocks)  # refuse impossible limits before compiling anything
-    _check_limits(art, kv_kinds(xla, kv_blocks, art.path.name), xla.block_size, xla.slots,
+    _check_limits(art, kv_kinds(xla, kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                   xla.max_context, max_num_seqs, max_model_len)
     art.verify(verify)
     return Model(art, XlaExecutor(art, xla, kv_blocks, trust_executables=trust_executables),
@@ -97,9 +97,9 @@ def _load_xla(art: Artifact, manifest: Manifest, contents: Contents, verify: lis
                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
 
 
-def _check_limits(art: Artifact, kinds, block_size: int, slots: int, max_context: int,
+def _check_limits(art: Artifact, kinds, block_size: int, max_seqs: int, max_context: int,
                   max_num_seqs: int | None, max_model_len: int | None) -> None:
     try:
-        engine_limits(kinds, block_size, slots, max_context, max_num_seqs, max_model_len)
+        engine_limits(kinds, block_size, max_seqs, max_context, max_num_seqs, max_model_len)
     except ValueError as e:
         raise ArtifactError(f"{art.path.name}: {e}") from None

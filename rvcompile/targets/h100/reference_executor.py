@@ -3,8 +3,9 @@
 arguments exactly as the CUDA kernel reads them. CI checks the H100 plan (lowering, weight
 layout, memory plan, KV paging, io) against the oracle with it, no GPU needed.
 
-    ex = reference_executor(artifact)       # an executor for runtime.Model
-    m = Model(artifact, ex)
+    dev = reference_device(artifact)        # write / read / run, like the CUDA device
+    ex = ScheduledExecutor(dev.schedule, dev)   # the runtime's executor over it (tests compose
+    m = Model(artifact, ex)                     # the two: targets never import the runtime)
 
 Every launch is checked against its entry when the device is made: the kernel declared, in the
 module that defines it, with the entry's arguments in its order (ContractError otherwise).
@@ -16,7 +17,6 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
-from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.targets.h100.contract import Call, ContractError, Entry
 from rvcompile.targets.h100.registry import ENTRIES
 
@@ -59,7 +59,7 @@ def _entry(launch: Launch) -> Entry:
     return entry
 
 
-def reference_executor(art: Artifact) -> ScheduledExecutor:
+def reference_device(art: Artifact) -> ReferenceDevice:
+    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants."""
     schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
-    device = ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
-    return ScheduledExecutor(schedule, device)
+    return ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
