@@ -1,17 +1,29 @@
 """rvrun's runtime: `load(path)` checks and maps an artifact and returns a Model whose API
-(generate, generate_stream, logits) is the same whatever target built it."""
+(generate, generate_stream, logits) is the same whatever target built it. The executor comes
+from the module of the artifact's runtime kind (RUNTIMES), which alone knows that kind's
+manifest part, machine checks and devices; this module imports none of them."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
+from rvcompile.runtime.executor_api import Executor, LoadOptions
 from rvcompile.runtime.model import GenerationResult, Model
 
-__all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
+__all__ = ["load", "Model", "GenerationResult", "ArtifactError", "RUNTIMES"]
+
+# Runtime kind (an artifact's requirements["runtime"]) -> the executor module that opens its
+# artifacts with `open_executor(art, LoadOptions) -> Executor`. The install extra of the same
+# name brings what the module imports.
+RUNTIMES = {
+    "xla": "rvcompile.runtime.xla_executor",
+    "h100": "rvcompile.runtime.h100_executor",
+}
 
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
@@ -40,32 +52,28 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
                                 "vouches for the sections only through their digests")
         keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
     art = Artifact.open(Path(path), trusted_keys=keys)
-    runtime = art.header.requirements.get("runtime")
-    if runtime == "h100":
-        from rvcompile.runtime.h100_executor import h100_executor, open_context
-
-        ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
-        if verify:
-            art.verify()
-        if kv_blocks:
-            raise ArtifactError(f"{Path(path).name}: the KV pools of h100 artifacts are sized "
-                                "at build; kv_blocks applies to XLA artifacts")
-        return Model(art, h100_executor(art, ctx), max_num_seqs=max_num_seqs,
-                     max_model_len=max_model_len)
-    if runtime != "xla":
-        raise ArtifactError(f"{Path(path).name}: needs runtime {runtime!r}, which this rvrun "
-                            "does not have")
-    from rvcompile.runtime.engine import engine_limits
-    from rvcompile.runtime.xla_executor import XlaExecutor, check_fits, kv_kinds
-
-    check_fits(art, kv_blocks)
-    xla = art.manifest["xla"]  # refuse impossible limits before compiling anything
     try:
-        engine_limits(kv_kinds(art, kv_blocks), xla["kv"]["block_size"], xla["slots"],
-                      xla["max_context"], max_num_seqs, max_model_len)
-    except ValueError as e:
-        raise ArtifactError(f"{Path(path).name}: {e}") from None
-    if verify:
-        art.verify()
-    return Model(art, XlaExecutor(art, kv_blocks, trust_executables=trust_executables),
-                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        executor = open_executor(art, LoadOptions(verify, kv_blocks, max_num_seqs, max_model_len,
+                                                  trust_executables))
+        return Model(art, executor, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    except BaseException:
+        art.close()
+        raise
+
+
+def open_executor(art: Artifact, opts: LoadOptions) -> Executor:
+    """The executor of the runtime kind `art` requires, from the module RUNTIMES names (imported
+    only now: an h100 host never imports jax). ArtifactError for a kind this rvrun lacks, or one
+    whose dependencies are not installed (naming the extra that brings them)."""
+    kind = art.header.requirements.get("runtime")
+    if kind not in RUNTIMES:
+        raise ArtifactError(f"{art.path.name}: needs runtime {kind!r}, which this rvrun does not "
+                            f"have (it has {', '.join(RUNTIMES)})")
+    try:
+        module = importlib.import_module(RUNTIMES[kind])
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "rvcompile":
+            raise
+        raise ArtifactError(f"{art.path.name}: the {kind} runtime needs {e.name}, which is not "
+                            f"installed (pip install 'rvcompile[{kind}]')") from None
+    return module.open_executor(art, opts)

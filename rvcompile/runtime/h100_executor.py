@@ -24,6 +24,7 @@ import numpy as np
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.runtime.cuda_driver import CudaContext, CudaError, pack_args
+from rvcompile.runtime.executor_api import LoadOptions
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 
 STAGING_BYTES = 64 << 20
@@ -170,6 +171,18 @@ class CudaScheduleDevice:
             self.ctx.graph_launch(self.graphs[entry], self.stream)
         else:
             self._launch_all(entry)
+
+
+def open_executor(art: Artifact, opts: LoadOptions) -> ScheduledExecutor:
+    """An h100 artifact on this machine (runtime.load's entry): this GPU checked before any
+    weight is read, then (opts.verify) every section re-hashed, then the executor."""
+    if opts.kv_blocks:
+        raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
+                            "build; kv_blocks applies to XLA artifacts")
+    ctx = open_context(art)
+    if opts.verify:
+        art.verify()
+    return h100_executor(art, ctx)
 
 
 def open_context(art: Artifact) -> CudaContext:

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.runtime.executor_api import DeviceError, KvKind, LoopLane, SeqChunk
+from rvcompile.runtime.engine import engine_limits
+from rvcompile.runtime.executor_api import DeviceError, KvKind, LoadOptions, LoopLane, SeqChunk
 from rvcompile.runtime.precompiled import choose, this_machine
 from rvcompile.runtime.precompiled import load as load_precompiled
 from rvcompile.runtime.programs import load_programs
@@ -119,6 +120,22 @@ def _per_device_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
                   * numpy_dtype(p["dtype"]).itemsize)
         total += share(p["key"], nbytes)
     return total
+
+
+def open_executor(art: Artifact, opts: LoadOptions) -> XlaExecutor:
+    """An XLA artifact on this machine (runtime.load's entry): platform, devices, memory and
+    the engine's limits refused before anything compiles, then (opts.verify) every section
+    re-hashed, then the executor."""
+    check_fits(art, opts.kv_blocks)
+    xla = art.manifest["xla"]
+    try:
+        engine_limits(kv_kinds(art, opts.kv_blocks), xla["kv"]["block_size"], xla["slots"],
+                      xla["max_context"], opts.max_num_seqs, opts.max_model_len)
+    except ValueError as e:
+        raise ArtifactError(f"{art.path.name}: {e}") from None
+    if opts.verify:
+        art.verify()
+    return XlaExecutor(art, opts.kv_blocks, trust_executables=opts.trust_executables)
 
 
 class TpPlacement:
