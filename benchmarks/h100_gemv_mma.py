@@ -23,8 +23,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from rvcompile.presets import gemma_4_31b
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.model.presets import gemma_4_31b
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemm_fp8w, gemv_fp8
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 from rvcompile.targets.h100.nvcc import compile_cubin

@@ -22,10 +22,13 @@ import numpy as np
 
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
-from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
-from rvcompile.frontend import build_model_ir
+from rvcompile.artifacts.contents import parse_contents
+from rvcompile.artifacts.format import canonical_json
+from rvcompile.artifacts.manifest import parse_manifest
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.sources.checkpoint import CheckpointError, ModelSource, load_model_source
 from rvcompile.targets import get_target, registry
 from rvcompile.targets.api import KV_CACHE_CHOICES, BuildOptions, Target
 
@@ -141,6 +144,12 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     if missing:
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
+    # What every reader checks, on what is about to be written: no build writes an artifact
+    # that its runtime would refuse.
+    sizes = {"weights": lowered.weights_nbytes,
+             **{name: len(data) for name, data in {**lowered.sections, **text_sections}.items()}}
+    checked = parse_manifest(header, json.loads(canonical_json(manifest)), sizes, out.name)
+    parse_contents(checked, {**lowered.sections, **text_sections}, out.name)
     with ArtifactWriter(out, header) as w:
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():

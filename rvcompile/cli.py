@@ -26,9 +26,9 @@ from rvcompile.artifacts.signature import (
     status,
     write_keypair,
 )
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
+from rvcompile.model.config import ConfigError
+from rvcompile.sources.checkpoint import CheckpointError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Compile Gemma 4 into one frozen artifact (.rvp).")
@@ -37,7 +37,7 @@ USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, FileNotFo
 
 
 def fail(msg: str) -> None:
-    typer.echo(f"rvcompile: error: {msg}", err=True)
+    typer.echo(f"rvcompile: error: {msg.splitlines()[0] if msg else msg}", err=True)
     raise typer.Exit(2)
 
 
@@ -168,23 +168,25 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     signature valid, INVALID, or not checked without its --trusted-key), then what its target
     summarizes (entry points; the XLA programs' mesh and precompiled sets, an h100 artifact's
     kernel schedule)."""
+    from rvcompile.artifacts.manifest import read_manifest
     from rvcompile.targets import registry
 
     try:
         keys = [load_trusted_key(k) for k in trusted_key]
         with Artifact.open(artifact) as art:
+            checked = read_manifest(art)  # every field shown below is checked
             h, m = art.header, art.manifest
             info = {
-                "file": str(artifact), "model": m["model"]["name"], "target": h.target,
+                "file": str(artifact), "model": checked.model.name, "target": h.target,
                 "platforms": list(h.platforms), "compiler_version": h.compiler_version,
-                "requirements": h.requirements, "passes": m.get("passes", []),
+                "requirements": h.requirements, "passes": m["passes"],
                 "piece_size": art.piece_size,
                 "sections": {n: {"offset": s.offset, "size": s.size,
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
             target = registry().get(h.target)
-            summary = target.summarize(m) if target is not None else None
+            summary = target.summarize(checked, m) if target is not None else None
             signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
             info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
                                   for s, st in signed]
@@ -214,12 +216,15 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
 def verify(artifact: Path,
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
-    """Re-hash every section; with --trusted-key, first require a valid signature by one of the
-    keys. Exit 0 when all checks pass, 2 otherwise."""
+    """Re-hash every section and check what the manifest and sections hold
+    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
+    from rvcompile.artifacts.contents import verify_artifact
+
     try:
         keys = [load_trusted_key(k) for k in trusted_key] or None
         with Artifact.open(artifact, trusted_keys=keys) as art:
-            art.verify()
+            verify_artifact(art)
             n = len(art.sections)
             signed = "; ".join(f"signed by {s.who()}, {status(s, art.signable, keys or [])}"
                                for s in art.signatures) or "unsigned"
@@ -258,7 +263,7 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 @app.command()
 def targets() -> None:
     """List the build targets and what each emits."""
-    from rvcompile.presets import PRESETS
+    from rvcompile.model.presets import PRESETS
     from rvcompile.targets import registry
 
     for t in registry().values():

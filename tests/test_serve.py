@@ -461,7 +461,7 @@ def test_inter_token_latency_is_observed_per_token():
     """A device-side decode loop hands several tokens over in one output: the histogram still
     gets one observation per token after the first, with the gap spread over them."""
     from rvcompile.runtime.engine import RequestOutput
-    from rvcompile.runtime.server import Metrics, _Stream
+    from rvcompile.runtime.serve.server import Metrics, _Stream
 
     metrics = Metrics(thread=None)  # the engine collector is only read at scrape time
     queue: asyncio.Queue = asyncio.Queue()

@@ -39,7 +39,7 @@ from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime import cli
 from rvcompile.runtime.executor_api import DeviceError, SeqChunk
 from rvcompile.runtime.request_limits import RequestError
-from rvcompile.runtime.server import ServeOptions, create_app
+from rvcompile.runtime.serve.server import ServeOptions, create_app
 
 LOOP_STEPS = 8
 

@@ -20,8 +20,8 @@ from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk, decode_loop_steps
+from rvcompile.runtime.executors.xla import BACKEND_PLATFORM
 from rvcompile.runtime.model import Model
-from rvcompile.runtime.xla_executor import BACKEND_PLATFORM
 
 CONTEXT = 128
 STEPS = 16  # decode steps per decode_many call

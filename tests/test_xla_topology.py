@@ -42,8 +42,8 @@ from rvcompile.artifacts.signature import (
     write_keypair,
 )
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.runtime.precompiled import Choice, Machine, choose
+from rvcompile.runtime.executors.precompiled import Choice, Machine, choose
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.xla import precompile
 from rvcompile.targets.xla.cost_report import (
     CHIPS,
@@ -163,7 +163,7 @@ def test_read_model_of_the_ir():
     from types import SimpleNamespace
 
     from rvcompile.build import lower_model
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
 
     opts = BuildOptions(target="tpu-int8", max_context=64, prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny")), opts, lambda s: None)
@@ -355,8 +355,8 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
 def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,
                                                            monkeypatch):
     from rvcompile.runtime import load
-    from rvcompile.runtime import precompiled as runtime_precompiled
-    from rvcompile.runtime.xla_executor import XlaExecutor
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors.xla import XlaExecutor
 
     _, with_set, _ = artifacts
     monkeypatch.setattr(XlaExecutor, "_warm_up", lambda self: 0.0)  # the note, not the compile
@@ -392,7 +392,7 @@ def test_rvrun_trusts_executables_only_with_a_trusted_key(artifacts, capsys):
 
 
 def test_corrupt_executable_is_refused(artifacts, tmp_path):
-    from rvcompile.runtime import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
 
     _, with_set, record = artifacts
     bad = tmp_path / "bad.rvp"
@@ -510,7 +510,7 @@ def test_the_load_path_unpickles_nothing():
     banned_modules = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve",
                       "yaml", "serialize_executable", "jax.experimental.serialize_executable"}
     pkg = ROOT / "rvcompile"
-    files = [*sorted((pkg / "runtime").glob("*.py")), *sorted((pkg / "artifacts").glob("*.py")),
+    files = [*sorted((pkg / "runtime").rglob("*.py")), *sorted((pkg / "artifacts").glob("*.py")),
              pkg / "dtypes.py", pkg / "chat_template.py"]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

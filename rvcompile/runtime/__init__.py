@@ -1,7 +1,7 @@
 """rvrun's runtime: `load(path)` checks and maps an artifact and returns a Model whose API
 (generate, generate_stream, logits) is the same whatever target built it. The executor comes
-from the module of the artifact's runtime kind (RUNTIMES), which alone knows that kind's
-manifest part, machine checks and devices; this module imports none of them."""
+from the module of the artifact's runtime kind (RUNTIMES), which alone reads that kind's part of
+the manifest, checks the machine and drives its devices; this module imports none of them."""
 
 from __future__ import annotations
 
@@ -11,18 +11,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.contents import content_sections, read_contents
+from rvcompile.artifacts.manifest import Manifest, read_manifest
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.runtime.executor_api import Executor, LoadOptions
 from rvcompile.runtime.model import GenerationResult, Model
 
 __all__ = ["load", "Model", "GenerationResult", "ArtifactError", "RUNTIMES"]
 
-# Runtime kind (an artifact's requirements["runtime"]) -> the executor module that opens its
-# artifacts with `open_executor(art, LoadOptions) -> Executor`. The install extra of the same
-# name brings what the module imports.
+# Runtime kind (an artifact's requirements["runtime"]) -> the module that opens its artifacts
+# with `open_executor(art, manifest, LoadOptions) -> Executor`. The install extra of the same
+# name brings what that module imports.
 RUNTIMES = {
-    "xla": "rvcompile.runtime.xla_executor",
-    "h100": "rvcompile.runtime.h100_executor",
+    "xla": "rvcompile.runtime.executors.xla",
+    "h100": "rvcompile.runtime.executors.h100",
 }
 
 
@@ -31,16 +33,22 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
          max_model_len: int | None = None,
          trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None,
          trust_executables: bool = False) -> Model:
-    """Open `path`, check its header and (by default) every section's sha256, then load it on
-    this machine. Raises ArtifactError with a one-line message when it doesn't fit.
-    `trusted_keys` (TrustedKeys or PEM public key files): refuse the artifact, before reading
-    anything past its header block and digest table, unless one of them signed it (see
-    rvcompile.artifacts.signature); the sections are then verified against the signed digests,
-    so `verify=False` is refused with it.
+    """Open `path` and check it, then load it on this machine. Raises ArtifactError with a
+    one-line message when the file is damaged or does not fit.
+
+    Order: with `trusted_keys` (TrustedKeys or PEM public key files), a valid signature by one
+    of them, before anything past the header block and digest table is read (see
+    rvcompile.artifacts.signature; the sections are then verified against the signed digests,
+    so `verify=False` is refused with it); the header and the manifest's schema
+    (artifacts/manifest.py); with `verify`, the sha256 of the small sections, which are then
+    parsed (tokenizer, generation config, chat template, an h100 artifact's cubins against its
+    schedule: artifacts/contents.py); then this machine (platform, devices, memory: refused
+    before any weight is read); then, with `verify`, the sha256 of every other section; then
+    the executor.
     `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
     slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs
-    unchecked like a program (runtime/precompiled.py), so only from a file one of
+    unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
     `trusted_keys` signed; by default the StableHLO is compiled."""
     if trust_executables and trusted_keys is None:
         raise ArtifactError(f"{Path(path).name}: trust_executables needs trusted_keys: XLA runs "
@@ -53,19 +61,26 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
     art = Artifact.open(Path(path), trusted_keys=keys)
     try:
-        executor = open_executor(art, LoadOptions(verify, kv_blocks, max_num_seqs, max_model_len,
-                                                  trust_executables))
-        return Model(art, executor, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        manifest = read_manifest(art)
+        small = content_sections(manifest)
+        if verify:
+            art.verify(small)
+        contents = read_contents(art, manifest)
+        rest = tuple(name for name in art.sections if name not in small) if verify else ()
+        executor = open_executor(art, manifest, LoadOptions(rest, kv_blocks, max_num_seqs,
+                                                            max_model_len, trust_executables))
+        return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len)
     except BaseException:
         art.close()
         raise
 
 
-def open_executor(art: Artifact, opts: LoadOptions) -> Executor:
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:
     """The executor of the runtime kind `art` requires, from the module RUNTIMES names (imported
     only now: an h100 host never imports jax). ArtifactError for a kind this rvrun lacks, or one
     whose dependencies are not installed (naming the extra that brings them)."""
-    kind = art.header.requirements.get("runtime")
+    kind = manifest.runtime
     if kind not in RUNTIMES:
         raise ArtifactError(f"{art.path.name}: needs runtime {kind!r}, which this rvrun does not "
                             f"have (it has {', '.join(RUNTIMES)})")
@@ -76,4 +91,4 @@ def open_executor(art: Artifact, opts: LoadOptions) -> Executor:
             raise
         raise ArtifactError(f"{art.path.name}: the {kind} runtime needs {e.name}, which is not "
                             f"installed (pip install 'rvcompile[{kind}]')") from None
-    return module.open_executor(art, opts)
+    return module.open_executor(art, manifest, opts)

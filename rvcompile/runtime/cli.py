@@ -1,7 +1,7 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
-OpenAI-compatible HTTP server (rvcompile.runtime.server); SIGTERM drains it and exits 0.
+OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
 Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
 public keys signed it (`rvcompile sign`), before anything past its header and digest table is read.
 
@@ -229,7 +229,7 @@ def serve_main(argv: list[str]) -> int:
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
-    from rvcompile.runtime.server import HttpOptions, ServeOptions, create_app, run
+    from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
     name = a.model_name or Path(a.artifact).stem
     app = create_app(m, ServeOptions(name, a.max_waiting),

@@ -83,13 +83,14 @@ class LoopLane:
 @dataclass(frozen=True)
 class LoadOptions:
     """What `runtime.load` asks of the executor that opens an artifact (its module's
-    `open_executor(art, opts)`), which refuses (ArtifactError) what it cannot do."""
+    `open_executor(art, manifest, opts)`), which refuses (ArtifactError) what it cannot do."""
 
-    verify: bool = True  # re-hash every section before the weights reach the device
+    verify: tuple[str, ...] = ()  # sections to re-hash once the machine fits, before upload
     kv_blocks: dict[str, int] | None = None  # KV pool blocks by kind; None: the artifact's
     max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
-    max_model_len: int | None = None  # when the artifact cannot meet them
+    max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
     trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+
 
 
 class DeviceError(RuntimeError):

@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rvcompile.checkpoint import CheckpointError
+from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
+from rvcompile.sources.checkpoint import CheckpointError
 
 Pass = tuple[str, Callable[[ModelIR], ModelIR]]  # (name for --dump-ir, IR -> IR)
 Log = Callable[[str], None]
@@ -148,8 +149,10 @@ class Target(Protocol):
         """The IR after the pipeline, as what the artifact stores."""
         ...
 
-    def summarize(self, manifest: Mapping[str, Any]) -> Summary:
-        """What `inspect` shows of an artifact this target built (its whole manifest)."""
+    def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
+        """What `inspect` shows of an artifact this target built: `manifest` as
+        artifacts.manifest.read_manifest checked it, `stored` the same manifest's JSON (for
+        fields shown as stored)."""
         ...
 
 

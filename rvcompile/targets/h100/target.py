@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
-from rvcompile.checkpoint import CheckpointError
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Cubin
+from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import (
     cast_bf16,
@@ -31,6 +31,7 @@ from rvcompile.passes import (
     kv_fp8,
     quantize_fp8,
 )
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.api import (
     PLATFORMS,
     BuildOptions,
@@ -95,9 +96,9 @@ class H100Target:
             cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
                               strict=True))
         blob, index = concat(cubins)
-        for name, loc in index.items():
-            loc["sha256"] = hashlib.sha256(cubins[name]).hexdigest()
-        schedule = replace(lowering.schedule, cubins=index)
+        schedule = replace(lowering.schedule, cubins={
+            name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())
+            for name, loc in index.items()})
         return Lowered(
             ("cuda",),
             {"runtime": self.runtime, "compute_capability": "9.0", "min_driver": min_driver(),
@@ -106,12 +107,12 @@ class H100Target:
             {"cubins": blob, "constants": lowering.constants},
             schedule.weights_bytes, lowering.slots_by_param)
 
-    def summarize(self, manifest: Mapping[str, Any]) -> Summary:
-        h100 = manifest["h100"]
-        s = KernelSchedule.from_json(h100["schedule"])
+    def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
+        h100 = manifest.h100
+        s = h100.schedule
         launches = [x for e in s.entries.values() for x in e.launches]
         schedule = {
-            "arena_bytes": s.arena_bytes,
+            "version": s.version, "arena_bytes": s.arena_bytes,
             "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
                         "kv": s.kv.pool_bytes, "io": s.io_bytes,
                         "activations": s.arena_bytes - s.io_offset - s.io_bytes},
@@ -124,7 +125,7 @@ class H100Target:
             "kernels": len({(x.module, x.kernel) for x in launches}),
             "modules": len(s.cubins),
         }
-        info = {"nvcc": h100["nvcc"], "arch": h100["arch"], "entry_points": sorted(s.entries),
+        info = {"nvcc": h100.nvcc, "arch": h100.arch, "entry_points": sorted(s.entries),
                 "slots": s.slots, "max_context": s.max_context, "schedule": schedule}
         lines = [field_line(k, info[k])
                  for k in ("nvcc", "arch", "entry_points", "slots", "max_context")]
@@ -137,7 +138,8 @@ def _schedule_lines(s: dict) -> list[str]:
     kinds = ", ".join(f"{n} {k['num_blocks']} x {k['table_width']}-wide"
                       + (f" (window {k['window']})" if k["window"] else "")
                       for n, k in s["kv"]["kinds"].items())
-    lines = [field_line("schedule", f"arena {s['arena_bytes'] / 2**20:.1f} MiB ({regions} MiB); "
+    lines = [field_line("schedule", f"version {s['version']}: arena "
+                                    f"{s['arena_bytes'] / 2**20:.1f} MiB ({regions} MiB); "
                                     f"{s['launches']} launches of {s['kernels']} kernels from "
                                     f"{s['modules']} cubins"),
              f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens: {kinds}"]

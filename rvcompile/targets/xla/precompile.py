@@ -33,7 +33,7 @@ from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts.format import EXECUTABLES_ENCODING
-from rvcompile.config import ConfigError
+from rvcompile.model.config import ConfigError
 from rvcompile.targets.xla.cost_report import CHIPS, ReadModel, cost_report
 
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+)x(\d+)$")

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rvcompile.checkpoint import CheckpointError
+from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import cast_bf16, kv_int8, quantize_fp8, quantize_int8
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.api import (
     BuildOptions,
     KvRules,
@@ -76,8 +77,8 @@ class XlaTarget:
                      **({"precompiled": precompiled} if precompiled else {})}},
             sections, lowering.weights_nbytes, lowering.slots_by_param)
 
-    def summarize(self, manifest: Mapping[str, Any]) -> Summary:
-        x = manifest["xla"]
+    def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
+        x = stored["xla"]
         info = {"jax_version": x["jax_version"], "entry_points": x["entry_points"],
                 "slots": x["slots"], "max_context": x["max_context"],
                 "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),

@@ -42,8 +42,8 @@ import ml_dtypes
 import numpy as np
 
 from rvcompile import chat_template
-from rvcompile.config import ConfigError, Gemma4Config
-from rvcompile.presets import PRESETS, get_preset
+from rvcompile.model.config import ConfigError, Gemma4Config
+from rvcompile.model.presets import PRESETS, get_preset
 
 
 class CheckpointError(ValueError):
@@ -799,8 +799,8 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
                     expect: Gemma4Config | None = None, name: str | None = None,
                     random_ranges=None) -> ModelSource:
     """A model directory; `expect` (a preset's config) must agree with its config.json."""
-    from rvcompile import random_weights as rw
-    from rvcompile import tokenizer_files as tf
+    from rvcompile.sources import random_weights as rw
+    from rvcompile.sources import tokenizer_files as tf
 
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such model directory")
@@ -847,8 +847,8 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
     A directory wins over a preset of the same name. `random_ranges` (random_weights.RangeRule,
     default random_weights.init_range) says what each random tensor is drawn from.
     """
-    from rvcompile import random_weights as rw
-    from rvcompile import tokenizer_files as tf
+    from rvcompile.sources import random_weights as rw
+    from rvcompile.sources import tokenizer_files as tf
 
     if weights is not None and random_weights:
         raise CheckpointError("pass either --weights DIR or --random-weights, not both")
