@@ -217,9 +217,9 @@ def verify(artifact: Path,
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
     """Re-hash every section and check what the manifest and sections hold
-    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    (artifacts/verify.py); with --trusted-key, first require a valid
     signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
-    from rvcompile.artifacts.contents import verify_artifact
+    from rvcompile.artifacts.verify import verify_artifact
 
     try:
         keys = [load_trusted_key(k) for k in trusted_key] or None

@@ -5,7 +5,7 @@ version), or, when the operator trusts them, loads the executables precompiled f
 machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
 (the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
 it. It reads the manifest checked by artifacts/manifest.py, and the programs checked against
-it by artifacts/contents.py (xla_programs) before it uploads anything. A failed call that lost
+it by artifacts/xla_programs.py before it uploads anything. A failed call that lost
 the KV pools raises DeviceError.
 """
 
