@@ -115,11 +115,11 @@ def build(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel devices (XLA targets): heads, MLP "
                                            "columns, experts and KV heads split over N"),
     kv_cache: str = typer.Option("auto", "--kv-cache",
-                                 help="KV cache: float (the target's), int8 (XLA targets: int8 "
-                                      "+ a scale per token and KV head, blockwise global "
-                                      "attention), fp8 (h100-fp8: e4m3, unit scale, half the "
-                                      "bytes), auto (int8 beyond 32K context on XLA targets "
-                                      "but xla-f32)"),
+                                 help="KV cache: float (the target's own dtype), int8 (+ a "
+                                      "scale per token and KV head, blockwise global "
+                                      "attention), fp8 (e4m3, unit scale, half the bytes), "
+                                      "auto (the target's choice by context); `targets` "
+                                      "lists what each target offers"),
     decode_loop_steps: int | None = typer.Option(
         None, "--decode-loop-steps",
         help="XLA targets: decode steps per device-side loop call, 0 to the largest prefill "
