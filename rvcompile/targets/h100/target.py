@@ -73,6 +73,9 @@ class H100Target:
     input_errors: tuple[type[Exception], ...] = (LoweringError, NvccError)
 
     def check_options(self, opts: BuildOptions) -> BuildOptions:
+        if opts.topologies:
+            raise CheckpointError(f"--topology {opts.topologies[0]}: target {self.name} has "
+                                  "no precompiled executables (XLA targets exported for tpu)")
         if opts.tp != 1:
             raise CheckpointError(f"target {self.name} runs on one GPU; --tp {opts.tp} is for "
                                   "the XLA targets")
@@ -83,9 +86,6 @@ class H100Target:
         if opts.platforms != ("cuda",) and set(opts.platforms) != set(PLATFORMS):
             raise CheckpointError(f"target {self.name} runs on cuda only, not "
                                   f"{', '.join(opts.platforms)}")
-        if opts.topologies:
-            raise CheckpointError(f"--topology {opts.topologies[0]}: target {self.name} has "
-                                  "no precompiled executables (XLA targets exported for tpu)")
         return replace(opts, decode_loop_steps=0, platforms=("cuda",))
 
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
