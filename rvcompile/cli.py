@@ -200,8 +200,9 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     for key in ("file", "model", "target", "platforms", "compiler_version", "passes",
                 "requirements"):
         typer.echo(f"{key:17} {info[key]}")
-    for line in summary.lines if summary is not None else (
-            f"{'summary':17} none: this rvcompile has no target {h.target!r}",):
+    lines = summary.lines if summary is not None else (
+        f"{'summary':17} none: this rvcompile has no target {h.target!r}",)
+    for line in lines:
         typer.echo(line)
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():

@@ -13,6 +13,7 @@ from stub_cubins import build_h100
 from typer.testing import CliRunner
 
 import rvcompile
+from rvcompile.artifacts.manifest import RUNTIMES as MANIFEST_RUNTIMES
 from rvcompile.build import BuildOptions, kv_cache_choice, prepare
 from rvcompile.cli import app
 from rvcompile.runtime import RUNTIMES
@@ -45,6 +46,10 @@ def test_registry():
         assert len(names) == len(set(names)), name
     with pytest.raises(CheckpointError, match="unknown target 'gpu-f16' \\(known: tpu-bf16, "):
         get_target("gpu-f16")
+
+
+def test_every_runtime_kind_an_artifact_may_name_has_an_executor():
+    assert set(RUNTIMES) == set(MANIFEST_RUNTIMES)
 
 
 def test_build_and_cli_name_no_target():

@@ -77,13 +77,11 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
 
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:
-    """The executor of the runtime kind `art` requires, from the module RUNTIMES names (imported
-    only now: an h100 host never imports jax). ArtifactError for a kind this rvrun lacks, or one
-    whose dependencies are not installed (naming the extra that brings them)."""
+    """The executor of the runtime kind `art` requires (one of RUNTIMES: the manifest's schema
+    admits no other), from the module RUNTIMES names, imported only now: an h100 host never
+    imports jax. ArtifactError when that module's dependencies are not installed, naming the
+    extra that brings them."""
     kind = manifest.runtime
-    if kind not in RUNTIMES:
-        raise ArtifactError(f"{art.path.name}: needs runtime {kind!r}, which this rvrun does not "
-                            f"have (it has {', '.join(RUNTIMES)})")
     try:
         module = importlib.import_module(RUNTIMES[kind])
     except ModuleNotFoundError as e:

@@ -92,7 +92,6 @@ class LoadOptions:
     trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
 
 
-
 class DeviceError(RuntimeError):
     """The device can no longer run this executor's programs (a sticky CUDA error, KV pools lost
     in a failed call): every later call would fail too. Any other exception from a call fails
