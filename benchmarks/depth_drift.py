@@ -83,7 +83,7 @@ def target_logits(model: Path, target: str, conditioning: str, seed: int,
               "near-identity": rw.near_identity_init_range}[conditioning]
     t = time.perf_counter()
     out = model.parent / f"{target}-{conditioning}.rvp"
-    opts = BuildOptions(target, max_context=MAX_CONTEXT, prefill_buckets=(len(prompt),), slots=1,
+    opts = BuildOptions(target, max_context=MAX_CONTEXT, prefill_buckets=(len(prompt),), max_seqs=1,
                         platforms=("cpu",))
     build_artifact(str(model), out, opts, random_weights=True, seed=seed, random_ranges=ranges,
                    progress=False, log=lambda s: None)

@@ -28,7 +28,8 @@ from rvcompile.artifacts.manifest import parse_manifest
 from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import CheckpointError, ModelSource, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, ModelSource
 from rvcompile.targets import get_target, registry
 from rvcompile.targets.api import KV_CACHE_CHOICES, BuildOptions, Target
 

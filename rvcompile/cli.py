@@ -28,7 +28,7 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.ir.ops import SpecError
 from rvcompile.model.config import ConfigError
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Compile Gemma 4 into one frozen artifact (.rvp).")
@@ -101,7 +101,7 @@ def build(
     seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
                                                           ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
-    slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
+    max_seqs: int = typer.Option(4, "--max-seqs", help="sequences in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
                                         help="prefill chunk sizes; the largest is the chunk"),
     platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
@@ -140,7 +140,7 @@ def build(
         with _signals_unwind():
             # decode_loop_steps None: the target's default (targets/*/target.py)
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                                slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
+                                max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
                                 topologies=tuple(topology))
             report = build_artifact(model, output, opts, weights=weights,

@@ -31,7 +31,7 @@ from rvcompile.model.presets import gemma_4_31b
 from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
 # max_context and slots as benchmarks/h100_decode.py wants them (contexts 16 and 1200)
-OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "slots": 4}
+OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "max_seqs": 4}
 PROMPT = np.random.default_rng(1).integers(4, 262144, 96).tolist()
 GREEDY_PROMPT, GREEDY_TOKENS = 40, 16
 

@@ -44,7 +44,7 @@ from rvcompile.passes import (
     fuse_residual_norm,
     quantize_fp8,
 )
-from rvcompile.sources.checkpoint import ModelSource
+from rvcompile.sources.model_source import ModelSource
 from rvcompile.targets import registry
 from rvcompile.targets.h100.launches import LOWER
 

@@ -28,7 +28,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, agreement_with_oracle, random_token_ids
 from test_h100_elementwise import assert_bf16_close, rel_l2
 
@@ -41,12 +41,11 @@ from rvcompile.model.config import Gemma4Config
 from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
-from rvcompile.targets.h100.reference_executor import reference_executor
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 # The oracle's "all" case without its MoE branch.
 PLE_KEQV_SHARED = {**ORACLE_CASES["all"], "enable_moe_block": False, "num_experts": None,
                    "top_k_experts": None, "moe_intermediate_size": None}
@@ -149,7 +148,7 @@ def test_ple_presets_lower(preset, layers):
     assert len(source.config.layers) == layers
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     decode = [x.kernel for x in s.entries["decode_1"].launches]
     assert decode[:5] == ["embed_rows_bf16", "to_bf16", "gemv_fp8_rowscale", "ple_combine",
                           "rmsnorm_bf16"]
@@ -219,7 +218,7 @@ def test_default_model_plan_matches_the_fp8_ir(tmp_path):
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
-    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), slots=1)
+    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), max_seqs=1)
     out = tmp_path / "h100.rvp"
     build_artifact(str(MODEL_DIR), out, opts, progress=False, log=lambda s: None)
     art = Artifact.open(out)

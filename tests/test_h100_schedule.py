@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together
+from h100_helpers import decode_three_together, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir import ops
 from rvcompile.runtime.model import Model
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
-from rvcompile.targets.h100.reference_executor import reference_executor
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 SEQ = 40
 
 # case -> (min top-1 agreement, max mean abs error, max max abs error); measured figures above.
@@ -152,7 +151,7 @@ def test_released_models_lower(preset, layers):
     source = load_model_source(preset, random_weights=True)
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     n = len(source.config.layers)
     assert layers in (None, n)
     decode = s.entries["decode_1"].launches

@@ -44,7 +44,7 @@ DISTRIBUTION = {
 # rvrun's entry points and the server: where an h100 host's imports start.
 H100_HOST = ("rvcompile.runtime", "rvcompile.runtime.cli", RUNTIMES["h100"],
              "rvcompile.runtime.serve.server")
-TINY = {"max_context": 64, "prefill_buckets": (8,), "slots": 1}
+TINY = {"max_context": 64, "prefill_buckets": (8,), "max_seqs": 1}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,10 +88,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # and one schema keep the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 3
+MIN_READABLE_FORMAT = 4
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -125,6 +125,11 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "h100 kernel schedule carries its own version "
                       "(kernel_schedule.SCHEDULE_VERSION); header strings are printable and the "
                       "header block's padding zero; v2 files are refused (rebuild them)"),
+    ("2026-11-24", 4, "one name per concept: the decode width (rvcompile build --max-seqs) is "
+                      "max_seqs everywhere: xla.slots -> xla.max_seqs, the kernel schedule's "
+                      "slots -> max_seqs (SCHEDULE_VERSION 2), and in xla.precompiled costs "
+                      "device.slots -> device.max_seqs, fits_at_slots -> fits_at_max_seqs; v3 "
+                      "files are refused (rebuild them)"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

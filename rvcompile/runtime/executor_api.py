@@ -102,7 +102,7 @@ class Executor(Protocol):
     max_context: int  # longest sequence (prompt + generated) the programs take
     max_chunk: int  # most tokens in one prefill or logits call
     prefill_buckets: tuple[int, ...]  # row counts of the prefill calls, ascending
-    decode_width: int  # most sequences in one decode call
+    max_seqs: int  # most sequences in one decode call
     block_size: int  # tokens per KV block
     kinds: dict[str, KvKind]  # by name
     load_note: str  # one line on what loading cost (compile time, upload), for rvrun's summary
@@ -112,7 +112,7 @@ class Executor(Protocol):
         ...
 
     def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
-        """Run up to decode_width sequences, one token each; return each one's next token."""
+        """Run up to max_seqs sequences, one token each; return each one's next token."""
         ...
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
@@ -127,7 +127,7 @@ class LoopExecutor(Executor, Protocol):
     decode_loop_stops: int  # most stop ids per lane
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
-        """Run up to decode_width sequences through up to decode_loop_steps decode steps,
+        """Run up to max_seqs sequences through up to decode_loop_steps decode steps,
         feeding each its sampled token, until every lane sampled a stop id or its budget;
         return each lane's sampled tokens (its stop id included)."""
         ...

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import Target
 
 FAMILIES = ("rvcompile.targets.xla.target", "rvcompile.targets.h100.target")

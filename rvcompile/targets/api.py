@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 
 Pass = tuple[str, Callable[[ModelIR], ModelIR]]  # (name for --dump-ir, IR -> IR)
 Log = Callable[[str], None]
@@ -38,7 +38,7 @@ class BuildOptions:
     target: str  # --target: a registered target's name (checked by the registry lookup)
     max_context: int = 2048  # --max-context: KV cache tokens per sequence
     prefill_buckets: tuple[int, ...] = (16, 64, 256)  # --prefill-buckets; the largest = chunk
-    slots: int = 4  # --max-seqs: sequence slots in the decode batch
+    max_seqs: int = 4  # --max-seqs: sequences in the decode batch
     platforms: tuple[str, ...] = PLATFORMS  # --platforms: what the artifact runs on
     dump_ir: str | None = None  # --dump-ir: print the IR after "frontend" or a pass name
     topologies: tuple[str, ...] = ()  # --topology: TPU slices to precompile for, e.g. v6e:2x2
@@ -50,7 +50,7 @@ class BuildOptions:
         """Every option inside its documented range, else a one-line CheckpointError naming the
         CLI option; what depends on the model or the target is checked where that is known."""
         _check_count("--max-context", self.max_context, 1)
-        _check_count("--max-seqs", self.slots, 1)
+        _check_count("--max-seqs", self.max_seqs, 1)
         if not isinstance(self.prefill_buckets, tuple) or not self.prefill_buckets:
             raise CheckpointError(f"--prefill-buckets {self.prefill_buckets!r}: expected one or "
                                   "more sizes")

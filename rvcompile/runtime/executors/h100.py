@@ -177,7 +177,7 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     if opts.kv_blocks:
         raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
                             "build; kv_blocks applies to XLA artifacts")
-    check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.slots,
+    check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
                  schedule.max_context, opts)
     ctx = open_context(art)
     art.verify(opts.verify)

@@ -130,7 +130,7 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     opts.verify's sections re-hashed; then the executor."""
     xla = manifest.xla
     check_fits(art, xla, opts.kv_blocks)
-    check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.slots,
+    check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)
     art.verify(opts.verify)
     return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables)
@@ -169,7 +169,7 @@ class XlaExecutor:
         """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
         check_fits(art, xla, blocks)
         self.art = art
-        self.decode_width, self.max_context = xla.slots, xla.max_context
+        self.max_seqs, self.max_context = xla.max_seqs, xla.max_context
         self.max_chunk, self.prefill_buckets = xla.max_chunk, xla.prefill_buckets
         self.block_size = xla.block_size
         self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
@@ -259,22 +259,22 @@ class XlaExecutor:
         return int(tok[0])
 
     def decode(self, lanes) -> list[int]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
-        w = self.decode_width
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
+        w = self.max_seqs
         tok = self._call(f"decode_{w}", *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
         return tok[:len(lanes)].tolist()
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
         if not self.decode_loop_steps:
             raise ValueError(f"{self.art.path.name} was built without a decode loop")
         for lane in lanes:
             if not 1 <= lane.budget <= self.decode_loop_steps:
                 raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
                                  f"{self.decode_loop_steps} steps")
-        w = self.decode_width
+        w = self.max_seqs
         chunks = [lane.chunk for lane in lanes]
         tok = self._call(f"decode_loop_{w}", *self._lane_args(w, 1, chunks),
                          *_sampling(chunks, w), *_loop_limits(lanes, w, self.decode_loop_stops))

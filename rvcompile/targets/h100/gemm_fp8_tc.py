@@ -40,6 +40,7 @@ from rvcompile.artifacts.kernel_params import (
     ParamsTemplate,
     PointerSlot,
 )
+from rvcompile.targets.h100.contract import Call, Entry, Param, i32, ptr
 
 SOURCE = "gemm_fp8_tc.cu"
 QUANT_SOURCE = "quant_fp8_rows.cu"
@@ -131,6 +132,24 @@ def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inv = np.where(amax > 0, np.float32(E4M3_MAX) / amax, np.float32(0)).astype(np.float32)
     y = np.clip(x32 * inv[:, None], -E4M3_MAX, E4M3_MAX)
     return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+def _quantize_rows_call(c: Call) -> None:
+    m, k = c["M"], c["K"]
+    bits, scale = quantize_rows_reference(c.array("x", (m, k)))
+    c.array("q", (m, k)).view(np.uint8)[:] = bits
+    c.array("scale", (m,))[:] = scale
+
+
+# The GEMM entries take CUTLASS's Params by value: the addresses of their roles (ROLES) and the
+# problem shape live in that struct (kernel_params.ParamsTemplate), not in separate arguments, so
+# they have no reference over a launch's arguments here: the GEMM's is `reference` above.
+ENTRIES = (
+    *(Entry(name, SOURCE, (Param("params", "params"),), None) for name in CONFIGS),
+    *(Entry(name, QUANT_SOURCE, (ptr("x", dtype), ptr("q", "float8_e4m3fn", "out"),
+                                 ptr("scale", "float32", "out"), i32("M"), i32("K")),
+            _quantize_rows_call) for dtype, name in QUANT_ENTRIES.items()),
+)
 
 
 @dataclass(frozen=True)

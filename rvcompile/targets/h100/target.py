@@ -31,7 +31,7 @@ from rvcompile.passes import (
     kv_fp8,
     quantize_fp8,
 )
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import (
     PLATFORMS,
     BuildOptions,
@@ -91,7 +91,8 @@ class H100Target:
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
         from rvcompile.targets.h100.lower import lower_to_h100
 
-        lowering = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+        lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
+                                 prefill_buckets=opts.prefill_buckets)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one nvcc a module
             cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
                               strict=True))
@@ -126,9 +127,9 @@ class H100Target:
             "modules": len(s.cubins),
         }
         info = {"nvcc": h100.nvcc, "arch": h100.arch, "entry_points": sorted(s.entries),
-                "slots": s.slots, "max_context": s.max_context, "schedule": schedule}
+                "max_seqs": s.max_seqs, "max_context": s.max_context, "schedule": schedule}
         lines = [field_line(k, info[k])
-                 for k in ("nvcc", "arch", "entry_points", "slots", "max_context")]
+                 for k in ("nvcc", "arch", "entry_points", "max_seqs", "max_context")]
         return Summary(info, (*lines, *_schedule_lines(schedule)))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import cast_bf16, kv_int8, quantize_fp8, quantize_int8
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import (
     BuildOptions,
     KvRules,
@@ -61,7 +61,7 @@ class XlaTarget:
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
         from rvcompile.targets.xla.export import lower_to_xla
 
-        lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
+        lowering = lower_to_xla(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
                                 platforms=opts.platforms, tp=opts.tp,
                                 decode_loop_steps=opts.decode_loop_steps)
         programs_blob, program_index = concat(lowering.programs)
@@ -80,11 +80,11 @@ class XlaTarget:
     def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
         x = stored["xla"]
         info = {"jax_version": x["jax_version"], "entry_points": x["entry_points"],
-                "slots": x["slots"], "max_context": x["max_context"],
+                "max_seqs": x["max_seqs"], "max_context": x["max_context"],
                 "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),
                 "mesh": x.get("mesh")}
         lines = [field_line(k, info[k])
-                 for k in ("jax_version", "entry_points", "slots", "max_context")]
+                 for k in ("jax_version", "entry_points", "max_seqs", "max_context")]
         if info["mesh"]:
             lines += _mesh_lines(info["mesh"])
         if info["precompiled"]:
