@@ -236,7 +236,7 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
 def test_fp8_kv_refused_off_h100(oracle_dir, tmp_path):
     _, ckpt = oracle_dir("dense")
     out = tmp_path / "x.rvp"
-    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no FP8 KV"):
+    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no fp8 KV"):
         build_artifact(str(ckpt), out, BuildOptions("xla-f32", **OPTS, kv_cache="fp8"),
                        progress=False, log=lambda s: None)
     with pytest.raises(CheckpointError, match="--kv-cache 'e5m2': expected one of"):

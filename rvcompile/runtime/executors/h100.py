@@ -23,8 +23,11 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
+from rvcompile.artifacts.manifest import Manifest
+from rvcompile.runtime.executor_api import LoadOptions
+from rvcompile.runtime.executors import check_limits
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
-from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 
 STAGING_BYTES = 64 << 20
 DEFAULT_SMEM = 48 << 10
@@ -164,6 +167,21 @@ class CudaScheduleDevice:
             self.ctx.graph_launch(self.graphs[entry], self.stream)
         else:
             self._launch_all(entry)
+
+
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> ScheduledExecutor:
+    """An h100 artifact on this machine (runtime.load's entry; `manifest` checked): the engine's
+    limits, then this GPU, refused before any weight is read; then opts.verify's sections
+    re-hashed; then the executor."""
+    schedule = manifest.h100.schedule
+    if opts.kv_blocks:
+        raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
+                            "build; kv_blocks applies to XLA artifacts")
+    check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
+                 schedule.max_context, opts)
+    ctx = open_context(art)
+    art.verify(opts.verify)
+    return h100_executor(art, schedule, ctx)
 
 
 def open_context(art: Artifact) -> CudaContext:

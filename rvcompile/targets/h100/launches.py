@@ -1,7 +1,7 @@
 """The kernel launches of one H100 entry point: a table from each IR op to the launches that
 compute it (LOWER), applied to every node of embed, each layer, head and sampler in order.
 
-Input: the IR after the h100 pipelines' fusions (build.TARGETS), where each op is a unit the
+Input: the IR after the h100 pipelines' fusions (target.py), where each op is a unit the
 kernels run: ATTENTION_BLOCK, MOE_BLOCK, PLE_EMBED, PLE_PROJECTION, RESIDUAL_RMSNORM with its
 NEXT_NORM, the fused GEMVs. An op's function reads its inputs' values (the buffers holding them),
 emits launches over symbolic pointers (layout.Ref), each argument named after the kernel's
