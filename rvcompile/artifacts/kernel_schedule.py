@@ -12,11 +12,19 @@ token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence
 fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
 block-table row per token row and KV kind, the prefill's last real row, the sampling
 parameters; afterwards it reads `out_tokens` (and `logits`).
+
+A launch either passes `args` (scalars and arena pointers, one kernel parameter each) or, for a
+kernel that takes one large struct by value (CUTLASS's GEMM), `params`: the name of one of the
+schedule's `params_templates` (artifacts/kernel_params.py) and the arena byte offset of each of
+the template's roles. The runtime completes the template once per arena address (runtime/tma.py)
+and passes the bytes as the kernel's one parameter; `args` is then empty.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from rvcompile.artifacts.kernel_params import ParamsTemplate
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
 # Header requirement "kernel_launch": how the runtime may launch the artifact's kernels.
@@ -33,6 +41,14 @@ class Arg:
 
 
 @dataclass(frozen=True)
+class ParamsBlock:
+    """A by-value parameter block: which template, and where each of its roles lives."""
+
+    template: str  # a key of KernelSchedule.params_templates
+    roles: dict[str, int]  # role -> arena byte offset of that buffer
+
+
+@dataclass(frozen=True)
 class Launch:
     module: str  # the cubin (kernel source stem) holding `kernel`
     kernel: str
@@ -40,6 +56,7 @@ class Launch:
     block: tuple[int, int, int]
     smem: int
     args: tuple[Arg, ...]
+    params: ParamsBlock | None = None  # instead of args (module docstring)
 
 
 @dataclass(frozen=True)
@@ -98,15 +115,21 @@ class KernelSchedule:
     outputs: dict[str, Field]  # out_tokens, logits
     entries: dict[str, EntryPoint]
     cubins: dict[str, dict[str, int | str]]  # module -> {offset, size, sha256} in "cubins"
+    # the parameter blocks launches name in `params`, by name
+    params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> KernelSchedule:
         def launch(x: dict) -> Launch:
+            p = x.get("params")
             return Launch(x["module"], x["kernel"], tuple(x["grid"]), tuple(x["block"]),
-                          x["smem"], tuple(Arg(a["kind"], a["value"]) for a in x["args"]))
+                          x["smem"], tuple(Arg(a["kind"], a["value"]) for a in x["args"]),
+                          None if p is None else ParamsBlock(p["template"], dict(p["roles"])))
 
         def field(x: dict) -> Field:
             return Field(x["offset"], x["dtype"], tuple(x["shape"]))
@@ -123,4 +146,6 @@ class KernelSchedule:
                                    tuple(launch(x) for x in e["launches"]))
                      for k, e in d["entries"].items()},
             cubins=d["cubins"],
+            params_templates={k: ParamsTemplate.from_json(t)
+                              for k, t in d.get("params_templates", {}).items()},
         )

@@ -7,7 +7,9 @@ capability 9.0, whose driver is older than the cubins need, or whose free memory
 arena. Then: one arena allocation; weights streamed from the mapped artifact through two pinned
 staging buffers (disk reads overlap the copies); constants uploaded, the rest zeroed; cubins
 loaded (each checked against its sha256); every launch's argument block and launch configuration
-(programmatic stream serialization on: cuda_driver.py) built once; each decode entry captured
+(programmatic stream serialization on: cuda_driver.py) built once, a parameter block completed
+for the arena's addresses (runtime/tma.py: TMA descriptors encoded, pointers written; the graphs
+capture those bytes, and the arena never moves); each decode entry captured
 into a CUDA graph, consecutive kernels joined by programmatic edges. A call writes the io fields
 with one copy, replays the entry and copies back only token ids (or the logits the logits entry
 asks for).
@@ -23,6 +25,7 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
+from rvcompile.runtime import tma
 from rvcompile.runtime.cuda_driver import CudaContext, CudaError, pack_args
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 
@@ -131,6 +134,11 @@ class CudaScheduleDevice:
             if x.smem > DEFAULT_SMEM:
                 self.ctx.set_max_dynamic_smem(fn, x.smem)
             args = []
+            if x.params is not None:
+                template = self.schedule.params_templates[x.params.template]
+                block = tma.fill(self.ctx.cu, template,
+                                 {role: base + off for role, off in x.params.roles.items()})
+                args.append(tma.KernelParams(block).arg)
             for a in x.args:
                 if a.kind == "ptr":
                     args.append(ctypes.c_uint64(base + int(a.value)))

@@ -15,8 +15,9 @@ Whatever has no kernel stops the build with a LoweringError naming the op and gr
 Kernels follow the IR's dtypes: with every matrix float32 (h100-f32) activations, the values
 linears read and the KV pools stay float32 (the `_f32` entries: each linear a float32 GEMV per
 4 rows; prefill attention through the decode kernel, a row per query); else linears read bf16
-copies and FP8 weights (GEMV up to 4 rows, the FP8-weight GEMM beyond; the bf16 GEMV for the
-tied head), and prefill attention is the flash-style attn_prefill.
+copies and FP8 weights (EntryLowering.gemv: the tensor-core GEMV up to 32 rows, per-token e4m3
+activations and the tensor-core GEMM beyond; the bf16 GEMV for the tied head), and prefill
+attention is the flash-style attn_prefill.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
+    gemm_fp8_tc,
     gemm_fp8w,
     gemv_bf16,
     gemv_f32,
     gemv_fp8,
+    gemv_mma_fp8,
     head,
     moe,
     norms,
@@ -50,6 +53,7 @@ from rvcompile.targets.h100.layout import (
     EntryPlan,
     LoweringError,
     PlannedLaunch,
+    PlannedParams,
     Pool,
     Ref,
 )
@@ -269,33 +273,56 @@ class EntryLowering:
     # -- linears
 
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
-        """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
-        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS. Float32
-        weights (x float32 too): the float32 GEMV in groups of MAX_ROWS."""
-        if self.specs[w.key].dtype == "float32":
-            for r0 in range(0, rows, gemv_f32.MAX_ROWS):
-                r = min(gemv_f32.MAX_ROWS, rows - r0)
-                self.emit(gemv_f32.SOURCE, gemv_f32.ENTRY,
-                          gemv_f32.launch_geometry(r, n, k, SM_COUNT), w, x.at(r0 * k * 4),
-                          y.at(r0 * n * 4), _i32(r), _i32(n), _i32(k))
-            return
-        if scale is not None and rows > gemv_fp8.MAX_ROWS:
+        """y[rows, n] (float32) = x[rows, k] @ W^T, by W's dtype and the row count:
+        - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
+        - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS;
+        - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
+          GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
+          entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
+          (fp8_gemm)."""
+        dtype = self.specs[w.key].dtype
+        if dtype == "float32":
+            self.grouped_gemv(gemv_f32, 4, x, w, y, rows, n, k)
+        elif scale is None:
+            self.grouped_gemv(gemv_bf16, 2, x, w, y, rows, n, k)
+        elif rows <= gemv_mma_fp8.MAX_ROWS:
+            self.fp8_gemv(x, w, scale, y, rows, n, k)
+        else:
+            self.fp8_gemm(x, w, scale, y, rows, n, k)
+
+    def grouped_gemv(self, module, x_size: int, x: Ref, w: Ref, y: Ref, rows: int, n: int,
+                     k: int) -> None:
+        """gemv_f32 or gemv_bf16 (arguments W, x, y, M, N, K) per MAX_ROWS rows."""
+        for r0 in range(0, rows, module.MAX_ROWS):
+            r = min(module.MAX_ROWS, rows - r0)
+            self.emit(module.SOURCE, module.ENTRY, module.launch_geometry(r, n, k, SM_COUNT), w,
+                      x.at(r0 * k * x_size), y.at(r0 * n * 4), _i32(r), _i32(n), _i32(k))
+
+    def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """gemv_mma_fp8 (W, scale, x, y, M, N, K): the weights streamed once, tensor cores."""
+        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
+        self.emit(gemv_mma_fp8.SOURCE, g.entry, g, w, scale, x, y, _i32(rows), _i32(n), _i32(k))
+
+    def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row, a separate launch:
+        not yet fused into the kernels writing x), then gemm_fp8_tc at its default tile, its
+        parameter block probed at build (gemm_fp8_tc.params_template); an output width the
+        GEMM's TMA strides cannot take (N % 8) goes to the mma.sync FP8-weight GEMM instead."""
+        try:
+            gemm_fp8_tc.check_shape(rows, n, k)
+        except ValueError:
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
-            self.emit(gemm_fp8w.SOURCE, g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), w,
-                      scale, x, y, _i32(rows), _i32(n), _i32(k))
+            self.emit(gemm_fp8w.SOURCE, g.entry, g, w, scale, x, y, _i32(rows), _i32(n), _i32(k))
             return
-        step = gemv_fp8.MAX_ROWS
-        for r0 in range(0, rows, step):
-            r = min(step, rows - r0)
-            xr, yr = x.at(r0 * k * 2), y.at(r0 * n * 4)
-            if scale is None:
-                self.emit(gemv_bf16.SOURCE, gemv_bf16.ENTRY,
-                          gemv_bf16.launch_geometry(r, n, k, SM_COUNT), w, xr, yr, _i32(r),
-                          _i32(n), _i32(k))
-            else:
-                self.emit(gemv_fp8.SOURCE, gemv_fp8.ENTRY,
-                          gemv_fp8.launch_geometry(r, n, k, SM_COUNT), w, scale, xr, yr, _i32(r),
-                          _i32(n), _i32(k))
+        q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+        quant = gemm_fp8_tc.quant_launch(rows, k, "bfloat16")
+        self.emit(gemm_fp8_tc.QUANT_SOURCE, quant.entry, quant, x, q, q_scale, _i32(rows),
+                  _i32(k))
+        entry = gemm_fp8_tc.default_entry(rows, n, SM_COUNT)
+        t = gemm_fp8_tc.params_template(entry, rows, n, k, SM_COUNT)
+        roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
+        self.launches.append(PlannedLaunch(gemm_fp8_tc.SOURCE, entry, t, (), PlannedParams(
+            f"{entry}_m{rows}_n{n}_k{k}", t, roles)))
 
     def linear_weights(self, at: _At, first: int, count: int) -> tuple[list[str], list[str]]:
         """(values, scales) of the `count` weights from input `first` on."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import (
     Arg,
     EntryPoint,
@@ -31,6 +32,7 @@ from rvcompile.artifacts.kernel_schedule import (
     KvKindLayout,
     KvLayout,
     Launch,
+    ParamsBlock,
 )
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
@@ -58,6 +60,16 @@ class Ref:
 
 
 @dataclass(frozen=True)
+class PlannedParams:
+    """A by-value parameter block over symbolic pointers: the template (stored once per name in
+    the schedule) and the buffer each of its roles names."""
+
+    name: str
+    template: ParamsTemplate
+    roles: tuple[tuple[str, Ref], ...]
+
+
+@dataclass(frozen=True)
 class PlannedLaunch:
     """A kernel launch over symbolic pointers."""
 
@@ -65,6 +77,12 @@ class PlannedLaunch:
     kernel: str
     geometry: gemv_fp8.Launch
     args: tuple  # Ref | ("i32", v) | ("i64", v) | ("f32", v) | None (null pointer)
+    params: PlannedParams | None = None  # instead of args: one struct by value
+
+    def refs(self) -> list[Ref]:
+        """Every buffer the launch names."""
+        named = [r for _, r in self.params.roles] if self.params else []
+        return [a for a in self.args if isinstance(a, Ref)] + named
 
 
 @dataclass(frozen=True)
@@ -243,8 +261,9 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
     outputs: dict[str, Field] = {}
+    templates: dict[str, ParamsTemplate] = {}
     for e in entries:
-        uses = [tuple(a.key for a in launch.args if isinstance(a, Ref) and a.region == "act")
+        uses = [tuple(r.key for r in launch.refs() if r.region == "act")
                 for launch in e.launches]
         lives = memory_plan.lifetimes(uses, e.sizes)
         offsets, total = memory_plan.plan(lives)
@@ -266,9 +285,17 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                 return Arg("ptr", address(a))
             return Arg(a[0], a[1])
 
+        def params(p: PlannedParams | None, address=address) -> ParamsBlock | None:
+            if p is None:
+                return None
+            if templates.setdefault(p.name, p.template) != p.template:
+                raise LoweringError(f"two parameter templates named {p.name}")
+            return ParamsBlock(p.name, {role: address(ref) for role, ref in p.roles})
+
         resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
             Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
-                   x.geometry.smem, tuple(arg(a) for a in x.args)) for x in e.launches))
+                   x.geometry.smem, tuple(arg(a) for a in x.args), params(x.params))
+            for x in e.launches))
         for out_name, (ref, dtype, shape) in e.outputs.items():
             outputs[f"{e.name}.{out_name}"] = Field(address(ref), dtype, shape)
     pools = kv.pools.values()
@@ -279,4 +306,4 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
         kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
                     _kv_kinds(ir, kv, slots)),
-        io=io, outputs=outputs, entries=resolved, cubins={})
+        io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates)

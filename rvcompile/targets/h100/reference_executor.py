@@ -10,6 +10,9 @@ The `_f32` entries (the float32 plan, h100-f32) read and write float32 where the
 
 Attention references write the finished output as split 0 (m = 0, l = 1) and mark the other
 splits empty, so the combine reference (the kernel's merge, exactly) reproduces it.
+
+A launch with a parameter block (the FP8 tensor-core GEMM) has no `args`: its reference reads
+the roles' arena offsets and, from the block's TMA descriptors, the shapes the kernel reads.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import ml_dtypes
 import numpy as np
 
 from rvcompile.artifacts import Artifact
+from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
 from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
+    gemm_fp8_tc,
     gemv_f32,
     head,
     moe,
@@ -56,7 +61,10 @@ class ReferenceDevice:
     def run(self, entry: str) -> None:
         for launch in self.schedule.entries[entry].launches:
             kernel = _kernel_ref(launch.kernel)
-            kernel(self, launch, *[a.value for a in launch.args])
+            if launch.params is not None:
+                kernel(self, launch, self.schedule.params_templates[launch.params.template])
+            else:
+                kernel(self, launch, *[a.value for a in launch.args])
 
     def view(self, offset: int, dtype, shape) -> np.ndarray:
         count = int(np.prod(shape))
@@ -123,6 +131,24 @@ def _gemv_fp8(dev, launch: Launch, w, scale, x, y, m, n, k):
     wv = dev.view(w, np.uint8, (n, k)).view(ml_dtypes.float8_e4m3fn).astype(F32)
     xv = dev.view(x, BF16, (m, k)).astype(F32)
     dev.view(y, F32, (m, n))[:] = (xv @ wv.T) * dev.view(scale, F32, (n,))[None, :]
+
+
+def _quant_fp8_rows(dev, launch: Launch, x, q, scale, m, k):
+    dtype = BF16 if launch.kernel == gemm_fp8_tc.QUANT_ENTRIES["bfloat16"] else F32
+    codes, scales = gemm_fp8_tc.quantize_rows_reference(dev.view(x, dtype, (m, k)))
+    dev.view(q, np.uint8, (m, k))[:] = codes
+    dev.view(scale, F32, (m,))[:] = scales
+
+
+def _gemm_fp8_tc(dev, launch: Launch, template: ParamsTemplate):
+    """d = (a @ b^T) * b_scale * a_scale over the roles' buffers; the shapes are the TMA
+    descriptors' (a [K, M] and b [K, N] innermost first, as CUTLASS encodes them)."""
+    dims = {d.role: d.dims for d in template.descriptors}
+    (k, m), n = dims["a"][:2], dims["b"][1]
+    at = launch.params.roles
+    dev.view(at["d"], F32, (m, n))[:] = gemm_fp8_tc.reference(
+        dev.view(at["a"], np.uint8, (m, k)), dev.view(at["a_scale"], F32, (m,)),
+        dev.view(at["b"], np.uint8, (n, k)), dev.view(at["b_scale"], F32, (n,)))
 
 
 def _gemv_bf16(dev, launch: Launch, w, x, y, m, n, k):
@@ -439,6 +465,8 @@ _REFS = {
     norms.RESIDUAL_ENTRY: _residual,
     norms.RESIDUAL_F32_ENTRY: _residual,
     "gemv_fp8_rowscale": _gemv_fp8,
+    gemm_fp8_tc.QUANT_ENTRIES["bfloat16"]: _quant_fp8_rows,
+    gemm_fp8_tc.QUANT_ENTRIES["float32"]: _quant_fp8_rows,
     "gemv_bf16": _gemv_bf16,
     gemv_f32.ENTRY: _gemv_f32,
     qkv_post.ENTRY: _qkv_post,
@@ -482,8 +510,10 @@ _REFS = {
 def _kernel_ref(kernel: str):
     if kernel in _REFS:
         return _REFS[kernel]
-    if kernel.startswith("gemm_fp8w_"):  # the prefill GEMM: the GEMV's arguments and product
+    if kernel.startswith(("gemm_fp8w_", "gemv_mma_fp8_")):  # the GEMV's arguments and product
         return _gemv_fp8
+    if kernel in gemm_fp8_tc.CONFIGS:
+        return _gemm_fp8_tc
     if kernel.startswith("attn_decode_keqv_"):
         return _attn_keqv
     if kernel.startswith("attn_decode_d"):
