@@ -38,7 +38,6 @@ from rvcompile.targets.h100 import (
     gemm_fp8w,
     gemv_bf16,
     gemv_f32,
-    gemv_fp8,
     gemv_mma_fp8,
     head,
     moe,
