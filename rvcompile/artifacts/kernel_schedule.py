@@ -119,8 +119,16 @@ class KernelSchedule:
     params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """asdict, without the parameter-block fields where no launch has one (a schedule
+        without them reads the same)."""
         d = asdict(self)
-        d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
+        for e in d["entries"].values():
+            for x in e["launches"]:
+                if x["params"] is None:
+                    del x["params"]
+        del d["params_templates"]
+        if self.params_templates:
+            d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
 
     @classmethod
