@@ -25,7 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemm_fp8w, gemv_fp8
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 from rvcompile.targets.h100.nvcc import compile_cubin
@@ -39,18 +39,19 @@ def model_shapes(preset: str) -> dict[str, tuple[int, int, int]]:
     """{"NxK": (N, K, uses)}: the FP8 linears of one decode step of `preset`, as its h100-fp8
     schedule runs them (lowered shape-only, one slot), with how often a step runs each."""
     from rvcompile.build import BuildOptions, lower_model
-    from rvcompile.checkpoint import ModelSource
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
+    from rvcompile.sources.model_source import ModelSource
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = ModelSource(get_preset(preset), (), "", {}, None, preset)  # no tensors are read
-    opts = BuildOptions("h100-fp8", max_context=256, prefill_buckets=(16,), slots=1)
+    opts = BuildOptions("h100-fp8", max_context=256, prefill_buckets=(16,), max_seqs=1)
     ir = lower_model(source, opts, log=lambda s: None)
-    step = lower_to_h100(ir, slots=1, prefill_buckets=(16,)).schedule.entries["decode_1"]
+    step = lower_to_h100(ir, max_seqs=1, prefill_buckets=(16,)).schedule.entries["decode_1"]
     shapes: dict[str, tuple[int, int, int]] = {}
     for x in step.launches:
         if x.kernel.startswith("gemv_mma_fp8"):
-            n, k = int(x.args[5].value), int(x.args[6].value)
+            args = {a.name: a.value for a in x.args}
+            n, k = int(args["N"]), int(args["K"])
             uses = shapes.get(f"{n}x{k}", (n, k, 0))[2]
             shapes[f"{n}x{k}"] = (n, k, uses + 1)
     return shapes

@@ -21,9 +21,11 @@ import numpy as np
 
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
-from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
-from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
-from rvcompile.frontend import build_model_ir
+from rvcompile.artifacts.contents import parse_contents
+from rvcompile.artifacts.format import canonical_json
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Cubin
+from rvcompile.artifacts.manifest import parse_manifest
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import (
     cast_bf16,
@@ -40,6 +42,8 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, ModelSource
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class BuildOptions:
     target: str
     max_context: int = 2048
     prefill_buckets: tuple[int, ...] = (16, 64, 256)
-    slots: int = 4
+    max_seqs: int = 4
     platforms: tuple[str, ...] = ("tpu", "cuda", "cpu")  # what the StableHLO is exported for
     dump_ir: str | None = None  # print the IR after this pass ("frontend" or a pass name)
     topologies: tuple[str, ...] = ()  # TPU slices to precompile for, e.g. "v6e:2x2" (libtpu)
@@ -109,7 +113,7 @@ class BuildOptions:
         if self.target not in TARGETS:
             raise CheckpointError(f"unknown target {self.target!r} (known: {', '.join(TARGETS)})")
         _check_count("--max-context", self.max_context, 1)
-        _check_count("--max-seqs", self.slots, 1)
+        _check_count("--max-seqs", self.max_seqs, 1)
         if not isinstance(self.prefill_buckets, tuple) or not self.prefill_buckets:
             raise CheckpointError(f"--prefill-buckets {self.prefill_buckets!r}: expected one or "
                                   "more sizes")
@@ -258,6 +262,12 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     if missing:
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
+    # What every reader checks, on what is about to be written: no build writes an artifact
+    # that its runtime would refuse.
+    sizes = {"weights": lowered.weights_nbytes,
+             **{name: len(data) for name, data in {**lowered.sections, **text_sections}.items()}}
+    checked = parse_manifest(header, json.loads(canonical_json(manifest)), sizes, out.name)
+    parse_contents(checked, {**lowered.sections, **text_sections}, out.name)
     with ArtifactWriter(out, header) as w:
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
@@ -306,7 +316,7 @@ def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log) -> tuple[bytes, 
 def _lower_xla(ir: ModelIR, opts: BuildOptions, log=print) -> _Lowered:
     from rvcompile.targets.xla.export import lower_to_xla
 
-    lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
+    lowering = lower_to_xla(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
                             platforms=opts.platforms, tp=opts.tp,
                             decode_loop_steps=opts.decode_loop_steps)
     programs_blob, program_index = _concat(lowering.programs)
@@ -337,14 +347,14 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
     if opts.platforms != ("cuda",) and set(opts.platforms) != set(BuildOptions.platforms):
         raise CheckpointError(f"target {opts.target} runs on cuda only, not "
                               f"{', '.join(opts.platforms)}")
-    lowering = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    lowering = lower_to_h100(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one nvcc per module
         cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
                           strict=True))
     blob, index = _concat(cubins)
-    for name, loc in index.items():
-        loc["sha256"] = hashlib.sha256(cubins[name]).hexdigest()
-    schedule = replace(lowering.schedule, cubins=index)
+    schedule = replace(lowering.schedule, cubins={
+        name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())
+        for name, loc in index.items()})
     return _Lowered(
         ("cuda",),
         {"runtime": "h100", "compute_capability": "9.0", "min_driver": min_driver(),

@@ -26,9 +26,9 @@ from rvcompile.artifacts.signature import (
     status,
     write_keypair,
 )
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
+from rvcompile.model.config import ConfigError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100.lower import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError
 
@@ -39,7 +39,7 @@ USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, LoweringE
 
 
 def fail(msg: str) -> None:
-    typer.echo(f"rvcompile: error: {msg}", err=True)
+    typer.echo(f"rvcompile: error: {msg.splitlines()[0] if msg else msg}", err=True)
     raise typer.Exit(2)
 
 
@@ -104,7 +104,7 @@ def build(
     seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
                                                           ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
-    slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
+    max_seqs: int = typer.Option(4, "--max-seqs", help="sequences in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
                                         help="prefill chunk sizes; the largest is the chunk"),
     platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
@@ -144,7 +144,7 @@ def build(
     try:
         with _signals_unwind():
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                                slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
+                                max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
                                 topologies=tuple(topology))
             report = build_artifact(model, output, opts, weights=weights,
@@ -168,27 +168,34 @@ TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)
 def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
             trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
             ) -> None:
-    """Show an artifact's model, target, platforms, entry points, sizes, hashes, versions and
-    signers (each signature valid, INVALID, or not checked without its --trusted-key)."""
+    """Show an artifact's model, target, platforms, entry points (an h100 artifact's kernel
+    schedule), sizes, hashes, versions and signers (each signature valid, INVALID, or not
+    checked without its --trusted-key)."""
+    from rvcompile.artifacts.manifest import read_manifest
+
     try:
         keys = [load_trusted_key(k) for k in trusted_key]
         with Artifact.open(artifact) as art:
+            checked = read_manifest(art)  # every field shown below is checked
             h, m = art.header, art.manifest
             info = {
-                "file": str(artifact), "model": m["model"]["name"], "target": h.target,
+                "file": str(artifact), "model": checked.model.name, "target": h.target,
                 "platforms": list(h.platforms), "compiler_version": h.compiler_version,
-                "requirements": h.requirements, "passes": m.get("passes", []),
-                "entry_points": m["xla"]["entry_points"], "slots": m["xla"]["slots"],
-                "max_context": m["xla"]["max_context"],
-                "jax_version": m["xla"]["jax_version"],
-                "layer_groups": m["xla"]["layer_groups"],
-                "precompiled": m["xla"].get("precompiled", {}),
-                "mesh": m["xla"].get("mesh"),
+                "requirements": h.requirements, "passes": m["passes"],
                 "piece_size": art.piece_size,
                 "sections": {n: {"offset": s.offset, "size": s.size,
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
+            if checked.xla:
+                x = m["xla"]
+                info.update({
+                    "entry_points": x["entry_points"], "max_seqs": x["max_seqs"],
+                    "max_context": x["max_context"], "jax_version": x["jax_version"],
+                    "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),
+                    "mesh": x.get("mesh")})
+            else:
+                info.update(_schedule_info(checked.h100))
             signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
             info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
                                   for s, st in signed]
@@ -197,13 +204,17 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    for key in ("file", "model", "target", "platforms", "compiler_version", "jax_version",
-                "passes", "entry_points", "slots", "max_context", "requirements"):
+    shown = ("file", "model", "target", "platforms", "compiler_version",
+             *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
+             "passes", "entry_points", "max_seqs", "max_context", "requirements")
+    for key in shown:
         typer.echo(f"{key:17} {info[key]}")
-    if info["mesh"]:
+    if info.get("mesh"):
         _echo_mesh(info["mesh"])
-    if info["precompiled"]:
+    if info.get("precompiled"):
         _echo_precompiled(info["precompiled"])
+    if "schedule" in info:
+        _echo_schedule(info["schedule"])
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
@@ -211,6 +222,45 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
     for sig, st in signed:
         typer.echo(f"  signed by {sig.who()}, {st}")
+
+
+def _schedule_info(h100) -> dict:
+    """What `inspect` shows of an h100 artifact's kernel schedule."""
+    s = h100.schedule
+    launches = [x for e in s.entries.values() for x in e.launches]
+    return {
+        "entry_points": sorted(s.entries), "max_seqs": s.max_seqs, "max_context": s.max_context,
+        "nvcc": h100.nvcc, "arch": h100.arch,
+        "schedule": {
+            "version": s.version, "arena_bytes": s.arena_bytes,
+            "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
+                        "kv": s.kv.pool_bytes, "io": s.io_bytes,
+                        "activations": s.arena_bytes - s.io_offset - s.io_bytes},
+            "kv": {"block_size": s.kv.block_size, "dtype": s.kv.kv_dtype,
+                   "kinds": {k.name: {"table_width": k.table_width, "num_blocks": k.num_blocks,
+                                      "window": k.window} for k in s.kv.kinds}},
+            "entries": {name: {"rows": e.rows, "graph": e.graph, "launches": len(e.launches)}
+                        for name, e in s.entries.items()},
+            "launches": len(launches),
+            "kernels": len({(x.module, x.kernel) for x in launches}),
+            "modules": len(s.cubins),
+        },
+    }
+
+
+def _echo_schedule(s: dict) -> None:
+    """The kernel schedule: arena regions, KV pools, and each entry's launch count."""
+    regions = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s["regions"].items())
+    typer.echo(f"{'schedule':17} version {s['version']}: arena {s['arena_bytes'] / 2**20:.1f} MiB "
+               f"({regions} MiB); {s['launches']} launches of {s['kernels']} kernels from "
+               f"{s['modules']} cubins")
+    kinds = ", ".join(f"{n} {k['num_blocks']} x {k['table_width']}-wide"
+                      + (f" (window {k['window']})" if k["window"] else "")
+                      for n, k in s["kv"]["kinds"].items())
+    typer.echo(f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens: {kinds}")
+    for name, e in s["entries"].items():
+        typer.echo(f"  {name:16} {e['rows']:>5} rows  {e['launches']:>5} launches"
+                   f"{'  (CUDA graph)' if e['graph'] else ''}")
 
 
 def _echo_mesh(mesh: dict) -> None:
@@ -243,12 +293,15 @@ def _echo_precompiled(sets: dict) -> None:
 def verify(artifact: Path,
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
-    """Re-hash every section; with --trusted-key, first require a valid signature by one of the
-    keys. Exit 0 when all checks pass, 2 otherwise."""
+    """Re-hash every section and check what the manifest and sections hold
+    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
+    from rvcompile.artifacts.contents import verify_artifact
+
     try:
         keys = [load_trusted_key(k) for k in trusted_key] or None
         with Artifact.open(artifact, trusted_keys=keys) as art:
-            art.verify()
+            verify_artifact(art)
             n = len(art.sections)
             signed = "; ".join(f"signed by {s.who()}, {status(s, art.signable, keys or [])}"
                                for s in art.signatures) or "unsigned"
@@ -288,7 +341,7 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 def targets() -> None:
     """List the build targets and what each emits."""
     from rvcompile.build import TARGETS
-    from rvcompile.presets import PRESETS
+    from rvcompile.model.presets import PRESETS
 
     for t in TARGETS.values():
         typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}")

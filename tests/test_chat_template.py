@@ -18,8 +18,9 @@ import json
 import pytest
 
 from rvcompile.chat_template import ChatTemplateError, check, compile_template
-from rvcompile.checkpoint import CheckpointError, load_model_source
-from rvcompile.tokenizer_files import default_chat_template
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError
+from rvcompile.sources.tokenizer_files import default_chat_template
 
 # Written for this test in the style of the Gemma 4 template: the constructs it relies on.
 GEMMA_STYLE = """\
@@ -193,7 +194,7 @@ def test_check_renders_one_user_turn():
 def test_the_build_refuses_a_bad_checkpoint_template(where, template, says, tmp_path,
                                                      monkeypatch):
     from rvcompile.build import BuildOptions, build_artifact
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -216,8 +217,8 @@ def test_the_build_refuses_a_bad_checkpoint_template(where, template, says, tmp_
 
 
 def _synthetic_tokenizer() -> str:
-    from rvcompile.presets import get_preset
-    from rvcompile.tokenizer_files import synthetic_tokenizer_json
+    from rvcompile.model.presets import get_preset
+    from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
     return synthetic_tokenizer_json(get_preset("gemma-4-tiny-dense").vocab_size)
 
@@ -227,12 +228,12 @@ def test_a_model_refuses_a_hostile_template_at_render(tmp_path, monkeypatch):
     from rvcompile.artifacts import Artifact, ArtifactWriter
     from rvcompile.build import BuildOptions, build_artifact
     from rvcompile.runtime import load
-    from rvcompile.runtime.xla_executor import XlaExecutor
+    from rvcompile.runtime.executors.xla import XlaExecutor
 
     plain, hostile = tmp_path / "plain.rvp", tmp_path / "hostile.rvp"
     build_artifact("gemma-4-tiny-dense", plain,
                    BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,),
-                                slots=1, platforms=("cpu",)), random_weights=True,
+                                max_seqs=1, platforms=("cpu",)), random_weights=True,
                    progress=False, log=lambda s: None)
     with Artifact.open(plain) as art, ArtifactWriter(hostile, art.header) as w:
         for name in art.sections:

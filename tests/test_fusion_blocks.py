@@ -21,8 +21,6 @@ import pytest
 from test_fusion_passes import baseline, logits, model, weights
 
 from rvcompile.build import TARGETS, BuildOptions, lower_model
-from rvcompile.checkpoint import ModelSource
-from rvcompile.config import Gemma4Config
 from rvcompile.ir.graph import Graph, GraphBuilder, ModelIR, check_graph, check_model
 from rvcompile.ir.ops import (
     AttentionBlockAttrs,
@@ -34,6 +32,8 @@ from rvcompile.ir.ops import (
     RopeAttrs,
     SpecError,
 )
+from rvcompile.model.config import Gemma4Config
+from rvcompile.model.presets import PRESETS, get_preset
 from rvcompile.passes import (
     fuse_attention,
     fuse_gated_mlp,
@@ -44,7 +44,7 @@ from rvcompile.passes import (
     fuse_residual_norm,
     quantize_fp8,
 )
-from rvcompile.presets import PRESETS, get_preset
+from rvcompile.sources.model_source import ModelSource
 from rvcompile.targets.h100.launches import LOWER
 
 PASSES = {p.NAME: p for p in (fuse_attention, fuse_moe, fuse_ple, fuse_next_norm)}
@@ -178,7 +178,7 @@ def test_h100_lowering_matches_no_patterns():
 
     ir = prefused("gemma-4-tiny-dense", "fp8")
     with pytest.raises(LoweringError, match=r"layer0_template, node %\d+ \(\w+\): no H100 "):
-        lower_to_h100(ir, slots=1, prefill_buckets=(4,))
+        lower_to_h100(ir, max_seqs=1, prefill_buckets=(4,))
 
 
 def test_dump_ir_shows_the_blocks():

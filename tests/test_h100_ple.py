@@ -28,25 +28,24 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, agreement_with_oracle, random_token_ids
 from test_h100_elementwise import assert_bf16_close, rel_l2
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.config import Gemma4Config
-from rvcompile.frontend import build_model_ir
 from rvcompile.ir import ops
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.interpret import run_graph
+from rvcompile.model.config import Gemma4Config
 from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
-from rvcompile.targets.h100.reference_executor import reference_executor
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 # The oracle's "all" case without its MoE branch.
 PLE_KEQV_SHARED = {**ORACLE_CASES["all"], "enable_moe_block": False, "num_experts": None,
                    "top_k_experts": None, "moe_intermediate_size": None}
@@ -142,14 +141,14 @@ def test_ple_presets_lower(preset, layers):
     """Decode: embed, bf16 copy, model projection GEMV, ple_combine, first norm; 13 launches
     per layer; head GEMV and 3 sampling kernels. The arena fits an 80 GB H100."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = load_model_source(preset, random_weights=True)
     assert len(source.config.layers) == layers
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     decode = [x.kernel for x in s.entries["decode_1"].launches]
     assert decode[:5] == ["embed_rows_bf16", "to_bf16", "gemv_fp8_rowscale", "ple_combine",
                           "rmsnorm_bf16"]
@@ -214,12 +213,12 @@ DEFAULT_BOUNDS = (0.9, 0.02, 0.2)
 
 def test_default_model_plan_matches_the_fp8_ir(tmp_path):
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
     from rvcompile.dtypes import numpy_dtype
     from rvcompile.ir.interpret import ReferenceModel
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
-    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), slots=1)
+    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), max_seqs=1)
     out = tmp_path / "h100.rvp"
     build_artifact(str(MODEL_DIR), out, opts, progress=False, log=lambda s: None)
     art = Artifact.open(out)

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together, h100_context
+from h100_helpers import decode_three_together, h100_context, reference_executor
 from oracle import random_token_ids
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.runtime.h100_executor import check_fits
+from rvcompile.runtime.executors.h100 import check_fits
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100.reference_executor import reference_executor
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 GPU_BOUND = (0.15, 0.015)  # max and mean abs logit difference, GPU against the reference
 
 
@@ -75,7 +74,7 @@ def test_gpu_matches_reference_executor(built, case):
 
 # A plan whose 64-row entries run every linear through quant_fp8_rows_bf16 + gemm_fp8_tc (the
 # parameter blocks completed by runtime/tma.py at load), its decode entries gemv_mma_fp8.
-TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "slots": 3}
+TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "max_seqs": 3}
 
 
 @pytest.mark.gpu

@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together
+from h100_helpers import decode_three_together, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import CheckpointError
 from rvcompile.ir import ops
 from rvcompile.runtime.model import Model
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
-from rvcompile.targets.h100.reference_executor import reference_executor
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 SEQ = 40
 
 # case -> (min top-1 agreement, max mean abs error, max max abs error); measured figures above.
@@ -147,13 +146,13 @@ def test_released_models_lower(preset, layers):
     norm; the arena fits an 80 GB H100. Decode's linears are the tensor-core GEMV; the 64-row
     prefill's each a per-token quantization and the tensor-core GEMM with its parameter block."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = load_model_source(preset, random_weights=True)
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     n = len(source.config.layers)
     assert layers in (None, n)
     decode = s.entries["decode_1"].launches
@@ -167,10 +166,12 @@ def test_released_models_lower(preset, layers):
     gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_fp8_tc.cu"]
     assert len(gemms) == 4 * n
     for i in gemms:
-        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16" and not prefill[i].args
-        p = prefill[i].params
-        assert set(p.roles) == set(s.params_templates[p.template].roles)
-        assert p.roles["a"] in [a.value for a in prefill[i - 1].args if a.kind == "ptr"]
+        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
+        (arg,) = prefill[i].args
+        assert (arg.name, arg.kind) == ("params", "params")
+        block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
+        assert set(block.roles) == set(s.params_templates[block.template].roles)
+        assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
     assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
 
 
@@ -210,9 +211,9 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
     e4m3 through KV_WRITE's rounding) within the kernels' own rounding (q to bf16, sum order);
     greedy decode through the e4m3 pools = the teacher-forced argmax."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
     from rvcompile.dtypes import numpy_dtype
     from rvcompile.ir.interpret import ReferenceModel
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
     _, m8 = h100_model("k_eq_v", "fp8")

@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from h100_helpers import reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact, lower_model
-from rvcompile.checkpoint import load_model_source
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
-from rvcompile.runtime.scheduled_executor import ScheduledExecutor
+from rvcompile.sources.checkpoint import load_model_source
 from rvcompile.targets.h100.lower import layout_weights, lower_to_h100
-from rvcompile.targets.h100.reference_executor import ReferenceDevice, reference_executor
+from rvcompile.targets.h100.reference_executor import ReferenceDevice
 
-GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
-TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "slots": 3}
+GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
+TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "max_seqs": 3}
 SEQ = 40
 # case -> (min top-1, max mean abs, max max abs) of the tensor-core plan against the oracle,
 # and VS_BF16 the same against the bf16-activation plan: the measured figures above with about
@@ -66,7 +67,7 @@ def plans(oracle_dir, tmp_path_factory):
             built_ir = lower_model(load_model_source(str(ckpt)),
                                    BuildOptions("h100-fp8", **GEMV_OPTS), log=lambda s: None)
             assert layout_weights(ir) == layout_weights(built_ir)
-            low = lower_to_h100(ir, slots=TC_OPTS["slots"],
+            low = lower_to_h100(ir, max_seqs=TC_OPTS["max_seqs"],
                                 prefill_buckets=TC_OPTS["prefill_buckets"])
             device = ReferenceDevice(low.schedule, art.buffer("weights"), low.constants)
             cache[case] = (hf, Model(art, reference_executor(art)),

@@ -96,7 +96,7 @@ class Server:
 def artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("serve") / "tiny.rvp"
     build_artifact("gemma-4-tiny", out, BuildOptions("tpu-bf16", max_context=128,
-                                                     prefill_buckets=(8, 32), slots=4,
+                                                     prefill_buckets=(8, 32), max_seqs=4,
                                                      platforms=("cpu",)),
                    random_weights=True, progress=False, log=lambda *a: None)
     return out
@@ -461,7 +461,7 @@ def test_inter_token_latency_is_observed_per_token():
     """A device-side decode loop hands several tokens over in one output: the histogram still
     gets one observation per token after the first, with the gap spread over them."""
     from rvcompile.runtime.engine import RequestOutput
-    from rvcompile.runtime.server import Metrics, _Stream
+    from rvcompile.runtime.serve.server import Metrics, _Stream
 
     metrics = Metrics(thread=None)  # the engine collector is only read at scrape time
     queue: asyncio.Queue = asyncio.Queue()

@@ -42,8 +42,8 @@ from rvcompile.artifacts.signature import (
     write_keypair,
 )
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.runtime.precompiled import Choice, Machine, choose
+from rvcompile.runtime.executors.precompiled import Choice, Machine, choose
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.xla import precompile
 from rvcompile.targets.xla.cost_report import (
     CHIPS,
@@ -88,7 +88,7 @@ def test_check_topology_refuses_wrong_device_count_and_missing_libtpu(monkeypatc
 def test_build_refuses_topology_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(precompile, "libtpu_version", lambda: None)
     out = tmp_path / "x.rvp"
-    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=1,
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
                         platforms=("tpu", "cpu"), topologies=("v6e:1x1",))
     with pytest.raises(precompile.PrecompileError, match="needs libtpu"):
         build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, progress=False)
@@ -119,7 +119,7 @@ def test_cli_refuses_a_topology_in_one_line(tmp_path):
 # ---- the cost report ----------------------------------------------------------------------
 
 FOOTPRINT = DecodeFootprint(
-    slots=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
+    max_seqs=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
     expert_elements=0, kv_bytes_per_lane=GiB // 4, kv_elements_per_lane=GiB // 8,
     argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB, temp_bytes=GiB // 2,
     xla_flops=1.0, xla_bytes_accessed=3 * GiB, once_bytes=GiB)
@@ -163,7 +163,7 @@ def test_read_model_of_the_ir():
     from types import SimpleNamespace
 
     from rvcompile.build import lower_model
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
 
     opts = BuildOptions(target="tpu-int8", max_context=64, prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny")), opts, lambda s: None)
@@ -271,7 +271,7 @@ def test_choose_loads_nothing_untrusted_and_no_pickled_set():
 # ---- serialize -> artifact -> load with no compilation (CPU executables) ------------------
 
 def _tiny_artifact(path: Path) -> Path:
-    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=2,
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=2,
                         platforms=("cpu",))
     build_artifact("gemma-4-tiny-dense", path, opts, random_weights=True, progress=False)
     return path
@@ -296,8 +296,8 @@ def _with_cpu_set(src: Path, dst: Path) -> dict:
         programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
                     for n, loc in m["xla"]["programs"].items()}
     pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
-    pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
-                                     m["xla"]["slots"], CHIPS["v6e"], 2,
+    pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['max_seqs']}"],
+                                     m["xla"]["max_seqs"], CHIPS["v6e"], 2,
                                      m["xla"]["max_context"], ReadModel())
     data, records = precompile.executables_section([pre])
     _rewrite(src, dst, {**m, "xla": {**m["xla"], "precompiled": records}},
@@ -355,8 +355,8 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
 def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,
                                                            monkeypatch):
     from rvcompile.runtime import load
-    from rvcompile.runtime import precompiled as runtime_precompiled
-    from rvcompile.runtime.xla_executor import XlaExecutor
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors.xla import XlaExecutor
 
     _, with_set, _ = artifacts
     monkeypatch.setattr(XlaExecutor, "_warm_up", lambda self: 0.0)  # the note, not the compile
@@ -392,7 +392,7 @@ def test_rvrun_trusts_executables_only_with_a_trusted_key(artifacts, capsys):
 
 
 def test_corrupt_executable_is_refused(artifacts, tmp_path):
-    from rvcompile.runtime import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
 
     _, with_set, record = artifacts
     bad = tmp_path / "bad.rvp"
@@ -510,7 +510,7 @@ def test_the_load_path_unpickles_nothing():
     banned_modules = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve",
                       "yaml", "serialize_executable", "jax.experimental.serialize_executable"}
     pkg = ROOT / "rvcompile"
-    files = [*sorted((pkg / "runtime").glob("*.py")), *sorted((pkg / "artifacts").glob("*.py")),
+    files = [*sorted((pkg / "runtime").rglob("*.py")), *sorted((pkg / "artifacts").glob("*.py")),
              pkg / "dtypes.py", pkg / "chat_template.py"]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -30,7 +30,7 @@ from rvcompile.build import BuildOptions
 
 TPS = (1, 2, 4)
 CASES = ("dense", "k_eq_v", "kv_shared", "ple", "moe")
-OPTS = {"max_context": 128, "prefill_buckets": (32,), "slots": 2, "platforms": ("cpu",)}
+OPTS = {"max_context": 128, "prefill_buckets": (32,), "max_seqs": 2, "platforms": ("cpu",)}
 SEQ, PROMPT, N_NEW = 40, 12, 16
 # Measured max abs logit difference vs TP=1 over 40 positions (logits std ~1.2), TP=2 / TP=4:
 # dense 6.3e-6 / 7.0e-6, k_eq_v 7.7e-6 / 1.1e-5, kv_shared 1.2e-5 / 1.3e-5, ple 9.7e-6 /
@@ -111,7 +111,7 @@ def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
 
 def _ir(case_or_preset: str, target: str = "xla-f32", layers: int | None = None):
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
 
     source = load_model_source(case_or_preset, random_weights=True)
     if layers:
@@ -174,7 +174,7 @@ def test_split_rules(tiny_ir):
 
 @pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
 def test_uneven_split_refused(tiny_ir, tp, field):
-    from rvcompile.config import ConfigError
+    from rvcompile.model.config import ConfigError
     from rvcompile.targets.xla.sharding import check_tp
 
     with pytest.raises(ConfigError, match=f"{field} 4 does not split over --tp {tp}"):
@@ -182,8 +182,8 @@ def test_uneven_split_refused(tiny_ir, tp, field):
 
 
 def test_uneven_kv_heads_refused():
-    from rvcompile.config import ConfigError
-    from rvcompile.presets import get_preset
+    from rvcompile.model.config import ConfigError
+    from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.sharding import check_tp
 
     cfg = replace(get_preset("gemma-4-26B-A4B"), num_kv_heads=6, num_heads=12)
@@ -278,7 +278,7 @@ def test_released_models_export_with_tp4(preset):
     from rvcompile.targets.xla.export import lower_to_xla
 
     ir = _ir(preset, "tpu-int8", layers=6)
-    low = lower_to_xla(ir, slots=2, prefill_buckets=(16, 64), platforms=("tpu",), tp=4)
+    low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16, 64), platforms=("tpu",), tp=4)
     mesh = low.manifest["mesh"]
     for name in ("decode_2", "prefill_64"):
         exp = export.deserialize(bytearray(low.programs[name]))

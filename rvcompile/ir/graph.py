@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rvcompile.config import Gemma4Config, LayerSpec
 from rvcompile.ir.ops import (
     OPS,
     ArgAttrs,
@@ -31,6 +30,7 @@ from rvcompile.ir.ops import (
     Shape,
     SpecError,
 )
+from rvcompile.model.config import Gemma4Config, LayerSpec
 
 
 @dataclass(frozen=True)

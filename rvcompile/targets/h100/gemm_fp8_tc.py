@@ -21,8 +21,8 @@ The GEMM takes CUTLASS's `Params` struct by value. params_template runs the modu
 source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
 kernel_params.ParamsTemplate: the struct with its addresses zeroed, the places of the pointers
 and TMA descriptors by role ("a", "b", "d", "a_scale", "b_scale") and the launch geometry. The
-runtime completes it for real addresses (runtime/tma.py). Its results are cached per process
-(one lowering asks for the same shapes in many layers and entries).
+runtime completes it for real addresses (runtime/executors/tma.py). Its results are cached per
+process (one lowering asks for the same shapes in many layers and entries).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from rvcompile.artifacts.kernel_params import (
     ParamsTemplate,
     PointerSlot,
 )
+from rvcompile.targets.h100.contract import Call, Entry, Param, i32, ptr
 
 SOURCE = "gemm_fp8_tc.cu"
 QUANT_SOURCE = "quant_fp8_rows.cu"
@@ -134,6 +135,35 @@ def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inv = np.where(amax > 0, np.float32(E4M3_MAX) / amax, np.float32(0)).astype(np.float32)
     y = np.clip(x32 * inv[:, None], -E4M3_MAX, E4M3_MAX)
     return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+def _quantize_rows_call(c: Call) -> None:
+    m, k = c["M"], c["K"]
+    bits, scale = quantize_rows_reference(c.array("x", (m, k)))
+    c.array("q", (m, k)).view(np.uint8)[:] = bits
+    c.array("scale", (m,))[:] = scale
+
+
+def _gemm_call(c: Call) -> None:
+    """d = (a @ b^T) * b_scale * a_scale over the parameter block's roles (the GEMM entries take
+    CUTLASS's Params by value: the roles' addresses and the problem shape live in that struct),
+    the shapes as the kernel reads them: from the block's TMA descriptors, a [K, M] and b [K, N]
+    innermost first."""
+    block = c["params"]
+    at = dict(block.roles)
+    dims = {d.role: d.dims for d in block.template.descriptors}
+    (k, m), n = dims["a"][:2], dims["b"][1]
+    c.region(at["d"], "float32", (m, n), writable=True)[:] = reference(
+        c.region(at["a"], "bytes", (m, k)), c.region(at["a_scale"], "float32", (m,)),
+        c.region(at["b"], "bytes", (n, k)), c.region(at["b_scale"], "float32", (n,)))
+
+
+ENTRIES = (
+    *(Entry(name, SOURCE, (Param("params", "params"),), _gemm_call) for name in CONFIGS),
+    *(Entry(name, QUANT_SOURCE, (ptr("x", dtype), ptr("q", "float8_e4m3fn", "out"),
+                                 ptr("scale", "float32", "out"), i32("M"), i32("K")),
+            _quantize_rows_call) for dtype, name in QUANT_ENTRIES.items()),
+)
 
 
 @dataclass(frozen=True)

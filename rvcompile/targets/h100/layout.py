@@ -7,7 +7,7 @@ region, a key in it, a byte offset); `place` turns each into an arena offset.
   fused GEMV (a MULTI_LINEAR's or GATED_LINEAR's weights) come first and adjacent, values then
   scales, so one launch reads them as one matrix;
 - constants: float32 arrays the launches need (RoPE frequencies, ones), each stored once;
-- KV pools, per cache-owning layer (KV-shared layers read their producer's): `slots * width`
+- KV pools, per cache-owning layer (KV-shared layers read their producer's): `max_seqs * width`
   blocks of 16 tokens, width the blocks a sequence spans: the whole context for full layers, a
   ring of window + chunk - 1 tokens plus a block for sliding ones; K=V layers one pool of
   normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches are;
@@ -38,6 +38,7 @@ from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
+from rvcompile.targets.h100.contract import Bound, ParamsValue
 
 BLOCK = attn_decode.BLOCK
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
@@ -60,29 +61,23 @@ class Ref:
 
 
 @dataclass(frozen=True)
-class PlannedParams:
-    """A by-value parameter block over symbolic pointers: the template (stored once per name in
-    the schedule) and the buffer each of its roles names."""
-
-    name: str
-    template: ParamsTemplate
-    roles: tuple[tuple[str, Ref], ...]
-
-
-@dataclass(frozen=True)
 class PlannedLaunch:
     """A kernel launch over symbolic pointers."""
 
     module: str
     kernel: str
     geometry: gemv_fp8.Launch
-    args: tuple  # Ref | ("i32", v) | ("i64", v) | ("f32", v) | None (null pointer)
-    params: PlannedParams | None = None  # instead of args: one struct by value
+    args: tuple[Bound, ...]  # checked against the entry, in its order; pointers are Refs
 
     def refs(self) -> list[Ref]:
-        """Every buffer the launch names."""
-        named = [r for _, r in self.params.roles] if self.params else []
-        return [a for a in self.args if isinstance(a, Ref)] + named
+        """Every buffer the launch names, a parameter block's roles included."""
+        out = []
+        for a in self.args:
+            if isinstance(a.value, ParamsValue):
+                out += [ref for _, ref in a.value.roles]
+            elif isinstance(a.value, Ref):
+                out.append(a.value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -221,22 +216,22 @@ def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tupl
     }
 
 
-def _kv_kinds(ir: ModelIR, kv: KvPools, slots: int) -> tuple[KvKindLayout, ...]:
+def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ...]:
     pools = kv.pools.values()
     kinds = []
     if any(not p.ring for p in pools):
-        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, slots * kv.full))
+        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, max_seqs * kv.full))
     if any(p.ring for p in pools):
         window = max(ir.config.layers[p.layer].window for p in pools if p.ring)
         kinds.append(KvKindLayout("sliding", "table_ring", kv.ring, True, window,
-                                  slots * kv.ring))
+                                  max_seqs * kv.ring))
     return tuple(kinds)
 
 
 # ---------------------------------------------------------------- the arena
 
 def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
-          weights_bytes: int, consts: Constants, kv: KvPools, slots: int,
+          weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
           max_rows: int) -> KernelSchedule:
     """The schedule: regions placed one after another, every pointer an arena offset."""
     offset = weights_bytes
@@ -245,7 +240,7 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     kv_offset = offset
     pool_offsets: dict[tuple[int, int], int] = {}
     for layer, pool in sorted(kv.pools.items()):
-        nbytes = (slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
+        nbytes = (max_seqs * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
                   * numpy_dtype(pool.dtype).itemsize)
         for t in range(len(pool.names)):
             pool_offsets[(layer, t)] = offset
@@ -278,32 +273,30 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                                  "io": lambda: io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
-        def arg(a, address=address) -> Arg:
-            if a is None:
-                return Arg("null", 0)
-            if isinstance(a, Ref):
-                return Arg("ptr", address(a))
-            return Arg(a[0], a[1])
-
-        def params(p: PlannedParams | None, address=address) -> ParamsBlock | None:
-            if p is None:
-                return None
-            if templates.setdefault(p.name, p.template) != p.template:
-                raise LoweringError(f"two parameter templates named {p.name}")
-            return ParamsBlock(p.name, {role: address(ref) for role, ref in p.roles})
+        def arg(a: Bound, address=address) -> Arg:
+            if a.param.kind == "params":  # the template once per name, the roles' offsets
+                p = a.value
+                if templates.setdefault(p.name, p.template) != p.template:
+                    raise LoweringError(f"two parameter templates named {p.name}")
+                return Arg(a.param.name, "params",
+                           ParamsBlock(p.name, {role: address(ref) for role, ref in p.roles}))
+            if a.param.kind != "ptr":
+                return Arg(a.param.name, a.param.kind, a.value)
+            if a.value is None:
+                return Arg(a.param.name, "null", 0)
+            return Arg(a.param.name, "ptr", address(a.value))
 
         resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
             Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
-                   x.geometry.smem, tuple(arg(a) for a in x.args), params(x.params))
-            for x in e.launches))
+                   x.geometry.smem, tuple(arg(a) for a in x.args)) for x in e.launches))
         for out_name, (ref, dtype, shape) in e.outputs.items():
             outputs[f"{e.name}.{out_name}"] = Field(address(ref), dtype, shape)
     pools = kv.pools.values()
     return KernelSchedule(
         arena_bytes=memory_plan.align(act_offset + act_bytes), weights_bytes=weights_bytes,
         constants_offset=const_offset, constants_bytes=consts.size, kv_offset=kv_offset,
-        io_offset=io_offset, io_bytes=io_bytes, slots=slots, max_context=ir.max_context,
+        io_offset=io_offset, io_bytes=io_bytes, max_seqs=max_seqs, max_context=ir.max_context,
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
         kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
-                    _kv_kinds(ir, kv, slots)),
+                    _kv_kinds(ir, kv, max_seqs)),
         io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates)

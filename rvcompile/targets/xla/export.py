@@ -5,7 +5,7 @@ the manifest fragment the runtime needs to call them: the weight layout (offset 
 the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
 exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
 "default_blocks" give every slot a whole sequence. `decode_loop_steps` > 0 adds
-decode_loop_{slots} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
+decode_loop_{max_seqs} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
 
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
@@ -105,7 +105,7 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout):
                    donate_argnums=(1,))
 
 
-def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
+def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
                  platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
                  decode_loop_steps: int = 0) -> XlaLowering:
     if max(prefill_buckets) != ir.max_chunk:
@@ -129,13 +129,14 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
     entries: dict[str, tuple] = {}
     for t in prefill_buckets:
         entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
-    entries[f"decode_{slots}"] = (prog.step, (*lane_args(slots, 1), *sampling_shapes(slots)))
+    entries[f"decode_{max_seqs}"] = (prog.step,
+                                     (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs)))
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
     n_loop = loop_steps(ir, decode_loop_steps)
     if n_loop > 0:
-        entries[f"decode_loop_{slots}"] = (
+        entries[f"decode_loop_{max_seqs}"] = (
             functools.partial(prog.decode_loop, n_steps=n_loop),
-            (*lane_args(slots, 1), *sampling_shapes(slots), *loop_shapes(slots)))
+            (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs), *loop_shapes(max_seqs)))
     programs = {}
     for name, (fn, args) in entries.items():
         jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
@@ -147,7 +148,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "platforms": list(platforms),
-        "slots": slots,
+        "max_seqs": max_seqs,
         "max_context": ir.max_context,
         "max_chunk": ir.max_chunk,
         "prefill_buckets": list(prefill_buckets),
@@ -157,7 +158,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "kv": {
             "block_size": BLOCK_SIZE,
             "kinds": {k.name: {"table_width": k.table_width, "ring": k.ring, "window": k.window,
-                               "default_blocks": slots * k.table_width}
+                               "default_blocks": max_seqs * k.table_width}
                       for k in kinds.values()},
             "pools": [{"key": key, "kind": kind, "layers": count, "block_shape": list(block),
                        "dtype": _dtype_name(dtype)}

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from rvcompile.checkpoint import CheckpointError, TensorRef, expected_tensors
-from rvcompile.config import Gemma4Config
+from rvcompile.model.config import Gemma4Config
+from rvcompile.sources.model_source import CheckpointError, TensorRef, expected_tensors
 
 CHUNK = 1 << 20  # values per independently seeded stream; changing it changes every tensor
 EMBED_STD = 0.03

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rvcompile.config import AttnKind, ConfigError, Gemma4Config, RopeSpec
+from rvcompile.model.config import AttnKind, ConfigError, Gemma4Config, RopeSpec
 
 VOCAB = 262144
 ROPE_SLIDING = RopeSpec(theta=1e4)

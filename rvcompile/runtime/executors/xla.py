@@ -1,10 +1,12 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
-paged KV pools, deserializes and checks the jax.export programs (runtime/programs.py), compiles
+paged KV pools, deserializes and checks the jax.export programs (programs.py), compiles
 them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
 version), or, when the operator trusts them, loads the executables precompiled for this
-machine's topology (runtime/precompiled.py), and runs prefill / decode / logits / decode_many
+machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
 (the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
-it.
+it. It reads the manifest checked by artifacts/manifest.py, and the programs checked against
+it by artifacts/contents.py (xla_programs) before it uploads anything. A failed call that lost
+the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
+from rvcompile.artifacts.manifest import XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
-from rvcompile.runtime.precompiled import choose, this_machine
-from rvcompile.runtime.precompiled import load as load_precompiled
-from rvcompile.runtime.programs import load_programs
+from rvcompile.runtime.executor_api import DeviceError, KvKind, LoopLane, SeqChunk
+from rvcompile.runtime.executors.precompiled import choose, this_machine
+from rvcompile.runtime.executors.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.programs import load_programs
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -40,50 +43,50 @@ def _cache_dir(art: Artifact) -> Path:
     return root / "xla" / f"{art.sections['programs'].digest[:16]}-jax{jax.__version__}"
 
 
-def kv_kinds(art: Artifact, blocks: dict[str, int] | None = None) -> dict[str, KvKind]:
+def kv_kinds(xla: XlaManifest, blocks: dict[str, int] | None = None,
+             fname: str = "") -> dict[str, KvKind]:
     """The artifact's KV kinds with `blocks[kind]` blocks each (default: the manifest's, one
-    whole sequence per decode slot). Raises ArtifactError for an artifact without paged KV."""
-    m = art.manifest["xla"]
-    if "kv" not in m:
-        raise ArtifactError(f"{art.path.name}: built before paged KV caches; rebuild it")
-    kinds = m["kv"]["kinds"]
+    whole sequence per decode slot). Raises ArtifactError for a kind it lacks."""
     blocks = blocks or {}
-    unknown = set(blocks) - set(kinds)
+    unknown = set(blocks) - set(xla.kinds)
     if unknown:
-        raise ArtifactError(f"{art.path.name}: has no KV kind {sorted(unknown)[0]!r} "
-                            f"(kinds: {', '.join(kinds)})")
+        raise ArtifactError(f"{fname}: has no KV kind {sorted(unknown)[0]!r} "
+                            f"(kinds: {', '.join(xla.kinds)})")
     out = {}
-    for name, k in kinds.items():
-        n = int(blocks.get(name, k["default_blocks"]))
+    for name, k in xla.kinds.items():
+        n = int(blocks.get(name, k.default_blocks))
         if n < 1:
-            raise ArtifactError(f"{art.path.name}: {n} {name} KV blocks; need at least 1")
-        out[name] = KvKind(name, k["table_width"], k["ring"], k["window"], n)
+            raise ArtifactError(f"{fname}: {n} {name} KV blocks; need at least 1")
+        out[name] = KvKind(name, k.table_width, k.ring, k.window, n)
     return out
 
 
-def kv_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
+def _pool_bytes(p: XlaPool, kinds: dict[str, KvKind]) -> int:
+    return (p.layers * kinds[p.kind].num_blocks * int(np.prod(p.block_shape))
+            * numpy_dtype(p.dtype).itemsize)
+
+
+def kv_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
     """Device bytes of the KV pools."""
-    return sum(p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
-               * numpy_dtype(p["dtype"]).itemsize for p in art.manifest["xla"]["kv"]["pools"])
+    return sum(_pool_bytes(p, kinds) for p in xla.pools)
 
 
-def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
+def check_fits(art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None) -> None:
     """Refuse, before reading any weights, an artifact this machine cannot run: its platform,
     its jax version, or (where the device reports it) free device memory for the weights and
     KV pools of `blocks` blocks per kind."""
-    m = art.manifest["xla"]
     platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
     check_platform(art.header, platform)
-    if _version(jax.__version__) < _version(m["jax_version"]):
+    if _version(jax.__version__) < _version(xla.jax_version):
         raise ArtifactError(
-            f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
-            f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
-    tp = check_devices(art, platform)
-    kinds = kv_kinds(art, blocks)
+            f"{art.path.name}: exported by jax {xla.jax_version}, this machine has jax "
+            f"{jax.__version__}; install jax>={xla.jax_version} or rebuild here")
+    tp = check_devices(art, xla, platform)
+    kinds = kv_kinds(xla, blocks, art.path.name)
     if tp > 1:  # the largest per-device share: split arrays count 1/tp, whole ones in full
-        need = _per_device_bytes(art, kinds)
+        need = _per_device_bytes(xla, kinds)
     else:
-        need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kinds)
+        need = sum(w.nbytes for w in xla.weights) + kv_bytes(xla, kinds)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -93,11 +96,10 @@ def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
                 f"and KV caches; {jax.devices()[0].device_kind} has {free / 2**30:.1f} GiB free")
 
 
-def check_devices(art: Artifact, platform: str) -> int:
+def check_devices(art: Artifact, xla: XlaManifest, platform: str) -> int:
     """The artifact's tensor-parallel degree (1 without a mesh); refuses a host with fewer
     local devices. A host with more uses the first `tp`."""
-    mesh = art.manifest["xla"].get("mesh")
-    tp = mesh["size"] if mesh else 1
+    tp = xla.mesh.size if xla.mesh else 1
     have = len(jax.local_devices())
     if have < tp:
         raise ArtifactError(f"{art.path.name} needs {tp} {platform} devices (tp={tp}); this host "
@@ -105,33 +107,26 @@ def check_devices(art: Artifact, platform: str) -> int:
     return tp
 
 
-def _per_device_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
-    m = art.manifest["xla"]
-    specs = {**m["mesh"]["weights"], **m["mesh"]["pools"]}
-    tp = m["mesh"]["size"]
+def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
+    specs, tp = xla.mesh.specs, xla.mesh.size
 
     def share(key: str, nbytes: int) -> int:
         return nbytes // tp if any(specs[key]) else nbytes
 
-    total = sum(share(a["key"], a["nbytes"]) for a in m["weights"])
-    for p in m["kv"]["pools"]:
-        nbytes = (p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
-                  * numpy_dtype(p["dtype"]).itemsize)
-        total += share(p["key"], nbytes)
-    return total
+    return (sum(share(w.key, w.nbytes) for w in xla.weights)
+            + sum(share(p.key, _pool_bytes(p, kinds)) for p in xla.pools))
 
 
 class TpPlacement:
     """Where the artifact's weights and KV pools live: one default device, or, for an artifact
     with a mesh (tensor parallelism), the mesh's shardings over the first `size` local devices."""
 
-    def __init__(self, art: Artifact):
-        mesh = art.manifest["xla"].get("mesh")
+    def __init__(self, mesh: XlaMesh | None):
         self.mesh = None
-        self.specs: dict[str, list] = {}
+        self.specs: dict[str, tuple] = {}
         if mesh:
-            self.mesh = Mesh(np.array(jax.local_devices()[:mesh["size"]]), (mesh["axis"],))
-            self.specs = {**mesh["weights"], **mesh["pools"]}
+            self.mesh = Mesh(np.array(jax.local_devices()[:mesh.size]), (mesh.axis,))
+            self.specs = mesh.specs
 
     def _sharding(self, key: str) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(*self.specs[key]))
@@ -150,33 +145,36 @@ class TpPlacement:
 
 
 class XlaExecutor:
-    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None, *,
+    def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
                  trust_executables: bool = False):
-        check_fits(art, blocks)
+        """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
+        check_fits(art, xla, blocks)
         self.art = art
-        m = art.manifest["xla"]
-        self.decode_width, self.max_context = m["slots"], m["max_context"]
-        self.max_chunk, self.prefill_buckets = m["max_chunk"], tuple(m["prefill_buckets"])
-        self.block_size = m["kv"]["block_size"]
-        loop = m.get("decode_loop", {"steps": 0, "stop_ids": 0})  # steps 0: built without it
-        self.decode_loop_steps, self.decode_loop_stops = loop["steps"], loop["stop_ids"]
-        self.kinds = kv_kinds(art, blocks)
+        self.max_seqs, self.max_context = xla.max_seqs, xla.max_context
+        self.max_chunk, self.prefill_buckets = xla.max_chunk, xla.prefill_buckets
+        self.block_size = xla.block_size
+        self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
+            xla.decode_loop_stops
+        self.kinds = kv_kinds(xla, blocks, art.path.name)
+        exported = load_programs(art, xla)
+        platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
+        for name, exp in exported.items():
+            if platform not in exp.platforms:
+                raise ArtifactError(f"{art.path.name}: program {name} was exported for "
+                                    f"{', '.join(exp.platforms)}, not {platform}")
         t0 = time.perf_counter()
-        self.placement = TpPlacement(art)
-        self.weights = {a["key"]: self.placement.weight(a["key"], art.array(
-            "weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
-            for a in m["weights"]}
+        self.placement = TpPlacement(xla.mesh)
+        self.weights = {w.key: self.placement.weight(w.key, art.array(
+            "weights", w.offset, w.shape, numpy_dtype(w.dtype))) for w in xla.weights}
         self.caches = {
-            p["key"]: self.placement.zeros(p["key"], (p["layers"], self.kinds[p["kind"]].num_blocks,
-                                                      *p["block_shape"]), numpy_dtype(p["dtype"]))
-            for p in m["kv"]["pools"]}
+            p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
+                                                *p.block_shape), numpy_dtype(p.dtype))
+            for p in xla.pools}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        exported = load_programs(art)
-        precompiled = m.get("precompiled", {})
-        choice = choose(precompiled, this_machine(),
+        choice = choose(xla.precompiled, this_machine(),
                         {k.name: k.num_blocks for k in self.kinds.values()},
                         trusted=trust_executables)
         if choice.topology is not None:
@@ -185,7 +183,7 @@ class XlaExecutor:
             self.compile_s = 0.0
             self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
             return
-        if precompiled or jax.default_backend() == "tpu":
+        if xla.precompiled or jax.default_backend() == "tpu":
             print(f"[rvrun] {choice.note}", file=sys.stderr)
         self.fns = {name: jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
         self.compile_s = self._warm_up()
@@ -238,40 +236,58 @@ class XlaExecutor:
         if b not in self.prefill_buckets or len(chunk.tokens) > b:
             raise ValueError(f"chunk of {len(chunk.tokens)} tokens in {b} rows; the prefill "
                              f"buckets are {self.prefill_buckets}")
-        self.caches, tok = self.fns[f"prefill_{b}"](
-            self.weights, self.caches, *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
+        tok = self._call(f"prefill_{b}", *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
         return int(tok[0])
 
     def decode(self, lanes) -> list[int]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
-        w = self.decode_width
-        self.caches, tok = self.fns[f"decode_{w}"](
-            self.weights, self.caches, *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
-        return np.asarray(tok)[:len(lanes)].tolist()
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
+        w = self.max_seqs
+        tok = self._call(f"decode_{w}", *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
+        return tok[:len(lanes)].tolist()
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
         if not self.decode_loop_steps:
             raise ValueError(f"{self.art.path.name} was built without a decode loop")
         for lane in lanes:
             if not 1 <= lane.budget <= self.decode_loop_steps:
                 raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
                                  f"{self.decode_loop_steps} steps")
-        w = self.decode_width
+        w = self.max_seqs
         chunks = [lane.chunk for lane in lanes]
-        self.caches, tok, _ = self.fns[f"decode_loop_{w}"](
-            self.weights, self.caches, *self._lane_args(w, 1, chunks), *_sampling(chunks, w),
-            *_loop_limits(lanes, w, self.decode_loop_stops))
-        tok = np.asarray(tok)
+        tok = self._call(f"decode_loop_{w}", *self._lane_args(w, 1, chunks),
+                         *_sampling(chunks, w), *_loop_limits(lanes, w, self.decode_loop_stops))
         return [[int(t) for t in row if t >= 0] for row in tok[:len(lanes)]]
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         c = self.max_chunk
-        self.caches, lg = self.fns[f"logits_{c}"](
-            self.weights, self.caches, *self._lane_args(1, c, [chunk]))
-        return np.asarray(lg)[0, :len(chunk.tokens)]
+        lg = self._call(f"logits_{c}", *self._lane_args(1, c, [chunk]))
+        return lg[0, :len(chunk.tokens)]
+
+    def _call(self, name: str, *args) -> np.ndarray:
+        """Entry point `name` over the KV pools, which it takes (donated) and gives back; its
+        first result on the host. A failure that took the pools with it (deleted, or results
+        of a failed computation) raises DeviceError: no later call could run."""
+        try:
+            self.caches, out, *_ = self.fns[name](self.weights, self.caches, *args)
+            return np.asarray(out)
+        except Exception as e:
+            if _pools_lost(self.caches):
+                raise DeviceError(f"{name} failed and took the KV pools with it: "
+                                  f"{type(e).__name__}: {e}") from e
+            raise
+
+
+def _pools_lost(caches: dict[str, jax.Array]) -> bool:
+    if any(c.is_deleted() for c in caches.values()):
+        return True
+    try:
+        jax.block_until_ready(list(caches.values()))
+    except Exception:  # the arrays hold a failed computation's error
+        return True
+    return False
 
 
 def _loop_limits(lanes: Sequence[LoopLane], batch: int,
