@@ -42,7 +42,6 @@ import typer
 
 from rvcompile import cli
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.contents import verify_artifact
 from rvcompile.artifacts.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -52,6 +51,7 @@ from rvcompile.artifacts.format import (
     piece_count,
 )
 from rvcompile.artifacts.kernel_schedule import MIN_SCHEDULE_VERSION, SCHEDULE_VERSION
+from rvcompile.artifacts.verify import verify_artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.cli import main as rvrun
 

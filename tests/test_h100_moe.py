@@ -246,16 +246,16 @@ def test_26b_a4b_lowers() -> None:
     """The 26B-A4B preset, cut to its first 6 layers (5 sliding, 1 full), lowers without
     weights: per layer the 10 dense launches plus moe_norms, the router GEMV, moe_route,
     moe_gate_up, moe_down and moe_branch_sum."""
-    from rvcompile.build import TARGETS
     from rvcompile.ir.frontend import build_model_ir
     from rvcompile.ir.graph import check_model
     from rvcompile.model.presets import get_preset
+    from rvcompile.targets import get_target
     from rvcompile.targets.h100.lower import lower_to_h100
 
     full = get_preset("gemma-4-26B-A4B")
     cfg = dataclasses.replace(full, num_layers=6, layer_kinds=full.layer_kinds[:6])
     ir = build_model_ir(cfg, max_context=2048, max_chunk=64)
-    for _, run in TARGETS["h100-fp8"].passes:
+    for _, run in get_target("h100-fp8").passes:
         ir = run(ir)
     check_model(ir)
     s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule

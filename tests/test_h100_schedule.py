@@ -143,7 +143,8 @@ def test_seeded_sampling_follows_the_sample_reference(h100_model):
 def test_released_models_lower(preset, layers):
     """The released dense models lower (no weights needed): per layer exactly QKV GEMV, qkv_post,
     attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
-    norm; the arena fits an 80 GB H100."""
+    norm; the arena fits an 80 GB H100. Decode's linears are the tensor-core GEMV; the 64-row
+    prefill's each a per-token quantization and the tensor-core GEMM with its parameter block."""
     from rvcompile.build import lower_model
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
@@ -158,7 +159,19 @@ def test_released_models_lower(preset, layers):
     # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels
     assert len(decode) == 2 + 10 * n + 4
     assert s.arena_bytes < 75e9
-    assert {x.kernel for x in decode[2:12]} >= {"gemv_fp8_rowscale", "qkv_post", "gelu_mul"}
+    layer = [x.kernel for x in decode[2:12]]
+    assert {"qkv_post", "gelu_mul"} <= set(layer)
+    assert sum(k.startswith("gemv_mma_fp8_m8_") for k in layer) == 4
+    prefill = s.entries["prefill_64"].launches
+    gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_fp8_tc.cu"]
+    assert len(gemms) == 4 * n
+    for i in gemms:
+        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
+        (arg,) = prefill[i].args
+        assert (arg.name, arg.kind) == ("params", "params")
+        block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
+        assert set(block.roles) == set(s.params_templates[block.template].roles)
+        assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
     assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
 
 
@@ -236,7 +249,7 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
 def test_fp8_kv_refused_off_h100(oracle_dir, tmp_path):
     _, ckpt = oracle_dir("dense")
     out = tmp_path / "x.rvp"
-    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no FP8 KV"):
+    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no fp8 KV"):
         build_artifact(str(ckpt), out, BuildOptions("xla-f32", **OPTS, kv_cache="fp8"),
                        progress=False, log=lambda s: None)
     with pytest.raises(CheckpointError, match="--kv-cache 'e5m2': expected one of"):

@@ -80,6 +80,18 @@ class LoopLane:
     stop_ids: frozenset[int]  # sampling one of these ends the lane (it is returned)
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `runtime.load` asks of the executor that opens an artifact (its module's
+    `open_executor(art, manifest, opts)`), which refuses (ArtifactError) what it cannot do."""
+
+    verify: tuple[str, ...] = ()  # sections to re-hash once the machine fits, before upload
+    kv_blocks: dict[str, int] | None = None  # KV pool blocks by kind; None: the artifact's
+    max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
+    max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
+    trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+
+
 class DeviceError(RuntimeError):
     """The device can no longer run this executor's programs (a sticky CUDA error, KV pools lost
     in a failed call): every later call would fail too. Any other exception from a call fails

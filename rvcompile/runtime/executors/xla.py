@@ -5,7 +5,7 @@ version), or, when the operator trusts them, loads the executables precompiled f
 machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
 (the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
 it. It reads the manifest checked by artifacts/manifest.py, and the programs checked against
-it by artifacts/contents.py (xla_programs) before it uploads anything. A failed call that lost
+it by artifacts/xla_programs.py before it uploads anything. A failed call that lost
 the KV pools raises DeviceError.
 """
 
@@ -24,9 +24,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
-from rvcompile.artifacts.manifest import XlaManifest, XlaMesh, XlaPool
+from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.runtime.executor_api import DeviceError, KvKind, LoopLane, SeqChunk
+from rvcompile.runtime.executor_api import (
+    DeviceError,
+    KvKind,
+    LoadOptions,
+    LoopLane,
+    SeqChunk,
+)
+from rvcompile.runtime.executors import check_limits
 from rvcompile.runtime.executors.precompiled import choose, this_machine
 from rvcompile.runtime.executors.precompiled import load as load_precompiled
 from rvcompile.runtime.executors.programs import load_programs
@@ -115,6 +122,18 @@ def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
 
     return (sum(share(w.key, w.nbytes) for w in xla.weights)
             + sum(share(p.key, _pool_bytes(p, kinds)) for p in xla.pools))
+
+
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaExecutor:
+    """An XLA artifact on this machine (runtime.load's entry; `manifest` checked): platform,
+    devices, memory and the engine's limits refused before anything compiles; then
+    opts.verify's sections re-hashed; then the executor."""
+    xla = manifest.xla
+    check_fits(art, xla, opts.kv_blocks)
+    check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
+                 xla.max_context, opts)
+    art.verify(opts.verify)
+    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables)
 
 
 class TpPlacement:

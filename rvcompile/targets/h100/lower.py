@@ -2,7 +2,7 @@
 every entry point (launches.py: one table from IR op to launches) placed in one arena
 (layout.py).
 
-Input: the IR after an h100 pipeline (build.TARGETS): quantized (cast_bf16 + quantize_fp8:
+Input: the IR after an h100 pipeline (target.py): quantized (cast_bf16 + quantize_fp8:
 h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only ops the kernels run
 as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs at load),
 `prefill_{T}` per bucket, `logits_{max_chunk}`.
