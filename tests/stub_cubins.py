@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from rvcompile.artifacts.kernel_schedule import ARG_BYTES, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.build import BuildOptions, build_artifact
 
 _ELF_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
@@ -54,12 +54,12 @@ def _kernels_by_module(schedule: KernelSchedule) -> dict[str, dict[str, tuple[in
     out: dict[str, dict[str, tuple[int, ...]]] = {}
     for entry in schedule.entries.values():
         for x in entry.launches:
-            out.setdefault(x.module, {})[x.kernel] = tuple(ARG_BYTES[a.kind] for a in x.args)
+            out.setdefault(x.module, {})[x.kernel] = tuple(schedule.arg_bytes(a) for a in x.args)
     return out
 
 
-def build_h100(out: Path, model: str, opts: BuildOptions) -> Path:
-    """`rvcompile build MODEL --random-weights` for an h100 target, stub cubins in place of
+def build_h100(out: Path, model: str, opts: BuildOptions, random_weights: bool = True) -> Path:
+    """`rvcompile build MODEL [--random-weights]` for an h100 target, stub cubins in place of
     nvcc's (the CUDA 13.0 driver is what the header then asks for)."""
     import pytest
 
@@ -78,5 +78,6 @@ def build_h100(out: Path, model: str, opts: BuildOptions) -> Path:
         mp.setattr(target, "compile_cubin", lambda module: stub_cubin(kernels[module]))
         mp.setattr(target, "nvcc_version", lambda: STUB_NVCC)
         mp.setattr(target, "min_driver", lambda: 13000)
-        build_artifact(model, out, opts, random_weights=True, progress=False, log=lambda s: None)
+        build_artifact(model, out, opts, random_weights=random_weights, progress=False,
+                       log=lambda s: None)
     return out

@@ -143,7 +143,9 @@ def test_seeded_sampling_follows_the_sample_reference(h100_model):
 def test_released_models_lower(preset, layers):
     """The released dense models lower (no weights needed): per layer exactly QKV GEMV, qkv_post,
     attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
-    norm; the arena fits an 80 GB H100."""
+    norm; the arena fits an 80 GB H100. Decode's linears are one-row FP8 GEMVs (the 31B's all
+    the tensor-core GEMV); the 64-row prefill's each a per-token quantization and the
+    tensor-core GEMM with its parameter block."""
     from rvcompile.build import lower_model
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
@@ -158,7 +160,20 @@ def test_released_models_lower(preset, layers):
     # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels
     assert len(decode) == 2 + 10 * n + 4
     assert s.arena_bytes < 75e9
-    assert {x.kernel for x in decode[2:12]} >= {"gemv_fp8_rowscale", "qkv_post", "gelu_mul"}
+    layer = [x.kernel for x in decode[2:12]]
+    assert {"qkv_post", "gelu_mul"} <= set(layer)
+    one_row = [k for k in layer if k.startswith("gemv_mma_fp8_m8_") or k == "gemv_fp8_rowscale"]
+    assert len(one_row) == 4 and (n != 60 or "gemv_fp8_rowscale" not in one_row)
+    prefill = s.entries["prefill_64"].launches
+    gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_fp8_tc.cu"]
+    assert len(gemms) == 4 * n
+    for i in gemms:
+        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
+        (arg,) = prefill[i].args
+        assert (arg.name, arg.kind) == ("params", "params")
+        block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
+        assert set(block.roles) == set(s.params_templates[block.template].roles)
+        assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
     assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
 
 

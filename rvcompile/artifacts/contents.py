@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 from rvcompile.artifacts.container import Artifact
 from rvcompile.artifacts.cubin import CubinError, Kernel, kernels
 from rvcompile.artifacts.format import ArtifactError
-from rvcompile.artifacts.kernel_schedule import ARG_BYTES, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.artifacts.manifest import (
     TEXT_SECTIONS,
     Manifest,
@@ -160,7 +160,7 @@ def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
             kernel = found[x.module].get(x.kernel)
             if kernel is None:
                 raise SchemaError(f"{at}: kernel {x.kernel!r} is not in {x.module}")
-            sizes = tuple(ARG_BYTES[a.kind] for a in x.args)
+            sizes = tuple(schedule.arg_bytes(a) for a in x.args)
             if sizes != kernel.param_sizes:
                 raise SchemaError(f"{at}: kernel {x.kernel} takes parameters of "
                                   f"{list(kernel.param_sizes)} bytes; the launch passes "

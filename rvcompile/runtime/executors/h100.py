@@ -8,7 +8,9 @@ arena. Then: one arena allocation; weights streamed from the mapped artifact thr
 staging buffers (disk reads overlap the copies); constants uploaded, the rest zeroed; cubins
 loaded (their sha256 and every launch's kernel, argument sizes and block checked by
 artifacts/contents.py before); every launch's argument block and launch configuration
-(programmatic stream serialization on: cuda_driver.py) built once; each decode entry captured
+(programmatic stream serialization on: cuda_driver.py) built once, a parameter block completed
+for the arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture
+those bytes, and the arena never moves); each decode entry captured
 into a CUDA graph, consecutive kernels joined by programmatic edges. A call writes the io fields
 with one copy, replays the entry and copies back only token ids (or the logits the logits entry
 asks for).
@@ -25,7 +27,7 @@ from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.runtime.executor_api import LoadOptions
-from rvcompile.runtime.executors import check_limits
+from rvcompile.runtime.executors import check_limits, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 
@@ -139,6 +141,11 @@ class CudaScheduleDevice:
                     args.append(ctypes.c_int32(int(a.value)))
                 elif a.kind == "i64":
                     args.append(ctypes.c_int64(int(a.value)))
+                elif a.kind == "params":
+                    template = self.schedule.params_templates[a.value.template]
+                    block = tma.fill(self.ctx.cu, template,
+                                     {role: base + off for role, off in a.value.roles.items()})
+                    args.append(tma.KernelParams(block).arg)
                 else:  # "f32": the schedule's schema admits no other kind
                     args.append(ctypes.c_float(float(a.value)))
             config = self.ctx.launch_config(x.grid, x.block, x.smem, self.stream)

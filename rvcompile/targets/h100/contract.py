@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from rvcompile.artifacts.kernel_params import ParamsTemplate
+
 KINDS = ("ptr", "i32", "i64", "f32", "params")
 ROLES = ("in", "out", "inout")  # read only (const), written only, read and written (in place)
 # What a pointer's memory holds, as the reference views it; "bytes": untyped scratch.
@@ -74,6 +76,17 @@ def i64(name: str) -> Param:
 
 def f32(name: str) -> Param:
     return Param(name, "f32")
+
+
+@dataclass(frozen=True)
+class ParamsValue:
+    """The value of a "params" parameter: a struct passed by value, as a template (stored once
+    per name in the schedule) and the buffer of each of its roles (the lowering's pointers, arena
+    byte offsets once laid out)."""
+
+    name: str  # the template's name in the schedule
+    template: ParamsTemplate
+    roles: tuple[tuple[str, object], ...]  # (role, pointer), every role of the template once
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,15 @@ def _value(kernel: str, p: Param, v: object, pointer: type):
         if not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
             raise ContractError(f"{where}: {v} is not a finite float32")
         return float(v)
+    if p.kind == "params":
+        if not isinstance(v, ParamsValue) or v.template.kernel != kernel:
+            raise ContractError(f"{where}: {v!r} is not a parameter block for this kernel")
+        roles = [role for role, _ in v.roles]
+        if sorted(roles) != sorted(v.template.roles) or len(set(roles)) != len(roles):
+            raise ContractError(f"{where}: roles {roles}, the template has {v.template.roles}")
+        if not all(isinstance(ref, pointer) for _, ref in v.roles):
+            raise ContractError(f"{where}: every role must be a pointer")
+        return v
     raise ContractError(f"{where}: the lowering emits no {p.kind} arguments")
 
 
@@ -167,6 +189,19 @@ class Call:
 
     def null(self, name: str) -> bool:
         return self._args[name] is None
+
+    def region(self, offset: int, dtype: str, shape: tuple[int, ...],
+               writable: bool = False) -> np.ndarray:
+        """A [shape] view of the arena at byte `offset` (a parameter block's role, which has no
+        parameter of its own), read-only unless `writable`."""
+        dt = DTYPES[dtype]
+        nbytes = math.prod(shape) * dt.itemsize
+        if offset < 0 or offset + nbytes > self._arena.size:
+            raise ContractError(f"{self.entry.name}: [{offset}, {offset + nbytes}) lies outside "
+                                "the arena")
+        view = self._arena[offset:offset + nbytes].view(dt).reshape(shape)
+        view.flags.writeable = writable
+        return view
 
     def dtype(self, name: str) -> np.dtype:
         return DTYPES[self._params[name].dtype]

@@ -16,8 +16,9 @@ Whatever has no kernel stops the build with a LoweringError naming the op and gr
 Kernels follow the IR's dtypes: with every matrix float32 (h100-f32) activations, the values
 linears read and the KV pools stay float32 (the `_f32` entries: each linear a float32 GEMV per
 4 rows; prefill attention through the decode kernel, a row per query); else linears read bf16
-copies and FP8 weights (GEMV up to 4 rows, the FP8-weight GEMM beyond; the bf16 GEMV for the
-tied head), and prefill attention is the flash-style attn_prefill.
+copies and FP8 weights (EntryLowering.gemv: the tensor-core GEMV up to 32 rows, per-token e4m3
+activations and the tensor-core GEMM beyond; the bf16 GEMV for the tied head), and prefill
+attention is the flash-style attn_prefill.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
+    gemm_fp8_tc,
     gemm_fp8w,
     gemv_bf16,
     gemv_f32,
     gemv_fp8,
+    gemv_mma_fp8,
     head,
     moe,
     norms,
@@ -47,7 +50,7 @@ from rvcompile.targets.h100 import (
     rows,
     sample,
 )
-from rvcompile.targets.h100.contract import ContractError
+from rvcompile.targets.h100.contract import ContractError, ParamsValue
 from rvcompile.targets.h100.layout import (
     Constants,
     EntryPlan,
@@ -58,6 +61,15 @@ from rvcompile.targets.h100.layout import (
 )
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
+# One-row FP8 products that gemv_fp8 streams faster than gemv_mma_fp8: K at most this, N at least
+# ONE_ROW_FP8_MIN_N, and gemv_mma_fp8's default launch splitting K. Fit to
+# benchmarks/h100_gemv_mma.py --model gemma-4-E4B / gemma-4-26B-A4B --rows 1,2,4,8 on an H100
+# (2026-11-24, docs/BENCHMARKS.md): one decode step's FP8 linears at M = 1 then take 2.677 / 1.242
+# ms (E4B / 26B-A4B) against 2.669 / 1.232 for the faster kernel per shape, 2.692 / 1.351 for
+# gemv_mma_fp8 alone; the 31B's (K >= 5376) stay on gemv_mma_fp8. From two rows on gemv_mma_fp8
+# is faster at every shape measured (gemv_fp8 reads W once per row).
+ONE_ROW_FP8_MAX_K = 4096
+ONE_ROW_FP8_MIN_N = 2816
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
 
 
@@ -270,30 +282,56 @@ class EntryLowering:
     # -- linears
 
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
-        """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
-        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS. Float32
-        weights (x float32 too): the float32 GEMV in groups of MAX_ROWS."""
+        """y[rows, n] (float32) = x[rows, k] @ W^T, by W's dtype and the row count:
+        - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
+        - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS;
+        - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
+          GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
+          entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
+          (fp8_gemm)."""
         if self.specs[w.key].dtype == "float32":
             for r0 in range(0, rows, gemv_f32.MAX_ROWS):
                 r = min(gemv_f32.MAX_ROWS, rows - r0)
                 self.emit(gemv_f32.ENTRY, gemv_f32.launch_geometry(r, n, k, SM_COUNT), W=w,
                           x=x.at(r0 * k * 4), y=y.at(r0 * n * 4), M=r, N=n, K=k)
-            return
-        if scale is not None and rows > gemv_fp8.MAX_ROWS:
-            g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
-            self.emit(g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), W=w, scale=scale, x=x,
-                      y=y, M=rows, N=n, K=k)
-            return
-        step = gemv_fp8.MAX_ROWS
-        for r0 in range(0, rows, step):
-            r = min(step, rows - r0)
-            xr, yr = x.at(r0 * k * 2), y.at(r0 * n * 4)
-            if scale is None:
+        elif scale is None:
+            for r0 in range(0, rows, gemv_bf16.MAX_ROWS):
+                r = min(gemv_bf16.MAX_ROWS, rows - r0)
                 self.emit(gemv_bf16.ENTRY, gemv_bf16.launch_geometry(r, n, k, SM_COUNT), W=w,
-                          x=xr, y=yr, M=r, N=n, K=k)
-            else:
-                self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(r, n, k, SM_COUNT), W=w,
-                          scale=scale, x=xr, y=yr, M=r, N=n, K=k)
+                          x=x.at(r0 * k * 2), y=y.at(r0 * n * 4), M=r, N=n, K=k)
+        elif rows <= gemv_mma_fp8.MAX_ROWS:
+            self.fp8_gemv(x, w, scale, y, rows, n, k)
+        else:
+            self.fp8_gemm(x, w, scale, y, rows, n, k)
+
+    def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """gemv_mma_fp8: the weights streamed once for every row, on the tensor cores; for one
+        row of the shapes where it measured faster (ONE_ROW_FP8_*), gemv_fp8."""
+        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
+        if rows == 1 and k <= ONE_ROW_FP8_MAX_K and n >= ONE_ROW_FP8_MIN_N and g.grid[2] > 1:
+            self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
+                      scale=scale, x=x, y=y, M=1, N=n, K=k)
+        else:
+            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
+
+    def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row; a separate launch,
+        not yet fused into the kernels writing x), then gemm_fp8_tc at its default tile with
+        its parameter block (probed at build: gemm_fp8_tc.params_template). An output width the
+        GEMM's TMA strides cannot take (N % 8) goes to the mma.sync FP8-weight GEMM instead."""
+        try:
+            gemm_fp8_tc.check_shape(rows, n, k)
+        except ValueError:
+            g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
+            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
+            return
+        q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+        quant = gemm_fp8_tc.quant_launch(rows, k, "bfloat16")
+        self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
+        entry = gemm_fp8_tc.default_entry(rows, n, SM_COUNT)
+        t = gemm_fp8_tc.params_template(entry, rows, n, k, SM_COUNT)
+        roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
+        self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
 
     def linear_weights(self, at: _At, first: int, count: int) -> tuple[list[str], list[str]]:
         """(values, scales) of the `count` weights from input `first` on."""

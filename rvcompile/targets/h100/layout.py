@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import (
     Arg,
     EntryPoint,
@@ -31,12 +32,13 @@ from rvcompile.artifacts.kernel_schedule import (
     KvKindLayout,
     KvLayout,
     Launch,
+    ParamsBlock,
 )
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
-from rvcompile.targets.h100.contract import Bound
+from rvcompile.targets.h100.contract import Bound, ParamsValue
 
 BLOCK = attn_decode.BLOCK
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
@@ -66,6 +68,16 @@ class PlannedLaunch:
     kernel: str
     geometry: gemv_fp8.Launch
     args: tuple[Bound, ...]  # checked against the entry, in its order; pointers are Refs
+
+    def refs(self) -> list[Ref]:
+        """Every buffer the launch names, a parameter block's roles included."""
+        out = []
+        for a in self.args:
+            if isinstance(a.value, ParamsValue):
+                out += [ref for _, ref in a.value.roles]
+            elif isinstance(a.value, Ref):
+                out.append(a.value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -244,9 +256,9 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
     outputs: dict[str, Field] = {}
+    templates: dict[str, ParamsTemplate] = {}
     for e in entries:
-        uses = [tuple(a.value.key for a in launch.args
-                      if isinstance(a.value, Ref) and a.value.region == "act")
+        uses = [tuple(r.key for r in launch.refs() if r.region == "act")
                 for launch in e.launches]
         lives = memory_plan.lifetimes(uses, e.sizes)
         offsets, total = memory_plan.plan(lives)
@@ -262,6 +274,12 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
         def arg(a: Bound, address=address) -> Arg:
+            if a.param.kind == "params":  # the template once per name, the roles' offsets
+                p = a.value
+                if templates.setdefault(p.name, p.template) != p.template:
+                    raise LoweringError(f"two parameter templates named {p.name}")
+                return Arg(a.param.name, "params",
+                           ParamsBlock(p.name, {role: address(ref) for role, ref in p.roles}))
             if a.param.kind != "ptr":
                 return Arg(a.param.name, a.param.kind, a.value)
             if a.value is None:
@@ -281,4 +299,4 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
         kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
                     _kv_kinds(ir, kv, max_seqs)),
-        io=io, outputs=outputs, entries=resolved, cubins={})
+        io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates)

@@ -8,7 +8,9 @@ layout, memory plan, KV paging, io) against the oracle with it, no GPU needed.
     m = Model(artifact, ex)                     # the two: targets never import the runtime)
 
 Every launch is checked against its entry when the device is made: the kernel declared, in the
-module that defines it, with the entry's arguments in its order (ContractError otherwise).
+module that defines it, with the entry's arguments in its order (ContractError otherwise). A
+parameter block's argument (kind "params") reaches the reference as a contract.ParamsValue: the
+schedule's template by its name, and the roles' arena offsets.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
-from rvcompile.targets.h100.contract import Call, ContractError, Entry
+from rvcompile.targets.h100.contract import Call, ContractError, Entry, ParamsValue
 from rvcompile.targets.h100.registry import ENTRIES
 
 
@@ -44,8 +46,13 @@ class ReferenceDevice:
     def launch(self, launch: Launch) -> None:
         """One launch's reference over the arena."""
         entry = self.entries[launch.kernel]
-        args = {a.name: None if a.kind == "null" else a.value for a in launch.args}
+        args = {a.name: None if a.kind == "null" else self._params(a.value) if a.kind == "params"
+                else a.value for a in launch.args}
         entry.reference(Call(entry, launch.grid, args, self.mem))
+
+    def _params(self, block) -> ParamsValue:
+        return ParamsValue(block.template, self.schedule.params_templates[block.template],
+                           tuple(block.roles.items()))
 
 
 def _entry(launch: Launch) -> Entry:
