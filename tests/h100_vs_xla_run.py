@@ -34,7 +34,7 @@ from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.model.presets import gemma_4_31b
 from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
-# max_context and slots as benchmarks/h100_decode.py wants them (contexts 16 and 1200)
+# max_context and max_seqs as benchmarks/h100_decode.py wants them (contexts 16 and 1200)
 OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "max_seqs": 4}
 PLANS = {"gemv": (16, 32), "tc": (16, 64)}  # h100-fp8: prefill buckets
 

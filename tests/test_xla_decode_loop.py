@@ -113,7 +113,7 @@ def model(tmp_path_factory) -> Model:
 
 def _tables(ex, lane: int) -> dict[str, list[int]]:
     """Lane `lane` owns blocks [lane * width, (lane + 1) * width) of every kind: enough for a
-    whole sequence (the default pools hold slots * width)."""
+    whole sequence (the default pools hold max_seqs * width)."""
     return {k.name: list(range(lane * k.table_width, (lane + 1) * k.table_width))
             for k in ex.kinds.values()}
 

@@ -129,7 +129,7 @@ FOOTPRINT = DecodeFootprint(
 def test_estimate_is_a_roofline_per_device():
     v6e = CHIPS["v6e"]
     rows = {r["batch"]: r for r in estimate(FOOTPRINT, v6e, query_per_kv=2, batches=(1, 1024))}
-    assert sorted(rows) == [1, 4, 1024]  # the built slots are always reported
+    assert sorted(rows) == [1, 4, 1024]  # the built max_seqs is always reported
     b1 = rows[1]
     assert b1["bytes"] == 8 * GiB + GiB // 4
     assert b1["flops"] == 2 * (8 * GiB + 2 * (GiB // 8))
@@ -194,25 +194,26 @@ def test_decode_footprint_reads_the_compiled_arguments():
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
 
-    slots = 2
+    max_seqs = 2
     weights = {"w": sds((64, 32), jnp.int8), "w.scale": sds((32,), jnp.float32)}
-    pools = {"g0.0.cache_k": sds((3, 2 * slots, 16, 2, 8), jnp.bfloat16)}
+    pools = {"g0.0.cache_k": sds((3, 2 * max_seqs, 16, 2, 8), jnp.bfloat16)}
     compiled = jax.jit(_toy_decode, donate_argnums=(1,)).lower(
         weights, pools, sds((1, 64), jnp.float32)).compile()
-    fp = decode_footprint(compiled, slots, group_counts=(3,))
+    fp = decode_footprint(compiled, max_seqs, group_counts=(3,))
     assert fp.weight_bytes == fp.dense_bytes == 64 * 32 + 32 * 4
     # XLA counts a scan body once: group 0's pool (3 layers stacked) counts a third
-    pool = 3 * 2 * slots * 16 * 2 * 8 * 2
+    pool = 3 * 2 * max_seqs * 16 * 2 * 8 * 2
     assert fp.once_bytes == fp.weight_bytes + pool // 3
     assert fp.xla_amplification == fp.xla_bytes_accessed / fp.once_bytes
     assert fp.dense_elements == 64 * 32  # scales are not multiplied
     assert fp.expert_bytes == fp.expert_elements == 0
-    assert decode_footprint(compiled, slots, ReadModel(gathered=frozenset({"w"}))).dense_bytes == 0
-    assert fp.kv_bytes_per_lane == 3 * 2 * slots * 16 * 2 * 8 * 2 // slots
-    assert fp.kv_elements_per_lane == 3 * 2 * slots * 16 * 2 * 8 // slots
-    assert fp.argument_bytes >= fp.weight_bytes + fp.kv_bytes_per_lane * slots
+    gathered = ReadModel(gathered=frozenset({"w"}))
+    assert decode_footprint(compiled, max_seqs, gathered).dense_bytes == 0
+    assert fp.kv_bytes_per_lane == 3 * 2 * max_seqs * 16 * 2 * 8 * 2 // max_seqs
+    assert fp.kv_elements_per_lane == 3 * 2 * max_seqs * 16 * 2 * 8 // max_seqs
+    assert fp.argument_bytes >= fp.weight_bytes + fp.kv_bytes_per_lane * max_seqs
     assert fp.xla_flops > 0
-    report = cost_report(compiled, slots, CHIPS["v6e"], query_per_kv=2, context=32)
+    report = cost_report(compiled, max_seqs, CHIPS["v6e"], query_per_kv=2, context=32)
     assert report["label"].startswith("estimate")
     assert json.loads(json.dumps(report)) == report  # it goes into the manifest
 
@@ -572,4 +573,4 @@ def test_build_for_a_tpu_topology(tmp_path):
     assert rec["platform"] == "tpu" and rec["device_kind"] == "TPU v6 lite"
     assert rec["libtpu"] and rec["jaxlib"] == jax.__version__
     assert sorted(rec["entries"]) == ["decode_1", "logits_16", "prefill_16"]
-    assert rec["cost"]["chip"]["generation"] == "v6e" and rec["cost"]["fits_at_slots"]
+    assert rec["cost"]["chip"]["generation"] == "v6e" and rec["cost"]["fits_at_max_seqs"]

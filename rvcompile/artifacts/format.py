@@ -127,7 +127,7 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "header block's padding zero; v2 files are refused (rebuild them)"),
     ("2026-11-24", 4, "one name per concept: the decode width (rvcompile build --max-seqs) is "
                       "max_seqs everywhere: xla.slots -> xla.max_seqs, the kernel schedule's "
-                      "slots -> max_seqs (SCHEDULE_VERSION 2), and in xla.precompiled costs "
+                      "slots -> max_seqs (SCHEDULE_VERSION 3), and in xla.precompiled costs "
                       "device.slots -> device.max_seqs, fits_at_slots -> fits_at_max_seqs; v3 "
                       "files are refused (rebuild them)"),
 )
