@@ -179,7 +179,7 @@ def test_h100_lowering_matches_no_patterns():
 
     ir = prefused("gemma-4-tiny-dense", "fp8")
     with pytest.raises(LoweringError, match=r"layer0_template, node %\d+ \(\w+\): no H100 "):
-        lower_to_h100(ir, slots=1, prefill_buckets=(4,))
+        lower_to_h100(ir, max_seqs=1, prefill_buckets=(4,))
 
 
 def test_dump_ir_shows_the_blocks():
