@@ -162,8 +162,10 @@ def test_released_models_lower(preset, layers):
     assert s.arena_bytes < 75e9
     layer = [x.kernel for x in decode[2:12]]
     assert {"qkv_post", "gelu_mul"} <= set(layer)
-    one_row = [k for k in layer if k.startswith("gemv_mma_fp8_m8_") or k == "gemv_fp8_rowscale"]
-    assert len(one_row) == 4 and (n != 60 or "gemv_fp8_rowscale" not in one_row)
+    # one-row linears on gemv_fp8 (measured faster in the 31B's decode_1 graph), more on the MMA
+    assert [k for k in layer if k.startswith("gemv")] == ["gemv_fp8_rowscale"] * 4
+    assert all(x.kernel.startswith("gemv_mma_fp8_m8_")
+               for x in s.entries["decode_2"].launches[2:12] if x.kernel.startswith("gemv"))
     prefill = s.entries["prefill_64"].launches
     gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_fp8_tc.cu"]
     assert len(gemms) == 4 * n

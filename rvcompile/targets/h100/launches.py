@@ -61,15 +61,12 @@ from rvcompile.targets.h100.layout import (
 )
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
-# One-row FP8 products that gemv_fp8 streams faster than gemv_mma_fp8: K at most this, N at least
-# ONE_ROW_FP8_MIN_N, and gemv_mma_fp8's default launch splitting K. Fit to
-# benchmarks/h100_gemv_mma.py --model gemma-4-E4B / gemma-4-26B-A4B --rows 1,2,4,8 on an H100
-# (2026-11-24, docs/BENCHMARKS.md): one decode step's FP8 linears at M = 1 then take 2.677 / 1.242
-# ms (E4B / 26B-A4B) against 2.669 / 1.232 for the faster kernel per shape, 2.692 / 1.351 for
-# gemv_mma_fp8 alone; the 31B's (K >= 5376) stay on gemv_mma_fp8. From two rows on gemv_mma_fp8
-# is faster at every shape measured (gemv_fp8 reads W once per row).
-ONE_ROW_FP8_MAX_K = 4096
-ONE_ROW_FP8_MIN_N = 2816
+# One-row FP8 linears go to gemv_fp8, more rows to gemv_mma_fp8. Measured inside the 31B's
+# decode_1 CUDA graph on an H100 (benchmarks/h100_step_profile.py --one-row-gemv-fp8, 2026-11-24,
+# docs/BENCHMARKS.md): 12.80 ms with every one-row linear on gemv_fp8 against 13.65 ms on
+# gemv_mma_fp8, although standalone (benchmarks/h100_gemv_mma.py) gemv_mma_fp8 had measured
+# faster at the 31B's shapes. From two rows on gemv_mma_fp8 is faster at every shape measured
+# (gemv_fp8 reads W once per row).
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
 
 
@@ -305,14 +302,14 @@ class EntryLowering:
             self.fp8_gemm(x, w, scale, y, rows, n, k)
 
     def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
-        """gemv_mma_fp8: the weights streamed once for every row, on the tensor cores; for one
-        row of the shapes where it measured faster (ONE_ROW_FP8_*), gemv_fp8."""
-        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
-        if rows == 1 and k <= ONE_ROW_FP8_MAX_K and n >= ONE_ROW_FP8_MIN_N and g.grid[2] > 1:
+        """gemv_mma_fp8: the weights streamed once for every row, on the tensor cores; one row
+        on gemv_fp8 where its staged x fits (see the measurement above)."""
+        if rows == 1 and k * 2 <= gemv_fp8.MAX_SMEM and k % 16 == 0:
             self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
                       scale=scale, x=x, y=y, M=1, N=n, K=k)
-        else:
-            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
+            return
+        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
+        self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
 
     def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
         """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row; a separate launch,
