@@ -41,6 +41,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from rvcompile.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.config import ConfigError, Gemma4Config
 from rvcompile.presets import PRESETS, get_preset
 
@@ -410,16 +411,11 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [directory / s for s in shards], weight_map
 
 
-def _file_tensors(directory: Path, cfg: Gemma4Config,
-                  fp8: Fp8Scheme | None) -> tuple[TensorRef, ...]:
-    """Validate every header against expected_tensors(cfg) (and, for a pre-quantized checkpoint,
-    `fp8`, its quantization_config); TensorRefs in file/offset order."""
-    expected = expected_tensors(cfg)
-    ignored = _skipped_shared_kv(cfg)
+def _shard_entries(directory: Path):
+    """(file, its validated header entries) for every safetensors file of `directory`, in shard
+    order; a sharded checkpoint's index must list only tensors its shards hold."""
     files, weight_map = _weight_files(directory)
     index_path = directory / "model.safetensors.index.json"
-    weights: dict[str, tuple[Path, _Entry]] = {}
-    scales: dict[str, tuple[Path, _Entry]] = {}  # weight name -> its weight_scale
     for path in files:
         entries = read_safetensors_header(path)
         if weight_map is not None:
@@ -429,6 +425,18 @@ def _file_tensors(directory: Path, cfg: Gemma4Config,
                     raise CheckpointError(
                         f"{index_path}: lists tensor {raw} in {shard}, which does not contain it"
                     )
+        yield path, entries
+
+
+def _file_tensors(directory: Path, cfg: Gemma4Config,
+                  fp8: Fp8Scheme | None) -> tuple[TensorRef, ...]:
+    """Validate every header against expected_tensors(cfg) (and, for a pre-quantized checkpoint,
+    `fp8`, its quantization_config); TensorRefs in file/offset order."""
+    expected = expected_tensors(cfg)
+    ignored = _skipped_shared_kv(cfg)
+    weights: dict[str, tuple[Path, _Entry]] = {}
+    scales: dict[str, tuple[Path, _Entry]] = {}  # weight name -> its weight_scale
+    for path, entries in _shard_entries(directory):
         for e in entries:
             name = _canonical_name(e.raw_name)
             if name is None:
@@ -870,3 +878,152 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
         generation_config=tf.default_generation_config(cfg),
         chat_template=tf.default_chat_template(), origin=model,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Assistant drafters (`--assistant DIR | PRESET`)
+
+
+@dataclass(frozen=True)
+class AssistantSource:
+    config: AssistantConfig
+    tensors: tuple[TensorRef, ...]  # exactly expected_assistant_tensors(config), "assistant.*"
+    origin: str  # assistant preset name or directory
+
+
+TOKEN_ORDERING = TENSOR_PREFIX + "masked_embedding.token_ordering"
+_INDEX_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4")}
+
+
+def expected_assistant_tensors(a: AssistantConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name ("assistant." + the checkpoint's name without "model.") -> shape of every
+    stored assistant tensor. Its layers have no k/v weights (they read the target's caches);
+    `lm_head.weight` is tied to embed_tokens and skipped like a target's."""
+    d, hb, v = a.hidden_size, a.backbone_hidden_size, a.vocab_size
+    p = TENSOR_PREFIX
+    t: dict[str, tuple[int, ...]] = {p + "embed_tokens.weight": (v, d)}
+    for s in a.text.layers:
+        lp = f"{p}layers.{s.index}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            t[lp + norm + ".weight"] = (d,)
+        t[lp + "layer_scalar"] = (1,)
+        t[lp + "self_attn.q_proj.weight"] = (a.text.num_heads * s.head_dim, d)
+        t[lp + "self_attn.q_norm.weight"] = (s.head_dim,)
+        t[lp + "self_attn.o_proj.weight"] = (d, a.text.num_heads * s.head_dim)
+        t[lp + "mlp.gate_proj.weight"] = (s.mlp_width, d)
+        t[lp + "mlp.up_proj.weight"] = (s.mlp_width, d)
+        t[lp + "mlp.down_proj.weight"] = (d, s.mlp_width)
+    t[p + "norm.weight"] = (d,)
+    t[p + "pre_projection.weight"] = (d, 2 * hb)
+    t[p + "post_projection.weight"] = (hb, d)
+    if a.use_ordered_embeddings:
+        t[p + "masked_embedding.centroids.weight"] = (a.num_centroids, d)
+        t[TOKEN_ORDERING] = (v,)
+    return t
+
+
+def check_token_ordering(ids: np.ndarray, what: str) -> np.ndarray:
+    """`ids` as int32 if it is a permutation of [0, len(ids)) (each token in exactly one
+    cluster), else CheckpointError naming `what`."""
+    ids = np.asarray(ids).reshape(-1)
+    vocab = ids.size
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise CheckpointError(f"{what}: entry {int(bad[0])} is {int(ids[bad[0]])}, not a token "
+                              f"id in [0, {vocab})")
+    counts = np.bincount(ids, minlength=vocab)
+    if (counts != 1).any():
+        tok = int(np.flatnonzero(counts != 1)[0])
+        raise CheckpointError(f"{what}: token {tok} appears {int(counts[tok])} times; every "
+                              "token must be in exactly one cluster")
+    return ids.astype(np.int32)
+
+
+def read_token_ordering(path: str, raw_name: str, start: int, nbytes: int,
+                        dtype: str) -> np.ndarray:
+    """The masked head's token_ordering (I64 or I32) as int32 [V], checked a permutation."""
+    ids = _read_stored(path, raw_name, start, nbytes, _INDEX_DTYPES[dtype])
+    return check_token_ordering(ids, f"{path}: tensor {raw_name}")
+
+
+def _assistant_file_tensors(directory: Path, a: AssistantConfig) -> tuple[TensorRef, ...]:
+    """Validate every header of an assistant directory against expected_assistant_tensors."""
+    expected = expected_assistant_tensors(a)
+    found: dict[str, TensorRef] = {}
+    for path, entries in _shard_entries(directory):
+        for e in entries:
+            if e.raw_name == "lm_head.weight":
+                continue  # tied to embed_tokens
+            name = TENSOR_PREFIX + e.raw_name.removeprefix("model.")
+            if name not in expected:
+                raise CheckpointError(f"{path}: unexpected tensor {e.raw_name} (not in the "
+                                      f"assistant that {directory / 'config.json'} describes)")
+            if name in found:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} duplicates the one in "
+                                      f"{Path(found[name].origin).name}")
+            if e.shape != expected[name]:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} has shape {list(e.shape)}, "
+                                      f"expected {list(expected[name])}")
+            if name == TOKEN_ORDERING:
+                if e.dtype not in _INDEX_DTYPES:
+                    raise CheckpointError(f"{path}: tensor {e.raw_name} has dtype {e.dtype}; "
+                                          "token ids are read from I64 or I32")
+                found[name] = TensorRef(
+                    name=name, shape=e.shape, source_dtype=_INDEX_DTYPES[e.dtype].name,
+                    origin=str(path), reader=functools.partial(
+                        read_token_ordering, str(path), e.raw_name, e.start, e.nbytes, e.dtype))
+                continue
+            if e.dtype not in _SUPPORTED_DTYPES:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} has dtype {e.dtype}; only "
+                                      "BF16, F16 and F32 are read for an assistant")
+            found[name] = _tensor_ref(name, path, e, None)
+    missing = [n for n in expected if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raw = missing[0].removeprefix(TENSOR_PREFIX)
+        raise CheckpointError(f"{directory}: missing tensor {raw} {list(expected[missing[0]])}"
+                              f"{more}")
+    return tuple(found.values())
+
+
+def read_assistant_config(directory: Path) -> AssistantConfig:
+    path = directory / "config.json"
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    try:
+        return AssistantConfig.from_hf_dict(raw, name=directory.name, source=str(path))
+    except ConfigError:
+        raise
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e})") from None
+
+
+def load_assistant_source(spec: str, target: Gemma4Config, *, random_weights: bool = False,
+                          seed: int = 0, random_ranges=None) -> AssistantSource:
+    """`--assistant SPEC` for `target`: an assistant directory (config.json + safetensors, or
+    random tensors of its shape with `random_weights`) or an assistant preset (random weights
+    only, see presets.ASSISTANT_PRESETS). Refuses, in one line, one that does not fit `target`
+    (AssistantConfig.target_layers)."""
+    from rvcompile import random_weights as rw
+    from rvcompile.presets import ASSISTANT_PRESETS, get_assistant_preset
+
+    path = Path(spec)
+    is_dir = path.is_dir() and (path / "config.json").is_file()
+    if is_dir:
+        cfg = read_assistant_config(path)
+    elif spec in ASSISTANT_PRESETS:
+        if not random_weights:
+            raise CheckpointError(f"--assistant {spec}: an assistant preset has no weights of "
+                                  "its own; pass an assistant directory or --random-weights")
+        cfg = get_assistant_preset(spec)
+    else:
+        raise CheckpointError(f"--assistant {spec}: not an assistant directory (needs "
+                              f"config.json) or preset (known: {', '.join(ASSISTANT_PRESETS)})")
+    cfg.target_layers(target)
+    if random_weights:
+        tensors = rw.random_assistant_tensors(cfg, seed, random_ranges or rw.init_range)
+    else:
+        tensors = _assistant_file_tensors(path, cfg)
+    return AssistantSource(cfg, tensors, str(path) if is_dir else spec)
