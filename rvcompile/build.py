@@ -4,6 +4,12 @@ Weights stream: each checkpoint tensor is read, encoded for every ParamSpec deri
 written to its slots in the artifact before the next is read, so peak host memory is about one
 shard's page cache plus the largest tensor. The artifact appears only when complete (temp file +
 rename, via ArtifactWriter).
+
+With an assistant (`--assistant DIR | PRESET`, checkpoint.load_assistant_source), its drafter
+joins the IR at the front end (draft_frontend.add_assistant), so the target's passes cast and
+quantize it alike, and its tensors stream beside the target's. `draft_tokens` K (the CLI's
+`--num-draft-tokens`) sizes the speculative entry points (XLA targets: verify_{B}x{K+1}, and
+draft_{B} with an assistant).
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ import numpy as np
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
-from rvcompile.checkpoint import CheckpointError, ModelSource, load_model_source
+from rvcompile.assistant import AssistantConfig
+from rvcompile.checkpoint import (
+    AssistantSource,
+    CheckpointError,
+    ModelSource,
+    load_assistant_source,
+    load_model_source,
+)
+from rvcompile.draft_frontend import add_assistant
 from rvcompile.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.passes import (
@@ -102,6 +116,7 @@ class BuildOptions:
     decode_loop_steps: int = 0  # XLA: steps per device-side decode_loop call; 0 = no such entry
     tp: int = 1  # tensor-parallel devices the XLA programs are sharded over (targets/xla/sharding)
     kv_cache: str = "auto"  # "float" (the target's), "int8", "fp8", "auto": kv_cache_choice
+    draft_tokens: int = 0  # speculative decoding: most drafts per verify call; 0 = no entries
 
     def __post_init__(self) -> None:
         """Every option inside its documented range, else a one-line CheckpointError naming the
@@ -129,6 +144,17 @@ class BuildOptions:
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= chunk:
             raise CheckpointError(f"--decode-loop-steps {steps!r}: expected 0 (no loop) to "
                                   f"{chunk}, the largest prefill bucket")
+        # A verify call runs a token and its drafts as one chunk of rows.
+        drafts = self.draft_tokens
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or not 0 <= drafts < chunk:
+            raise CheckpointError(f"--num-draft-tokens {drafts!r}: expected 0 (no speculative "
+                                  f"entry points) to {chunk - 1}, the largest prefill bucket - 1")
+        if drafts and TARGETS[self.target].lowering != "xla":
+            raise CheckpointError(f"--num-draft-tokens {drafts}: target {self.target} has no "
+                                  "speculative entry points yet (the XLA targets have)")
+        if drafts and (self.tp != 1 or self.topologies):
+            raise CheckpointError(f"--num-draft-tokens {drafts}: speculative entry points are "
+                                  "not built with --tp or --topology yet")
         if self.kv_cache not in KV_CACHE_CHOICES:
             raise CheckpointError(f"--kv-cache {self.kv_cache!r}: expected one of "
                                   f"{', '.join(KV_CACHE_CHOICES)}")
@@ -154,7 +180,21 @@ class BuildReport:
     artifact_bytes: int
 
 
-def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
+def check_assistant_options(opts: BuildOptions) -> None:
+    """What an assistant needs of the options, before anything is read: XLA entry points for
+    at least one draft, and a sliding ring that holds the W + 1 keys a drafter reads behind
+    the K stale rows a verify may leave (draft_frontend): K + 2 <= the largest bucket."""
+    chunk = max(opts.prefill_buckets)
+    if TARGETS[opts.target].lowering != "xla":
+        raise CheckpointError(f"--assistant: target {opts.target} has no drafter entry points "
+                              "yet (the XLA targets have)")
+    if not 1 <= opts.draft_tokens <= chunk - 2:
+        raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: with --assistant, "
+                              f"expected 1 to {chunk - 2} (the largest prefill bucket - 2)")
+
+
+def lower_model(source: ModelSource, opts: BuildOptions, log=print,
+                assistant: AssistantConfig | None = None) -> ModelIR:
     cfg = source.config
     max_context = min(opts.max_context, cfg.max_position_embeddings)
     passes = TARGETS[opts.target].passes
@@ -171,6 +211,8 @@ def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
         raise CheckpointError(f"--prefill-buckets: the largest bucket {max(opts.prefill_buckets)} "
                               f"is above {cfg.name}'s max_position_embeddings {max_context}")
     ir = build_model_ir(cfg, max_context=max_context, max_chunk=max(opts.prefill_buckets))
+    if assistant is not None:
+        ir = add_assistant(ir, assistant)
     if opts.dump_ir == "frontend":
         log(format_ir(ir))
     for name, run in passes:
@@ -218,14 +260,23 @@ def format_ir(ir: ModelIR) -> str:
 
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, random_ranges=None,
-                   progress: bool = True, log=print) -> BuildReport:
+                   assistant: str | None = None, progress: bool = True,
+                   log=print) -> BuildReport:
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
-    random_weights.RangeRule; default what `--random-weights` draws); the manifest names it."""
+    random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
+    `assistant`: an assistant directory or preset whose drafter joins the artifact (random
+    weights with `random_weights`, like the target's)."""
     t0 = time.perf_counter()
     _check_topologies(opts)
+    if assistant is not None:
+        check_assistant_options(opts)
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
                                random_ranges=random_ranges)
-    ir = lower_model(source, opts, log)
+    drafter: AssistantSource | None = None
+    if assistant is not None:
+        drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
+                                        seed=seed, random_ranges=random_ranges)
+    ir = lower_model(source, opts, log, drafter and drafter.config)
     if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
@@ -251,10 +302,16 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         "random_weights": (None if not random_weights else {"seed": seed} if random_ranges is None
                            else {"seed": seed, "ranges": random_ranges.__name__}),
     }
+    tensors = source.tensors
+    if drafter is not None:
+        manifest["assistant"] = {"name": drafter.config.name,
+                                 "config": drafter.config.to_hf_dict(),
+                                 "origin": Path(drafter.origin).name}
+        tensors += drafter.tensors
     specs_by_source: dict[str, list] = {}
     for p in ir.params:
         specs_by_source.setdefault(p.source, []).append(p)
-    missing = set(specs_by_source) - {t.name for t in source.tensors}
+    missing = set(specs_by_source) - {t.name for t in tensors}
     if missing:
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
@@ -262,7 +319,7 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, source, specs_by_source, lowered.slots_by_param, progress)
+        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, progress)
         _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
         w.commit(manifest)
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
@@ -308,7 +365,8 @@ def _lower_xla(ir: ModelIR, opts: BuildOptions, log=print) -> _Lowered:
 
     lowering = lower_to_xla(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets,
                             platforms=opts.platforms, tp=opts.tp,
-                            decode_loop_steps=opts.decode_loop_steps)
+                            decode_loop_steps=opts.decode_loop_steps,
+                            draft_tokens=opts.draft_tokens)
     programs_blob, program_index = _concat(lowering.programs)
     devices = {"min_devices": opts.tp} if opts.tp > 1 else {}
     sections, precompiled = {"programs": programs_blob}, {}
@@ -363,15 +421,15 @@ def _concat(blobs: dict[str, bytes]) -> tuple[bytes, dict[str, dict[str, int]]]:
     return b"".join(parts), index
 
 
-def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slots_by_param,
+def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                     progress: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
 
-    total = sum(t.numel * 4 for t in source.tensors)
+    total = sum(t.numel * 4 for t in tensors)
     with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TransferSpeedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("weights", total=total)
-        for ref in source.tensors:
+        for ref in tensors:
             arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
             specs = specs_by_source.get(ref.name, ())
             for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():

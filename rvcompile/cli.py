@@ -128,6 +128,15 @@ def build(
         help="XLA targets: decode steps per device-side loop call, 0 to the largest prefill "
              "bucket (default 32, or that bucket if smaller); 0: no loop, one host round trip "
              "per token"),
+    assistant: str | None = typer.Option(
+        None, "--assistant",
+        help="speculative decoding: a Gemma 4 assistant (MTP drafter) directory, or with "
+             "--random-weights an assistant preset (e.g. gemma-4-31B-assistant, see `targets`), "
+             "compiled into the artifact beside the target (XLA targets)"),
+    draft_tokens: int | None = typer.Option(
+        None, "--num-draft-tokens",
+        help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
+             "default 3 with --assistant, else 0 (no speculative entry points)"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
     from rvcompile.build import TARGETS, BuildOptions, build_artifact
@@ -140,15 +149,18 @@ def build(
     if decode_loop_steps is None:  # the default: 32 steps where there is a loop and room
         xla = target in TARGETS and TARGETS[target].lowering == "xla"
         decode_loop_steps = min(32, buckets[-1]) if xla else 0
+    if draft_tokens is None:
+        draft_tokens = 3 if assistant is not None else 0
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
     try:
         with _signals_unwind():
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
                                 slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
-                                topologies=tuple(topology))
+                                topologies=tuple(topology), draft_tokens=draft_tokens)
             report = build_artifact(model, output, opts, weights=weights,
                                     random_weights=random_weights, seed=seed or 0,
+                                    assistant=assistant,
                                     progress=progress and sys.stderr.isatty(),
                                     log=lambda s: typer.echo(s, err=True))
     except BuildInterrupted as e:
@@ -184,6 +196,7 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
                 "layer_groups": m["xla"]["layer_groups"],
                 "precompiled": m["xla"].get("precompiled", {}),
                 "mesh": m["xla"].get("mesh"),
+                "assistant": _drafter_info(m),
                 "piece_size": art.piece_size,
                 "sections": {n: {"offset": s.offset, "size": s.size,
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
@@ -200,6 +213,8 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     for key in ("file", "model", "target", "platforms", "compiler_version", "jax_version",
                 "passes", "entry_points", "slots", "max_context", "requirements"):
         typer.echo(f"{key:17} {info[key]}")
+    if info["assistant"]:
+        _echo_drafter(info["assistant"])
     if info["mesh"]:
         _echo_mesh(info["mesh"])
     if info["precompiled"]:
@@ -211,6 +226,37 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
     for sig, st in signed:
         typer.echo(f"  signed by {sig.who()}, {st}")
+
+
+def _drafter_info(m: dict) -> dict | None:
+    """The assistant drafter and speculative entry points of a manifest, or None."""
+    spec = m.get("xla", {}).get("speculative")
+    if not spec and "assistant" not in m:
+        return None
+    info: dict = {"verify": spec and spec["verify"], "draft": spec and spec["draft"],
+                  "draft_tokens": spec["draft_tokens"] if spec else 0}
+    if "assistant" in m:
+        c = m["assistant"]["config"]
+        t = c["text_config"]
+        info.update(name=m["assistant"]["name"], model_type=c["model_type"],
+                    origin=m["assistant"]["origin"], hidden_size=t["hidden_size"],
+                    layers=t["layer_types"], heads=t["num_attention_heads"],
+                    intermediate_size=t["intermediate_size"],
+                    head="centroids {num_centroids}, top {centroid_intermediate_top_k}".format(**c)
+                    if c["use_ordered_embeddings"] else "dense (tied)",
+                    reads=spec["reads"] if spec else [])
+    return info
+
+
+def _echo_drafter(d: dict) -> None:
+    if "name" in d:
+        kinds = ", ".join(k.split("_")[0] for k in d["layers"])
+        typer.echo(f"{'assistant':17} {d['name']} ({d['model_type']}, from {d['origin']}): "
+                   f"width {d['hidden_size']}, {len(d['layers'])} layers ({kinds}) reading "
+                   f"target layers {d['reads']}, {d['heads']} query heads, MLP "
+                   f"{d['intermediate_size']}, head {d['head']}")
+    typer.echo(f"{'speculative':17} up to {d['draft_tokens']} drafts: {d['verify']}"
+               + (f", {d['draft']}" if d["draft"] else ""))
 
 
 def _echo_mesh(mesh: dict) -> None:
@@ -288,8 +334,10 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 def targets() -> None:
     """List the build targets and what each emits."""
     from rvcompile.build import TARGETS
-    from rvcompile.presets import PRESETS
+    from rvcompile.presets import ASSISTANT_PRESETS, PRESETS
 
     for t in TARGETS.values():
         typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}")
     typer.echo(f"presets: {', '.join(PRESETS)}")
+    typer.echo(f"assistant presets (--assistant NAME --random-weights): "
+               f"{', '.join(ASSISTANT_PRESETS)}")
