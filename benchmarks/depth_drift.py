@@ -57,8 +57,8 @@ class Drift:
 
 def write_model_dir(model: Path, depth: int) -> None:
     """config.json (the 31B's cut to CUT and `depth` layers) and a synthetic tokenizer."""
-    from rvcompile.presets import gemma_4_31b
-    from rvcompile.tokenizer_files import synthetic_tokenizer_json
+    from rvcompile.model.presets import gemma_4_31b
+    from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
     cfg = gemma_4_31b().to_hf_dict()
     cfg.update(CUT, num_hidden_layers=depth)
@@ -71,7 +71,7 @@ def write_model_dir(model: Path, depth: int) -> None:
 def target_logits(model: Path, target: str, conditioning: str, seed: int,
                   prompt: list[int]) -> tuple[np.ndarray, float]:
     """In a fresh process: build `target` from `model`, run the prompt; (logits, seconds)."""
-    import rvcompile.random_weights as rw
+    import rvcompile.sources.random_weights as rw
     from rvcompile import runtime
     from rvcompile.build import BuildOptions, build_artifact
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
-from rvcompile.runtime.cuda_driver import CudaContext
 from rvcompile.runtime.executor_api import SeqChunk
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 
 
 def copy_bandwidth(ctx: CudaContext, nbytes: int = 4 << 30) -> float:

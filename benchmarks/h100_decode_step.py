@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from rvcompile.presets import gemma_4_31b
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.model.presets import gemma_4_31b
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import attn_decode, gelu_mul, gemv_fp8, head, norms, qkv_post
 from rvcompile.targets.h100.nvcc import compile_cubin
 

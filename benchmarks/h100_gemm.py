@@ -18,7 +18,7 @@ import ctypes
 import ml_dtypes
 import numpy as np
 
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemm_fp8w
 from rvcompile.targets.h100.nvcc import compile_cubin
 

@@ -27,8 +27,8 @@ import json
 import ml_dtypes
 import numpy as np
 
-from rvcompile.runtime import tma
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors import tma
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemm_fp8_tc, gemm_fp8w
 from rvcompile.targets.h100.nvcc import compile_cubin
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemv_fp8
 from rvcompile.targets.h100.nvcc import compile_cubin
 

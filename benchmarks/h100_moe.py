@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import moe
 from rvcompile.targets.h100.nvcc import compile_cubin
 

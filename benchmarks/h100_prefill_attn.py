@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_h100_attn import make_prefill_case  # noqa: E402  (one case builder for test and bench)
 
-from rvcompile.runtime.cuda_driver import CudaContext  # noqa: E402
+from rvcompile.runtime.executors.cuda_driver import CudaContext  # noqa: E402
 from rvcompile.targets.h100 import attn_decode as ad  # noqa: E402
 from rvcompile.targets.h100 import attn_prefill as ap  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402

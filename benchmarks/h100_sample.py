@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_h100_sample import DeviceSampler, lm_like_logits  # noqa: E402  (shared with the test)
 
-from rvcompile.runtime.cuda_driver import CudaContext  # noqa: E402
+from rvcompile.runtime.executors.cuda_driver import CudaContext  # noqa: E402
 from rvcompile.targets.h100 import head  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402
 

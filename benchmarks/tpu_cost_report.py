@@ -19,7 +19,7 @@ import time
 from types import SimpleNamespace
 
 from rvcompile.build import BuildOptions, lower_model
-from rvcompile.presets import get_preset
+from rvcompile.model.presets import get_preset
 from rvcompile.targets.xla.cost_report import CHIPS, GiB, cost_report, query_per_kv, read_model
 from rvcompile.targets.xla.export import lower_to_xla
 from rvcompile.targets.xla.precompile import (

@@ -28,17 +28,10 @@ import numpy as np
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
-from rvcompile.assistant import AssistantConfig
-from rvcompile.checkpoint import (
-    AssistantSource,
-    CheckpointError,
-    ModelSource,
-    load_assistant_source,
-    load_model_source,
-)
-from rvcompile.draft_frontend import add_assistant
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.draft_frontend import add_assistant
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
+from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes import (
     cast_bf16,
     fuse_attention,
@@ -54,6 +47,13 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.sources.checkpoint import (
+    AssistantSource,
+    CheckpointError,
+    ModelSource,
+    load_assistant_source,
+    load_model_source,
+)
 
 
 @dataclass(frozen=True)

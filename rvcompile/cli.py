@@ -26,9 +26,9 @@ from rvcompile.artifacts.signature import (
     status,
     write_keypair,
 )
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.config import ConfigError
 from rvcompile.ir.ops import SpecError
+from rvcompile.model.config import ConfigError
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.h100.lower import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError
 
@@ -334,7 +334,7 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 def targets() -> None:
     """List the build targets and what each emits."""
     from rvcompile.build import TARGETS
-    from rvcompile.presets import ASSISTANT_PRESETS, PRESETS
+    from rvcompile.model.presets import ASSISTANT_PRESETS, PRESETS
 
     for t in TARGETS.values():
         typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}")

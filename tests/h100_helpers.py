@@ -8,7 +8,7 @@ import pytest
 
 def h100_context():
     try:
-        from rvcompile.runtime.cuda_driver import CudaContext, CudaError
+        from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError
 
         ctx = CudaContext()
     except (ImportError, CudaError) as e:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-import rvcompile.random_weights as rw
+import rvcompile.sources.random_weights as rw
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.presets import gemma_4_31b
-from rvcompile.tokenizer_files import synthetic_tokenizer_json
+from rvcompile.model.presets import gemma_4_31b
+from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
 # max_context and slots as benchmarks/h100_decode.py wants them (contexts 16 and 1200)
 OPTS = {"max_context": 2048, "prefill_buckets": (16, 64), "slots": 4}

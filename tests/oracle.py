@@ -429,7 +429,7 @@ def random_token_ids(n: int, seed: int, vocab: int = VOCAB) -> np.ndarray:
 def _tokenizer_json(vocab_size: int) -> str:
     """rvcompile's synthetic tokenizer; the local fallback only while that module is absent."""
     try:
-        from rvcompile.tokenizer_files import synthetic_tokenizer_json
+        from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
     except ImportError:
         return _byte_bpe_tokenizer_json(vocab_size)
     return synthetic_tokenizer_json(vocab_size)
@@ -450,7 +450,7 @@ def _byte_chars() -> list[str]:
 
 def _byte_bpe_tokenizer_json(vocab_size: int) -> str:
     """A byte-level BPE with no merges: specials 0-3, byte b at 300 + b, placeholders elsewhere.
-    Like rvcompile.tokenizer_files, it adds no BOS itself."""
+    Like rvcompile.sources.tokenizer_files, it adds no BOS itself."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     if vocab_size < BYTE_OFFSET + 256:

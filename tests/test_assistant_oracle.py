@@ -34,13 +34,13 @@ from oracle import (
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import load_assistant_source, load_model_source
-from rvcompile.draft_frontend import add_assistant
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.draft_frontend import add_assistant
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.interpret import ReferenceModel
 from rvcompile.passes.weight_math import encode
 from rvcompile.runtime.executor_api import DraftLane, SeqChunk
-from rvcompile.runtime.xla_executor import XlaExecutor
+from rvcompile.runtime.executors.xla import XlaExecutor
+from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
 
 # (target oracle case, centroid-masked head): 31B-like K=V + dense head; E2B-like + centroids.
 CASES = [("k_eq_v", False), ("kv_shared", True)]

@@ -27,11 +27,11 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
-from rvcompile.checkpoint import CheckpointError, load_model_source, read_safetensors_header
 from rvcompile.cli import app
-from rvcompile.config import ConfigError, Gemma4Config
-from rvcompile.presets import get_preset
-from rvcompile.tokenizer_files import synthetic_tokenizer_json
+from rvcompile.model.config import ConfigError, Gemma4Config
+from rvcompile.model.presets import get_preset
+from rvcompile.sources.checkpoint import CheckpointError, load_model_source, read_safetensors_header
+from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
 SMALL = ["--max-context", "128", "--prefill-buckets", "8,32", "--max-seqs", "2"]
 

@@ -17,17 +17,17 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-import rvcompile.random_weights as rw
-from rvcompile.checkpoint import (
+import rvcompile.sources.random_weights as rw
+from rvcompile.model.config import ConfigError, Gemma4Config
+from rvcompile.model.presets import PRESETS, get_preset
+from rvcompile.sources.checkpoint import (
     CheckpointError,
     ModelSource,
     expected_tensors,
     load_model_source,
 )
-from rvcompile.config import ConfigError, Gemma4Config
-from rvcompile.presets import PRESETS, get_preset
-from rvcompile.random_weights import CHUNK, random_array, random_tensors
-from rvcompile.tokenizer_files import (
+from rvcompile.sources.random_weights import CHUNK, random_array, random_tensors
+from rvcompile.sources.tokenizer_files import (
     default_chat_template,
     default_generation_config,
     synthetic_tokenizer_json,

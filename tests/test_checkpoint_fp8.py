@@ -30,13 +30,13 @@ from safetensors.torch import load_file, save_file
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact, lower_model
-from rvcompile.checkpoint import CheckpointError, Fp8Tensor, load_model_source
 from rvcompile.passes.weight_math import (
     FP8_E4M3_MAX,
     encode_all,
     quantize_fp8_per_channel,
     quantize_int8_per_channel,
 )
+from rvcompile.sources.checkpoint import CheckpointError, Fp8Tensor, load_model_source
 from rvcompile.targets.h100.lower import layout_weights
 
 LINEAR = re.compile(

@@ -23,10 +23,10 @@ import pytest
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import load_model_source
-from rvcompile.config import AttnKind
+from rvcompile.model.config import AttnKind
 from rvcompile.runtime import cli
 from rvcompile.runtime.perplexity import score, text_perplexity
+from rvcompile.sources.checkpoint import load_model_source
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
 SAMPLE = MODEL_DIR / "heldout_sample.txt"

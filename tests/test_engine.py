@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rvcompile.runtime.engine import Engine, Request
-from rvcompile.runtime.executor_api import KvKind, Sampling, SeqChunk
+from rvcompile.runtime.executor_api import DeviceError, KvKind, Sampling, SeqChunk
+from rvcompile.runtime.request_limits import RequestError
 
 BS, WINDOW, CONTEXT, VOCAB = 4, 6, 64, 500
 EOS = 1
@@ -94,7 +95,7 @@ def text_of(ids) -> str:
 
 
 def engine(ex: FakeExecutor, **kw) -> Engine:
-    return Engine(ex, text_of, frozenset([EOS]), **kw)
+    return Engine(ex, text_of, frozenset([EOS]), vocab_size=VOCAB, **kw)
 
 
 def drain(eng: Engine, max_steps: int = 5000) -> dict[str, list]:
@@ -245,7 +246,7 @@ def test_sliding_layers_hold_only_their_window():
 
 def test_requests_that_cannot_run_are_refused():
     eng = engine(FakeExecutor())
-    with pytest.raises(ValueError, match="exceeds the context"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         eng.add(Request("x", list(range(2, 40)), 30))
     with pytest.raises(ValueError, match="empty prompt"):
         eng.add(Request("x", [], 3))
@@ -282,15 +283,140 @@ def test_engine_thread_delivers_outputs_aborts_and_fails_cleanly():
         assert got["b"][-1].finish_reason == "abort" and len(got["b"]) < 6
         with pytest.raises(ValueError):
             thread.submit(Request("c", [], 3), sink)
-        # An executor failure ends every request with "error" and refuses new ones.
+        # An executor failure ends the requests of its call with "error"; the engine serves on.
+        decode = thread.engine.executor.decode
         thread.engine.executor.decode = lambda lanes: 1 / 0
         got["d"], done["d"] = [], threading.Event()
         thread.submit(Request("d", [3], 5, ignore_eos=True), sink)
         assert done["d"].wait(10)
         assert got["d"][-1].finish_reason == "error" and "ZeroDivisionError" in got["d"][-1].error
-        assert "ZeroDivisionError" in thread.error
-        with pytest.raises(RuntimeError):
-            thread.submit(Request("e", [3], 5), sink)
+        assert thread.error == ""
+        assert_pools_whole(thread.engine)
+        thread.engine.executor.decode = decode
+        got["e"], done["e"] = [], threading.Event()
+        thread.submit(Request("e", [3, 4], 5, ignore_eos=True), sink)
+        assert done["e"].wait(10) and tokens_of(got["e"]) == reference([3, 4], 5)
+        # A device error loses the engine: every request ends, new ones are refused, and
+        # `error` says why.
+        thread.engine.executor.decode = _raise(DeviceError("CUDA_ERROR_ILLEGAL_ADDRESS"))
+        got["f"], done["f"] = [], threading.Event()
+        thread.submit(Request("f", [3], 5, ignore_eos=True), sink)
+        assert done["f"].wait(10) and got["f"][-1].finish_reason == "error"
+        assert "ILLEGAL_ADDRESS" in got["f"][-1].error and "ILLEGAL_ADDRESS" in thread.error
+        with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+            thread.submit(Request("g", [3], 5), sink)
         assert_pools_whole(thread.engine)
     finally:
         thread.stop()
+
+
+def _raise(error: Exception):
+    def call(*_):
+        raise error
+
+    return call
+
+
+POISON, BAD_TEXT = 13, 17
+
+
+class FailingExecutor(FakeExecutor):
+    """Raises in the calls that run the token POISON."""
+
+    def prefill(self, chunk: SeqChunk) -> int:
+        if POISON in chunk.tokens:
+            raise RuntimeError("prefill exploded")
+        return super().prefill(chunk)
+
+    def decode(self, lanes) -> list[int]:
+        if any(POISON in c.tokens for c in lanes):
+            raise RuntimeError("decode exploded")
+        return super().decode(lanes)
+
+
+def _prompt_for_first_token(token: int) -> list[int]:
+    """A prompt whose greedy first generated token is `token` (searched)."""
+    for a in range(2, VOCAB):
+        for b in range(2, VOCAB):
+            if reference([a, b], 1) == [token]:
+                return [a, b]
+    raise AssertionError("no such prompt")
+
+
+def test_a_failed_call_fails_only_its_sequences_and_the_engine_serves_on():
+    """A prefill that raises ends its request; a decode that raises ends the requests of that
+    call, not those prefilling in the same step; a detokenizer that raises ends its one
+    request. Each gets finish_reason "error" with the reason, its blocks go back, and every
+    other request, running meanwhile or sent after, gets exactly its reference tokens."""
+    ex = FailingExecutor()
+
+    def text(ids):  # a detokenizer that cannot take BAD_TEXT
+        if BAD_TEXT in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return text_of(ids)
+
+    eng = engine(ex)
+    eng._decode = text
+    long = list(range(20, 40))  # three prefill chunks
+
+    def run(bad: Request, good: Request, reason: str) -> None:
+        eng.add(bad)
+        eng.add(good)
+        outs = drain(eng)
+        assert outs[bad.id][-1].finish_reason == "error" and reason in outs[bad.id][-1].error
+        assert outs[bad.id][-1].token_ids == [] and len(outs[bad.id]) <= 2
+        assert tokens_of(outs[good.id]) == reference(good.prompt_ids, good.max_tokens)
+        assert outs[good.id][-1].finish_reason == "length"
+        assert_pools_whole(eng)
+
+    run(Request("bad-prefill", [2, POISON, 4], 12, ignore_eos=True),
+        Request("ok1", [3, 4, 5], 12, ignore_eos=True), "prefill exploded")
+    # Its first generated token is POISON: its first decode call raises while the long
+    # prompt's chunks prefill in the same steps.
+    run(Request("bad-decode", _prompt_for_first_token(POISON), 12, ignore_eos=True),
+        Request("ok2", long, 12, ignore_eos=True), "decode exploded")
+    assert BAD_TEXT not in reference([6, 7], 12)
+    run(Request("bad-text", _prompt_for_first_token(BAD_TEXT), 12, ignore_eos=True),
+        Request("ok3", [6, 7], 12, ignore_eos=True), "UnicodeDecodeError")
+    # The decode call's other lanes go with it.
+    eng.add(Request("ok4", [8, 9], 12, ignore_eos=True))
+    eng.step()
+    eng.step()  # ok4 decodes
+    eng.add(Request("bad-decode-2", _prompt_for_first_token(POISON), 12, ignore_eos=True))
+    outs = drain(eng)
+    assert {rid: o[-1].finish_reason for rid, o in outs.items()} == {"ok4": "error",
+                                                                   "bad-decode-2": "error"}
+    assert_pools_whole(eng)
+    eng.add(Request("ok5", long, 12, ignore_eos=True))
+    assert tokens_of(drain(eng)["ok5"]) == reference(long, 12)
+
+
+def test_device_error_leaves_the_step():
+    """Only a DeviceError escapes step(): the caller (EngineThread) then stops the engine."""
+    ex = FakeExecutor()
+    eng = engine(ex)
+    eng.add(Request("a", [3, 4], 5, ignore_eos=True))
+    ex.prefill = _raise(DeviceError("lost"))
+    with pytest.raises(DeviceError):
+        eng.step()
+    outs = eng.fail_all("the device failed: lost")
+    assert [(o.id, o.finish_reason) for o in outs] == [("a", "error")]
+    assert_pools_whole(eng)
+
+
+def test_bad_requests_are_refused_at_add_and_never_reach_a_step():
+    eng = engine(FakeExecutor())
+    eng.add(Request("ok", [3, 4], 4, ignore_eos=True))
+    for bad, param in ((Request("x", [3], 4, Sampling(top_k=2**31)), "top_k"),
+                       (Request("x", [3], 4, Sampling(top_k=VOCAB + 1)), "top_k"),
+                       (Request("x", [3], 4, Sampling(temperature=float("nan"))), "temperature"),
+                       (Request("x", [3], 4, Sampling(temperature=float("inf"))), "temperature"),
+                       (Request("x", [3], 4, Sampling(seed=2**64)), "seed"),
+                       (Request("x", [3, VOCAB], 4), "prompt"),
+                       (Request("x", [3], 4, stop=("",)), "stop"),
+                       (Request("x", [3], 4, ignore_eos="yes"), "ignore_eos")):
+        with pytest.raises(RequestError) as e:
+            eng.add(bad)
+        assert e.value.param == param
+    assert tokens_of(drain(eng)["ok"]) == reference([3, 4], 4)
+    assert_pools_whole(eng)

@@ -21,8 +21,6 @@ import pytest
 from test_fusion_passes import baseline, logits, model, weights
 
 from rvcompile.build import TARGETS, BuildOptions, lower_model
-from rvcompile.checkpoint import ModelSource
-from rvcompile.config import Gemma4Config
 from rvcompile.ir.graph import Graph, GraphBuilder, ModelIR, check_graph, check_model
 from rvcompile.ir.ops import (
     AttentionBlockAttrs,
@@ -34,6 +32,8 @@ from rvcompile.ir.ops import (
     RopeAttrs,
     SpecError,
 )
+from rvcompile.model.config import Gemma4Config
+from rvcompile.model.presets import PRESETS, get_preset
 from rvcompile.passes import (
     fuse_attention,
     fuse_gated_mlp,
@@ -44,7 +44,7 @@ from rvcompile.passes import (
     fuse_residual_norm,
     quantize_fp8,
 )
-from rvcompile.presets import PRESETS, get_preset
+from rvcompile.sources.checkpoint import ModelSource
 from rvcompile.targets.h100.launches import LOWER
 
 PASSES = {p.NAME: p for p in (fuse_attention, fuse_moe, fuse_ple, fuse_next_norm)}

@@ -21,11 +21,12 @@ import functools
 import numpy as np
 import pytest
 
-from rvcompile.config import Gemma4Config
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import GraphBuilder, ModelIR, check_model
 from rvcompile.ir.interpret import ReferenceModel
 from rvcompile.ir.ops import MultiLinearAttrs, Op, SliceLastAttrs, SpecError
+from rvcompile.model.config import Gemma4Config
+from rvcompile.model.presets import get_preset
 from rvcompile.passes import (
     cast_bf16,
     fuse_gated_mlp,
@@ -34,8 +35,7 @@ from rvcompile.passes import (
     quantize_int8,
 )
 from rvcompile.passes.weight_math import encode
-from rvcompile.presets import get_preset
-from rvcompile.random_weights import random_tensors
+from rvcompile.sources.random_weights import random_tensors
 
 PRESETS = ("gemma-4-tiny", "gemma-4-tiny-dense")
 DTYPES = ("f32", "bf16", "int8")

@@ -153,7 +153,7 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, len
 def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool):
     """(GPU output, reference) of the K=V split-KV decode kernel and its combine on one random
     case; `fp8`: the base pool in e4m3 (the `_fp8` entry)."""
-    from rvcompile.config import RopeSpec
+    from rvcompile.model.config import RopeSpec
     from rvcompile.targets.h100.nvcc import compile_cubin
 
     ctx = h100_context()
@@ -255,7 +255,7 @@ PREFILL_REF_CASES = [  # (name, kv_heads, group, d, start, chunk, window, pad, k
 
 
 def _prefill_reference(case, rng, kv_dtype=ml_dtypes.bfloat16):
-    from rvcompile.config import RopeSpec
+    from rvcompile.model.config import RopeSpec
     from rvcompile.targets.h100 import attn_prefill as ap
 
     _, kh, g, d, start, chunk, window, pad, keqv = case

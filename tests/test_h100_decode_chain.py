@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from h100_helpers import h100_context
 
-from rvcompile.config import AttnKind, Gemma4Config, RopeSpec
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.interpret import ReferenceModel
+from rvcompile.model.config import AttnKind, Gemma4Config, RopeSpec
 from rvcompile.passes.weight_math import quantize_fp8_per_channel
-from rvcompile.random_weights import random_tensors
+from rvcompile.sources.random_weights import random_tensors
 from rvcompile.targets.h100 import attn_decode, gelu_mul, gemv_fp8, head, norms, qkv_post
 
 P, I32, F32 = ctypes.c_uint64, ctypes.c_int, ctypes.c_float

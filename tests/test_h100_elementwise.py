@@ -418,7 +418,7 @@ EMBED_TABLES = {  # (vocab, row width): token tables and the tiny models' per-la
 def test_embed_rows_kernel(model: str, m: int, fp8: bool) -> None:
     """A full-size device table (V = 262144: 64-bit offsets; 1024 for the tiny models) poisoned,
     with the looked-up rows copied in at their offsets."""
-    from rvcompile.runtime.cuda_driver import check
+    from rvcompile.runtime.executors.cuda_driver import check
 
     ctx = h100_context()
     entry = head.EMBED_FP8_ENTRY if fp8 else head.EMBED_BF16_ENTRY

@@ -30,8 +30,8 @@ from oracle import ORACLE_CASES, oracle_greedy, oracle_logits, random_token_ids
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
-from rvcompile.runtime.scheduled_executor import ScheduledExecutor
 from rvcompile.targets.h100.reference_executor import ReferenceDevice, reference_executor
 
 OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
@@ -97,7 +97,7 @@ def test_f32_schedule_is_float32_throughout(built):
 def test_released_models_lower_to_f32(preset):
     """MoE and per-layer inputs at real dims fit the f32 entries' limits (no weights needed)."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = load_model_source(preset, random_weights=True)
@@ -118,7 +118,7 @@ class _LaunchByLaunch:
     and only the combine's output is compared."""
 
     def __init__(self, art: Artifact, schedule: KernelSchedule, ctx):
-        from rvcompile.runtime.h100_executor import CudaScheduleDevice
+        from rvcompile.runtime.executors.h100 import CudaScheduleDevice
 
         self.ref = ReferenceDevice(schedule, art.buffer("weights"),
                                    bytes(art.buffer("constants")))
@@ -379,7 +379,7 @@ def test_gpu_attn_decode_f32(case):
 def test_gpu_attn_decode_keqv_f32(case):
     from test_h100_attn import KEQV_CASES
 
-    from rvcompile.config import RopeSpec
+    from rvcompile.model.config import RopeSpec
     from rvcompile.targets.h100 import attn_decode as ad
 
     ctx = h100_context()

@@ -1,5 +1,5 @@
 """FP8 tensor-core GEMM and per-token activation quantization (targets/h100/gemm_fp8_tc.py,
-kernels/gemm_fp8_tc.cu, kernels/quant_fp8_rows.cu, runtime/tma.py).
+kernels/gemm_fp8_tc.cu, kernels/quant_fp8_rows.cu, runtime/executors/tma.py).
 
 CPU: the numpy references; the tile choice; the parameter template's parsing from a synthetic
 probe report, its JSON round trip and refusals; filling a template through a stand-in driver;
@@ -24,7 +24,7 @@ import pytest
 from h100_helpers import h100_context
 
 from rvcompile.artifacts.kernel_params import ParamsTemplate, ParamsTemplateError
-from rvcompile.runtime import tma
+from rvcompile.runtime.executors import tma
 from rvcompile.targets.h100 import gemm_fp8_tc
 
 HAVE_BUILD = shutil.which("nvcc") is not None and importlib.util.find_spec(

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from rvcompile.build import BuildOptions, lower_model
-from rvcompile.checkpoint import ModelSource, read_config
-from rvcompile.presets import get_preset
+from rvcompile.model.presets import get_preset
+from rvcompile.sources.checkpoint import ModelSource, read_config
 
 GOLDEN = Path(__file__).with_name("h100_golden_schedules.json")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"

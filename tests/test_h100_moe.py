@@ -209,9 +209,9 @@ def test_moe_plan_close_to_its_fp8_ir(moe_model, oracle_dir) -> None:
     where it flips a near-tied expert choice. Measured mean abs 0.035 (max 2.9); with the
     per-expert scale left out of the routing weights the mean is 0.225."""
     from rvcompile.build import BuildOptions, lower_model
-    from rvcompile.checkpoint import load_model_source
     from rvcompile.ir.interpret import ReferenceModel
     from rvcompile.passes.weight_math import encode
+    from rvcompile.sources.checkpoint import load_model_source
 
     _, m = moe_model
     source = load_model_source(str(oracle_dir("moe")[1]))
@@ -246,9 +246,9 @@ def test_26b_a4b_lowers() -> None:
     weights: per layer the 10 dense launches plus moe_norms, the router GEMV, moe_route,
     moe_gate_up, moe_down and moe_branch_sum."""
     from rvcompile.build import TARGETS
-    from rvcompile.frontend import build_model_ir
+    from rvcompile.ir.frontend import build_model_ir
     from rvcompile.ir.graph import check_model
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
     from rvcompile.targets.h100.lower import lower_to_h100
 
     full = get_preset("gemma-4-26B-A4B")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rvcompile.runtime.cuda_driver import CudaContext
+from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100.nvcc import KERNEL_DIR
 
 ENTRY = re.compile(r'extern\s+"C"\s+__global__\b')

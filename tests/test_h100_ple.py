@@ -34,10 +34,10 @@ from test_h100_elementwise import assert_bf16_close, rel_l2
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.config import Gemma4Config
-from rvcompile.frontend import build_model_ir
 from rvcompile.ir import ops
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.interpret import run_graph
+from rvcompile.model.config import Gemma4Config
 from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
@@ -142,7 +142,7 @@ def test_ple_presets_lower(preset, layers):
     """Decode: embed, bf16 copy, model projection GEMV, ple_combine, first norm; 13 launches
     per layer; head GEMV and 3 sampling kernels. The arena fits an 80 GB H100."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = load_model_source(preset, random_weights=True)
@@ -214,9 +214,9 @@ DEFAULT_BOUNDS = (0.9, 0.02, 0.2)
 
 def test_default_model_plan_matches_the_fp8_ir(tmp_path):
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
     from rvcompile.dtypes import numpy_dtype
     from rvcompile.ir.interpret import ReferenceModel
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
     opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), slots=1)

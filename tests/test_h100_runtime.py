@@ -21,7 +21,7 @@ from oracle import random_token_ids
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.runtime.h100_executor import check_fits
+from rvcompile.runtime.executors.h100 import check_fits
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100.reference_executor import reference_executor
 

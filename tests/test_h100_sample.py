@@ -283,7 +283,7 @@ class DeviceSampler:
         self.cap = float(cap)
 
     def set_step(self, step) -> None:
-        from rvcompile.runtime.cuda_driver import check
+        from rvcompile.runtime.executors.cuda_driver import check
 
         s = np.ascontiguousarray(step, np.int32)
         check(self.ctx.cu.cuMemcpyHtoD(self.bufs[5].ptr, s.ctypes.data, s.nbytes), "cuMemcpyHtoD")

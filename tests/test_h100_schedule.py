@@ -25,9 +25,9 @@ from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import CheckpointError
 from rvcompile.ir import ops
 from rvcompile.runtime.model import Model
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
 from rvcompile.targets.h100.reference_executor import reference_executor
@@ -146,7 +146,7 @@ def test_released_models_lower(preset, layers):
     attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
     norm; the arena fits an 80 GB H100."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
 
     source = load_model_source(preset, random_weights=True)
@@ -199,9 +199,9 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
     e4m3 through KV_WRITE's rounding) within the kernels' own rounding (q to bf16, sum order);
     greedy decode through the e4m3 pools = the teacher-forced argmax."""
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
     from rvcompile.dtypes import numpy_dtype
     from rvcompile.ir.interpret import ReferenceModel
+    from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
     _, m8 = h100_model("k_eq_v", "fp8")

@@ -4,7 +4,7 @@ artifacts are built from the same `--random-weights` seed and run through `rvcom
 one after the other (two full-depth 31B artifacts do not fit the GPU, or the disk, together).
 
 The two compute one IR; they differ where the kernels round q to bf16 and sum in another order.
-The random weights are conditioned in two ways (rvcompile.random_weights'
+The random weights are conditioned in two ways (rvcompile.sources.random_weights'
 `near_identity_init_range`). q/k norm weights are drawn near 1/4, as the oracle's tiny configs are
 conditioned (tests/oracle.py): with `--random-weights`' [0.5, 1.5], unit-RMS random q and k over
 256-512 dims give scores of std ~16, a near one-hot softmax that any rounding flips (seen: mean

@@ -25,8 +25,7 @@ from test_passes import CHUNK, _compare_xla, encoded, prefill_logits, reference,
 
 import rvcompile.targets.xla.lower as lower
 from rvcompile.build import BuildOptions, kv_cache_choice, lower_model
-from rvcompile.checkpoint import CheckpointError, load_model_source
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import CACHE_ARGS, check_model
 from rvcompile.ir.ops import (
     AttentionAttrs,
@@ -35,8 +34,9 @@ from rvcompile.ir.ops import (
     RopeAttrs,
     quantize_kv_rows,
 )
+from rvcompile.model.presets import get_preset
 from rvcompile.passes import cast_bf16, kv_int8, quantize_int8
-from rvcompile.presets import get_preset
+from rvcompile.sources.checkpoint import CheckpointError, load_model_source
 from rvcompile.targets.xla.program import SCALE_SUFFIX, cache_pools, kv_kinds, plan_layout
 from rvcompile.targets.xla.sharding import plan_tp
 

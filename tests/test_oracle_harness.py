@@ -27,7 +27,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import Gemma4ForCausalLM
 
-from rvcompile.config import AttnKind, Gemma4Config
+from rvcompile.model.config import AttnKind, Gemma4Config
 
 CASES = list(ORACLE_CASES)
 PROMPT_LEN = 20  # longer than every case's sliding window (8)

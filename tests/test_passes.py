@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rvcompile.checkpoint import load_model_source
 from rvcompile.dtypes import numpy_dtype as np_dtype
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.ir.interpret import ReferenceModel
 from rvcompile.passes import cast_bf16, quantize_int8
 from rvcompile.passes.weight_math import encode
+from rvcompile.sources.checkpoint import load_model_source
 from rvcompile.targets.xla.program import (
     Program,
     cache_shapes,

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rvcompile.checkpoint import expected_tensors
-from rvcompile.config import AttnKind
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import check_model
-from rvcompile.presets import PRESETS, get_preset
+from rvcompile.model.config import AttnKind
+from rvcompile.model.presets import PRESETS, get_preset
+from rvcompile.sources.checkpoint import expected_tensors
 from rvcompile.targets.xla.export import weight_layout
 from rvcompile.targets.xla.program import (
     Program,

@@ -10,13 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rvcompile.frontend import build_model_ir
+from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import check_model
 from rvcompile.ir.interpret import ReferenceModel
+from rvcompile.model.presets import get_preset
 from rvcompile.passes import cast_bf16, quantize_fp8
 from rvcompile.passes.weight_math import encode
-from rvcompile.presets import get_preset
-from rvcompile.random_weights import random_tensors
+from rvcompile.sources.random_weights import random_tensors
 
 
 def no_moe(cfg):

@@ -428,11 +428,40 @@ def test_serve_refuses_bad_options(artifact):
         assert len(lines) == 1 and lines[0].startswith("rvrun: error: ") and needle in lines[0]
 
 
+def test_a_hostile_chat_template_gets_400_and_runs_nothing(artifact, tmp_path):
+    """An artifact written by hand around the build's template check (issue 12): the template
+    renders in jinja2's sandbox, so a request gets a one-line 400 and the command never runs."""
+    from rvcompile.artifacts import Artifact, ArtifactWriter
+
+    marker = tmp_path / "pwned"
+    hostile = tmp_path / "hostile.rvp"
+    template = f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
+    with Artifact.open(artifact) as art, ArtifactWriter(hostile, art.header) as w:
+        for name in art.sections:
+            w.add(name, template.encode() if name == "chat_template" else art.buffer(name))
+        w.commit(art.manifest)
+    s = Server(hostile, *POOLS)  # the same programs: a compile-cache hit
+    try:
+        c = s.client()
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2)
+        assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+        assert e.value.body["message"] == ("messages: chat template: access to attribute "
+                                           "'__init__' of 'type' object is unsafe")
+        r = c.completions.create(model=NAME, prompt="hi", max_tokens=2)  # still serving
+        assert r.usage.completion_tokens == 2
+    finally:
+        s.stop()
+    assert not marker.exists()
+    assert "Traceback" not in "".join(s.lines)
+
+
 def test_inter_token_latency_is_observed_per_token():
     """A device-side decode loop hands several tokens over in one output: the histogram still
     gets one observation per token after the first, with the gap spread over them."""
     from rvcompile.runtime.engine import RequestOutput
-    from rvcompile.runtime.server import Metrics, _Stream
+    from rvcompile.runtime.serve.server import Metrics, _Stream
 
     metrics = Metrics(thread=None)  # the engine collector is only read at scrape time
     queue: asyncio.Queue = asyncio.Queue()

@@ -33,7 +33,7 @@ import uvicorn
 from test_serve import BIN, KV_BLOCKS, NAME, POOLS, Server
 
 from rvcompile import runtime
-from rvcompile.runtime.server import HttpOptions, ServeOptions, create_app
+from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app
 
 KEY = "sk-test-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}

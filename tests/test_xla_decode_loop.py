@@ -20,8 +20,8 @@ from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk, decode_loop_steps
+from rvcompile.runtime.executors.xla import BACKEND_PLATFORM
 from rvcompile.runtime.model import Model
-from rvcompile.runtime.xla_executor import BACKEND_PLATFORM
 
 CONTEXT = 128
 STEPS = 16  # decode steps per decode_many call
@@ -71,6 +71,30 @@ def test_engine_loop_on_the_fake_executor(full, sliding):
     for rid, want in expected.items():
         assert fake.tokens_of(outs[rid]) == want, rid
         assert outs[rid][-1].finish_reason == "length"
+    assert any(entry == "loop" for entry, *_ in ex.calls)
+    fake.assert_pools_whole(eng)
+
+
+@pytest.mark.parametrize("full,sliding", [(16, 6), (20, 16), (16, 16)])
+def test_engine_loop_recomputes_preempted_sequences(full, sliding):
+    """All at once into tight pools: sequences are preempted and recomputed while others run
+    loop calls. A recomputed sequence's generated tokens are fed one decode step at a time,
+    never sampled in a loop lane, so every request still gets its reference tokens (once the
+    engine handed the loop's None for them to the detokenizer, which killed the server)."""
+    rng = random.Random(full)
+    ex = LoopFake(full, sliding)
+    eng = fake.engine(ex)
+    expected = {}
+    for i in range(20):
+        prompt = [rng.randrange(2, fake.VOCAB) for _ in range(rng.randrange(1, 30))]
+        max_tokens = rng.randrange(1, fake.CONTEXT - len(prompt))
+        eng.add(Request(str(i), prompt, max_tokens, ignore_eos=True))
+        expected[str(i)] = fake.reference(prompt, max_tokens)
+    outs = fake.drain(eng)
+    for rid, want in expected.items():
+        assert fake.tokens_of(outs[rid]) == want, rid
+        assert outs[rid][-1].finish_reason == "length"
+    assert eng.stats().preemptions > 0
     assert any(entry == "loop" for entry, *_ in ex.calls)
     fake.assert_pools_whole(eng)
 
@@ -201,7 +225,7 @@ def test_engine_generations_equal_with_and_without_the_loop(model):
     ]
 
     def run(executor, eos_ids, together: bool) -> dict[str, tuple]:
-        engine = Engine(executor, model.decode, eos_ids)
+        engine = Engine(executor, model.decode, eos_ids, vocab_size=model.vocab_size)
         got: dict[str, tuple] = {}
         for batch in ([requests] if together else [[r] for r in requests]):
             for r in batch:

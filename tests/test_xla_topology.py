@@ -6,13 +6,23 @@ executables and the StableHLO, and the whole serialize -> artifact -> load-witho
 with executables compiled for this machine's CPU (the same jax serialization a TPU set uses).
 A build for a TPU topology runs when libtpu is installed (scripts/setup.sh puts it in
 .venv/tpu-aot); loading a TPU set needs a TPU and is not tested here.
+
+Loading never runs code from the file (issue 12): executables are stored as XLA's own bytes with
+a JSON description of their operands (no pickle) and loaded only with trust_executables, from a
+file a trusted key signed; a crafted entry holding a pickle that would run code is refused or
+ignored with one line, and its code never runs.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
+import hashlib
 import importlib.util
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -24,10 +34,16 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rvcompile.artifacts import Artifact, ArtifactWriter
+from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
+from rvcompile.artifacts.signature import (
+    load_signing_key,
+    load_trusted_key,
+    sign_artifact,
+    write_keypair,
+)
 from rvcompile.build import BuildOptions, build_artifact
-from rvcompile.checkpoint import CheckpointError
-from rvcompile.runtime.precompiled import Choice, Machine, choose
+from rvcompile.runtime.executors.precompiled import Choice, Machine, choose
+from rvcompile.sources.checkpoint import CheckpointError
 from rvcompile.targets.xla import precompile
 from rvcompile.targets.xla.cost_report import (
     CHIPS,
@@ -147,7 +163,7 @@ def test_read_model_of_the_ir():
     from types import SimpleNamespace
 
     from rvcompile.build import lower_model
-    from rvcompile.presets import get_preset
+    from rvcompile.model.presets import get_preset
 
     opts = BuildOptions(target="tpu-int8", max_context=64, prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny")), opts, lambda s: None)
@@ -202,8 +218,9 @@ def test_decode_footprint_reads_the_compiled_arguments():
 
 # ---- the runtime's choice ----------------------------------------------------------------
 
-RECORD = {"topology": "v6e:2x2", "platform": "tpu", "device_kind": "TPU v6 lite",
-          "device_ids": [0, 1, 2, 3], "coords": [[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]],
+RECORD = {"topology": "v6e:2x2", "encoding": "pjrt-1", "platform": "tpu",
+          "device_kind": "TPU v6 lite", "device_ids": [0, 1, 2, 3],
+          "coords": [[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]],
           "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1",
           "kv_blocks": {"full": 8, "sliding": 12}, "entries": {}}
 V6E_4 = Machine("tpu", "TPU v6 lite", ((0, (0, 0, 0)), (1, (1, 0, 0)), (2, (0, 1, 0)),
@@ -212,7 +229,7 @@ BLOCKS = {"full": 8, "sliding": 12}
 
 
 def test_choose_loads_a_matching_set():
-    c = choose({"v6e:2x2": RECORD}, V6E_4, BLOCKS)
+    c = choose({"v6e:2x2": RECORD}, V6E_4, BLOCKS, trusted=True)
     assert c == Choice("v6e:2x2", "precompiled executables for v6e:2x2 (jaxlib 0.10.2, libtpu "
                                   "0.0.42.1); nothing compiled")
 
@@ -227,7 +244,7 @@ def test_choose_loads_a_matching_set():
     (replace(V6E_4, platform="cpu", device_kind="cpu"), BLOCKS, "it is for TPU v6 lite"),
 ])
 def test_choose_says_why_it_compiles(machine, blocks, why):
-    c = choose({"v6e:2x2": RECORD}, machine, blocks)
+    c = choose({"v6e:2x2": RECORD}, machine, blocks, trusted=True)
     assert c.topology is None
     assert why in c.note
     assert c.note.startswith(f"no precompiled executable for {machine.device_kind} x4 / jaxlib "
@@ -236,8 +253,19 @@ def test_choose_says_why_it_compiles(machine, blocks, why):
 
 
 def test_choose_without_sets():
-    c = choose({}, V6E_4, BLOCKS)
+    c = choose({}, V6E_4, BLOCKS, trusted=True)
     assert c.topology is None and "the artifact has none" in c.note
+
+
+def test_choose_loads_nothing_untrusted_and_no_pickled_set():
+    c = choose({"v6e:2x2": RECORD}, V6E_4, BLOCKS, trusted=False)
+    assert c == Choice(None, "not loading the precompiled executables (v6e:2x2): XLA runs an "
+                             "executable unchecked, so rvrun loads one only when trusted "
+                             "(--trust-executables --trusted-key); compiling StableHLO")
+    legacy = {k: v for k, v in RECORD.items() if k != "encoding"}  # format v2: jax's pickle
+    c = choose({"v6e:2x2": legacy}, V6E_4, BLOCKS, trusted=True)
+    assert c.topology is None and "v6e:2x2: it is stored as jax's pickle, which rvrun does " \
+        "not load (rebuild the artifact)" in c.note
 
 
 # ---- serialize -> artifact -> load with no compilation (CPU executables) ------------------
@@ -249,6 +277,17 @@ def _tiny_artifact(path: Path) -> Path:
     return path
 
 
+def _rewrite(src: Path, dst: Path, manifest: dict, sections: dict[str, bytes]) -> None:
+    """A copy of `src` with `manifest` and `sections` (name -> bytes) replacing or adding its
+    own: a file as a careless or hostile writer could make it, digests all consistent."""
+    with Artifact.open(src) as art, ArtifactWriter(dst, art.header) as w:
+        for name in art.sections:
+            w.add(name, sections.get(name, art.buffer(name)))
+        for name in sections.keys() - art.sections.keys():
+            w.add(name, sections[name])
+        w.commit(manifest)
+
+
 def _with_cpu_set(src: Path, dst: Path) -> dict:
     """A copy of `src` carrying executables precompiled for this host's CPU."""
     with Artifact.open(src) as art:
@@ -256,36 +295,52 @@ def _with_cpu_set(src: Path, dst: Path) -> dict:
         blob = art.buffer("programs")
         programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
                     for n, loc in m["xla"]["programs"].items()}
-        pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
-        pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
-                                         m["xla"]["slots"], CHIPS["v6e"], 2,
-                                         m["xla"]["max_context"], ReadModel())
-        data, records = precompile.executables_section([pre])
-        manifest = {**m, "xla": {**m["xla"], "precompiled": records}}
-        with ArtifactWriter(dst, art.header) as w:
-            for name in art.sections:
-                w.add(name, art.buffer(name))
-            w.add("executables", data)
-            w.commit(manifest)
+    pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
+    pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
+                                     m["xla"]["slots"], CHIPS["v6e"], 2,
+                                     m["xla"]["max_context"], ReadModel())
+    data, records = precompile.executables_section([pre])
+    _rewrite(src, dst, {**m, "xla": {**m["xla"], "precompiled": records}},
+             {"executables": data})
     return records["cpu:1"]
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+def key(tmp_path_factory) -> tuple[Path, Path]:
+    """(private, public) key files of the signer the tests trust."""
+    return write_keypair(tmp_path_factory.mktemp("key") / "release")[:2]
+
+
+def _signed(path: Path, key: tuple[Path, Path]) -> Path:
+    sign_artifact(path, load_signing_key(key[0]), "release")
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, key):
     d = tmp_path_factory.mktemp("topology")
     plain = _tiny_artifact(d / "plain.rvp")
     record = _with_cpu_set(plain, d / "cpu-set.rvp")
-    return plain, d / "cpu-set.rvp", record
+    return plain, _signed(d / "cpu-set.rvp", key), record
 
 
-def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, capsys):
+def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key, capsys):
     from rvcompile.runtime import load
 
     plain, with_set, record = artifacts
     assert record["platform"] == "cpu" and record["libtpu"] == precompile.libtpu_version()
+    assert record["encoding"] == "pjrt-1"
     assert sorted(record["entries"]) == ["decode_2", "logits_16", "prefill_16"]
+    sig = record["entries"]["decode_2"]["operands"]
+    with Artifact.open(with_set) as art:
+        pools = art.manifest["xla"]["kv"]["pools"]
+        weights = art.manifest["xla"]["weights"]
+    # flat inputs: weights (sorted keys), then the pools (donated), then tokens, start, ...
+    assert [i["donated"] for i in sig["inputs"]].count(True) == len(pools)
+    assert all(i["donated"] for i in sig["inputs"][len(weights):len(weights) + len(pools)])
+    assert [o["shape"] for o in sig["outputs"]][-1] == [2]  # the sampled token per lane
     prompt = [2, 17, 5, 99, 3]
-    model = load(with_set)
+    model = load(with_set, trusted_keys=[key[1]], trust_executables=True)
     note = model.executor.load_note
     assert note.startswith("precompiled executables for cpu:1") and "nothing compiled" in note
     assert model.executor.compile_s == 0.0
@@ -297,23 +352,47 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, caps
     assert "[rvrun]" not in capsys.readouterr().err
 
 
-def test_precompiled_set_not_matching_says_why(artifacts, capsys, monkeypatch):
+def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,
+                                                           monkeypatch):
     from rvcompile.runtime import load
-    from rvcompile.runtime import precompiled as runtime_precompiled
-    from rvcompile.runtime.xla_executor import XlaExecutor
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors.xla import XlaExecutor
 
     _, with_set, _ = artifacts
-    monkeypatch.setattr(runtime_precompiled, "libtpu_version", lambda: "9.9.9")
     monkeypatch.setattr(XlaExecutor, "_warm_up", lambda self: 0.0)  # the note, not the compile
-    assert load(with_set).executor.load_note.startswith("XLA compile")
+    for keys in (None, [key[1]]):  # signed by a trusted key, but executables not trusted
+        assert load(with_set, trusted_keys=keys).executor.load_note.startswith("XLA compile")
+        err = capsys.readouterr().err
+        assert err == ("[rvrun] not loading the precompiled executables (cpu:1): XLA runs an "
+                       "executable unchecked, so rvrun loads one only when trusted "
+                       "(--trust-executables --trusted-key); compiling StableHLO\n")
+    with pytest.raises(ArtifactError, match="^cpu-set.rvp: trust_executables needs trusted_keys: "
+                                            "XLA runs an executable unchecked, so only a signer "
+                                            "you trust may supply one$"):
+        load(with_set, trust_executables=True)
+    monkeypatch.setattr(runtime_precompiled, "libtpu_version", lambda: "9.9.9")
+    assert load(with_set, trusted_keys=[key[1]], trust_executables=True).executor \
+        .load_note.startswith("XLA compile")
     err = capsys.readouterr().err
     assert "[rvrun] no precompiled executable for cpu x1" in err
     assert "cpu:1: it was compiled with libtpu" in err and err.rstrip().endswith(
         "compiling StableHLO")
 
 
+def test_rvrun_trusts_executables_only_with_a_trusted_key(artifacts, capsys):
+    from rvcompile.runtime.cli import main, ppl_main, serve_main
+
+    _, with_set, _ = artifacts
+    for run, args in ((main, ["--prompt", "hi"]), (ppl_main, ["--text", __file__]),
+                      (serve_main, ["--port", "0"])):
+        assert run([str(with_set), *args, "--trust-executables"]) == 2
+        assert capsys.readouterr().err == (
+            "rvrun: error: --trust-executables needs --trusted-key: XLA runs an executable "
+            "unchecked, so only a signer you trust may supply one\n")
+
+
 def test_corrupt_executable_is_refused(artifacts, tmp_path):
-    from rvcompile.runtime import precompiled as runtime_precompiled
+    from rvcompile.runtime.executors import precompiled as runtime_precompiled
 
     _, with_set, record = artifacts
     bad = tmp_path / "bad.rvp"
@@ -327,6 +406,126 @@ def test_corrupt_executable_is_refused(artifacts, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with Artifact.open(bad) as art, pytest.raises(Exception, match="decode_2 is corrupt"):
         runtime_precompiled.load(art, "cpu:1", {}, jax.devices("cpu"))
+
+
+class _Touch:
+    """Unpickling this creates `path`: what a hostile entry would do with os.system."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def _with_entries(src: Path, dst: Path, data: bytes, *, encoding: bool) -> None:
+    """A copy of `src` whose every precompiled cpu:1 entry is `data`, digests consistent; the
+    record without `encoding` is as format v2 wrote it (jax's pickle)."""
+    with Artifact.open(src) as art:
+        m = art.manifest
+    rec = m["xla"]["precompiled"]["cpu:1"]
+    entries = {n: {**e, "offset": 0, "size": len(data),
+                   "sha256": hashlib.sha256(data).hexdigest()} for n, e in rec["entries"].items()}
+    rec = {k: v for k, v in rec.items() if encoding or k != "encoding"}
+    manifest = {**m, "xla": {**m["xla"], "precompiled": {"cpu:1": {**rec, "entries": entries}}}}
+    _rewrite(src, dst, manifest, {"executables": data})
+
+
+def test_a_pickle_in_an_entry_never_runs(artifacts, key, tmp_path, capsys):
+    from rvcompile.runtime import load
+
+    _, with_set, _ = artifacts
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Touch(marker))
+    pickle.loads(payload)  # the payload is live: unpickling it runs its code
+    assert marker.exists()
+    marker.unlink()
+    v3, v2 = tmp_path / "v3.rvp", tmp_path / "v2.rvp"
+    _with_entries(with_set, v3, payload, encoding=True)
+    _with_entries(with_set, v2, payload, encoding=False)
+    with pytest.raises(ArtifactError, match="^v3.rvp: not signed"):  # an attacker has no key
+        load(v3, trusted_keys=[key[1]], trust_executables=True)
+    # signed (a signer's mistake, or a stolen key): verify checks integrity, and it is whole
+    for path in (v3, v2):
+        _signed(path, key)
+        with Artifact.open(path, trusted_keys=[load_trusted_key(key[1])]) as art:
+            art.verify()
+    # trusted, an entry in the new encoding goes to XLA's parser, which refuses it
+    with pytest.raises(ArtifactError) as e:
+        load(v3, trusted_keys=[key[1]], trust_executables=True)
+    assert str(e.value).startswith("v3.rvp: precompiled cpu:1/decode_2: XLA cannot load it: ")
+    assert "\n" not in str(e.value)
+    # a v2 set (jax's pickle) is never loaded, nor is any set untrusted: the StableHLO runs
+    for path, trust, why in ((v2, True, "cpu:1: it is stored as jax's pickle"),
+                             (v3, False, "loads one only when trusted")):
+        model = load(path, trusted_keys=[key[1]], trust_executables=trust)
+        assert model.executor.load_note.startswith("XLA compile")
+        assert why in capsys.readouterr().err
+        assert len(model.generate([2, 17, 5], max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert not marker.exists()
+
+
+def _tampered(src: Path, dst: Path, edit) -> None:
+    """A copy of `src` with `edit(record)` applied to its cpu:1 record."""
+    with Artifact.open(src) as art:
+        m = copy.deepcopy(art.manifest)
+    edit(m["xla"]["precompiled"]["cpu:1"])
+    _rewrite(src, dst, m, {})
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][0].update(shape=[7, 128]),
+     "decode_2: input 0 is float32[7, 128] P(), its program's is float32[1024, 128] P()"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][0].update(dtype="bfloat16"),
+     "decode_2: input 0 is bfloat16"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["outputs"].pop(),
+     "decode_2: 5 outputs, its program has 6"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["outputs"][0].update(donated=True),
+     "decode_2: operands.outputs: an output cannot be donated"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(spec=["tp", 3]),
+     "decode_2: operands.inputs[1].spec: expected a PartitionSpec"),
+    (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(dtype="float99"),
+     "decode_2: operands.inputs[1].dtype: unknown dtype 'float99'"),
+    # decode_2's operands over prefill_16's executable: XLA loads it, the shapes disagree
+    (lambda r: r["entries"]["decode_2"].update(
+        {k: r["entries"]["prefill_16"][k] for k in ("offset", "size", "sha256")}),
+     "decode_2: the executable's input"),
+], ids=["shape", "dtype", "outputs", "donated", "spec", "unknown-dtype", "other-executable"])
+def test_operands_that_disagree_are_refused(artifacts, key, tmp_path, edit, says):
+    """As a signer's own mistake would make it (a signed file): refused in one line."""
+    from rvcompile.runtime import load
+
+    _, with_set, _ = artifacts
+    bad = tmp_path / "bad.rvp"
+    _tampered(with_set, bad, edit)
+    _signed(bad, key)
+    with pytest.raises(ArtifactError, match=re.escape(says)) as e:
+        load(bad, trusted_keys=[key[1]], trust_executables=True)
+    assert str(e.value).startswith("bad.rvp: precompiled cpu:1/") and "\n" not in str(e.value)
+
+
+def test_the_load_path_unpickles_nothing():
+    """No module that reads an artifact imports a deserializer that runs code (pickle and
+    friends, jax's pickling serialize_executable), evaluates text, or lets numpy unpickle."""
+    banned_modules = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve",
+                      "yaml", "serialize_executable", "jax.experimental.serialize_executable"}
+    pkg = ROOT / "rvcompile"
+    files = [*sorted((pkg / "runtime").rglob("*.py")), *sorted((pkg / "artifacts").glob("*.py")),
+             pkg / "dtypes.py", pkg / "chat_template.py"]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {node.module or "", *(a.name for a in node.names)}
+            else:
+                names = set()
+            assert not names & banned_modules, where
+            if isinstance(node, ast.Call):
+                func = node.func
+                assert not (isinstance(func, ast.Name) and func.id in ("eval", "exec")), where
+                assert all(k.arg != "allow_pickle" for k in node.keywords), where
 
 
 def test_inspect_lists_sets_and_cost_estimate(artifacts):

@@ -111,7 +111,7 @@ def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
 
 def _ir(case_or_preset: str, target: str = "xla-f32", layers: int | None = None):
     from rvcompile.build import lower_model
-    from rvcompile.checkpoint import load_model_source
+    from rvcompile.sources.checkpoint import load_model_source
 
     source = load_model_source(case_or_preset, random_weights=True)
     if layers:
@@ -174,7 +174,7 @@ def test_split_rules(tiny_ir):
 
 @pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
 def test_uneven_split_refused(tiny_ir, tp, field):
-    from rvcompile.config import ConfigError
+    from rvcompile.model.config import ConfigError
     from rvcompile.targets.xla.sharding import check_tp
 
     with pytest.raises(ConfigError, match=f"{field} 4 does not split over --tp {tp}"):
@@ -182,8 +182,8 @@ def test_uneven_split_refused(tiny_ir, tp, field):
 
 
 def test_uneven_kv_heads_refused():
-    from rvcompile.config import ConfigError
-    from rvcompile.presets import get_preset
+    from rvcompile.model.config import ConfigError
+    from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.sharding import check_tp
 
     cfg = replace(get_preset("gemma-4-26B-A4B"), num_kv_heads=6, num_heads=12)

@@ -83,7 +83,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # v1 files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # keeps the reader and the section digest (a cache key) single-meaning.
 MIN_READABLE_FORMAT = 2
@@ -111,7 +111,14 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "every region at the first ALIGN multiple after the previous one and zero "
                       "bytes between; unsigned files are unchanged, and earlier v2 readers "
                       "refuse signed ones (unexpected bytes after the manifest)"),
+    ("2026-11-24", 3, "xla.precompiled executables are stored without pickle: each entry holds "
+                      "the PJRT-serialized executable and JSON operands: its flat inputs and "
+                      "outputs; records carry encoding EXECUTABLES_ENCODING; v2 records "
+                      "(jax's pickle) are never loaded, and v2 readers refuse v3 files instead "
+                      "of unpickling XLA's bytes"),
 )
+# xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
+EXECUTABLES_ENCODING = "pjrt-1"
 
 # The 0x89 byte and the CR LF / ^Z tail (the PNG trick) catch files mangled by text-mode copies
 # and keep the file from being mistaken for text.

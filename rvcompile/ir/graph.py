@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rvcompile.assistant import TENSOR_PREFIX, AssistantConfig
-from rvcompile.config import Gemma4Config, LayerSpec
 from rvcompile.ir.ops import (
     OPS,
     ArgAttrs,
@@ -36,6 +34,8 @@ from rvcompile.ir.ops import (
     Shape,
     SpecError,
 )
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
+from rvcompile.model.config import Gemma4Config, LayerSpec
 
 
 @dataclass(frozen=True)

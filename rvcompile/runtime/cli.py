@@ -1,13 +1,15 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
-OpenAI-compatible HTTP server (rvcompile.runtime.server); SIGTERM drains it and exits 0.
+OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
 Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
 public keys signed it (`rvcompile sign`), before anything past its header and digest table is read.
 
 Bad input or an artifact that does not fit this machine prints one line `rvrun: error: ...` and
-exits 2. Ctrl-C prints `rvrun: interrupted` and exits 130 (serve: after draining); a closed
-stdout (`rvrun ... | head`) ends it quietly with 141.
+exits 2. The sampling flags get the engine's own request check (runtime/request_limits), the
+parts that need no artifact before it loads; a generation the engine fails exits 1. Ctrl-C prints
+`rvrun: interrupted` and exits 130 (serve: after draining); a closed stdout (`rvrun ... | head`)
+ends it quietly with 141.
 """
 
 from __future__ import annotations
@@ -66,8 +68,15 @@ def _main(argv: list[str] | None) -> int:
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
     a = p.parse_args(argv)
-    if a.max_tokens < 1 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.temperature < 0:
-        return _fail("need --max-tokens >= 1, --top-k >= 0, 0 < --top-p <= 1, --temperature >= 0")
+    from rvcompile.runtime import request_limits as rl
+    from rvcompile.runtime.executor_api import Sampling
+
+    try:  # before the (slow) load; the vocabulary and context limits follow in generate
+        rl.check_max_tokens(a.max_tokens)
+        rl.check_sampling(Sampling(a.temperature, a.top_k, a.top_p, a.seed), vocab_size=None)
+        rl.check_stop(a.stop)
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
     problem = _not_utf8("--prompt", a.prompt)
     if problem:
         return _fail(problem)
@@ -79,7 +88,8 @@ def _main(argv: list[str] | None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -90,8 +100,12 @@ def _main(argv: list[str] | None) -> int:
                                        chat=a.chat):
             sys.stdout.write(piece)
             sys.stdout.flush()
-    except ValueError as e:
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
+    except ValueError as e:  # the chat template refused the prompt
         return _fail(str(e))
+    except RuntimeError as e:  # the engine failed the generation
+        return _fail(str(e), status=1)
     sys.stdout.write("\n")
     r = m.last_result
     ex = m.executor
@@ -133,7 +147,8 @@ def ppl_main(argv: list[str]) -> int:
     from rvcompile import runtime
 
     try:
-        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys)
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
@@ -210,11 +225,11 @@ def serve_main(argv: list[str]) -> int:
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                         trusted_keys=keys)
+                         trusted_keys=keys, trust_executables=a.trust_executables)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
-    from rvcompile.runtime.server import HttpOptions, ServeOptions, create_app, run
+    from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
     name = a.model_name or Path(a.artifact).stem
     app = create_app(m, ServeOptions(name, a.max_waiting),
@@ -258,11 +273,19 @@ def _add_trusted_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
                    help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
                         "--trusted-key) signed it (repeatable)")
+    p.add_argument("--trust-executables", action="store_true",
+                   help="load the artifact's precompiled XLA executables (--topology builds); XLA "
+                        "runs them unchecked, like a program, so this needs --trusted-key "
+                        "(default: compile the StableHLO)")
 
 
 def _trusted_keys(a: argparse.Namespace) -> list[TrustedKey] | None:
     """The --trusted-key files read, or None without the flag; ValueError (one line) if a file
-    is not an Ed25519 public key or the flag comes with --no-verify."""
+    is not an Ed25519 public key, the flag comes with --no-verify, or --trust-executables
+    without it."""
+    if a.trust_executables and not a.trusted_key:
+        raise ValueError("--trust-executables needs --trusted-key: XLA runs an executable "
+                         "unchecked, so only a signer you trust may supply one")
     if not a.trusted_key:
         return None
     if a.no_verify:
@@ -271,9 +294,14 @@ def _trusted_keys(a: argparse.Namespace) -> list[TrustedKey] | None:
     return [load_trusted_key(k) for k in a.trusted_key]
 
 
-def _fail(msg: str) -> int:
+def _flag_error(e) -> str:
+    """A RequestError in the CLI's words: its field as the flag that set it."""
+    return f"--{e.param.replace('_', '-')}: {e.problem}"
+
+
+def _fail(msg: str, status: int = 2) -> int:
     print(f"rvrun: error: {msg.splitlines()[0]}", file=sys.stderr)
-    return 2
+    return status
 
 
 if __name__ == "__main__":

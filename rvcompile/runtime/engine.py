@@ -1,26 +1,37 @@
 """The engine: a one-way loop schedule -> execute -> update over any executor (executor_api),
 shared by Model.generate and `rvrun serve`.
 
-Requests come in through `add` and `abort` (thread-safe). Each `step()` takes them in, asks the
-scheduler for work, runs it on the executor (prefill chunks, then one decode call) and turns the
-sampled tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When every
-running sequence decodes and nobody waits to join, the step is one decode_many call instead
-(where the executor offers it): up to decode_loop_steps tokens per sequence, the same tokens.
-A finished or aborted request's blocks go back to the pool in the same step. `EngineThread`
-runs steps in the background and hands each output to its request's sink.
+Requests come in through `add` and `abort` (thread-safe). `add` checks every field once
+(request_limits): a request the engine cannot run is refused there, never in a step. Each
+`step()` takes them in, asks the scheduler for work, runs it on the executor (prefill chunks,
+then one decode call) and turns the sampled tokens into RequestOutputs: text deltas, stop
+strings, EOS and max_tokens. When every running sequence decodes past its recomputed tokens
+and nobody waits to join, the step is one decode_many call instead (where the executor offers
+it): up to decode_loop_steps tokens per sequence, the same tokens. A finished or aborted
+request's blocks go back to the pool in the same step.
+
+Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
+freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
+DeviceError (the device is unusable) leaves step(). `EngineThread` runs steps in the background
+and hands each output to its request's sink; after a DeviceError, or a failure it cannot clean
+up, it ends every request, refuses new ones and says why in `error` (the server's /health) and
+in the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from rvcompile.runtime.executor_api import (
+    DeviceError,
     Executor,
     KvKind,
     LoopLane,
@@ -29,8 +40,12 @@ from rvcompile.runtime.executor_api import (
     decode_loop_steps,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
+from rvcompile.runtime.request_limits import RequestLimits
 from rvcompile.runtime.scheduler import Schedule, Scheduler, Seq, Work
 from rvcompile.runtime.textstream import TextStream
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,14 +114,19 @@ def engine_limits(kinds: dict[str, KvKind], block_size: int, decode_width: int,
     return max_num_seqs, max_model_len
 
 
+class QueueFull(RuntimeError):
+    """More requests wait than the caller allows (Engine.add's max_waiting)."""
+
+
 class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
-                 eos_ids: frozenset[int], *, max_num_seqs: int | None = None,
+                 eos_ids: frozenset[int], *, vocab_size: int, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, prefill_budget: int | None = None):
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.decode_width, executor.max_context,
             max_num_seqs, max_model_len)
+        self.limits = RequestLimits(vocab_size, self.max_model_len)
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),
@@ -120,20 +140,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests (any thread)
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise ValueError, naming the numbers, for a request this engine cannot run."""
-        if prompt_len == 0:
-            raise ValueError("empty prompt")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens")
-
-    def add(self, request: Request) -> None:
-        self.check(len(request.prompt_ids), request.max_tokens)
+    def add(self, request: Request, max_waiting: int | None = None) -> None:
+        """Queue a request, its fields checked (request_limits: raises RequestError, a
+        ValueError). With max_waiting, raises QueueFull while that many requests wait."""
+        request = self.limits.check(request)
         with self._lock:
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            if max_waiting is not None and waiting >= max_waiting:
+                raise QueueFull(f"the queue is full ({waiting} waiting requests)")
             self._inbox.append(request)
 
     def abort(self, request_id: str) -> None:
@@ -176,30 +190,61 @@ class Engine:
         self.preemptions += len(sched.preempted)
         lanes = self._loop_lanes(sched) if not inbox else None
         if lanes is not None:
-            outputs += self._decode_loop(sched.decodes, lanes)
-            self.steps += 1
-            return outputs
-        done: list[tuple[Work, int]] = [(w, self.executor.prefill(w.chunk))
-                                        for w in sched.prefills]
-        if sched.decodes:
-            tokens = self.executor.decode([w.chunk for w in sched.decodes])
-            done += zip(sched.decodes, tokens, strict=True)
-        for work, token in done:
-            new = self.scheduler.advance(work, token)
-            if new is not None:
-                outputs.append(self._emit(self._live[work.seq.id], new))
+            self._decode_loop(sched.decodes, lanes, outputs)
+        else:
+            self._run(sched, outputs)
         self.steps += 1
         return outputs
 
+    def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
+        """The schedule's prefill calls, then its decode call; each token through advance."""
+        done: list[tuple[Work, int]] = []
+        for w in sched.prefills:
+            token = self._guarded("prefill", [w], outputs, self.executor.prefill, w.chunk)
+            if token is not None:
+                done.append((w, token))
+        if sched.decodes:
+            tokens = self._guarded("decode", sched.decodes, outputs, _pairs, sched.decodes,
+                                   self.executor.decode, [w.chunk for w in sched.decodes])
+            done += tokens or []
+        for work, token in done:
+            out = self._guarded("output", [work], outputs, self._advance, work, token)
+            if out is not None:
+                outputs.append(out)
+
+    def _advance(self, work: Work, token: int) -> RequestOutput | None:
+        new = self.scheduler.advance(work, token)
+        return None if new is None else self._emit(self._live[work.seq.id], new)
+
+    def _guarded(self, what: str, works: Sequence[Work], outputs: list[RequestOutput],
+                 fn: Callable[..., T], *args) -> T | None:
+        """fn(*args), the `what` of the requests of `works`. If it raises (a DeviceError excepted),
+        they end with finish_reason "error" in `outputs`, their blocks freed, and None is
+        returned: the rest of the step goes on."""
+        lives = [self._live[w.seq.id] for w in works]
+        try:
+            return fn(*args)
+        except DeviceError:
+            raise
+        except Exception as e:
+            error = f"the engine failed to run this request: {type(e).__name__}: {e}"
+            log.error("engine: %s failed; ending request(s) %s", what,
+                      ", ".join(live.request.id for live in lives), exc_info=e)
+            outputs += [self._fail(live, error) for live in lives]
+            return None
+
     def _loop_lanes(self, sched: Schedule) -> list[LoopLane] | None:
         """This step's decodes as decode_many lanes, or None to run one decode step: when the
-        executor has no loop, someone else runs or waits to join, or the pools cannot hold
-        every lane's budget (the rest of its max_tokens, at most one call's steps), allocated
-        here ahead of the call (blocks a lane got before another's failed stay with it)."""
+        executor has no loop, someone else runs or waits to join, a sequence is recomputing
+        tokens it generated before a preemption (each must be fed, not sampled), or the pools
+        cannot hold every lane's budget (the rest of its max_tokens, at most one call's
+        steps), allocated here ahead of the call (blocks a lane got before another's failed
+        stay with it)."""
         steps = decode_loop_steps(self.executor)
         if (steps == 0 or not sched.decodes or sched.prefills or sched.preempted
                 or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
-                or len(self.eos_ids) > self.executor.decode_loop_stops):
+                or len(self.eos_ids) > self.executor.decode_loop_stops
+                or any(w.seq.cached + 1 < len(w.seq.tokens) for w in sched.decodes)):
             return None
         lanes = []
         for w in sched.decodes:
@@ -212,30 +257,45 @@ class Engine:
             lanes.append(LoopLane(chunk, budget, stops))
         return lanes
 
-    def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane]) -> list[RequestOutput]:
+    def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane],
+                     outputs: list[RequestOutput]) -> None:
         """Run the lanes in one decode_many call. Their tokens go through advance/_emit one by
         one, as if from single decode steps; each request gets one RequestOutput for the call."""
-        outputs = []
-        for w, lane, tokens in zip(decodes, lanes, self.executor.decode_many(lanes),
-                                   strict=True):
-            live, parts = self._live[w.seq.id], []
-            for k, token in enumerate(tokens):
-                chunk = dataclasses.replace(lane.chunk, tokens=[w.seq.tokens[-1]],
-                                            start=lane.chunk.start + k, step=lane.chunk.step + k)
-                parts.append(self._emit(live, self.scheduler.advance(Work(w.seq, chunk), token)))
-                if parts[-1].finished:
-                    break
-            outputs.append(_merge(parts))
-        return outputs
+        results = self._guarded("decode_many", decodes, outputs, _pairs,
+                                list(zip(decodes, lanes, strict=True)),
+                                self.executor.decode_many, lanes)
+        for (w, lane), tokens in results or []:
+            out = self._guarded("output", [w], outputs, self._advance_lane, w, lane, tokens)
+            if out is not None:
+                outputs.append(out)
+
+    def _advance_lane(self, w: Work, lane: LoopLane, tokens: list[int]) -> RequestOutput:
+        if not 0 < len(tokens) <= lane.budget:
+            raise RuntimeError(f"decode_many returned {len(tokens)} tokens for a lane of "
+                               f"budget {lane.budget}")
+        live, parts = self._live[w.seq.id], []
+        for k, token in enumerate(tokens):
+            chunk = dataclasses.replace(lane.chunk, tokens=[w.seq.tokens[-1]],
+                                        start=lane.chunk.start + k, step=lane.chunk.step + k)
+            # A lane never recomputes (_loop_lanes), so each token is the sequence's next.
+            parts.append(self._emit(live, self.scheduler.advance(Work(w.seq, chunk), token)))
+            if parts[-1].finished:
+                break
+        return _merge(parts)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every request with finish_reason "error" (the executor failed)."""
+        """End every request with finish_reason "error". Raises RuntimeError if KV blocks are
+        still held afterwards (the engine's state is lost)."""
         with self._lock:
             inbox, self._inbox, self._aborts = self._inbox, [], []
         outputs = [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0, error)
                    for r in inbox]
-        for live in list(self._live.values()):
-            outputs.append(self._finish(live, "error", [], error=error))
+        outputs += [self._fail(live, error) for live in list(self._live.values())]
+        held = {k: n for k, n in self.stats().kv_used.items() if n}
+        if held or self.scheduler.running or self.scheduler.waiting:
+            raise RuntimeError(f"KV blocks {held} and {len(self.scheduler.running)} running, "
+                               f"{len(self.scheduler.waiting)} waiting sequences remain after "
+                               "ending every request")
         return outputs
 
     def _emit(self, live: _Live, token: int) -> RequestOutput:
@@ -249,13 +309,20 @@ class Engine:
             return self._finish(live, "length", [token], text)
         return self._output(live, [token], text, None)
 
-    def _finish(self, live: _Live, reason: str, token_ids: list[int], text: str = "",
-                error: str = "") -> RequestOutput:
+    def _finish(self, live: _Live, reason: str, token_ids: list[int],
+                text: str = "") -> RequestOutput:
         self.scheduler.remove(live.seq)
         del self._live[live.request.id]
         if reason in ("stop", "length"):
             text += live.text.finish()
-        return self._output(live, token_ids, text, reason, error)
+        return self._output(live, token_ids, text, reason)
+
+    def _fail(self, live: _Live, error: str) -> RequestOutput:
+        """End live's request with finish_reason "error", whatever state a failure left it in
+        (its sequence running, waiting, or already removed)."""
+        self.scheduler.remove(live.seq)
+        self._live.pop(live.request.id, None)
+        return self._output(live, [], "", "error", error)
 
     @staticmethod
     def _output(live: _Live, token_ids: list[int], text: str, reason: str | None,
@@ -267,9 +334,7 @@ class Engine:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits [T, vocab] of every position, chunk by chunk (call it only while
         no step runs)."""
-        ids = [int(t) for t in token_ids]
-        if not 0 < len(ids) <= self.max_model_len:
-            raise ValueError(f"{len(ids)} tokens; logits takes 1 to {self.max_model_len}")
+        ids = self.limits.token_ids(token_ids, "token_ids")
         blocks = self.kv.empty()
         rows = []
         try:
@@ -285,6 +350,11 @@ class Engine:
         return np.concatenate(rows, axis=0)
 
 
+def _pairs(items: Sequence, call: Callable[[Sequence], Sequence], arg: Sequence) -> list[tuple]:
+    """items paired with call(arg)'s results, one each (raises if the counts differ)."""
+    return list(zip(items, call(arg), strict=True))
+
+
 def _merge(parts: list[RequestOutput]) -> RequestOutput:
     """One request's consecutive outputs as one."""
     last = parts[-1]
@@ -294,29 +364,32 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
 
 class EngineThread:
     """Runs engine steps in a background thread while there is work, handing each output to the
-    sink its request was submitted with (sinks run on the engine thread: keep them short)."""
+    sink its request was submitted with (sinks run on the engine thread: keep them short).
+
+    A step that raises ends every request with an error. After a DeviceError, or when ending
+    them does not give every KV block back, the engine is lost: `error` says why (and the log),
+    and submit refuses new requests. After anything else (an engine bug) it keeps serving."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cv = threading.Condition()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._stopped = False
-        self.error = ""  # set when the executor failed; every later step would fail too
+        self.error = ""  # why the engine cannot run requests any more; "" while it can
         self._thread = threading.Thread(target=self._run, name="rvrun-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request, sink: Callable[[RequestOutput], None]) -> None:
-        """Queue a request (raises ValueError for one the engine cannot run, RuntimeError once
-        the executor has failed)."""
+    def submit(self, request: Request, sink: Callable[[RequestOutput], None],
+               max_waiting: int | None = None) -> None:
+        """Queue a request (Engine.add: raises RequestError for a bad one, QueueFull; raises
+        RuntimeError once the engine is lost)."""
         with self._cv:
             if self.error:
                 raise RuntimeError(self.error)
+            if request.id in self._sinks:
+                raise ValueError(f"request id {request.id!r} is already running")
+            self.engine.add(request, max_waiting)
             self._sinks[request.id] = sink
-            try:
-                self.engine.add(request)
-            except ValueError:
-                del self._sinks[request.id]
-                raise
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -339,11 +412,40 @@ class EngineThread:
                     return
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # the executor failed: end every request, take no more
-                self.error = f"engine step failed: {type(e).__name__}: {e}"
-                outputs = self.engine.fail_all(self.error)
+            except Exception as e:
+                outputs = self._recover(e)
             with self._cv:
                 sinks = [(self._sinks.pop(o.id) if o.finished else self._sinks[o.id], o)
-                         for o in outputs]
+                         for o in outputs if o.id in self._sinks]
             for sink, out in sinks:
-                sink(out)
+                try:
+                    sink(out)
+                except Exception as e:  # its consumer is gone: stop generating for it
+                    log.error("engine: the sink of request %s failed; aborting it", out.id,
+                              exc_info=e)
+                    self.abort(out.id)
+            if self.error:
+                return
+
+    def _recover(self, e: Exception) -> list[RequestOutput]:
+        """An error output for every request after a step raised e. Marks the engine lost
+        after a DeviceError, or when ending the requests does not leave it clean."""
+        if isinstance(e, DeviceError):
+            self.error = f"the device failed: {e}"
+            log.error("engine: %s; refusing every request from now on", self.error)
+        else:
+            log.error("engine: a step failed; ending every request", exc_info=e)
+        message = self.error or f"engine step failed: {type(e).__name__}: {e}"
+        with self._cv:  # no submit meanwhile
+            try:
+                outputs = self.engine.fail_all(message)
+            except Exception as lost:
+                self.error = self.error or f"the engine's state is lost after a failed step: {lost}"
+                log.error("engine: %s; refusing every request from now on", self.error,
+                          exc_info=lost)
+                outputs = []
+            # Requests the failed step had already finished lost their outputs with it.
+            ended = {o.id for o in outputs}
+            return outputs + [RequestOutput(rid, [], "", True, "error", 0, 0, 0,
+                                            self.error or message)
+                              for rid in self._sinks if rid not in ended]

@@ -17,6 +17,10 @@ the shape of the call it runs in (the prefill row count, the decode width) but n
 other rows' values. The engine therefore runs every sequence through the same calls however it
 is batched, cached or preempted (`SeqChunk.rows`), and the same request gives the same tokens.
 
+Failures: a call that raises DeviceError has left the device unusable, and the engine stops;
+a call that raises anything else ends only the sequences it ran, whose blocks go back to the
+pools, and the engine goes on with the next call.
+
 Decode loop (optional, `decode_loop_steps` > 0): `decode_many` runs up to that many decode
 steps in one call, each bit for bit a `decode` call of the same lanes, so the host is not in the
 per-token path. Every lane must own the blocks of the positions its budget can reach; a call
@@ -64,10 +68,13 @@ class KvKind:
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = no top-k cut
-    top_p: float = 1.0
-    seed: int = 0  # 31-bit
+    """A sequence's sampling parameters, as the device takes them (float32 and int32 lanes);
+    request_limits.check_sampling makes them so before any reaches an executor."""
+
+    temperature: float = 0.0  # 0 = greedy; finite, <= float32's largest
+    top_k: int = 0  # 0 = no top-k cut; at most the vocabulary size
+    top_p: float = 1.0  # in (0, 1]
+    seed: int = 0  # 31-bit: [0, 2**31)
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,12 @@ class LoopLane:
     chunk: SeqChunk  # its first step, as for decode: its last token, start, tables, step
     budget: int  # most tokens to sample in this call (its blocks must reach start + budget)
     stop_ids: frozenset[int]  # sampling one of these ends the lane (it is returned)
+
+
+class DeviceError(RuntimeError):
+    """The device can no longer run this executor's programs (a sticky CUDA error, KV pools lost
+    in a failed call): every later call would fail too. Any other exception from a call fails
+    only the sequences in it; the engine keeps serving."""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,15 @@ serve` drives from a background thread. Where the artifact has a device-side dec
 nothing else runs, tokens come up to its decode_loop_steps at a time, so generate_stream yields
 in bursts of that many. Call generate and logits from one thread, and not while a server runs
 the engine.
+
+generate's arguments are checked where they enter the engine (request_limits, the same check
+`rvrun serve` runs): a bad one raises RequestError (a ValueError) naming it. A generation the
+engine fails to run (its step raised) raises RuntimeError with the engine's error.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from rvcompile import chat_template
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
 
@@ -57,8 +63,8 @@ class Model:
         eos = self.generation_config.get("eos_token_id", cfg.get("eos_token_id", 1))
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
         self.bos_id = int(self.generation_config.get("bos_token_id", 2))
-        self.engine = Engine(executor, self.decode, self.eos_ids, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len)
+        self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
+                             max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.max_context = self.engine.max_model_len
         self._ids = itertools.count()
 
@@ -72,36 +78,35 @@ class Model:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The artifact's chat template over `messages`, rendered in jinja2's immutable sandbox
+        (rvcompile.chat_template); a template that fails or reaches outside it raises
+        ChatTemplateError (a ValueError), one line."""
+        return self._chat_template.render(messages, add_generation_prompt=True,
+                                          bos_token="<bos>", eos_token="<eos>")
+
+    @functools.cached_property
+    def _chat_template(self) -> chat_template.ChatTemplate:
         if not self.chat_template:
             raise ValueError(f"{self.art.path.name}: the artifact has no chat template")
-        import jinja2
+        return chat_template.compile_template(self.chat_template)
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token="<bos>",
-            eos_token="<eos>")
-
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if chat:
-                return self.encode(self.apply_chat_template([{"role": "user",
-                                                              "content": prompt}]), False)
-            return self.encode(prompt)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> Sequence[int]:
+        """A text prompt's token ids; token ids as they are (Engine.add checks them)."""
+        if not isinstance(prompt, str):
+            return prompt
+        if chat:
+            return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]),
+                               False)
+        return self.encode(prompt)
 
     # ------------------------------------------------------------------ model
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        self._check_length(len(token_ids), 0)
         return self.engine.logits(token_ids)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop: Sequence[str] = (), ignore_eos: bool = False,
+                 stop: str | Sequence[str] = (), ignore_eos: bool = False,
                  chat: bool = False) -> GenerationResult:
         *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
                                     ignore_eos, chat)
@@ -109,7 +114,7 @@ class Model:
 
     def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+                        seed: int = 0, stop: str | Sequence[str] = (), ignore_eos: bool = False,
                         chat: bool = False) -> Iterator[str]:
         """Yields text pieces as they become final; the last GenerationResult is on
         `self.last_result` afterwards."""
@@ -121,24 +126,14 @@ class Model:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
-        if prompt_len + max_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"artifact's context of {self.max_context} tokens")
-        if prompt_len == 0:
-            raise ValueError("empty prompt")
-
     def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat):
         """Yields (final text so far, GenerationResult so far) after each new token."""
-        ids = self._prompt_ids(prompt, chat)
-        self._check_length(len(ids), max_tokens)
-        request = Request(f"generate-{next(self._ids)}", ids, max_tokens,
-                          Sampling(temperature, top_k, top_p, int(seed) & 0x7FFFFFFF),
-                          tuple(stop), ignore_eos)
+        request = Request(f"generate-{next(self._ids)}", self._prompt_ids(prompt, chat),
+                          max_tokens, Sampling(temperature, top_k, top_p, seed), stop,
+                          ignore_eos)
         t0 = time.perf_counter()
         self.engine.add(request)
-        res = GenerationResult([], "", "length", len(ids))
+        res = GenerationResult([], "", "length", len(request.prompt_ids))
         try:
             while True:
                 for out in self.engine.step():
@@ -150,6 +145,8 @@ class Model:
                     res.decode_s = now - t0 - res.ttft_s
                     res.token_ids += out.token_ids
                     res.text += out.text
+                    if out.finish_reason == "error":
+                        raise RuntimeError(f"generation failed: {out.error}")
                     if out.finished:
                         res.finish_reason = out.finish_reason
                         res.stats = {"cached_prompt_tokens": out.cached_tokens}

@@ -20,7 +20,7 @@ The GEMM takes CUTLASS's `Params` struct by value. params_template runs the modu
 source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
 kernel_params.ParamsTemplate: the struct with its addresses zeroed, the places of the pointers
 and TMA descriptors by role ("a", "b", "d", "a_scale", "b_scale") and the launch geometry. The
-runtime completes it for real addresses (runtime/tma.py).
+runtime completes it for real addresses (runtime/executors/tma.py).
 """
 
 from __future__ import annotations

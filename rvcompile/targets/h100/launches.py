@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rvcompile.config import LayerSpec
 from rvcompile.ir.graph import Graph, ModelIR, Node, readers, resolve_param
 from rvcompile.ir.ops import Op
+from rvcompile.model.config import LayerSpec
 from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,

@@ -19,7 +19,7 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
-from rvcompile.runtime.scheduled_executor import ScheduledExecutor
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,

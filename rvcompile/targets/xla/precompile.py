@@ -4,10 +4,17 @@ With `libtpu` installed, JAX describes a TPU slice it does not have
 (`jax.experimental.topologies.get_topology_desc`) and XLA compiles for it. `precompile` compiles
 every exported entry point (the artifact's own StableHLO, called through `Exported.call`) for the
 first `tp` devices of a topology, in device-id order (the order the runtime puts its mesh in),
-with the KV pools at the manifest's default block counts, and serializes the executables
-(`jax.experimental.serialize_executable`). Their in/out pytrees are the Exported's, so only the
-bytes are stored. The record says what a runtime must match to load them: platform, device kind,
-device ids and coordinates, jax, jaxlib and libtpu versions, and the pools' block counts.
+with the KV pools at the manifest's default block counts.
+
+What is stored per entry (encoding EXECUTABLES_ENCODING): the bytes XLA serializes the
+executable to (`LoadedExecutable.serialize`, the PJRT format; no Python pickle, unlike
+`jax.experimental.serialize_executable`, whose payload is a pickle that runs code when loaded)
+and `operands`, our JSON description of its flat inputs (shape, dtype, PartitionSpec, donated)
+and outputs (shape, dtype, PartitionSpec); the pytrees around them are the Exported's. The record
+says what a runtime must match to load them: platform, device kind, device ids and coordinates,
+jax, jaxlib and libtpu versions, and the pools' block counts. A compiled entry the operands
+cannot describe (constants, effect tokens, dropped arguments, shardings that are not a
+PartitionSpec over the mesh) is refused here, not stored.
 
 `compile_entries` works on any devices (CPU ones too), so the load path is tested without a TPU.
 """
@@ -25,7 +32,8 @@ import numpy as np
 from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rvcompile.config import ConfigError
+from rvcompile.artifacts.format import EXECUTABLES_ENCODING
+from rvcompile.model.config import ConfigError
 from rvcompile.targets.xla.cost_report import CHIPS, ReadModel, cost_report
 
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+)x(\d+)$")
@@ -131,11 +139,36 @@ def compile_entries(programs: dict[str, bytes], xla_manifest: dict, devices: lis
     return out
 
 
-def serialize(compiled) -> bytes:
-    from jax.experimental import serialize_executable
+def _spec(sharding, where: str) -> list:
+    """A NamedSharding's PartitionSpec as JSON: per dimension null, an axis name or a list."""
+    if not isinstance(sharding, NamedSharding) or sharding.memory_kind not in (None, "device"):
+        raise PrecompileError(f"{where}: sharding {sharding} is not a PartitionSpec over the "
+                              "mesh in device memory")
+    return [p if p is None or isinstance(p, str) else list(p) for p in sharding.spec]
 
-    blob, _, _ = serialize_executable.serialize(compiled)
-    return blob
+
+def operands(compiled, name: str) -> dict:
+    """Our description of `compiled`'s flat inputs and outputs, from which the runtime rebuilds
+    its calling convention; refuses what the description cannot carry."""
+    exe = compiled.runtime_executable()
+    args = jax.tree.leaves(compiled.args_info)
+    in_shardings = jax.tree.leaves(compiled.input_shardings)
+    outs = jax.tree.leaves(compiled.out_info)
+    if compiled._params.const_args or len(exe.get_parameter_layouts()) != len(args) or \
+            len(in_shardings) != len(args):
+        raise PrecompileError(f"{name}: the executable takes other parameters than the "
+                              f"{len(args)} arguments (constants, effects or dropped arguments)")
+    inputs = [{"shape": list(a.shape), "dtype": str(a.dtype),
+               "spec": _spec(s, f"{name} input {i}"), "donated": bool(a.donated)}
+              for i, (a, s) in enumerate(zip(args, in_shardings, strict=True))]
+    outputs = [{"shape": list(o.shape), "dtype": str(o.dtype),
+                "spec": _spec(o.sharding, f"{name} output {i}")} for i, o in enumerate(outs)]
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def serialize(compiled) -> bytes:
+    """The executable as XLA serializes it (no pickle)."""
+    return compiled.runtime_executable().serialize()
 
 
 def device_record(devices: list, n: int) -> dict:
@@ -154,10 +187,11 @@ def precompile_for(name: str, programs: dict[str, bytes], xla_manifest: dict,
     compiled = compile_entries(programs, xla_manifest, devices, names)
     executables = {e: serialize(c) for e, c in compiled.items()}
     record = {
-        "topology": name, **device_record(devices, n),
+        "topology": name, "encoding": EXECUTABLES_ENCODING, **device_record(devices, n),
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": libtpu_version(),
         "kv_blocks": default_blocks(xla_manifest),
-        "entries": {e: {"sha256": hashlib.sha256(b).hexdigest()}
+        "entries": {e: {"sha256": hashlib.sha256(b).hexdigest(),
+                        "operands": operands(compiled[e], e)}
                     for e, b in executables.items()},
     }
     return Precompiled(record, executables, compiled)

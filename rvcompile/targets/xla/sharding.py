@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec
 
-from rvcompile.config import ConfigError, Gemma4Config
 from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
 from rvcompile.ir.ops import Op
+from rvcompile.model.config import ConfigError, Gemma4Config
 from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
 
 TP_AXIS = "tp"

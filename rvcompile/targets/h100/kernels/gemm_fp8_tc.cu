@@ -17,7 +17,7 @@
 // pointers and a stub cuTensorMapEncodeTiled that records its arguments, and prints the bytes,
 // the place of every descriptor with the arguments that encode it, and the place of every
 // pointer; at load, the runtime encodes the descriptors for the real addresses with
-// cuTensorMapEncodeTiled and patches them and the pointers in (runtime/tma.py).
+// cuTensorMapEncodeTiled and patches them and the pointers in (runtime/executors/tma.py).
 //
 // Contract: K % 16 == 0 and N % 8 == 0 (16-byte TMA row strides); A, B, D and both scale
 // vectors 16-byte aligned; any M >= 1 (TMA zero-fills the rows past M and clips the stores).

@@ -4,8 +4,12 @@ Routes: POST /v1/chat/completions and /v1/completions (JSON, or SSE token by tok
 `stream: true`), GET /v1/models, /health and /metrics (Prometheus). The engine runs in one
 background thread (EngineThread); each request hands it a sink that moves outputs onto the event
 loop. Bad requests get OpenAI-style error JSON: 400 for malformed bodies, unknown fields, wrong
-types and prompts that do not fit, 404 for an unknown model, 503 when the waiting queue is full.
-A client that disconnects aborts its request, which frees its sequence at the next step.
+types (the schemas below check types only), values out of range and prompts that do not fit
+(the engine's one request check, runtime/request_limits), 404 for an unknown model, 503 when the
+waiting queue is full or the engine is lost (a device error; /health then says why). A request
+the engine fails to run gets a 500 (or an error event in its stream); the others go on. A client
+that disconnects, streaming or not, aborts its request, which frees its sequence at the next
+step.
 
 The HTTP layer (`HttpOptions`, the guards at the end of this module): every error, unknown routes
 (404), wrong methods (405) and failures in a route (500, traceback in the server log only)
@@ -44,10 +48,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from rvcompile.runtime.engine import EngineThread, RequestOutput
+from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Sampling
 from rvcompile.runtime.model import Model
+from rvcompile.runtime.request_limits import RequestError
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -61,14 +66,15 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """Fields both endpoints share. Accepted OpenAI fields we do not implement must keep their
-    neutral value (checked in `unsupported`)."""
+    """Fields both endpoints share, by type; the engine checks their values
+    (request_limits). Accepted OpenAI fields we do not implement must keep their neutral value
+    (checked in `unsupported`)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # an extension (as in vLLM); 0 or -1: no cut
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # an extension (as in vLLM); 0 or -1: no cut
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -85,8 +91,6 @@ class _Sampling(_Strict):
             return "n: only n=1 is supported"
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             return "presence_penalty, frequency_penalty and logit_bias are not supported"
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            return "stop: at most 16 strings"
         return None
 
 
@@ -103,7 +107,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
 
     def unsupported(self) -> str | None:
@@ -112,7 +116,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -278,7 +282,8 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
         except Exception as e:  # a template that rejects these messages (roles, order)
             raise ApiError(400, f"messages: {str(e).splitlines()[0]}", param="messages") from e
         ids = model.encode(text, add_bos=False)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_tokens if body.max_completion_tokens is None \
+            else body.max_completion_tokens
         return await _serve(model, state, options, body, ids, max_tokens, request, chat=True)
 
     @app.post("/v1/completions")
@@ -287,14 +292,7 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = model.encode(prompt)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
-                                    f"[0, {model.vocab_size})", param="prompt")
+        ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return await _serve(model, state, options, body, ids, body.max_tokens, request,
                             chat=False)
 
@@ -335,29 +333,15 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     received = time.perf_counter()
     thread: EngineThread = state["thread"]
     metrics: Metrics = state["metrics"]
-    room = model.max_context - len(ids)
-    if room < 1:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's maximum context "
-                            f"length is {model.max_context} tokens", param="messages" if chat
-                       else "prompt", code="context_length_exceeded")
-    max_tokens = room if max_tokens is None else max_tokens
-    if len(ids) + max_tokens > model.max_context:
-        raise ApiError(400, f"this model's maximum context length is {model.max_context} "
-                            f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in the "
-                            f"prompt, {max_tokens} to generate)", param="max_tokens",
-                       code="context_length_exceeded")
-    if thread.engine.num_waiting() >= options.max_waiting:
-        raise ApiError(503, f"the server's queue is full ({options.max_waiting} waiting "
-                            "requests); retry later", type_="server_overloaded",
-                       code="queue_full")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    seed = random.getrandbits(31) if body.seed is None else body.seed & 0x7FFFFFFF
-    top_k = max(body.top_k, 0)
+    if max_tokens is None:  # what the context leaves (at least 1: a full prompt is refused)
+        max_tokens = max(model.max_context - len(ids), 1)
+    stop = body.stop if body.stop is not None else ()
+    seed = random.getrandbits(31) if body.seed is None else body.seed
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine_request = EngineRequest(rid, ids, max_tokens,
-                                   Sampling(body.temperature, top_k, body.top_p, seed), stop,
+                                   Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
                                    body.ignore_eos)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
@@ -367,9 +351,14 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
     try:
-        thread.submit(engine_request, sink)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
+        thread.submit(engine_request, sink, options.max_waiting)
+    except RequestError as e:
+        raise ApiError(400, f"{_param(e.param, body, chat)}: {e.problem}",
+                       param=_param(e.param, body, chat), code=e.code) from e
+    except QueueFull as e:
+        raise ApiError(503, f"the server's queue is full ({options.max_waiting} waiting "
+                            "requests); retry later", type_="server_overloaded",
+                       code="queue_full") from e
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
@@ -380,6 +369,15 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
         return StreamingResponse(events(stream, options.model_name, include_usage),
                                  media_type="text/event-stream")
     return await _complete(stream, options.model_name, request, chat)
+
+
+def _param(param: str, body: _Sampling, chat: bool) -> str:
+    """A request_limits field as this request spelled it."""
+    if param == "prompt" and chat:
+        return "messages"
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return param
 
 
 class _Stream:
@@ -426,21 +424,35 @@ def _check_finished(out: RequestOutput) -> None:
 
 
 async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool):
-    """Collect the whole answer, aborting the request if the client goes away meanwhile."""
-    text = []
-    try:
+    """Collect the whole answer; a client that goes away meanwhile aborts the request at once
+    (its disconnect is the next message on the request's ASGI channel, its body being read)."""
+
+    async def collect() -> tuple[list[str], RequestOutput]:
+        text = []
         while True:
-            try:
-                out = await asyncio.wait_for(stream.next(), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
+            out = await stream.next()
             text.append(out.text)
             if out.finished:
-                break
+                return text, out
+
+    async def disconnected() -> None:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a channel that fails is a client gone too
+            return
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
+        collector.cancel()
         stream.close()
+    if not collector.done() or collector.cancelled():
+        return Response(status_code=499)
+    text, out = collector.result()
     _check_finished(out)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},

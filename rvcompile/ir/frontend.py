@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-from rvcompile.config import Gemma4Config, LayerSpec
 from rvcompile.ir.graph import (
     KV_SOURCE_PREFIX,
     CacheSpec,
@@ -35,6 +34,7 @@ from rvcompile.ir.ops import (
     ScaleAttrs,
     SoftcapAttrs,
 )
+from rvcompile.model.config import Gemma4Config, LayerSpec
 
 
 def cache_names(layer: LayerSpec) -> tuple[str, ...]:

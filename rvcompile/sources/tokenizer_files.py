@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from rvcompile.config import ConfigError, Gemma4Config
+from rvcompile.model.config import ConfigError, Gemma4Config
 
 SPECIAL_TOKENS = {
     0: "<pad>",

@@ -1,11 +1,12 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
-paged KV pools, deserializes the jax.export programs, compiles them once for the chosen pool
-sizes (through a persistent cache keyed on the artifact and jax version), or loads the
-executables precompiled for this machine's topology (runtime/precompiled.py), and runs prefill /
-decode / logits / decode_many (the device-side decode loop) over sequences' block tables, and,
-when the artifact has speculative entry points (manifest xla.speculative), verify and draft
-(executor_api's speculative contract): the states verify returns and draft reads stay on the
-device. Makes no policy: the engine drives it.
+paged KV pools, deserializes and checks the jax.export programs (programs.py), compiles
+them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
+version), or, when the operator trusts them, loads the executables precompiled for this
+machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
+(the device-side decode loop) over sequences' block tables, and, when the artifact has
+speculative entry points (manifest xla.speculative), verify and draft (executor_api's
+speculative contract): the states verify returns and draft reads stay on the device. Makes no
+policy: the engine drives it. A failed call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import (
+    DeviceError,
     Drafted,
     DraftLane,
     KvKind,
@@ -34,8 +35,9 @@ from rvcompile.runtime.executor_api import (
     SeqChunk,
     Verified,
 )
-from rvcompile.runtime.precompiled import choose, this_machine
-from rvcompile.runtime.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.precompiled import choose, this_machine
+from rvcompile.runtime.executors.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.programs import load_programs
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -168,7 +170,8 @@ class XlaState:
 
 
 class XlaExecutor:
-    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None):
+    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None, *,
+                 trust_executables: bool = False):
         check_fits(art, blocks)
         self.art = art
         m = art.manifest["xla"]
@@ -194,13 +197,11 @@ class XlaExecutor:
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        blob = art.buffer("programs")
-        exported = {name: export.deserialize(bytearray(blob[loc["offset"]:
-                                                           loc["offset"] + loc["size"]]))
-                    for name, loc in m["programs"].items()}
+        exported = load_programs(art)
         precompiled = m.get("precompiled", {})
         choice = choose(precompiled, this_machine(),
-                        {k.name: k.num_blocks for k in self.kinds.values()})
+                        {k.name: k.num_blocks for k in self.kinds.values()},
+                        trusted=trust_executables)
         if choice.topology is not None:
             t0 = time.perf_counter()
             self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
@@ -273,17 +274,15 @@ class XlaExecutor:
         if b not in self.prefill_buckets or len(chunk.tokens) > b:
             raise ValueError(f"chunk of {len(chunk.tokens)} tokens in {b} rows; the prefill "
                              f"buckets are {self.prefill_buckets}")
-        self.caches, tok = self.fns[f"prefill_{b}"](
-            self.weights, self.caches, *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
+        tok = self._call(f"prefill_{b}", *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
         return int(tok[0])
 
     def decode(self, lanes) -> list[int]:
         if len(lanes) > self.decode_width:
             raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
         w = self.decode_width
-        self.caches, tok = self.fns[f"decode_{w}"](
-            self.weights, self.caches, *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
-        return np.asarray(tok)[:len(lanes)].tolist()
+        tok = self._call(f"decode_{w}", *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
+        return tok[:len(lanes)].tolist()
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
         if len(lanes) > self.decode_width:
@@ -296,10 +295,8 @@ class XlaExecutor:
                                  f"{self.decode_loop_steps} steps")
         w = self.decode_width
         chunks = [lane.chunk for lane in lanes]
-        self.caches, tok, _ = self.fns[f"decode_loop_{w}"](
-            self.weights, self.caches, *self._lane_args(w, 1, chunks), *_sampling(chunks, w),
-            *_loop_limits(lanes, w, self.decode_loop_stops))
-        tok = np.asarray(tok)
+        tok = self._call(f"decode_loop_{w}", *self._lane_args(w, 1, chunks),
+                         *_sampling(chunks, w), *_loop_limits(lanes, w, self.decode_loop_stops))
         return [[int(t) for t in row if t >= 0] for row in tok[:len(lanes)]]
 
     def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
@@ -347,9 +344,31 @@ class XlaExecutor:
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         c = self.max_chunk
-        self.caches, lg = self.fns[f"logits_{c}"](
-            self.weights, self.caches, *self._lane_args(1, c, [chunk]))
-        return np.asarray(lg)[0, :len(chunk.tokens)]
+        lg = self._call(f"logits_{c}", *self._lane_args(1, c, [chunk]))
+        return lg[0, :len(chunk.tokens)]
+
+    def _call(self, name: str, *args) -> np.ndarray:
+        """Entry point `name` over the KV pools, which it takes (donated) and gives back; its
+        first result on the host. A failure that took the pools with it (deleted, or results
+        of a failed computation) raises DeviceError: no later call could run."""
+        try:
+            self.caches, out, *_ = self.fns[name](self.weights, self.caches, *args)
+            return np.asarray(out)
+        except Exception as e:
+            if _pools_lost(self.caches):
+                raise DeviceError(f"{name} failed and took the KV pools with it: "
+                                  f"{type(e).__name__}: {e}") from e
+            raise
+
+
+def _pools_lost(caches: dict[str, jax.Array]) -> bool:
+    if any(c.is_deleted() for c in caches.values()):
+        return True
+    try:
+        jax.block_until_ready(list(caches.values()))
+    except Exception:  # the arrays hold a failed computation's error
+        return True
+    return False
 
 
 def _loop_limits(lanes: Sequence[LoopLane], batch: int,

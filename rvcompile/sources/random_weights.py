@@ -32,15 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from rvcompile.assistant import TENSOR_PREFIX, AssistantConfig
-from rvcompile.checkpoint import (
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
+from rvcompile.model.config import Gemma4Config
+from rvcompile.sources.checkpoint import (
     TOKEN_ORDERING,
     CheckpointError,
     TensorRef,
     expected_assistant_tensors,
     expected_tensors,
 )
-from rvcompile.config import Gemma4Config
 
 CHUNK = 1 << 20  # values per independently seeded stream; changing it changes every tensor
 EMBED_STD = 0.03

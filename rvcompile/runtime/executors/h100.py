@@ -23,8 +23,8 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
-from rvcompile.runtime.cuda_driver import CudaContext, CudaError, pack_args
-from rvcompile.runtime.scheduled_executor import ScheduledExecutor
+from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 
 STAGING_BYTES = 64 << 20
 DEFAULT_SMEM = 48 << 10

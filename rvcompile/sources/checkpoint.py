@@ -41,9 +41,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from rvcompile.assistant import TENSOR_PREFIX, AssistantConfig
-from rvcompile.config import ConfigError, Gemma4Config
-from rvcompile.presets import PRESETS, get_preset
+from rvcompile import chat_template
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
+from rvcompile.model.config import ConfigError, Gemma4Config
+from rvcompile.model.presets import PRESETS, get_preset
 
 
 class CheckpointError(ValueError):
@@ -677,12 +678,14 @@ def _compressed_tensors_scheme(path: Path, q: dict) -> Fp8Scheme:
 
 
 def _read_chat_template(directory: Path) -> str | None:
+    """The directory's chat template, checked to render in the runtime's sandbox."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         try:
-            return jinja.read_text(encoding="utf-8")
+            text = jinja.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{jinja}: cannot read: {e}") from None
+        return _checked_chat_template(text, jinja)
     tok_cfg_path = directory / "tokenizer_config.json"
     if not tok_cfg_path.is_file():
         return None
@@ -693,6 +696,14 @@ def _read_chat_template(directory: Path) -> str | None:
         template = named.get("default", next(iter(named.values()), None))
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{tok_cfg_path}: chat_template is not a string")
+    return None if template is None else _checked_chat_template(template, tok_cfg_path)
+
+
+def _checked_chat_template(template: str, where: Path) -> str:
+    try:
+        chat_template.check(template, bos_token="<bos>", eos_token="<eos>")
+    except chat_template.ChatTemplateError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     return template
 
 
@@ -796,8 +807,8 @@ def _load_directory(directory: Path, *, random_weights: bool, seed: int,
                     expect: Gemma4Config | None = None, name: str | None = None,
                     random_ranges=None) -> ModelSource:
     """A model directory; `expect` (a preset's config) must agree with its config.json."""
-    from rvcompile import random_weights as rw
-    from rvcompile import tokenizer_files as tf
+    from rvcompile.sources import random_weights as rw
+    from rvcompile.sources import tokenizer_files as tf
 
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such model directory")
@@ -844,8 +855,8 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
     A directory wins over a preset of the same name. `random_ranges` (random_weights.RangeRule,
     default random_weights.init_range) says what each random tensor is drawn from.
     """
-    from rvcompile import random_weights as rw
-    from rvcompile import tokenizer_files as tf
+    from rvcompile.sources import random_weights as rw
+    from rvcompile.sources import tokenizer_files as tf
 
     if weights is not None and random_weights:
         raise CheckpointError("pass either --weights DIR or --random-weights, not both")
@@ -1006,8 +1017,8 @@ def load_assistant_source(spec: str, target: Gemma4Config, *, random_weights: bo
     random tensors of its shape with `random_weights`) or an assistant preset (random weights
     only, see presets.ASSISTANT_PRESETS). Refuses, in one line, one that does not fit `target`
     (AssistantConfig.target_layers)."""
-    from rvcompile import random_weights as rw
-    from rvcompile.presets import ASSISTANT_PRESETS, get_assistant_preset
+    from rvcompile.model.presets import ASSISTANT_PRESETS, get_assistant_preset
+    from rvcompile.sources import random_weights as rw
 
     path = Path(spec)
     is_dir = path.is_dir() and (path / "config.json").is_file()

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from rvcompile.assistant import AssistantConfig
-from rvcompile.config import AttnKind, ConfigError, Gemma4Config, RopeSpec
+from rvcompile.model.assistant import AssistantConfig
+from rvcompile.model.config import AttnKind, ConfigError, Gemma4Config, RopeSpec
 
 VOCAB = 262144
 ROPE_SLIDING = RopeSpec(theta=1e4)

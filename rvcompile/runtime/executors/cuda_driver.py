@@ -16,9 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.runtime.executor_api import DeviceError
 
-class CudaError(RuntimeError):
-    """A CUDA driver call that failed; the message names the call and the error."""
+
+class CudaError(DeviceError):
+    """A CUDA driver call that failed; the message names the call and the error. A DeviceError:
+    in a step, after the executor checked its arguments, a failed launch or copy leaves the
+    context unusable (most launch errors are sticky)."""
 
 
 def _driver():

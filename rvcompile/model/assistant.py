@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rvcompile.config import AttnKind, ConfigError, Gemma4Config, _check_int, _show
+from rvcompile.model.config import AttnKind, ConfigError, Gemma4Config, _check_int, _show
 
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 # text_config model types by assistant model type (transformers' sub-config defaults).

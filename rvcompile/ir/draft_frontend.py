@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rvcompile.assistant import TENSOR_PREFIX, AssistantConfig
-from rvcompile.config import LayerSpec
-from rvcompile.frontend import _Layer, cache_geometry, cache_names
+from rvcompile.ir.frontend import _Layer, cache_geometry, cache_names
 from rvcompile.ir.graph import (
     KV_SOURCE_PREFIX,
     DraftIR,
@@ -44,6 +42,8 @@ from rvcompile.ir.ops import (
     RMSNormAttrs,
     RopeAttrs,
 )
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
+from rvcompile.model.config import LayerSpec
 
 P = TENSOR_PREFIX
 # A drafter query at p sees sliding keys [p - W - 1, p - 1]: ATTENTION's window is W + this.

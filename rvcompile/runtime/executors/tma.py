@@ -14,7 +14,7 @@ import ctypes
 import struct
 
 from rvcompile.artifacts.kernel_params import DESCRIPTOR_ALIGN, DESCRIPTOR_BYTES, ParamsTemplate
-from rvcompile.runtime.cuda_driver import check
+from rvcompile.runtime.executors.cuda_driver import check
 
 ADDRESS_ALIGN = 16  # TMA global addresses; the vectorized scale loads need the same
 

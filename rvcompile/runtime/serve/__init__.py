@@ -1,0 +1,1 @@
+"""`rvrun serve`: the OpenAI-compatible HTTP server over the engine."""

@@ -1,0 +1,109 @@
+"""The small-batch FP8 decode GEMV on the tensor cores: y[m, n] = scale[n] * sum_k x[m, k] * W[n, k]
+for M = 1..32 token rows, W e4m3 [N, K] with one float32 scale per row, x bf16 [M, K], y float32
+[M, N], with gemv_fp8's kernel arguments (W, scale, x, y, M, N, K). W is read once whatever M
+("swap AB": 16 W rows are an mma's M side, the token rows its N side). Its numpy reference
+(gemv_fp8's: float32 products summed in float32) and launch geometry: which entry (token-row
+bucket, warps per CTA, split-K cluster size), grid, block and shared memory.
+
+Limits: 1 <= M <= 32; K % 16 == 0; N >= 1 (N < 16 leaves mma rows idle); x and W rows 16-byte
+aligned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rvcompile.targets.h100 import gemv_fp8
+
+SOURCE = "gemv_mma_fp8.cu"
+# Must match the kernel.
+BLOCK_K = 64  # k per mma block (a lane's 16 W bytes)
+WINDOW_BLOCKS = 4  # k blocks per x window in shared memory
+STAGES = 3  # x windows staged
+X_ROW_BYTES = WINDOW_BLOCKS * BLOCK_K * 2 + 16
+ROW_BUCKETS = (8, 16, 32)  # token rows per entry: 8 per mma n tile
+WARPS = (4, 8)  # warps per CTA, 16 W rows each
+SPLITS = (1, 2, 3, 4, 6, 8)  # split-K cluster sizes
+MAX_ROWS = ROW_BUCKETS[-1]
+MAX_GRID_X = 2**31 - 1
+# The default launch, fit to benchmarks/h100_gemv_mma.py --sweep on an H100 (2026-11-24, see
+# docs/BENCHMARKS.md): one wave of at most CTAS_PER_SM CTAs per SM streamed W fastest; grids
+# between that and several waves streamed 10-25% slower (not profiled; SMs holding one CTA more
+# than others making the tail would fit). Where even an unsplit grid is larger, many small CTAs
+# (split-K, each keeping at least MANY_WAVES_WINDOWS x windows) balance over the SMs as they
+# finish. Warps per CTA in order of preference per row bucket: 8 warps halve the x reads per W
+# byte (best at M = 32), 4 keep CTAs small.
+CTAS_PER_SM = 2.6
+MANY_WAVES_WINDOWS = 3
+PREFERRED_WARPS = {8: (4,), 16: (4, 8), 32: (8,)}
+
+reference = gemv_fp8.reference
+
+
+@dataclass(frozen=True)
+class Launch:
+    entry: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+
+def entry_name(rows: int, warps: int, split: int) -> str:
+    return f"gemv_mma_fp8_m{rows}_w{warps}_s{split}"
+
+
+def entry_names() -> list[str]:
+    """Every entry the module defines."""
+    return [entry_name(r, w, s) for r in ROW_BUCKETS for w in WARPS for s in SPLITS]
+
+
+def row_bucket(m: int) -> int:
+    return next(b for b in ROW_BUCKETS if m <= b)
+
+
+def smem_bytes(m: int) -> int:
+    """The staged x windows; a split-K CTA reuses them for its float32 partial tile, which is
+    smaller (M x (16 warps + 4) floats)."""
+    return STAGES * m * X_ROW_BYTES
+
+
+def row_groups(n: int, warps: int) -> int:
+    return -(-n // (16 * warps))
+
+
+def default_warps(m: int, n: int, sm_count: int) -> int:
+    """The first preferred warps count whose unsplit grid fits one wave of CTAS_PER_SM, else the
+    last preferred."""
+    prefs = PREFERRED_WARPS[row_bucket(m)]
+    return next((w for w in prefs if row_groups(n, w) <= CTAS_PER_SM * sm_count), prefs[-1])
+
+
+def default_split(n: int, k: int, warps: int, sm_count: int) -> int:
+    """The largest split whose grid is still one wave of at most CTAS_PER_SM CTAs per SM, or,
+    when the unsplit grid is already larger, the largest that leaves every CTA at least
+    MANY_WAVES_WINDOWS x windows of K; never one that leaves a CTA less than one window."""
+    cap = CTAS_PER_SM * sm_count
+    groups, blocks = row_groups(n, warps), -(-k // BLOCK_K)
+    splits = [s for s in SPLITS if s == 1 or blocks >= s * WINDOW_BLOCKS]
+    if groups <= cap:
+        return max(s for s in splits if groups * s <= cap)
+    return max(s for s in splits if s == 1 or blocks >= s * WINDOW_BLOCKS * MANY_WAVES_WINDOWS)
+
+
+def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = None,
+                    split: int | None = None) -> Launch:
+    """The launch for an [m, k] x [n, k]^T product; warps and split override the defaults."""
+    if not 1 <= m <= MAX_ROWS or n < 1 or k < 16 or k % 16:
+        raise ValueError(f"gemv_mma_fp8 needs 1 <= M <= {MAX_ROWS}, N >= 1 and K a positive "
+                         f"multiple of 16 (M={m}, N={n}, K={k})")
+    warps = default_warps(m, n, sm_count) if warps is None else warps
+    if warps not in WARPS:
+        raise ValueError(f"gemv_mma_fp8: warps {warps} not one of {WARPS}")
+    split = default_split(n, k, warps, sm_count) if split is None else split
+    if split not in SPLITS:
+        raise ValueError(f"gemv_mma_fp8: split {split} not one of {SPLITS}")
+    groups = row_groups(n, warps)
+    if groups > MAX_GRID_X:
+        raise ValueError(f"gemv_mma_fp8: N={n} needs more than {MAX_GRID_X} CTAs")
+    return Launch(entry_name(row_bucket(m), warps, split), (groups, 1, split), (32 * warps, 1, 1),
+                  smem_bytes(m))

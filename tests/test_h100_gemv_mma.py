@@ -1,0 +1,201 @@
+"""Small-batch FP8 decode GEMV on the tensor cores (targets/h100/gemv_mma_fp8): the launch
+geometry and the kernel's build on the CPU; on a GPU, every entry against the numpy reference on
+fresh random inputs at real 31B and E4B shapes, ragged and tiny shapes, M = 1..16 and 32 token
+rows, with NaN-poisoned outputs.
+
+Tolerance: the products bf16 x e4m3 are exact in float32 (8 + 4 significant bits), so kernel and
+reference differ only in the order (and the tensor cores' truncation, contained to 64-wide k
+blocks) of float32 sums. Measured on the H100 (docs/results/2026-11-24-h100-gemv-mma-errors.txt,
+31B shapes K = 5376..21504 and a ragged one, M = 1..32, every split): kernel vs a float64 product
+1.3e-7 .. 3.5e-7, the float32 reference vs float64 2.4e-7 .. 2.7e-7, kernel vs reference at most
+4.4e-7. The bound below, 1e-5 (test_h100_gemv's for the CUDA-core GEMV), leaves ~20x for other
+shapes and draws; a wrong index, k order or missing block gives errors near 1e-2 .. 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from h100_helpers import h100_context
+from test_h100_gemv import random_fp8
+
+from rvcompile.targets.h100 import gemv_mma_fp8 as gm
+
+TOLERANCE = 1e-5
+SM_COUNT = 132  # the H100 SXM's; the geometry tests fix it so they run anywhere
+
+# (N, K) of each 31B and E4B decode linear (the heads are bf16 and not this kernel's)
+SHAPES_31B = {"qkv_sliding": (16384, 5376), "qk_full": (18432, 5376),
+              "o_sliding": (5376, 8192), "o_full": (5376, 16384),
+              "gate_up": (43008, 5376), "down": (5376, 21504)}
+SHAPES_E4B = {"e4b_qkv_sliding": (3072, 2560), "e4b_qkv_full": (6144, 2560),
+              "e4b_o_sliding": (2560, 2048), "e4b_o_full": (2560, 4096),
+              "e4b_gate_up": (20480, 2560), "e4b_down": (2560, 10240),
+              "e4b_ple_gate": (256, 2560), "e4b_ple_proj": (2560, 256)}
+# Tiny and ragged shapes: N < 16 and N not a multiple of 16 or 64 (idle mma rows, partial CTAs);
+# K = 16..48 (one partial k block), K % 64 != 0 and K not a whole number of x windows.
+SHAPES_SMALL = {"n1_k16": (1, 16), "n5_k32": (5, 32), "n16_k48": (16, 48),
+                "n17_k64": (17, 64), "tiny_qkv": (256, 128), "tiny_ple_gate": (16, 128),
+                "tiny_ple_proj": (128, 16), "tiny_head": (1024, 128),
+                "ragged": (1000, 4176)}
+ROWS = (*range(1, 17), 32)
+
+
+def test_geometry_buckets_and_shared_memory() -> None:
+    for m, bucket in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32)):
+        launch = gm.launch_geometry(m, 5376, 8192, SM_COUNT, warps=4, split=1)
+        assert launch.entry == f"gemv_mma_fp8_m{bucket}_w4_s1"
+        assert launch.grid == (84, 1, 1) and launch.block == (128, 1, 1)
+        assert launch.smem == 3 * m * (4 * 64 * 2 + 16)
+    wide = gm.launch_geometry(3, 100, 64, SM_COUNT, warps=8, split=2)
+    assert wide.entry == "gemv_mma_fp8_m8_w8_s2"
+    assert wide.grid == (1, 1, 2) and wide.block == (256, 1, 1)
+
+
+def test_geometry_split_partial_tile_fits_in_the_x_stages() -> None:
+    """A split-K CTA sums its partial tile in the x stages' shared memory (the kernel's
+    RED_STRIDE = 16 warps + 4 floats per token row)."""
+    for warps in gm.WARPS:
+        for m in (1, 8, 32):
+            assert m * (16 * warps + 4) * 4 <= gm.smem_bytes(m)
+
+
+def test_geometry_every_choice_is_an_entry() -> None:
+    names = set(gm.entry_names())
+    assert len(names) == len(gm.ROW_BUCKETS) * len(gm.WARPS) * len(gm.SPLITS)
+    for m in ROWS:
+        for n, k in (*SHAPES_31B.values(), *SHAPES_E4B.values(), *SHAPES_SMALL.values()):
+            assert gm.launch_geometry(m, n, k, SM_COUNT).entry in names
+
+
+# (warps, split) the sweep found within ~2% of the fastest at each 31B shape (docs/BENCHMARKS.md)
+DEFAULTS_31B = {
+    8: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
+        "gate_up": (4, 6), "down": (4, 4)},
+    16: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
+         "gate_up": (8, 1), "down": (4, 4)},
+    32: {"qkv_sliding": (8, 2), "qk_full": (8, 2), "o_sliding": (8, 8), "o_full": (8, 8),
+         "gate_up": (8, 1), "down": (8, 8)},
+}
+
+
+@pytest.mark.parametrize("bucket", sorted(DEFAULTS_31B))
+def test_geometry_defaults_at_31b_shapes(bucket: int) -> None:
+    for name, (warps, split) in DEFAULTS_31B[bucket].items():
+        n, k = SHAPES_31B[name]
+        launch = gm.launch_geometry(bucket, n, k, SM_COUNT)
+        assert launch.entry == gm.entry_name(bucket, warps, split), name
+
+
+def test_geometry_default_is_one_light_wave_or_many() -> None:
+    """Every default grid is one wave of at most CTAS_PER_SM CTAs per SM, or an unsplittable one
+    (K below two windows), or split so that every CTA keeps MANY_WAVES_WINDOWS windows; no split
+    leaves a CTA less than one window of K."""
+    cap = gm.CTAS_PER_SM * SM_COUNT
+    for m in ROWS:
+        for n, k in (*SHAPES_31B.values(), *SHAPES_E4B.values(), *SHAPES_SMALL.values()):
+            launch = gm.launch_geometry(m, n, k, SM_COUNT)
+            groups, split = launch.grid[0], launch.grid[2]
+            blocks = -(-k // 64)
+            assert split == 1 or blocks >= split * 4
+            if groups <= cap:
+                assert groups * split <= cap
+            else:
+                assert split == 1 or blocks >= split * 4 * gm.MANY_WAVES_WINDOWS
+    assert gm.launch_geometry(1, 128, 16, SM_COUNT).grid == (2, 1, 1)
+    assert gm.launch_geometry(1, 16, 4096, SM_COUNT).grid == (1, 1, 8)  # one row group: split
+
+
+def test_geometry_refuses_bad_shapes() -> None:
+    for m, n, k in ((0, 16, 64), (33, 16, 64), (1, 0, 64), (1, 16, 8), (1, 16, 24)):
+        with pytest.raises(ValueError, match="gemv_mma_fp8 needs"):
+            gm.launch_geometry(m, n, k, SM_COUNT)
+    with pytest.raises(ValueError, match="warps 2 not one of"):
+        gm.launch_geometry(1, 16, 64, SM_COUNT, warps=2)
+    with pytest.raises(ValueError, match="split 5 not one of"):
+        gm.launch_geometry(1, 16, 64, SM_COUNT, split=5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_compiles_with_every_entry(tmp_path) -> None:
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    cubin = compile_cubin(gm.SOURCE, cache_dir=tmp_path)
+    assert cubin[:4] == b"\x7fELF"
+    for name in gm.entry_names():
+        assert name.encode() in cubin
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """(context, {entry name: function}) with the module's cubin loaded once."""
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = h100_context()
+    cubin = compile_cubin(gm.SOURCE)
+    fns = {}
+    for name in gm.entry_names():
+        fns[name] = ctx.load_function(cubin, name)
+        ctx.set_max_dynamic_smem(fns[name], gm.smem_bytes(gm.MAX_ROWS))
+    return ctx, fns
+
+
+def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int) -> np.ndarray:
+    """y of one launch on x (uploaded here), the output NaN-poisoned first."""
+    ctx, fns = kernel
+    m, k = x.shape
+    dx, dy = ctx.upload(np.ascontiguousarray(x)), ctx.alloc(m * n * 4)
+    ctx.memset(dy, 0xFF)  # NaN poison: every output must be written
+    ctx.launch(fns[launch.entry], launch.grid, launch.block, launch.smem,
+               [ctypes.c_uint64(b.ptr) for b in (dw, ds, dx, dy)]
+               + [ctypes.c_int(v) for v in (m, n, k)])
+    ctx.synchronize()
+    got = ctx.download(dy, np.float32, (m, n))
+    ctx.free(dx)
+    ctx.free(dy)
+    return got
+
+
+def check_rows(kernel, n: int, k: int, seed: int, rows=ROWS, warps=None, split=None) -> None:
+    """Fresh W, scale and x; for each M in rows, the launch on x[:M] against the reference."""
+    ctx, _ = kernel
+    rng = np.random.default_rng(seed)
+    w = random_fp8(rng, (n, k))
+    scale = rng.uniform(1e-4, 1e-3, n).astype(np.float32)
+    x = rng.normal(size=(max(rows), k)).astype(ml_dtypes.bfloat16)
+    want = gm.reference(w, scale, x)  # row m depends on x[m] alone
+    dw, ds = ctx.upload(w), ctx.upload(scale)
+    try:
+        for m in rows:
+            launch = gm.launch_geometry(m, n, k, ctx.sm_count, warps=warps, split=split)
+            got = run(kernel, launch, dw, ds, x[:m], n)
+            assert np.isfinite(got).all(), (m, launch)
+            rel = np.linalg.norm(got - want[:m]) / np.linalg.norm(want[:m])
+            assert rel < TOLERANCE, (m, launch, rel)
+    finally:
+        ctx.free(dw)
+        ctx.free(ds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted({**SHAPES_31B, **SHAPES_E4B, **SHAPES_SMALL}))
+def test_default_launch_matches_reference(kernel, name: str) -> None:
+    n, k = {**SHAPES_31B, **SHAPES_E4B, **SHAPES_SMALL}[name]
+    check_rows(kernel, n, k, seed=n * 7 + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", gm.WARPS)
+@pytest.mark.parametrize("split", gm.SPLITS)
+def test_every_entry_matches_reference(kernel, warps: int, split: int) -> None:
+    """Each (warps, split) entry of each row bucket on a ragged shape: N = 1000 (a partial CTA of
+    rows), K = 4176 (65 whole k blocks and a quarter: partial windows in every split)."""
+    check_rows(kernel, 1000, 4176, seed=warps * 10 + split, rows=(1, 7, 8, 9, 16, 17, 32),
+               warps=warps, split=split)
