@@ -27,7 +27,10 @@ import numpy as np
 
 from rvcompile import __version__
 from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
-from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH
+from rvcompile.artifacts.contents import parse_contents
+from rvcompile.artifacts.format import canonical_json
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Cubin
+from rvcompile.artifacts.manifest import parse_manifest
 from rvcompile.ir.draft_frontend import add_assistant
 from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
@@ -315,6 +318,12 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     if missing:
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
+    # What every reader checks, on what is about to be written: no build writes an artifact
+    # that its runtime would refuse.
+    sizes = {"weights": lowered.weights_nbytes,
+             **{name: len(data) for name, data in {**lowered.sections, **text_sections}.items()}}
+    checked = parse_manifest(header, json.loads(canonical_json(manifest)), sizes, out.name)
+    parse_contents(checked, {**lowered.sections, **text_sections}, out.name)
     with ArtifactWriter(out, header) as w:
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
@@ -400,9 +409,9 @@ def _lower_h100(ir: ModelIR, opts: BuildOptions) -> _Lowered:
         cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
                           strict=True))
     blob, index = _concat(cubins)
-    for name, loc in index.items():
-        loc["sha256"] = hashlib.sha256(cubins[name]).hexdigest()
-    schedule = replace(lowering.schedule, cubins=index)
+    schedule = replace(lowering.schedule, cubins={
+        name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())
+        for name, loc in index.items()})
     return _Lowered(
         ("cuda",),
         {"runtime": "h100", "compute_capability": "9.0", "min_driver": min_driver(),

@@ -39,7 +39,7 @@ USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, LoweringE
 
 
 def fail(msg: str) -> None:
-    typer.echo(f"rvcompile: error: {msg}", err=True)
+    typer.echo(f"rvcompile: error: {msg.splitlines()[0] if msg else msg}", err=True)
     raise typer.Exit(2)
 
 
@@ -180,28 +180,34 @@ TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)
 def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
             trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
             ) -> None:
-    """Show an artifact's model, target, platforms, entry points, sizes, hashes, versions and
-    signers (each signature valid, INVALID, or not checked without its --trusted-key)."""
+    """Show an artifact's model, target, platforms, entry points (an h100 artifact's kernel
+    schedule), sizes, hashes, versions and signers (each signature valid, INVALID, or not
+    checked without its --trusted-key)."""
+    from rvcompile.artifacts.manifest import read_manifest
+
     try:
         keys = [load_trusted_key(k) for k in trusted_key]
         with Artifact.open(artifact) as art:
+            checked = read_manifest(art)  # every field shown below is checked
             h, m = art.header, art.manifest
             info = {
-                "file": str(artifact), "model": m["model"]["name"], "target": h.target,
+                "file": str(artifact), "model": checked.model.name, "target": h.target,
                 "platforms": list(h.platforms), "compiler_version": h.compiler_version,
-                "requirements": h.requirements, "passes": m.get("passes", []),
-                "entry_points": m["xla"]["entry_points"], "slots": m["xla"]["slots"],
-                "max_context": m["xla"]["max_context"],
-                "jax_version": m["xla"]["jax_version"],
-                "layer_groups": m["xla"]["layer_groups"],
-                "precompiled": m["xla"].get("precompiled", {}),
-                "mesh": m["xla"].get("mesh"),
-                "assistant": _drafter_info(m),
+                "requirements": h.requirements, "passes": m["passes"],
                 "piece_size": art.piece_size,
                 "sections": {n: {"offset": s.offset, "size": s.size,
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
+            if checked.xla:
+                x = m["xla"]
+                info.update({
+                    "entry_points": x["entry_points"], "slots": x["slots"],
+                    "max_context": x["max_context"], "jax_version": x["jax_version"],
+                    "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),
+                    "mesh": x.get("mesh"), "assistant": _drafter_info(checked)})
+            else:
+                info.update(_schedule_info(checked.h100))
             signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
             info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
                                   for s, st in signed]
@@ -210,15 +216,19 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    for key in ("file", "model", "target", "platforms", "compiler_version", "jax_version",
-                "passes", "entry_points", "slots", "max_context", "requirements"):
+    shown = ("file", "model", "target", "platforms", "compiler_version",
+             *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
+             "passes", "entry_points", "slots", "max_context", "requirements")
+    for key in shown:
         typer.echo(f"{key:17} {info[key]}")
-    if info["assistant"]:
+    if info.get("assistant"):
         _echo_drafter(info["assistant"])
-    if info["mesh"]:
+    if info.get("mesh"):
         _echo_mesh(info["mesh"])
-    if info["precompiled"]:
+    if info.get("precompiled"):
         _echo_precompiled(info["precompiled"])
+    if "schedule" in info:
+        _echo_schedule(info["schedule"])
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
@@ -228,23 +238,19 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
         typer.echo(f"  signed by {sig.who()}, {st}")
 
 
-def _drafter_info(m: dict) -> dict | None:
-    """The assistant drafter and speculative entry points of a manifest, or None."""
-    spec = m.get("xla", {}).get("speculative")
-    if not spec and "assistant" not in m:
+def _drafter_info(manifest) -> dict | None:
+    """The assistant drafter and speculative entry points of a checked manifest, or None."""
+    spec, drafter = manifest.xla.speculative, manifest.assistant
+    if spec is None:
         return None
-    info: dict = {"verify": spec and spec["verify"], "draft": spec and spec["draft"],
-                  "draft_tokens": spec["draft_tokens"] if spec else 0}
-    if "assistant" in m:
-        c = m["assistant"]["config"]
-        t = c["text_config"]
-        info.update(name=m["assistant"]["name"], model_type=c["model_type"],
-                    origin=m["assistant"]["origin"], hidden_size=t["hidden_size"],
-                    layers=t["layer_types"], heads=t["num_attention_heads"],
-                    intermediate_size=t["intermediate_size"],
-                    head="centroids {num_centroids}, top {centroid_intermediate_top_k}".format(**c)
-                    if c["use_ordered_embeddings"] else "dense (tied)",
-                    reads=spec["reads"] if spec else [])
+    info: dict = {"verify": spec.verify, "draft": spec.draft, "draft_tokens": spec.draft_tokens}
+    if drafter is not None:
+        info.update(name=drafter.name, model_type=drafter.model_type, origin=drafter.origin,
+                    hidden_size=drafter.hidden_size, layers=list(drafter.layer_types),
+                    heads=drafter.num_heads, intermediate_size=drafter.intermediate_size,
+                    head=(f"centroids {drafter.num_centroids}, top {drafter.top_k}"
+                          if drafter.num_centroids else "dense (tied)"),
+                    reads=list(spec.reads))
     return info
 
 
@@ -257,6 +263,45 @@ def _echo_drafter(d: dict) -> None:
                    f"{d['intermediate_size']}, head {d['head']}")
     typer.echo(f"{'speculative':17} up to {d['draft_tokens']} drafts: {d['verify']}"
                + (f", {d['draft']}" if d["draft"] else ""))
+
+
+def _schedule_info(h100) -> dict:
+    """What `inspect` shows of an h100 artifact's kernel schedule."""
+    s = h100.schedule
+    launches = [x for e in s.entries.values() for x in e.launches]
+    return {
+        "entry_points": sorted(s.entries), "slots": s.slots, "max_context": s.max_context,
+        "nvcc": h100.nvcc, "arch": h100.arch,
+        "schedule": {
+            "version": s.version, "arena_bytes": s.arena_bytes,
+            "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
+                        "kv": s.kv.pool_bytes, "io": s.io_bytes,
+                        "activations": s.arena_bytes - s.io_offset - s.io_bytes},
+            "kv": {"block_size": s.kv.block_size, "dtype": s.kv.kv_dtype,
+                   "kinds": {k.name: {"table_width": k.table_width, "num_blocks": k.num_blocks,
+                                      "window": k.window} for k in s.kv.kinds}},
+            "entries": {name: {"rows": e.rows, "graph": e.graph, "launches": len(e.launches)}
+                        for name, e in s.entries.items()},
+            "launches": len(launches),
+            "kernels": len({(x.module, x.kernel) for x in launches}),
+            "modules": len(s.cubins),
+        },
+    }
+
+
+def _echo_schedule(s: dict) -> None:
+    """The kernel schedule: arena regions, KV pools, and each entry's launch count."""
+    regions = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s["regions"].items())
+    typer.echo(f"{'schedule':17} version {s['version']}: arena {s['arena_bytes'] / 2**20:.1f} MiB "
+               f"({regions} MiB); {s['launches']} launches of {s['kernels']} kernels from "
+               f"{s['modules']} cubins")
+    kinds = ", ".join(f"{n} {k['num_blocks']} x {k['table_width']}-wide"
+                      + (f" (window {k['window']})" if k["window"] else "")
+                      for n, k in s["kv"]["kinds"].items())
+    typer.echo(f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens: {kinds}")
+    for name, e in s["entries"].items():
+        typer.echo(f"  {name:16} {e['rows']:>5} rows  {e['launches']:>5} launches"
+                   f"{'  (CUDA graph)' if e['graph'] else ''}")
 
 
 def _echo_mesh(mesh: dict) -> None:
@@ -289,12 +334,15 @@ def _echo_precompiled(sets: dict) -> None:
 def verify(artifact: Path,
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
-    """Re-hash every section; with --trusted-key, first require a valid signature by one of the
-    keys. Exit 0 when all checks pass, 2 otherwise."""
+    """Re-hash every section and check what the manifest and sections hold
+    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
+    from rvcompile.artifacts.contents import verify_artifact
+
     try:
         keys = [load_trusted_key(k) for k in trusted_key] or None
         with Artifact.open(artifact, trusted_keys=keys) as art:
-            art.verify()
+            verify_artifact(art)
             n = len(art.sections)
             signed = "; ".join(f"signed by {s.who()}, {status(s, art.signable, keys or [])}"
                                for s in art.signatures) or "unsigned"

@@ -32,7 +32,7 @@ from oracle import (
     save_oracle_assistant,
 )
 
-from rvcompile.artifacts import Artifact
+from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir.draft_frontend import add_assistant
 from rvcompile.ir.frontend import build_model_ir
@@ -131,7 +131,7 @@ def executor(pair, tmp_path_factory):
                                 slots=SLOTS, platforms=("cpu",), draft_tokens=K)
             build_artifact(str(ckpt), out, opts, assistant=str(adir), progress=False,
                            log=lambda s: None)
-            cache[(case, ordered)] = XlaExecutor(Artifact.open(out))
+            cache[(case, ordered)] = runtime.load(out).executor
         return cache[(case, ordered)]
 
     return get

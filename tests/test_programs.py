@@ -18,6 +18,7 @@ import pytest
 from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
+from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.programs import custom_call_targets, load_programs
 
@@ -63,7 +64,7 @@ def _with_program(src: Path, dst: Path, name: str, exp: export.Exported) -> None
 
 def _program(art_path: Path, name: str) -> export.Exported:
     with Artifact.open(art_path) as art:
-        return load_programs(art)[name]
+        return load_programs(art, read_manifest(art).xla)[name]
 
 
 def _module_bytes(text: str) -> bytes:
@@ -76,7 +77,7 @@ def _module_bytes(text: str) -> bytes:
 
 def test_built_programs_call_only_stable_targets(plain):
     with Artifact.open(plain) as art:
-        programs = load_programs(art)
+        programs = load_programs(art, read_manifest(art).xla)
     assert sorted(programs) == ["decode_1", "logits_16", "prefill_16"]
     for exp in programs.values():
         assert custom_call_targets(exp) <= {"shape_assertion"}
@@ -105,7 +106,7 @@ def test_disabled_safety_checks_are_refused(plain, tmp_path):
     bad = tmp_path / "bad.rvp"
     _with_program(plain, bad, "logits_16", exp)
     with Artifact.open(bad) as art, pytest.raises(ArtifactError) as e:
-        load_programs(art)
+        load_programs(art, read_manifest(art).xla)
     assert str(e.value).startswith("bad.rvp: program logits_16: disables jax.export safety "
                                    "checks (")
     assert "\n" not in str(e.value)
@@ -116,7 +117,7 @@ def test_a_damaged_program_is_refused_in_one_line(plain, tmp_path):
     bad = tmp_path / "bad.rvp"
     _with_program(plain, bad, "logits_16", exp)
     with Artifact.open(bad) as art, pytest.raises(ArtifactError) as e:
-        load_programs(art)
+        load_programs(art, read_manifest(art).xla)
     assert str(e.value).startswith("bad.rvp: program logits_16: its StableHLO does not parse: ")
     assert "\n" not in str(e.value)
     assert jax.devices()  # the process is whole

@@ -235,24 +235,32 @@ def test_every_single_byte_flip_is_refused(tmp_path: Path, keys) -> None:
     Artifact.open(path, trusted_keys=key).close()
 
 
+def tamper_consistently(path: Path) -> None:
+    """Flip the first weight byte and re-compute its piece digest, the table's sha256 and the
+    header checksum: every hash agrees with the new bytes."""
+    data = bytearray(path.read_bytes())
+    layout = decode_header_block(bytes(data[:HEADER_SIZE]), path.name)
+    weights = next(s for s in layout.sections if s.name == "weights")
+    piece = layout.piece_size
+    data[weights.offset] ^= 1
+    index = sum(-(-s.size // piece) for s in layout.sections[:layout.sections.index(weights)])
+    t = layout.piece_digests
+    at = t.offset + 32 * index
+    first = data[weights.offset : weights.offset + min(piece, weights.size)]
+    data[at : at + 32] = hashlib.sha256(first).digest()
+    table_sha = hashlib.sha256(data[t.offset : t.offset + t.size]).hexdigest()
+    blob = dataclasses.replace(t, sha256=table_sha)
+    data[:HEADER_SIZE] = encode_header_block(dataclasses.replace(layout, piece_digests=blob), "x")
+    path.write_bytes(bytes(data))
+
+
 def test_consistent_tampering_is_caught_only_by_the_signature(tmp_path: Path, keys) -> None:
     """Hashes detect accidents, signatures detect tampering: a weight byte changed with its
     piece digest, the table's sha256 and the header checksum all re-computed verifies clean,
     and is refused with the trusted key."""
     path = small(tmp_path / "evil.rvp")
     sign(path, keys, "alice", "Alice")
-    data = bytearray(path.read_bytes())
-    layout = decode_header_block(bytes(data[:HEADER_SIZE]), path.name)
-    weights = next(s for s in layout.sections if s.name == "weights")
-    data[weights.offset] ^= 1
-    index = sum(-(-s.size // PIECE) for s in layout.sections[:layout.sections.index(weights)])
-    t = layout.piece_digests
-    at = t.offset + 32 * index
-    data[at : at + 32] = hashlib.sha256(data[weights.offset : weights.offset + PIECE]).digest()
-    table_sha = hashlib.sha256(data[t.offset : t.offset + t.size]).hexdigest()
-    blob = dataclasses.replace(t, sha256=table_sha)
-    data[:HEADER_SIZE] = encode_header_block(dataclasses.replace(layout, piece_digests=blob), "x")
-    path.write_bytes(bytes(data))
+    tamper_consistently(path)
     with Artifact.open(path) as art:
         art.verify()  # consistent: no hash can tell
         assert art.signatures[0].signer == "Alice"
@@ -504,9 +512,7 @@ def test_cli_keygen_sign_inspect_verify_and_run(tmp_path: Path, tiny: Path) -> N
 
     tampered = tmp_path / "tampered.rvp"
     shutil.copyfile(art, tampered)
-    with open(tampered, "r+b") as f:
-        f.seek(HEADER_SIZE - 1)  # header padding: no hash covers it, the signature does
-        f.write(b"\1")
+    tamper_consistently(tampered)  # no hash can tell; the signature does
     assert run(RVCOMPILE, "verify", str(tampered)).returncode == 0
     one_error_line(run(RVRUN, str(tampered), "--prompt", "Hello", "--trusted-key", str(public)),
                    "rvrun", "tampered.rvp: the signature by Release Bot (key ", "does not match")

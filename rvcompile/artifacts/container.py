@@ -6,11 +6,14 @@ Sections are planned with `reserve` and filled with `write` in pieces, in any or
 holding a section in memory; `commit` refuses gaps and overlaps, hashes what is on disk, and the
 same inputs always give the same bytes (for the same piece size).
 
-`Artifact.open` checks the header block first (magic, format version, checksum), then the file
-size against the section table, then the shape of the signature page if there is one (and, given
-trusted keys, the signatures: see `signature.py`), then that the padding between regions is zero,
-then the sha256 of the piece-digest table and of the manifest; sections are served zero-copy from
-a read-only mmap. Section bytes are only hashed on `verify`, since that reads the whole file.
+`Artifact.open` refuses anything but a regular file (a FIFO would block it), then checks the
+header block (magic, format version, checksum, zero padding), then the file size against the
+section table, then the shape of the signature page if there is one (and, given trusted keys,
+the signatures: see `signature.py`), then that the padding between regions is zero, then the
+sha256 of the piece-digest table and of the manifest, which must parse as a JSON object;
+sections are served zero-copy from a read-only mmap. Section bytes are only hashed on `verify`,
+since that reads the whole file. What a model artifact's manifest and sections mean is checked
+by manifest.py and contents.py.
 
 `commit` and `verify` hash the pieces of every section (see `format.py`) on a thread pool, one
 thread per core by default: hashlib and os.preadv release the GIL, so a 30 GB file hashes at
@@ -22,11 +25,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import io
-import json
 import math
 import mmap
 import operator
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +57,7 @@ from rvcompile.artifacts.format import (
     piece_count,
     split_piece_digests,
 )
+from rvcompile.artifacts.schema import SchemaError, parse_json
 from rvcompile.artifacts.signature import (
     Signable,
     Signature,
@@ -395,13 +399,23 @@ class Artifact:
         table as read, before the table or the manifest is trusted or the manifest read."""
         path = Path(path)
         fname = path.name
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
         with _os_errors(f"{fname}: cannot open"):
-            file = open(path, "rb", buffering=0)  # closed by close(), or below on error
-        fd = file.fileno()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ArtifactError(f"{fname}: not a regular file (a {_file_kind(st)}); an "
+                                        "artifact is a file")
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
+        file = open(fd, "rb", buffering=0)  # closed by close(), or below on error
         try:
             with _os_errors(f"{fname}: cannot read"):
                 block = os.pread(fd, HEADER_SIZE, 0)
-                file_size = os.fstat(fd).st_size
+                file_size = st.st_size
             layout = decode_header_block(block, fname)
             tinfo, minfo = layout.piece_digests, layout.manifest
             for label, s in [
@@ -429,7 +443,10 @@ class Artifact:
                 body = os.pread(fd, minfo.size, minfo.offset)
             if hashlib.sha256(body).hexdigest() != minfo.sha256:
                 raise ArtifactError(f"{fname}: manifest is corrupt (sha256 mismatch)")
-            manifest = json.loads(body)
+            try:
+                manifest = parse_json(body, "manifest")
+            except SchemaError as e:
+                raise ArtifactError(f"{fname}: {e}") from None
             if not isinstance(manifest, dict):
                 raise ArtifactError(f"{fname}: manifest is not a JSON object")
             with _os_errors(f"{fname}: cannot map"):
@@ -507,6 +524,12 @@ class Artifact:
                 f"{self.path.name}: no section '{name}' (has: {', '.join(self.sections)})"
             )
         return self.sections[name]
+
+
+def _file_kind(st: os.stat_result) -> str:
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")]
+    return next((name for test, name in kinds if test(st.st_mode)), "special file")
 
 
 def _read_signatures(

@@ -8,7 +8,7 @@ An .rvp file holds one compiled model. Layout (all integers little-endian):
     12      4     length n of the header JSON, uint32
     16      32    sha256 of the header JSON bytes
     48      n     header JSON (canonical, see `canonical_json`)
-    48+n    ...   zero padding up to HEADER_SIZE (4096)
+    48+n    ...   zero padding up to HEADER_SIZE (4096), checked (v3)
     4096    ...   sections, each at a multiple of ALIGN (4096), in the order they were reserved;
                   the bytes between them are zero
     ...     ...   piece-digest table (v2), at a multiple of ALIGN after the last section: for
@@ -27,7 +27,8 @@ A section of `size` bytes is cut into ceil(size / piece_size) pieces of `piece_s
 last one shorter when `size` is not a multiple (an empty section has none). Pieces are hashed
 independently so that writers and verifiers can hash them on many cores at once.
 
-Header JSON fields (added in format v1 unless marked):
+Header JSON fields (added in format v1 unless marked; strings are printable, 1 to 200
+characters, since v3):
     compiler_version  str: version of rvcompile that wrote the file.
     target            str: compile target the programs were built by, e.g. "xla".
     platforms         list of str: platforms the programs run on, e.g. ["tpu", "cuda", "cpu"].
@@ -66,9 +67,13 @@ The section table lives in the header, not the manifest, so a loader can check t
 map sections before it reads (or trusts) anything past the first 4096 bytes, and a truncated
 file is reported by the section it cuts. The price is a cap of a few dozen sections: sections are
 coarse blobs (weights, programs, tokenizer); tensors are addressed by offsets inside a section,
-recorded in the manifest. The manifest is exactly the caller's dict; it holds no layout. The
-piece digests sit outside the header because a large section has hundreds of them; the header's
-checksum covers the table's sha256, which covers each piece's.
+recorded in the manifest. The manifest is exactly the caller's dict; it holds no layout (a
+model artifact's manifest has the schema of `manifest.py`, checked by its readers). The piece
+digests sit outside the header because a large section has hundreds of them; the header's
+checksum covers the table's sha256, which covers each piece's. Every byte of the file is covered:
+the header JSON by its checksum, the padding by being zeros (checked at open), sections by their
+pieces (checked by `verify`), the table and the manifest by their sha256, the signature page by
+its own checksum.
 
 Readers accept MIN_READABLE_FORMAT <= version <= FORMAT_VERSION. Any change an older reader would
 misread bumps FORMAT_VERSION and gets a CHANGELOG entry. Errors are `ArtifactError`, one line,
@@ -84,9 +89,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 3
-# v1 files are refused, not read serially: they are rebuilt in minutes, and one way to verify
-# keeps the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 2
+# Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
+# and one schema keep the reader and the section digest (a cache key) single-meaning.
+MIN_READABLE_FORMAT = 3
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -114,8 +119,18 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-24", 3, "xla.precompiled executables are stored without pickle: each entry holds "
                       "the PJRT-serialized executable and JSON operands: its flat inputs and "
                       "outputs; records carry encoding EXECUTABLES_ENCODING; v2 records "
-                      "(jax's pickle) are never loaded, and v2 readers refuse v3 files instead "
-                      "of unpickling XLA's bytes"),
+                      "(jax's pickle) are never loaded. A model artifact's manifest, header "
+                      "requirements and generation_config have a schema (artifacts/manifest.py, "
+                      "contents.py), checked field by field where a reader opens the file; the "
+                      "h100 kernel schedule carries its own version "
+                      "(kernel_schedule.SCHEDULE_VERSION); header strings are printable and the "
+                      "header block's padding zero; v2 files are refused (rebuild them)"),
+    ("2026-11-24", 3, "XLA manifest may carry xla.speculative (draft_tokens K, entry points "
+                      "verify_{slots}x{K+1} and draft_{slots} or null, hidden_size, reads) and, "
+                      "with a draft entry point, a top-level assistant {name, origin, config} "
+                      "(speculative decoding with an assistant drafter, issue 15); absent: no "
+                      "speculative entry points, as before. Readers before this entry refuse "
+                      "such files (an entry point they do not know), they never misread them"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"
@@ -131,6 +146,7 @@ MAX_HEADER_JSON = HEADER_SIZE - _PREFIX.size
 # 30 GiB section splits into ~120 pieces to spread over any number of cores.
 PIECE_SIZE = 256 << 20
 DIGEST_SIZE = 32  # bytes of one sha256
+MAX_SIZE = 1 << 50  # of a section or the file: anything larger is damage, not a model
 
 
 class ArtifactError(ValueError):
@@ -261,17 +277,19 @@ def decode_header_block(block: bytes, fname: str) -> HeaderBlock:
     body = block[_PREFIX.size : _PREFIX.size + length]
     if length > MAX_HEADER_JSON or hashlib.sha256(body).digest() != digest:
         raise ArtifactError(f"{fname}: header block is corrupt (checksum mismatch)")
+    if block[_PREFIX.size + length :].count(0) != HEADER_SIZE - _PREFIX.size - length:
+        raise ArtifactError(f"{fname}: header block is corrupt (its padding is not zeros)")
     try:
         doc = json.loads(body)
         header = ArtifactHeader(
-            compiler_version=_typed(doc["compiler_version"], str),
-            target=_typed(doc["target"], str),
-            platforms=tuple(_typed(p, str) for p in _typed(doc["platforms"], list)),
+            compiler_version=_word(doc["compiler_version"]),
+            target=_word(doc["target"]),
+            platforms=tuple(_word(p) for p in _typed(doc["platforms"], list)),
             requirements=_typed(doc["requirements"], dict),
             source=fname,
         )
         sections = tuple(
-            SectionSpan(_typed(d["name"], str), _typed(d["offset"], int), _typed(d["size"], int))
+            SectionSpan(_word(d["name"]), _typed(d["offset"], int), _typed(d["size"], int))
             for d in _typed(doc["sections"], list)
         )
         decoded = HeaderBlock(
@@ -283,6 +301,8 @@ def decode_header_block(block: bytes, fname: str) -> HeaderBlock:
         )
     except (ValueError, TypeError, KeyError) as e:
         raise ArtifactError(f"{fname}: header JSON is malformed ({type(e).__name__}: {e})") from e
+    except RecursionError:
+        raise ArtifactError(f"{fname}: header JSON is malformed (nested too deeply)") from None
     _check_layout(decoded, fname)
     return decoded
 
@@ -315,17 +335,26 @@ def _typed(value: Any, kind: type) -> Any:
     return value
 
 
+def _word(value: Any) -> str:
+    """A header string: printable and short, since errors quote them."""
+    if not isinstance(value, str) or not value.isprintable() or not 0 < len(value) <= 200:
+        raise ValueError(f"expected a printable string of 1 to 200 characters, got {value!r:.60}")
+    return value
+
+
 def _check_layout(block: HeaderBlock, fname: str) -> None:
-    """Sections aligned, in file order, non-overlapping, uniquely named; then the digest table,
-    sized for every piece; then the manifest."""
+    """Sections aligned, in file order, non-overlapping, uniquely named, of at most MAX_SIZE
+    bytes; then the digest table, sized for every piece; then the manifest. (That each region
+    starts at the first multiple of ALIGN after the previous one, with zeros between, the
+    reader checks on the file.)"""
     sections = block.sections
     if len({s.name for s in sections}) != len(sections):
         raise ArtifactError(f"{fname}: header names a section twice")
-    if block.piece_size <= 0:
+    if not 0 < block.piece_size <= MAX_SIZE:
         raise ArtifactError(f"{fname}: header has a bad piece_size {block.piece_size}")
     end = HEADER_SIZE
     for s in [*sections, block.piece_digests, block.manifest]:
-        if s.offset % ALIGN or s.offset < end or s.size < 0:
+        if s.offset % ALIGN or s.offset < end or not 0 <= s.size <= MAX_SIZE:
             raise ArtifactError(f"{fname}: header has a bad section table entry {s}")
         end = s.offset + s.size
     pieces = sum(piece_count(s.size, block.piece_size) for s in sections)

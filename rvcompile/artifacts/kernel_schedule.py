@@ -12,18 +12,59 @@ token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence
 fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
 block-table row per token row and KV kind, the prefill's last real row, the sampling
 parameters; afterwards it reads `out_tokens` (and `logits`).
+
+`version` is the schedule's own schema version (what the arguments, io fields and entry names
+mean to the runtime): readers take MIN_SCHEDULE_VERSION..SCHEDULE_VERSION, independently of the
+container's format version. `from_json` checks every field before anything uses it: types and
+ranges, arena regions in order and inside the arena, every io field, output and pointer argument
+inside its region, grid and block dimensions within CUDA's limits, every launched module in
+`cubins`, the KV tables wide enough for the context and window, and the entry points the runtime
+calls. That a launch's kernel exists in its cubin with matching parameters is checked against
+the cubin bytes (artifacts/cubin.py, artifacts/contents.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rvcompile.artifacts.schema import FLOAT32_MAX, INT32_MAX, INT32_MIN, At
+
+# (date, version, change); newest last.
+SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
+    ("2026-11-24", 1, "first versioned schedule (format v3): the layout below, checked field by "
+                      "field at load"),
+)
+SCHEDULE_VERSION = 1
+MIN_SCHEDULE_VERSION = 1
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
+ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}  # as the kernel receives it
 # Header requirement "kernel_launch": how the runtime may launch the artifact's kernels.
 # "programmatic": every kernel opens with griddepcontrol.wait, so each may be launched with
 # programmatic stream serialization (start while its predecessor runs). Artifacts without it
 # were built before that and are refused: rebuilding them takes minutes.
 KERNEL_LAUNCH = "programmatic"
+
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+IO_DTYPES = ("int32", "float32")
+# The io fields the host writes -> dtype; each holds a value per token row of the widest entry
+# but last_row (one value). The KV kinds' table fields (int32, a table row per token row) come on
+# top.
+IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_row": "int32",
+             "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
+             "step": "int32"}
+ENTRY_KINDS = ("decode", "prefill", "logits")
+# CUDA's limits (compute capability 9.0): grid x, y, z; block x, y, z and threads; dynamic
+# shared memory a block may opt into.
+MAX_GRID = (INT32_MAX, 65535, 65535)
+MAX_BLOCK = (1024, 1024, 64)
+MAX_THREADS = 1024
+MAX_SMEM = 227 << 10
+MAX_BYTES = 1 << 50  # any size or offset beyond a petabyte is damage, not a model
+MAX_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -49,6 +90,10 @@ class Field:
     offset: int
     dtype: str  # "int32" or "float32"
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -81,6 +126,15 @@ class KvLayout:
 
 
 @dataclass(frozen=True)
+class Cubin:
+    """Where a module's cubin sits in the "cubins" section."""
+
+    offset: int
+    size: int
+    sha256: str  # hex, of the cubin bytes
+
+
+@dataclass(frozen=True)
 class KernelSchedule:
     arena_bytes: int
     weights_bytes: int  # [0, weights_bytes): the weights section
@@ -95,32 +149,195 @@ class KernelSchedule:
     vocab_size: int
     kv: KvLayout
     io: dict[str, Field]
-    outputs: dict[str, Field]  # out_tokens, logits
+    outputs: dict[str, Field]  # "{entry}.out_tokens", "{entry}.logits"
     entries: dict[str, EntryPoint]
-    cubins: dict[str, dict[str, int | str]]  # module -> {offset, size, sha256} in "cubins"
+    cubins: dict[str, Cubin]  # module -> its place in section "cubins"
+    version: int = field(default=SCHEDULE_VERSION)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> KernelSchedule:
-        def launch(x: dict) -> Launch:
-            return Launch(x["module"], x["kernel"], tuple(x["grid"]), tuple(x["block"]),
-                          x["smem"], tuple(Arg(a["kind"], a["value"]) for a in x["args"]))
+    def from_json(cls, d: Any, path: str = "schedule") -> KernelSchedule:
+        """The schedule `d` (parsed JSON) describes; SchemaError naming the first bad field,
+        under `path`."""
+        return _parse(At(d, path))
 
-        def field(x: dict) -> Field:
-            return Field(x["offset"], x["dtype"], tuple(x["shape"]))
 
-        return cls(
-            **{k: d[k] for k in ("arena_bytes", "weights_bytes", "constants_offset",
-                                 "constants_bytes", "kv_offset", "io_offset", "io_bytes",
-                                 "slots", "max_context", "max_chunk", "vocab_size")},
-            kv=KvLayout(d["kv"]["block_size"], d["kv"]["pool_bytes"], d["kv"]["kv_dtype"],
-                        tuple(KvKindLayout(**k) for k in d["kv"]["kinds"])),
-            io={k: field(v) for k, v in d["io"].items()},
-            outputs={k: field(v) for k, v in d["outputs"].items()},
-            entries={k: EntryPoint(e["name"], e["rows"], e["graph"],
-                                   tuple(launch(x) for x in e["launches"]))
-                     for k, e in d["entries"].items()},
-            cubins=d["cubins"],
-        )
+def _parse(s: At) -> KernelSchedule:
+    version = s.get("version")
+    if version is None:
+        s.fail("has no version: built before schedules were versioned; rebuild the artifact")
+    v = version.int()
+    if not MIN_SCHEDULE_VERSION <= v <= SCHEDULE_VERSION:
+        version.fail(f"kernel schedule version {v}; this runtime reads versions "
+                     f"{MIN_SCHEDULE_VERSION}..{SCHEDULE_VERSION} (rebuild the artifact, or "
+                     "upgrade rvcompile)")
+    n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
+        "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
+        "io_offset", "io_bytes")}
+    slots = s["slots"].int(1, MAX_ROWS)
+    max_context = s["max_context"].int(1, MAX_ROWS * 64)
+    max_chunk = s["max_chunk"].int(1, max_context)
+    vocab = s["vocab_size"].int(1, INT32_MAX)
+    kv = _kv(s["kv"], max_context, max_chunk)
+    # The regions in order, each inside the arena (the pools are kv.pool_bytes long).
+    regions = [("weights", 0, n["weights_bytes"]),
+               ("constants", n["constants_offset"], n["constants_bytes"]),
+               ("kv", n["kv_offset"], kv.pool_bytes), ("io", n["io_offset"], n["io_bytes"])]
+    end = 0
+    for name, offset, size in regions:
+        if offset < end:
+            s.fail(f"arena region {name} starts at byte {offset}, inside the previous region "
+                   f"(which ends at {end})")
+        end = offset + size
+    if end > n["arena_bytes"]:
+        s.fail(f"arena regions end at byte {end}, past arena_bytes {n['arena_bytes']}")
+    io_region = (n["io_offset"], n["io_offset"] + n["io_bytes"])
+    arena = (0, n["arena_bytes"])
+    cubins = {}
+    for name, c in s["cubins"].members(256).items():
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,64}\.cu", name):
+            c.fail("a module is named after its kernel source, like head.cu")
+        cubins[name] = Cubin(c["offset"].int(0, MAX_BYTES), c["size"].int(1, MAX_BYTES),
+                             c["sha256"].sha256())
+    entries = {name: _entry(e, name, cubins, n["arena_bytes"])
+               for name, e in s["entries"].members().items()}
+    rows = {kind: sorted(e.rows for e in entries.values() if e.name.startswith(kind + "_"))
+            for kind in ENTRY_KINDS}
+    _need(s["entries"], rows["decode"], slots, "decode", "the widest decode entry")
+    _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
+    _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
+    max_rows = max(e.rows for e in entries.values())
+    tables = {k.io_field: k.table_width for k in kv.kinds}
+    io_at = s["io"]
+    io = {name: _field(f, io_region) for name, f in io_at.members().items()}
+    for name, dtype in [*IO_FIELDS.items(), *((t, "int32") for t in tables)]:
+        if name not in io:
+            io_at.fail(f"missing required io field {name!r}")
+        f = io[name]
+        rows_needed = 1 if name == "last_row" else max_rows
+        per_row = (tables[name],) if name in tables else ()
+        if f.dtype != dtype or f.shape[0] < rows_needed or f.shape[1:] != per_row:
+            io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
+                             f"rows), got {f.dtype} {list(f.shape)}")
+    outputs_at = s["outputs"]
+    outputs = {name: _field(f, arena) for name, f in outputs_at.members().items()}
+    for e in entries.values():
+        kind = e.name.split("_")[0]
+        name, dtype, shape = ((f"{e.name}.logits", "float32", (e.rows, vocab)) if kind == "logits"
+                              else (f"{e.name}.out_tokens", "int32",
+                                    (e.rows if kind == "decode" else 1,)))
+        if name not in outputs:
+            outputs_at.fail(f"missing output {name!r} of entry {e.name}")
+        if outputs[name].dtype != dtype or outputs[name].shape != shape:
+            outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
+                                  f"{outputs[name].dtype} {list(outputs[name].shape)}")
+    return KernelSchedule(
+        arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
+        constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
+        kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
+        slots=slots, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
+        io=io, outputs=outputs, entries=entries, cubins=cubins, version=v)
+
+
+def min_table_width(ring: bool, window: int, block: int, max_context: int,
+                    max_chunk: int) -> int:
+    """Block-table entries a sequence needs: a full table spans the context; a ring the window
+    behind a chunk's first token plus the chunk, and a block of slack, unless that is more than
+    the context (as both targets lay them out)."""
+    full = -(-max_context // block)
+    return min(full, -(-(window + max_chunk - 1) // block) + 1) if ring else full
+
+
+def _need(at: At, rows: list[int], want: int, kind: str, what: str) -> None:
+    if not rows or rows[-1] != want:
+        at.fail(f"{what} must be {kind}_{want} (has {kind} rows {rows})")
+
+
+def _kv(at: At, max_context: int, max_chunk: int) -> KvLayout:
+    block = at["block_size"].int(1, 1 << 16)
+    kinds = []
+    for k in at["kinds"].items(1, 2):
+        name = k["name"].str(("full", "sliding"))
+        ring = k["ring"].bool()
+        width = k["table_width"].int(1, MAX_ROWS)
+        window = k["window"].int(*((1, max_context * 64) if ring else (0, 0)))
+        if ring != (name == "sliding"):
+            k["ring"].fail(f"the {name} kind {'must not' if ring else 'must'} be a ring")
+        need = min_table_width(ring, window, block, max_context, max_chunk)
+        if width < need:
+            k["table_width"].fail(f"{width} blocks of {block} tokens cannot hold the "
+                                  f"{'window and a chunk' if ring else 'context'}; need {need}")
+        kinds.append(KvKindLayout(name, k["io_field"].str(pattern=r"table_\w+"), width, ring,
+                                  window, k["num_blocks"].int(width, INT32_MAX)))
+    if len({k.name for k in kinds}) != len(kinds) or len({k.io_field for k in kinds}) != len(kinds):
+        at["kinds"].fail("names a KV kind or io field twice")
+    return KvLayout(block, at["pool_bytes"].int(0, MAX_BYTES), at["kv_dtype"].str(KV_DTYPES),
+                    tuple(kinds))
+
+
+def _field(at: At, region: tuple[int, int]) -> Field:
+    shape = tuple(d.int(1, MAX_ROWS * 1024) for d in at["shape"].items(1, 2))
+    f = Field(at["offset"].int(0, MAX_BYTES), at["dtype"].str(IO_DTYPES), shape)
+    if f.offset < region[0] or f.offset + f.nbytes > region[1]:
+        at.fail(f"bytes [{f.offset}, {f.offset + f.nbytes}) fall outside their region "
+                f"[{region[0]}, {region[1]})")
+    return f
+
+
+def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int) -> EntryPoint:
+    m = re.fullmatch(r"(decode|prefill|logits)_([1-9][0-9]{0,6})", key)
+    if not m:
+        at.fail("an entry point is named decode_N, prefill_N or logits_N")
+    name = at["name"].str()
+    rows = at["rows"].int(1, MAX_ROWS)
+    if name != key or rows != int(m[2]):
+        at.fail(f"entry {key} must be named {key} with {m[2]} rows, not {name!r} with {rows}")
+    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
+              "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
+    launches = tuple(_launch(x, cubins, ranges) for x in at["launches"].items(1))
+    return EntryPoint(name, rows, at["graph"].bool(), launches)
+
+
+def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple]) -> Launch:
+    """`ranges`: each argument kind's allowed values (pointers inside the arena)."""
+    module = at["module"].str()
+    if module not in cubins:
+        at["module"].fail(f"launches module {module!r}, which has no cubin in the artifact")
+    grid = tuple(d.int(1, hi) for d, hi in zip(at["grid"].items(3, 3), MAX_GRID, strict=True))
+    block = tuple(d.int(1, hi) for d, hi in zip(at["block"].items(3, 3), MAX_BLOCK, strict=True))
+    if math.prod(block) > MAX_THREADS:
+        at["block"].fail(f"{math.prod(block)} threads per block; CUDA allows {MAX_THREADS}")
+    return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
+                  at["smem"].int(0, MAX_SMEM), _args(at["args"], ranges))
+
+
+def _args(at: At, ranges: dict[str, tuple]) -> tuple[Arg, ...]:
+    """A launch's arguments. Schedules hold hundreds of thousands, so well-formed ones are
+    checked directly on the JSON values; the first that is not (or any extra key) goes through
+    At, which names what is wrong."""
+    values = at.value
+    if isinstance(values, list) and len(values) <= 256:
+        args = []
+        for a in values:
+            if type(a) is not dict or len(a) != 2:
+                break
+            kind, value = a.get("kind"), a.get("value")
+            if type(kind) is not str or kind not in ranges:
+                break
+            lo, hi = ranges[kind]
+            plain = type(value) is int or (kind == "f32" and type(value) is float
+                                           and math.isfinite(value))
+            if not plain or not lo <= value <= hi:
+                break
+            args.append(Arg(kind, value))
+        else:
+            return tuple(args)
+    args = []
+    for a in at.items(0, 256):
+        kind = a["kind"].str(ARG_KINDS)
+        value = a["value"]
+        args.append(Arg(kind, value.number(*ranges[kind]) if kind == "f32"
+                        else value.int(*ranges[kind])))
+    return tuple(args)

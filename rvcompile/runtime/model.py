@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from rvcompile import chat_template
+from rvcompile.artifacts.contents import Contents, read_contents
+from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
 
@@ -51,18 +51,18 @@ class GenerationResult:
 
 
 class Model:
-    def __init__(self, art, executor: Executor, *, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None):
+    def __init__(self, art, executor: Executor, *, contents: Contents | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None):
+        """`contents`: the artifact's checked tokenizer, ids and template (what `load` read
+        before it asked the machine anything); read and checked here when not given."""
         self.art, self.executor = art, executor
         self.manifest = art.manifest
-        self.tokenizer = Tokenizer.from_str(bytes(art.buffer("tokenizer")).decode())
-        self.generation_config = json.loads(bytes(art.buffer("generation_config")))
-        self.chat_template = bytes(art.buffer("chat_template")).decode() or None
-        cfg = self.manifest["model"]["config"]
-        self.vocab_size = cfg["vocab_size"]
-        eos = self.generation_config.get("eos_token_id", cfg.get("eos_token_id", 1))
-        self.eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
-        self.bos_id = int(self.generation_config.get("bos_token_id", 2))
+        contents = contents or read_contents(art, read_manifest(art))
+        self.tokenizer = contents.tokenizer
+        self.chat_template = contents.chat_template
+        self.vocab_size = contents.vocab_size
+        self.eos_ids = contents.eos_ids
+        self.bos_id = contents.bos_id
         self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.max_context = self.engine.max_model_len

@@ -16,6 +16,8 @@ from __future__ import annotations
 from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.contents import xla_programs
+from rvcompile.artifacts.manifest import XlaManifest
 
 
 def custom_call_targets(exp: export.Exported) -> set[str]:
@@ -55,17 +57,10 @@ def check_program(where: str, exp: export.Exported) -> None:
                             "run (not one jax.export keeps stable)")
 
 
-def load_programs(art: Artifact) -> dict[str, export.Exported]:
-    """Entry name -> Exported of every program in the manifest, each checked."""
-    blob = art.buffer("programs")
-    out = {}
-    for name, loc in art.manifest["xla"]["programs"].items():
-        where = f"{art.path.name}: program {name}"
-        try:
-            exp = export.deserialize(bytearray(blob[loc["offset"]:loc["offset"] + loc["size"]]))
-        except Exception as e:  # flatbuffers or MLIR parse errors of a damaged program
-            raise ArtifactError(f"{where} does not deserialize: "
-                                f"{str(e).strip().splitlines()[0]}") from None
-        check_program(where, exp)
-        out[name] = exp
-    return out
+def load_programs(art: Artifact, xla: XlaManifest) -> dict[str, export.Exported]:
+    """Entry name -> Exported of every program in the checked manifest part `xla`: each takes
+    what the manifest describes (artifacts/contents.xla_programs) and calls nothing unsafe."""
+    programs = xla_programs(art, xla)
+    for name, exp in programs.items():
+        check_program(f"{art.path.name}: program {name}", exp)
+    return programs

@@ -20,6 +20,12 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.runtime.executor_api import KvKind, SeqChunk
 
 
+def schedule_kinds(schedule: KernelSchedule) -> dict[str, KvKind]:
+    """The schedule's KV kinds as the engine sees them."""
+    return {k.name: KvKind(k.name, k.table_width, k.ring, k.window or None, k.num_blocks)
+            for k in schedule.kv.kinds}
+
+
 class ScheduleDevice(Protocol):
     def write(self, offset: int, data: bytes) -> None: ...
 
@@ -36,8 +42,7 @@ class ScheduledExecutor:
         s = schedule
         self.max_context, self.max_chunk = s.max_context, s.max_chunk
         self.block_size = s.kv.block_size
-        self.kinds = {k.name: KvKind(k.name, k.table_width, k.ring, k.window or None,
-                                     k.num_blocks) for k in s.kv.kinds}
+        self.kinds = schedule_kinds(s)
         self._io_field = {k.name: k.io_field for k in s.kv.kinds}
         self.prefill_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                             if e.name.startswith("prefill_")))

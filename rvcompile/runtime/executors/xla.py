@@ -6,7 +6,9 @@ machine's topology (precompiled.py), and runs prefill / decode / logits / decode
 (the device-side decode loop) over sequences' block tables, and, when the artifact has
 speculative entry points (manifest xla.speculative), verify and draft (executor_api's
 speculative contract): the states verify returns and draft reads stay on the device. Makes no
-policy: the engine drives it. A failed call that lost the KV pools raises DeviceError.
+policy: the engine drives it. It reads the manifest checked by artifacts/manifest.py, and the
+programs checked against it by artifacts/contents.py (xla_programs) before it uploads anything.
+A failed call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
+from rvcompile.artifacts.manifest import XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import (
     DeviceError,
@@ -51,50 +54,50 @@ def _cache_dir(art: Artifact) -> Path:
     return root / "xla" / f"{art.sections['programs'].digest[:16]}-jax{jax.__version__}"
 
 
-def kv_kinds(art: Artifact, blocks: dict[str, int] | None = None) -> dict[str, KvKind]:
+def kv_kinds(xla: XlaManifest, blocks: dict[str, int] | None = None,
+             fname: str = "") -> dict[str, KvKind]:
     """The artifact's KV kinds with `blocks[kind]` blocks each (default: the manifest's, one
-    whole sequence per decode slot). Raises ArtifactError for an artifact without paged KV."""
-    m = art.manifest["xla"]
-    if "kv" not in m:
-        raise ArtifactError(f"{art.path.name}: built before paged KV caches; rebuild it")
-    kinds = m["kv"]["kinds"]
+    whole sequence per decode slot). Raises ArtifactError for a kind it lacks."""
     blocks = blocks or {}
-    unknown = set(blocks) - set(kinds)
+    unknown = set(blocks) - set(xla.kinds)
     if unknown:
-        raise ArtifactError(f"{art.path.name}: has no KV kind {sorted(unknown)[0]!r} "
-                            f"(kinds: {', '.join(kinds)})")
+        raise ArtifactError(f"{fname}: has no KV kind {sorted(unknown)[0]!r} "
+                            f"(kinds: {', '.join(xla.kinds)})")
     out = {}
-    for name, k in kinds.items():
-        n = int(blocks.get(name, k["default_blocks"]))
+    for name, k in xla.kinds.items():
+        n = int(blocks.get(name, k.default_blocks))
         if n < 1:
-            raise ArtifactError(f"{art.path.name}: {n} {name} KV blocks; need at least 1")
-        out[name] = KvKind(name, k["table_width"], k["ring"], k["window"], n)
+            raise ArtifactError(f"{fname}: {n} {name} KV blocks; need at least 1")
+        out[name] = KvKind(name, k.table_width, k.ring, k.window, n)
     return out
 
 
-def kv_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
+def _pool_bytes(p: XlaPool, kinds: dict[str, KvKind]) -> int:
+    return (p.layers * kinds[p.kind].num_blocks * int(np.prod(p.block_shape))
+            * numpy_dtype(p.dtype).itemsize)
+
+
+def kv_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
     """Device bytes of the KV pools."""
-    return sum(p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
-               * numpy_dtype(p["dtype"]).itemsize for p in art.manifest["xla"]["kv"]["pools"])
+    return sum(_pool_bytes(p, kinds) for p in xla.pools)
 
 
-def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
+def check_fits(art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None) -> None:
     """Refuse, before reading any weights, an artifact this machine cannot run: its platform,
     its jax version, or (where the device reports it) free device memory for the weights and
     KV pools of `blocks` blocks per kind."""
-    m = art.manifest["xla"]
     platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
     check_platform(art.header, platform)
-    if _version(jax.__version__) < _version(m["jax_version"]):
+    if _version(jax.__version__) < _version(xla.jax_version):
         raise ArtifactError(
-            f"{art.path.name}: exported by jax {m['jax_version']}, this machine has jax "
-            f"{jax.__version__}; install jax>={m['jax_version']} or rebuild here")
-    tp = check_devices(art, platform)
-    kinds = kv_kinds(art, blocks)
+            f"{art.path.name}: exported by jax {xla.jax_version}, this machine has jax "
+            f"{jax.__version__}; install jax>={xla.jax_version} or rebuild here")
+    tp = check_devices(art, xla, platform)
+    kinds = kv_kinds(xla, blocks, art.path.name)
     if tp > 1:  # the largest per-device share: split arrays count 1/tp, whole ones in full
-        need = _per_device_bytes(art, kinds)
+        need = _per_device_bytes(xla, kinds)
     else:
-        need = sum(a["nbytes"] for a in m["weights"]) + kv_bytes(art, kinds)
+        need = sum(w.nbytes for w in xla.weights) + kv_bytes(xla, kinds)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -104,11 +107,10 @@ def check_fits(art: Artifact, blocks: dict[str, int] | None = None) -> None:
                 f"and KV caches; {jax.devices()[0].device_kind} has {free / 2**30:.1f} GiB free")
 
 
-def check_devices(art: Artifact, platform: str) -> int:
+def check_devices(art: Artifact, xla: XlaManifest, platform: str) -> int:
     """The artifact's tensor-parallel degree (1 without a mesh); refuses a host with fewer
     local devices. A host with more uses the first `tp`."""
-    mesh = art.manifest["xla"].get("mesh")
-    tp = mesh["size"] if mesh else 1
+    tp = xla.mesh.size if xla.mesh else 1
     have = len(jax.local_devices())
     if have < tp:
         raise ArtifactError(f"{art.path.name} needs {tp} {platform} devices (tp={tp}); this host "
@@ -116,33 +118,26 @@ def check_devices(art: Artifact, platform: str) -> int:
     return tp
 
 
-def _per_device_bytes(art: Artifact, kinds: dict[str, KvKind]) -> int:
-    m = art.manifest["xla"]
-    specs = {**m["mesh"]["weights"], **m["mesh"]["pools"]}
-    tp = m["mesh"]["size"]
+def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
+    specs, tp = xla.mesh.specs, xla.mesh.size
 
     def share(key: str, nbytes: int) -> int:
         return nbytes // tp if any(specs[key]) else nbytes
 
-    total = sum(share(a["key"], a["nbytes"]) for a in m["weights"])
-    for p in m["kv"]["pools"]:
-        nbytes = (p["layers"] * kinds[p["kind"]].num_blocks * int(np.prod(p["block_shape"]))
-                  * numpy_dtype(p["dtype"]).itemsize)
-        total += share(p["key"], nbytes)
-    return total
+    return (sum(share(w.key, w.nbytes) for w in xla.weights)
+            + sum(share(p.key, _pool_bytes(p, kinds)) for p in xla.pools))
 
 
 class TpPlacement:
     """Where the artifact's weights and KV pools live: one default device, or, for an artifact
     with a mesh (tensor parallelism), the mesh's shardings over the first `size` local devices."""
 
-    def __init__(self, art: Artifact):
-        mesh = art.manifest["xla"].get("mesh")
+    def __init__(self, mesh: XlaMesh | None):
         self.mesh = None
-        self.specs: dict[str, list] = {}
+        self.specs: dict[str, tuple] = {}
         if mesh:
-            self.mesh = Mesh(np.array(jax.local_devices()[:mesh["size"]]), (mesh["axis"],))
-            self.specs = {**mesh["weights"], **mesh["pools"]}
+            self.mesh = Mesh(np.array(jax.local_devices()[:mesh.size]), (mesh.axis,))
+            self.specs = mesh.specs
 
     def _sharding(self, key: str) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(*self.specs[key]))
@@ -170,36 +165,39 @@ class XlaState:
 
 
 class XlaExecutor:
-    def __init__(self, art: Artifact, blocks: dict[str, int] | None = None, *,
+    def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
                  trust_executables: bool = False):
-        check_fits(art, blocks)
+        """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
+        check_fits(art, xla, blocks)
         self.art = art
-        m = art.manifest["xla"]
-        self.decode_width, self.max_context = m["slots"], m["max_context"]
-        self.max_chunk, self.prefill_buckets = m["max_chunk"], tuple(m["prefill_buckets"])
-        self.block_size = m["kv"]["block_size"]
-        loop = m.get("decode_loop", {"steps": 0, "stop_ids": 0})  # steps 0: built without it
-        self.decode_loop_steps, self.decode_loop_stops = loop["steps"], loop["stop_ids"]
-        self.kinds = kv_kinds(art, blocks)
-        self.speculative = m.get("speculative")  # absent: built without verify/draft entries
-        spec = self.speculative or {"draft_tokens": 0, "draft": None}
-        self.max_draft_tokens, self.has_drafter = spec["draft_tokens"], spec["draft"] is not None
+        self.decode_width, self.max_context = xla.slots, xla.max_context
+        self.max_chunk, self.prefill_buckets = xla.max_chunk, xla.prefill_buckets
+        self.block_size = xla.block_size
+        self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
+            xla.decode_loop_stops
+        self.kinds = kv_kinds(xla, blocks, art.path.name)
+        exported = load_programs(art, xla)
+        platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
+        for name, exp in exported.items():
+            if platform not in exp.platforms:
+                raise ArtifactError(f"{art.path.name}: program {name} was exported for "
+                                    f"{', '.join(exp.platforms)}, not {platform}")
+        self.speculative = xla.speculative  # None: built without verify/draft entries
+        self.max_draft_tokens = xla.speculative.draft_tokens if xla.speculative else 0
+        self.has_drafter = bool(xla.speculative and xla.speculative.draft)
         t0 = time.perf_counter()
-        self.placement = TpPlacement(art)
-        self.weights = {a["key"]: self.placement.weight(a["key"], art.array(
-            "weights", a["offset"], tuple(a["shape"]), numpy_dtype(a["dtype"])))
-            for a in m["weights"]}
+        self.placement = TpPlacement(xla.mesh)
+        self.weights = {w.key: self.placement.weight(w.key, art.array(
+            "weights", w.offset, w.shape, numpy_dtype(w.dtype))) for w in xla.weights}
         self.caches = {
-            p["key"]: self.placement.zeros(p["key"], (p["layers"], self.kinds[p["kind"]].num_blocks,
-                                                      *p["block_shape"]), numpy_dtype(p["dtype"]))
-            for p in m["kv"]["pools"]}
+            p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
+                                                *p.block_shape), numpy_dtype(p.dtype))
+            for p in xla.pools}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        exported = load_programs(art)
-        precompiled = m.get("precompiled", {})
-        choice = choose(precompiled, this_machine(),
+        choice = choose(xla.precompiled, this_machine(),
                         {k.name: k.num_blocks for k in self.kinds.values()},
                         trusted=trust_executables)
         if choice.topology is not None:
@@ -208,10 +206,11 @@ class XlaExecutor:
             self.compile_s = 0.0
             self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
             return
-        if precompiled or jax.default_backend() == "tpu":
+        if xla.precompiled or jax.default_backend() == "tpu":
             print(f"[rvrun] {choice.note}", file=sys.stderr)
         # Every entry point updates the pools in place (donated), but draft, which only reads.
-        self.fns = {name: jax.jit(exp.call) if name == spec["draft"]
+        draft = self.speculative and self.speculative.draft
+        self.fns = {name: jax.jit(exp.call) if name == draft
                     else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
@@ -233,11 +232,11 @@ class XlaExecutor:
 
     def _example_args(self, name: str) -> tuple:
         """Arguments of entry point `name` (after weights and pools), all lanes idle."""
-        w, spec = self.decode_width, self.speculative or {}
-        if name == spec.get("verify"):
+        w, spec = self.decode_width, self.speculative
+        if spec and name == spec.verify:
             return (*self._lane_args(w, self.max_draft_tokens + 1), *_sampling([], w))
-        if name == spec.get("draft"):
-            return (*self._lane_args(w, 1), np.zeros((w, spec["hidden_size"]), np.float32),
+        if spec and name == spec.draft:
+            return (*self._lane_args(w, 1), np.zeros((w, spec.hidden_size), np.float32),
                     *_sampling([], w), np.int32(0))
         kind, size = name.rsplit("_", 1)
         batch, t = (int(size), 1) if kind.startswith("decode") else (1, int(size))
@@ -310,7 +309,7 @@ class XlaExecutor:
             if not 1 <= len(lane.tokens) <= rows:
                 raise ValueError(f"verify lane of {len(lane.tokens)} tokens: a token and 0 to "
                                  f"{self.max_draft_tokens} drafts")
-        out = self.fns[self.speculative["verify"]](
+        out = self.fns[self.speculative.verify](
             self.weights, self.caches, *self._lane_args(w, rows, lanes), *_sampling(lanes, w))
         self.caches, tok = out[0], np.asarray(out[1])
         hidden = out[2] if self.has_drafter else None
@@ -331,11 +330,11 @@ class XlaExecutor:
             if len(lane.chunk.tokens) != 1 or not isinstance(lane.state, XlaState):
                 raise ValueError("a draft lane is one token and a state from this executor's "
                                  "verify")
-        width = self.speculative["hidden_size"]
+        width = self.speculative.hidden_size
         states = [lane.state.rows[lane.state.lane, lane.state.row] for lane in lanes]
         states += [jnp.zeros(width, jnp.float32)] * (w - len(lanes))
         chunks = [lane.chunk for lane in lanes]
-        tok, logits, hidden = self.fns[self.speculative["draft"]](
+        tok, logits, hidden = self.fns[self.speculative.draft](
             self.weights, self.caches, *self._lane_args(w, 1, chunks), jnp.stack(states),
             *_sampling(chunks, w), np.int32(n))
         tok = np.asarray(tok)

@@ -1,0 +1,243 @@
+"""The small sections of a model artifact, parsed and checked once (after their hashes, when the
+reader verifies): what the runtime then uses without looking again.
+
+    tokenizer          tokenizer.json text: parsed by `tokenizers`; every id it can produce lies
+                       inside the model's vocabulary (an id past it would read past the
+                       embedding table)
+    generation_config  a JSON object (format v3): optional bos_token_id (an id), eos_token_id (an
+                       id or a non-empty list of ids) and pad_token_id (an id or null), each
+                       inside the vocabulary; absent ids fall back to the model config's; other
+                       keys (a checkpoint's sampling defaults) are kept and unused
+    chat_template      UTF-8 Jinja text, or empty for none: parsed (not rendered) by jinja2's
+                       sandboxed environment, so a syntax error is found at load, not at the
+                       first chat request
+    cubins (h100)      each module's sha256, then every launch of the schedule against the
+                       kernels its cubin's ELF declares (artifacts/cubin.py): the kernel exists,
+                       takes exactly the launch's arguments (count and sizes) and allows its
+                       threads per block
+    programs (xla)     `xla_programs`: each entry point deserializes as a jax.export program and
+                       takes the weight arrays, KV pools, block tables and token rows the
+                       manifest describes (jax is imported only for this)
+
+`verify_artifact` is everything a reader can check without running anything (`rvcompile
+verify`); `rvrun` makes the same checks, the machine's in between.
+
+The build runs the same checks on the bytes it is about to write (`parse_contents`), so a
+checkpoint with a broken tokenizer or template is refused there, not at its first load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from rvcompile.artifacts.container import Artifact
+from rvcompile.artifacts.cubin import CubinError, Kernel, kernels
+from rvcompile.artifacts.format import ArtifactError
+from rvcompile.artifacts.kernel_schedule import ARG_BYTES, KernelSchedule
+from rvcompile.artifacts.manifest import (
+    TEXT_SECTIONS,
+    Manifest,
+    XlaManifest,
+    entry_rows,
+    read_manifest,
+    token_ids,
+)
+from rvcompile.artifacts.schema import At, SchemaError, parse_json
+
+
+@dataclass(frozen=True)
+class Contents:
+    tokenizer: Tokenizer
+    vocab_size: int  # the model's; every id above lies below it
+    eos_ids: frozenset[int]  # generation stops at any of these
+    bos_id: int
+    chat_template: str | None  # Jinja source, None when the artifact has none
+
+
+def content_sections(manifest: Manifest) -> tuple[str, ...]:
+    """The sections `read_contents` reads: what a loader hashes before it."""
+    return (*TEXT_SECTIONS, *(("cubins",) if manifest.h100 else ()))
+
+
+def read_contents(art: Artifact, manifest: Manifest) -> Contents:
+    """`art`'s tokenizer, generation config and chat template (and cubins, for h100), checked
+    against `manifest` (from read_manifest); one-line ArtifactError otherwise."""
+    return parse_contents(manifest, {n: art.buffer(n) for n in content_sections(manifest)},
+                          art.path.name)
+
+
+def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
+                   fname: str) -> Contents:
+    """The same check on section bytes not yet written (the build)."""
+    try:
+        contents = _contents(manifest, sections)
+        if manifest.h100:
+            _check_cubins(manifest.h100.schedule, sections["cubins"])
+        return contents
+    except SchemaError as e:
+        raise ArtifactError(f"{fname}: {e}") from None
+
+
+def _contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview]) -> Contents:
+    model = manifest.model
+    vocab = model.vocab_size
+    gen = At(parse_json(bytes(sections["generation_config"]), "generation_config"),
+             "generation_config")
+    gen.obj()
+    eos = gen.get("eos_token_id")
+    bos = gen.get("bos_token_id")
+    pad = gen.get("pad_token_id")
+    if pad is not None and pad.value is not None:
+        pad.int(0, vocab - 1)
+    template = _text(sections["chat_template"], "chat_template")
+    if template:
+        _parse_template(template)
+    return Contents(
+        tokenizer=_tokenizer(_text(sections["tokenizer"], "tokenizer"), vocab),
+        vocab_size=vocab,
+        eos_ids=frozenset(token_ids(eos, vocab) if eos is not None else model.eos_ids),
+        bos_id=bos.int(0, vocab - 1) if bos is not None else model.bos_id,
+        chat_template=template or None)
+
+
+def _first_line(error: BaseException | str | None) -> str:
+    """A one-line, bounded rendering of a third-party parser's error."""
+    text = str(error or "").strip()
+    head = text.splitlines()[0][:160] if text else ""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {head}" if head else type(error).__name__
+    return head
+
+
+def _text(data: bytes | memoryview, section: str) -> str:
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"{section}: not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _tokenizer(text: str, vocab: int) -> Tokenizer:
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # the Rust parser's errors come as plain Exception
+        raise SchemaError(f"tokenizer: not a tokenizers tokenizer.json ({_first_line(e)})"
+                          ) from None
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    if not ids:
+        raise SchemaError("tokenizer: has no tokens")
+    if max(ids) >= vocab:
+        raise SchemaError(f"tokenizer: token id {max(ids)} lies outside the model's vocabulary "
+                          f"of {vocab}")
+    return tok
+
+
+def _parse_template(text: str) -> None:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise SchemaError(f"chat_template: line {e.lineno}: {_first_line(e.message)}") from None
+    except (jinja2.TemplateError, RecursionError) as e:
+        raise SchemaError(f"chat_template: cannot be parsed ({type(e).__name__})") from None
+
+
+def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
+    where = "manifest.h100.schedule"
+    found: dict[str, dict[str, Kernel]] = {}
+    for module, c in schedule.cubins.items():
+        data = bytes(blob[c.offset:c.offset + c.size])
+        if hashlib.sha256(data).hexdigest() != c.sha256:
+            raise SchemaError(f"{where}.cubins.{module}: the cubin's sha256 does not match")
+        try:
+            found[module] = kernels(data)
+        except CubinError as e:
+            raise SchemaError(f"{where}.cubins.{module}: not a readable cubin: {e}") from None
+    for entry in schedule.entries.values():
+        for i, x in enumerate(entry.launches):
+            at = f"{where}.entries.{entry.name}.launches[{i}]"
+            kernel = found[x.module].get(x.kernel)
+            if kernel is None:
+                raise SchemaError(f"{at}: kernel {x.kernel!r} is not in {x.module}")
+            sizes = tuple(ARG_BYTES[a.kind] for a in x.args)
+            if sizes != kernel.param_sizes:
+                raise SchemaError(f"{at}: kernel {x.kernel} takes parameters of "
+                                  f"{list(kernel.param_sizes)} bytes; the launch passes "
+                                  f"{list(sizes)}")
+            threads = math.prod(x.block)
+            if kernel.max_threads is not None and threads > kernel.max_threads:
+                raise SchemaError(f"{at}: {threads} threads per block; kernel {x.kernel} was "
+                                  f"compiled for at most {kernel.max_threads}")
+
+
+def verify_artifact(art: Artifact) -> Manifest:
+    """Every check short of running: the manifest, every section's sha256, the contents, and
+    an XLA artifact's programs."""
+    manifest = read_manifest(art)
+    art.verify()
+    read_contents(art, manifest)
+    if manifest.xla:
+        xla_programs(art, manifest.xla)
+    return manifest
+
+
+def xla_programs(art: Artifact, xla: XlaManifest) -> dict:
+    """Entry point name -> its jax.export.Exported, each checked to take what the manifest
+    describes: the weight arrays and KV pools (names, shapes, dtypes), one block table per KV
+    kind and the entry's token rows."""
+    from jax import export
+
+    blob = art.buffer("programs")
+    out = {}
+    for name, loc in xla.programs.items():
+        where = f"{art.path.name}: program {name}"
+        try:  # bytes from the file: any failure of the deserializer is the file's
+            exp = export.deserialize(bytearray(blob[loc.offset:loc.offset + loc.size]))
+            args = _unflatten(exp)
+        except Exception as e:
+            raise ArtifactError(f"{where} is not a jax.export program ({_first_line(e)})"
+                                ) from None
+        _check_signature(where, name, args, xla)
+        out[name] = exp
+    return out
+
+
+def _unflatten(exp):
+    import jax
+
+    return jax.tree.unflatten(exp.in_tree, exp.in_avals)[0]
+
+
+def _check_signature(where: str, name: str, args, xla: XlaManifest) -> None:
+    """args: the program's positional avals (weights dict, pools dict, tokens, start, n_new,
+    tables dict, ...)."""
+    if not (isinstance(args, tuple) and len(args) >= 6
+            and all(isinstance(args[i], dict) for i in (0, 1, 5))):
+        raise ArtifactError(f"{where} does not take (weights, pools, tokens, start, n_new, "
+                            "tables, ...)")
+    batch, rows = entry_rows(name)
+    want = {
+        ("weight", w.key): (w.shape, w.dtype) for w in xla.weights} | {
+        ("pool", p.key): ((p.layers, None, *p.block_shape), p.dtype) for p in xla.pools} | {
+        ("table", k.name): ((batch, k.table_width), "int32") for k in xla.kinds.values()} | {
+        ("tokens", ""): ((batch, rows), "int32")}
+    got = {(group, key): aval for group, d in (("weight", args[0]), ("pool", args[1]),
+                                              ("table", args[5]), ("tokens", {"": args[2]}))
+           for key, aval in d.items()}
+    if set(got) != set(want):
+        diff = sorted(set(got) ^ set(want))[0]
+        raise ArtifactError(f"{where}: the manifest and the program disagree on {diff[0]} "
+                            f"{diff[1]!r}")
+    for (group, key), (shape, dtype) in want.items():
+        aval = got[(group, key)]
+        dims = tuple(d if isinstance(d, int) else None for d in getattr(aval, "shape", ()))
+        fixed = tuple(None if w is None else g for w, g in zip(shape, dims, strict=False))
+        if len(dims) != len(shape) or fixed != shape or str(aval.dtype) != dtype:
+            raise ArtifactError(f"{where} takes {group} {key!r} as {aval.dtype}"
+                                f"{list(aval.shape)}; the manifest says {dtype}{list(shape)}")

@@ -1,0 +1,587 @@
+"""The manifest of a model artifact: what `rvcompile build` writes and rvrun, `inspect` and
+`verify` read, checked field by field against the header and the section table, and returned as
+frozen dataclasses. `read_manifest(art)` is the one place a model artifact's JSON is trusted;
+everything after it reads the returned `Manifest`. A field that breaks the schema is refused in
+one line naming its JSON path and what is wrong, e.g.
+
+    tiny.rvp: manifest.xla.kv.block_size: expected an int in [1, 65536], got -3
+
+Fields (format v3; required unless marked optional):
+    model             {"name": str, "origin": str, "config": the model's config.json as
+                      config.Gemma4Config.to_hf_dict writes it}; of the config, the runtime relies
+                      on vocab_size, the token ids and the layer shapes checked in `_model`
+    target            str, the header's target
+    compiler_version  str
+    passes            list of str
+    random_weights    null, or {"seed": int, optional "ranges": str}
+    xla               (runtime "xla") the XLA lowering, see `_xla`: jax_version, jaxlib_version,
+                      platforms (the programs'; the header names some or all), slots,
+                      max_context, max_chunk, prefill_buckets (ascending, the largest is
+                      max_chunk), optional decode_loop {steps, stop_ids}, entry_points,
+                      programs {entry: {offset, size}} (in section "programs"), weights [{key,
+                      shape, dtype, offset, nbytes}] (in section "weights"), kv {block_size,
+                      kinds {name: {table_width, ring, window, default_blocks}}, pools [{key,
+                      kind, layers, block_shape, dtype}]}, layer_groups [{start, period,
+                      count}], optional mesh {axis, size, weights, pools} (tensor parallelism),
+                      optional precompiled {topology: record} (section "executables"),
+                      optional speculative {draft_tokens K, verify "verify_{slots}x{K+1}", draft
+                      "draft_{slots}" or null, hidden_size (the model's), reads [the target
+                      layer each assistant layer reads]} (speculative decoding, see
+                      targets/xla/program.py's verify and draft)
+    assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
+                      "origin": str, "config": its config.json as
+                      model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
+                      `_assistant` checks what `inspect` shows and that it drafts for this model
+    h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
+                      version and schema), "nvcc": str, "arch": str}
+Header requirements, by runtime:
+    xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
+    h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
+                      schedule's), optional kernel_launch str (h100_executor refuses others)
+
+Sections a model artifact holds: weights, tokenizer, generation_config, chat_template, and
+programs (xla), optional executables (xla), cubins and constants (h100). Their contents are
+checked once hashed, by contents.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rvcompile.artifacts.container import Artifact
+from rvcompile.artifacts.format import ArtifactError, ArtifactHeader
+from rvcompile.artifacts.kernel_schedule import MAX_BYTES, KernelSchedule, min_table_width
+from rvcompile.artifacts.schema import INT32_MAX, At, SchemaError
+
+RUNTIMES = ("xla", "h100")
+XLA_PLATFORMS = ("tpu", "cuda", "cpu")
+XLA_DTYPES = ("float32", "bfloat16", "float16", "int8", "int32", "float8_e4m3fn")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int32": 4,
+               "float8_e4m3fn": 1}
+TEXT_SECTIONS = ("tokenizer", "generation_config", "chat_template")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+MAX_DIM = 1 << 24  # any model dimension beyond this is damage
+VERSION = r"[0-9]+(\.[0-9]+){1,2}([.a-z0-9+-]*)"
+NAME = r"[A-Za-z0-9_.:/+-]{1,200}"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    origin: str
+    vocab_size: int
+    num_layers: int
+    eos_ids: tuple[int, ...]  # config.json's eos_token_id (generation_config may override)
+    bos_id: int
+    pad_id: int
+    config: dict[str, Any]  # config.json as stored, its checked fields above included
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [offset, offset + size) of a section."""
+
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class XlaWeight:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str  # one of XLA_DTYPES
+    offset: int  # in section "weights"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class XlaKvKind:
+    name: str  # "full" or "sliding"
+    table_width: int
+    ring: bool
+    window: int | None  # tokens; None for full attention
+    default_blocks: int  # a whole sequence per decode slot
+
+
+@dataclass(frozen=True)
+class XlaPool:
+    key: str
+    kind: str
+    layers: int
+    block_shape: tuple[int, ...]  # [block_size, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class XlaMesh:
+    axis: str
+    size: int  # devices
+    specs: dict[str, tuple[str | None, ...]]  # weight or pool key -> its PartitionSpec
+
+
+@dataclass(frozen=True)
+class XlaSpeculative:
+    draft_tokens: int  # K: most drafts one verify call checks
+    verify: str  # entry point verify_{slots}x{K+1}
+    draft: str | None  # entry point draft_{slots}; None without an assistant
+    hidden_size: int  # width of the states verify returns and draft takes
+    reads: tuple[int, ...]  # the target layer whose KV cache each assistant layer reads
+
+
+@dataclass(frozen=True)
+class AssistantInfo:
+    name: str
+    origin: str
+    model_type: str  # "gemma4_assistant" or "gemma4_unified_assistant"
+    hidden_size: int  # the drafter's own width
+    layer_types: tuple[str, ...]
+    num_heads: int
+    intermediate_size: int
+    num_centroids: int  # 0: a dense (tied) head
+    top_k: int  # clusters scored, with centroids
+    config: dict[str, Any]  # config.json as stored
+
+
+@dataclass(frozen=True)
+class XlaManifest:
+    jax_version: str
+    platforms: tuple[str, ...]
+    slots: int
+    max_context: int
+    max_chunk: int
+    prefill_buckets: tuple[int, ...]
+    decode_loop_steps: int  # 0: built without a decode loop
+    decode_loop_stops: int
+    programs: dict[str, Span]  # entry -> its serialized jax.export program in "programs"
+    weights: tuple[XlaWeight, ...]
+    block_size: int
+    kinds: dict[str, XlaKvKind]
+    pools: tuple[XlaPool, ...]
+    mesh: XlaMesh | None  # None: one device
+    precompiled: dict[str, dict]  # topology -> record (runtime/executors/precompiled.py), checked
+    speculative: XlaSpeculative | None = None  # verify (and draft) entry points, if built
+
+
+@dataclass(frozen=True)
+class H100Manifest:
+    schedule: KernelSchedule
+    nvcc: str
+    arch: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelInfo
+    target: str
+    runtime: str  # "xla" or "h100": which of the two below is set
+    xla: XlaManifest | None
+    h100: H100Manifest | None
+    assistant: AssistantInfo | None = None  # the drafter compiled in, if any
+
+
+def read_manifest(art: Artifact) -> Manifest:
+    """`art`'s manifest and header requirements, checked against its section table; one-line
+    ArtifactError naming the file and the field otherwise."""
+    return parse_manifest(art.header, art.manifest,
+                          {name: s.size for name, s in art.sections.items()}, art.path.name)
+
+
+def parse_manifest(header: ArtifactHeader, manifest: Any, sections: dict[str, int],
+                   fname: str) -> Manifest:
+    """The same check on parts not yet written (the build checks what it is about to write):
+    `sections` maps each section name to its size."""
+    try:
+        return _manifest(header, At(manifest, "manifest"), sections)
+    except SchemaError as e:
+        raise ArtifactError(f"{fname}: {e}") from None
+
+
+def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manifest:
+    req = At(header.requirements, "header.requirements")
+    runtime = req["runtime"].str(RUNTIMES)
+    if m["target"].str() != header.target:
+        m["target"].fail(f"{m['target'].value!r} differs from the header's {header.target!r}")
+    m["compiler_version"].str(max_len=200, printable=True)
+    for p in m["passes"].items(0, 64):
+        p.str(pattern=NAME)
+    rw = m["random_weights"].nullable()
+    if rw is not None:
+        rw["seed"].int()
+        if rw.get("ranges") is not None:
+            rw["ranges"].str()
+    for name in ("weights", *TEXT_SECTIONS, *(("programs",) if runtime == "xla"
+                                              else ("cubins", "constants"))):
+        if name not in sections:
+            m.fail(f"the artifact has no {name!r} section, which a {runtime} model needs")
+    model = _model(m["model"])
+    other = "h100" if runtime == "xla" else "xla"
+    if m.get(other) is not None:
+        m[other].fail(f"present in an artifact whose header says runtime {runtime!r}")
+    if runtime == "xla":
+        xla = _xla(m["xla"], req, header, sections, model)
+        drafter = m.get("assistant")
+        if (drafter is not None) != bool(xla.speculative and xla.speculative.draft):
+            (drafter or m).fail("an assistant comes with the xla.speculative draft entry point, "
+                                "and only with it")
+        assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
+        return Manifest(model, header.target, runtime, xla, None, assistant)
+    return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
+                                                                 sections))
+
+
+def _token_id(at: At, vocab: int) -> int:
+    return at.int(0, vocab - 1)
+
+
+def token_ids(at: At, vocab: int) -> tuple[int, ...]:
+    """An id or a non-empty list of ids, each in [0, vocab)."""
+    if isinstance(at.value, list):
+        return tuple(_token_id(x, vocab) for x in at.items(1, 64))
+    return (_token_id(at, vocab),)
+
+
+def _model(at: At) -> ModelInfo:
+    c = at["config"]
+    c.obj()
+    dims = {k: c[k].int(1, MAX_DIM) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "global_head_dim", "max_position_embeddings",
+        "sliding_window")}
+    vocab = c["vocab_size"].int(1, INT32_MAX)
+    layers = dims["num_hidden_layers"]
+    kinds = [t.str(LAYER_TYPES) for t in c["layer_types"].items(layers, layers)]
+    if kinds[-1] != "full_attention":
+        c["layer_types"].fail("the last layer must be full_attention")
+    heads = dims["num_attention_heads"]
+    kv_heads = [dims["num_key_value_heads"]]
+    global_kv = c["num_global_key_value_heads"].nullable()
+    if global_kv is not None:
+        global_kv.int(1, MAX_DIM)
+        if c["attention_k_eq_v"].bool():  # K=V full layers have their own KV head count
+            kv_heads.append(global_kv.value)
+    if any(heads % k for k in kv_heads):
+        c["num_attention_heads"].fail(f"{heads} heads are not a multiple of the KV heads "
+                                      f"{kv_heads}")
+    for key in ("head_dim", "global_head_dim"):
+        if dims[key] % 2:
+            c[key].fail(f"{dims[key]} is odd; RoPE needs an even head dim")
+    c["num_kv_shared_layers"].int(0, layers - 1)
+    c["hidden_size_per_layer_input"].int(0, MAX_DIM)
+    c["vocab_size_per_layer_input"].int(0, INT32_MAX)
+    c["rms_norm_eps"].number(0.0, 1.0)
+    softcap = c["final_logit_softcapping"].nullable()
+    if softcap is not None:
+        softcap.number(0.0)
+    for key in ("attention_k_eq_v", "enable_moe_block", "use_double_wide_mlp"):
+        c[key].bool()
+    if c["enable_moe_block"].value:
+        experts = c["num_experts"].int(1, MAX_DIM)
+        c["top_k_experts"].int(1, experts)
+        c["moe_intermediate_size"].int(1, MAX_DIM)
+    return ModelInfo(
+        name=at["name"].str(max_len=200, printable=True), origin=at["origin"].str(),
+        vocab_size=vocab,
+        num_layers=layers, eos_ids=token_ids(c["eos_token_id"], vocab),
+        bos_id=_token_id(c["bos_token_id"], vocab), pad_id=_token_id(c["pad_token_id"], vocab),
+        config=c.value)
+
+
+def _span(at: At, section: str, sections: dict[str, int], min_size: int = 1) -> Span:
+    span = Span(at["offset"].int(0, MAX_BYTES), at["size"].int(min_size, MAX_BYTES))
+    if span.offset + span.size > sections[section]:
+        at.fail(f"bytes [{span.offset}, {span.offset + span.size}) fall outside section "
+                f"{section!r} of {sections[section]} bytes")
+    return span
+
+
+def _unique(at: At, keys: list[str], what: str) -> None:
+    if len(set(keys)) != len(keys):
+        at.fail(f"names a {what} twice")
+
+
+ENTRY_POINT = re.compile(r"(?:(prefill|decode|decode_loop|logits|draft)_([1-9][0-9]{0,6})|"
+                         r"(verify)_([1-9][0-9]{0,6})x([1-9][0-9]{0,6}))")
+
+
+def entry_rows(name: str) -> tuple[int, int] | None:
+    """(lanes, token rows per lane) of an entry point's tokens argument, None for a name that is
+    not an entry point's: prefill_T and logits_T (1, T); decode_B, decode_loop_B and draft_B
+    (B, 1); verify_BxR (B, R)."""
+    m = ENTRY_POINT.fullmatch(name)
+    if m is None:
+        return None
+    kind, size, _, lanes, rows = m.groups()
+    if kind is None:
+        return int(lanes), int(rows)
+    return (int(size), 1) if kind in ("decode", "decode_loop", "draft") else (1, int(size))
+
+
+def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
+         model: ModelInfo) -> XlaManifest:
+    jax_version = x["jax_version"].str(pattern=VERSION)
+    x["jaxlib_version"].str(pattern=VERSION)
+    if req["jax"].str() != f">={jax_version}":
+        req["jax"].fail(f"{req['jax'].value!r} is not '>={jax_version}' (manifest.xla."
+                        "jax_version)")
+    platforms = tuple(p.str(XLA_PLATFORMS) for p in x["platforms"].items(1, 3))
+    if not header.platforms:
+        At([], "header.platforms").expected("at least one platform")
+    if not set(header.platforms) <= set(platforms):  # the header may promise fewer
+        x["platforms"].fail(f"{list(platforms)} lack platforms the header names "
+                            f"{list(header.platforms)}")
+    slots = x["slots"].int(1, 1 << 16)
+    max_context = x["max_context"].int(1, INT32_MAX)
+    max_chunk = x["max_chunk"].int(1, max_context)
+    buckets = tuple(b.int(1, max_chunk) for b in x["prefill_buckets"].items(1, 64))
+    if list(buckets) != sorted(set(buckets)) or buckets[-1] != max_chunk:
+        x["prefill_buckets"].fail(f"{list(buckets)} must ascend and end at max_chunk "
+                                  f"{max_chunk}")
+    loop = x.get("decode_loop")
+    steps = loop["steps"].int(0, max_chunk) if loop is not None else 0
+    stops = loop["stop_ids"].int(0, 1024) if loop is not None else 0
+    programs = {}
+    for name, loc in x["programs"].members(256).items():
+        if entry_rows(name) is None:
+            loc.fail("an entry point is named prefill_N, decode_N, decode_loop_N, logits_N, "
+                     "verify_NxR or draft_N")
+        programs[name] = _span(loc, "programs", sections)
+    names = [e.str() for e in x["entry_points"].items(1, 256)]
+    if names != sorted(programs):
+        x["entry_points"].fail(f"{names} are not the programs' names {sorted(programs)}")
+    needed = [*(f"prefill_{b}" for b in buckets), f"decode_{slots}", f"logits_{max_chunk}",
+              *([f"decode_loop_{slots}"] if steps else [])]
+    for name in needed:
+        if name not in programs:
+            x["programs"].fail(f"missing entry point {name!r}")
+    weights = tuple(_weight(w, sections) for w in x["weights"].items(1, 1 << 16))
+    _unique(x["weights"], [w.key for w in weights], "weight array")
+    kv = x["kv"]
+    block = kv["block_size"].int(1, 1 << 16)
+    kinds = {name: _xla_kind(k, name, block, max_context, max_chunk, slots)
+             for name, k in kv["kinds"].members(2).items()}
+    if not kinds:
+        kv["kinds"].fail("no KV kind")
+    pools = tuple(_pool(p, kinds, block) for p in kv["pools"].items(1, 1 << 16))
+    _unique(kv["pools"], [p.key for p in pools], "KV pool")
+    for g in x["layer_groups"].items(1, 1 << 12):
+        g["start"].int(0, MAX_DIM)
+        g["period"].int(1, MAX_DIM)
+        g["count"].int(1, MAX_DIM)
+    mesh = _mesh(x["mesh"], weights, pools) if x.get("mesh") is not None else None
+    devices = req.get("min_devices")
+    if (devices.int(2, 1 << 16) if devices is not None else 1) != (mesh.size if mesh else 1):
+        req.fail(f"min_devices {devices.value if devices else 'absent'} does not match the "
+                 f"mesh of {mesh.size if mesh else 1} devices")
+    precompiled = x.get("precompiled")
+    records = {}
+    if precompiled is not None and precompiled.members():
+        if "executables" not in sections:
+            precompiled.fail("the artifact has no 'executables' section")
+        records = {name: _precompiled(rec, name, programs, kinds, mesh, sections)
+                   for name, rec in precompiled.members(64).items()}
+    spec = (_speculative(x["speculative"], slots, max_chunk, model)
+            if x.get("speculative") is not None else None)
+    ours = {spec.verify, spec.draft} if spec else set()
+    for name in programs:
+        if name.startswith(("verify_", "draft_")) and name not in ours:
+            x["programs"].fail(f"entry point {name!r} is not xla.speculative's")
+    for name in ours - {None}:
+        if name not in programs:
+            x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
+    return XlaManifest(jax_version, platforms, slots, max_context, max_chunk, buckets, steps,
+                       stops, programs, weights, block, kinds, pools, mesh, records, spec)
+
+
+def _speculative(at: At, slots: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:
+    k = at["draft_tokens"].int(1, max_chunk - 1)  # a token and K drafts fit one chunk
+    verify = at["verify"].str()
+    if verify != f"verify_{slots}x{k + 1}":
+        at["verify"].expected(f"'verify_{slots}x{k + 1}'")
+    draft = at["draft"].nullable()
+    if draft is not None and draft.str() != f"draft_{slots}":
+        draft.expected(f"null or 'draft_{slots}'")
+    hidden = at["hidden_size"].int(1, MAX_DIM)
+    if hidden != model.config["hidden_size"]:
+        at["hidden_size"].fail(f"{hidden}, not the model's hidden_size "
+                               f"{model.config['hidden_size']}")
+    reads = tuple(r.int(0, model.num_layers - 1) for r in at["reads"].items(0, 1 << 10))
+    if (draft is None) != (not reads):
+        at["reads"].fail("lists the target layers an assistant reads, and only with one")
+    return XlaSpeculative(k, verify, draft and draft.value, hidden, reads)
+
+
+def _assistant(at: At, model: ModelInfo, spec: XlaSpeculative) -> AssistantInfo:
+    c = at["config"]
+    c.obj()
+    model_type = c["model_type"].str(("gemma4_assistant", "gemma4_unified_assistant"))
+    if c["backbone_hidden_size"].int(1, MAX_DIM) != model.config["hidden_size"]:
+        c["backbone_hidden_size"].fail(f"{c['backbone_hidden_size'].value}, not the model's "
+                                       f"hidden_size {model.config['hidden_size']}")
+    t = c["text_config"]
+    if t["vocab_size"].int(1, INT32_MAX) != model.vocab_size:
+        t["vocab_size"].fail(f"{t['vocab_size'].value}, not the model's {model.vocab_size}")
+    layers = t["num_hidden_layers"].int(1, MAX_DIM)
+    kinds = tuple(k.str(LAYER_TYPES) for k in t["layer_types"].items(layers, layers))
+    if len(spec.reads) != layers:
+        At(list(spec.reads), "manifest.xla.speculative.reads").fail(
+            f"names {len(spec.reads)} layers; the assistant has {layers}")
+    centroids = top_k = 0
+    if c["use_ordered_embeddings"].bool():
+        centroids = c["num_centroids"].int(1, MAX_DIM)
+        top_k = c["centroid_intermediate_top_k"].int(1, centroids)
+    return AssistantInfo(
+        name=at["name"].str(max_len=200, printable=True), origin=at["origin"].str(),
+        model_type=model_type, hidden_size=t["hidden_size"].int(1, MAX_DIM), layer_types=kinds,
+        num_heads=t["num_attention_heads"].int(1, MAX_DIM),
+        intermediate_size=t["intermediate_size"].int(1, MAX_DIM), num_centroids=centroids,
+        top_k=top_k, config=c.value)
+
+
+def _weight(w: At, sections: dict[str, int]) -> XlaWeight:
+    shape = tuple(d.int(1, MAX_DIM) for d in w["shape"].items(0, 8))
+    dtype = w["dtype"].str(XLA_DTYPES)
+    nbytes = w["nbytes"].int(0, MAX_BYTES)
+    if nbytes != math.prod(shape) * DTYPE_BYTES[dtype]:
+        w["nbytes"].fail(f"{nbytes} bytes, but shape {list(shape)} of {dtype} is "
+                         f"{math.prod(shape) * DTYPE_BYTES[dtype]}")
+    offset = w["offset"].int(0, MAX_BYTES)
+    if offset + nbytes > sections["weights"]:
+        w.fail(f"bytes [{offset}, {offset + nbytes}) fall outside section 'weights' of "
+               f"{sections['weights']} bytes")
+    return XlaWeight(w["key"].str(pattern=NAME), shape, dtype, offset, nbytes)
+
+
+def _xla_kind(k: At, name: str, block: int, max_context: int, max_chunk: int,
+              slots: int) -> XlaKvKind:
+    if name not in ("full", "sliding"):
+        k.fail("a KV kind is 'full' or 'sliding'")
+    ring = k["ring"].bool()
+    if ring != (name == "sliding"):
+        k["ring"].fail(f"the {name} kind {'must not' if ring else 'must'} be a ring")
+    window = k["window"].int(1, INT32_MAX) if ring else None
+    if not ring and k["window"].value is not None:
+        k["window"].expected("null (full attention)")
+    width = k["table_width"].int(1, INT32_MAX)
+    need = min_table_width(ring, window or 0, block, max_context, max_chunk)
+    if width < need:
+        k["table_width"].fail(f"{width} blocks of {block} tokens cannot hold the "
+                              f"{'window and a chunk' if ring else 'context'}; need {need}")
+    blocks = k["default_blocks"].int(1, INT32_MAX)
+    if blocks != slots * width:
+        k["default_blocks"].fail(f"{blocks}, not a whole sequence per decode slot "
+                                 f"({slots} x {width})")
+    return XlaKvKind(name, width, ring, window, blocks)
+
+
+def _pool(p: At, kinds: dict[str, XlaKvKind], block: int) -> XlaPool:
+    kind = p["kind"].str(tuple(kinds))
+    shape = tuple(d.int(1, MAX_DIM) for d in p["block_shape"].items(2, 4))
+    if shape[0] != block:
+        p["block_shape"].fail(f"{list(shape)} must start with the block size {block}")
+    return XlaPool(p["key"].str(pattern=NAME), kind, p["layers"].int(1, MAX_DIM), shape,
+                   p["dtype"].str(XLA_DTYPES))
+
+
+def _mesh(at: At, weights: tuple[XlaWeight, ...], pools: tuple[XlaPool, ...]) -> XlaMesh:
+    axis = at["axis"].str(pattern=r"[a-z_]{1,16}")
+    size = at["size"].int(2, 1 << 16)
+    specs = {}
+    for group, arrays in (("weights", {w.key: len(w.shape) for w in weights}),
+                          ("pools", {p.key: 2 + len(p.block_shape) for p in pools})):
+        members = at[group].members()
+        if set(members) != set(arrays):
+            at[group].fail(f"names {len(members)} arrays; the manifest has {len(arrays)} "
+                           f"{group}")
+        for key, spec in members.items():
+            parts = spec.items(0, arrays[key])
+            for s in parts:
+                if s.value is not None and s.value != axis:
+                    s.expected(f"null or the mesh axis {axis!r}")
+            specs[key] = tuple(s.value for s in parts)
+    return XlaMesh(axis, size, specs)
+
+
+def _precompiled(rec: At, name: str, programs: dict[str, Span], kinds: dict[str, XlaKvKind],
+                 mesh: XlaMesh | None, sections: dict[str, int]) -> dict:
+    """A topology's record (targets/xla/precompile.py writes it, runtime/executors/precompiled.py
+    reads it), returned as it is once every field the runtime and `inspect` read is checked."""
+    n = mesh.size if mesh else 1
+    if rec["topology"].str() != name:
+        rec["topology"].fail(f"differs from its key {name!r}")
+    for key in ("platform", "device_kind", "jax", "jaxlib"):
+        rec[key].str()
+    if rec["libtpu"].nullable() is not None:
+        rec["libtpu"].str()
+    for d in rec["device_ids"].items(n, n):
+        d.int(0, INT32_MAX)
+    for c in rec["coords"].items(n, n):
+        for x in c.items(0, 8):
+            x.int(0, INT32_MAX)
+    blocks = rec["kv_blocks"].members()
+    if set(blocks) != set(kinds):
+        rec["kv_blocks"].fail(f"names kinds {sorted(blocks)}, not {sorted(kinds)}")
+    for b in blocks.values():
+        b.int(1, INT32_MAX)
+    for entry, loc in rec["entries"].members(256).items():
+        if entry not in programs:
+            loc.fail(f"{entry!r} is not an entry point of the artifact")
+        _span(loc, "executables", sections)
+        loc["sha256"].sha256()
+    if rec.get("cost") is not None:
+        _cost(rec["cost"])
+    return rec.value
+
+
+def _cost(c: At) -> None:
+    """The fields of a cost estimate that `inspect` prints (targets/xla/cost_report.py)."""
+    c["label"].str()
+    c["context"].int(0)
+    c["fits_at_slots"].bool()
+    for key in ("hbm_bytes_per_s", "bf16_flops", "hbm_bytes"):
+        c["chip"][key].number(0.0)
+    c["chip"]["generation"].str()
+    dev = c["per_device"]
+    for key in ("weight_bytes", "dense_bytes", "expert_bytes", "kv_bytes_per_lane",
+                "peak_bytes", "xla_flops", "xla_bytes_accessed", "xla_amplification"):
+        dev[key].number(0.0)
+    dev["slots"].int(0)
+    for r in c["decode"].items(0, 1 << 12):
+        r["batch"].int(1)
+        for key in ("step_ms", "tok_s", "tok_s_xla", "hbm_need_bytes"):
+            r[key].number(0.0)
+        r["bound"].str()
+        r["fits"].bool()
+
+
+def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,
+          sections: dict[str, int]) -> H100Manifest:
+    if header.platforms != ("cuda",):
+        At(list(header.platforms), "header.platforms").expected("['cuda']")
+    req["compute_capability"].str(pattern=r"[0-9]{1,2}\.[0-9]")
+    req["min_driver"].int(1, 1 << 20)
+    if req.get("kernel_launch") is not None:
+        req["kernel_launch"].str()
+    where = h["schedule"]
+    schedule = KernelSchedule.from_json(where.value, where.path)
+    if req["arena_bytes"].int(1, MAX_BYTES) != schedule.arena_bytes:
+        req["arena_bytes"].fail(f"{req['arena_bytes'].value} differs from the schedule's "
+                                f"arena_bytes {schedule.arena_bytes}")
+    if schedule.vocab_size != model.vocab_size:
+        where["vocab_size"].fail(f"{schedule.vocab_size} differs from the model's "
+                                 f"{model.vocab_size}")
+    for region, size in (("weights", schedule.weights_bytes),
+                         ("constants", schedule.constants_bytes)):
+        if sections[region] != size:
+            where[f"{region}_bytes"].fail(f"{size}, but section {region!r} holds "
+                                          f"{sections[region]} bytes")
+    for module, c in schedule.cubins.items():
+        if c.offset + c.size > sections["cubins"]:
+            where["cubins"][module].fail(
+                f"bytes [{c.offset}, {c.offset + c.size}) fall outside section 'cubins' of "
+                f"{sections['cubins']} bytes")
+    return H100Manifest(schedule, h["nvcc"].str(max_len=200, printable=True),
+                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"))
+
