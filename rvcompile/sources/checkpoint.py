@@ -19,6 +19,14 @@ whose `load_stored()` gives that `Fp8Tensor` as stored and whose `load()` gives 
 dequantization. `read_fp8_scheme` says which quantization_configs are read and why the others
 (block-wise scales, static activation scales, other formats) are refused.
 
+Assistant drafters (`--assistant DIR | PRESET`, `load_assistant_source`): an assistant directory
+(config.json of model_type gemma4_assistant / gemma4_unified_assistant, safetensors) or, with
+random weights, an assistant preset; refused in one line when it does not fit the target
+(AssistantConfig.target_layers). Its tensors are named "assistant." + the checkpoint's name
+without "model." (`expected_assistant_tensors`), read by the same safetensors reader (BF16, F16,
+F32; its masked head's token_ordering I64 or I32, checked on load to be a permutation of the
+vocabulary: each token in exactly one cluster).
+
 safetensors layout, parsed here directly (numpy has no bfloat16): an 8-byte little-endian
 header length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}},
 then the data section; offsets are relative to its start.
