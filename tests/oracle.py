@@ -20,12 +20,13 @@ transformers 5.23.0 is the ground truth for every numerical test of the compiler
 KV sharing without PLE crashes stock transformers 5.23.0; models from this module carry a
 per-instance workaround (see `_work_around_kv_shared_without_ple`) that changes no logit.
 
-Assistant drafters (`Gemma4AssistantForCausalLM`, issue 15): `make_oracle_assistant(case,
-seed, ordered=...)` is a tiny drafter for the target of `case` (3 layers S S F of width 32 that
-read the target's caches; `ordered` gives the centroid-masked head: 16 clusters, top 4), its
-tensors redrawn like a target's and token_ordering a random permutation. transformers 5.23.0's
-`Gemma4TextConfig.kv_sharing_modes` refuses a config whose layers are all KV-shared (every
-assistant); `all_kv_shared_allowed()` patches it, while such models are built or loaded, to say
+Assistant drafters (`Gemma4AssistantForCausalLM`, or `Gemma4UnifiedAssistantForCausalLM` with
+`unified`, issue 15): `make_oracle_assistant(case, seed, ordered=...)` is a tiny drafter for the
+target of `case` (3 layers S S F of width 32 that read the target's caches; `ordered` gives the
+centroid-masked head: 16 clusters, top 4), its tensors redrawn like a target's and
+token_ordering a random permutation. transformers 5.23.0's `kv_sharing_modes` (of
+Gemma4TextConfig and Gemma4UnifiedTextConfig) refuses a config whose layers are all KV-shared
+(every assistant); `all_kv_shared_allowed()` patches it, while such models are built, to say
 "reuse" for each layer, as the assistant means. `oracle_target_states(target, ids)` runs the
 target once and returns its final-normed hidden states and the K/V of its last non-shared
 sliding and full layers (transformers' `shared_kv_states`, made to store on any target), and
@@ -53,12 +54,21 @@ from transformers import (
     Gemma4AssistantForCausalLM,
     Gemma4ForCausalLM,
     Gemma4TextConfig,
+    Gemma4UnifiedAssistantConfig,
+    Gemma4UnifiedAssistantForCausalLM,
 )
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
     Gemma4TextDecoderLayer,
     Gemma4TextExperts,
     Gemma4TextRouter,
+)
+from transformers.models.gemma4_unified.configuration_gemma4_unified import (
+    Gemma4UnifiedTextConfig,
+)
+from transformers.models.gemma4_unified.modeling_gemma4_unified import (
+    Gemma4UnifiedRMSNorm,
+    Gemma4UnifiedTextDecoderLayer,
 )
 
 VOCAB = 1024
@@ -229,7 +239,7 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
                 router = name.endswith(".router.proj")
                 normal_(module.weight,
                         ROUTER_PROJ_STD if router else 1.0 / math.sqrt(module.in_features))
-            elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
+            elif isinstance(module, Gemma4RMSNorm | Gemma4UnifiedRMSNorm) and module.with_scale:
                 qk = name.endswith((".q_norm", ".k_norm"))
                 uniform_(module.weight, *(QK_NORM_RANGE if qk else NORM_RANGE))
             elif isinstance(module, Gemma4TextRouter):
@@ -238,7 +248,7 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
             elif isinstance(module, Gemma4TextExperts):
                 normal_(module.gate_up_proj, 1.0 / math.sqrt(module.hidden_dim))  # [E, 2Im, H]
                 normal_(module.down_proj, 1.0 / math.sqrt(module.intermediate_dim))  # [E, H, Im]
-            if isinstance(module, Gemma4TextDecoderLayer):
+            if isinstance(module, Gemma4TextDecoderLayer | Gemma4UnifiedTextDecoderLayer):
                 uniform_(module.layer_scalar, *LAYER_SCALAR_RANGE)
     missed = [name for name, p in model.named_parameters() if id(p) not in done]
     if missed:
@@ -313,25 +323,32 @@ ASSISTANT_CENTROIDS, ASSISTANT_TOP_K = 16, 4
 
 @contextlib.contextmanager
 def all_kv_shared_allowed() -> Iterator[None]:
-    """While open, a Gemma4TextConfig whose layers are all KV-shared says "reuse" for each one
-    (transformers 5.23.0 raises instead); every other config answers as before."""
-    original = Gemma4TextConfig.kv_sharing_modes
+    """While open, a Gemma4TextConfig or Gemma4UnifiedTextConfig whose layers are all KV-shared
+    says "reuse" for each one (transformers 5.23.0 raises instead); every other config answers
+    as before."""
+    originals = {cls: cls.kv_sharing_modes for cls in (Gemma4TextConfig, Gemma4UnifiedTextConfig)}
 
-    def modes(self):
-        if self.num_kv_shared_layers == self.num_hidden_layers:
-            return ["reuse"] * self.num_hidden_layers
-        return original.fget(self)
+    def patched(original):
+        def modes(self):
+            if self.num_kv_shared_layers == self.num_hidden_layers:
+                return ["reuse"] * self.num_hidden_layers
+            return original.fget(self)
+        return property(modes)
 
-    Gemma4TextConfig.kv_sharing_modes = property(modes)
+    for cls, original in originals.items():
+        cls.kv_sharing_modes = patched(original)
     try:
         yield
     finally:
-        Gemma4TextConfig.kv_sharing_modes = original
+        for cls, original in originals.items():
+            cls.kv_sharing_modes = original
 
 
-def oracle_assistant_config(case: str, *, ordered: bool) -> Gemma4AssistantConfig:
+def oracle_assistant_config(case: str, *, ordered: bool, unified: bool = False):
     """A drafter config for the target of `case`: the target's cache layout (head dims, KV
-    heads, K=V, window, RoPE), its own width, MLP and query heads."""
+    heads, K=V, window, RoPE), its own width, MLP and query heads. `unified`: the 12B's kind,
+    Gemma4UnifiedAssistantConfig over a gemma4_unified_text config (no per-layer-input, MoE or
+    double-wide MLP fields)."""
     t = ORACLE_CASES[case]
     text = {
         **{k: copy.deepcopy(t[k]) for k in (
@@ -342,23 +359,29 @@ def oracle_assistant_config(case: str, *, ordered: bool) -> Gemma4AssistantConfi
             "bos_token_id", "eos_token_id", "initializer_range")},
         "model_type": "gemma4_text", "hidden_size": ASSISTANT_WIDTH, "intermediate_size": 64,
         "num_hidden_layers": 3, "layer_types": [S, S, F], "num_kv_shared_layers": 3,
-        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
         "final_logit_softcapping": None, "tie_word_embeddings": True,
     }
-    return Gemma4AssistantConfig(
+    if unified:
+        text.update(model_type="gemma4_unified_text", use_bidirectional_attention=None)
+    else:
+        text.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    cls = Gemma4UnifiedAssistantConfig if unified else Gemma4AssistantConfig
+    return cls(
         text_config=text, backbone_hidden_size=t["hidden_size"], use_ordered_embeddings=ordered,
         num_centroids=ASSISTANT_CENTROIDS, centroid_intermediate_top_k=ASSISTANT_TOP_K,
         tie_word_embeddings=True)
 
 
-def make_oracle_assistant(case: str, seed: int, *, ordered: bool) -> Gemma4AssistantForCausalLM:
-    """A float32, eager, eval-mode drafter for `case`'s target, every tensor redrawn from
-    `seed` (token_ordering a random permutation)."""
-    cfg = oracle_assistant_config(case, ordered=ordered)
+def make_oracle_assistant(case: str, seed: int, *, ordered: bool, unified: bool = False):
+    """A float32, eager, eval-mode drafter (Gemma4AssistantForCausalLM, or with `unified`
+    Gemma4UnifiedAssistantForCausalLM) for `case`'s target, every tensor redrawn from `seed`
+    (token_ordering a random permutation)."""
+    cfg = oracle_assistant_config(case, ordered=ordered, unified=unified)
     cfg.text_config._attn_implementation = "eager"
+    cls = Gemma4UnifiedAssistantForCausalLM if unified else Gemma4AssistantForCausalLM
     with torch.random.fork_rng(devices=[]), all_kv_shared_allowed():
         torch.manual_seed(seed)
-        model = Gemma4AssistantForCausalLM(cfg)
+        model = cls(cfg)
     model = model.to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     _randomise(model, gen)
@@ -369,7 +392,7 @@ def make_oracle_assistant(case: str, seed: int, *, ordered: bool) -> Gemma4Assis
     return model
 
 
-def save_oracle_assistant(model: Gemma4AssistantForCausalLM, dir: Path) -> Path:  # noqa: A002
+def save_oracle_assistant(model, dir: Path) -> Path:  # noqa: A002
     """config.json + model.safetensors (transformers' `save_pretrained`) into `dir`."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
@@ -402,7 +425,7 @@ def oracle_target_states(target: Gemma4ForCausalLM,
     return out.hidden_states[-1][0].numpy(), dict(out.shared_kv_states)
 
 
-def oracle_draft(assistant: Gemma4AssistantForCausalLM, target: Gemma4ForCausalLM,
+def oracle_draft(assistant, target: Gemma4ForCausalLM,
                  shared_kv: dict[str, tuple], position: int, token: int,
                  hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One assistant step as transformers' assisted generation runs it: the target's embedding

@@ -6,7 +6,8 @@ rvcompile's loader and run on the target's KV caches:
   the target's final-normed hidden state, then three chained draft steps (each fed its own
   previous token and state) give transformers' logits and projected states within 1e-4, with
   the query before and past the sliding window (8), for a 31B-like target (K=V full layers)
-  with a dense head and an E2B-like one (KV sharing, one KV head) with the centroid-masked head;
+  with a dense head and an E2B-like one (KV sharing, one KV head) with the centroid-masked head,
+  and a 12B-like gemma4_unified_assistant (Gemma4UnifiedAssistantForCausalLM) on the K=V target;
 - through an xla-f32 artifact built with an assistant and the XLA executor (runtime side): the
   state verify returns and three draft steps from it equal transformers' within 1e-4 past the
   window; greedy speculative decoding (verify of K drafts, accepting the longest matching
@@ -44,6 +45,8 @@ from rvcompile.sources.checkpoint import load_assistant_source, load_model_sourc
 
 # (target oracle case, centroid-masked head): 31B-like K=V + dense head; E2B-like + centroids.
 CASES = [("k_eq_v", False), ("kv_shared", True)]
+# The IR also against the 12B's kind, gemma4_unified_assistant, on the K=V target.
+IR_CASES = [(*c, False) for c in CASES] + [("k_eq_v", False, True)]
 MAX_CONTEXT, CHUNK = 64, 32
 POSITIONS = (6, 21)  # the drafted token's position: inside, and past, the sliding window 8
 STEPS = 3
@@ -55,17 +58,20 @@ def pair(oracle_dir, tmp_path_factory):
     """(case, ordered) -> (hf target, hf assistant, target source, assistant source)."""
     cache = {}
 
-    def get(case: str, ordered: bool):
-        if (case, ordered) not in cache:
+    def get(case: str, ordered: bool, unified: bool = False):
+        key = (case, ordered, unified)
+        if key not in cache:
             target, ckpt = oracle_dir(case)
-            hf = make_oracle_assistant(case, seed=5, ordered=ordered)
+            hf = make_oracle_assistant(case, seed=5, ordered=ordered, unified=unified)
             adir = save_oracle_assistant(hf, tmp_path_factory.mktemp(f"assistant-{case}"))
             source = load_model_source(str(ckpt))
             asrc = load_assistant_source(str(adir), source.config)
-            cache[(case, ordered)] = (target, hf, source, asrc, ckpt, adir)
-        return cache[(case, ordered)][:4]
+            assert asrc.config.model_type == ("gemma4_unified_assistant" if unified
+                                              else "gemma4_assistant")
+            cache[key] = (target, hf, source, asrc, ckpt, adir)
+        return cache[key][:4]
 
-    get.dirs = lambda case, ordered: cache[(case, ordered)][4:]
+    get.dirs = lambda case, ordered: cache[(case, ordered, False)][4:]
     return get
 
 
@@ -82,10 +88,10 @@ def close(ours: np.ndarray, ref: np.ndarray, what: str) -> float:
     return err
 
 
-@pytest.mark.parametrize("case,ordered", CASES)
+@pytest.mark.parametrize("case,ordered,unified", IR_CASES)
 @pytest.mark.parametrize("position", POSITIONS)
-def test_ir_draft_steps_match_oracle(pair, case, ordered, position):
-    target, hf, source, asrc = pair(case, ordered)
+def test_ir_draft_steps_match_oracle(pair, case, ordered, unified, position):
+    target, hf, source, asrc = pair(case, ordered, unified)
     ids = random_token_ids(position + 1, seed=31 + position)
     ref = reference(source, asrc)
     tokens = np.zeros((1, CHUNK), np.int32)
@@ -106,7 +112,8 @@ def test_ir_draft_steps_match_oracle(pair, case, ordered, position):
     if ordered:  # the masked head scored exactly top_k clusters' tokens
         scored = (hf_logits > hf_logits.min()).sum()
         assert scored == asrc.config.centroid_intermediate_top_k * asrc.config.tokens_per_centroid
-    print(f"\n[measured] {case} ordered={ordered} p={position}: max abs {worst:.3g}")
+    print(f"\n[measured] {asrc.config.model_type} {case} ordered={ordered} p={position}: "
+          f"max abs {worst:.3g}")
 
 
 # ---------------------------------------------------------------------------------------------
