@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from test_artifact_cli import RVCOMPILE, one_error_line, run
 
 from rvcompile import runtime
-from rvcompile.build import BuildOptions, lower_model
+from rvcompile.build import BuildOptions, build_artifact, lower_model
 from rvcompile.ir.draft_frontend import add_assistant
 from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import check_model
@@ -29,7 +29,13 @@ from rvcompile.model.assistant import AssistantConfig
 from rvcompile.model.config import AttnKind, ConfigError
 from rvcompile.model.presets import ASSISTANT_PRESETS, get_assistant_preset, get_preset
 from rvcompile.passes.weight_math import encode
-from rvcompile.runtime.executor_api import DraftLane, SeqChunk, has_drafter, max_draft_tokens
+from rvcompile.runtime.executor_api import (
+    DraftLane,
+    Sampling,
+    SeqChunk,
+    has_drafter,
+    max_draft_tokens,
+)
 from rvcompile.sources.checkpoint import (
     CheckpointError,
     expected_assistant_tensors,
@@ -340,3 +346,41 @@ def test_cli_refuses_a_damaged_assistant_directory(adir, oracle_dir, tmp_path):
             str(bad), "-o", str(out_dir / "x.rvp"))
     one_error_line(p, "rvcompile", "does not fit", "backbone_hidden_size 32")
     assert list(out_dir.iterdir()) == []
+
+
+def test_verify_without_an_assistant_keeps_the_targets_tokens(tmp_path):
+    """--num-draft-tokens without --assistant: verify alone (drafts from elsewhere, e.g. n-gram
+    lookup). With drafts whose first c are right, exact-match acceptance gives the tokens plain
+    decoding gives, greedy and seeded sampling alike (row i samples at RNG step step + i)."""
+    out = tmp_path / "verify.rvp"
+    opts = BuildOptions("xla-f32", max_context=64, prefill_buckets=(8,), slots=1,
+                        platforms=("cpu",), draft_tokens=2)
+    build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, seed=1, progress=False,
+                   log=lambda s: None)
+    ex = runtime.load(out).executor
+    assert max_draft_tokens(ex) == 2 and not has_drafter(ex)
+    tables = {k.name: list(range(k.table_width)) for k in ex.kinds.values()}
+    prompt = list(np.random.default_rng(9).integers(4, 1024, 8))
+    n_new = 16
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_k=20, seed=7)):
+        plain = [ex.prefill(SeqChunk(prompt, 0, tables, sampling=sampling))]
+        while len(plain) < n_new:
+            lane = SeqChunk([plain[-1]], 7 + len(plain), tables, sampling=sampling,
+                            step=len(plain))
+            plain += ex.decode([lane])
+        spec = [ex.prefill(SeqChunk(prompt, 0, tables, sampling=sampling))]
+        rounds = 0
+        while len(spec) < n_new:
+            c = rounds % 3
+            right = plain[len(spec):len(spec) + 2]
+            drafts = [*right[:c], *[(t + 1) % 1024 for t in right[c:]]]
+            v = ex.verify([SeqChunk([spec[-1], *drafts], 7 + len(spec), tables,
+                                    sampling=sampling, step=len(spec))])[0]
+            assert v.states == () and len(v.tokens) == 1 + len(drafts)
+            m = 0
+            while m < len(drafts) and drafts[m] == v.tokens[m]:
+                m += 1
+            assert m == len(right[:c])
+            spec += [*drafts[:m], v.tokens[m]]
+            rounds += 1
+        assert spec[:n_new] == plain, sampling
