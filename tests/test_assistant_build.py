@@ -1,7 +1,8 @@
 """The assistant drafter as a user meets it: its config.json (the released E2B drafter's as
 published), the presets' shapes, what does not fit a target refused in one line, the loader's
-checks, and `rvcompile build --assistant` / `inspect` / `verify` as subprocesses, on tpu-int8
-(quantized like the target; its drafts against the IR's numpy references).
+checks, and `rvcompile build --assistant` / `inspect` / `verify` as subprocesses, on tpu-int8 with
+an int8 KV cache (quantized like the target, reading int8 pools blockwise; its drafts against the
+IR's numpy references).
 """
 
 from __future__ import annotations
@@ -234,13 +235,13 @@ SMALL = ["--max-context", "64", "--prefill-buckets", "16", "--max-seqs", "1",
          "--platforms", "cpu", "--decode-loop-steps", "0"]
 TINY = ["gemma-4-tiny", "--random-weights", "--seed", "3"]
 OPTS = BuildOptions("tpu-int8", max_context=64, prefill_buckets=(16,), slots=1,
-                    platforms=("cpu",), draft_tokens=3)
+                    platforms=("cpu",), draft_tokens=3, kv_cache="int8")
 
 
 @pytest.fixture(scope="module")
 def int8_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("spec-cli") / "tiny.rvp"
-    p = run(RVCOMPILE, "build", *TINY, "--target", "tpu-int8", *SMALL,
+    p = run(RVCOMPILE, "build", *TINY, "--target", "tpu-int8", "--kv-cache", "int8", *SMALL,
             "--assistant", "gemma-4-tiny-assistant", "-o", str(out))
     assert p.returncode == 0, p.stderr
     return out
@@ -264,11 +265,13 @@ def test_inspect_and_verify_show_the_drafter(int8_artifact):
 
 def test_int8_drafter_against_the_ir(int8_artifact):
     """The drafter is quantized like the target (its linears int8, its centroid scores and
-    centroid-head table not), and the XLA drafts follow the same int8 IR's numpy references."""
+    centroid-head table not), reads the int8 KV pools, and the XLA drafts follow the same IR's
+    numpy references."""
     source = load_model_source("gemma-4-tiny", random_weights=True, seed=3)
     asrc = load_assistant_source("gemma-4-tiny-assistant", source.config, random_weights=True,
                                  seed=3)
     ir = lower_model(source, OPTS, lambda s: None, asrc.config)
+    assert {c.dtype for c in ir.caches} == {"int8"}
     dtypes = {p.name: p.dtype for p in ir.params}
     assert dtypes["assistant.pre_projection.weight"] == "int8"
     assert dtypes["assistant.layers.0.mlp.down_proj.weight"] == "int8"
