@@ -25,7 +25,7 @@ from rvcompile.ir.draft_frontend import add_assistant
 from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import check_model
 from rvcompile.ir.interpret import ReferenceModel
-from rvcompile.ir.ops import Op
+from rvcompile.ir.ops import OPS, CentroidHeadAttrs, Op
 from rvcompile.model.assistant import AssistantConfig
 from rvcompile.model.config import AttnKind, ConfigError
 from rvcompile.model.presets import ASSISTANT_PRESETS, get_assistant_preset, get_preset
@@ -174,6 +174,38 @@ def test_assistant_presets_shapes(name):
     assert ours == expected_assistant_tensors(a)
     heads = [n.op for n in d.draft_out.nodes if n.op in (Op.CENTROID_HEAD, Op.LINEAR)]
     assert (Op.CENTROID_HEAD in heads) == a.use_ordered_embeddings
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_centroid_head_lowering_is_its_reference(dtype):
+    """CENTROID_HEAD in JAX = its numpy reference, a bf16 table and tied centroid logits (the
+    lower cluster wins) included; CONCAT likewise."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from rvcompile.targets.xla.lower import LOWERINGS
+
+    rng = np.random.default_rng(4)
+    a = CentroidHeadAttrs(top_k=3, clusters=8)
+    h = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    cl = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    cl[0, 0, [1, 5]] = cl[0, 0].max() + 1  # a tie at the top
+    cl[0, 1] = [0.1, 5, 3, 0.2, 4, 0.3, 3, 0]  # a tie at the cut: cluster 2 is scored, 6 not
+    ordering = rng.permutation(64).astype(np.int32)
+    table = rng.standard_normal((64, 16)).astype(np.float32)
+    if dtype == "bfloat16":
+        table = table.astype(ml_dtypes.bfloat16)
+    ref = OPS[Op.CENTROID_HEAD].reference(a, h, cl, ordering, table)
+    ours = np.asarray(LOWERINGS[Op.CENTROID_HEAD](a, jnp.asarray(h), jnp.asarray(cl),
+                                                   jnp.asarray(ordering), jnp.asarray(table)))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+    scored = ref > ref.min(-1, keepdims=True)
+    assert (scored.sum(-1) == 3 * 8).all()
+    assert scored[0, 1][ordering.reshape(8, 8)[2]].all()
+    assert not scored[0, 1][ordering.reshape(8, 8)[6]].any()
+    x, y = h, rng.standard_normal((2, 3, 5)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(LOWERINGS[Op.CONCAT](None, x, y)),
+                                  OPS[Op.CONCAT].reference(None, x, y))
 
 
 # ---------------------------------------------------------------------------------------------
