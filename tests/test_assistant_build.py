@@ -8,11 +8,14 @@ IR's numpy references).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle import make_oracle_assistant, save_oracle_assistant
@@ -42,6 +45,15 @@ from rvcompile.sources.checkpoint import (
     expected_assistant_tensors,
     load_assistant_source,
     load_model_source,
+)
+from rvcompile.targets.xla.program import (
+    Program,
+    cache_shapes,
+    draft_shapes,
+    plan_layout,
+    sampling_shapes,
+    table_shapes,
+    weight_shapes,
 )
 
 # google/gemma-4-E2B-it-assistant's config.json, as a public log quotes it whole (bookkeeping
@@ -174,6 +186,20 @@ def test_assistant_presets_shapes(name):
     assert ours == expected_assistant_tensors(a)
     heads = [n.op for n in d.draft_out.nodes if n.op in (Op.CENTROID_HEAD, Op.LINEAR)]
     assert (Op.CENTROID_HEAD in heads) == a.use_ordered_embeddings
+    # The XLA draft traces over the planned layout, the drafter's weights unstacked.
+    plan = plan_layout(ir)
+    assert set(expected_assistant_tensors(a)) <= set(plan.globals_)
+    assert {full for _, _, full in plan.weight_slices(ir)} == {p.name for p in ir.params}
+    prog = Program(ir, plan)
+    b, k = 2, 3
+    cs = cache_shapes(ir, plan, {kind.name: b * kind.table_width for kind in prog.kinds.values()})
+    i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+    toks, logits, states = jax.eval_shape(
+        functools.partial(prog.draft, max_steps=k), weight_shapes(ir, plan), cs,
+        jax.ShapeDtypeStruct((b, 1), jnp.int32), i32, i32, table_shapes(prog.kinds, b),
+        *draft_shapes(ir, b), *sampling_shapes(b), jax.ShapeDtypeStruct((), jnp.int32))
+    assert (toks.shape, logits.shape, states.shape) == (
+        (b, k), (b, k, target.vocab_size), (b, k, target.hidden_size))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
