@@ -27,7 +27,6 @@ reads, or a window longer than the target's.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,9 +193,6 @@ class AssistantConfig:
             num_centroids=_default(raw, "num_centroids", 2048),
             centroid_intermediate_top_k=_default(raw, "centroid_intermediate_top_k", 32),
         )
-
-    def renamed(self, name: str) -> AssistantConfig:
-        return dataclasses.replace(self, name=name, text=dataclasses.replace(self.text, name=name))
 
 
 def _default(d: dict[str, Any], key: str, default: Any) -> Any:
