@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rvcompile.build import TARGETS
+from rvcompile.targets import registry
 
 CUT = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
 CONDITIONINGS = ("none", "qk-norms", "near-identity")
@@ -83,7 +83,7 @@ def target_logits(model: Path, target: str, conditioning: str, seed: int,
               "near-identity": rw.near_identity_init_range}[conditioning]
     t = time.perf_counter()
     out = model.parent / f"{target}-{conditioning}.rvp"
-    opts = BuildOptions(target, max_context=MAX_CONTEXT, prefill_buckets=(len(prompt),), slots=1,
+    opts = BuildOptions(target, max_context=MAX_CONTEXT, prefill_buckets=(len(prompt),), max_seqs=1,
                         platforms=("cpu",))
     build_artifact(str(model), out, opts, random_weights=True, seed=seed, random_ranges=ranges,
                    progress=False, log=lambda s: None)
@@ -133,7 +133,7 @@ def main() -> None:
     targets = tuple(args.targets.split(","))
     if len(targets) != 2:
         ap.error(f"--targets: two targets, comma-separated (got {args.targets!r})")
-    xla_targets = [name for name, spec in TARGETS.items() if spec.lowering == "xla"]
+    xla_targets = [name for name, spec in registry().items() if spec.runtime == "xla"]
     if unknown := [t for t in targets if t not in xla_targets]:
         ap.error(f"--targets: {', '.join(unknown)} not an XLA target (known: "
                  f"{', '.join(xla_targets)})")

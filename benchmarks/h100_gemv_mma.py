@@ -1,13 +1,15 @@
-"""Small-batch FP8 decode GEMV (gemv_mma_fp8) on the GPU at the 31B's layer shapes for M = 1, 2,
-4, 8, 16 and 32 token rows, against today's kernels for the same product: gemv_fp8 (M <= 4) and
-gemm_fp8w. Time per call and GB/s of weight bytes (W read once per call): each figure is the
-median over 5 batches of 20 back-to-back launches (CUDA events around each batch, after warm-up,
-programmatic dependent launch on as in the runtime's graphs), rotating among enough weight copies
-that the 50 MB L2 cannot hold them. Random weights (no zeros). Then the sum over one 31B decode
-step's linears (50 sliding layers: qkv, o, gate||up, down; 10 full layers: qk, o, gate||up, down)
-per kernel and M, and its ratio to the best M = 1 step.
+"""Small-batch FP8 decode GEMV (gemv_mma_fp8) on the GPU at a model's layer shapes (default the
+31B's) for M = 1, 2, 4, 8, 16 and 32 token rows, against the older kernels for the same product:
+gemv_fp8 (M <= 4) and gemm_fp8w. Time per call and GB/s of weight bytes (W read once per call):
+each figure is the median over 5 batches of 20 back-to-back launches (CUDA events around each
+batch, after warm-up, programmatic dependent launch on as in the runtime's graphs), rotating
+among enough weight copies that the 50 MB L2 cannot hold them. Random weights (no zeros). Then
+the sum over one decode step's FP8 linears (the shapes and how often a step runs each, read from
+the model's h100-fp8 schedule; the 31B: 50 sliding layers qkv, o, gate||up, down, 10 full layers
+qk, o, gate||up, down) per kernel and M, and its ratio to the best M = 1 step.
 
-    python benchmarks/h100_gemv_mma.py [--sweep] [--cubin LABEL=PATH ...] [--json OUT]
+    python benchmarks/h100_gemv_mma.py [--model gemma-4-31B] [--rows 1,2,4,8,16,32] [--sweep]
+                                       [--cubin LABEL=PATH ...] [--json OUT]
 
 --sweep also times every (warps, split) entry of gemv_mma_fp8 (* marks the default); --cubin
 times another build of gemv_mma_fp8.cu the same way (an A/B of kernel variants).
@@ -23,26 +25,36 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from rvcompile.model.presets import gemma_4_31b
 from rvcompile.runtime.executors.cuda_driver import CudaContext
 from rvcompile.targets.h100 import gemm_fp8w, gemv_fp8
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 from rvcompile.targets.h100.nvcc import compile_cubin
 
-SHAPES = {"qkv_sliding": (16384, 5376), "qk_full": (18432, 5376), "o_sliding": (5376, 8192),
-          "o_full": (5376, 16384), "gate_up": (43008, 5376), "down": (5376, 21504)}
 ROWS = (1, 2, 4, 8, 16, 32)
 BATCHES, PER_BATCH = 5, 20
 SOURCE_BYTES = 256 << 20
 
 
-def step_layers() -> dict[str, int]:
-    """How many times one 31B decode step uses each shape (from the preset's layer pattern)."""
-    cfg = gemma_4_31b()
-    full = sum(1 for spec in cfg.layers if not spec.window)
-    sliding = len(cfg.layers) - full
-    return {"qkv_sliding": sliding, "o_sliding": sliding, "qk_full": full, "o_full": full,
-            "gate_up": len(cfg.layers), "down": len(cfg.layers)}
+def model_shapes(preset: str) -> dict[str, tuple[int, int, int]]:
+    """{"NxK": (N, K, uses)}: the FP8 linears of one decode step of `preset`, as its h100-fp8
+    schedule runs them (lowered shape-only, one slot), with how often a step runs each."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.sources.model_source import ModelSource
+    from rvcompile.targets.h100.lower import lower_to_h100
+
+    source = ModelSource(get_preset(preset), (), "", {}, None, preset)  # no tensors are read
+    opts = BuildOptions("h100-fp8", max_context=256, prefill_buckets=(16,), max_seqs=1)
+    ir = lower_model(source, opts, log=lambda s: None)
+    step = lower_to_h100(ir, max_seqs=1, prefill_buckets=(16,)).schedule.entries["decode_1"]
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for x in step.launches:
+        if x.kernel.startswith("gemv_mma_fp8"):
+            args = {a.name: a.value for a in x.args}
+            n, k = int(args["N"]), int(args["K"])
+            uses = shapes.get(f"{n}x{k}", (n, k, 0))[2]
+            shapes[f"{n}x{k}"] = (n, k, uses + 1)
+    return shapes
 
 
 class Kernels:
@@ -96,11 +108,15 @@ def candidates(m: int, n: int, k: int, sm_count: int, sweep: bool, builds: list[
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gemma-4-31B", help="a preset whose shapes to time")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="token rows M to time")
     p.add_argument("--sweep", action="store_true", help="time every gemv_mma_fp8 entry")
     p.add_argument("--cubin", action="append", default=[], metavar="LABEL=PATH",
                    help="also time this build of gemv_mma_fp8.cu (repeatable)")
     p.add_argument("--json", type=Path, help="write every timing here")
     a = p.parse_args()
+    shapes = model_shapes(a.model)
+    row_counts = [int(m) for m in a.rows.split(",")]
     ctx = CudaContext()
     variants = dict(c.split("=", 1) for c in a.cubin)
     cubins = {"gemv_mma": compile_cubin(gm.SOURCE), "gemv_fp8": compile_cubin(gemv_fp8.SOURCE),
@@ -114,7 +130,7 @@ def main() -> None:
     rows: list[dict] = []
     print(f"{'matrix':12} {'N x K':>12} {'M':>3} {'kernel':>10} {'entry':>26} {'grid':>14} "
           f"{'us':>8} {'GB/s':>6}")
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k, _) in shapes.items():
         copies = max(2, -(-200 * 2**20 // (n * k)))
         bufs = []
         for _ in range(copies):
@@ -123,7 +139,7 @@ def main() -> None:
                 ctx.copy_device(buf.ptr + off, source.ptr, min(SOURCE_BYTES, n * k - off))
             bufs.append(buf)
         ds = ctx.upload(rng.uniform(1e-4, 1e-3, n).astype(np.float32))
-        for m in ROWS:
+        for m in row_counts:
             dx = ctx.upload(rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16))
             dy = ctx.alloc(m * n * 4)
             args = [[ctypes.c_uint64(b.ptr), ctypes.c_uint64(ds.ptr), ctypes.c_uint64(dx.ptr),
@@ -144,17 +160,18 @@ def main() -> None:
             ctx.free(dy)
         for buf in (*bufs, ds):
             ctx.free(buf)
-    summary = step_summary(rows)
+    summary = step_summary(rows, shapes, row_counts, a.model)
     if a.json:
-        a.json.write_text(json.dumps({"device": ctx.device_name(), "rows": rows,
-                                      "step": summary}, indent=1))
+        a.json.write_text(json.dumps({"device": ctx.device_name(), "model": a.model,
+                                      "rows": rows, "step": summary}, indent=1))
 
 
-def step_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Milliseconds of one 31B decode step's linears per kernel and M, default launches;
+def step_summary(rows: list[dict], shapes: dict[str, tuple[int, int, int]],
+                 row_counts: list[int], model: str) -> dict[str, dict[str, float]]:
+    """Milliseconds of one decode step's FP8 linears per kernel and M, default launches;
     'today' is gemv_fp8 up to its 4 rows and gemm_fp8w above; LABEL_best takes the fastest
     measured launch of each shape of a gemv_mma_fp8 build (the sweep's pick)."""
-    uses = step_layers()
+    uses = {name: u for name, (_, _, u) in shapes.items()}
     best: dict[tuple[str, str, int], float] = {}
     for r in rows:
         labels = [r["kernel"]] if r["default"] else []
@@ -168,18 +185,18 @@ def step_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
             best["today", matrix, m] = us
     step: dict[str, dict[int, float]] = {}
     for label in dict.fromkeys(label for label, _, _ in best):
-        for m in ROWS:
-            if all((label, matrix, m) in best for matrix in SHAPES):
+        for m in row_counts:
+            if all((label, matrix, m) in best for matrix in uses):
                 step.setdefault(label, {})[m] = sum(
-                    uses[matrix] * best[label, matrix, m] for matrix in SHAPES) / 1e3
-    base = min(per_m[1] for per_m in step.values() if 1 in per_m)
-    print(f"\none 31B decode step's linears, ms (and the ratio to the fastest M = 1 step, "
-          f"{base:.2f} ms)")
-    print(f"{'kernel':>14} " + " ".join(f"{'M=' + str(m):>14}" for m in ROWS))
+                    uses[matrix] * best[label, matrix, m] for matrix in uses) / 1e3
+    base = min((per_m[1] for per_m in step.values() if 1 in per_m), default=1.0)
+    print(f"\none {model} decode step's FP8 linears, ms (and the ratio to the fastest M = 1 "
+          f"step, {base:.2f} ms)")
+    print(f"{'kernel':>14} " + " ".join(f"{'M=' + str(m):>14}" for m in row_counts))
     for label, per_m in step.items():
         print(f"{label:>14} " + " ".join(
             f"{per_m[m]:7.2f} {per_m[m] / base:5.2f}x" if m in per_m else f"{'-':>14}"
-            for m in ROWS))
+            for m in row_counts))
     return {label: {str(m): ms for m, ms in per_m.items()} for label, per_m in step.items()}
 
 

@@ -1,6 +1,6 @@
 """The build's TPU cost report (an estimate, not a measurement) for preset models, without
 writing weights: the IR of a preset, the target's passes, the exported programs (`lower_to_xla`,
-as `rvcompile build` exports them), their decode_{slots} compiled for a TPU topology through
+as `rvcompile build` exports them), their decode_{max_seqs} compiled for a TPU topology through
 libtpu (targets/xla/precompile.py) and the cost report of that executable
 (targets/xla/cost_report.py). Weights play no part in the report, so none are made.
 
@@ -34,18 +34,18 @@ def report(model: str, context: int, args) -> dict:
     topo = parse_topology(args.topology)
     check_topology(topo, args.tp)
     cfg = get_preset(model)
-    opts = BuildOptions(target=args.target, max_context=context, slots=args.slots,
+    opts = BuildOptions(target=args.target, max_context=context, max_seqs=args.max_seqs,
                         platforms=("tpu",), tp=args.tp)
     t0 = time.perf_counter()
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
-    lowering = lower_to_xla(ir, slots=args.slots, prefill_buckets=opts.prefill_buckets,
+    lowering = lower_to_xla(ir, max_seqs=args.max_seqs, prefill_buckets=opts.prefill_buckets,
                             platforms=("tpu",), tp=args.tp)
     t_export = time.perf_counter() - t0
-    decode = f"decode_{args.slots}"
+    decode = f"decode_{args.max_seqs}"
     compiled = compile_entries(lowering.programs, lowering.manifest, topology_devices(topo),
                                names=(decode,))[decode]
     t_compile = time.perf_counter() - t0 - t_export
-    rep = cost_report(compiled, args.slots, CHIPS[topo.generation], query_per_kv(ir),
+    rep = cost_report(compiled, args.max_seqs, CHIPS[topo.generation], query_per_kv(ir),
                       ir.max_context, read_model(ir),
                       tuple(g["count"] for g in lowering.manifest["layer_groups"]))
     rep["model"], rep["topology"], rep["tp"], rep["target"] = model, topo.name, args.tp, \
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--target", default="tpu-int8")
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--topology", default="v6e:2x2")
-    ap.add_argument("--slots", type=int, default=1, help="decode lanes of the built program")
+    ap.add_argument("--max-seqs", type=int, default=1, help="decode lanes of the built program")
     ap.add_argument("--json", default=None, help="write the reports here")
     args = ap.parse_args()
     reports = []

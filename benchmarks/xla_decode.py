@@ -112,7 +112,7 @@ def main() -> None:
     report["hbm_read_GBps"] = bw / 1e9
     print(f"HBM read bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
 
-    opts = BuildOptions(a.target, max_context=a.max_context, prefill_buckets=(16, 256), slots=1,
+    opts = BuildOptions(a.target, max_context=a.max_context, prefill_buckets=(16, 256), max_seqs=1,
                         decode_loop_steps=a.loop_steps)
     b = build_artifact(a.model, Path(a.artifact), opts, random_weights=True, seed=0,
                        progress=False)

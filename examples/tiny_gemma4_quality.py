@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for target in TARGETS:
             out = Path(tmp) / f"{target}.rvp"
-            opts = BuildOptions(target, max_context=a.window, prefill_buckets=(64,), slots=1,
+            opts = BuildOptions(target, max_context=a.window, prefill_buckets=(64,), max_seqs=1,
                                 platforms=("cpu",))
             build_artifact(str(MODEL_DIR), out, opts, progress=False, log=lambda s: None)
             m = runtime.load(out)

@@ -13,7 +13,9 @@ reaches it.
 
 The build checks the checkpoint's template with `check`; the runtime compiles it once
 (`compile_template`) and renders each conversation. Both run this one module, so what builds
-renders.
+renders. So it is a shared leaf, like dtypes.py: the compiler (sources/checkpoint.py) and the
+runtime (runtime/model.py) may both import it, and it imports nothing of either
+(tests/test_layering.py).
 """
 
 from __future__ import annotations

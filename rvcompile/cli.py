@@ -28,14 +28,12 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.ir.ops import SpecError
 from rvcompile.model.config import ConfigError
-from rvcompile.sources.checkpoint import CheckpointError
-from rvcompile.targets.h100.lower import LoweringError
-from rvcompile.targets.h100.nvcc import NvccError
+from rvcompile.sources.model_source import CheckpointError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Compile Gemma 4 into one frozen artifact (.rvp).")
-USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, LoweringError, NvccError,
-               FileNotFoundError)
+# a build also fails on its target's own (targets.input_errors)
+USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, FileNotFoundError)
 
 
 def fail(msg: str) -> None:
@@ -95,8 +93,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 @app.command()
 def build(
     model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
-    target: str = typer.Option(..., "--target", help="tpu-bf16, tpu-int8, xla-f32, xla-fp8, "
-                                                     "h100-fp8 or h100-f32 (see `targets`)"),
+    target: str = typer.Option(..., "--target", help="what to compile for (see `targets`)"),
     output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
     weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
     random_weights: bool = typer.Option(False, "--random-weights",
@@ -104,7 +101,7 @@ def build(
     seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
                                                           ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
-    slots: int = typer.Option(4, "--max-seqs", help="sequence slots in the decode batch"),
+    max_seqs: int = typer.Option(4, "--max-seqs", help="sequences in the decode batch"),
     prefill_buckets: str = typer.Option("16,64,256", "--prefill-buckets",
                                         help="prefill chunk sizes; the largest is the chunk"),
     platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
@@ -118,11 +115,11 @@ def build(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel devices (XLA targets): heads, MLP "
                                            "columns, experts and KV heads split over N"),
     kv_cache: str = typer.Option("auto", "--kv-cache",
-                                 help="KV cache: float (the target's), int8 (XLA targets: int8 "
-                                      "+ a scale per token and KV head, blockwise global "
-                                      "attention), fp8 (h100-fp8: e4m3, unit scale, half the "
-                                      "bytes), auto (int8 beyond 32K context on XLA targets "
-                                      "but xla-f32)"),
+                                 help="KV cache: float (the target's own dtype), int8 (+ a "
+                                      "scale per token and KV head, blockwise global "
+                                      "attention), fp8 (e4m3, unit scale, half the bytes), "
+                                      "auto (the target's choice by context); `targets` "
+                                      "lists what each target offers"),
     decode_loop_steps: int | None = typer.Option(
         None, "--decode-loop-steps",
         help="XLA targets: decode steps per device-side loop call, 0 to the largest prefill "
@@ -139,23 +136,22 @@ def build(
              "default 3 with --assistant, else 0 (no speculative entry points)"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
-    from rvcompile.build import TARGETS, BuildOptions, build_artifact
+    from rvcompile.build import BuildOptions, build_artifact
+    from rvcompile.targets import input_errors
 
     if seed is not None and not random_weights:
         fail(f"--seed {seed}: only --random-weights uses a seed")
     if seed is not None and seed < 0:
         fail(f"--seed {seed}: expected an integer >= 0")
     buckets = _buckets(prefill_buckets)
-    if decode_loop_steps is None:  # the default: 32 steps where there is a loop and room
-        xla = target in TARGETS and TARGETS[target].lowering == "xla"
-        decode_loop_steps = min(32, buckets[-1]) if xla else 0
     if draft_tokens is None:
         draft_tokens = 3 if assistant is not None else 0
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
     try:
         with _signals_unwind():
+            # decode_loop_steps None: the target's default (targets/*/target.py)
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                                slots=slots, platforms=chosen, tp=tp, dump_ir=dump_ir,
+                                max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
                                 topologies=tuple(topology), draft_tokens=draft_tokens)
             report = build_artifact(model, output, opts, weights=weights,
@@ -167,7 +163,7 @@ def build(
         typer.echo(f"rvcompile: error: interrupted by {e}; no temporary file left behind",
                    err=True)
         _die_of(e.signum)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, *input_errors()) as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {report.path} ({report.artifact_bytes / 2**20:.1f} MiB, weights "
                f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
@@ -180,10 +176,12 @@ TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)
 def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
             trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
             ) -> None:
-    """Show an artifact's model, target, platforms, entry points (an h100 artifact's kernel
-    schedule), sizes, hashes, versions and signers (each signature valid, INVALID, or not
-    checked without its --trusted-key)."""
+    """Show an artifact's model, target, platforms, sizes, hashes, versions and signers (each
+    signature valid, INVALID, or not checked without its --trusted-key), then what its target
+    summarizes (entry points; the XLA programs' mesh and precompiled sets, an h100 artifact's
+    kernel schedule)."""
     from rvcompile.artifacts.manifest import read_manifest
+    from rvcompile.targets import registry
 
     try:
         keys = [load_trusted_key(k) for k in trusted_key]
@@ -199,36 +197,25 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
                                  "pieces": len(s.piece_sha256), "digest": s.digest}
                              for n, s in art.sections.items()},
             }
-            if checked.xla:
-                x = m["xla"]
-                info.update({
-                    "entry_points": x["entry_points"], "slots": x["slots"],
-                    "max_context": x["max_context"], "jax_version": x["jax_version"],
-                    "layer_groups": x["layer_groups"], "precompiled": x.get("precompiled", {}),
-                    "mesh": x.get("mesh"), "assistant": _drafter_info(checked)})
-            else:
-                info.update(_schedule_info(checked.h100))
+            target = registry().get(h.target)
+            summary = target.summarize(checked, m) if target is not None else None
             signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
             info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
                                   for s, st in signed]
     except USER_ERRORS as e:
         fail(str(e))
+    if summary is not None:
+        info.update(summary.info)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    shown = ("file", "model", "target", "platforms", "compiler_version",
-             *(("jax_version",) if "jax_version" in info else ("nvcc", "arch")),
-             "passes", "entry_points", "slots", "max_context", "requirements")
-    for key in shown:
+    for key in ("file", "model", "target", "platforms", "compiler_version", "passes",
+                "requirements"):
         typer.echo(f"{key:17} {info[key]}")
-    if info.get("assistant"):
-        _echo_drafter(info["assistant"])
-    if info.get("mesh"):
-        _echo_mesh(info["mesh"])
-    if info.get("precompiled"):
-        _echo_precompiled(info["precompiled"])
-    if "schedule" in info:
-        _echo_schedule(info["schedule"])
+    lines = summary.lines if summary is not None else (
+        f"{'summary':17} none: this rvcompile has no target {h.target!r}",)
+    for line in lines:
+        typer.echo(line)
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
@@ -238,106 +225,14 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
         typer.echo(f"  signed by {sig.who()}, {st}")
 
 
-def _drafter_info(manifest) -> dict | None:
-    """The assistant drafter and speculative entry points of a checked manifest, or None."""
-    spec, drafter = manifest.xla.speculative, manifest.assistant
-    if spec is None:
-        return None
-    info: dict = {"verify": spec.verify, "draft": spec.draft, "draft_tokens": spec.draft_tokens}
-    if drafter is not None:
-        info.update(name=drafter.name, model_type=drafter.model_type, origin=drafter.origin,
-                    hidden_size=drafter.hidden_size, layers=list(drafter.layer_types),
-                    heads=drafter.num_heads, intermediate_size=drafter.intermediate_size,
-                    head=(f"centroids {drafter.num_centroids}, top {drafter.top_k}"
-                          if drafter.num_centroids else "dense (tied)"),
-                    reads=list(spec.reads))
-    return info
-
-
-def _echo_drafter(d: dict) -> None:
-    if "name" in d:
-        kinds = ", ".join(k.split("_")[0] for k in d["layers"])
-        typer.echo(f"{'assistant':17} {d['name']} ({d['model_type']}, from {d['origin']}): "
-                   f"width {d['hidden_size']}, {len(d['layers'])} layers ({kinds}) reading "
-                   f"target layers {d['reads']}, {d['heads']} query heads, MLP "
-                   f"{d['intermediate_size']}, head {d['head']}")
-    typer.echo(f"{'speculative':17} up to {d['draft_tokens']} drafts: {d['verify']}"
-               + (f", {d['draft']}" if d["draft"] else ""))
-
-
-def _schedule_info(h100) -> dict:
-    """What `inspect` shows of an h100 artifact's kernel schedule."""
-    s = h100.schedule
-    launches = [x for e in s.entries.values() for x in e.launches]
-    return {
-        "entry_points": sorted(s.entries), "slots": s.slots, "max_context": s.max_context,
-        "nvcc": h100.nvcc, "arch": h100.arch,
-        "schedule": {
-            "version": s.version, "arena_bytes": s.arena_bytes,
-            "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
-                        "kv": s.kv.pool_bytes, "io": s.io_bytes,
-                        "activations": s.arena_bytes - s.io_offset - s.io_bytes},
-            "kv": {"block_size": s.kv.block_size, "dtype": s.kv.kv_dtype,
-                   "kinds": {k.name: {"table_width": k.table_width, "num_blocks": k.num_blocks,
-                                      "window": k.window} for k in s.kv.kinds}},
-            "entries": {name: {"rows": e.rows, "graph": e.graph, "launches": len(e.launches)}
-                        for name, e in s.entries.items()},
-            "launches": len(launches),
-            "kernels": len({(x.module, x.kernel) for x in launches}),
-            "modules": len(s.cubins),
-        },
-    }
-
-
-def _echo_schedule(s: dict) -> None:
-    """The kernel schedule: arena regions, KV pools, and each entry's launch count."""
-    regions = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s["regions"].items())
-    typer.echo(f"{'schedule':17} version {s['version']}: arena {s['arena_bytes'] / 2**20:.1f} MiB "
-               f"({regions} MiB); {s['launches']} launches of {s['kernels']} kernels from "
-               f"{s['modules']} cubins")
-    kinds = ", ".join(f"{n} {k['num_blocks']} x {k['table_width']}-wide"
-                      + (f" (window {k['window']})" if k["window"] else "")
-                      for n, k in s["kv"]["kinds"].items())
-    typer.echo(f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens: {kinds}")
-    for name, e in s["entries"].items():
-        typer.echo(f"  {name:16} {e['rows']:>5} rows  {e['launches']:>5} launches"
-                   f"{'  (CUDA graph)' if e['graph'] else ''}")
-
-
-def _echo_mesh(mesh: dict) -> None:
-    """The tensor-parallel mesh: its axis and size, then every split array and its spec."""
-    arrays = {**mesh["weights"], **mesh["pools"]}
-    split = {k: v for k, v in arrays.items() if any(v)}
-    typer.echo(f"{'mesh':17} {mesh['axis']}={mesh['size']}: {len(split)} of {len(arrays)} "
-               "weight arrays and KV pools split, the rest whole on every device")
-    for key, spec in split.items():
-        typer.echo(f"  {key:40} P({', '.join(repr(a) if a else 'None' for a in spec)})")
-
-
-def _echo_precompiled(sets: dict) -> None:
-    """Each topology's executables (what a runtime must match) and its cost estimate."""
-    from rvcompile.targets.xla.cost_report import format_report
-
-    typer.echo("precompiled:")
-    for name, rec in sets.items():
-        size = sum(e["size"] for e in rec["entries"].values())
-        typer.echo(f"  {name}: {rec['device_kind']} x{len(rec['device_ids'])}, jax {rec['jax']}, "
-                   f"jaxlib {rec['jaxlib']}, libtpu {rec['libtpu']}, KV blocks "
-                   f"{rec['kv_blocks']}, {len(rec['entries'])} executables "
-                   f"({size / 2**20:.1f} MiB)")
-        if "cost" in rec:
-            for line in format_report(name, rec["cost"]):
-                typer.echo(line)
-
-
 @app.command()
 def verify(artifact: Path,
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
     """Re-hash every section and check what the manifest and sections hold
-    (artifacts/contents.py: verify_artifact); with --trusted-key, first require a valid
+    (artifacts/verify.py); with --trusted-key, first require a valid
     signature by one of the keys. Exit 0 when all checks pass, 2 otherwise."""
-    from rvcompile.artifacts.contents import verify_artifact
+    from rvcompile.artifacts.verify import verify_artifact
 
     try:
         keys = [load_trusted_key(k) for k in trusted_key] or None
@@ -381,11 +276,13 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 @app.command()
 def targets() -> None:
     """List the build targets and what each emits."""
-    from rvcompile.build import TARGETS
     from rvcompile.model.presets import ASSISTANT_PRESETS, PRESETS
+    from rvcompile.targets import registry
 
-    for t in TARGETS.values():
-        typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}")
+    for t in registry().values():
+        auto = f"{t.kv.auto} beyond {t.kv.auto_above} tokens" if t.kv.auto != "float" else "float"
+        typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}; "
+                   f"--kv-cache {', '.join(t.kv.choices())} (auto: {auto})")
     typer.echo(f"presets: {', '.join(PRESETS)}")
     typer.echo(f"assistant presets (--assistant NAME --random-weights): "
                f"{', '.join(ASSISTANT_PRESETS)}")

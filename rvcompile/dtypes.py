@@ -1,5 +1,5 @@
 """Dtype names as stored in IR params and artifact manifests, to numpy dtypes. Shared by the
-compiler and the runtime (it imports nothing of either)."""
+compiler and the runtime: a leaf that imports nothing of either (tests/test_layering.py)."""
 
 from __future__ import annotations
 

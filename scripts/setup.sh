@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv with rvcompile and its test dependencies (idempotent). Used by the README and CI.
+# Creates .venv with rvcompile and its test dependencies (idempotent): the `test` extra, which is
+# every other extra (xla, h100, serve, build) and what the tests compare against. Used by the
+# README and CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -8,7 +10,7 @@ fi
 # torch==2.13.0 resolves to the CPU wheel on this project's machines (see pyproject's test extra).
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 \
     | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import rvcompile, jax, transformers, torch" 
+.venv/bin/python -c "import rvcompile, jax, transformers, torch, typer, fastapi, cuda.bindings"
 
 # libtpu, at the version jax's tpu extra pins, lets `rvcompile build --topology` compile for a TPU
 # slice on this machine. It goes to .venv/tpu-aot, outside the venv's site-packages: with libtpu

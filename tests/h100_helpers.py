@@ -1,5 +1,5 @@
-"""Shared by the H100 kernel tests: a CUDA context on a compute-capability-9.0 GPU, or a clean
-skip where there is none (the CPU machine, CI)."""
+"""Shared by the H100 tests: a CUDA context on a compute-capability-9.0 GPU, or a clean skip where
+there is none (the CPU machine, CI); the schedule on the CPU reference device."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ def h100_context():
     if ctx.compute_capability != (9, 0):
         pytest.skip(f"sm_90a kernels need compute capability 9.0, not {ctx.compute_capability}")
     return ctx
+
+
+def reference_executor(art):
+    """`art`'s kernel schedule on the CPU: the runtime's ScheduledExecutor over the target's
+    ReferenceDevice, composed here because targets never import the runtime."""
+    from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+    from rvcompile.targets.h100.reference_executor import reference_device
+
+    device = reference_device(art)
+    return ScheduledExecutor(device.schedule, device)
 
 
 def own_tables(executor, i: int) -> dict[str, list[int]]:

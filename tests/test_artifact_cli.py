@@ -86,7 +86,7 @@ def test_inspect_json(tiny, tiny_info):
     assert "cpu" in info["platforms"]
     assert info["entry_points"] == ["decode_2", "decode_loop_2", "logits_32", "prefill_32",
                                     "prefill_8"]  # the CLI builds the device-side loop
-    assert info["slots"] == 2 and info["max_context"] == 128
+    assert info["max_seqs"] == 2 and info["max_context"] == 128
     assert info["requirements"]["runtime"] == "xla"
     assert info["jax_version"] and info["compiler_version"]
     assert sum(g["period"] * g["count"] for g in info["layer_groups"]) == 8  # tiny: 8 layers

@@ -42,7 +42,6 @@ import typer
 
 from rvcompile import cli
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.contents import verify_artifact
 from rvcompile.artifacts.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -51,14 +50,16 @@ from rvcompile.artifacts.format import (
     canonical_json,
     piece_count,
 )
+from rvcompile.artifacts.kernel_schedule import MIN_SCHEDULE_VERSION, SCHEDULE_VERSION
+from rvcompile.artifacts.verify import verify_artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.cli import main as rvrun
 
 SEED = 20261124
 # Small on purpose: every reader parses the whole manifest of every input (an h100 schedule
 # holds every launch of every entry point).
-XLA_OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "slots": 1, "decode_loop_steps": 8}
-H100_OPTS = {"max_context": 64, "prefill_buckets": (16,), "slots": 1}
+XLA_OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "max_seqs": 1, "decode_loop_steps": 8}
+H100_OPTS = {"max_context": 64, "prefill_buckets": (16,), "max_seqs": 1}
 READERS = ("api", "inspect", "verify", "rvrun")
 _PREFIX = struct.Struct("<8sII32s")
 DEEP = 5000  # nesting levels, past Python's recursion limit
@@ -368,10 +369,10 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
     }
     if runtime == "xla":
         x = ("xla",)
-        decode, prefill = f"decode_{m['xla']['slots']}", f"prefill_{m['xla']['max_chunk']}"
+        decode, prefill = f"decode_{m['xla']['max_seqs']}", f"prefill_{m['xla']['max_chunk']}"
         edits |= {
-            "slots zero": _set((*x, "slots"), 0),
-            "slots with no decode program": _set((*x, "slots"), 3),
+            "max_seqs zero": _set((*x, "max_seqs"), 0),
+            "max_seqs with no decode program": _set((*x, "max_seqs"), 3),
             "max_context below max_chunk": _set((*x, "max_context"), m["xla"]["max_chunk"] - 1),
             "max_chunk not the largest bucket": _set((*x, "max_chunk"),
                                                      m["xla"]["max_chunk"] // 2),
@@ -427,9 +428,10 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
     else:
         s = ("h100", "schedule")
         sched = m["h100"]["schedule"]
-        decode = f"decode_{sched['slots']}"
+        decode = f"decode_{sched['max_seqs']}"
         module = sched["entries"][decode]["launches"][0]["module"]
         launch = (*s, "entries", decode, "launches", 0)
+        names = [a["name"] for a in sched["entries"][decode]["launches"][0]["args"]]
         edits |= {
             "schedule version missing": _del((*s, "version")),
             "schedule version newer": _set((*s, "version"), 99),
@@ -440,8 +442,8 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "weights_bytes not the section": _set((*s, "weights_bytes"), 4096),
             "constants overlapping the weights": _set((*s, "constants_offset"), 0),
             "io overlapping the pools": _set((*s, "io_offset"), sched["kv_offset"]),
-            "slots zero": _set((*s, "slots"), 0),
-            "slots with no decode entry": _set((*s, "slots"), 3),
+            "max_seqs zero": _set((*s, "max_seqs"), 0),
+            "max_seqs with no decode entry": _set((*s, "max_seqs"), 3),
             "max_chunk zero": _set((*s, "max_chunk"), 0),
             "vocab_size not the model's": _set((*s, "vocab_size"), 1000),
             "block_size zero": _set((*s, "kv", "block_size"), 0),
@@ -477,16 +479,25 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "smem past the device": _set((*launch, "smem"), 1 << 20),
             "argument dropped": lambda mm: get(mm, launch)["args"].pop(),
             "argument added": lambda mm: get(mm, launch)["args"].append(
-                {"kind": "i32", "value": 0}),
+                {"name": "extra", "kind": "i32", "value": 0}),
             "argument kind unknown": _set((*launch, "args", 0, "kind"), "f64"),
-            "pointer negative": _set((*launch, "args", 0), {"kind": "ptr", "value": -8}),
+            "argument without a name": _del((*launch, "args", 0, "name")),
+            "argument name not an identifier": _set((*launch, "args", 0, "name"), "a b"),
+            "argument name a number": _set((*launch, "args", 0, "name"), 3),
+            "argument named twice": _set((*launch, "args", 1, "name"), names[0]),
+            "argument with an unknown key": lambda mm: get(mm, launch)["args"][0].update(
+                unit="bytes"),
+            "pointer negative": _set((*launch, "args", 0),
+                                     {"name": names[0], "kind": "ptr", "value": -8}),
             "pointer past the arena": _set((*launch, "args", 0),
-                                           {"kind": "ptr", "value": sched["arena_bytes"]}),
-            "null pointer not zero": _set((*launch, "args", 0), {"kind": "null", "value": 8}),
+                                           {"name": names[0], "kind": "ptr",
+                                            "value": sched["arena_bytes"]}),
+            "null pointer not zero": _set((*launch, "args", 0),
+                                          {"name": names[0], "kind": "null", "value": 8}),
             "i32 past int32": lambda mm: get(mm, launch)["args"].__setitem__(
-                -1, {"kind": "i32", "value": 1 << 31}),
+                -1, {"name": names[-1], "kind": "i32", "value": 1 << 31}),
             "f32 past float32": lambda mm: get(mm, launch)["args"].__setitem__(
-                2, {"kind": "f32", "value": 1e39}),
+                2, {"name": names[2], "kind": "f32", "value": 1e39}),
             "cubin past the section": _set((*s, "cubins", module, "offset"), 1 << 40),
             "cubin sha256 not hex": _set((*s, "cubins", module, "sha256"), "xyz"),
             "cubin sha256 wrong": _set((*s, "cubins", module, "sha256"), "0" * 64),
@@ -549,7 +560,7 @@ def section_cases(p: Parts) -> list[Case]:
     ]
     if "programs" in p.sections:
         progs = p.sections["programs"]
-        decode = f"decode_{p.manifest['xla']['slots']}"
+        decode = f"decode_{p.manifest['xla']['max_seqs']}"
         loc = p.manifest["xla"]["programs"][decode]
         start, end = loc["offset"], loc["offset"] + loc["size"]
         cases += [
@@ -562,7 +573,7 @@ def section_cases(p: Parts) -> list[Case]:
         ]
     if "cubins" in p.sections:
         sched = p.manifest["h100"]["schedule"]
-        module = sched["entries"][f"decode_{sched['slots']}"]["launches"][0]["module"]
+        module = sched["entries"][f"decode_{sched['max_seqs']}"]["launches"][0]["module"]
         loc = sched["cubins"][module]
         blob = p.sections["cubins"]
         cubin = blob[loc["offset"]:loc["offset"] + loc["size"]]
@@ -752,7 +763,8 @@ def test_inspect_shows_an_h100_schedule(h100_artifact):
     with contextlib.redirect_stdout(stdout):
         cli.inspect(h100_artifact, as_json=False, trusted_key=[])
     text = stdout.getvalue()
-    assert "schedule          version 1: arena" in text and "launches of" in text
+    assert f"schedule          version {SCHEDULE_VERSION}: arena" in text
+    assert "launches of" in text
     assert "decode_1" in text and "(CUDA graph)" in text and "nvcc" in text
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -840,7 +852,7 @@ def test_schedule_version_names_the_range(h100_artifact, tmp_path):
     bad = crafted(h100_artifact, tmp_path / "v.rvp",
                   lambda p: put(p.manifest, ("h100", "schedule", "version"), 99))
     refused_by_all(bad, "manifest.h100.schedule.version: kernel schedule version 99; this "
-                        "runtime reads versions 1..1")
+                        f"runtime reads versions {MIN_SCHEDULE_VERSION}..{SCHEDULE_VERSION}")
 
 
 def test_newline_in_a_key_stays_on_one_line(h100_artifact, tmp_path):

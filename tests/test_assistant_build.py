@@ -40,12 +40,8 @@ from rvcompile.runtime.executor_api import (
     has_drafter,
     max_draft_tokens,
 )
-from rvcompile.sources.checkpoint import (
-    CheckpointError,
-    expected_assistant_tensors,
-    load_assistant_source,
-    load_model_source,
-)
+from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
+from rvcompile.sources.model_source import CheckpointError, expected_assistant_tensors
 from rvcompile.targets.xla.program import (
     Program,
     cache_shapes,
@@ -292,7 +288,7 @@ def test_loader_refusals(adir, oracle_dir, damage, needle):
 SMALL = ["--max-context", "64", "--prefill-buckets", "16", "--max-seqs", "1",
          "--platforms", "cpu", "--decode-loop-steps", "0"]
 TINY = ["gemma-4-tiny", "--random-weights", "--seed", "3"]
-OPTS = BuildOptions("tpu-int8", max_context=64, prefill_buckets=(16,), slots=1,
+OPTS = BuildOptions("tpu-int8", max_context=64, prefill_buckets=(16,), max_seqs=1,
                     platforms=("cpu",), draft_tokens=3, kv_cache="int8")
 
 
@@ -414,7 +410,7 @@ def test_verify_without_an_assistant_keeps_the_targets_tokens(tmp_path):
     lookup). With drafts whose first c are right, exact-match acceptance gives the tokens plain
     decoding gives, greedy and seeded sampling alike (row i samples at RNG step step + i)."""
     out = tmp_path / "verify.rvp"
-    opts = BuildOptions("xla-f32", max_context=64, prefill_buckets=(8,), slots=1,
+    opts = BuildOptions("xla-f32", max_context=64, prefill_buckets=(8,), max_seqs=1,
                         platforms=("cpu",), draft_tokens=2)
     build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, seed=1, progress=False,
                    log=lambda s: None)

@@ -135,7 +135,7 @@ def executor(pair, tmp_path_factory):
             ckpt, adir = pair.dirs(case, ordered)
             out = tmp_path_factory.mktemp(f"spec-{case}") / "spec.rvp"
             opts = BuildOptions("xla-f32", max_context=MAX_CONTEXT, prefill_buckets=BUCKETS,
-                                slots=SLOTS, platforms=("cpu",), draft_tokens=K)
+                                max_seqs=SLOTS, platforms=("cpu",), draft_tokens=K)
             build_artifact(str(ckpt), out, opts, assistant=str(adir), progress=False,
                            log=lambda s: None)
             cache[(case, ordered)] = runtime.load(out).executor

@@ -30,7 +30,9 @@ from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.cli import app
 from rvcompile.model.config import ConfigError, Gemma4Config
 from rvcompile.model.presets import get_preset
-from rvcompile.sources.checkpoint import CheckpointError, load_model_source, read_safetensors_header
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError
+from rvcompile.sources.safetensors_file import read_safetensors_header
 from rvcompile.sources.tokenizer_files import synthetic_tokenizer_json
 
 SMALL = ["--max-context", "128", "--prefill-buckets", "8,32", "--max-seqs", "2"]

@@ -18,7 +18,8 @@ import json
 import pytest
 
 from rvcompile.chat_template import ChatTemplateError, check, compile_template
-from rvcompile.sources.checkpoint import CheckpointError, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.sources.tokenizer_files import default_chat_template
 
 # Written for this test in the style of the Gemma 4 template: the constructs it relies on.
@@ -232,7 +233,7 @@ def test_a_model_refuses_a_hostile_template_at_render(tmp_path, monkeypatch):
     plain, hostile = tmp_path / "plain.rvp", tmp_path / "hostile.rvp"
     build_artifact("gemma-4-tiny-dense", plain,
                    BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,),
-                                slots=1, platforms=("cpu",)), random_weights=True,
+                                max_seqs=1, platforms=("cpu",)), random_weights=True,
                    progress=False, log=lambda s: None)
     with Artifact.open(plain) as art, ArtifactWriter(hostile, art.header) as w:
         for name in art.sections:

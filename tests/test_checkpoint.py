@@ -20,12 +20,8 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 import rvcompile.sources.random_weights as rw
 from rvcompile.model.config import ConfigError, Gemma4Config
 from rvcompile.model.presets import PRESETS, get_preset
-from rvcompile.sources.checkpoint import (
-    CheckpointError,
-    ModelSource,
-    expected_tensors,
-    load_model_source,
-)
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, ModelSource, expected_tensors
 from rvcompile.sources.random_weights import CHUNK, random_array, random_tensors
 from rvcompile.sources.tokenizer_files import (
     default_chat_template,

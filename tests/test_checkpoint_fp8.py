@@ -1,4 +1,4 @@
-"""Pre-quantized FP8 checkpoints (checkpoint.read_fp8_scheme and Fp8Tensor, weight_math.encode_all).
+"""Pre-quantized FP8 checkpoints (sources/fp8_schemes.py and Fp8Tensor, weight_math.encode_all).
 
 The oracle's "dense" checkpoint is rewritten the way llm-compressor writes FP8-Dynamic: every
 linear projection an F8_E4M3 `X.weight` with an `X.weight_scale`, and a compressed-tensors
@@ -36,16 +36,17 @@ from rvcompile.passes.weight_math import (
     quantize_fp8_per_channel,
     quantize_int8_per_channel,
 )
-from rvcompile.sources.checkpoint import CheckpointError, Fp8Tensor, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError, Fp8Tensor
 from rvcompile.targets.h100.lower import layout_weights
 
 LINEAR = re.compile(
     r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 PER_TENSOR_SHAPE = {"q_proj": (), "k_proj": (), "v_proj": (1,), "o_proj": (1,)}
-OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "slots": 1}
+OPTS = {"max_context": 64, "prefill_buckets": (8, 16), "max_seqs": 1}
 # test_oracle.py's options: the same programs as its "dense" xla-f32 artifact (programs depend on
 # the config and options, not the weights), so the XLA compile comes from the persistent cache.
-XLA_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 2}
+XLA_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 2}
 QUANT_GROUP = {
     "format": "float-quantized",
     "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,

@@ -26,7 +26,7 @@ class FakeExecutor:
     prefill_buckets = (4, 8)
     max_chunk = 8
     max_context = CONTEXT
-    decode_width = 4
+    max_seqs = 4
     block_size = BS
 
     def __init__(self, full_blocks: int = 64, sliding_blocks: int = 16):
@@ -65,7 +65,7 @@ class FakeExecutor:
         return self._run(chunk)
 
     def decode(self, lanes) -> list[int]:
-        assert 0 < len(lanes) <= self.decode_width
+        assert 0 < len(lanes) <= self.max_seqs
         assert all(len(c.tokens) == 1 and c.rows == 0 for c in lanes)
         self.calls.append(("decode", len(lanes), 0))
         return [self._run(c) for c in lanes]

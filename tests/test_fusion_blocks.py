@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_fusion_passes import baseline, logits, model, weights
 
-from rvcompile.build import TARGETS, BuildOptions, lower_model
+from rvcompile.build import BuildOptions, lower_model
 from rvcompile.ir.graph import Graph, GraphBuilder, ModelIR, check_graph, check_model
 from rvcompile.ir.ops import (
     AttentionBlockAttrs,
@@ -44,7 +44,8 @@ from rvcompile.passes import (
     fuse_residual_norm,
     quantize_fp8,
 )
-from rvcompile.sources.checkpoint import ModelSource
+from rvcompile.sources.model_source import ModelSource
+from rvcompile.targets import registry
 from rvcompile.targets.h100.launches import LOWER
 
 PASSES = {p.NAME: p for p in (fuse_attention, fuse_moe, fuse_ple, fuse_next_norm)}
@@ -159,7 +160,7 @@ def _shape_only(preset: str, target: str, dump_ir: str | None = None, log=None) 
     return lower_model(source, opts, log=log or (lambda s: None))
 
 
-@pytest.mark.parametrize("target", [t for t, s in TARGETS.items() if s.lowering == "h100"])
+@pytest.mark.parametrize("target", [t for t, s in registry().items() if s.runtime == "h100"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_h100_pipelines_leave_only_ops_with_launches(preset, target):
     """Shape only: after the pipeline, every op of every graph has an entry in the H100

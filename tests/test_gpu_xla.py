@@ -48,7 +48,7 @@ def test_same_artifact_on_gpu_and_cpu(tmp_path: Path) -> None:
 
     art = tmp_path / "tiny-f32.rvp"
     build_artifact("gemma-4-tiny", art, BuildOptions("xla-f32", max_context=128,
-                   prefill_buckets=(8, 32), slots=2), random_weights=True, progress=False)
+                   prefill_buckets=(8, 32), max_seqs=2), random_weights=True, progress=False)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, __file__, str(art)], env=env, check=True, timeout=600)
     compare(outputs(str(art)), dict(np.load(art.with_suffix(".npz"))))

@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, oracle_greedy, oracle_logits, random_token_ids
 
 from rvcompile.artifacts import Artifact
@@ -32,9 +32,9 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100.reference_executor import ReferenceDevice, reference_executor
+from rvcompile.targets.h100.reference_executor import ReferenceDevice
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 F32_BOUND = 1e-4  # as test_oracle.F32_BOUND: float32 rounding, amplified through 6 layers
 SEQ = 40
 CASES = sorted(ORACLE_CASES)
@@ -103,7 +103,7 @@ def test_released_models_lower_to_f32(preset):
     source = load_model_source(preset, random_weights=True)
     ir = lower_model(source, BuildOptions("h100-f32", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    lowering = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64))
+    lowering = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64))
     kernels = {x.kernel for e in lowering.schedule.entries.values() for x in e.launches}
     assert lowering.schedule.kv.kv_dtype == "float32"
     assert not kernels & set(NARROW_ENTRIES)
@@ -133,8 +133,6 @@ class _LaunchByLaunch:
         return self.ref.read(offset, nbytes)
 
     def run(self, entry: str) -> None:
-        from rvcompile.targets.h100.reference_executor import _kernel_ref
-
         launches, prepared = self.schedule.entries[entry].launches, self.gpu.entries[entry]
         i = 0
         while i < len(launches):
@@ -149,7 +147,7 @@ class _LaunchByLaunch:
                     self.ctx.launch_configured(fn, config, packed)
                 self.ctx.synchronize()
             for launch in launches[i:i + span]:
-                _kernel_ref(launch.kernel)(self.ref, launch, *[a.value for a in launch.args])
+                self.ref.launch(launch)
             if check:
                 got = np.empty_like(before)
                 self.ctx.copy_to_host(got, self.gpu.arena.ptr, 0)
@@ -157,8 +155,9 @@ class _LaunchByLaunch:
                 words = np.unique(np.nonzero((got != before) | (self.ref.mem != before))[0] // 4)
                 if span == 2:  # the combine's out [rows * heads, d]
                     combine = launches[i + 1]
-                    start = combine.args[4].value // 4
-                    count = combine.grid[0] * combine.args[3].value
+                    args = {a.name: a.value for a in combine.args}
+                    start = args["out"] // 4
+                    count = combine.grid[0] * args["d"]
                     words = np.arange(start, start + count)
                 self._compare(kernel, got.view(np.float32)[words],
                               self.ref.mem.view(np.float32)[words])

@@ -4,12 +4,16 @@ weights) through its target's pipeline (build.lower_model) and `lower_to_h100`, 
 everything the build takes from the lowering: the schedule's JSON (every launch, geometry and
 argument, the io fields, the KV layout, the outputs), the constants' bytes, every weight's
 slot and the kernel modules. The hashes in h100_golden_schedules.json were written at commit
-f9c3679, before the fusion passes took the lowering's pattern matching over.
+f9c3679, before the fusion passes took the lowering's pattern matching over, and rewritten when
+the schedule became version 2 (named arguments), after checking that every case still made the
+same launches (module, kernel, geometry, argument kinds and values, in order) and the same
+everything else; and again for the rename slots -> max_seqs (schedule version 3), every case's
+dump differing by that rename alone.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
 layers). Targets: h100-fp8, h100-f32, and h100-fp8 with the FP8 KV cache. Two plans each: the
-build's defaults-like (4 slots, buckets 16 / 64, 2048 tokens) and an odd one (3 slots, buckets
+build's defaults-like (max_seqs 4, buckets 16 / 64, 2048 tokens) and an odd one (max_seqs 3, buckets
 1 / 5 / 40, 512 tokens: single-row prefill, GEMM rows, the MoE sort, a ring shorter than some
 windows).
 
@@ -29,15 +33,16 @@ import pytest
 
 from rvcompile.build import BuildOptions, lower_model
 from rvcompile.model.presets import get_preset
-from rvcompile.sources.checkpoint import ModelSource, read_config
+from rvcompile.sources.checkpoint import read_config
+from rvcompile.sources.model_source import ModelSource
 
 GOLDEN = Path(__file__).with_name("h100_golden_schedules.json")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
 MODELS = ("gemma-4-tiny", "gemma-4-tiny-dense", "rv-gemma4-tiny", "gemma-4-E2B", "gemma-4-E4B",
           "gemma-4-12B", "gemma-4-26B-A4B", "gemma-4-31B")
 TARGETS = (("h100-fp8", "float"), ("h100-f32", "float"), ("h100-fp8", "fp8"))
-PLANS = {"a": {"slots": 4, "prefill_buckets": (16, 64), "max_context": 2048},
-         "b": {"slots": 3, "prefill_buckets": (1, 5, 40), "max_context": 512}}
+PLANS = {"a": {"max_seqs": 4, "prefill_buckets": (16, 64), "max_context": 2048},
+         "b": {"max_seqs": 3, "prefill_buckets": (1, 5, 40), "max_context": 512}}
 CASES = [f"{m}:{t}:{kv}:{p}" for m in MODELS for t, kv in TARGETS for p in PLANS]
 
 
@@ -54,7 +59,7 @@ def canonical(case: str) -> dict:
     source = ModelSource(cfg, (), "", {}, None, model)  # shape only: no tensors are read
     opts = BuildOptions(target, kv_cache=kv, **PLANS[plan])
     ir = lower_model(source, opts, log=lambda s: None)
-    low = lower_to_h100(ir, slots=opts.slots, prefill_buckets=opts.prefill_buckets)
+    low = lower_to_h100(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets)
     return {
         "schedule": low.schedule.to_json(),
         "constants_sha256": hashlib.sha256(low.constants).hexdigest(),

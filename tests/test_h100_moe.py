@@ -34,7 +34,7 @@ from rvcompile.ir import ops
 from rvcompile.targets.h100 import moe
 
 BF16 = ml_dtypes.bfloat16
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 MOE_BOUNDS = (0.62, 0.27, 3.2)  # min top-1, max mean abs, max max abs; measured above
 
 # (hidden, experts, top_k, moe intermediate)
@@ -177,10 +177,11 @@ def test_kernel_compiles(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def moe_model(oracle_dir, tmp_path_factory):
+    from h100_helpers import reference_executor
+
     from rvcompile.artifacts import Artifact
     from rvcompile.build import BuildOptions, build_artifact
     from rvcompile.runtime.model import Model
-    from rvcompile.targets.h100.reference_executor import reference_executor
 
     hf, ckpt = oracle_dir("moe")
     out = tmp_path_factory.mktemp("h100-moe") / "moe.rvp"
@@ -245,26 +246,27 @@ def test_26b_a4b_lowers() -> None:
     """The 26B-A4B preset, cut to its first 6 layers (5 sliding, 1 full), lowers without
     weights: per layer the 10 dense launches plus moe_norms, the router GEMV, moe_route,
     moe_gate_up, moe_down and moe_branch_sum."""
-    from rvcompile.build import TARGETS
     from rvcompile.ir.frontend import build_model_ir
     from rvcompile.ir.graph import check_model
     from rvcompile.model.presets import get_preset
+    from rvcompile.targets import get_target
     from rvcompile.targets.h100.lower import lower_to_h100
 
     full = get_preset("gemma-4-26B-A4B")
     cfg = dataclasses.replace(full, num_layers=6, layer_kinds=full.layer_kinds[:6])
     ir = build_model_ir(cfg, max_context=2048, max_chunk=64)
-    for _, run in TARGETS["h100-fp8"].passes:
+    for _, run in get_target("h100-fp8").passes:
         ir = run(ir)
     check_model(ir)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     decode = s.entries["decode_1"].launches
     assert len(decode) == 2 + 16 * 6 + 4
     layer = [x.kernel for x in decode[2:18]]
     assert layer[9:] == ["moe_norms", "gemv_bf16", "moe_route", "moe_gate_up", "moe_down",
                          "moe_branch_sum", "residual_rmsnorm"]
     gate_up = decode[2 + 12]
-    assert gate_up.block == (moe.WARPS * 32, 1, 1) and gate_up.args[5].value == 1  # M = 1
+    assert gate_up.block == (moe.WARPS * 32, 1, 1)
+    assert {a.name: a.value for a in gate_up.args}["M"] == 1
     prefill = [x.kernel for x in s.entries["prefill_64"].launches]
     assert prefill.count("moe_gate_up_grouped") == 6 and "moe_gate_up" not in prefill
     assert prefill.count("moe_router_rows") == 6 and prefill.count("gemv_bf16") == 1  # the head

@@ -28,7 +28,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import h100_context
+from h100_helpers import h100_context, reference_executor
 from oracle import ORACLE_CASES, agreement_with_oracle, random_token_ids
 from test_h100_elementwise import assert_bf16_close, rel_l2
 
@@ -41,12 +41,11 @@ from rvcompile.model.config import Gemma4Config
 from rvcompile.passes import fuse_ple
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import ple
-from rvcompile.targets.h100.reference_executor import reference_executor
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 # The oracle's "all" case without its MoE branch.
 PLE_KEQV_SHARED = {**ORACLE_CASES["all"], "enable_moe_block": False, "num_experts": None,
                    "top_k_experts": None, "moe_intermediate_size": None}
@@ -131,10 +130,17 @@ def test_ple_kernels_compile(tmp_path) -> None:
 
 # ---------------------------------------------------------------- CPU: lowering the presets
 
-LAYER_KERNELS = ["gemv_fp8_rowscale", "qkv_post", "attn", "attn_decode_combine",
-                 "gemv_fp8_rowscale", "residual_rmsnorm", "gemv_fp8_rowscale", "gelu_mul",
-                 "gemv_fp8_rowscale", "residual_rmsnorm_copy", "gemv_fp8_rowscale", "ple_project",
-                 "residual_rmsnorm"]
+LAYER_KERNELS = ["fp8_gemv", "qkv_post", "attn", "attn_decode_combine", "fp8_gemv",
+                 "residual_rmsnorm", "fp8_gemv", "gelu_mul", "fp8_gemv", "residual_rmsnorm_copy",
+                 "fp8_gemv", "ple_project", "residual_rmsnorm"]
+
+
+def _generic(kernel: str) -> str:
+    """An FP8 GEMV by either kernel (launches.fp8_gemv picks one per shape) as "fp8_gemv", an
+    attention entry as "attn"."""
+    if kernel == "gemv_fp8_rowscale" or kernel.startswith("gemv_mma_fp8_"):
+        return "fp8_gemv"
+    return "attn" if kernel.startswith("attn_decode_d") else kernel
 
 
 @pytest.mark.parametrize("preset,layers", [("gemma-4-E2B", 35), ("gemma-4-E4B", 42)])
@@ -149,18 +155,20 @@ def test_ple_presets_lower(preset, layers):
     assert len(source.config.layers) == layers
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
-    decode = [x.kernel for x in s.entries["decode_1"].launches]
-    assert decode[:5] == ["embed_rows_bf16", "to_bf16", "gemv_fp8_rowscale", "ple_combine",
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
+    decode = [_generic(x.kernel) for x in s.entries["decode_1"].launches]
+    assert decode[:5] == ["embed_rows_bf16", "to_bf16", "fp8_gemv", "ple_combine",
                           "rmsnorm_bf16"]
     assert len(decode) == 5 + 13 * layers + 4
     for li in range(layers):
-        got = decode[5 + 13 * li:5 + 13 * (li + 1)]
-        assert [("attn" if k.startswith("attn_decode_d") else k) for k in got] == LAYER_KERNELS
+        assert decode[5 + 13 * li:5 + 13 * (li + 1)] == LAYER_KERNELS
     assert s.arena_bytes < 75e9
     prefill = [x.kernel for x in s.entries["prefill_64"].launches]
     assert "to_bf16" in prefill and "ple_project" not in prefill  # P = 256: through the GEMM
     assert prefill.count("ple_gelu_mul") == layers
+    # every FP8 linear of 64 rows: per-token quantization, then the tensor-core GEMM
+    gemms = sum(k.startswith("gemm_fp8_tc_") for k in prefill)
+    assert gemms == prefill.count("quant_fp8_rows_bf16") == 1 + 5 * layers
 
 
 # ---------------------------------------------------------------- CPU: whole models
@@ -219,7 +227,7 @@ def test_default_model_plan_matches_the_fp8_ir(tmp_path):
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import layout_weights
 
-    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), slots=1)
+    opts = BuildOptions("h100-fp8", max_context=128, prefill_buckets=(32,), max_seqs=1)
     out = tmp_path / "h100.rvp"
     build_artifact(str(MODEL_DIR), out, opts, progress=False, log=lambda s: None)
     art = Artifact.open(out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together, h100_context
+from h100_helpers import decode_three_together, h100_context, reference_executor
 from oracle import random_token_ids
 
 from rvcompile import runtime
@@ -23,9 +23,8 @@ from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.h100 import check_fits
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100.reference_executor import reference_executor
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 GPU_BOUND = (0.15, 0.015)  # max and mean abs logit difference, GPU against the reference
 
 

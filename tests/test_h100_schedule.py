@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together
+from h100_helpers import decode_three_together, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir import ops
 from rvcompile.runtime.model import Model
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.h100 import memory_plan
 from rvcompile.targets.h100.lower import decode_buckets
-from rvcompile.targets.h100.reference_executor import reference_executor
 
-OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "slots": 3}
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 SEQ = 40
 
 # case -> (min top-1 agreement, max mean abs error, max max abs error); measured figures above.
@@ -144,7 +143,9 @@ def test_seeded_sampling_follows_the_sample_reference(h100_model):
 def test_released_models_lower(preset, layers):
     """The released dense models lower (no weights needed): per layer exactly QKV GEMV, qkv_post,
     attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
-    norm; the arena fits an 80 GB H100."""
+    norm; the arena fits an 80 GB H100. Decode's linears are one-row FP8 GEMVs (the 31B's all
+    the tensor-core GEMV); the 64-row prefill's each a per-token quantization and the
+    tensor-core GEMM with its parameter block."""
     from rvcompile.build import lower_model
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
@@ -152,14 +153,27 @@ def test_released_models_lower(preset, layers):
     source = load_model_source(preset, random_weights=True)
     ir = lower_model(source, BuildOptions("h100-fp8", max_context=2048, prefill_buckets=(16, 64)),
                      log=lambda s: None)
-    s = lower_to_h100(ir, slots=4, prefill_buckets=(16, 64)).schedule
+    s = lower_to_h100(ir, max_seqs=4, prefill_buckets=(16, 64)).schedule
     n = len(source.config.layers)
     assert layers in (None, n)
     decode = s.entries["decode_1"].launches
     # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels
     assert len(decode) == 2 + 10 * n + 4
     assert s.arena_bytes < 75e9
-    assert {x.kernel for x in decode[2:12]} >= {"gemv_fp8_rowscale", "qkv_post", "gelu_mul"}
+    layer = [x.kernel for x in decode[2:12]]
+    assert {"qkv_post", "gelu_mul"} <= set(layer)
+    one_row = [k for k in layer if k.startswith("gemv_mma_fp8_m8_") or k == "gemv_fp8_rowscale"]
+    assert len(one_row) == 4 and (n != 60 or "gemv_fp8_rowscale" not in one_row)
+    prefill = s.entries["prefill_64"].launches
+    gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_fp8_tc.cu"]
+    assert len(gemms) == 4 * n
+    for i in gemms:
+        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
+        (arg,) = prefill[i].args
+        assert (arg.name, arg.kind) == ("params", "params")
+        block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
+        assert set(block.roles) == set(s.params_templates[block.template].roles)
+        assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
     assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
 
 
@@ -237,7 +251,7 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
 def test_fp8_kv_refused_off_h100(oracle_dir, tmp_path):
     _, ckpt = oracle_dir("dense")
     out = tmp_path / "x.rvp"
-    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no FP8 KV"):
+    with pytest.raises(CheckpointError, match="--kv-cache fp8: target xla-f32 has no fp8 KV"):
         build_artifact(str(ckpt), out, BuildOptions("xla-f32", **OPTS, kv_cache="fp8"),
                        progress=False, log=lambda s: None)
     with pytest.raises(CheckpointError, match="--kv-cache 'e5m2': expected one of"):

@@ -36,7 +36,8 @@ from rvcompile.ir.ops import (
 )
 from rvcompile.model.presets import get_preset
 from rvcompile.passes import cast_bf16, kv_int8, quantize_int8
-from rvcompile.sources.checkpoint import CheckpointError, load_model_source
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.xla.program import SCALE_SUFFIX, cache_pools, kv_kinds, plan_layout
 from rvcompile.targets.xla.sharding import plan_tp
 

@@ -37,7 +37,7 @@ from rvcompile.build import BuildOptions, build_artifact
 
 CASES = list(ORACLE_CASES)
 BUCKETS = (8, 32)
-OPTS = {"max_context": 128, "prefill_buckets": BUCKETS, "slots": 2}
+OPTS = {"max_context": 128, "prefill_buckets": BUCKETS, "max_seqs": 2}
 SEQ = 40  # > window 8 and > the 32-token chunk: chunked prefill crosses a chunk boundary
 PROMPT = 12
 N_NEW = 32  # 12 + 32 = 44 positions: past the sliding layers' ring of 8 + 32 - 1 = 39

@@ -16,7 +16,7 @@ from rvcompile.build import BuildOptions, build_artifact
 @pytest.fixture(scope="module")
 def tpu_only(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("plat") / "tpu_only.rvp"
-    opts = BuildOptions("xla-f32", max_context=64, prefill_buckets=(8,), slots=1,
+    opts = BuildOptions("xla-f32", max_context=64, prefill_buckets=(8,), max_seqs=1,
                         platforms=("tpu",))
     build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, progress=False)
     return out

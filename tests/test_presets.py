@@ -14,7 +14,7 @@ from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import check_model
 from rvcompile.model.config import AttnKind
 from rvcompile.model.presets import PRESETS, get_preset
-from rvcompile.sources.checkpoint import expected_tensors
+from rvcompile.sources.model_source import expected_tensors
 from rvcompile.targets.xla.export import weight_layout
 from rvcompile.targets.xla.program import (
     Program,

@@ -37,7 +37,7 @@ module @jit_f attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 :
 def plain(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("programs") / "plain.rvp"
     build_artifact("gemma-4-tiny-dense", out,
-                   BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=1,
+                   BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
                                 platforms=("cpu",)), random_weights=True, progress=False,
                    log=lambda s: None)
     return out

@@ -96,7 +96,7 @@ class Server:
 def artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("serve") / "tiny.rvp"
     build_artifact("gemma-4-tiny", out, BuildOptions("tpu-bf16", max_context=128,
-                                                     prefill_buckets=(8, 32), slots=4,
+                                                     prefill_buckets=(8, 32), max_seqs=4,
                                                      platforms=("cpu",)),
                    random_weights=True, progress=False, log=lambda *a: None)
     return out

@@ -48,7 +48,7 @@ LOOP_STEPS = 8
 def artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reliability") / "tiny.rvp"
     build_artifact("gemma-4-tiny", out, BuildOptions("tpu-bf16", max_context=128,
-                                                     prefill_buckets=(8, 32), slots=4,
+                                                     prefill_buckets=(8, 32), max_seqs=4,
                                                      platforms=("cpu",),
                                                      decode_loop_steps=LOOP_STEPS),
                    random_weights=True, progress=False, log=lambda *a: None)
@@ -180,7 +180,7 @@ def test_xla_calls_that_lose_the_kv_pools_are_device_errors(model):
     ordinary error, one that took them with it (deleted, or the results of a failed
     computation) is a DeviceError, since no later call could run."""
     ex = model.executor
-    name = f"decode_{ex.decode_width}"
+    name = f"decode_{ex.max_seqs}"
     entry, saved = ex.fns[name], {k: np.asarray(v) for k, v in ex.caches.items()}
     lanes = [SeqChunk([5], 3, {k.name: [0] * k.table_width for k in ex.kinds.values()})]
 

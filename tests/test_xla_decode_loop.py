@@ -34,7 +34,7 @@ class LoopFake(fake.FakeExecutor):
     decode_loop_stops = 4
 
     def decode_many(self, lanes) -> list[list[int]]:
-        assert 0 < len(lanes) <= self.decode_width
+        assert 0 < len(lanes) <= self.max_seqs
         self.calls.append(("loop", len(lanes), 0))
         out = []
         for lane in lanes:
@@ -105,7 +105,7 @@ def model(tmp_path_factory) -> Model:
     out = tmp_path_factory.mktemp("loop") / "tiny.rvp"
     platform = BACKEND_PLATFORM[jax.default_backend()]
     build_artifact("gemma-4-tiny-dense", out, BuildOptions(
-        "tpu-bf16", max_context=CONTEXT, prefill_buckets=(16,), slots=2, platforms=(platform,),
+        "tpu-bf16", max_context=CONTEXT, prefill_buckets=(16,), max_seqs=2, platforms=(platform,),
         decode_loop_steps=STEPS),
                    random_weights=True, progress=False, log=lambda *a: None)
     return runtime.load(str(out), verify=False)

@@ -43,7 +43,7 @@ from rvcompile.artifacts.signature import (
 )
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.executors.precompiled import Choice, Machine, choose
-from rvcompile.sources.checkpoint import CheckpointError
+from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.xla import precompile
 from rvcompile.targets.xla.cost_report import (
     CHIPS,
@@ -88,14 +88,15 @@ def test_check_topology_refuses_wrong_device_count_and_missing_libtpu(monkeypatc
 def test_build_refuses_topology_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(precompile, "libtpu_version", lambda: None)
     out = tmp_path / "x.rvp"
-    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=1,
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
                         platforms=("tpu", "cpu"), topologies=("v6e:1x1",))
     with pytest.raises(precompile.PrecompileError, match="needs libtpu"):
         build_artifact("gemma-4-tiny-dense", out, opts, random_weights=True, progress=False)
     with pytest.raises(CheckpointError, match="needs an XLA target exported for tpu"):
         build_artifact("gemma-4-tiny-dense", out, replace(opts, platforms=("cpu",)),
                        random_weights=True, progress=False)
-    with pytest.raises(CheckpointError, match="needs an XLA target exported for tpu"):
+    with pytest.raises(CheckpointError, match="--topology v6e:1x1: target h100-fp8 has no "
+                                              "precompiled executables"):
         build_artifact("gemma-4-tiny-dense", out, replace(opts, target="h100-fp8"),
                        random_weights=True, progress=False)
     assert not out.exists()
@@ -119,7 +120,7 @@ def test_cli_refuses_a_topology_in_one_line(tmp_path):
 # ---- the cost report ----------------------------------------------------------------------
 
 FOOTPRINT = DecodeFootprint(
-    slots=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
+    max_seqs=4, weight_bytes=9 * GiB, dense_bytes=8 * GiB, expert_bytes=0, dense_elements=8 * GiB,
     expert_elements=0, kv_bytes_per_lane=GiB // 4, kv_elements_per_lane=GiB // 8,
     argument_bytes=9 * GiB, output_bytes=GiB, alias_bytes=GiB, temp_bytes=GiB // 2,
     xla_flops=1.0, xla_bytes_accessed=3 * GiB, once_bytes=GiB)
@@ -271,7 +272,7 @@ def test_choose_loads_nothing_untrusted_and_no_pickled_set():
 # ---- serialize -> artifact -> load with no compilation (CPU executables) ------------------
 
 def _tiny_artifact(path: Path) -> Path:
-    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), slots=2,
+    opts = BuildOptions(target="xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=2,
                         platforms=("cpu",))
     build_artifact("gemma-4-tiny-dense", path, opts, random_weights=True, progress=False)
     return path
@@ -296,8 +297,8 @@ def _with_cpu_set(src: Path, dst: Path) -> dict:
         programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
                     for n, loc in m["xla"]["programs"].items()}
     pre = precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"))
-    pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['slots']}"],
-                                     m["xla"]["slots"], CHIPS["v6e"], 2,
+    pre.record["cost"] = cost_report(pre.compiled[f"decode_{m['xla']['max_seqs']}"],
+                                     m["xla"]["max_seqs"], CHIPS["v6e"], 2,
                                      m["xla"]["max_context"], ReadModel())
     data, records = precompile.executables_section([pre])
     _rewrite(src, dst, {**m, "xla": {**m["xla"], "precompiled": records}},

@@ -30,7 +30,7 @@ from rvcompile.build import BuildOptions
 
 TPS = (1, 2, 4)
 CASES = ("dense", "k_eq_v", "kv_shared", "ple", "moe")
-OPTS = {"max_context": 128, "prefill_buckets": (32,), "slots": 2, "platforms": ("cpu",)}
+OPTS = {"max_context": 128, "prefill_buckets": (32,), "max_seqs": 2, "platforms": ("cpu",)}
 SEQ, PROMPT, N_NEW = 40, 12, 16
 # Measured max abs logit difference vs TP=1 over 40 positions (logits std ~1.2), TP=2 / TP=4:
 # dense 6.3e-6 / 7.0e-6, k_eq_v 7.7e-6 / 1.1e-5, kv_shared 1.2e-5 / 1.3e-5, ple 9.7e-6 /
@@ -278,7 +278,7 @@ def test_released_models_export_with_tp4(preset):
     from rvcompile.targets.xla.export import lower_to_xla
 
     ir = _ir(preset, "tpu-int8", layers=6)
-    low = lower_to_xla(ir, slots=2, prefill_buckets=(16, 64), platforms=("tpu",), tp=4)
+    low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16, 64), platforms=("tpu",), tp=4)
     mesh = low.manifest["mesh"]
     for name in ("decode_2", "prefill_64"):
         exp = export.deserialize(bytearray(low.programs[name]))

@@ -15,12 +15,10 @@ reader verifies): what the runtime then uses without looking again.
                        kernels its cubin's ELF declares (artifacts/cubin.py): the kernel exists,
                        takes exactly the launch's arguments (count and sizes) and allows its
                        threads per block
-    programs (xla)     `xla_programs`: each entry point deserializes as a jax.export program and
-                       takes the weight arrays, KV pools, block tables and token rows the
-                       manifest describes (jax is imported only for this)
 
-`verify_artifact` is everything a reader can check without running anything (`rvcompile
-verify`); `rvrun` makes the same checks, the machine's in between.
+An XLA artifact's programs are checked by xla_programs.py (it needs jax); `verify.py` is
+everything a reader can check without running anything (`rvcompile verify`); `rvrun` makes the
+same checks, the machine's in between.
 
 The build runs the same checks on the bytes it is about to write (`parse_contents`), so a
 checkpoint with a broken tokenizer or template is refused there, not at its first load.
@@ -38,13 +36,10 @@ from tokenizers import Tokenizer
 from rvcompile.artifacts.container import Artifact
 from rvcompile.artifacts.cubin import CubinError, Kernel, kernels
 from rvcompile.artifacts.format import ArtifactError
-from rvcompile.artifacts.kernel_schedule import ARG_BYTES, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.artifacts.manifest import (
     TEXT_SECTIONS,
     Manifest,
-    XlaManifest,
-    entry_rows,
-    read_manifest,
     token_ids,
 )
 from rvcompile.artifacts.schema import At, SchemaError, parse_json
@@ -105,7 +100,7 @@ def _contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview]) ->
         chat_template=template or None)
 
 
-def _first_line(error: BaseException | str | None) -> str:
+def first_line(error: BaseException | str | None) -> str:
     """A one-line, bounded rendering of a third-party parser's error."""
     text = str(error or "").strip()
     head = text.splitlines()[0][:160] if text else ""
@@ -125,7 +120,7 @@ def _tokenizer(text: str, vocab: int) -> Tokenizer:
     try:
         tok = Tokenizer.from_str(text)
     except Exception as e:  # the Rust parser's errors come as plain Exception
-        raise SchemaError(f"tokenizer: not a tokenizers tokenizer.json ({_first_line(e)})"
+        raise SchemaError(f"tokenizer: not a tokenizers tokenizer.json ({first_line(e)})"
                           ) from None
     ids = tok.get_vocab(with_added_tokens=True).values()
     if not ids:
@@ -143,7 +138,7 @@ def _parse_template(text: str) -> None:
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise SchemaError(f"chat_template: line {e.lineno}: {_first_line(e.message)}") from None
+        raise SchemaError(f"chat_template: line {e.lineno}: {first_line(e.message)}") from None
     except (jinja2.TemplateError, RecursionError) as e:
         raise SchemaError(f"chat_template: cannot be parsed ({type(e).__name__})") from None
 
@@ -165,7 +160,7 @@ def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
             kernel = found[x.module].get(x.kernel)
             if kernel is None:
                 raise SchemaError(f"{at}: kernel {x.kernel!r} is not in {x.module}")
-            sizes = tuple(ARG_BYTES[a.kind] for a in x.args)
+            sizes = tuple(schedule.arg_bytes(a) for a in x.args)
             if sizes != kernel.param_sizes:
                 raise SchemaError(f"{at}: kernel {x.kernel} takes parameters of "
                                   f"{list(kernel.param_sizes)} bytes; the launch passes "
@@ -174,70 +169,3 @@ def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
             if kernel.max_threads is not None and threads > kernel.max_threads:
                 raise SchemaError(f"{at}: {threads} threads per block; kernel {x.kernel} was "
                                   f"compiled for at most {kernel.max_threads}")
-
-
-def verify_artifact(art: Artifact) -> Manifest:
-    """Every check short of running: the manifest, every section's sha256, the contents, and
-    an XLA artifact's programs."""
-    manifest = read_manifest(art)
-    art.verify()
-    read_contents(art, manifest)
-    if manifest.xla:
-        xla_programs(art, manifest.xla)
-    return manifest
-
-
-def xla_programs(art: Artifact, xla: XlaManifest) -> dict:
-    """Entry point name -> its jax.export.Exported, each checked to take what the manifest
-    describes: the weight arrays and KV pools (names, shapes, dtypes), one block table per KV
-    kind and the entry's token rows."""
-    from jax import export
-
-    blob = art.buffer("programs")
-    out = {}
-    for name, loc in xla.programs.items():
-        where = f"{art.path.name}: program {name}"
-        try:  # bytes from the file: any failure of the deserializer is the file's
-            exp = export.deserialize(bytearray(blob[loc.offset:loc.offset + loc.size]))
-            args = _unflatten(exp)
-        except Exception as e:
-            raise ArtifactError(f"{where} is not a jax.export program ({_first_line(e)})"
-                                ) from None
-        _check_signature(where, name, args, xla)
-        out[name] = exp
-    return out
-
-
-def _unflatten(exp):
-    import jax
-
-    return jax.tree.unflatten(exp.in_tree, exp.in_avals)[0]
-
-
-def _check_signature(where: str, name: str, args, xla: XlaManifest) -> None:
-    """args: the program's positional avals (weights dict, pools dict, tokens, start, n_new,
-    tables dict, ...)."""
-    if not (isinstance(args, tuple) and len(args) >= 6
-            and all(isinstance(args[i], dict) for i in (0, 1, 5))):
-        raise ArtifactError(f"{where} does not take (weights, pools, tokens, start, n_new, "
-                            "tables, ...)")
-    batch, rows = entry_rows(name)
-    want = {
-        ("weight", w.key): (w.shape, w.dtype) for w in xla.weights} | {
-        ("pool", p.key): ((p.layers, None, *p.block_shape), p.dtype) for p in xla.pools} | {
-        ("table", k.name): ((batch, k.table_width), "int32") for k in xla.kinds.values()} | {
-        ("tokens", ""): ((batch, rows), "int32")}
-    got = {(group, key): aval for group, d in (("weight", args[0]), ("pool", args[1]),
-                                              ("table", args[5]), ("tokens", {"": args[2]}))
-           for key, aval in d.items()}
-    if set(got) != set(want):
-        diff = sorted(set(got) ^ set(want))[0]
-        raise ArtifactError(f"{where}: the manifest and the program disagree on {diff[0]} "
-                            f"{diff[1]!r}")
-    for (group, key), (shape, dtype) in want.items():
-        aval = got[(group, key)]
-        dims = tuple(d if isinstance(d, int) else None for d in getattr(aval, "shape", ()))
-        fixed = tuple(None if w is None else g for w, g in zip(shape, dims, strict=False))
-        if len(dims) != len(shape) or fixed != shape or str(aval.dtype) != dtype:
-            raise ArtifactError(f"{where} takes {group} {key!r} as {aval.dtype}"
-                                f"{list(aval.shape)}; the manifest says {dtype}{list(shape)}")

@@ -88,10 +88,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # and one schema keep the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 3
+MIN_READABLE_FORMAT = 4
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -125,12 +125,17 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "h100 kernel schedule carries its own version "
                       "(kernel_schedule.SCHEDULE_VERSION); header strings are printable and the "
                       "header block's padding zero; v2 files are refused (rebuild them)"),
-    ("2026-11-24", 3, "XLA manifest may carry xla.speculative (draft_tokens K, entry points "
-                      "verify_{slots}x{K+1} and draft_{slots} or null, hidden_size, reads) and, "
-                      "with a draft entry point, a top-level assistant {name, origin, config} "
-                      "(speculative decoding with an assistant drafter, issue 15); absent: no "
-                      "speculative entry points, as before. Readers before this entry refuse "
-                      "such files (an entry point they do not know), they never misread them"),
+    ("2026-11-24", 4, "one name per concept: the decode width (rvcompile build --max-seqs) is "
+                      "max_seqs everywhere: xla.slots -> xla.max_seqs, the kernel schedule's "
+                      "slots -> max_seqs (SCHEDULE_VERSION 2), and in xla.precompiled costs "
+                      "device.slots -> device.max_seqs, fits_at_slots -> fits_at_max_seqs; v3 "
+                      "files are refused (rebuild them)"),
+    ("2026-11-24", 4, "XLA manifest may carry xla.speculative (draft_tokens K, entry points "
+                      "verify_{max_seqs}x{K+1} and draft_{max_seqs} or null, hidden_size, reads) "
+                      "and, with a draft entry point, a top-level assistant {name, origin, "
+                      "config} (speculative decoding with an assistant drafter, issue 15); "
+                      "absent: no speculative entry points, as before. Readers before this entry "
+                      "refuse such files (an entry point they do not know), never misread them"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

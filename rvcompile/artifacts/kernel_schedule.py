@@ -4,7 +4,13 @@
 Everything lives in ONE device allocation, the arena. Regions, in order: the packed weights
 (byte for byte the artifact's "weights" section, uploaded with one copy), constants (section
 "constants"), the paged KV pools, the host-written inputs ("io": one copy per call) and the
-activations (reused by liveness). A launch's pointer arguments are arena byte offsets.
+activations (reused by liveness). A launch's arguments are named after the kernel's parameters
+and listed in their order (the H100 target declares each kernel's: targets/h100/contract.py);
+pointer arguments are arena byte offsets. A kernel that takes one large struct by value (CUTLASS's
+GEMM) has one argument of kind "params": the name of one of the schedule's `params_templates`
+(artifacts/kernel_params.py) and the arena byte offset of each of the template's roles; the
+runtime completes the template once per arena address (runtime/executors/tma.py) and passes the
+bytes as that parameter.
 
 An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
 token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
@@ -30,18 +36,27 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rvcompile.artifacts.kernel_params import ParamsTemplate, ParamsTemplateError
 from rvcompile.artifacts.schema import FLOAT32_MAX, INT32_MAX, INT32_MIN, At
 
 # (date, version, change); newest last.
 SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
     ("2026-11-24", 1, "first versioned schedule (format v3): the layout below, checked field by "
                       "field at load"),
+    ("2026-11-24", 2, "launch arguments named: each {name, kind, value}, in the kernel's "
+                      "parameter order (the H100 target's kernel contract); version 1's "
+                      "positional arguments are no longer read"),
+    ("2026-11-24", 3, "slots -> max_seqs (the decode width, as `rvcompile build --max-seqs` "
+                      "names it); version 2 is no longer read"),
+    ("2026-11-24", 4, "parameter blocks: argument kind 'params' ({template, roles}) and "
+                      "`params_templates` (the FP8 tensor-core GEMM); version 3 reads the same"),
 )
-SCHEDULE_VERSION = 1
-MIN_SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 4
+MIN_SCHEDULE_VERSION = 3
 
-ARG_KINDS = ("ptr", "null", "i32", "i64", "f32")
-ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}  # as the kernel receives it
+ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params")
+# as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes)
+ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}
 # Header requirement "kernel_launch": how the runtime may launch the artifact's kernels.
 # "programmatic": every kernel opens with griddepcontrol.wait, so each may be launched with
 # programmatic stream serialization (start while its predecessor runs). Artifacts without it
@@ -65,12 +80,25 @@ MAX_THREADS = 1024
 MAX_SMEM = 227 << 10
 MAX_BYTES = 1 << 50  # any size or offset beyond a petabyte is damage, not a model
 MAX_ROWS = 1 << 20
+MAX_ARGS = 256  # arguments of one launch
+_ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+@dataclass(frozen=True)
+class ParamsBlock:
+    """The value of a "params" argument: which template, and where each of its roles lives."""
+
+    template: str  # a key of KernelSchedule.params_templates
+    roles: dict[str, int]  # each of the template's roles -> arena byte offset of its buffer
 
 
 @dataclass(frozen=True)
 class Arg:
-    kind: str  # one of ARG_KINDS; "ptr": value is an arena byte offset
-    value: int | float = 0
+    """One kernel argument; a launch lists them in the kernel's parameter order."""
+
+    name: str  # the kernel's parameter name (a C identifier), unique in its launch
+    kind: str  # one of ARG_KINDS; "ptr": value is an arena byte offset; "null": a null pointer
+    value: int | float | ParamsBlock = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +171,7 @@ class KernelSchedule:
     kv_offset: int
     io_offset: int
     io_bytes: int
-    slots: int  # rows of the widest decode entry; the pools hold this many full sequences
+    max_seqs: int  # rows of the widest decode entry; the pools hold this many full sequences
     max_context: int
     max_chunk: int
     vocab_size: int
@@ -153,9 +181,21 @@ class KernelSchedule:
     entries: dict[str, EntryPoint]
     cubins: dict[str, Cubin]  # module -> its place in section "cubins"
     version: int = field(default=SCHEDULE_VERSION)
+    # the parameter blocks "params" arguments name, by name (absent from the JSON when none)
+    params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        del d["params_templates"]
+        if self.params_templates:
+            d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
+        return d
+
+    def arg_bytes(self, a: Arg) -> int:
+        """The bytes the kernel receives for argument `a`."""
+        if a.kind == "params":
+            return len(self.params_templates[a.value.template].template)
+        return ARG_BYTES[a.kind]
 
     @classmethod
     def from_json(cls, d: Any, path: str = "schedule") -> KernelSchedule:
@@ -176,7 +216,7 @@ def _parse(s: At) -> KernelSchedule:
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
         "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
         "io_offset", "io_bytes")}
-    slots = s["slots"].int(1, MAX_ROWS)
+    max_seqs = s["max_seqs"].int(1, MAX_ROWS)
     max_context = s["max_context"].int(1, MAX_ROWS * 64)
     max_chunk = s["max_chunk"].int(1, max_context)
     vocab = s["vocab_size"].int(1, INT32_MAX)
@@ -201,11 +241,12 @@ def _parse(s: At) -> KernelSchedule:
             c.fail("a module is named after its kernel source, like head.cu")
         cubins[name] = Cubin(c["offset"].int(0, MAX_BYTES), c["size"].int(1, MAX_BYTES),
                              c["sha256"].sha256())
-    entries = {name: _entry(e, name, cubins, n["arena_bytes"])
+    templates = _templates(s.get("params_templates"))
+    entries = {name: _entry(e, name, cubins, n["arena_bytes"], templates)
                for name, e in s["entries"].members().items()}
     rows = {kind: sorted(e.rows for e in entries.values() if e.name.startswith(kind + "_"))
             for kind in ENTRY_KINDS}
-    _need(s["entries"], rows["decode"], slots, "decode", "the widest decode entry")
+    _need(s["entries"], rows["decode"], max_seqs, "decode", "the widest decode entry")
     _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
     _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
     max_rows = max(e.rows for e in entries.values())
@@ -237,8 +278,21 @@ def _parse(s: At) -> KernelSchedule:
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
         constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
         kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
-        slots=slots, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
-        io=io, outputs=outputs, entries=entries, cubins=cubins, version=v)
+        max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
+        io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
+        params_templates=templates)
+
+
+def _templates(at: At | None) -> dict[str, ParamsTemplate]:
+    out = {}
+    for name, t in (at.members(4096) if at is not None else {}).items():
+        if not _ARG_NAME.fullmatch(name):
+            t.fail("a template is named like a C identifier")
+        try:
+            out[name] = ParamsTemplate.from_json(t.obj())
+        except ParamsTemplateError as e:
+            t.fail(str(e))
+    return out
 
 
 def min_table_width(ring: bool, window: int, block: int, max_context: int,
@@ -286,7 +340,8 @@ def _field(at: At, region: tuple[int, int]) -> Field:
     return f
 
 
-def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int) -> EntryPoint:
+def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
+           templates: dict[str, ParamsTemplate]) -> EntryPoint:
     m = re.fullmatch(r"(decode|prefill|logits)_([1-9][0-9]{0,6})", key)
     if not m:
         at.fail("an entry point is named decode_N, prefill_N or logits_N")
@@ -296,12 +351,16 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int) -> Entr
         at.fail(f"entry {key} must be named {key} with {m[2]} rows, not {name!r} with {rows}")
     ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
-    launches = tuple(_launch(x, cubins, ranges) for x in at["launches"].items(1))
+    names: set[str] = set()  # argument names already checked
+    launches = tuple(_launch(x, cubins, ranges, names, templates)
+                     for x in at["launches"].items(1))
     return EntryPoint(name, rows, at["graph"].bool(), launches)
 
 
-def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple]) -> Launch:
-    """`ranges`: each argument kind's allowed values (pointers inside the arena)."""
+def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple],
+            names: set[str], templates: dict[str, ParamsTemplate]) -> Launch:
+    """`ranges`: each argument kind's allowed values (pointers inside the arena); `names`: the
+    argument names known to be well formed; `templates`: the parameter blocks by name."""
     module = at["module"].str()
     if module not in cubins:
         at["module"].fail(f"launches module {module!r}, which has no cubin in the artifact")
@@ -310,20 +369,27 @@ def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple]) -> Launc
     if math.prod(block) > MAX_THREADS:
         at["block"].fail(f"{math.prod(block)} threads per block; CUDA allows {MAX_THREADS}")
     return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
-                  at["smem"].int(0, MAX_SMEM), _args(at["args"], ranges))
+                  at["smem"].int(0, MAX_SMEM), _args(at["args"], ranges, names, templates))
 
 
-def _args(at: At, ranges: dict[str, tuple]) -> tuple[Arg, ...]:
+def _args(at: At, ranges: dict[str, tuple], names: set[str],
+          templates: dict[str, ParamsTemplate]) -> tuple[Arg, ...]:
     """A launch's arguments. Schedules hold hundreds of thousands, so well-formed ones are
-    checked directly on the JSON values; the first that is not (or any extra key) goes through
-    At, which names what is wrong."""
+    checked directly on the JSON values; the first that is not goes through At, which names
+    what is wrong."""
     values = at.value
-    if isinstance(values, list) and len(values) <= 256:
+    if isinstance(values, list) and len(values) <= MAX_ARGS:
         args = []
         for a in values:
-            if type(a) is not dict or len(a) != 2:
+            if type(a) is not dict or len(a) != 3:
                 break
-            kind, value = a.get("kind"), a.get("value")
+            name, kind, value = a.get("name"), a.get("kind"), a.get("value")
+            if type(name) is not str:
+                break
+            if name not in names:
+                if not _ARG_NAME.fullmatch(name):
+                    break
+                names.add(name)
             if type(kind) is not str or kind not in ranges:
                 break
             lo, hi = ranges[kind]
@@ -331,13 +397,39 @@ def _args(at: At, ranges: dict[str, tuple]) -> tuple[Arg, ...]:
                                            and math.isfinite(value))
             if not plain or not lo <= value <= hi:
                 break
-            args.append(Arg(kind, value))
+            args.append(Arg(name, kind, value))
         else:
-            return tuple(args)
+            if len({a.name for a in args}) == len(args):
+                return tuple(args)
     args = []
-    for a in at.items(0, 256):
+    seen = set()
+    for a in at.items(0, MAX_ARGS):
+        extra = sorted(set(a.obj()) - {"name", "kind", "value"})
+        if extra:
+            a.fail(f"unknown key {extra[0]!r} (an argument is {{name, kind, value}})")
+        name = a["name"].str(pattern=_ARG_NAME.pattern)
+        if name in seen:
+            a["name"].fail(f"argument {name!r} appears twice in the launch")
+        seen.add(name)
         kind = a["kind"].str(ARG_KINDS)
         value = a["value"]
-        args.append(Arg(kind, value.number(*ranges[kind]) if kind == "f32"
+        if kind == "params":
+            args.append(Arg(name, kind, _block(value, ranges["ptr"], templates)))
+            continue
+        args.append(Arg(name, kind, value.number(*ranges[kind]) if kind == "f32"
                         else value.int(*ranges[kind])))
     return tuple(args)
+
+
+def _block(at: At, ptr: tuple[int, int], templates: dict[str, ParamsTemplate]) -> ParamsBlock:
+    """A "params" argument: one of `templates` by name and an arena offset for each of its
+    roles."""
+    extra = sorted(set(at.obj()) - {"template", "roles"})
+    if extra:
+        at.fail(f"unknown key {extra[0]!r} (a parameter block is {{template, roles}})")
+    name = at["template"].str(tuple(templates) or ("(none)",))
+    roles = {role: v.int(*ptr) for role, v in at["roles"].members(64).items()}
+    if sorted(roles) != sorted(templates[name].roles):
+        at["roles"].fail(f"roles {sorted(roles)}; template {name} has "
+                         f"{sorted(templates[name].roles)}")
+    return ParamsBlock(name, roles)

@@ -15,7 +15,7 @@ Fields (format v3; required unless marked optional):
     passes            list of str
     random_weights    null, or {"seed": int, optional "ranges": str}
     xla               (runtime "xla") the XLA lowering, see `_xla`: jax_version, jaxlib_version,
-                      platforms (the programs'; the header names some or all), slots,
+                      platforms (the programs'; the header names some or all), max_seqs,
                       max_context, max_chunk, prefill_buckets (ascending, the largest is
                       max_chunk), optional decode_loop {steps, stop_ids}, entry_points,
                       programs {entry: {offset, size}} (in section "programs"), weights [{key,
@@ -24,8 +24,8 @@ Fields (format v3; required unless marked optional):
                       kind, layers, block_shape, dtype}]}, layer_groups [{start, period,
                       count}], optional mesh {axis, size, weights, pools} (tensor parallelism),
                       optional precompiled {topology: record} (section "executables"),
-                      optional speculative {draft_tokens K, verify "verify_{slots}x{K+1}", draft
-                      "draft_{slots}" or null, hidden_size (the model's), reads [the target
+                      optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
+                      "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
                       layer each assistant layer reads]} (speculative decoding, see
                       targets/xla/program.py's verify and draft)
     assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
@@ -125,8 +125,8 @@ class XlaMesh:
 @dataclass(frozen=True)
 class XlaSpeculative:
     draft_tokens: int  # K: most drafts one verify call checks
-    verify: str  # entry point verify_{slots}x{K+1}
-    draft: str | None  # entry point draft_{slots}; None without an assistant
+    verify: str  # entry point verify_{max_seqs}x{K+1}
+    draft: str | None  # entry point draft_{max_seqs}; None without an assistant
     hidden_size: int  # width of the states verify returns and draft takes
     reads: tuple[int, ...]  # the target layer whose KV cache each assistant layer reads
 
@@ -149,7 +149,7 @@ class AssistantInfo:
 class XlaManifest:
     jax_version: str
     platforms: tuple[str, ...]
-    slots: int
+    max_seqs: int
     max_context: int
     max_chunk: int
     prefill_buckets: tuple[int, ...]
@@ -332,7 +332,7 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
     if not set(header.platforms) <= set(platforms):  # the header may promise fewer
         x["platforms"].fail(f"{list(platforms)} lack platforms the header names "
                             f"{list(header.platforms)}")
-    slots = x["slots"].int(1, 1 << 16)
+    max_seqs = x["max_seqs"].int(1, 1 << 16)
     max_context = x["max_context"].int(1, INT32_MAX)
     max_chunk = x["max_chunk"].int(1, max_context)
     buckets = tuple(b.int(1, max_chunk) for b in x["prefill_buckets"].items(1, 64))
@@ -351,8 +351,8 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
     names = [e.str() for e in x["entry_points"].items(1, 256)]
     if names != sorted(programs):
         x["entry_points"].fail(f"{names} are not the programs' names {sorted(programs)}")
-    needed = [*(f"prefill_{b}" for b in buckets), f"decode_{slots}", f"logits_{max_chunk}",
-              *([f"decode_loop_{slots}"] if steps else [])]
+    needed = [*(f"prefill_{b}" for b in buckets), f"decode_{max_seqs}", f"logits_{max_chunk}",
+              *([f"decode_loop_{max_seqs}"] if steps else [])]
     for name in needed:
         if name not in programs:
             x["programs"].fail(f"missing entry point {name!r}")
@@ -360,7 +360,7 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
     _unique(x["weights"], [w.key for w in weights], "weight array")
     kv = x["kv"]
     block = kv["block_size"].int(1, 1 << 16)
-    kinds = {name: _xla_kind(k, name, block, max_context, max_chunk, slots)
+    kinds = {name: _xla_kind(k, name, block, max_context, max_chunk, max_seqs)
              for name, k in kv["kinds"].members(2).items()}
     if not kinds:
         kv["kinds"].fail("no KV kind")
@@ -382,7 +382,7 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
             precompiled.fail("the artifact has no 'executables' section")
         records = {name: _precompiled(rec, name, programs, kinds, mesh, sections)
                    for name, rec in precompiled.members(64).items()}
-    spec = (_speculative(x["speculative"], slots, max_chunk, model)
+    spec = (_speculative(x["speculative"], max_seqs, max_chunk, model)
             if x.get("speculative") is not None else None)
     ours = {spec.verify, spec.draft} if spec else set()
     for name in programs:
@@ -391,18 +391,18 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
     for name in ours - {None}:
         if name not in programs:
             x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
-    return XlaManifest(jax_version, platforms, slots, max_context, max_chunk, buckets, steps,
+    return XlaManifest(jax_version, platforms, max_seqs, max_context, max_chunk, buckets, steps,
                        stops, programs, weights, block, kinds, pools, mesh, records, spec)
 
 
-def _speculative(at: At, slots: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:
+def _speculative(at: At, max_seqs: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:
     k = at["draft_tokens"].int(1, max_chunk - 1)  # a token and K drafts fit one chunk
     verify = at["verify"].str()
-    if verify != f"verify_{slots}x{k + 1}":
-        at["verify"].expected(f"'verify_{slots}x{k + 1}'")
+    if verify != f"verify_{max_seqs}x{k + 1}":
+        at["verify"].expected(f"'verify_{max_seqs}x{k + 1}'")
     draft = at["draft"].nullable()
-    if draft is not None and draft.str() != f"draft_{slots}":
-        draft.expected(f"null or 'draft_{slots}'")
+    if draft is not None and draft.str() != f"draft_{max_seqs}":
+        draft.expected(f"null or 'draft_{max_seqs}'")
     hidden = at["hidden_size"].int(1, MAX_DIM)
     if hidden != model.config["hidden_size"]:
         at["hidden_size"].fail(f"{hidden}, not the model's hidden_size "
@@ -455,7 +455,7 @@ def _weight(w: At, sections: dict[str, int]) -> XlaWeight:
 
 
 def _xla_kind(k: At, name: str, block: int, max_context: int, max_chunk: int,
-              slots: int) -> XlaKvKind:
+              max_seqs: int) -> XlaKvKind:
     if name not in ("full", "sliding"):
         k.fail("a KV kind is 'full' or 'sliding'")
     ring = k["ring"].bool()
@@ -470,9 +470,9 @@ def _xla_kind(k: At, name: str, block: int, max_context: int, max_chunk: int,
         k["table_width"].fail(f"{width} blocks of {block} tokens cannot hold the "
                               f"{'window and a chunk' if ring else 'context'}; need {need}")
     blocks = k["default_blocks"].int(1, INT32_MAX)
-    if blocks != slots * width:
+    if blocks != max_seqs * width:
         k["default_blocks"].fail(f"{blocks}, not a whole sequence per decode slot "
-                                 f"({slots} x {width})")
+                                 f"({max_seqs} x {width})")
     return XlaKvKind(name, width, ring, window, blocks)
 
 
@@ -539,7 +539,7 @@ def _cost(c: At) -> None:
     """The fields of a cost estimate that `inspect` prints (targets/xla/cost_report.py)."""
     c["label"].str()
     c["context"].int(0)
-    c["fits_at_slots"].bool()
+    c["fits_at_max_seqs"].bool()
     for key in ("hbm_bytes_per_s", "bf16_flops", "hbm_bytes"):
         c["chip"][key].number(0.0)
     c["chip"]["generation"].str()
@@ -547,7 +547,7 @@ def _cost(c: At) -> None:
     for key in ("weight_bytes", "dense_bytes", "expert_bytes", "kv_bytes_per_lane",
                 "peak_bytes", "xla_flops", "xla_bytes_accessed", "xla_amplification"):
         dev[key].number(0.0)
-    dev["slots"].int(0)
+    dev["max_seqs"].int(0)
     for r in c["decode"].items(0, 1 << 12):
         r["batch"].int(1)
         for key in ("step_ms", "tok_s", "tok_s_xla", "hbm_need_bytes"):

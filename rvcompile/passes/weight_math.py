@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
-from rvcompile.sources.checkpoint import Fp8Tensor
+from rvcompile.sources.model_source import Fp8Tensor
 
 
 def _per_row_blocks(w: np.ndarray, dtype, encode_block) -> tuple[np.ndarray, np.ndarray]:

@@ -1,20 +1,31 @@
 """rvrun's runtime: `load(path)` checks and maps an artifact and returns a Model whose API
-(generate, generate_stream, logits) is the same whatever target built it."""
+(generate, generate_stream, logits) is the same whatever target built it. The executor comes
+from the module of the artifact's runtime kind (RUNTIMES), which alone reads that kind's part of
+the manifest, checks the machine and drives its devices; this module imports none of them."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.contents import Contents, content_sections, read_contents
+from rvcompile.artifacts.contents import content_sections, read_contents
 from rvcompile.artifacts.manifest import Manifest, read_manifest
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
-from rvcompile.runtime.engine import engine_limits
+from rvcompile.runtime.executor_api import Executor, LoadOptions
 from rvcompile.runtime.model import GenerationResult, Model
 
-__all__ = ["load", "Model", "GenerationResult", "ArtifactError"]
+__all__ = ["load", "Model", "GenerationResult", "ArtifactError", "RUNTIMES"]
+
+# Runtime kind (an artifact's requirements["runtime"]) -> the module that opens its artifacts
+# with `open_executor(art, manifest, LoadOptions) -> Executor`. The install extra of the same
+# name brings what that module imports.
+RUNTIMES = {
+    "xla": "rvcompile.runtime.executors.xla",
+    "h100": "rvcompile.runtime.executors.h100",
+}
 
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
@@ -55,51 +66,27 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         if verify:
             art.verify(small)
         contents = read_contents(art, manifest)
-        rest = [name for name in art.sections if name not in small] if verify else []
-        if manifest.runtime == "h100":
-            return _load_h100(art, manifest, contents, rest, kv_blocks, max_num_seqs,
-                              max_model_len)
-        return _load_xla(art, manifest, contents, rest, kv_blocks, max_num_seqs, max_model_len,
-                         trust_executables)
+        rest = tuple(name for name in art.sections if name not in small) if verify else ()
+        executor = open_executor(art, manifest, LoadOptions(rest, kv_blocks, max_num_seqs,
+                                                            max_model_len, trust_executables))
+        return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len)
     except BaseException:
         art.close()
         raise
 
 
-def _load_h100(art: Artifact, manifest: Manifest, contents: Contents, verify: list[str],
-               kv_blocks, max_num_seqs, max_model_len) -> Model:
-    from rvcompile.runtime.executors.h100 import h100_executor, open_context
-    from rvcompile.runtime.executors.scheduled import schedule_kinds
-
-    schedule = manifest.h100.schedule
-    if kv_blocks:
-        raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
-                            "build; kv_blocks applies to XLA artifacts")
-    _check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.slots,
-                  schedule.max_context, max_num_seqs, max_model_len)
-    ctx = open_context(art)  # refuses a machine that doesn't fit before reading weights
-    art.verify(verify)
-    return Model(art, h100_executor(art, schedule, ctx), contents=contents,
-                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-
-
-def _load_xla(art: Artifact, manifest: Manifest, contents: Contents, verify: list[str],
-              kv_blocks, max_num_seqs, max_model_len, trust_executables: bool) -> Model:
-    from rvcompile.runtime.executors.xla import XlaExecutor, check_fits, kv_kinds
-
-    xla = manifest.xla
-    check_fits(art, xla, kv_blocks)  # refuse impossible limits before compiling anything
-    _check_limits(art, kv_kinds(xla, kv_blocks, art.path.name), xla.block_size, xla.slots,
-                  xla.max_context, max_num_seqs, max_model_len)
-    art.verify(verify)
-    return Model(art, XlaExecutor(art, xla, kv_blocks, trust_executables=trust_executables),
-                 contents=contents,
-                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-
-
-def _check_limits(art: Artifact, kinds, block_size: int, slots: int, max_context: int,
-                  max_num_seqs: int | None, max_model_len: int | None) -> None:
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:
+    """The executor of the runtime kind `art` requires (one of RUNTIMES: the manifest's schema
+    admits no other), from the module RUNTIMES names, imported only now: an h100 host never
+    imports jax. ArtifactError when that module's dependencies are not installed, naming the
+    extra that brings them."""
+    kind = manifest.runtime
     try:
-        engine_limits(kinds, block_size, slots, max_context, max_num_seqs, max_model_len)
-    except ValueError as e:
-        raise ArtifactError(f"{art.path.name}: {e}") from None
+        module = importlib.import_module(RUNTIMES[kind])
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "rvcompile":
+            raise
+        raise ArtifactError(f"{art.path.name}: the {kind} runtime needs {e.name}, which is not "
+                            f"installed (pip install 'rvcompile[{kind}]')") from None
+    return module.open_executor(art, manifest, opts)

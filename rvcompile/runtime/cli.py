@@ -171,7 +171,7 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences in the running batch (default: the artifact's decode slots)")
+                   help="sequences in the running batch (default: the artifact's max_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + generated tokens of a request (default: the artifact's)")
     p.add_argument("--kv-blocks", type=int, default=None,

@@ -92,17 +92,17 @@ class _Live:
     text: TextStream
 
 
-def engine_limits(kinds: dict[str, KvKind], block_size: int, decode_width: int,
+def engine_limits(kinds: dict[str, KvKind], block_size: int, max_seqs: int,
                   max_context: int, max_num_seqs: int | None,
                   max_model_len: int | None) -> tuple[int, int]:
     """(max_num_seqs, max_model_len) with the executor's as defaults. Raises ValueError for
     limits the executor cannot meet, or pools that cannot hold one longest sequence (which
     could then never finish)."""
-    max_num_seqs = max_num_seqs or decode_width
+    max_num_seqs = max_num_seqs or max_seqs
     max_model_len = max_model_len or max_context
-    if not 1 <= max_num_seqs <= decode_width:
+    if not 1 <= max_num_seqs <= max_seqs:
         raise ValueError(f"max_num_seqs {max_num_seqs}: the artifact decodes 1 to "
-                         f"{decode_width} sequences per step")
+                         f"{max_seqs} sequences per step")
     if not 1 <= max_model_len <= max_context:
         raise ValueError(f"max_model_len {max_model_len}: the artifact's context is "
                          f"{max_context} tokens")
@@ -124,11 +124,11 @@ class Engine:
                  max_model_len: int | None = None, prefill_budget: int | None = None):
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
         self.max_num_seqs, self.max_model_len = engine_limits(
-            executor.kinds, executor.block_size, executor.decode_width, executor.max_context,
+            executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
         self.limits = RequestLimits(vocab_size, self.max_model_len)
         self.kv = PagedKv(executor.kinds, executor.block_size)
-        self.scheduler = Scheduler(self.kv, max_running=self.max_num_seqs,
+        self.scheduler = Scheduler(self.kv, max_num_seqs=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),
                                    prefill_budget=prefill_budget or executor.max_chunk)
         self._lock = threading.Lock()

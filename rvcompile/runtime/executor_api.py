@@ -98,6 +98,18 @@ class LoopLane:
     stop_ids: frozenset[int]  # sampling one of these ends the lane (it is returned)
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `runtime.load` asks of the executor that opens an artifact (its module's
+    `open_executor(art, manifest, opts)`), which refuses (ArtifactError) what it cannot do."""
+
+    verify: tuple[str, ...] = ()  # sections to re-hash once the machine fits, before upload
+    kv_blocks: dict[str, int] | None = None  # KV pool blocks by kind; None: the artifact's
+    max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
+    max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
+    trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+
+
 class DeviceError(RuntimeError):
     """The device can no longer run this executor's programs (a sticky CUDA error, KV pools lost
     in a failed call): every later call would fail too. Any other exception from a call fails
@@ -136,7 +148,7 @@ class Executor(Protocol):
     max_context: int  # longest sequence (prompt + generated) the programs take
     max_chunk: int  # most tokens in one prefill or logits call
     prefill_buckets: tuple[int, ...]  # row counts of the prefill calls, ascending
-    decode_width: int  # most sequences in one decode call
+    max_seqs: int  # most sequences in one decode call
     block_size: int  # tokens per KV block
     kinds: dict[str, KvKind]  # by name
     load_note: str  # one line on what loading cost (compile time, upload), for rvrun's summary
@@ -146,7 +158,7 @@ class Executor(Protocol):
         ...
 
     def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
-        """Run up to decode_width sequences, one token each; return each one's next token."""
+        """Run up to max_seqs sequences, one token each; return each one's next token."""
         ...
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
@@ -161,7 +173,7 @@ class LoopExecutor(Executor, Protocol):
     decode_loop_stops: int  # most stop ids per lane
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
-        """Run up to decode_width sequences through up to decode_loop_steps decode steps,
+        """Run up to max_seqs sequences through up to decode_loop_steps decode steps,
         feeding each its sampled token, until every lane sampled a stop id or its budget;
         return each lane's sampled tokens (its stop id included)."""
         ...
@@ -174,12 +186,12 @@ class SpeculativeExecutor(Executor, Protocol):
     has_drafter: bool  # draft() is offered: the artifact carries an assistant
 
     def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
-        """Run up to decode_width sequences, each its last token and 0..max_draft_tokens drafts
+        """Run up to max_seqs sequences, each its last token and 0..max_draft_tokens drafts
         as rows at positions start, start + 1, ...; return each row's next token and state."""
         ...
 
     def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
-        """Up to decode_width sequences: n (1..max_draft_tokens) assistant drafts each."""
+        """Up to max_seqs sequences: n (1..max_draft_tokens) assistant drafts each."""
         ...
 
 

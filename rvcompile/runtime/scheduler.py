@@ -72,10 +72,10 @@ class PrefixStats:
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKv, *, max_running: int, prefill_buckets: tuple[int, ...],
+    def __init__(self, kv: PagedKv, *, max_num_seqs: int, prefill_buckets: tuple[int, ...],
                  prefill_budget: int):
         self.kv = kv
-        self.max_running, self.buckets = max_running, prefill_buckets
+        self.max_num_seqs, self.buckets = max_num_seqs, prefill_buckets
         self.max_chunk = prefill_buckets[-1]
         self.prefill_budget = prefill_budget
         self.waiting: list[Seq] = []  # by order
@@ -151,7 +151,7 @@ class Scheduler:
         return recipe
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             seq.blocks, seq.cached = self.kv.match(seq.tokens, self.recipe(seq))
             first, _ = self.piece(seq)

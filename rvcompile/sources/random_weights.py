@@ -34,7 +34,7 @@ import numpy as np
 
 from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import Gemma4Config
-from rvcompile.sources.checkpoint import (
+from rvcompile.sources.model_source import (
     TOKEN_ORDERING,
     CheckpointError,
     TensorRef,

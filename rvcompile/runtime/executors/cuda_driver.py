@@ -29,7 +29,7 @@ def _driver():
     try:
         from cuda.bindings import driver
     except ImportError as e:  # cuda-python is the H100 runtime's one dependency beyond numpy
-        raise CudaError("cuda-python is not installed (pip install cuda-python)") from e
+        raise CudaError("cuda-python is not installed (pip install 'rvcompile[h100]')") from e
     return driver
 
 

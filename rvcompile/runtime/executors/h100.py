@@ -8,7 +8,9 @@ arena. Then: one arena allocation; weights streamed from the mapped artifact thr
 staging buffers (disk reads overlap the copies); constants uploaded, the rest zeroed; cubins
 loaded (their sha256 and every launch's kernel, argument sizes and block checked by
 artifacts/contents.py before); every launch's argument block and launch configuration
-(programmatic stream serialization on: cuda_driver.py) built once; each decode entry captured
+(programmatic stream serialization on: cuda_driver.py) built once, a parameter block completed
+for the arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture
+those bytes, and the arena never moves); each decode entry captured
 into a CUDA graph, consecutive kernels joined by programmatic edges. A call writes the io fields
 with one copy, replays the entry and copies back only token ids (or the logits the logits entry
 asks for).
@@ -23,8 +25,11 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
+from rvcompile.artifacts.manifest import Manifest
+from rvcompile.runtime.executor_api import LoadOptions
+from rvcompile.runtime.executors import check_limits, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
-from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 
 STAGING_BYTES = 64 << 20
 DEFAULT_SMEM = 48 << 10
@@ -136,6 +141,11 @@ class CudaScheduleDevice:
                     args.append(ctypes.c_int32(int(a.value)))
                 elif a.kind == "i64":
                     args.append(ctypes.c_int64(int(a.value)))
+                elif a.kind == "params":
+                    template = self.schedule.params_templates[a.value.template]
+                    block = tma.fill(self.ctx.cu, template,
+                                     {role: base + off for role, off in a.value.roles.items()})
+                    args.append(tma.KernelParams(block).arg)
                 else:  # "f32": the schedule's schema admits no other kind
                     args.append(ctypes.c_float(float(a.value)))
             config = self.ctx.launch_config(x.grid, x.block, x.smem, self.stream)
@@ -164,6 +174,21 @@ class CudaScheduleDevice:
             self.ctx.graph_launch(self.graphs[entry], self.stream)
         else:
             self._launch_all(entry)
+
+
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> ScheduledExecutor:
+    """An h100 artifact on this machine (runtime.load's entry; `manifest` checked): the engine's
+    limits, then this GPU, refused before any weight is read; then opts.verify's sections
+    re-hashed; then the executor."""
+    schedule = manifest.h100.schedule
+    if opts.kv_blocks:
+        raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
+                            "build; kv_blocks applies to XLA artifacts")
+    check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
+                 schedule.max_context, opts)
+    ctx = open_context(art)
+    art.verify(opts.verify)
+    return h100_executor(art, schedule, ctx)
 
 
 def open_context(art: Artifact) -> CudaContext:

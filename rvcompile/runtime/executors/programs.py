@@ -16,8 +16,8 @@ from __future__ import annotations
 from jax import export
 
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.contents import xla_programs
 from rvcompile.artifacts.manifest import XlaManifest
+from rvcompile.artifacts.xla_programs import xla_programs
 
 
 def custom_call_targets(exp: export.Exported) -> set[str]:
@@ -59,7 +59,7 @@ def check_program(where: str, exp: export.Exported) -> None:
 
 def load_programs(art: Artifact, xla: XlaManifest) -> dict[str, export.Exported]:
     """Entry name -> Exported of every program in the checked manifest part `xla`: each takes
-    what the manifest describes (artifacts/contents.xla_programs) and calls nothing unsafe."""
+    what the manifest describes (artifacts/xla_programs.py) and calls nothing unsafe."""
     programs = xla_programs(art, xla)
     for name, exp in programs.items():
         check_program(f"{art.path.name}: program {name}", exp)

@@ -2,8 +2,8 @@
 runtime/executor_api.py over a KernelSchedule. It picks the entry point for a call, fills the io
 fields (tokens, positions, one block-table row per token row and KV kind, sampling parameters)
 and reads the results back. The device it drives only offers `write(offset, bytes)`,
-`read(offset, nbytes)` and `run(entry)`: the CUDA device (h100_executor) or the CPU reference
-(targets/h100/reference_executor).
+`read(offset, nbytes)` and `run(entry)`: the CUDA device (h100.py) or the CPU reference
+(targets/h100/reference_executor.py; tests compose the two).
 
 The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
@@ -48,7 +48,7 @@ class ScheduledExecutor:
                                             if e.name.startswith("prefill_")))
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
-        self.decode_width = self.decode_buckets[-1]
+        self.max_seqs = self.decode_buckets[-1]
 
     # -- io
 
@@ -123,9 +123,9 @@ class ScheduledExecutor:
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
     def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
-        if not 0 < len(lanes) <= self.decode_width:
+        if not 0 < len(lanes) <= self.max_seqs:
             raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
-                             f"{self.decode_width}")
+                             f"{self.max_seqs}")
         b = next(x for x in self.decode_buckets if x >= len(lanes))
         toks = np.zeros(b, np.int32)
         pos = np.full(b, -1, np.int32)

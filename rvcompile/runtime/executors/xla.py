@@ -7,8 +7,8 @@ machine's topology (precompiled.py), and runs prefill / decode / logits / decode
 speculative entry points (manifest xla.speculative), verify and draft (executor_api's
 speculative contract): the states verify returns and draft reads stay on the device. Makes no
 policy: the engine drives it. It reads the manifest checked by artifacts/manifest.py, and the
-programs checked against it by artifacts/contents.py (xla_programs) before it uploads anything.
-A failed call that lost the KV pools raises DeviceError.
+programs checked against it by artifacts/xla_programs.py before it uploads anything. A failed
+call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -27,17 +27,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
-from rvcompile.artifacts.manifest import XlaManifest, XlaMesh, XlaPool
+from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import (
     DeviceError,
     Drafted,
     DraftLane,
     KvKind,
+    LoadOptions,
     LoopLane,
     SeqChunk,
     Verified,
 )
+from rvcompile.runtime.executors import check_limits
 from rvcompile.runtime.executors.precompiled import choose, this_machine
 from rvcompile.runtime.executors.precompiled import load as load_precompiled
 from rvcompile.runtime.executors.programs import load_programs
@@ -128,6 +130,18 @@ def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
             + sum(share(p.key, _pool_bytes(p, kinds)) for p in xla.pools))
 
 
+def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaExecutor:
+    """An XLA artifact on this machine (runtime.load's entry; `manifest` checked): platform,
+    devices, memory and the engine's limits refused before anything compiles; then
+    opts.verify's sections re-hashed; then the executor."""
+    xla = manifest.xla
+    check_fits(art, xla, opts.kv_blocks)
+    check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
+                 xla.max_context, opts)
+    art.verify(opts.verify)
+    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables)
+
+
 class TpPlacement:
     """Where the artifact's weights and KV pools live: one default device, or, for an artifact
     with a mesh (tensor parallelism), the mesh's shardings over the first `size` local devices."""
@@ -170,7 +184,7 @@ class XlaExecutor:
         """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
         check_fits(art, xla, blocks)
         self.art = art
-        self.decode_width, self.max_context = xla.slots, xla.max_context
+        self.max_seqs, self.max_context = xla.max_seqs, xla.max_context
         self.max_chunk, self.prefill_buckets = xla.max_chunk, xla.prefill_buckets
         self.block_size = xla.block_size
         self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
@@ -232,7 +246,7 @@ class XlaExecutor:
 
     def _example_args(self, name: str) -> tuple:
         """Arguments of entry point `name` (after weights and pools), all lanes idle."""
-        w, spec = self.decode_width, self.speculative
+        w, spec = self.max_seqs, self.speculative
         if spec and name == spec.verify:
             return (*self._lane_args(w, self.max_draft_tokens + 1), *_sampling([], w))
         if spec and name == spec.draft:
@@ -277,22 +291,22 @@ class XlaExecutor:
         return int(tok[0])
 
     def decode(self, lanes) -> list[int]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
-        w = self.decode_width
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
+        w = self.max_seqs
         tok = self._call(f"decode_{w}", *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
         return tok[:len(lanes)].tolist()
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
-        if len(lanes) > self.decode_width:
-            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.decode_width}")
+        if len(lanes) > self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
         if not self.decode_loop_steps:
             raise ValueError(f"{self.art.path.name} was built without a decode loop")
         for lane in lanes:
             if not 1 <= lane.budget <= self.decode_loop_steps:
                 raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
                                  f"{self.decode_loop_steps} steps")
-        w = self.decode_width
+        w = self.max_seqs
         chunks = [lane.chunk for lane in lanes]
         tok = self._call(f"decode_loop_{w}", *self._lane_args(w, 1, chunks),
                          *_sampling(chunks, w), *_loop_limits(lanes, w, self.decode_loop_stops))
@@ -302,7 +316,7 @@ class XlaExecutor:
         if not self.max_draft_tokens:
             raise ValueError(f"{self.art.path.name} was built without speculative entry points "
                              "(--num-draft-tokens)")
-        w, rows = self.decode_width, self.max_draft_tokens + 1
+        w, rows = self.max_seqs, self.max_draft_tokens + 1
         if len(lanes) > w:
             raise ValueError(f"{len(lanes)} verify lanes; the programs take {w}")
         for lane in lanes:
@@ -321,7 +335,7 @@ class XlaExecutor:
     def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
         if not self.has_drafter:
             raise ValueError(f"{self.art.path.name} has no assistant drafter (--assistant)")
-        w = self.decode_width
+        w = self.max_seqs
         if len(lanes) > w:
             raise ValueError(f"{len(lanes)} draft lanes; the programs take {w}")
         if not 1 <= n <= self.max_draft_tokens:

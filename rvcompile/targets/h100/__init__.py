@@ -1,2 +1,3 @@
-"""H100 target: CUDA C++ kernels compiled to sm_90a cubins at build time, each with its numpy
-reference (issue 3; so far the FP8 decode GEMV)."""
+"""H100 target: CUDA C++ kernels compiled to sm_90a cubins at build time, each module declaring
+its kernel entries with their numpy references (contract.py, registry.py); lower.py turns the
+IR into a kernel schedule."""

@@ -17,9 +17,12 @@ shared memory) into out f32 [B, nh, D] and optionally its bf16 copy.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "attn_decode.cu"
@@ -100,3 +103,77 @@ def _attend(q, pool, table, ring: int, seq_len, window: int, rows) -> np.ndarray
             p = np.exp(s - s.max())
             out[b, h] = (p / p.sum()) @ v[:, h // g]
     return out
+
+
+# ---------------------------------------------------------------- entries
+
+def pool(c: Call, name: str, table: np.ndarray, kv_heads: int, d: int) -> np.ndarray | None:
+    """Pool `name` of a launch as the kernel reads it: the blocks up to the highest id in the
+    table (the pool's size is no argument)."""
+    return c.array(name, (int(np.max(table)) + 1, BLOCK, kv_heads, d))
+
+
+def write_partials(c: Call, out: np.ndarray, splits: int) -> None:
+    """`out` [B, nh, D] as split 0 (m = 0, l = 1), the other splits empty: the combine (exactly
+    the kernel's merge) turns that into `out` again."""
+    m, nh, d = out.shape
+    acc = c.array("part_acc", (m, nh, splits, d))
+    ml = c.array("part_ml", (m, nh, splits, 2))
+    acc[:] = 0
+    acc[:, :, 0] = out
+    ml[:, :, :, 0] = -np.inf
+    ml[:, :, :, 1] = 0
+    ml[:, :, 0] = (0.0, 1.0)
+
+
+def _split_call(d: int, g: int, c: Call) -> None:
+    splits, _, m = c.grid
+    kh = c["kv_heads"]
+    table = np.asarray(c.array("table", (m, c["max_blocks"])))
+    q = c.array("q", (m, kh * g, d))
+    seq_len, window = c.array("seq_len", (m,)), c["window"]
+    if "base" in c:  # K=V
+        out = reference_keqv(q, pool(c, "base", table, kh, d), table, c["ring"], seq_len, window,
+                             c.array("wk", (d,)), c.array("inv_freq", (d // 2,)))
+    else:
+        out = reference(q, pool(c, "kc", table, kh, d), pool(c, "vc", table, kh, d), table,
+                        c["ring"], seq_len, window)
+    write_partials(c, out, splits)
+
+
+def _combine_call(c: Call) -> None:
+    bh, splits, d = c.grid[0], c["splits"], c["d"]
+    acc = c.array("part_acc", (bh, splits, d))
+    ml = c.array("part_ml", (bh, splits, 2))
+    top = ml[:, :, 0].max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        wgt = np.where(ml[:, :, 0] == -np.inf, 0, np.exp(ml[:, :, 0] - top)).astype(np.float32)
+    res = (acc * wgt[:, :, None]).sum(axis=1) / (ml[:, :, 1] * wgt).sum(axis=1)[:, None]
+    c.array("out", (bh, d))[:] = res
+    out_bf16 = c.array("out_bf16", (bh, d))
+    if out_bf16 is not None:
+        out_bf16[:] = res.astype(out_bf16.dtype)
+
+
+def _entries():
+    for d in HEAD_DIMS:
+        for g in GROUPS:
+            for kv in KV_DTYPES:
+                q = ptr("q", "float32" if kv == "float32" else "bfloat16")
+                table = (ptr("table", "int32"), i32("max_blocks"), i32("ring"),
+                         ptr("seq_len", "int32"), i32("window"), i32("kv_heads"))
+                parts = (ptr("part_acc", "float32", "out"), ptr("part_ml", "float32", "out"))
+                yield Entry(entry(d, g, kv), SOURCE,
+                            (q, ptr("kc", kv), ptr("vc", kv), *table, *parts),
+                            partial(_split_call, d, g))
+                yield Entry(entry_keqv(d, g, kv), SOURCE,
+                            (q, ptr("base", kv), *table, ptr("wk", "float32"),
+                             ptr("inv_freq", "float32"), *parts),
+                            partial(_split_call, d, g))
+    yield Entry(COMBINE_ENTRY, SOURCE,
+                (ptr("part_acc", "float32"), ptr("part_ml", "float32"), i32("splits"), i32("d"),
+                 ptr("out", "float32", "out"), ptr("out_bf16", "bfloat16", "out", nullable=True)),
+                _combine_call)
+
+
+ENTRIES = tuple(_entries())

@@ -20,10 +20,13 @@ are summed through shared memory. Tiles are double-buffered in dynamic shared me
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from rvcompile.ir import ops
-from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS, KV_DTYPES
+from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS, KV_DTYPES, pool
+from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "attn_prefill.cu"
@@ -126,3 +129,44 @@ def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) ->
     o = np.einsum("kgms,skd->mkgd", p, v.astype(np.float64)).reshape(m, nh, d)
     out[real] = o[real]
     return out
+
+
+# ---------------------------------------------------------------- entries
+
+def _call(d: int, g: int, c: Call) -> None:
+    m, kh, ring = c["rows"], c["kv_heads"], c["ring"]
+    table = np.asarray(c.array("table", (1, ring)))
+    q = c.array("q", (m, kh * g, d))
+    positions, window = c.array("positions", (m,)), c["window"]
+    if "base" in c:  # K=V
+        res = reference_keqv(q, pool(c, "base", table, kh, d), table, ring, positions, window,
+                             c.array("wk", (d,)), c.array("inv_freq", (d // 2,)))
+    else:
+        res = reference(q, pool(c, "kc", table, kh, d), pool(c, "vc", table, kh, d), table, ring,
+                        positions, window)
+    c.array("out", res.shape)[:] = res
+    out_bf16 = c.array("out_bf16", res.shape)
+    if out_bf16 is not None:
+        out_bf16[:] = res.astype(out_bf16.dtype)
+
+
+def _entries():
+    """bf16 and e4m3 pools (no float32 entries: the float32 plan attends through attn_decode)."""
+    for d in HEAD_DIMS:
+        for g in GROUPS:
+            for kv in ("bfloat16", "float8_e4m3fn"):
+                rows = (ptr("positions", "int32"), i32("window"), i32("kv_heads"), i32("rows"))
+                outs = (ptr("out", "float32", "out"),
+                        ptr("out_bf16", "bfloat16", "out", nullable=True))
+                yield Entry(entry(d, g, kv), SOURCE,
+                            (ptr("q", "bfloat16"), ptr("kc", kv), ptr("vc", kv),
+                             ptr("table", "int32"), i32("ring"), *rows, *outs),
+                            partial(_call, d, g))
+                yield Entry(entry_keqv(d, g, kv), SOURCE,
+                            (ptr("q", "bfloat16"), ptr("base", kv), ptr("table", "int32"),
+                             i32("ring"), *rows, ptr("wk", "float32"),
+                             ptr("inv_freq", "float32"), *outs),
+                            partial(_call, d, g))
+
+
+ENTRIES = tuple(_entries())

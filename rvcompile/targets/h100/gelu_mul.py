@@ -11,10 +11,13 @@ CTA of 8 live threads per row).
 
 from __future__ import annotations
 
+from functools import partial
+
 import ml_dtypes
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "gelu_mul.cu"
@@ -31,6 +34,17 @@ def reference_f32(gu: np.ndarray) -> np.ndarray:
     gu = np.asarray(gu, np.float32)
     i = gu.shape[-1] // 2
     return ops.ref_mul(None, ops.gelu_tanh(gu[..., :i]), gu[..., i:])
+
+
+def _call(ref, c: Call) -> None:
+    m, i = c.grid[1], c["I"]
+    c.array("out", (m, i))[:] = ref(c.array("gu", (m, 2 * i)))
+
+
+ENTRIES = tuple(
+    Entry(name, SOURCE, (ptr("gu", "float32"), ptr("out", dtype, "out"), i32("I")),
+          partial(_call, ref))
+    for name, dtype, ref in ((ENTRY, "bfloat16", reference), (F32_ENTRY, "float32", reference_f32)))
 
 
 def launch_geometry(m: int, i: int) -> Launch:

@@ -4,11 +4,12 @@ checks, the tile configuration for an M x N output, and the build-time probe of 
 parameter block.
 
     a_scale[m] = max_k |x[m, k]| / 448,  a[m, k] = e4m3(x[m, k] * 448 / max_k |x[m, k]|)
-    d[m, n] = bf16((sum_k a[m, k] * b[n, k]) * b_scale[n] * a_scale[m])
+    d[m, n] = (sum_k a[m, k] * b[n, k]) * b_scale[n] * a_scale[m]
 
 a: e4m3 [M, K] activations, b: e4m3 [N, K] weights with one float32 scale per row (channel), d:
-bf16 [M, N]. Limits: M >= 1, K % 16 == 0, N % 8 == 0 (16-byte TMA row strides); every buffer
-16-byte aligned.
+float32 [M, N], as the GEMVs write a linear's output (the kernels reading it take float32; a
+bf16 d would need a bf16-input entry of each). Limits: M >= 1, K % 16 == 0, N % 8 == 0
+(16-byte TMA row strides); every buffer 16-byte aligned.
 
 Numerics: Hopper's FP8 tensor cores add products into an accumulator with about 13 mantissa
 bits, truncating (others measured "FP22"); fast-accumulation entries keep all of K there, the
@@ -20,11 +21,13 @@ The GEMM takes CUTLASS's `Params` struct by value. params_template runs the modu
 source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
 kernel_params.ParamsTemplate: the struct with its addresses zeroed, the places of the pointers
 and TMA descriptors by role ("a", "b", "d", "a_scale", "b_scale") and the launch geometry. The
-runtime completes it for real addresses (runtime/executors/tma.py).
+runtime completes it for real addresses (runtime/executors/tma.py). Its results are cached per
+process (one lowering asks for the same shapes in many layers and entries).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import subprocess
@@ -40,6 +43,7 @@ from rvcompile.artifacts.kernel_params import (
     ParamsTemplate,
     PointerSlot,
 )
+from rvcompile.targets.h100.contract import Call, Entry, Param, i32, ptr
 
 SOURCE = "gemm_fp8_tc.cu"
 QUANT_SOURCE = "quant_fp8_rows.cu"
@@ -110,14 +114,14 @@ def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def reference(a: np.ndarray, a_scale: np.ndarray, b: np.ndarray,
               b_scale: np.ndarray) -> np.ndarray:
-    """d (bf16 [M, N]) of e4m3 bit patterns a [M, K] and b [N, K]: the dot products in float64
-    (each product of two e4m3 is exact there, and so is any sum the tests compare bit for bit),
-    rounded to float32, times b_scale[n], times a_scale[m] (float32 multiplies, as the kernel's
-    epilogue), rounded to bf16."""
+    """d (float32 [M, N]) of e4m3 bit patterns a [M, K] and b [N, K]: the dot products in
+    float64 (each product of two e4m3 is exact there, and so is any sum the tests compare bit for
+    bit), rounded to float32, times b_scale[n], times a_scale[m] (float32 multiplies, as the
+    kernel's epilogue)."""
     acc = (e4m3_to_f32(a).astype(np.float64) @ e4m3_to_f32(b).astype(np.float64).T)
     acc = acc.astype(np.float32)
-    y = (acc * np.asarray(b_scale, np.float32)[None, :]) * np.asarray(a_scale, np.float32)[:, None]
-    return y.astype(ml_dtypes.bfloat16)
+    return (acc * np.asarray(b_scale, np.float32)[None, :]) * np.asarray(a_scale,
+                                                                         np.float32)[:, None]
 
 
 def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +135,35 @@ def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inv = np.where(amax > 0, np.float32(E4M3_MAX) / amax, np.float32(0)).astype(np.float32)
     y = np.clip(x32 * inv[:, None], -E4M3_MAX, E4M3_MAX)
     return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+def _quantize_rows_call(c: Call) -> None:
+    m, k = c["M"], c["K"]
+    bits, scale = quantize_rows_reference(c.array("x", (m, k)))
+    c.array("q", (m, k)).view(np.uint8)[:] = bits
+    c.array("scale", (m,))[:] = scale
+
+
+def _gemm_call(c: Call) -> None:
+    """d = (a @ b^T) * b_scale * a_scale over the parameter block's roles (the GEMM entries take
+    CUTLASS's Params by value: the roles' addresses and the problem shape live in that struct),
+    the shapes as the kernel reads them: from the block's TMA descriptors, a [K, M] and b [K, N]
+    innermost first."""
+    block = c["params"]
+    at = dict(block.roles)
+    dims = {d.role: d.dims for d in block.template.descriptors}
+    (k, m), n = dims["a"][:2], dims["b"][1]
+    c.region(at["d"], "float32", (m, n), writable=True)[:] = reference(
+        c.region(at["a"], "bytes", (m, k)), c.region(at["a_scale"], "float32", (m,)),
+        c.region(at["b"], "bytes", (n, k)), c.region(at["b_scale"], "float32", (n,)))
+
+
+ENTRIES = (
+    *(Entry(name, SOURCE, (Param("params", "params"),), _gemm_call) for name in CONFIGS),
+    *(Entry(name, QUANT_SOURCE, (ptr("x", dtype), ptr("q", "float8_e4m3fn", "out"),
+                                 ptr("scale", "float32", "out"), i32("M"), i32("K")),
+            _quantize_rows_call) for dtype, name in QUANT_ENTRIES.items()),
+)
 
 
 @dataclass(frozen=True)
@@ -155,6 +188,7 @@ def quant_launch(m: int, k: int, dtype: str) -> QuantLaunch:
 
 # ---------------------------------------------------------------- the parameter block probe
 
+@functools.cache
 def params_template(entry: str, m: int, n: int, k: int, sm_count: int,
                     raster: str = "heuristic", swizzle: int = 1,
                     cache_dir: Path | None = None) -> ParamsTemplate:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rvcompile.targets.h100 import gemv_fp8
+from rvcompile.targets.h100.contract import Entry
 
 SOURCE = "gemm_fp8w.cu"
 # Must match the kernel.
@@ -38,6 +39,11 @@ class Launch:
 
 def entry_name(block_m: int, split: int) -> str:
     return f"gemm_fp8w_m{block_m}_s{split}"
+
+
+# One entry per (rows per CTA, split), each with gemv_fp8's parameters and product.
+ENTRIES = tuple(Entry(entry_name(b, s), SOURCE, gemv_fp8.PARAMS, gemv_fp8.reference_call)
+                for b in BLOCK_MS for s in SPLITS)
 
 
 def smem_bytes(block_m: int, split: int) -> int:

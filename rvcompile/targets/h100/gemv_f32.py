@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import MAX_ROWS, WARPS, Launch
 
 SOURCE = "gemv_f32.cu"
@@ -15,6 +16,16 @@ ENTRY = "gemv_f32"
 
 def reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+
+
+def _reference_call(c: Call) -> None:
+    m, n, k = c["M"], c["N"], c["K"]
+    c.array("y", (m, n))[:] = reference(c.array("W", (n, k)), c.array("x", (m, k)))
+
+
+ENTRIES = (Entry(ENTRY, SOURCE, (ptr("W", "float32"), ptr("x", "float32"),
+                                 ptr("y", "float32", "out"), i32("M"), i32("N"), i32("K")),
+                 _reference_call),)
 
 
 def launch_geometry(m: int, n: int, k: int, sm_count: int, blocks_per_sm: int = 4) -> Launch:

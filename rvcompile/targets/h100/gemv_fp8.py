@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
+
 SOURCE = "gemv_fp8.cu"
 ENTRY = "gemv_fp8_rowscale"
 WARPS = 16  # must match the kernel
@@ -24,6 +26,21 @@ def reference(w_fp8: np.ndarray, scale: np.ndarray, x_bf16: np.ndarray) -> np.nd
     w = w_fp8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     x = np.asarray(x_bf16).astype(np.float32)
     return (x @ w.T) * scale[None, :].astype(np.float32)
+
+
+def reference_call(c: Call) -> None:
+    """y = x @ W^T * scale of a launch of this GEMV's arguments (also gemv_mma_fp8's and
+    gemm_fp8w's)."""
+    m, n, k = c["M"], c["N"], c["K"]
+    c.array("y", (m, n))[:] = reference(c.array("W", (n, k)), c.array("scale", (n,)),
+                                        c.array("x", (m, k)))
+
+
+# (W e4m3 [N, K], scale f32 [N], x bf16 [M, K], y f32 [M, N], M, N, K): gemv_mma_fp8's and
+# gemm_fp8w's parameters too.
+PARAMS = (ptr("W", "float8_e4m3fn"), ptr("scale", "float32"), ptr("x", "bfloat16"),
+          ptr("y", "float32", "out"), i32("M"), i32("N"), i32("K"))
+ENTRIES = (Entry(ENTRY, SOURCE, PARAMS, reference_call),)
 
 
 @dataclass(frozen=True)

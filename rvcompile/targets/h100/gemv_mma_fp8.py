@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rvcompile.targets.h100 import gemv_fp8
+from rvcompile.targets.h100.contract import Entry
 
 SOURCE = "gemv_mma_fp8.cu"
 # Must match the kernel.
@@ -55,6 +56,11 @@ def entry_name(rows: int, warps: int, split: int) -> str:
 def entry_names() -> list[str]:
     """Every entry the module defines."""
     return [entry_name(r, w, s) for r in ROW_BUCKETS for w in WARPS for s in SPLITS]
+
+
+# gemv_fp8's parameters and product.
+ENTRIES = tuple(Entry(name, SOURCE, gemv_fp8.PARAMS, gemv_fp8.reference_call)
+                for name in entry_names())
 
 
 def row_bucket(m: int) -> int:

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "head.cu"
@@ -44,6 +45,36 @@ def embed_rows(table: np.ndarray, ids: np.ndarray, mult: float,
     if row_scale is not None:
         table = np.asarray(table).view(ml_dtypes.float8_e4m3fn)
     return ops.ref_embed(ops.EmbedAttrs(mult), table, np.asarray(ids), row_scale)
+
+
+def _argmax_call(c: Call) -> None:
+    m, v = c.grid[0], c["V"]
+    c.array("out", (m,))[:] = softcap_argmax(c.array("logits", (m, v)), c["cap"])
+
+
+def _embed_call(c: Call) -> None:
+    """The table rows up to the largest id (the table's height is no argument)."""
+    m, h = c.grid[1], c["H"]
+    ids = np.asarray(c.array("ids", (m,)))
+    height = int(ids.max()) + 1
+    scale = c.array("row_scale", (height,)) if "row_scale" in c else None
+    rows = c.array("table", (height, h))[ids]
+    c.array("h", (m, h))[:] = embed_rows(rows, np.arange(m), c["mult"],
+                                         None if scale is None else scale[ids])
+
+
+def _entries():
+    yield Entry(ARGMAX_ENTRY, SOURCE, (ptr("logits", "float32"), i32("V"), f32("cap"),
+                                       ptr("out", "int32", "out")), _argmax_call)
+    for name, dtype in ((EMBED_BF16_ENTRY, "bfloat16"), (EMBED_FP8_ENTRY, "float8_e4m3fn"),
+                        (EMBED_F32_ENTRY, "float32")):
+        scale = (ptr("row_scale", "float32"),) if dtype == "float8_e4m3fn" else ()
+        yield Entry(name, SOURCE, (ptr("table", dtype), *scale, ptr("ids", "int32"),
+                                   f32("mult"), ptr("h", "float32", "out"), i32("H")),
+                    _embed_call)
+
+
+ENTRIES = tuple(_entries())
 
 
 def argmax_geometry(m: int, v: int) -> Launch:

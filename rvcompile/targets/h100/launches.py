@@ -1,10 +1,11 @@
 """The kernel launches of one H100 entry point: a table from each IR op to the launches that
 compute it (LOWER), applied to every node of embed, each layer, head and sampler in order.
 
-Input: the IR after the h100 pipelines' fusions (build.TARGETS), where each op is a unit the
+Input: the IR after the h100 pipelines' fusions (target.py), where each op is a unit the
 kernels run: ATTENTION_BLOCK, MOE_BLOCK, PLE_EMBED, PLE_PROJECTION, RESIDUAL_RMSNORM with its
 NEXT_NORM, the fused GEMVs. An op's function reads its inputs' values (the buffers holding them),
-emits launches over symbolic pointers (layout.Ref) and returns its own value. Two ops write what
+emits launches over symbolic pointers (layout.Ref), each argument named after the kernel's
+parameter and checked against its entry (contract.py), and returns its own value. Two ops write what
 their readers read, in their own launch:
 - RESIDUAL_RMSNORM also writes its NEXT_NORM reader's value (`residual_rmsnorm`); with none,
   in a bf16 plan where a LINEAR reads it, the bf16 copy of h the GEMV reads
@@ -15,8 +16,9 @@ Whatever has no kernel stops the build with a LoweringError naming the op and gr
 Kernels follow the IR's dtypes: with every matrix float32 (h100-f32) activations, the values
 linears read and the KV pools stay float32 (the `_f32` entries: each linear a float32 GEMV per
 4 rows; prefill attention through the decode kernel, a row per query); else linears read bf16
-copies and FP8 weights (GEMV up to 4 rows, the FP8-weight GEMM beyond; the bf16 GEMV for the
-tied head), and prefill attention is the flash-style attn_prefill.
+copies and FP8 weights (EntryLowering.gemv: the tensor-core GEMV up to 32 rows, per-token e4m3
+activations and the tensor-core GEMM beyond; the bf16 GEMV for the tied head), and prefill
+attention is the flash-style attn_prefill.
 """
 
 from __future__ import annotations
@@ -33,18 +35,22 @@ from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
+    gemm_fp8_tc,
     gemm_fp8w,
     gemv_bf16,
     gemv_f32,
     gemv_fp8,
+    gemv_mma_fp8,
     head,
     moe,
     norms,
     ple,
     qkv_post,
+    registry,
     rows,
     sample,
 )
+from rvcompile.targets.h100.contract import ContractError, ParamsValue
 from rvcompile.targets.h100.layout import (
     Constants,
     EntryPlan,
@@ -55,15 +61,16 @@ from rvcompile.targets.h100.layout import (
 )
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
+# One-row FP8 products that gemv_fp8 streams faster than gemv_mma_fp8: K at most this, N at least
+# ONE_ROW_FP8_MIN_N, and gemv_mma_fp8's default launch splitting K. Fit to
+# benchmarks/h100_gemv_mma.py --model gemma-4-E4B / gemma-4-26B-A4B --rows 1,2,4,8 on an H100
+# (2026-11-24, docs/BENCHMARKS.md): one decode step's FP8 linears at M = 1 then take 2.677 / 1.242
+# ms (E4B / 26B-A4B) against 2.669 / 1.232 for the faster kernel per shape, 2.692 / 1.351 for
+# gemv_mma_fp8 alone; the 31B's (K >= 5376) stay on gemv_mma_fp8. From two rows on gemv_mma_fp8
+# is faster at every shape measured (gemv_fp8 reads W once per row).
+ONE_ROW_FP8_MAX_K = 4096
+ONE_ROW_FP8_MIN_N = 2816
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
-
-
-def _i32(v) -> tuple:
-    return ("i32", int(v))
-
-
-def _f32(v) -> tuple:
-    return ("f32", float(v))
 
 
 def float32_activations(ir: ModelIR) -> bool:
@@ -138,8 +145,15 @@ class EntryLowering:
         self.sizes[key] = nbytes
         return Ref("act", key)
 
-    def emit(self, module: str, kernel: str, geometry, *args) -> None:
-        self.launches.append(PlannedLaunch(module, kernel, geometry, tuple(args)))
+    def emit(self, kernel: str, geometry, **args) -> None:
+        """A launch of `kernel` with its arguments by parameter name, checked against the
+        entry's declaration (contract.py): pointers are Refs (None: null), scalars numbers."""
+        entry = registry.entry(kernel)
+        try:
+            bound = entry.bind(args, Ref)
+        except ContractError as e:
+            raise LoweringError(str(e)) from None
+        self.launches.append(PlannedLaunch(entry.source, kernel, geometry, bound))
 
     def residual_stream(self) -> _Val:
         return _Val(self.cfg.hidden_size, f32=self.h, lin=self.h if self.f32 else None)
@@ -194,20 +208,19 @@ class EntryLowering:
         table = at.weight(0)
         if not at.is_arg(1, "tokens"):
             raise LoweringError("embedding ids other than the step's tokens")
-        dtype, mult = self.specs[table].dtype, _f32(at.node.attrs.multiplier)
+        dtype, mult = self.specs[table].dtype, at.node.attrs.multiplier
         hdim = self.cfg.hidden_size
         tokens = Ref("io", "tokens")
         if dtype == "bfloat16":
-            self.emit(head.SOURCE, head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
-                      Ref("weights", table), tokens, mult, self.h, _i32(hdim))
+            self.emit(head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
+                      table=Ref("weights", table), ids=tokens, mult=mult, h=self.h, H=hdim)
         elif dtype == "float32":
-            self.emit(head.SOURCE, head.EMBED_F32_ENTRY,
-                      head.embed_geometry(self.m, hdim, False, f32=True), Ref("weights", table),
-                      tokens, mult, self.h, _i32(hdim))
+            self.emit(head.EMBED_F32_ENTRY, head.embed_geometry(self.m, hdim, False, f32=True),
+                      table=Ref("weights", table), ids=tokens, mult=mult, h=self.h, H=hdim)
         elif dtype == "float8_e4m3fn":
-            self.emit(head.SOURCE, head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
-                      Ref("weights", table), Ref("weights", f"{table}.scale"), tokens, mult,
-                      self.h, _i32(hdim))
+            self.emit(head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
+                      table=Ref("weights", table), row_scale=Ref("weights", f"{table}.scale"),
+                      ids=tokens, mult=mult, h=self.h, H=hdim)
         else:
             raise LoweringError(f"embedding table dtype {dtype}")
         return self.residual_stream()
@@ -221,8 +234,8 @@ class EntryLowering:
         w = Ref("weights", at.weight(1))
         y = self.buffer(self.m * x.cols * self.lin_size)
         entry = norms.RMSNORM_F32_ENTRY if self.f32 else norms.RMSNORM_ENTRY
-        self.emit(norms.SOURCE, entry, norms.launch_geometry(self.m, x.cols), x.f32, w, y,
-                  _i32(x.cols), _f32(n.attrs.eps))
+        self.emit(entry, norms.launch_geometry(self.m, x.cols), x=x.f32, w=w, y=y, H=x.cols,
+                  eps=n.attrs.eps)
         return _Val(x.cols, f32=y if self.f32 else None, lin=y)
 
     def next_norm(self, at: _At):
@@ -239,7 +252,7 @@ class EntryLowering:
             raise LoweringError("residual add into something other than the residual stream")
         if not (isinstance(x, _Val) and x.f32 is not None):
             raise LoweringError("residual add of a value with no float32 copy")
-        hdim, eps = self.cfg.hidden_size, _f32(n.attrs.eps)
+        hdim, eps = self.cfg.hidden_size, n.attrs.eps
         w_post = Ref("weights", at.weight(2))
         scalar = (Ref("weights", at.weight(3)) if len(n.inputs) > 3
                   else self.consts.add(np.ones(1)))
@@ -254,48 +267,71 @@ class EntryLowering:
             w_next = Ref("weights", at.weight(1, of=nxt[0]))
             y = self.buffer(self.m * hdim * self.lin_size)
             self.next_norms[nxt[0]] = _Val(hdim, f32=y if self.f32 else None, lin=y)
-            self.emit(norms.SOURCE, entry, geometry, self.h, x.f32, w_post, scalar, w_next, y,
-                      _i32(hdim), eps)
+            self.emit(entry, geometry, h=self.h, x=x.f32, w_post=w_post, scalar=scalar,
+                      w_next=w_next, y=y, H=hdim, eps=eps)
         elif not self.f32 and any(g.nodes[u].op in GEMV_READERS for u in at.users):
             out.lin = self.buffer(self.m * hdim * 2)
-            self.emit(ple.SOURCE, ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim),
-                      self.h, x.f32, w_post, scalar, out.lin, _i32(hdim), eps)
+            self.emit(ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim),
+                      h=self.h, x=x.f32, w_post=w_post, scalar=scalar, y=out.lin, H=hdim, eps=eps)
         else:
             ones = self.consts.add(np.ones(hdim))
-            self.emit(norms.SOURCE, entry, geometry, self.h, x.f32, w_post, scalar, ones,
-                      self.buffer(self.m * hdim * self.lin_size), _i32(hdim), eps)
+            self.emit(entry, geometry, h=self.h, x=x.f32, w_post=w_post, scalar=scalar,
+                      w_next=ones, y=self.buffer(self.m * hdim * self.lin_size), H=hdim, eps=eps)
         return out
 
     # -- linears
 
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
-        """y[rows, n] = x[rows, k] (bf16) @ W^T: the streaming GEMV up to its MAX_ROWS rows, the
-        tensor-core GEMM beyond (FP8 weights); the bf16 head GEMV in groups of MAX_ROWS. Float32
-        weights (x float32 too): the float32 GEMV in groups of MAX_ROWS."""
+        """y[rows, n] (float32) = x[rows, k] @ W^T, by W's dtype and the row count:
+        - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
+        - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS;
+        - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
+          GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
+          entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
+          (fp8_gemm)."""
         if self.specs[w.key].dtype == "float32":
             for r0 in range(0, rows, gemv_f32.MAX_ROWS):
                 r = min(gemv_f32.MAX_ROWS, rows - r0)
-                self.emit(gemv_f32.SOURCE, gemv_f32.ENTRY,
-                          gemv_f32.launch_geometry(r, n, k, SM_COUNT), w, x.at(r0 * k * 4),
-                          y.at(r0 * n * 4), _i32(r), _i32(n), _i32(k))
-            return
-        if scale is not None and rows > gemv_fp8.MAX_ROWS:
+                self.emit(gemv_f32.ENTRY, gemv_f32.launch_geometry(r, n, k, SM_COUNT), W=w,
+                          x=x.at(r0 * k * 4), y=y.at(r0 * n * 4), M=r, N=n, K=k)
+        elif scale is None:
+            for r0 in range(0, rows, gemv_bf16.MAX_ROWS):
+                r = min(gemv_bf16.MAX_ROWS, rows - r0)
+                self.emit(gemv_bf16.ENTRY, gemv_bf16.launch_geometry(r, n, k, SM_COUNT), W=w,
+                          x=x.at(r0 * k * 2), y=y.at(r0 * n * 4), M=r, N=n, K=k)
+        elif rows <= gemv_mma_fp8.MAX_ROWS:
+            self.fp8_gemv(x, w, scale, y, rows, n, k)
+        else:
+            self.fp8_gemm(x, w, scale, y, rows, n, k)
+
+    def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """gemv_mma_fp8: the weights streamed once for every row, on the tensor cores; for one
+        row of the shapes where it measured faster (ONE_ROW_FP8_*), gemv_fp8."""
+        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
+        if rows == 1 and k <= ONE_ROW_FP8_MAX_K and n >= ONE_ROW_FP8_MIN_N and g.grid[2] > 1:
+            self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
+                      scale=scale, x=x, y=y, M=1, N=n, K=k)
+        else:
+            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
+
+    def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row; a separate launch,
+        not yet fused into the kernels writing x), then gemm_fp8_tc at its default tile with
+        its parameter block (probed at build: gemm_fp8_tc.params_template). An output width the
+        GEMM's TMA strides cannot take (N % 8) goes to the mma.sync FP8-weight GEMM instead."""
+        try:
+            gemm_fp8_tc.check_shape(rows, n, k)
+        except ValueError:
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
-            self.emit(gemm_fp8w.SOURCE, g.entry, gemv_fp8.Launch(g.grid, g.block, g.smem), w,
-                      scale, x, y, _i32(rows), _i32(n), _i32(k))
+            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
             return
-        step = gemv_fp8.MAX_ROWS
-        for r0 in range(0, rows, step):
-            r = min(step, rows - r0)
-            xr, yr = x.at(r0 * k * 2), y.at(r0 * n * 4)
-            if scale is None:
-                self.emit(gemv_bf16.SOURCE, gemv_bf16.ENTRY,
-                          gemv_bf16.launch_geometry(r, n, k, SM_COUNT), w, xr, yr, _i32(r),
-                          _i32(n), _i32(k))
-            else:
-                self.emit(gemv_fp8.SOURCE, gemv_fp8.ENTRY,
-                          gemv_fp8.launch_geometry(r, n, k, SM_COUNT), w, scale, xr, yr, _i32(r),
-                          _i32(n), _i32(k))
+        q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+        quant = gemm_fp8_tc.quant_launch(rows, k, "bfloat16")
+        self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
+        entry = gemm_fp8_tc.default_entry(rows, n, SM_COUNT)
+        t = gemm_fp8_tc.params_template(entry, rows, n, k, SM_COUNT)
+        roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
+        self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
 
     def linear_weights(self, at: _At, first: int, count: int) -> tuple[list[str], list[str]]:
         """(values, scales) of the `count` weights from input `first` on."""
@@ -317,8 +353,8 @@ class EntryLowering:
         if isinstance(x, _Val) and x.f32 == self.h and x.lin is None:
             hdim = self.cfg.hidden_size
             x.lin = self.buffer(self.m * hdim * 2)
-            self.emit(ple.SOURCE, ple.TO_BF16_ENTRY, ple.to_bf16_geometry(self.m * hdim),
-                      self.h, x.lin, ("i64", self.m * hdim))
+            self.emit(ple.TO_BF16_ENTRY, ple.to_bf16_geometry(self.m * hdim), x=self.h, y=x.lin,
+                      n=self.m * hdim)
 
     def linear(self, at: _At):
         """LINEAR and MULTI_LINEAR; in the head of a prefill, of the last real row only."""
@@ -341,8 +377,8 @@ class EntryLowering:
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
         out = self.buffer(hdim * self.lin_size)
         entry = rows.SELECT_F32_ENTRY if self.f32 else rows.SELECT_ENTRY
-        self.emit(rows.SOURCE, entry, rows.select_geometry(hdim), x, Ref("io", "last_row"), out,
-                  _i32(hdim))
+        self.emit(entry, rows.select_geometry(hdim), src=x, row=Ref("io", "last_row"), dst=out,
+                  H=hdim)
         return out
 
     def gated(self, at: _At):
@@ -359,8 +395,8 @@ class EntryLowering:
         self.gemv(x.lin, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
                   gu, self.m, 2 * inter, k)
         out = self.buffer(self.m * inter * (4 if f32 else 2))
-        self.emit(gelu_mul.SOURCE, gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
-                  gelu_mul.launch_geometry(self.m, inter), gu, out, _i32(inter))
+        self.emit(gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
+                  gelu_mul.launch_geometry(self.m, inter), gu=gu, out=out, I=inter)
         return _Val(inter, f32=out if f32 else None, lin=out)
 
     # -- attention
@@ -399,12 +435,13 @@ class EntryLowering:
         kv_dtype = owner.dtype
         f32 = kv_dtype == "float32"  # q and the attention output stay float32 too
         q_out = self.buffer(self.m * nh * d * (4 if f32 else 2))
-        self.emit(qkv_post.SOURCE, qkv_post.entry(d, kv_dtype),
+        self.emit(qkv_post.entry(d, kv_dtype),
                   qkv_post.launch_geometry(self.m, nh, kh if write_kv else 0, d),
-                  qkv.f32, _i32(qkv.cols), _i32(nh), _i32(kh if write_kv else 0), _i32(d),
-                  _i32(a.k_eq_v), wq, wk, Ref("io", "positions"), inv_freq, _f32(a.eps), q_out,
-                  k_pool if write_kv else None, v_pool if write_kv else None, table,
-                  _i32(width), _i32(width))
+                  qkv=qkv.f32, ld=qkv.cols, nh=nh, kh=kh if write_kv else 0, d=d,
+                  k_eq_v=int(a.k_eq_v), wq=wq, wk=wk, positions=Ref("io", "positions"),
+                  inv_freq=inv_freq, eps=a.eps, q_out=q_out,
+                  k_pool=k_pool if write_kv else None, v_pool=v_pool if write_kv else None,
+                  table=table, max_blocks=width, ring=width)
         wkv = wk if a.k_eq_v else None
         window = a.window or 0
         out = self.buffer(self.m * nh * d * 4)
@@ -414,15 +451,15 @@ class EntryLowering:
         if self.kind != "decode" and self.m > 1 and not f32:
             geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
             if a.k_eq_v:
-                self.emit(attn_prefill.SOURCE, attn_prefill.entry_keqv(d, nh // kh, kv_dtype),
-                          geometry,
-                          q_out, k_pool, table, _i32(width), Ref("io", "positions"),
-                          _i32(window), _i32(kh), _i32(self.m), wkv, inv_freq, out, out_bf16)
+                self.emit(attn_prefill.entry_keqv(d, nh // kh, kv_dtype), geometry,
+                          q=q_out, base=k_pool, table=table, ring=width,
+                          positions=Ref("io", "positions"), window=window, kv_heads=kh,
+                          rows=self.m, wk=wkv, inv_freq=inv_freq, out=out, out_bf16=out_bf16)
             else:
-                self.emit(attn_prefill.SOURCE, attn_prefill.entry(d, nh // kh, kv_dtype),
-                          geometry,
-                          q_out, k_pool, v_pool, table, _i32(width), Ref("io", "positions"),
-                          _i32(window), _i32(kh), _i32(self.m), out, out_bf16)
+                self.emit(attn_prefill.entry(d, nh // kh, kv_dtype), geometry,
+                          q=q_out, kc=k_pool, vc=v_pool, table=table, ring=width,
+                          positions=Ref("io", "positions"), window=window, kv_heads=kh,
+                          rows=self.m, out=out, out_bf16=out_bf16)
             return _Val(d, f32=out, lin=out_bf16)
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
@@ -430,17 +467,18 @@ class EntryLowering:
         part_ml = self.buffer(self.m * nh * splits * 2 * 4)
         geometry = attn_decode.split_geometry(self.m, kh, splits)
         if a.k_eq_v:
-            self.emit(attn_decode.SOURCE, attn_decode.entry_keqv(d, nh // kh, kv_dtype),
-                      geometry,
-                      q_out, k_pool, table, _i32(width), _i32(width), Ref("io", "seq_len"),
-                      _i32(window), _i32(kh), wkv, inv_freq, part_acc, part_ml)
+            self.emit(attn_decode.entry_keqv(d, nh // kh, kv_dtype), geometry,
+                      q=q_out, base=k_pool, table=table, max_blocks=width, ring=width,
+                      seq_len=Ref("io", "seq_len"), window=window, kv_heads=kh, wk=wkv,
+                      inv_freq=inv_freq, part_acc=part_acc, part_ml=part_ml)
         else:
-            self.emit(attn_decode.SOURCE, attn_decode.entry(d, nh // kh, kv_dtype), geometry,
-                      q_out, k_pool, v_pool, table, _i32(width), _i32(width),
-                      Ref("io", "seq_len"), _i32(window), _i32(kh), part_acc, part_ml)
-        self.emit(attn_decode.SOURCE, attn_decode.COMBINE_ENTRY,
-                  attn_decode.combine_geometry(self.m, nh, d, splits),
-                  part_acc, part_ml, _i32(splits), _i32(d), out, out_bf16)
+            self.emit(attn_decode.entry(d, nh // kh, kv_dtype), geometry,
+                      q=q_out, kc=k_pool, vc=v_pool, table=table, max_blocks=width, ring=width,
+                      seq_len=Ref("io", "seq_len"), window=window, kv_heads=kh,
+                      part_acc=part_acc, part_ml=part_ml)
+        self.emit(attn_decode.COMBINE_ENTRY, attn_decode.combine_geometry(self.m, nh, d, splits),
+                  part_acc=part_acc, part_ml=part_ml, splits=splits, d=d, out=out,
+                  out_bf16=out_bf16)
         return _Val(d, f32=out, lin=out if f32 else out_bf16)
 
     def checked_stores(self, at: _At, kv_heads: int) -> list[Node]:
@@ -483,9 +521,9 @@ class EntryLowering:
             raise LoweringError("MoE dense branch has no float32 copy")
         hdim = self.cfg.hidden_size
         out = self.buffer(self.m * hdim * 4)
-        self.emit(moe.SOURCE, moe.BRANCH_SUM_ENTRY, moe.norm_geometry(self.m, hdim), f.f32,
-                  Ref("weights", at.weight(8)), y.f32, Ref("weights", at.weight(9)), out,
-                  _i32(hdim), _f32(a.eps))
+        self.emit(moe.BRANCH_SUM_ENTRY, moe.norm_geometry(self.m, hdim), f=f.f32,
+                  w1=Ref("weights", at.weight(8)), y=y.f32, w2=Ref("weights", at.weight(9)),
+                  out=out, H=hdim, eps=a.eps)
         return _Val(hdim, f32=out)
 
     def moe_quantized(self, at: _At, r: _Val) -> _Val:
@@ -503,42 +541,40 @@ class EntryLowering:
         inter, k, m = two_inter // 2, a.top_k, self.m
         w = {i: Ref("weights", at.weight(i)) for i in (2, 4, 5, 10, 11)}
         z, x2 = self.buffer(m * hdim * 2), self.buffer(m * hdim * 2)
-        self.emit(moe.SOURCE, moe.NORMS_ENTRY, moe.norm_geometry(m, hdim), r.f32, w[2],
-                  _f32(a.router_scale), w[4], z, x2, _i32(hdim), _f32(a.eps))
+        self.emit(moe.NORMS_ENTRY, moe.norm_geometry(m, hdim), r=r.f32, router_scale=w[2],
+                  router_mul=a.router_scale, w2=w[4], z=z, x2=x2, H=hdim, eps=a.eps)
         logits = self.buffer(m * experts * 4)
         if m <= moe.MAX_ROWS:
             self.gemv(z, Ref("weights", router), None, logits, m, experts, hdim)
         else:
-            self.emit(moe.SOURCE, moe.ROUTER_ROWS_ENTRY, moe.router_rows_geometry(m, experts, hdim),
-                      z, Ref("weights", router), logits, _i32(m), _i32(experts), _i32(hdim))
+            self.emit(moe.ROUTER_ROWS_ENTRY, moe.router_rows_geometry(m, experts, hdim), z=z,
+                      Wr=Ref("weights", router), logits=logits, M=m, E=experts, H=hdim)
         ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
-        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits, w[5],
-                  ids, weights, _i32(experts), _i32(k))
+        self.emit(moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits=logits,
+                  per_expert_scale=w[5], ids=ids, wts=weights, E=experts, K=k)
         y = self.buffer(m * hdim * 4)
-        gate_up_w = (Ref("weights", gate_up), w[10])
-        down_w = (Ref("weights", down), w[11])
+        gate_up_w = {"W": Ref("weights", gate_up), "scale": w[10]}
+        down_w = {"D": Ref("weights", down), "scale": w[11]}
         if m <= moe.MAX_ROWS:  # decode: one launch each, the chosen experts' rows only
-            dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
+            dims = {"M": m, "K": k, "I": inter, "H": hdim}
             hid = self.buffer(m * k * inter * 2)
-            self.emit(moe.SOURCE, moe.GATE_UP_ENTRY,
-                      moe.gate_up_geometry(m, k, inter, hdim, SM_COUNT), *gate_up_w, x2, ids,
-                      hid, *dims)
-            self.emit(moe.SOURCE, moe.DOWN_ENTRY, moe.down_geometry(m, k, inter, hdim, SM_COUNT),
-                      *down_w, hid, ids, weights, y, *dims)
+            self.emit(moe.GATE_UP_ENTRY, moe.gate_up_geometry(m, k, inter, hdim, SM_COUNT),
+                      **gate_up_w, x=x2, ids=ids, hid=hid, **dims)
+            self.emit(moe.DOWN_ENTRY, moe.down_geometry(m, k, inter, hdim, SM_COUNT),
+                      **down_w, hid=hid, ids=ids, wts=weights, y=y, **dims)
             return _Val(hdim, f32=y)
         pairs = m * k  # prefill: the (row, slot) pairs grouped by expert
         order, offsets = self.buffer(pairs * 4), self.buffer((experts + 1) * 4)
         hid, part = self.buffer(pairs * inter * 2), self.buffer(pairs * hdim * 4)
-        self.emit(moe.SOURCE, moe.SORT_ENTRY, moe.sort_geometry(pairs, experts), ids, order,
-                  offsets, _i32(pairs), _i32(experts))
-        self.emit(moe.SOURCE, moe.GATE_UP_GROUPED_ENTRY,
-                  moe.gate_up_grouped_geometry(experts, inter, hdim), *gate_up_w, x2, order,
-                  offsets, hid, _i32(k), _i32(inter), _i32(hdim))
-        self.emit(moe.SOURCE, moe.DOWN_GROUPED_ENTRY,
-                  moe.down_grouped_geometry(experts, inter, hdim), *down_w, hid, order, offsets,
-                  weights, part, _i32(inter), _i32(hdim))
-        self.emit(moe.SOURCE, moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, hdim), part, y,
-                  _i32(k), _i32(hdim))
+        self.emit(moe.SORT_ENTRY, moe.sort_geometry(pairs, experts), ids=ids, order=order,
+                  offsets=offsets, P=pairs, E=experts)
+        self.emit(moe.GATE_UP_GROUPED_ENTRY, moe.gate_up_grouped_geometry(experts, inter, hdim),
+                  **gate_up_w, x=x2, order=order, offsets=offsets, hid=hid, K=k, I=inter, H=hdim)
+        self.emit(moe.DOWN_GROUPED_ENTRY, moe.down_grouped_geometry(experts, inter, hdim),
+                  **down_w, hid=hid, order=order, offsets=offsets, wts=weights, part=part,
+                  I=inter, H=hdim)
+        self.emit(moe.SUM_PAIRS_ENTRY, moe.sum_pairs_geometry(m, hdim), part=part, y=y, K=k,
+                  H=hdim)
         return _Val(hdim, f32=y)
 
     def moe_f32(self, at: _At, r: _Val) -> _Val:
@@ -554,21 +590,21 @@ class EntryLowering:
         experts, two_inter, hdim = self.specs[names[6]].shape
         inter, k, m = two_inter // 2, a.top_k, self.m
         z, x2 = self.buffer(m * hdim * 4), self.buffer(m * hdim * 4)
-        self.emit(moe.SOURCE, moe.NORMS_F32_ENTRY, moe.norm_geometry(m, hdim), r.f32, w[2],
-                  _f32(a.router_scale), w[4], z, x2, _i32(hdim), _f32(a.eps))
+        self.emit(moe.NORMS_F32_ENTRY, moe.norm_geometry(m, hdim), r=r.f32, router_scale=w[2],
+                  router_mul=a.router_scale, w2=w[4], z=z, x2=x2, H=hdim, eps=a.eps)
         logits = self.buffer(m * experts * 4)
         self.gemv(z, w[3], None, logits, m, experts, hdim)
         ids, weights = self.buffer(m * k * 4), self.buffer(m * k * 4)
-        self.emit(moe.SOURCE, moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits, w[5],
-                  ids, weights, _i32(experts), _i32(k))
+        self.emit(moe.ROUTE_ENTRY, moe.route_geometry(m, experts, k), logits=logits,
+                  per_expert_scale=w[5], ids=ids, wts=weights, E=experts, K=k)
         hid, y = self.buffer(m * k * inter * 4), self.buffer(m * hdim * 4)
-        dims = (_i32(m), _i32(k), _i32(inter), _i32(hdim))
-        self.emit(moe.SOURCE, moe.GATE_UP_F32_ENTRY,
+        dims = {"M": m, "K": k, "I": inter, "H": hdim}
+        self.emit(moe.GATE_UP_F32_ENTRY,
                   moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=True),
-                  w[6], x2, ids, hid, *dims)
-        self.emit(moe.SOURCE, moe.DOWN_F32_ENTRY,
+                  W=w[6], x=x2, ids=ids, hid=hid, **dims)
+        self.emit(moe.DOWN_F32_ENTRY,
                   moe.expert_f32_geometry(m, k, inter, hdim, SM_COUNT, gate_up=False),
-                  w[7], hid, ids, weights, y, *dims)
+                  D=w[7], hid=hid, ids=ids, wts=weights, y=y, **dims)
         return _Val(hdim, f32=y)
 
     # -- per-layer inputs (PLE)
@@ -587,10 +623,11 @@ class EntryLowering:
                                 "ple_combine gathers bf16 or float32 rows")
         layers, p = self.cfg.num_layers, self.cfg.hidden_size_per_layer_input
         out = self.buffer(self.m * layers * p * 4)
-        self.emit(ple.SOURCE, entry, ple.combine_geometry(self.m, layers, p),
-                  ctx.f32, Ref("weights", table), Ref("io", "tokens"),
-                  Ref("weights", at.weight(3)), out, _f32(a.ctx_scale), _f32(a.table_scale),
-                  _f32(a.out_scale), _f32(a.eps), _i32(self.m), _i32(layers), _i32(p))
+        self.emit(entry, ple.combine_geometry(self.m, layers, p), ctx=ctx.f32,
+                  table=Ref("weights", table), ids=Ref("io", "tokens"),
+                  w=Ref("weights", at.weight(3)), ple=out, ctx_scale=a.ctx_scale,
+                  tok_mult=a.table_scale, out_scale=a.out_scale, eps=a.eps, M=self.m, L=layers,
+                  P=p)
         return out
 
     def ple_projection(self, at: _At):
@@ -604,26 +641,26 @@ class EntryLowering:
             raise LoweringError("ple_projection of other than the layer's per-layer input")
         values, scales = self.linear_weights(at, 2, 1)
         hdim, p = self.specs[values[0]].shape
-        layer, layers = _i32(at.spec.index), _i32(self.cfg.num_layers)
+        layer = {"layer": at.spec.index, "L": self.cfg.num_layers}
         y = self.buffer(self.m * hdim * 4)
         if self.specs[values[0]].dtype == "float32":
-            self.emit(ple.SOURCE, ple.PROJECT_F32_ENTRY,
-                      ple.project_geometry(self.m, hdim, p, SM_COUNT, f32=True), gate.f32,
-                      self.ple, layer, layers, Ref("weights", values[0]), y, _i32(self.m),
-                      _i32(hdim), _i32(p))
+            self.emit(ple.PROJECT_F32_ENTRY,
+                      ple.project_geometry(self.m, hdim, p, SM_COUNT, f32=True), gate=gate.f32,
+                      ple=self.ple, **layer, W=Ref("weights", values[0]), y=y, M=self.m, N=hdim,
+                      P=p)
             return _Val(hdim, f32=y)
         if not scales:
             raise LoweringError("the per-layer projection needs FP8 or float32 weights")
         if ple.use_gemm(self.m, p):
             gated = self.buffer(self.m * p * 2)
-            self.emit(ple.SOURCE, ple.GELU_MUL_ENTRY, ple.gelu_mul_geometry(self.m, p),
-                      gate.f32, self.ple, layer, layers, gated, _i32(self.m), _i32(p))
+            self.emit(ple.GELU_MUL_ENTRY, ple.gelu_mul_geometry(self.m, p), gate=gate.f32,
+                      ple=self.ple, **layer, out=gated, M=self.m, P=p)
             self.gemv(gated, Ref("weights", values[0]), Ref("weights", scales[0]), y, self.m,
                       hdim, p)
             return _Val(hdim, f32=y)
-        self.emit(ple.SOURCE, ple.PROJECT_ENTRY, ple.project_geometry(self.m, hdim, p, SM_COUNT),
-                  gate.f32, self.ple, layer, layers, Ref("weights", values[0]),
-                  Ref("weights", scales[0]), y, _i32(self.m), _i32(hdim), _i32(p))
+        self.emit(ple.PROJECT_ENTRY, ple.project_geometry(self.m, hdim, p, SM_COUNT),
+                  gate=gate.f32, ple=self.ple, **layer, W=Ref("weights", values[0]),
+                  scale=Ref("weights", scales[0]), y=y, M=self.m, N=hdim, P=p)
         return _Val(hdim, f32=y)
 
     # -- logits and sampling
@@ -634,8 +671,7 @@ class EntryLowering:
         if self.kind != "logits":
             return x  # the sampler applies the cap on the fly
         n = self.m * x.cols
-        self.emit(rows.SOURCE, rows.SOFTCAP_ENTRY, rows.softcap_geometry(n), x.f32, ("i64", n),
-                  _f32(self.softcap))
+        self.emit(rows.SOFTCAP_ENTRY, rows.softcap_geometry(n), x=x.f32, n=n, cap=self.softcap)
         self.outputs["logits"] = (x.f32, "float32", (self.m, x.cols))
         return x
 
@@ -648,12 +684,11 @@ class EntryLowering:
         plan = sample.plan(m, v, SM_COUNT)
         ws, out = self.buffer(plan.workspace), self.buffer(m * 4)
         io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
-        self.emit(sample.SOURCE, sample.PREPARE_ENTRY, plan.prepare, logits.f32, _i32(m), _i32(v),
-                  _f32(self.softcap or 0.0), ws)
-        self.emit(sample.SOURCE, sample.FILTER_ENTRY, plan.filter, _i32(m), _i32(v),
-                  _i32(plan.chunk), io["temperature"], io["top_k"], ws)
-        self.emit(sample.SOURCE, sample.PICK_ENTRY, plan.pick, _i32(m), _i32(v),
-                  io["temperature"], io["top_k"], io["top_p"], io["seed"], io["step"], ws, out)
+        self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v,
+                  cap=self.softcap or 0.0, workspace=ws)
+        self.emit(sample.FILTER_ENTRY, plan.filter, M=m, V=v, chunk=plan.chunk,
+                  temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
+        self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
         self.outputs["out_tokens"] = (out, "int32", (m,))
         return None
 

@@ -7,7 +7,7 @@ region, a key in it, a byte offset); `place` turns each into an arena offset.
   fused GEMV (a MULTI_LINEAR's or GATED_LINEAR's weights) come first and adjacent, values then
   scales, so one launch reads them as one matrix;
 - constants: float32 arrays the launches need (RoPE frequencies, ones), each stored once;
-- KV pools, per cache-owning layer (KV-shared layers read their producer's): `slots * width`
+- KV pools, per cache-owning layer (KV-shared layers read their producer's): `max_seqs * width`
   blocks of 16 tokens, width the blocks a sequence spans: the whole context for full layers, a
   ring of window + chunk - 1 tokens plus a block for sliding ones; K=V layers one pool of
   normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches are;
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import (
     Arg,
     EntryPoint,
@@ -31,11 +32,13 @@ from rvcompile.artifacts.kernel_schedule import (
     KvKindLayout,
     KvLayout,
     Launch,
+    ParamsBlock,
 )
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
+from rvcompile.targets.h100.contract import Bound, ParamsValue
 
 BLOCK = attn_decode.BLOCK
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
@@ -64,7 +67,17 @@ class PlannedLaunch:
     module: str
     kernel: str
     geometry: gemv_fp8.Launch
-    args: tuple  # Ref | ("i32", v) | ("i64", v) | ("f32", v) | None (null pointer)
+    args: tuple[Bound, ...]  # checked against the entry, in its order; pointers are Refs
+
+    def refs(self) -> list[Ref]:
+        """Every buffer the launch names, a parameter block's roles included."""
+        out = []
+        for a in self.args:
+            if isinstance(a.value, ParamsValue):
+                out += [ref for _, ref in a.value.roles]
+            elif isinstance(a.value, Ref):
+                out.append(a.value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -203,22 +216,22 @@ def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tupl
     }
 
 
-def _kv_kinds(ir: ModelIR, kv: KvPools, slots: int) -> tuple[KvKindLayout, ...]:
+def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ...]:
     pools = kv.pools.values()
     kinds = []
     if any(not p.ring for p in pools):
-        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, slots * kv.full))
+        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, max_seqs * kv.full))
     if any(p.ring for p in pools):
         window = max(ir.config.layers[p.layer].window for p in pools if p.ring)
         kinds.append(KvKindLayout("sliding", "table_ring", kv.ring, True, window,
-                                  slots * kv.ring))
+                                  max_seqs * kv.ring))
     return tuple(kinds)
 
 
 # ---------------------------------------------------------------- the arena
 
 def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
-          weights_bytes: int, consts: Constants, kv: KvPools, slots: int,
+          weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
           max_rows: int) -> KernelSchedule:
     """The schedule: regions placed one after another, every pointer an arena offset."""
     offset = weights_bytes
@@ -227,7 +240,7 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     kv_offset = offset
     pool_offsets: dict[tuple[int, int], int] = {}
     for layer, pool in sorted(kv.pools.items()):
-        nbytes = (slots * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
+        nbytes = (max_seqs * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
                   * numpy_dtype(pool.dtype).itemsize)
         for t in range(len(pool.names)):
             pool_offsets[(layer, t)] = offset
@@ -243,8 +256,9 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
     outputs: dict[str, Field] = {}
+    templates: dict[str, ParamsTemplate] = {}
     for e in entries:
-        uses = [tuple(a.key for a in launch.args if isinstance(a, Ref) and a.region == "act")
+        uses = [tuple(r.key for r in launch.refs() if r.region == "act")
                 for launch in e.launches]
         lives = memory_plan.lifetimes(uses, e.sizes)
         offsets, total = memory_plan.plan(lives)
@@ -259,12 +273,18 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                                  "io": lambda: io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
-        def arg(a, address=address) -> Arg:
-            if a is None:
-                return Arg("null", 0)
-            if isinstance(a, Ref):
-                return Arg("ptr", address(a))
-            return Arg(a[0], a[1])
+        def arg(a: Bound, address=address) -> Arg:
+            if a.param.kind == "params":  # the template once per name, the roles' offsets
+                p = a.value
+                if templates.setdefault(p.name, p.template) != p.template:
+                    raise LoweringError(f"two parameter templates named {p.name}")
+                return Arg(a.param.name, "params",
+                           ParamsBlock(p.name, {role: address(ref) for role, ref in p.roles}))
+            if a.param.kind != "ptr":
+                return Arg(a.param.name, a.param.kind, a.value)
+            if a.value is None:
+                return Arg(a.param.name, "null", 0)
+            return Arg(a.param.name, "ptr", address(a.value))
 
         resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
             Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
@@ -275,8 +295,8 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     return KernelSchedule(
         arena_bytes=memory_plan.align(act_offset + act_bytes), weights_bytes=weights_bytes,
         constants_offset=const_offset, constants_bytes=consts.size, kv_offset=kv_offset,
-        io_offset=io_offset, io_bytes=io_bytes, slots=slots, max_context=ir.max_context,
+        io_offset=io_offset, io_bytes=io_bytes, max_seqs=max_seqs, max_context=ir.max_context,
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
         kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
-                    _kv_kinds(ir, kv, slots)),
-        io=io, outputs=outputs, entries=resolved, cubins={})
+                    _kv_kinds(ir, kv, max_seqs)),
+        io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates)

@@ -2,9 +2,9 @@
 every entry point (launches.py: one table from IR op to launches) placed in one arena
 (layout.py).
 
-Input: the IR after an h100 pipeline (build.TARGETS): quantized (cast_bf16 + quantize_fp8:
+Input: the IR after an h100 pipeline (target.py): quantized (cast_bf16 + quantize_fp8:
 h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only ops the kernels run
-as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... slots (CUDA graphs at load),
+as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs at load),
 `prefill_{T}` per bucket, `logits_{max_chunk}`.
 """
 
@@ -29,25 +29,25 @@ class H100Lowering:
     modules: tuple[str, ...]  # kernel sources the schedule launches
 
 
-def decode_buckets(slots: int) -> tuple[int, ...]:
-    """Decode graphs for 1, 2, 4, ... sequences, and all slots."""
+def decode_buckets(max_seqs: int) -> tuple[int, ...]:
+    """Decode graphs for 1, 2, 4, ... sequences, and max_seqs."""
     out, b = [], 1
-    while b < slots:
+    while b < max_seqs:
         out.append(b)
         b *= 2
-    return (*out, slots)
+    return (*out, max_seqs)
 
 
-def lower_to_h100(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...]) -> H100Lowering:
+def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]) -> H100Lowering:
     weights, weights_bytes = layout_weights(ir)
     consts = layout.Constants()
     kv = layout.kv_pools(ir)
-    entries = [("decode", f"decode_{b}", b) for b in decode_buckets(slots)]
+    entries = [("decode", f"decode_{b}", b) for b in decode_buckets(max_seqs)]
     entries += [("prefill", f"prefill_{t}", t) for t in sorted(set(prefill_buckets))]
     entries += [("logits", f"logits_{ir.max_chunk}", ir.max_chunk)]
     plans = [EntryLowering(ir, kind, rows, consts, kv.pools).run(name)
              for kind, name, rows in entries]
-    max_rows = max(max(prefill_buckets), ir.max_chunk, slots)
-    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, slots, max_rows)
+    max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs)
+    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches}))
     return H100Lowering(schedule, consts.data(), {k: [v] for k, v in weights.items()}, modules)

@@ -38,10 +38,13 @@ H % 4 == 0, I % 4 == 0.
 
 from __future__ import annotations
 
+from functools import partial
+
 import ml_dtypes
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import MAX_SMEM, Launch
 
 SOURCE = "moe.cu"
@@ -306,3 +309,148 @@ def sum_pairs_geometry(m: int, h: int) -> Launch:
 def chosen_expert_bytes(k: int, inter: int, h: int) -> tuple[int, int]:
     """(gate_up, down) FP8 weight bytes one row's K experts stream, scales included."""
     return k * (2 * inter * h + 2 * inter * 4), k * (h * inter + h * 4)
+
+
+# ---------------------------------------------------------------- entries
+
+def _norms_call(ref, c: Call) -> None:
+    m, h = c.grid[0], c["H"]
+    z, x2 = ref(c.array("r", (m, h)), c.array("router_scale", (h,)), c["router_mul"],
+                c.array("w2", (h,)), c["eps"])
+    c.array("z", (m, h))[:] = z
+    c.array("x2", (m, h))[:] = x2
+
+
+def _route_call(c: Call) -> None:
+    m, e, k = c.grid[0], c["E"], c["K"]
+    ids, wts = route_reference(c.array("logits", (m, e)), c.array("per_expert_scale", (e,)), k)
+    c.array("ids", (m, k))[:] = ids
+    c.array("wts", (m, k))[:] = wts
+
+
+def _experts(ids: np.ndarray) -> int:
+    """The experts up to the highest chosen id (the expert count is no argument)."""
+    return int(np.max(ids)) + 1
+
+
+def _gate_up_call(c: Call) -> None:
+    m, k, inter, h = c["M"], c["K"], c["I"], c["H"]
+    ids = c.array("ids", (m, k))
+    e = _experts(ids)
+    w, x = c.array("W", (e, 2 * inter, h)), c.array("x", (m, h))
+    hid = c.array("hid", (m, k, inter))
+    if "scale" in c:
+        hid[:] = gate_up_reference(w, c.array("scale", (e, 2 * inter)), x, ids)
+    else:
+        hid[:] = gate_up_f32_reference(w, x, ids)
+
+
+def _down_call(c: Call) -> None:
+    m, k, inter, h = c["M"], c["K"], c["I"], c["H"]
+    ids = c.array("ids", (m, k))
+    e = _experts(ids)
+    d, hid = c.array("D", (e, h, inter)), c.array("hid", (m, k, inter))
+    wts, y = c.array("wts", (m, k)), c.array("y", (m, h))
+    if "scale" in c:
+        y[:] = down_reference(d, c.array("scale", (e, h)), hid, ids, wts)
+    else:
+        y[:] = down_f32_reference(d, hid, ids, wts)
+
+
+def _branch_sum_call(c: Call) -> None:
+    m, h = c.grid[0], c["H"]
+    c.array("out", (m, h))[:] = branch_sum_reference(
+        c.array("f", (m, h)), c.array("w1", (h,)), c.array("y", (m, h)), c.array("w2", (h,)),
+        c["eps"])
+
+
+def _sort_call(c: Call) -> None:
+    pairs, e = c["P"], c["E"]
+    order, offsets = sort_reference(c.array("ids", (pairs,)), e)
+    c.array("order", (pairs,))[:] = order
+    c.array("offsets", (e + 1,))[:] = offsets
+
+
+def _grouping(c: Call) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets) as the grouped kernels read them: E from the grid, P from offsets."""
+    offsets = c.array("offsets", (c.grid[1] + 1,))
+    return c.array("order", (int(offsets[-1]),)), offsets
+
+
+def _gate_up_grouped_call(c: Call) -> None:
+    k, inter, h = c["K"], c["I"], c["H"]
+    order, offsets = _grouping(c)
+    e, pairs = len(offsets) - 1, len(order)
+    c.array("hid", (pairs, inter))[:] = gate_up_grouped_reference(
+        c.array("W", (e, 2 * inter, h)), c.array("scale", (e, 2 * inter)),
+        c.array("x", (pairs // k, h)), order, offsets, k)
+
+
+def _down_grouped_call(c: Call) -> None:
+    inter, h = c["I"], c["H"]
+    order, offsets = _grouping(c)
+    e, pairs = len(offsets) - 1, len(order)
+    c.array("part", (pairs, h))[:] = down_grouped_reference(
+        c.array("D", (e, h, inter)), c.array("scale", (e, h)), c.array("hid", (pairs, inter)),
+        order, offsets, c.array("wts", (pairs,)))
+
+
+def _sum_pairs_call(c: Call) -> None:
+    m, k, h = c.grid[1], c["K"], c["H"]
+    c.array("y", (m, h))[:] = sum_pairs_reference(c.array("part", (m * k, h)), k)
+
+
+def _router_rows_call(c: Call) -> None:
+    m, e, h = c["M"], c["E"], c["H"]
+    c.array("logits", (m, e))[:] = router_rows_reference(c.array("z", (m, h)),
+                                                         c.array("Wr", (e, h)))
+
+
+def _entries():
+    dims = (i32("M"), i32("K"), i32("I"), i32("H"))
+    for name, dtype, ref in ((NORMS_ENTRY, "bfloat16", norms_reference),
+                             (NORMS_F32_ENTRY, "float32", norms_f32_reference)):
+        yield Entry(name, SOURCE, (ptr("r", "float32"), ptr("router_scale", "float32"),
+                                   f32("router_mul"), ptr("w2", "float32"),
+                                   ptr("z", dtype, "out"), ptr("x2", dtype, "out"), i32("H"),
+                                   f32("eps")), partial(_norms_call, ref))
+    yield Entry(ROUTE_ENTRY, SOURCE, (ptr("logits", "float32"), ptr("per_expert_scale", "float32"),
+                                      ptr("ids", "int32", "out"), ptr("wts", "float32", "out"),
+                                      i32("E"), i32("K")), _route_call)
+    yield Entry(GATE_UP_ENTRY, SOURCE, (ptr("W", "float8_e4m3fn"), ptr("scale", "float32"),
+                                        ptr("x", "bfloat16"), ptr("ids", "int32"),
+                                        ptr("hid", "bfloat16", "out"), *dims), _gate_up_call)
+    yield Entry(DOWN_ENTRY, SOURCE, (ptr("D", "float8_e4m3fn"), ptr("scale", "float32"),
+                                     ptr("hid", "bfloat16"), ptr("ids", "int32"),
+                                     ptr("wts", "float32"), ptr("y", "float32", "out"), *dims),
+                _down_call)
+    yield Entry(BRANCH_SUM_ENTRY, SOURCE, (ptr("f", "float32"), ptr("w1", "float32"),
+                                           ptr("y", "float32"), ptr("w2", "float32"),
+                                           ptr("out", "float32", "out"), i32("H"), f32("eps")),
+                _branch_sum_call)
+    yield Entry(SORT_ENTRY, SOURCE, (ptr("ids", "int32"), ptr("order", "int32", "out"),
+                                     ptr("offsets", "int32", "out"), i32("P"), i32("E")),
+                _sort_call)
+    grouping = (ptr("order", "int32"), ptr("offsets", "int32"))
+    yield Entry(GATE_UP_GROUPED_ENTRY, SOURCE,
+                (ptr("W", "float8_e4m3fn"), ptr("scale", "float32"), ptr("x", "bfloat16"),
+                 *grouping, ptr("hid", "bfloat16", "out"), i32("K"), i32("I"), i32("H")),
+                _gate_up_grouped_call)
+    yield Entry(DOWN_GROUPED_ENTRY, SOURCE,
+                (ptr("D", "float8_e4m3fn"), ptr("scale", "float32"), ptr("hid", "bfloat16"),
+                 *grouping, ptr("wts", "float32"), ptr("part", "float32", "out"), i32("I"),
+                 i32("H")), _down_grouped_call)
+    yield Entry(SUM_PAIRS_ENTRY, SOURCE, (ptr("part", "float32"), ptr("y", "float32", "out"),
+                                          i32("K"), i32("H")), _sum_pairs_call)
+    yield Entry(ROUTER_ROWS_ENTRY, SOURCE, (ptr("z", "bfloat16"), ptr("Wr", "bfloat16"),
+                                            ptr("logits", "float32", "out"), i32("M"), i32("E"),
+                                            i32("H")), _router_rows_call)
+    yield Entry(GATE_UP_F32_ENTRY, SOURCE, (ptr("W", "float32"), ptr("x", "float32"),
+                                            ptr("ids", "int32"), ptr("hid", "float32", "out"),
+                                            *dims), _gate_up_call)
+    yield Entry(DOWN_F32_ENTRY, SOURCE, (ptr("D", "float32"), ptr("hid", "float32"),
+                                         ptr("ids", "int32"), ptr("wts", "float32"),
+                                         ptr("y", "float32", "out"), *dims), _down_call)
+
+
+ENTRIES = tuple(_entries())

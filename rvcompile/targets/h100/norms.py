@@ -15,10 +15,13 @@ the same arguments with y float32, unrounded. Small rows leave threads idle but 
 
 from __future__ import annotations
 
+from functools import partial
+
 import ml_dtypes
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "norms.cu"
@@ -53,6 +56,38 @@ def residual_rmsnorm_f32(h: np.ndarray, x: np.ndarray, w_post: np.ndarray, scala
     a = ops.RMSNormAttrs(eps)
     h_new = ops.ref_residual_rmsnorm(a, h, x, w_post, np.asarray(scalar, np.float32))
     return h_new, ops.ref_rmsnorm(a, h_new, w_next)
+
+
+def _rmsnorm_call(ref, c: Call) -> None:
+    m, h = c.grid[0], c["H"]
+    c.array("y", (m, h))[:] = ref(c.array("x", (m, h)), c.array("w", (h,)), c["eps"])
+
+
+def _residual_call(ref, c: Call) -> None:
+    m, h = c.grid[0], c["H"]
+    hv = c.array("h", (m, h))
+    new_h, y = ref(hv, c.array("x", (m, h)), c.array("w_post", (h,)), c.array("scalar", (1,)),
+                   c.array("w_next", (h,)), c["eps"])
+    hv[:] = new_h
+    c.array("y", (m, h))[:] = y
+
+
+def _entries():
+    for name, dtype, ref in ((RMSNORM_ENTRY, "bfloat16", rmsnorm_bf16),
+                             (RMSNORM_F32_ENTRY, "float32", rmsnorm_f32)):
+        yield Entry(name, SOURCE, (ptr("x", "float32"), ptr("w", "float32"),
+                                   ptr("y", dtype, "out"), i32("H"), f32("eps")),
+                    partial(_rmsnorm_call, ref))
+    for name, dtype, ref in ((RESIDUAL_ENTRY, "bfloat16", residual_rmsnorm),
+                             (RESIDUAL_F32_ENTRY, "float32", residual_rmsnorm_f32)):
+        yield Entry(name, SOURCE, (ptr("h", "float32", "inout"), ptr("x", "float32"),
+                                   ptr("w_post", "float32"), ptr("scalar", "float32"),
+                                   ptr("w_next", "float32"), ptr("y", dtype, "out"), i32("H"),
+                                   f32("eps")),
+                    partial(_residual_call, ref))
+
+
+ENTRIES = tuple(_entries())
 
 
 def launch_geometry(m: int, h: int) -> Launch:

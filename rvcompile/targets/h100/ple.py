@@ -30,6 +30,7 @@ import numpy as np
 
 from rvcompile.ir import ops
 from rvcompile.targets.h100 import gemv_fp8, norms
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, i64, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "ple.cu"
@@ -126,3 +127,76 @@ def gelu_mul_geometry(m: int, p: int) -> Launch:
 
 def residual_copy_geometry(m: int, h: int) -> Launch:
     return norms.launch_geometry(m, h)
+
+
+# ---------------------------------------------------------------- entries
+
+def _to_bf16_call(c: Call) -> None:
+    n = c["n"]
+    c.array("y", (n,))[:] = to_bf16(c.array("x", (n,)))
+
+
+def _combine_call(c: Call) -> None:
+    """The table rows up to the largest id (the table's height is no argument)."""
+    m, layers, p = c["M"], c["L"], c["P"]
+    ids = np.asarray(c.array("ids", (m,)))
+    rows = c.array("table", (int(ids.max()) + 1, layers * p))[ids]
+    c.array("ple", (m, layers, p))[:] = combine(
+        c.array("ctx", (m, layers * p)), rows, c.array("w", (p,)), c["ctx_scale"],
+        c["tok_mult"], c["out_scale"], c["eps"], layers)
+
+
+def _layer_slice(c: Call) -> tuple[np.ndarray, np.ndarray]:
+    """(gate [M, P], the layer's slice of the per-layer inputs [M, P])."""
+    m, p = c["M"], c["P"]
+    return c.array("gate", (m, p)), c.array("ple", (m, c["L"], p))[:, c["layer"]]
+
+
+def _project_call(c: Call) -> None:
+    m, n, p = c["M"], c["N"], c["P"]
+    gate, ple_layer = _layer_slice(c)
+    y = c.array("y", (m, n))
+    if "scale" in c:
+        y[:] = project(gate, ple_layer, c.array("W", (n, p)), c.array("scale", (n,)))
+    else:
+        y[:] = project_f32(gate, ple_layer, c.array("W", (n, p)))
+
+
+def _gelu_mul_call(c: Call) -> None:
+    c.array("out", (c["M"], c["P"]))[:] = gelu_mul(*_layer_slice(c))
+
+
+def _residual_copy_call(c: Call) -> None:
+    m, h = c.grid[0], c["H"]
+    hv = c.array("h", (m, h))
+    new_h, copy = residual_copy(hv, c.array("x", (m, h)), c.array("w_post", (h,)),
+                                c.array("scalar", (1,)), c["eps"])
+    hv[:] = new_h
+    c.array("y", (m, h))[:] = copy
+
+
+def _entries():
+    yield Entry(TO_BF16_ENTRY, SOURCE, (ptr("x", "float32"), ptr("y", "bfloat16", "out"),
+                                        i64("n")), _to_bf16_call)
+    for name, dtype in ((COMBINE_ENTRY, "bfloat16"), (COMBINE_F32_ENTRY, "float32")):
+        yield Entry(name, SOURCE, (ptr("ctx", "float32"), ptr("table", dtype),
+                                   ptr("ids", "int32"), ptr("w", "float32"),
+                                   ptr("ple", "float32", "out"), f32("ctx_scale"),
+                                   f32("tok_mult"), f32("out_scale"), f32("eps"), i32("M"),
+                                   i32("L"), i32("P")), _combine_call)
+    layer = (ptr("gate", "float32"), ptr("ple", "float32"), i32("layer"), i32("L"))
+    yield Entry(PROJECT_ENTRY, SOURCE, (*layer, ptr("W", "float8_e4m3fn"),
+                                        ptr("scale", "float32"), ptr("y", "float32", "out"),
+                                        i32("M"), i32("N"), i32("P")), _project_call)
+    yield Entry(PROJECT_F32_ENTRY, SOURCE, (*layer, ptr("W", "float32"),
+                                            ptr("y", "float32", "out"), i32("M"), i32("N"),
+                                            i32("P")), _project_call)
+    yield Entry(GELU_MUL_ENTRY, SOURCE, (*layer, ptr("out", "bfloat16", "out"), i32("M"),
+                                         i32("P")), _gelu_mul_call)
+    yield Entry(RESIDUAL_COPY_ENTRY, SOURCE, (ptr("h", "float32", "inout"), ptr("x", "float32"),
+                                              ptr("w_post", "float32"), ptr("scalar", "float32"),
+                                              ptr("y", "bfloat16", "out"), i32("H"), f32("eps")),
+                _residual_copy_call)
+
+
+ENTRIES = tuple(_entries())

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "qkv_post.cu"
@@ -103,3 +104,42 @@ def launch_geometry(m: int, nh: int, kv_heads: int, d: int) -> Launch:
         raise ValueError(f"qkv_post needs M >= 1 (M={m})")
     threads = 32 if entry(d) == SMALL_ENTRY else d // 8
     return Launch((nh + kv_heads, m, 1), (threads, 1, 1), 0)
+
+
+# ---------------------------------------------------------------- entries
+
+def _call(c: Call) -> None:
+    """A KV-shared layer (kh = 0) gets null pools; a K=V layer a null v_pool (store_once)."""
+    m, nh, kh, d = c.grid[1], c["nh"], c["kh"], c["d"]
+    table = np.asarray(c.array("table", (m, c["max_blocks"])))
+    blocks = int(np.max(table)) + 1
+    dummy = np.zeros((1, BLOCK, max(kh, 1), d), c.dtype("k_pool"))
+    kp = c.array("k_pool", (blocks, BLOCK, kh, d)) if kh else dummy
+    has_v = not c.null("v_pool")
+    vp = c.array("v_pool", (blocks, BLOCK, kh, d)) if kh and has_v else dummy
+    wk = c.array("wk", (d,))
+    q, k_new, v_new = reference(
+        c.array("qkv", (m, c["ld"])), nh, kh, d, bool(c["k_eq_v"]), c.array("wq", (d,)), wk,
+        c.array("positions", (m,)), c.array("inv_freq", (d // 2,)), c["eps"], kp, vp, table,
+        c["ring"], store_once=bool(kh) and not has_v)
+    c.array("q_out", (m, nh, d))[:] = q
+    if kh:
+        kp[:] = k_new
+        if has_v:
+            vp[:] = v_new
+
+
+def _entries():
+    for kv in KV_DTYPES:
+        q = "float32" if kv == "float32" else "bfloat16"
+        params = (ptr("qkv", "float32"), i32("ld"), i32("nh"), i32("kh"), i32("d"),
+                  i32("k_eq_v"), ptr("wq", "float32"), ptr("wk", "float32", nullable=True),
+                  ptr("positions", "int32"), ptr("inv_freq", "float32"), f32("eps"),
+                  ptr("q_out", q, "out"), ptr("k_pool", kv, "inout", nullable=True),
+                  ptr("v_pool", kv, "inout", nullable=True), ptr("table", "int32"),
+                  i32("max_blocks"), i32("ring"))
+        for d in (SMALL_HEAD_DIMS[0], 256):
+            yield Entry(entry(d, kv), SOURCE, params, _call)
+
+
+ENTRIES = tuple(_entries())

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rvcompile.ir import ops
+from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "sample.cu"
@@ -114,3 +115,41 @@ def plan(m: int, v: int, sm_count: int) -> Plan:
                 filter=Launch((-(-v // chunk), m, 1), block, FILTER_SMEM),
                 pick=Launch((m, 1, 1), block, PICK_SMEM),
                 chunk=chunk, workspace=workspace_bytes(m, v))
+
+
+# ---------------------------------------------------------------- entries
+
+def _logits_scratch(c: Call) -> np.ndarray:
+    """The workspace is the kernels' scratch; the references keep softcap(logits) [M, V] in it
+    from the prepare to the pick."""
+    m, v = c["M"], c["V"]
+    return c.array("workspace", (m * v * 4,)).view(np.float32).reshape(m, v)
+
+
+def _prepare_call(c: Call) -> None:
+    _logits_scratch(c)[:] = softcap(c.array("logits", (c["M"], c["V"])), c["cap"])
+
+
+def _filter_call(c: Call) -> None:
+    """Nothing: the candidate selection is part of the pick's reference."""
+
+
+def _pick_call(c: Call) -> None:
+    m = c["M"]
+    c.array("out", (m,))[:] = reference(
+        _logits_scratch(c), 0.0, c.array("temperature", (m,)), c.array("top_k", (m,)),
+        c.array("top_p", (m,)), c.array("seed", (m,)), c.array("step", (m,)))
+
+
+ENTRIES = (
+    Entry(PREPARE_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"), f32("cap"),
+                                  ptr("workspace", "bytes", "out")), _prepare_call),
+    Entry(FILTER_ENTRY, SOURCE, (i32("M"), i32("V"), i32("chunk"), ptr("temperature", "float32"),
+                                 ptr("top_k", "int32"), ptr("workspace", "bytes", "inout")),
+          _filter_call),
+    Entry(PICK_ENTRY, SOURCE, (i32("M"), i32("V"), ptr("temperature", "float32"),
+                               ptr("top_k", "int32"), ptr("top_p", "float32"),
+                               ptr("seed", "int32"), ptr("step", "int32"),
+                               ptr("workspace", "bytes", "inout"), ptr("out", "int32", "out")),
+          _pick_call),
+)

@@ -1,7 +1,7 @@
 """Cost report of a decode program compiled for a TPU topology: an estimate, never a measurement.
 
-Inputs, per device, from the compiled decode_{slots} executable: its arguments as sharded (weight
-bytes and elements, KV pool bytes; the pools hold `slots` sequences at the built context),
+Inputs, per device, from the compiled decode_{max_seqs} executable: its arguments as sharded (weight
+bytes and elements, KV pool bytes; the pools hold `max_seqs` sequences at the built context),
 XLA's memory analysis (argument, output, alias and temp bytes) and XLA's cost analysis (flops,
 bytes accessed, kept as reported). XLA's TPU cost analysis counts a `lax.scan` body once, not
 once per iteration (measured: a 10-step scan of matmuls reports the flops of one step), and the
@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 GiB = 2**30
-REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built slots
+REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built max_seqs
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,9 @@ def query_per_kv(ir) -> int:
 
 @dataclass(frozen=True)
 class DecodeFootprint:
-    """Per-device figures of one compiled decode_{slots} program."""
+    """Per-device figures of one compiled decode_{max_seqs} program."""
 
-    slots: int
+    max_seqs: int
     weight_bytes: int  # every weight array, as resident
     dense_bytes: int  # read whole every step
     expert_bytes: int  # MoE experts: read per picked expert
@@ -119,7 +119,7 @@ class DecodeFootprint:
     temp_bytes: int
     xla_flops: float  # XLA cost analysis, as reported (a scan body counted once)
     xla_bytes_accessed: float
-    once_bytes: int  # the roofline's bytes at `slots` lanes, each layer group's counted once
+    once_bytes: int  # the roofline's bytes at `max_seqs` lanes, each layer group's counted once
 
     @property
     def xla_amplification(self) -> float:
@@ -143,7 +143,7 @@ def _group_count(key: str, group_counts: tuple[int, ...]) -> int:
     return 1
 
 
-def decode_footprint(compiled, slots: int, reads: ReadModel = ReadModel(),
+def decode_footprint(compiled, max_seqs: int, reads: ReadModel = ReadModel(),
                      group_counts: tuple[int, ...] = ()) -> DecodeFootprint:
     """Read a compiled decode program whose first two arguments are the weights and the pools;
     `group_counts`: the iterations of each layer group (manifest xla.layer_groups)."""
@@ -163,17 +163,17 @@ def decode_footprint(compiled, slots: int, reads: ReadModel = ReadModel(),
         return sum(n if elements else n * b for k, n, b in weights if reads.kind(k) == kind
                    and not (elements and k.endswith(".scale")))
 
-    fraction = {"dense": 1.0, "gathered": 0.0, "expert": reads.expert_fraction(slots)}
+    fraction = {"dense": 1.0, "gathered": 0.0, "expert": reads.expert_fraction(max_seqs)}
     once = sum(n * b * fraction[reads.kind(k)] / _group_count(k, group_counts)
                for k, n, b in weights)
     once += sum(n * b / _group_count(k, group_counts) for k, n, b in pools)
     return DecodeFootprint(
-        slots=slots,
+        max_seqs=max_seqs,
         weight_bytes=sum(n * b for _, n, b in weights),
         dense_bytes=total("dense"), expert_bytes=total("expert"),
         dense_elements=total("dense", True), expert_elements=total("expert", True),
-        kv_bytes_per_lane=sum(n * b for _, n, b in pools) // slots,
-        kv_elements_per_lane=sum(n for k, n, _ in pools if not k.endswith(".scale")) // slots,
+        kv_bytes_per_lane=sum(n * b for _, n, b in pools) // max_seqs,
+        kv_elements_per_lane=sum(n for k, n, _ in pools if not k.endswith(".scale")) // max_seqs,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         xla_flops=float(cost.get("flops", 0.0)),
@@ -186,7 +186,7 @@ def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
     """One row per batch: bytes, flops, step time, tok/s, HBM need and fit (see the module)."""
     rows = []
     picked = reads.top_k / reads.experts if reads.experts else 0.0
-    for b in sorted({*batches, fp.slots}):
+    for b in sorted({*batches, fp.max_seqs}):
         nbytes = round(fp.dense_bytes + fp.expert_bytes * reads.expert_fraction(b)
                        + b * fp.kv_bytes_per_lane)
         flops = 2 * b * (fp.dense_elements + fp.expert_elements * picked
@@ -203,11 +203,11 @@ def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
     return rows
 
 
-def cost_report(compiled_decode, slots: int, chip: TpuChip, query_per_kv: int,
+def cost_report(compiled_decode, max_seqs: int, chip: TpuChip, query_per_kv: int,
                 context: int, reads: ReadModel = ReadModel(),
                 group_counts: tuple[int, ...] = ()) -> dict:
     """The manifest's cost report of one topology."""
-    fp = decode_footprint(compiled_decode, slots, reads, group_counts)
+    fp = decode_footprint(compiled_decode, max_seqs, reads, group_counts)
     return {
         "label": "estimate (roofline from the compiled program; not a measurement)",
         "chip": asdict(chip), "context": context, "query_per_kv": query_per_kv,
@@ -215,7 +215,7 @@ def cost_report(compiled_decode, slots: int, chip: TpuChip, query_per_kv: int,
                   "top_k": reads.top_k},
         "per_device": {**asdict(fp), "peak_bytes": fp.peak_bytes,
                        "xla_amplification": fp.xla_amplification},
-        "fits_at_slots": fp.peak_bytes <= chip.hbm_bytes,
+        "fits_at_max_seqs": fp.peak_bytes <= chip.hbm_bytes,
         "decode": estimate(fp, chip, query_per_kv, reads),
     }
 
@@ -230,8 +230,8 @@ def format_report(name: str, report: dict) -> list[str]:
         f"    per device: weights {dev['weight_bytes'] / GiB:.2f} GiB (read per step: dense "
         f"{dev['dense_bytes'] / GiB:.2f}, experts {dev['expert_bytes'] / GiB:.2f} as picked), KV "
         f"{dev['kv_bytes_per_lane'] / GiB:.3f} GiB per sequence at {report['context']} tokens, "
-        f"XLA peak {dev['peak_bytes'] / GiB:.2f} GiB at B={dev['slots']} "
-        f"({'fits' if report['fits_at_slots'] else 'DOES NOT FIT'})",
+        f"XLA peak {dev['peak_bytes'] / GiB:.2f} GiB at B={dev['max_seqs']} "
+        f"({'fits' if report['fits_at_max_seqs'] else 'DOES NOT FIT'})",
         f"    XLA cost analysis (scan bodies counted once): {dev['xla_flops']:.3g} flops, "
         f"{dev['xla_bytes_accessed']:.3g} bytes accessed, {dev['xla_amplification']:.2f}x "
         "the roofline's bytes counted the same way",

@@ -5,10 +5,10 @@ the manifest fragment the runtime needs to call them: the weight layout (offset 
 the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
 exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
 "default_blocks" give every slot a whole sequence. `decode_loop_steps` > 0 adds
-decode_loop_{slots} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
-`draft_tokens` K > 0 adds verify_{slots}x{K+1} (Program.verify: K + 1 rows per lane) and, with
-an assistant in the IR, draft_{slots} (Program.draft: up to K assistant steps; it reads the pools
-without donating them); the manifest's "speculative" names them.
+decode_loop_{max_seqs} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
+`draft_tokens` K > 0 adds verify_{max_seqs}x{K+1} (Program.verify: K + 1 rows per lane) and,
+with an assistant in the IR, draft_{max_seqs} (Program.draft: up to K assistant steps; it reads
+the pools without donating them); the manifest's "speculative" names them.
 
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
@@ -109,7 +109,7 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout):
                    donate_argnums=(1,))
 
 
-def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
+def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
                  platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
                  decode_loop_steps: int = 0, draft_tokens: int = 0) -> XlaLowering:
     if max(prefill_buckets) != ir.max_chunk:
@@ -136,22 +136,24 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
     entries: dict[str, tuple] = {}
     for t in prefill_buckets:
         entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
-    entries[f"decode_{slots}"] = (prog.step, (*lane_args(slots, 1), *sampling_shapes(slots)))
+    entries[f"decode_{max_seqs}"] = (prog.step,
+                                     (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs)))
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
     n_loop = loop_steps(ir, decode_loop_steps)
     if n_loop > 0:
-        entries[f"decode_loop_{slots}"] = (
+        entries[f"decode_loop_{max_seqs}"] = (
             functools.partial(prog.decode_loop, n_steps=n_loop),
-            (*lane_args(slots, 1), *sampling_shapes(slots), *loop_shapes(slots)))
+            (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs), *loop_shapes(max_seqs)))
     reads_only = set()  # entry points that only read the pools: no donation
+    b = max_seqs
     if draft_tokens:
-        verify, rows = f"verify_{slots}x{draft_tokens + 1}", draft_tokens + 1
-        entries[verify] = (prog.verify, (*lane_args(slots, rows), *sampling_shapes(slots)))
+        rows = draft_tokens + 1
+        entries[f"verify_{b}x{rows}"] = (prog.verify, (*lane_args(b, rows), *sampling_shapes(b)))
     if ir.assistant:
-        entries[f"draft_{slots}"] = (
+        entries[f"draft_{b}"] = (
             functools.partial(prog.draft, max_steps=draft_tokens),
-            (*lane_args(slots, 1), *draft_shapes(ir, slots), *sampling_shapes(slots), sds(())))
-        reads_only.add(f"draft_{slots}")
+            (*lane_args(b, 1), *draft_shapes(ir, b), *sampling_shapes(b), sds(())))
+        reads_only.add(f"draft_{b}")
     if layout is not None and draft_tokens:
         raise ValueError("speculative entry points are not sharded for tensor parallelism yet")
     programs = {}
@@ -168,7 +170,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "platforms": list(platforms),
-        "slots": slots,
+        "max_seqs": max_seqs,
         "max_context": ir.max_context,
         "max_chunk": ir.max_chunk,
         "prefill_buckets": list(prefill_buckets),
@@ -178,7 +180,7 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
         "kv": {
             "block_size": BLOCK_SIZE,
             "kinds": {k.name: {"table_width": k.table_width, "ring": k.ring, "window": k.window,
-                               "default_blocks": slots * k.table_width}
+                               "default_blocks": max_seqs * k.table_width}
                       for k in kinds.values()},
             "pools": [{"key": key, "kind": kind, "layers": count, "block_shape": list(block),
                        "dtype": _dtype_name(dtype)}
@@ -189,8 +191,8 @@ def lower_to_xla(ir: ModelIR, *, slots: int, prefill_buckets: tuple[int, ...],
     }
     if draft_tokens:
         manifest["speculative"] = {
-            "draft_tokens": draft_tokens, "verify": f"verify_{slots}x{draft_tokens + 1}",
-            "draft": f"draft_{slots}" if ir.assistant else None,
+            "draft_tokens": draft_tokens, "verify": f"verify_{max_seqs}x{draft_tokens + 1}",
+            "draft": f"draft_{max_seqs}" if ir.assistant else None,
             "hidden_size": ir.config.hidden_size,
             "reads": list(ir.assistant.reads) if ir.assistant else [],
         }

@@ -228,8 +228,8 @@ def precompile_topologies(topologies: tuple[Topology, ...], programs: dict[str, 
     for topo in topologies:
         log(f"precompiling {len(programs)} entry points for {topo.name}")
         pre = precompile(topo, programs, xla_manifest)
-        decode = pre.compiled[f"decode_{xla_manifest['slots']}"]
-        pre.record["cost"] = cost_report(decode, xla_manifest["slots"], CHIPS[topo.generation],
+        decode = pre.compiled[f"decode_{xla_manifest['max_seqs']}"]
+        pre.record["cost"] = cost_report(decode, xla_manifest["max_seqs"], CHIPS[topo.generation],
                                          query_per_kv, xla_manifest["max_context"], reads,
                                          tuple(g["count"] for g in xla_manifest["layer_groups"]))
         sets.append(pre)

@@ -1,0 +1,126 @@
+"""Batched prefill and decode of an h100-fp8 artifact on the bare executor (no engine, no
+server), like llama.cpp's batched bench: per batch width B, B sequences of --prompt random tokens
+are prefilled one after another, then decoded together for --gen steps (one `decode` call per
+step: the decode_{bucket} CUDA graph, host io and the token read-back included).
+
+    python benchmarks/h100_batch.py ART [--batch 1,2,4,8,16,32] [--prompt 128] [--gen 128]
+                                    [--chunk 256] [--ttft 1200] [--json OUT]
+
+Prompts run as the engine runs them (runtime/scheduler.py): chunks of max_chunk tokens, each in
+the smallest prefill entry that holds it (a 128-token prompt in a 256-row entry when the buckets
+are 16 / 64 / 256). Per B: prefill tok/s (B x prompt tokens over the prefill calls' time), decode
+tok/s (B x gen over the decode calls' time) and the step time. --chunk also times one full
+prefill chunk of that many rows (median of 5 calls after one warm-up), --ttft the time to the
+first token of a prompt of that many tokens at B = 1 on the bare executor (its chunks) and
+through Model.generate (the engine), median of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from rvcompile import runtime
+from rvcompile.runtime.executor_api import SeqChunk
+
+
+def own_tables(ex, i: int) -> dict[str, list[int]]:
+    """Sequence i's block tables: [i * width, (i + 1) * width) of each kind (its own blocks)."""
+    return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
+            for k in ex.kinds.values()}
+
+
+def prefill(ex, prompt: list[int], tables) -> int:
+    """The prompt in max_chunk chunks, as the engine runs it; the first sampled token."""
+    for start in range(0, len(prompt), ex.max_chunk):
+        tok = ex.prefill(SeqChunk(prompt[start:start + ex.max_chunk], start, tables))
+    return tok
+
+
+def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
+    prompts = [rng.integers(4, vocab, prompt_len).tolist() for _ in range(b)]
+    tables = [own_tables(ex, i) for i in range(b)]
+    t = time.perf_counter()
+    last = [prefill(ex, p, tables[i]) for i, p in enumerate(prompts)]
+    prefill_s = time.perf_counter() - t
+    ex.decode([SeqChunk([last[i]], prompt_len, tables[i]) for i in range(b)])  # warm-up
+    t = time.perf_counter()
+    for step in range(gen):
+        last = ex.decode([SeqChunk([last[i]], prompt_len + 1 + step, tables[i])
+                          for i in range(b)])
+    decode_s = time.perf_counter() - t
+    return {"batch": b, "prompt": prompt_len, "gen": gen,
+            "prefill_tok_s": b * prompt_len / prefill_s, "decode_tok_s": b * gen / decode_s,
+            "step_ms": decode_s / gen * 1e3}
+
+
+def chunk_row(ex, rng, vocab: int, rows: int) -> dict:
+    tables = own_tables(ex, 0)
+    chunk = SeqChunk(rng.integers(4, vocab, rows).tolist(), 0, tables, rows=rows)
+    ex.prefill(chunk)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        ex.prefill(chunk)
+        times.append(time.perf_counter() - t)
+    s = float(np.median(times))
+    return {"rows": rows, "ms": s * 1e3, "tok_s": rows / s}
+
+
+def ttft_row(m, rng, vocab: int, n: int) -> dict:
+    """A fresh prompt for every call: the engine's prefix cache must find nothing."""
+    ex = m.executor
+    bare, engine = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        prefill(ex, rng.integers(4, vocab, n).tolist(), own_tables(ex, 0))
+        bare.append(time.perf_counter() - t)
+        prompt = rng.integers(4, vocab, n).tolist()
+        engine.append(m.generate(prompt, max_tokens=1, ignore_eos=True).ttft_s)
+    return {"prompt": n, "bare_s": float(np.median(bare)), "generate_s": float(np.median(engine))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("--batch", default="1,2,4,8,16,32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=0, help="also time one chunk of this many rows")
+    ap.add_argument("--ttft", type=int, default=0, help="also time a prompt of this many tokens")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    t = time.perf_counter()
+    m = runtime.load(args.artifact, verify=False)
+    ex = m.executor
+    vocab = m.manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(0)
+    result = {"artifact": args.artifact, "load_s": time.perf_counter() - t,
+              "decode_buckets": list(ex.decode_buckets),
+              "prefill_buckets": list(ex.prefill_buckets), "batches": []}
+    print(f"load {result['load_s']:.1f} s; decode buckets {ex.decode_buckets}, prefill buckets "
+          f"{ex.prefill_buckets}")
+    print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}", flush=True)
+    for b in (int(x) for x in args.batch.split(",")):
+        row = batch_row(ex, rng, vocab, b, args.prompt, args.gen)
+        result["batches"].append(row)
+        print(f"{b:>4} {row['prefill_tok_s']:14.0f} {row['decode_tok_s']:13.1f} "
+              f"{row['step_ms']:8.2f}", flush=True)
+    if args.chunk:
+        result["chunk"] = row = chunk_row(ex, rng, vocab, args.chunk)
+        print(f"prefill chunk of {row['rows']} rows: {row['ms']:.2f} ms = {row['tok_s']:.0f} "
+              "tok/s", flush=True)
+    if args.ttft:
+        result["ttft"] = row = ttft_row(m, rng, vocab, args.ttft)
+        print(f"TTFT of {row['prompt']} tokens at B = 1: bare executor {row['bare_s'] * 1e3:.1f} "
+              f"ms, Model.generate {row['generate_s'] * 1e3:.1f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

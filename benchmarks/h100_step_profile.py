@@ -1,0 +1,148 @@
+"""Where an h100-fp8 artifact's entry points spend their time on the GPU: per entry, the CUDA
+graph's replay time (decode) or the eager launch sequence's, and each kernel family's share, from
+CUDA events around every launch of one eager pass (the events cost the programmatic overlap
+between kernels, so the families sum to a bit more than the graph).
+
+    python benchmarks/h100_step_profile.py ART [--entries decode_1,decode_8,decode_32,prefill_256]
+                                           [--one-row-gemv-fp8] [--json OUT]
+
+The inputs are a real call's: each entry runs once through the executor first (decode lanes
+after a 128-token prompt each, a full prefill chunk). --one-row-gemv-fp8 also times decode_1 with
+every gemv_mma_fp8 launch swapped for gemv_fp8 (the same arguments; its cubin from the nvcc
+cache): an A/B of the one-row GEMV inside the step's graph, on the same arena.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from rvcompile import runtime
+from rvcompile.runtime.executor_api import SeqChunk
+
+FAMILIES = ("gemv_mma_fp8", "gemv_fp8", "gemv_bf16", "gemm_fp8_tc", "gemm_fp8w", "quant_fp8_rows",
+            "attn_decode_combine", "attn_decode", "attn_prefill", "qkv_post", "gelu_mul",
+            "residual_rmsnorm", "rmsnorm", "embed", "sample", "select_row", "softcap")
+REPLAYS = 20
+
+
+def family(kernel: str) -> str:
+    return next((f for f in FAMILIES if kernel.startswith(f)), kernel)
+
+
+def own_tables(ex, i: int) -> dict[str, list[int]]:
+    return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
+            for k in ex.kinds.values()}
+
+
+def prepare(ex, entry: str, rng, vocab: int) -> None:
+    """One real call of `entry`, which leaves its io in the arena."""
+    rows = int(entry.split("_")[1])
+    if entry.startswith("decode_"):
+        lanes = []
+        for i in range(rows):
+            tok = ex.prefill(SeqChunk(rng.integers(4, vocab, 128).tolist(), 0, own_tables(ex, i)))
+            lanes.append(SeqChunk([tok], 128, own_tables(ex, i)))
+        ex.decode(lanes)
+    else:
+        ex.prefill(SeqChunk(rng.integers(4, vocab, rows).tolist(), 0, own_tables(ex, 0),
+                            rows=rows))
+
+
+def timed(ctx, stream, run) -> float:
+    """Milliseconds per call of run(), median of 5 batches of REPLAYS."""
+    run()
+    times = []
+    for _ in range(5):
+        a, b = ctx.event(), ctx.event()
+        ctx.record(a, stream)
+        for _ in range(REPLAYS):
+            run()
+        ctx.record(b, stream)
+        ctx.synchronize()
+        times.append(ctx.elapsed_ms(a, b) / REPLAYS)
+    return float(np.median(times))
+
+
+def breakdown(ctx, stream, prepared, kernels) -> dict[str, float]:
+    """Milliseconds per kernel family over one eager pass, events around every launch."""
+    events = [ctx.event() for _ in range(len(prepared) + 1)]
+    ctx.record(events[0], stream)
+    for i, (fn, config, packed) in enumerate(prepared):
+        ctx.launch_configured(fn, config, packed)
+        ctx.record(events[i + 1], stream)
+    ctx.synchronize()
+    out: dict[str, float] = {}
+    for i, kernel in enumerate(kernels):
+        out[family(kernel)] = out.get(family(kernel), 0.0) + ctx.elapsed_ms(events[i],
+                                                                             events[i + 1])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def with_gemv_fp8(dev, entry: str) -> list:
+    """decode_1's prepared launches, gemv_mma_fp8 swapped for gemv_fp8 (same arguments)."""
+    from rvcompile.targets.h100 import gemv_fp8
+    from rvcompile.targets.h100.launches import SM_COUNT
+    from rvcompile.targets.h100.nvcc import compile_cubin
+
+    ctx = dev.ctx
+    fn = ctx.load_function(compile_cubin(gemv_fp8.SOURCE), gemv_fp8.ENTRY)
+    ctx.set_max_dynamic_smem(fn, 227 * 1024)
+    out = []
+    for launch, prepared in zip(dev.schedule.entries[entry].launches, dev.entries[entry],
+                                strict=True):
+        if launch.kernel.startswith("gemv_mma_fp8"):
+            args = {a.name: a.value for a in launch.args}
+            g = gemv_fp8.launch_geometry(1, args["N"], args["K"], SM_COUNT)
+            out.append((fn, ctx.launch_config(g.grid, g.block, g.smem, dev.stream), prepared[2]))
+        else:
+            out.append(prepared)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("--entries", default="decode_1,decode_8,decode_32,prefill_256")
+    ap.add_argument("--one-row-gemv-fp8", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    m = runtime.load(args.artifact, verify=False)
+    ex = m.executor
+    dev, ctx = ex.device, ex.device.ctx
+    vocab = m.manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(0)
+    result = {}
+    for entry in args.entries.split(","):
+        prepare(ex, entry, rng, vocab)
+        kernels = [x.kernel for x in dev.schedule.entries[entry].launches]
+        ms = timed(ctx, dev.stream, lambda e=entry: dev.run(e))
+        parts = breakdown(ctx, dev.stream, dev.entries[entry], kernels)
+        result[entry] = {"ms": ms, "graph": entry in dev.graphs, "launches": len(kernels),
+                         "families_ms": parts}
+        print(f"{entry}: {ms:.2f} ms ({'graph' if entry in dev.graphs else 'eager'}, "
+              f"{len(kernels)} launches); eager by family: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v >= 0.05), flush=True)
+    if args.one_row_gemv_fp8:
+        prepare(ex, "decode_1", rng, vocab)
+        swapped = with_gemv_fp8(dev, "decode_1")
+
+        def launch_all():
+            for fn, config, packed in swapped:
+                ctx.launch_configured(fn, config, packed)
+
+        graph = ctx.capture(dev.stream, launch_all)
+        a = timed(ctx, dev.stream, lambda: dev.run("decode_1"))
+        b = timed(ctx, dev.stream, lambda: ctx.graph_launch(graph, dev.stream))
+        result["decode_1_ab"] = {"as_built_ms": a, "gemv_fp8_ms": b}
+        print(f"decode_1 graph: as built {a:.3f} ms, one-row linears on gemv_fp8 {b:.3f} ms",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
