@@ -9,6 +9,12 @@ Weights stream: each checkpoint tensor is read, encoded for every ParamSpec deri
 written to its slots in the artifact before the next is read, so peak host memory is about one
 shard's page cache plus the largest tensor. The artifact appears only when complete (temp file +
 rename, via ArtifactWriter).
+
+With an assistant (`--assistant DIR | PRESET`, checkpoint.load_assistant_source), its drafter
+joins the IR at the front end (draft_frontend.add_assistant), so the target's pipeline casts and
+quantizes it alike, and its tensors stream beside the target's. `opts.draft_tokens` K (the
+CLI's `--num-draft-tokens`) sizes the speculative entry points of the targets that have them
+(the XLA targets: verify_{max_seqs}x{K+1}, and draft_{max_seqs} with an assistant).
 """
 
 from __future__ import annotations
@@ -25,16 +31,18 @@ from rvcompile.artifacts import ArtifactHeader, ArtifactWriter
 from rvcompile.artifacts.contents import parse_contents
 from rvcompile.artifacts.format import canonical_json
 from rvcompile.artifacts.manifest import parse_manifest
+from rvcompile.ir.draft_frontend import add_assistant
 from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
+from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import load_model_source
-from rvcompile.sources.model_source import CheckpointError, ModelSource
+from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
+from rvcompile.sources.model_source import AssistantSource, CheckpointError, ModelSource
 from rvcompile.targets import get_target, registry
 from rvcompile.targets.api import KV_CACHE_CHOICES, BuildOptions, Target
 
-__all__ = ["KV_CACHE_CHOICES", "BuildOptions", "BuildReport", "build_artifact", "format_ir",
-           "kv_cache_choice", "lower_model", "prepare"]
+__all__ = ["KV_CACHE_CHOICES", "BuildOptions", "BuildReport", "build_artifact",
+           "check_assistant_options", "format_ir", "kv_cache_choice", "lower_model", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,20 @@ def prepare(opts: BuildOptions) -> tuple[Target, BuildOptions]:
     return target, target.check_options(opts)
 
 
-def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
-    """The front end's IR of `source` after the target's pipeline and its KV cache pass."""
+def check_assistant_options(opts: BuildOptions) -> None:
+    """What an assistant needs of the options, before anything is read: at least one draft
+    (the target refuses speculative entry points it lacks), and a sliding ring that holds the
+    W + 1 keys a drafter reads behind the K stale rows a verify may leave (draft_frontend):
+    K + 2 <= the largest bucket."""
+    if not 1 <= opts.draft_tokens <= opts.chunk - 2:
+        raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: with --assistant, "
+                              f"expected 1 to {opts.chunk - 2} (the largest prefill bucket - 2)")
+
+
+def lower_model(source: ModelSource, opts: BuildOptions, log=print,
+                assistant: AssistantConfig | None = None) -> ModelIR:
+    """The front end's IR of `source` (with `assistant`'s drafter) after the target's pipeline
+    and its KV cache pass."""
     target, opts = prepare(opts)
     cfg = source.config
     max_context = min(opts.max_context, cfg.max_position_embeddings)
@@ -69,6 +89,8 @@ def lower_model(source: ModelSource, opts: BuildOptions, log=print) -> ModelIR:
         raise CheckpointError(f"--prefill-buckets: the largest bucket {opts.chunk} is above "
                               f"{cfg.name}'s max_position_embeddings {max_context}")
     ir = build_model_ir(cfg, max_context=max_context, max_chunk=opts.chunk)
+    if assistant is not None:
+        ir = add_assistant(ir, assistant)
     if opts.dump_ir == "frontend":
         log(format_ir(ir))
     for name, run in passes:
@@ -108,14 +130,23 @@ def format_ir(ir: ModelIR) -> str:
 
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, random_ranges=None,
-                   progress: bool = True, log=print) -> BuildReport:
+                   assistant: str | None = None, progress: bool = True,
+                   log=print) -> BuildReport:
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
-    random_weights.RangeRule; default what `--random-weights` draws); the manifest names it."""
+    random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
+    `assistant`: an assistant directory or preset whose drafter joins the artifact (random
+    weights with `random_weights`, like the target's)."""
     t0 = time.perf_counter()
     target, opts = prepare(opts)
+    if assistant is not None:
+        check_assistant_options(opts)
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
                                random_ranges=random_ranges)
-    ir = lower_model(source, opts, log)
+    drafter: AssistantSource | None = None
+    if assistant is not None:
+        drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
+                                        seed=seed, random_ranges=random_ranges)
+    ir = lower_model(source, opts, log, drafter and drafter.config)
     if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
@@ -138,10 +169,16 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         "random_weights": (None if not random_weights else {"seed": seed} if random_ranges is None
                            else {"seed": seed, "ranges": random_ranges.__name__}),
     }
+    tensors = source.tensors
+    if drafter is not None:
+        manifest["assistant"] = {"name": drafter.config.name,
+                                 "config": drafter.config.to_hf_dict(),
+                                 "origin": Path(drafter.origin).name}
+        tensors += drafter.tensors
     specs_by_source: dict[str, list] = {}
     for p in ir.params:
         specs_by_source.setdefault(p.source, []).append(p)
-    missing = set(specs_by_source) - {t.name for t in source.tensors}
+    missing = set(specs_by_source) - {t.name for t in tensors}
     if missing:
         raise CheckpointError(f"{source.origin}: no tensor {sorted(missing)[0]!r} in the weights")
     out = Path(out)
@@ -155,21 +192,21 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, source, specs_by_source, lowered.slots_by_param, progress)
+        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, progress)
         _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
         w.commit(manifest)
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
 
 
-def _stream_weights(w: ArtifactWriter, source: ModelSource, specs_by_source, slots_by_param,
+def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                     progress: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
 
-    total = sum(t.numel * 4 for t in source.tensors)
+    total = sum(t.numel * 4 for t in tensors)
     with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TransferSpeedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("weights", total=total)
-        for ref in source.tensors:
+        for ref in tensors:
             arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
             specs = specs_by_source.get(ref.name, ())
             for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():

@@ -125,6 +125,15 @@ def build(
         help="XLA targets: decode steps per device-side loop call, 0 to the largest prefill "
              "bucket (default 32, or that bucket if smaller); 0: no loop, one host round trip "
              "per token"),
+    assistant: str | None = typer.Option(
+        None, "--assistant",
+        help="speculative decoding: a Gemma 4 assistant (MTP drafter) directory, or with "
+             "--random-weights an assistant preset (e.g. gemma-4-31B-assistant, see `targets`), "
+             "compiled into the artifact beside the target (XLA targets)"),
+    draft_tokens: int | None = typer.Option(
+        None, "--num-draft-tokens",
+        help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
+             "default 3 with --assistant, else 0 (no speculative entry points)"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
     from rvcompile.build import BuildOptions, build_artifact
@@ -135,6 +144,8 @@ def build(
     if seed is not None and seed < 0:
         fail(f"--seed {seed}: expected an integer >= 0")
     buckets = _buckets(prefill_buckets)
+    if draft_tokens is None:
+        draft_tokens = 3 if assistant is not None else 0
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
     try:
         with _signals_unwind():
@@ -142,9 +153,10 @@ def build(
             opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
                                 max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
                                 kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
-                                topologies=tuple(topology))
+                                topologies=tuple(topology), draft_tokens=draft_tokens)
             report = build_artifact(model, output, opts, weights=weights,
                                     random_weights=random_weights, seed=seed or 0,
+                                    assistant=assistant,
                                     progress=progress and sys.stderr.isatty(),
                                     log=lambda s: typer.echo(s, err=True))
     except BuildInterrupted as e:
@@ -264,7 +276,7 @@ def keygen(out: Path = typer.Option(..., "--out", help="writes OUT.key (private,
 @app.command()
 def targets() -> None:
     """List the build targets and what each emits."""
-    from rvcompile.model.presets import PRESETS
+    from rvcompile.model.presets import ASSISTANT_PRESETS, PRESETS
     from rvcompile.targets import registry
 
     for t in registry().values():
@@ -272,3 +284,5 @@ def targets() -> None:
         typer.echo(f"{t.name:10} {t.emits}; passes: {', '.join(n for n, _ in t.passes) or '-'}; "
                    f"--kv-cache {', '.join(t.kv.choices())} (auto: {auto})")
     typer.echo(f"presets: {', '.join(PRESETS)}")
+    typer.echo(f"assistant presets (--assistant NAME --random-weights): "
+               f"{', '.join(ASSISTANT_PRESETS)}")

@@ -20,6 +20,18 @@ transformers 5.23.0 is the ground truth for every numerical test of the compiler
 KV sharing without PLE crashes stock transformers 5.23.0; models from this module carry a
 per-instance workaround (see `_work_around_kv_shared_without_ple`) that changes no logit.
 
+Assistant drafters (`Gemma4AssistantForCausalLM`, or `Gemma4UnifiedAssistantForCausalLM` with
+`unified`, issue 15): `make_oracle_assistant(case, seed, ordered=...)` is a tiny drafter for the
+target of `case` (3 layers S S F of width 32 that read the target's caches; `ordered` gives the
+centroid-masked head: 16 clusters, top 4), its tensors redrawn like a target's and
+token_ordering a random permutation. transformers 5.23.0's `kv_sharing_modes` (of
+Gemma4TextConfig and Gemma4UnifiedTextConfig) refuses a config whose layers are all KV-shared
+(every assistant); `all_kv_shared_allowed()` patches it, while such models are built, to say
+"reuse" for each layer, as the assistant means. `oracle_target_states(target, ids)` runs the
+target once and returns its final-normed hidden states and the K/V of its last non-shared
+sliding and full layers (transformers' `shared_kv_states`, made to store on any target), and
+`oracle_draft` one assistant step on them.
+
 Embedding rows of the special ids 0-3 (pad, eos, bos, unk) are drawn small, so their logits sit
 near 0 while the top logit is ~10: greedy decoding never picks EOS, and `min_new_tokens` in
 `oracle_greedy` never changes which token wins.
@@ -27,20 +39,36 @@ near 0 while the top logit is ~10: greedy decoding never picks EOS, and `min_new
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import (
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    Gemma4UnifiedAssistantConfig,
+    Gemma4UnifiedAssistantForCausalLM,
+)
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
     Gemma4TextDecoderLayer,
     Gemma4TextExperts,
     Gemma4TextRouter,
+)
+from transformers.models.gemma4_unified.configuration_gemma4_unified import (
+    Gemma4UnifiedTextConfig,
+)
+from transformers.models.gemma4_unified.modeling_gemma4_unified import (
+    Gemma4UnifiedRMSNorm,
+    Gemma4UnifiedTextDecoderLayer,
 )
 
 VOCAB = 1024
@@ -211,7 +239,7 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
                 router = name.endswith(".router.proj")
                 normal_(module.weight,
                         ROUTER_PROJ_STD if router else 1.0 / math.sqrt(module.in_features))
-            elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
+            elif isinstance(module, Gemma4RMSNorm | Gemma4UnifiedRMSNorm) and module.with_scale:
                 qk = name.endswith((".q_norm", ".k_norm"))
                 uniform_(module.weight, *(QK_NORM_RANGE if qk else NORM_RANGE))
             elif isinstance(module, Gemma4TextRouter):
@@ -220,7 +248,7 @@ def _randomise(model: Gemma4ForCausalLM, gen: torch.Generator) -> None:
             elif isinstance(module, Gemma4TextExperts):
                 normal_(module.gate_up_proj, 1.0 / math.sqrt(module.hidden_dim))  # [E, 2Im, H]
                 normal_(module.down_proj, 1.0 / math.sqrt(module.intermediate_dim))  # [E, H, Im]
-            if isinstance(module, Gemma4TextDecoderLayer):
+            if isinstance(module, Gemma4TextDecoderLayer | Gemma4UnifiedTextDecoderLayer):
                 uniform_(module.layer_scalar, *LAYER_SCALAR_RANGE)
     missed = [name for name, p in model.named_parameters() if id(p) not in done]
     if missed:
@@ -285,6 +313,132 @@ def agreement_with_oracle(model, hf, seq: int = 40, seeds=(11, 12, 13, 14)) -> d
     return {"top1": float((ours.argmax(-1) == ref.argmax(-1)).mean()), "mean": float(err.mean()),
             "max": float(err.max()), "ref_std": float(ref.std()),
             "finite": bool(np.isfinite(ours).all())}
+
+
+# --- assistant drafters ---------------------------------------------------------------------
+
+ASSISTANT_WIDTH = 32
+ASSISTANT_CENTROIDS, ASSISTANT_TOP_K = 16, 4
+
+
+@contextlib.contextmanager
+def all_kv_shared_allowed() -> Iterator[None]:
+    """While open, a Gemma4TextConfig or Gemma4UnifiedTextConfig whose layers are all KV-shared
+    says "reuse" for each one (transformers 5.23.0 raises instead); every other config answers
+    as before."""
+    originals = {cls: cls.kv_sharing_modes for cls in (Gemma4TextConfig, Gemma4UnifiedTextConfig)}
+
+    def patched(original):
+        def modes(self):
+            if self.num_kv_shared_layers == self.num_hidden_layers:
+                return ["reuse"] * self.num_hidden_layers
+            return original.fget(self)
+        return property(modes)
+
+    for cls, original in originals.items():
+        cls.kv_sharing_modes = patched(original)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.kv_sharing_modes = original
+
+
+def oracle_assistant_config(case: str, *, ordered: bool, unified: bool = False):
+    """A drafter config for the target of `case`: the target's cache layout (head dims, KV
+    heads, K=V, window, RoPE), its own width, MLP and query heads. `unified`: the 12B's kind,
+    Gemma4UnifiedAssistantConfig over a gemma4_unified_text config (no per-layer-input, MoE or
+    double-wide MLP fields)."""
+    t = ORACLE_CASES[case]
+    text = {
+        **{k: copy.deepcopy(t[k]) for k in (
+            "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+            "sliding_window", "max_position_embeddings", "rms_norm_eps", "hidden_activation",
+            "rope_parameters", "attention_bias", "attention_dropout", "pad_token_id",
+            "bos_token_id", "eos_token_id", "initializer_range")},
+        "model_type": "gemma4_text", "hidden_size": ASSISTANT_WIDTH, "intermediate_size": 64,
+        "num_hidden_layers": 3, "layer_types": [S, S, F], "num_kv_shared_layers": 3,
+        "final_logit_softcapping": None, "tie_word_embeddings": True,
+    }
+    if unified:
+        text.update(model_type="gemma4_unified_text", use_bidirectional_attention=None)
+    else:
+        text.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    cls = Gemma4UnifiedAssistantConfig if unified else Gemma4AssistantConfig
+    return cls(
+        text_config=text, backbone_hidden_size=t["hidden_size"], use_ordered_embeddings=ordered,
+        num_centroids=ASSISTANT_CENTROIDS, centroid_intermediate_top_k=ASSISTANT_TOP_K,
+        tie_word_embeddings=True)
+
+
+def make_oracle_assistant(case: str, seed: int, *, ordered: bool, unified: bool = False):
+    """A float32, eager, eval-mode drafter (Gemma4AssistantForCausalLM, or with `unified`
+    Gemma4UnifiedAssistantForCausalLM) for `case`'s target, every tensor redrawn from `seed`
+    (token_ordering a random permutation)."""
+    cfg = oracle_assistant_config(case, ordered=ordered, unified=unified)
+    cfg.text_config._attn_implementation = "eager"
+    cls = Gemma4UnifiedAssistantForCausalLM if unified else Gemma4AssistantForCausalLM
+    with torch.random.fork_rng(devices=[]), all_kv_shared_allowed():
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    model = model.to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    _randomise(model, gen)
+    if ordered:
+        with torch.no_grad():
+            model.masked_embedding.token_ordering.copy_(
+                torch.randperm(cfg.text_config.vocab_size, generator=gen))
+    return model
+
+
+def save_oracle_assistant(model, dir: Path) -> Path:  # noqa: A002
+    """config.json + model.safetensors (transformers' `save_pretrained`) into `dir`."""
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dir, safe_serialization=True)
+    return dir
+
+
+def oracle_target_states(target: Gemma4ForCausalLM,
+                         token_ids: np.ndarray) -> tuple[np.ndarray, dict[str, tuple]]:
+    """One full forward of the target over token_ids [T] (no cache): its final-normed hidden
+    states [T, H] (transformers' `hidden_states[-1]`, what assisted generation feeds the
+    drafter) and {"sliding_attention" | "full_attention": (K, V)}, each [1, KV heads, T, D],
+    of its last non-shared layer of that kind (transformers' `shared_kv_states`; only targets
+    with KV sharing store them, so the two layers are told to, on this call only)."""
+    cfg = target.config
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    producers = {cfg.layer_types[i]: i for i in range(first_shared)}
+    attns = [target.model.layers[i].self_attn for i in producers.values()]
+    before = [a.store_full_length_kv for a in attns]
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))[None, :]
+    try:
+        for a in attns:
+            a.store_full_length_kv = True
+        with torch.no_grad():
+            out = target(input_ids=ids, use_cache=False, output_hidden_states=True,
+                         return_shared_kv_states=True)
+    finally:
+        for a, b in zip(attns, before, strict=True):
+            a.store_full_length_kv = b
+    return out.hidden_states[-1][0].numpy(), dict(out.shared_kv_states)
+
+
+def oracle_draft(assistant, target: Gemma4ForCausalLM,
+                 shared_kv: dict[str, tuple], position: int, token: int,
+                 hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One assistant step as transformers' assisted generation runs it: the target's embedding
+    of `token` beside `hidden` [H], the query at `position`, the target's K/V of positions
+    [0, position) (the target has not run `token` yet). Returns (logits [V], next state [H])."""
+    kv = {k: (v[0][:, :, :position], v[1][:, :, :position]) for k, v in shared_kv.items()}
+    with torch.no_grad():
+        emb = target.get_input_embeddings()(torch.tensor([[token]]))
+        x = torch.cat([emb, torch.as_tensor(hidden, dtype=torch.float32)[None, None]], dim=-1)
+        out = assistant(inputs_embeds=x, position_ids=torch.tensor([[position]]),
+                        shared_kv_states=kv,
+                        attention_mask=torch.ones(1, position + 1, dtype=torch.long))
+    return out.logits[0, 0].numpy(), out.last_hidden_state[0, 0].numpy()
 
 
 def random_token_ids(n: int, seed: int, vocab: int = VOCAB) -> np.ndarray:

@@ -130,6 +130,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "slots -> max_seqs (SCHEDULE_VERSION 3), and in xla.precompiled costs "
                       "device.slots -> device.max_seqs, fits_at_slots -> fits_at_max_seqs; v3 "
                       "files are refused (rebuild them)"),
+    ("2026-11-24", 4, "XLA manifest may carry xla.speculative (draft_tokens K, entry points "
+                      "verify_{max_seqs}x{K+1} and draft_{max_seqs} or null, hidden_size, reads) "
+                      "and, with a draft entry point, a top-level assistant {name, origin, "
+                      "config} (speculative decoding with an assistant drafter, issue 15); "
+                      "absent: no speculative entry points, as before. Readers before this entry "
+                      "refuse such files (an entry point they do not know), never misread them"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -23,7 +23,15 @@ Fields (format v3; required unless marked optional):
                       kinds {name: {table_width, ring, window, default_blocks}}, pools [{key,
                       kind, layers, block_shape, dtype}]}, layer_groups [{start, period,
                       count}], optional mesh {axis, size, weights, pools} (tensor parallelism),
-                      optional precompiled {topology: record} (section "executables")
+                      optional precompiled {topology: record} (section "executables"),
+                      optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
+                      "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
+                      layer each assistant layer reads]} (speculative decoding, see
+                      targets/xla/program.py's verify and draft)
+    assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
+                      "origin": str, "config": its config.json as
+                      model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
+                      `_assistant` checks what `inspect` shows and that it drafts for this model
     h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
                       version and schema), "nvcc": str, "arch": str}
 Header requirements, by runtime:
@@ -115,6 +123,29 @@ class XlaMesh:
 
 
 @dataclass(frozen=True)
+class XlaSpeculative:
+    draft_tokens: int  # K: most drafts one verify call checks
+    verify: str  # entry point verify_{max_seqs}x{K+1}
+    draft: str | None  # entry point draft_{max_seqs}; None without an assistant
+    hidden_size: int  # width of the states verify returns and draft takes
+    reads: tuple[int, ...]  # the target layer whose KV cache each assistant layer reads
+
+
+@dataclass(frozen=True)
+class AssistantInfo:
+    name: str
+    origin: str
+    model_type: str  # "gemma4_assistant" or "gemma4_unified_assistant"
+    hidden_size: int  # the drafter's own width
+    layer_types: tuple[str, ...]
+    num_heads: int
+    intermediate_size: int
+    num_centroids: int  # 0: a dense (tied) head
+    top_k: int  # clusters scored, with centroids
+    config: dict[str, Any]  # config.json as stored
+
+
+@dataclass(frozen=True)
 class XlaManifest:
     jax_version: str
     platforms: tuple[str, ...]
@@ -131,6 +162,7 @@ class XlaManifest:
     pools: tuple[XlaPool, ...]
     mesh: XlaMesh | None  # None: one device
     precompiled: dict[str, dict]  # topology -> record (runtime/executors/precompiled.py), checked
+    speculative: XlaSpeculative | None = None  # verify (and draft) entry points, if built
 
 
 @dataclass(frozen=True)
@@ -147,6 +179,7 @@ class Manifest:
     runtime: str  # "xla" or "h100": which of the two below is set
     xla: XlaManifest | None
     h100: H100Manifest | None
+    assistant: AssistantInfo | None = None  # the drafter compiled in, if any
 
 
 def read_manifest(art: Artifact) -> Manifest:
@@ -188,8 +221,13 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
     if m.get(other) is not None:
         m[other].fail(f"present in an artifact whose header says runtime {runtime!r}")
     if runtime == "xla":
-        xla = _xla(m["xla"], req, header, sections)
-        return Manifest(model, header.target, runtime, xla, None)
+        xla = _xla(m["xla"], req, header, sections, model)
+        drafter = m.get("assistant")
+        if (drafter is not None) != bool(xla.speculative and xla.speculative.draft):
+            (drafter or m).fail("an assistant comes with the xla.speculative draft entry point, "
+                                "and only with it")
+        assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
+        return Manifest(model, header.target, runtime, xla, None, assistant)
     return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
                                                                  sections))
 
@@ -264,7 +302,25 @@ def _unique(at: At, keys: list[str], what: str) -> None:
         at.fail(f"names a {what} twice")
 
 
-def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int]) -> XlaManifest:
+ENTRY_POINT = re.compile(r"(?:(prefill|decode|decode_loop|logits|draft)_([1-9][0-9]{0,6})|"
+                         r"(verify)_([1-9][0-9]{0,6})x([1-9][0-9]{0,6}))")
+
+
+def entry_rows(name: str) -> tuple[int, int] | None:
+    """(lanes, token rows per lane) of an entry point's tokens argument, None for a name that is
+    not an entry point's: prefill_T and logits_T (1, T); decode_B, decode_loop_B and draft_B
+    (B, 1); verify_BxR (B, R)."""
+    m = ENTRY_POINT.fullmatch(name)
+    if m is None:
+        return None
+    kind, size, _, lanes, rows = m.groups()
+    if kind is None:
+        return int(lanes), int(rows)
+    return (int(size), 1) if kind in ("decode", "decode_loop", "draft") else (1, int(size))
+
+
+def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
+         model: ModelInfo) -> XlaManifest:
     jax_version = x["jax_version"].str(pattern=VERSION)
     x["jaxlib_version"].str(pattern=VERSION)
     if req["jax"].str() != f">={jax_version}":
@@ -288,8 +344,9 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int]) -> Xl
     stops = loop["stop_ids"].int(0, 1024) if loop is not None else 0
     programs = {}
     for name, loc in x["programs"].members(256).items():
-        if not re.fullmatch(r"(prefill|decode|decode_loop|logits)_[1-9][0-9]{0,6}", name):
-            loc.fail("an entry point is named prefill_N, decode_N, decode_loop_N or logits_N")
+        if entry_rows(name) is None:
+            loc.fail("an entry point is named prefill_N, decode_N, decode_loop_N, logits_N, "
+                     "verify_NxR or draft_N")
         programs[name] = _span(loc, "programs", sections)
     names = [e.str() for e in x["entry_points"].items(1, 256)]
     if names != sorted(programs):
@@ -325,8 +382,62 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int]) -> Xl
             precompiled.fail("the artifact has no 'executables' section")
         records = {name: _precompiled(rec, name, programs, kinds, mesh, sections)
                    for name, rec in precompiled.members(64).items()}
+    spec = (_speculative(x["speculative"], max_seqs, max_chunk, model)
+            if x.get("speculative") is not None else None)
+    ours = {spec.verify, spec.draft} if spec else set()
+    for name in programs:
+        if name.startswith(("verify_", "draft_")) and name not in ours:
+            x["programs"].fail(f"entry point {name!r} is not xla.speculative's")
+    for name in ours - {None}:
+        if name not in programs:
+            x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
     return XlaManifest(jax_version, platforms, max_seqs, max_context, max_chunk, buckets, steps,
-                       stops, programs, weights, block, kinds, pools, mesh, records)
+                       stops, programs, weights, block, kinds, pools, mesh, records, spec)
+
+
+def _speculative(at: At, max_seqs: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:
+    k = at["draft_tokens"].int(1, max_chunk - 1)  # a token and K drafts fit one chunk
+    verify = at["verify"].str()
+    if verify != f"verify_{max_seqs}x{k + 1}":
+        at["verify"].expected(f"'verify_{max_seqs}x{k + 1}'")
+    draft = at["draft"].nullable()
+    if draft is not None and draft.str() != f"draft_{max_seqs}":
+        draft.expected(f"null or 'draft_{max_seqs}'")
+    hidden = at["hidden_size"].int(1, MAX_DIM)
+    if hidden != model.config["hidden_size"]:
+        at["hidden_size"].fail(f"{hidden}, not the model's hidden_size "
+                               f"{model.config['hidden_size']}")
+    reads = tuple(r.int(0, model.num_layers - 1) for r in at["reads"].items(0, 1 << 10))
+    if (draft is None) != (not reads):
+        at["reads"].fail("lists the target layers an assistant reads, and only with one")
+    return XlaSpeculative(k, verify, draft and draft.value, hidden, reads)
+
+
+def _assistant(at: At, model: ModelInfo, spec: XlaSpeculative) -> AssistantInfo:
+    c = at["config"]
+    c.obj()
+    model_type = c["model_type"].str(("gemma4_assistant", "gemma4_unified_assistant"))
+    if c["backbone_hidden_size"].int(1, MAX_DIM) != model.config["hidden_size"]:
+        c["backbone_hidden_size"].fail(f"{c['backbone_hidden_size'].value}, not the model's "
+                                       f"hidden_size {model.config['hidden_size']}")
+    t = c["text_config"]
+    if t["vocab_size"].int(1, INT32_MAX) != model.vocab_size:
+        t["vocab_size"].fail(f"{t['vocab_size'].value}, not the model's {model.vocab_size}")
+    layers = t["num_hidden_layers"].int(1, MAX_DIM)
+    kinds = tuple(k.str(LAYER_TYPES) for k in t["layer_types"].items(layers, layers))
+    if len(spec.reads) != layers:
+        At(list(spec.reads), "manifest.xla.speculative.reads").fail(
+            f"names {len(spec.reads)} layers; the assistant has {layers}")
+    centroids = top_k = 0
+    if c["use_ordered_embeddings"].bool():
+        centroids = c["num_centroids"].int(1, MAX_DIM)
+        top_k = c["centroid_intermediate_top_k"].int(1, centroids)
+    return AssistantInfo(
+        name=at["name"].str(max_len=200, printable=True), origin=at["origin"].str(),
+        model_type=model_type, hidden_size=t["hidden_size"].int(1, MAX_DIM), layer_types=kinds,
+        num_heads=t["num_attention_heads"].int(1, MAX_DIM),
+        intermediate_size=t["intermediate_size"].int(1, MAX_DIM), num_centroids=centroids,
+        top_k=top_k, config=c.value)
 
 
 def _weight(w: At, sections: dict[str, int]) -> XlaWeight:

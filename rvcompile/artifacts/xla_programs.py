@@ -12,7 +12,7 @@ from jax import export
 from rvcompile.artifacts.container import Artifact
 from rvcompile.artifacts.contents import first_line
 from rvcompile.artifacts.format import ArtifactError
-from rvcompile.artifacts.manifest import XlaManifest
+from rvcompile.artifacts.manifest import XlaManifest, entry_rows
 
 
 def xla_programs(art: Artifact, xla: XlaManifest) -> dict:
@@ -45,8 +45,7 @@ def _check_signature(where: str, name: str, args, xla: XlaManifest) -> None:
             and all(isinstance(args[i], dict) for i in (0, 1, 5))):
         raise ArtifactError(f"{where} does not take (weights, pools, tokens, start, n_new, "
                             "tables, ...)")
-    kind, size = name.rsplit("_", 1)
-    batch, rows = (int(size), 1) if kind.startswith("decode") else (1, int(size))
+    batch, rows = entry_rows(name)
     want = {
         ("weight", w.key): (w.shape, w.dtype) for w in xla.weights} | {
         ("pool", p.key): ((p.layers, None, *p.block_shape), p.dtype) for p in xla.pools} | {

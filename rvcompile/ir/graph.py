@@ -15,6 +15,10 @@ RMSNORM of h (its input norm), and the next graph takes ARG "x" instead of compu
 layers and head pass the CARRIED values from one graph to the next.
 `params` lists every stored weight (full names) with its dtype and how the build derives it from
 a checkpoint tensor; `caches` lists the KV caches, one per layer that owns one.
+
+With an assistant drafter, `ModelIR.assistant` is a `DraftIR` (see it): its graphs join
+`graphs()` and `with_graphs`, its weights (named "assistant.*", plus the target's embedding,
+final norm and, for K=V caches, k_norm weights it reads) join `params`; it owns no cache.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rvcompile.ir.ops import (
     Shape,
     SpecError,
 )
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import Gemma4Config, LayerSpec
 
 
@@ -98,7 +103,8 @@ class GraphBuilder:
 @dataclass(frozen=True)
 class ParamSpec:
     """One stored weight. `derive` says how the build makes it from checkpoint tensor `source`:
-    "copy" (float32), "bf16", "int8_values" or "int8_scales" (per output row over the last axis)."""
+    "copy" (float32), "bf16", "int8_values" or "int8_scales" (per output row over the last axis),
+    "int32" (token ids, stored as read)."""
 
     name: str
     shape: tuple[int, ...]
@@ -122,6 +128,46 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
+class DraftIR:
+    """The assistant drafter of a ModelIR: one draft step over the target's KV caches.
+
+    - `hidden`: ARG "h" [B,T,H] (the target's last layer output) -> "hidden" [B,T,H], the
+      target's final norm: the state the first draft step starts from.
+    - `draft_in`: ARGs "tokens" [B,T], "hidden" [B,T,H] -> "h" [B,T,D]: the target's embedding
+      of the tokens, concatenated with the state, through pre_projection.
+    - `layers[k]`: a drafter layer template; `layer_template[i]` says which one drafter layer i
+      runs and `reads[i]` which target layer's cache it reads. ARGs "h", "positions" [B,T] (the
+      query's position p; -1 = idle), "cache_len" [B] (= p: the target's tokens cached) and the
+      read layer's cache ARGs; output "h". PARAM names are relative (`resolve_draft_param`).
+    - `draft_out`: ARG "h" -> "logits" [B,T,V] and "hidden" [B,T,H] (post_projection: the next
+      step's state).
+    PARAMs of the other graphs are full names.
+    """
+
+    config: AssistantConfig
+    hidden: Graph
+    draft_in: Graph
+    layers: tuple[Graph, ...]
+    layer_template: tuple[int, ...]
+    reads: tuple[int, ...]
+    draft_out: Graph
+
+    def graphs(self) -> tuple[Graph, ...]:
+        return (self.hidden, self.draft_in, *self.layers, self.draft_out)
+
+    def with_graphs(self, fn) -> DraftIR:
+        return replace(self, hidden=fn(self.hidden), draft_in=fn(self.draft_in),
+                       layers=tuple(fn(g) for g in self.layers), draft_out=fn(self.draft_out))
+
+    def resolved_params(self):
+        """(graph, resolve) for every graph: `resolve(rel)` is a PARAM's full weight name."""
+        for g in (self.hidden, self.draft_in, self.draft_out):
+            yield g, str
+        for i, (t, read) in enumerate(zip(self.layer_template, self.reads, strict=True)):
+            yield self.layers[t], lambda rel, i=i, read=read: resolve_draft_param(rel, i, read)
+
+
+@dataclass(frozen=True)
 class ModelIR:
     config: Gemma4Config
     embed: Graph
@@ -134,9 +180,11 @@ class ModelIR:
     max_context: int
     max_chunk: int
     notes: tuple[str, ...] = field(default=())  # passes applied, in order
+    assistant: DraftIR | None = None  # the drafter, when built with one
 
     def graphs(self) -> tuple[Graph, ...]:
-        return (self.embed, *self.layers, self.head, self.sampler)
+        drafter = self.assistant.graphs() if self.assistant else ()
+        return (self.embed, *self.layers, self.head, self.sampler, *drafter)
 
     def param_map(self) -> dict[str, ParamSpec]:
         return {p.name: p for p in self.params}
@@ -150,7 +198,8 @@ class ModelIR:
     def with_graphs(self, fn) -> ModelIR:
         """Apply `fn(graph) -> graph` to every graph."""
         return replace(self, embed=fn(self.embed), layers=tuple(fn(g) for g in self.layers),
-                       head=fn(self.head), sampler=fn(self.sampler))
+                       head=fn(self.head), sampler=fn(self.sampler),
+                       assistant=self.assistant and self.assistant.with_graphs(fn))
 
 
 KV_SOURCE_PREFIX = "kv_source."  # the layer whose cache this one reads (KV sharing)
@@ -169,6 +218,14 @@ def resolve_param(rel: str, layer: LayerSpec) -> str:
     if rel.startswith(HEAD_PREFIX):
         return rel[len(HEAD_PREFIX):]
     return f"layers.{layer.index}.{rel}"
+
+
+def resolve_draft_param(rel: str, index: int, read: int) -> str:
+    """Full weight name of drafter layer `index`'s template PARAM `rel`; the layer reads target
+    layer `read`'s cache ("kv_source." names: a K=V cache's k_norm is the target's)."""
+    if rel.startswith(KV_SOURCE_PREFIX):
+        return f"layers.{read}.{rel[len(KV_SOURCE_PREFIX):]}"
+    return f"{TENSOR_PREFIX}layers.{index}.{rel}"
 
 
 def check_graph(g: Graph) -> None:
@@ -214,7 +271,8 @@ def check_model(m: ModelIR) -> None:
     for g in m.graphs():
         check_graph(g)
     cache_dtypes = {c.dtype for c in m.caches}
-    for g in m.layers:
+    drafter = m.assistant.layers if m.assistant else ()
+    for g in (*m.layers, *drafter):
         for name, node in g.args().items():
             if name in CACHE_ARGS and {node.dtype} != cache_dtypes:
                 raise SpecError(f"{g.name}: cache arg {name} is {node.dtype}, caches are "
@@ -223,6 +281,9 @@ def check_model(m: ModelIR) -> None:
         _check_params(g, specs, str)
     for layer, t in zip(m.config.layers, m.layer_template, strict=True):
         _check_params(m.layers[t], specs, lambda rel, s=layer: resolve_param(rel, s))
+    if m.assistant:
+        for g, resolve in m.assistant.resolved_params():
+            _check_params(g, specs, resolve)
 
 
 def _check_params(g: Graph, specs: dict[str, ParamSpec], resolve) -> None:

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rvcompile.ir.graph import CACHE_ARGS, CARRIED, Graph, ModelIR, resolve_param
+from rvcompile.ir.graph import (
+    CACHE_ARGS,
+    CARRIED,
+    Graph,
+    ModelIR,
+    resolve_draft_param,
+    resolve_param,
+)
 from rvcompile.ir.ops import OPS, Int8Cache, Op, empty_cache
 
 ParamGetter = Callable[[str], np.ndarray]
@@ -49,9 +56,12 @@ class ReferenceModel:
             for c in ir.caches for name in c.names
         }
 
-    def step(self, tokens: np.ndarray, start: np.ndarray, n_new: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, start: np.ndarray, n_new: np.ndarray, *,
+             hidden: bool = False):
         """Run tokens [B,T] whose first `n_new[b]` entries follow `start[b]` cached tokens;
-        update the caches and return logits [B,T,V] (rows past n_new are meaningless)."""
+        update the caches and return logits [B,T,V] (rows past n_new are meaningless). With
+        `hidden` (a model with an assistant), return (logits, the target's final-normed hidden
+        state [B,T,H]), the state a draft step starts from."""
         ir, cfg = self.ir, self.ir.config
         b, t = tokens.shape
         offs = np.arange(t)[None, :]
@@ -75,7 +85,33 @@ class ReferenceModel:
                 if name in CACHE_ARGS:
                     self.caches[(spec.index, name)] = v
         args = {name: carried[name] for name in ir.head.args()}
-        return run_graph(ir.head, args, self.weights.__getitem__)["logits"]
+        logits = run_graph(ir.head, args, self.weights.__getitem__)["logits"]
+        if not hidden:
+            return logits
+        state = run_graph(ir.assistant.hidden, {"h": carried["h"]}, self.weights.__getitem__)
+        return logits, state["hidden"]
+
+    def draft(self, tokens: np.ndarray, hidden: np.ndarray,
+              start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step of the assistant: tokens [B] at positions `start` [B] (the target's
+        cached tokens; the caches are only read), the state hidden [B,H] (the target's
+        final-normed hidden state before them, or the previous step's). Returns the drafter's
+        logits [B,V] and the next step's state [B,H]."""
+        d, w = self.ir.assistant, self.weights
+        start = np.asarray(start, np.int32)
+        x = run_graph(d.draft_in, {"tokens": np.asarray(tokens, np.int32)[:, None],
+                                   "hidden": np.asarray(hidden, np.float32)[:, None]},
+                      w.__getitem__)["h"]
+        for i, (t, read) in enumerate(zip(d.layer_template, d.reads, strict=True)):
+            g = d.layers[t]
+            args = {"h": x, "positions": start[:, None], "cache_len": start}
+            for name in g.args():
+                if name in CACHE_ARGS:
+                    args[name] = self.caches[(read, name)]
+            x = run_graph(g, args, lambda rel, i=i, read=read:
+                          w[resolve_draft_param(rel, i, read)])["h"]
+        out = run_graph(d.draft_out, {"h": x}, w.__getitem__)
+        return out["logits"][:, 0], out["hidden"][:, 0]
 
     def sample(self, logits: np.ndarray, temperature, top_k, top_p, seed, step) -> np.ndarray:
         args = {"logits": logits, "temperature": np.asarray(temperature, np.float32),

@@ -50,6 +50,8 @@ class Op(enum.Enum):
     GATED_LINEAR = "gated_linear"  # gelu_tanh(x @ Wg^T) * (x @ Wu^T), each a LINEAR (int8: scaled)
     MULTI_LINEAR = "multi_linear"  # LINEARs of one input, outputs concatenated on the last axis
     SLICE_LAST = "slice_last"  # x[..., start:stop]
+    CONCAT = "concat"  # x and y joined on the last axis (the assistant's [embedding, hidden])
+    CENTROID_HEAD = "centroid_head"  # logits of the top-k token clusters' tokens, others min - 1
     # Blocks the fusion passes make of what the H100 target runs as one unit (passes/fuse_*):
     KV_STORE = "kv_store"  # K or V columns of a projection as heads, RMSNORM (x w) [ROPE], KV_WRITE
     ATTENTION_BLOCK = "attention_block"  # q from a projection (norm, RoPE), ATTENTION over caches
@@ -139,6 +141,12 @@ class SliceLastAttrs:
 
 
 @dataclass(frozen=True)
+class CentroidHeadAttrs:
+    top_k: int  # clusters whose tokens are scored, by the centroid logits
+    clusters: int  # C: token_ordering is read as [C, V / C], cluster c's tokens in row c
+
+
+@dataclass(frozen=True)
 class KVStoreAttrs:
     start: int  # the rows' first column in the projection's last axis
     heads: int  # KV heads
@@ -180,7 +188,8 @@ class PleEmbedAttrs:
 
 Attrs = (ArgAttrs | ParamAttrs | EmbedAttrs | LinearAttrs | RMSNormAttrs | ScaleAttrs
          | SoftcapAttrs | ReshapeAttrs | RopeAttrs | KVWriteAttrs | CachePositionsAttrs
-         | AttentionAttrs | MoEAttrs | MultiLinearAttrs | SliceLastAttrs | KVStoreAttrs
+         | AttentionAttrs | MoEAttrs | MultiLinearAttrs | SliceLastAttrs | CentroidHeadAttrs
+         | KVStoreAttrs
          | AttentionBlockAttrs | MoEBlockAttrs | PleEmbedAttrs | None)
 
 
@@ -425,6 +434,34 @@ def ref_moe(a: MoEAttrs, x, router_logits, per_expert_scale, gate_up, down,
             out[n] += w[n, j] * y
     return out.reshape(*lead, -1).astype(np.float32)
 
+def ref_concat(a, x, y):
+    return np.concatenate([np.asarray(x, np.float32), np.asarray(y, np.float32)], axis=-1)
+
+
+def centroid_tokens(a: CentroidHeadAttrs, centroid_logits, token_ordering):
+    """Token ids [..., top_k * V/C] that CENTROID_HEAD scores: the rows of token_ordering [C, V/C]
+    of the top_k clusters by centroid logit (ties: the lower cluster first), best first."""
+    cl = np.asarray(centroid_logits, np.float32)
+    top = np.argsort(-cl, axis=-1, kind="stable")[..., :a.top_k]
+    rows = np.asarray(token_ordering).reshape(a.clusters, -1)[top]  # [..., top_k, V/C]
+    return rows.reshape(*cl.shape[:-1], -1)
+
+
+def ref_centroid_head(a: CentroidHeadAttrs, h, centroid_logits, token_ordering, table):
+    """h [..., D] . table rows of the centroid tokens (a bf16 table: h rounded to bf16 first, as
+    LINEAR), scattered into [..., V]; every other token gets the row's smallest scored logit
+    minus 1 (transformers' Gemma4AssistantMaskedEmbedder takes that minimum over the whole batch;
+    per row keeps rows independent and is the same at one row)."""
+    h = np.asarray(h, np.float32)
+    if table.dtype != np.float32:
+        h = to_bf16(h)
+    ids = centroid_tokens(a, centroid_logits, token_ordering)
+    rows = as_compute(table)[ids]  # [..., N, D]
+    sel = np.einsum("...d,...nd->...n", h, rows, dtype=np.float32)
+    out = np.repeat((sel.min(-1, keepdims=True) - np.float32(1)), table.shape[0], axis=-1)
+    np.put_along_axis(out, ids, sel, axis=-1)
+    return out.astype(np.float32)
+
 # The fused blocks: each reference is the unfused ops' references called in the same order on the
 # same arrays, so a fused graph computes the same bits as the graph it replaced.
 
@@ -594,6 +631,30 @@ def infer_slice_last(a: SliceLastAttrs, x):
     return (*x[0][:-1], a.stop - a.start), x[1]
 
 
+def infer_concat(a, x, y):
+    _float(x[1], "concat input")
+    _float(y[1], "concat input")
+    if x[0][:-1] != y[0][:-1] or not all(isinstance(s[0][-1], int) for s in (x, y)):
+        raise SpecError(f"concat: {x[0]} and {y[0]} differ before the last axis")
+    return (*x[0][:-1], x[0][-1] + y[0][-1]), "float32"
+
+
+def infer_centroid_head(a: CentroidHeadAttrs, h, centroid_logits, token_ordering, table):
+    _float(h[1], "centroid_head input")
+    if table[1] not in FLOAT_DTYPES or len(table[0]) != 2 or table[0][1] != h[0][-1]:
+        raise SpecError(f"centroid_head: table {table[0]} {table[1]} for input {h[0]}")
+    vocab = table[0][0]
+    if token_ordering[0] != (vocab,) or token_ordering[1] != "int32":
+        raise SpecError(f"centroid_head: token_ordering {token_ordering[0]} "
+                        f"{token_ordering[1]} for a {vocab}-row table")
+    if centroid_logits[0] != (*h[0][:-1], a.clusters) or vocab % a.clusters:
+        raise SpecError(f"centroid_head: centroid logits {centroid_logits[0]} for {a.clusters} "
+                        f"clusters of {vocab} tokens, input {h[0]}")
+    if not 1 <= a.top_k <= a.clusters:
+        raise SpecError(f"centroid_head: top_k {a.top_k} of {a.clusters} clusters")
+    return (*h[0][:-1], vocab), "float32"
+
+
 def infer_elementwise(a, x, y):
     return broadcast(x[0], y[0]), "float32"
 
@@ -751,6 +812,8 @@ OPS: dict[Op, OpDef] = {
     Op.GATED_LINEAR: OpDef(infer_gated_linear, ref_gated_linear, (3, 5)),
     Op.MULTI_LINEAR: OpDef(infer_multi_linear, ref_multi_linear, (3, 7)),
     Op.SLICE_LAST: OpDef(infer_slice_last, ref_slice_last, (1, 1)),
+    Op.CONCAT: OpDef(infer_concat, ref_concat, (2, 2)),
+    Op.CENTROID_HEAD: OpDef(infer_centroid_head, ref_centroid_head, (4, 4)),
     Op.KV_STORE: OpDef(infer_kv_store, ref_kv_store, (3, 4)),
     Op.ATTENTION_BLOCK: OpDef(infer_attention_block, ref_attention_block, (6, 6)),
     Op.MOE_BLOCK: OpDef(infer_moe_block, ref_moe_block, (10, 12)),

@@ -1,13 +1,32 @@
-"""Named Gemma 4 configurations: the released text decoders and small test models.
+"""Named Gemma 4 configurations: the released text decoders, their assistant drafters and small
+test models.
 
 Each preset is a keyword-only factory; `get_preset(name)` resolves a name or raises
 `ConfigError` listing the known ones. Released numbers follow shared/GEMMA4.md.
+
+Assistant presets (`get_assistant_preset("gemma-4-31B-assistant")`, one per target preset) give
+the drafter's shape for `--assistant NAME --random-weights`. A drafter's cache layout (head dims,
+KV heads, K=V, window, RoPE) is the target's, since its layers read the target's caches; what
+each drafter's own numbers rest on (Google publishes no table; these come from the released
+config.json files as third parties quote them):
+- E2B: D 256, MLP 2048, 4 layers S S S F, 4 query heads, centroid head (2048 clusters, top 32):
+  the released config.json of google/gemma-4-E2B-it-assistant, quoted whole in a public log.
+- E4B: as E2B (78.5M parameters in a load probe), quoted by several third-party test fixtures.
+- 31B: D 1024, MLP 8192, 4 layers S S S F, 32 query heads, dense tied head: a third-party test
+  fixture (mlx-swift-lm) and issue 15; the window (the target's 1024) is an ASSUMPTION.
+- 26B-A4B: D 1024 (vLLM PR 54822, a user loading google/gemma-4-26B-A4B-it-assistant) and a
+  dense head (mlx-vlm's drafter table); 4 layers S S S F, 16 query heads and MLP 8192 are
+  ASSUMPTIONS (the 31B drafter's).
+- 12B (gemma4_unified_assistant): no shape seen published; D 1024, MLP 8192, 4 layers S S S F,
+  16 query heads and a dense head are all ASSUMPTIONS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
+from rvcompile.model.assistant import AssistantConfig
 from rvcompile.model.config import AttnKind, ConfigError, Gemma4Config, RopeSpec
 
 VOCAB = 262144
@@ -106,3 +125,50 @@ def get_preset(name: str) -> Gemma4Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})")
     return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Assistant drafters
+
+
+def _assistant(target: Gemma4Config, *, hidden: int, mlp: int, heads: int, layers: int = 4,
+               ordered: bool = False, centroids: int = 2048, top_k: int = 32,
+               model_type: str = "gemma4_assistant") -> AssistantConfig:
+    """A drafter for `target`: its own width, MLP and query heads, (layers - 1) sliding layers
+    then one full layer, each with the cache layout of the target layer it reads."""
+    text = dataclasses.replace(
+        target, name=f"{target.name}-assistant", hidden_size=hidden, num_layers=layers,
+        num_heads=heads, layer_kinds=_pattern(layers, layers), intermediate_size=mlp,
+        use_double_wide_mlp=False, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        enable_moe_block=False, num_experts=0, top_k_experts=0, moe_intermediate_size=0,
+        final_logit_softcapping=None, layer_overrides=(),
+    )
+    return AssistantConfig(
+        name=f"{target.name}-assistant", model_type=model_type, text=text,
+        backbone_hidden_size=target.hidden_size, use_ordered_embeddings=ordered,
+        num_centroids=centroids, centroid_intermediate_top_k=top_k)
+
+
+ASSISTANT_PRESETS: dict[str, Callable[[], AssistantConfig]] = {
+    "gemma-4-E2B-assistant": lambda: _assistant(gemma_4_e2b(), hidden=256, mlp=2048, heads=4,
+                                                ordered=True),
+    "gemma-4-E4B-assistant": lambda: _assistant(gemma_4_e4b(), hidden=256, mlp=2048, heads=4,
+                                                ordered=True),
+    "gemma-4-12B-assistant": lambda: _assistant(gemma_4_12b(), hidden=1024, mlp=8192, heads=16,
+                                                model_type="gemma4_unified_assistant"),
+    "gemma-4-26B-A4B-assistant": lambda: _assistant(gemma_4_26b_a4b(), hidden=1024, mlp=8192,
+                                                    heads=16),
+    "gemma-4-31B-assistant": lambda: _assistant(gemma_4_31b(), hidden=1024, mlp=8192, heads=32),
+    # Test drafters: the tiny (E2B-like) preset's has the centroid head, tiny-dense's the dense.
+    "gemma-4-tiny-assistant": lambda: _assistant(gemma_4_tiny(), hidden=64, mlp=128, heads=4,
+                                                 layers=2, ordered=True, centroids=16, top_k=4),
+    "gemma-4-tiny-dense-assistant": lambda: _assistant(gemma_4_tiny_dense(), hidden=64, mlp=128,
+                                                       heads=4, layers=2),
+}
+
+
+def get_assistant_preset(name: str) -> AssistantConfig:
+    if name not in ASSISTANT_PRESETS:
+        raise ConfigError(f"unknown assistant preset {name!r} (known: "
+                          f"{', '.join(ASSISTANT_PRESETS)})")
+    return ASSISTANT_PRESETS[name]()

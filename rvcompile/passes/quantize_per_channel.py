@@ -3,7 +3,9 @@
 and MoE expert stacks, and with `embeddings` every EMBED table (a tied table is then quantized
 once and read by both EMBED and the head's LINEAR; without it the tied head keeps its dtype
 too), is stored in `fmt.dtype` with a float32 per-output-row scale over the input axis, as
-"<name>.scale". Nothing else changes. Run it before the fusion passes, which hide LINEARs.
+"<name>.scale". An assistant's graphs are quantized by the same rule (its tied head table like
+the target's; its centroid scores, a router, not). Nothing else changes. Run it before the
+fusion passes, which hide LINEARs.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ def _quantize_graph(g: Graph, targets: set[str], dtype: str) -> Graph:
 
 
 def quantize(ir: ModelIR, fmt: QuantFormat, *, embeddings: bool) -> ModelIR:
-    skip = set() if embeddings else _embedding_tables([ir.embed])
+    skip = set() if embeddings else _embedding_tables([ir.embed]) | _drafter_head(ir)
     outer = _targets(ir.embed, skip) | _targets(ir.head, skip)
     full: set[str] = set(outer)
     for spec, t in zip(ir.config.layers, ir.layer_template, strict=True):
         full |= {resolve_param(rel, spec) for rel in _targets(ir.layers[t], skip)}
+    if ir.assistant:
+        for g, resolve in ir.assistant.resolved_params():
+            full |= {resolve(rel) for rel in _targets(g, skip)}
     params: list[ParamSpec] = []
     for p in ir.params:
         if p.name in full:
@@ -86,6 +91,17 @@ def quantize(ir: ModelIR, fmt: QuantFormat, *, embeddings: bool) -> ModelIR:
         else:
             params.append(p)
     layers = tuple(_quantize_graph(g, _targets(g, skip), fmt.dtype) for g in ir.layers)
+    assistant = ir.assistant and ir.assistant.with_graphs(
+        lambda g: _quantize_graph(g, _targets(g, skip), fmt.dtype))
     return replace(ir, embed=_quantize_graph(ir.embed, outer, fmt.dtype),
                    head=_quantize_graph(ir.head, outer, fmt.dtype),
-                   layers=layers, params=tuple(params), notes=(*ir.notes, fmt.name))
+                   layers=layers, params=tuple(params), notes=(*ir.notes, fmt.name),
+                   assistant=assistant)
+
+
+def _drafter_head(ir: ModelIR) -> set[str]:
+    """The assistant's tied head table, which keeps its precision when the target's does."""
+    if ir.assistant is None:
+        return set()
+    return {n.attrs.name for n in ir.assistant.draft_out.nodes
+            if n.op is Op.PARAM and n.attrs.name.endswith("embed_tokens.weight")}

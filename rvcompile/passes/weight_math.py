@@ -87,6 +87,8 @@ def encode_all(derives: dict[str, str], w: np.ndarray | Fp8Tensor) -> dict[str, 
         fmt, _, part = derive.partition("_")
         if derive == "copy":
             out[name] = np.ascontiguousarray(w, np.float32)
+        elif derive == "int32":  # token ids (the assistant's token_ordering), stored as read
+            out[name] = np.ascontiguousarray(w, np.int32)
         elif derive == "bf16":
             out[name] = np.ascontiguousarray(w, np.float32).astype(ml_dtypes.bfloat16)
         elif fmt in QUANTIZERS and part in ("values", "scales"):

@@ -26,6 +26,24 @@ steps in one call, each bit for bit a `decode` call of the same lanes, so the ho
 per-token path. Every lane must own the blocks of the positions its budget can reach; a call
 never runs more than max_chunk steps, so the sliding ring holds them. Engines check the capability
 with `decode_loop_steps(executor)`, never the executor's type.
+
+Speculative decoding (optional, `max_draft_tokens(executor)` > 0; issue 15). One round of a
+sequence whose target has cached positions [0, p) and whose last accepted token x sits at p:
+- `verify`: one call runs x and up to max_draft_tokens drafts d1..dk as k + 1 rows at
+  positions p..p+k (writing their KV) and returns the target's token after every row, row i
+  sampled at RNG step `step + i` (so row i is what `decode` would give after x, d1..di), plus
+  an opaque state per row: the target's final-normed hidden state there. The caller accepts
+  drafts (greedily: the longest prefix with d(i+1) == tokens[i]; m of them) and takes
+  tokens[m] as the next token; rows past m wrote KV that later writes overwrite (the engine's
+  block bookkeeping must not count them, nor hash them into the prefix cache).
+- `draft` (with an assistant, `has_drafter(executor)`): from a token at position q (the target
+  has cached [0, q): after a verify accepting m drafts, q = p + m + 1, the token tokens[m], the
+  state `states[m]`) n assistant steps at that position over the target's caches, which it only
+  reads; draft i is sampled at RNG step `step + i` (the verify row that checks it; greedy lanes
+  draft the assistant's argmax, as transformers does). A sequence with no state yet (just
+  prefilled) runs one verify with no drafts first: a decode step that also yields a state.
+A verify lane with no drafts is a decode lane; a sequence not drafting can ride along in one.
+Verify needs the blocks of positions [p, p + k] like a prefill chunk of k + 1 rows does.
 """
 
 from __future__ import annotations
@@ -98,6 +116,34 @@ class DeviceError(RuntimeError):
     only the sequences in it; the engine keeps serving."""
 
 
+@dataclass(frozen=True)
+class Verified:
+    """One lane's result of a verify call."""
+
+    tokens: list[int]  # the target's token after each row: tokens[i] follows rows 0..i
+    states: tuple[object, ...]  # per row, opaque: what `draft` starts from after tokens[i]
+    # (empty when the executor has no drafter)
+
+
+@dataclass(frozen=True)
+class DraftLane:
+    """One sequence's share of a draft call."""
+
+    chunk: SeqChunk  # tokens: [the token to draft after]; start: its position q (the target's
+    # cached tokens); tables; sampling; step: the RNG step of the first draft
+    state: object  # a Verified.states entry: the target's hidden state before that token
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """One lane's result of a draft call."""
+
+    tokens: list[int]  # the n drafted tokens
+    logits: object  # float32 [n, vocab] as an array-like (np.asarray copies it to the host): the
+    # drafter's logits at each step, kept on the device until asked for
+    states: object  # float32 [n, H], likewise: the drafter's projected state after each step
+
+
 class Executor(Protocol):
     max_context: int  # longest sequence (prompt + generated) the programs take
     max_chunk: int  # most tokens in one prefill or logits call
@@ -131,6 +177,32 @@ class LoopExecutor(Executor, Protocol):
         feeding each its sampled token, until every lane sampled a stop id or its budget;
         return each lane's sampled tokens (its stop id included)."""
         ...
+
+
+class SpeculativeExecutor(Executor, Protocol):
+    """An executor that also verifies drafts in one call (and, with a drafter, drafts)."""
+
+    max_draft_tokens: int  # most drafts one verify call checks (0: not offered)
+    has_drafter: bool  # draft() is offered: the artifact carries an assistant
+
+    def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
+        """Run up to max_seqs sequences, each its last token and 0..max_draft_tokens drafts
+        as rows at positions start, start + 1, ...; return each row's next token and state."""
+        ...
+
+    def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
+        """Up to max_seqs sequences: n (1..max_draft_tokens) assistant drafts each."""
+        ...
+
+
+def max_draft_tokens(executor: Executor) -> int:
+    """Drafts one verify call checks; 0 when the executor has no speculative entry points."""
+    return getattr(executor, "max_draft_tokens", 0)
+
+
+def has_drafter(executor: Executor) -> bool:
+    """Whether the executor drafts with an assistant (draft())."""
+    return bool(getattr(executor, "has_drafter", False))
 
 
 def decode_loop_steps(executor: Executor) -> int:

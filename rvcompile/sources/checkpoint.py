@@ -12,6 +12,14 @@ their embedders, `lm_head.weight` (tied) and the unused k/v tensors of KV-shared
 skipped. The files are read by safetensors_file.py; a pre-quantized FP8 checkpoint's
 quantization_config and scales are checked by fp8_schemes.py. Every error is a one-line
 `CheckpointError` (or `ConfigError` from the config parser) naming the file and/or tensor.
+
+An assistant drafter's directory (`--assistant DIR`, `load_assistant_source`; or, with random
+weights, an assistant preset) is read the same way: its config.json (model_type
+gemma4_assistant / gemma4_unified_assistant) checked and refused in one line when it does not
+fit the target (AssistantConfig.target_layers), its tensors named "assistant." + the
+checkpoint's name without "model." (model_source.expected_assistant_tensors), BF16, F16 or F32,
+and its masked head's token_ordering I64 or I32, checked on load to be a permutation of the
+vocabulary (each token in exactly one cluster).
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rvcompile import chat_template
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import ConfigError, Gemma4Config
 from rvcompile.model.presets import PRESETS, get_preset
 from rvcompile.sources import random_weights as rw
@@ -36,13 +47,22 @@ from rvcompile.sources.fp8_schemes import (
     is_weight_scale,
     parse_fp8_scheme,
 )
-from rvcompile.sources.model_source import CheckpointError, ModelSource, TensorRef, expected_tensors
+from rvcompile.sources.model_source import (
+    TOKEN_ORDERING,
+    AssistantSource,
+    CheckpointError,
+    ModelSource,
+    TensorRef,
+    expected_assistant_tensors,
+    expected_tensors,
+)
 from rvcompile.sources.safetensors_file import (
     SUPPORTED_DTYPES,
     HeaderEntry,
     dequantized,
     read_fp8_tensor,
     read_safetensors_header,
+    read_stored,
     read_tensor,
 )
 
@@ -109,16 +129,11 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [directory / s for s in shards], weight_map
 
 
-def _file_tensors(directory: Path, cfg: Gemma4Config,
-                  fp8: Fp8Scheme | None) -> tuple[TensorRef, ...]:
-    """Validate every header against expected_tensors(cfg) (and, for a pre-quantized checkpoint,
-    `fp8`, its quantization_config); TensorRefs in file/offset order."""
-    expected = expected_tensors(cfg)
-    ignored = _skipped_shared_kv(cfg)
+def _shard_entries(directory: Path):
+    """(file, its validated header entries) for every safetensors file of `directory`, in shard
+    order; a sharded checkpoint's index must list only tensors its shards hold."""
     files, weight_map = _weight_files(directory)
     index_path = directory / "model.safetensors.index.json"
-    weights: dict[str, tuple[Path, HeaderEntry]] = {}
-    scales: dict[str, tuple[Path, HeaderEntry]] = {}  # weight name -> its weight_scale
     for path in files:
         entries = read_safetensors_header(path)
         if weight_map is not None:
@@ -128,6 +143,18 @@ def _file_tensors(directory: Path, cfg: Gemma4Config,
                     raise CheckpointError(
                         f"{index_path}: lists tensor {raw} in {shard}, which does not contain it"
                     )
+        yield path, entries
+
+
+def _file_tensors(directory: Path, cfg: Gemma4Config,
+                  fp8: Fp8Scheme | None) -> tuple[TensorRef, ...]:
+    """Validate every header against expected_tensors(cfg) (and, for a pre-quantized checkpoint,
+    `fp8`, its quantization_config); TensorRefs in file/offset order."""
+    expected = expected_tensors(cfg)
+    ignored = _skipped_shared_kv(cfg)
+    weights: dict[str, tuple[Path, HeaderEntry]] = {}
+    scales: dict[str, tuple[Path, HeaderEntry]] = {}  # weight name -> its weight_scale
+    for path, entries in _shard_entries(directory):
         for e in entries:
             name = _canonical_name(e.raw_name)
             if name is None:
@@ -433,3 +460,115 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
         generation_config=tf.default_generation_config(cfg),
         chat_template=tf.default_chat_template(), origin=model,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Assistant drafters (`--assistant DIR | PRESET`)
+
+_INDEX_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4")}
+
+
+def check_token_ordering(ids: np.ndarray, what: str) -> np.ndarray:
+    """`ids` as int32 if it is a permutation of [0, len(ids)) (each token in exactly one
+    cluster), else CheckpointError naming `what`."""
+    ids = np.asarray(ids).reshape(-1)
+    vocab = ids.size
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise CheckpointError(f"{what}: entry {int(bad[0])} is {int(ids[bad[0]])}, not a token "
+                              f"id in [0, {vocab})")
+    counts = np.bincount(ids, minlength=vocab)
+    if (counts != 1).any():
+        tok = int(np.flatnonzero(counts != 1)[0])
+        raise CheckpointError(f"{what}: token {tok} appears {int(counts[tok])} times; every "
+                              "token must be in exactly one cluster")
+    return ids.astype(np.int32)
+
+
+def read_token_ordering(path: str, raw_name: str, start: int, nbytes: int,
+                        dtype: str) -> np.ndarray:
+    """The masked head's token_ordering (I64 or I32) as int32 [V], checked a permutation."""
+    ids = read_stored(path, raw_name, start, nbytes, _INDEX_DTYPES[dtype])
+    return check_token_ordering(ids, f"{path}: tensor {raw_name}")
+
+
+def _assistant_file_tensors(directory: Path, a: AssistantConfig) -> tuple[TensorRef, ...]:
+    """Validate every header of an assistant directory against expected_assistant_tensors."""
+    expected = expected_assistant_tensors(a)
+    found: dict[str, TensorRef] = {}
+    for path, entries in _shard_entries(directory):
+        for e in entries:
+            if e.raw_name == "lm_head.weight":
+                continue  # tied to embed_tokens
+            name = TENSOR_PREFIX + e.raw_name.removeprefix("model.")
+            if name not in expected:
+                raise CheckpointError(f"{path}: unexpected tensor {e.raw_name} (not in the "
+                                      f"assistant that {directory / 'config.json'} describes)")
+            if name in found:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} duplicates the one in "
+                                      f"{Path(found[name].origin).name}")
+            if e.shape != expected[name]:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} has shape {list(e.shape)}, "
+                                      f"expected {list(expected[name])}")
+            if name == TOKEN_ORDERING:
+                if e.dtype not in _INDEX_DTYPES:
+                    raise CheckpointError(f"{path}: tensor {e.raw_name} has dtype {e.dtype}; "
+                                          "token ids are read from I64 or I32")
+                found[name] = TensorRef(
+                    name=name, shape=e.shape, source_dtype=_INDEX_DTYPES[e.dtype].name,
+                    origin=str(path), reader=functools.partial(
+                        read_token_ordering, str(path), e.raw_name, e.start, e.nbytes, e.dtype))
+                continue
+            if e.dtype not in SUPPORTED_DTYPES:
+                raise CheckpointError(f"{path}: tensor {e.raw_name} has dtype {e.dtype}; only "
+                                      "BF16, F16 and F32 are read for an assistant")
+            found[name] = _tensor_ref(name, path, e, None)
+    missing = [n for n in expected if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raw = missing[0].removeprefix(TENSOR_PREFIX)
+        raise CheckpointError(f"{directory}: missing tensor {raw} {list(expected[missing[0]])}"
+                              f"{more}")
+    return tuple(found.values())
+
+
+def read_assistant_config(directory: Path) -> AssistantConfig:
+    path = directory / "config.json"
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    try:
+        return AssistantConfig.from_hf_dict(raw, name=directory.name, source=str(path))
+    except ConfigError:
+        raise
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e})") from None
+
+
+def load_assistant_source(spec: str, target: Gemma4Config, *, random_weights: bool = False,
+                          seed: int = 0, random_ranges=None) -> AssistantSource:
+    """`--assistant SPEC` for `target`: an assistant directory (config.json + safetensors, or
+    random tensors of its shape with `random_weights`) or an assistant preset (random weights
+    only, see presets.ASSISTANT_PRESETS). Refuses, in one line, one that does not fit `target`
+    (AssistantConfig.target_layers)."""
+    from rvcompile.model.presets import ASSISTANT_PRESETS, get_assistant_preset
+    from rvcompile.sources import random_weights as rw
+
+    path = Path(spec)
+    is_dir = path.is_dir() and (path / "config.json").is_file()
+    if is_dir:
+        cfg = read_assistant_config(path)
+    elif spec in ASSISTANT_PRESETS:
+        if not random_weights:
+            raise CheckpointError(f"--assistant {spec}: an assistant preset has no weights of "
+                                  "its own; pass an assistant directory or --random-weights")
+        cfg = get_assistant_preset(spec)
+    else:
+        raise CheckpointError(f"--assistant {spec}: not an assistant directory (needs "
+                              f"config.json) or preset (known: {', '.join(ASSISTANT_PRESETS)})")
+    cfg.target_layers(target)
+    if random_weights:
+        tensors = rw.random_assistant_tensors(cfg, seed, random_ranges or rw.init_range)
+    else:
+        tensors = _assistant_file_tensors(path, cfg)
+    return AssistantSource(cfg, tensors, str(path) if is_dir else spec)

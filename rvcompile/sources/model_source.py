@@ -9,6 +9,8 @@ naming the file and/or tensor.
 
 Tensor names are the text decoder's, without the "model." prefix ("layers.3.self_attn.q_proj.
 weight"); `expected_tensors(cfg)` lists them with their shapes (shared/GEMMA4.md, "Weights").
+An assistant drafter's source (`AssistantSource`, `--assistant`) holds the tensors of
+`expected_assistant_tensors(config)`, named "assistant." + the checkpoint's name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import Gemma4Config
 
 
@@ -119,3 +122,40 @@ def expected_tensors(cfg: Gemma4Config) -> dict[str, tuple[int, ...]]:
     t["norm.weight"] = (H,)
     return t
 
+
+@dataclass(frozen=True)
+class AssistantSource:
+    config: AssistantConfig
+    tensors: tuple[TensorRef, ...]  # exactly expected_assistant_tensors(config), "assistant.*"
+    origin: str  # assistant preset name or directory
+
+
+TOKEN_ORDERING = TENSOR_PREFIX + "masked_embedding.token_ordering"
+
+
+def expected_assistant_tensors(a: AssistantConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name ("assistant." + the checkpoint's name without "model.") -> shape of every
+    stored assistant tensor. Its layers have no k/v weights (they read the target's caches);
+    `lm_head.weight` is tied to embed_tokens and skipped like a target's."""
+    d, hb, v = a.hidden_size, a.backbone_hidden_size, a.vocab_size
+    p = TENSOR_PREFIX
+    t: dict[str, tuple[int, ...]] = {p + "embed_tokens.weight": (v, d)}
+    for s in a.text.layers:
+        lp = f"{p}layers.{s.index}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            t[lp + norm + ".weight"] = (d,)
+        t[lp + "layer_scalar"] = (1,)
+        t[lp + "self_attn.q_proj.weight"] = (a.text.num_heads * s.head_dim, d)
+        t[lp + "self_attn.q_norm.weight"] = (s.head_dim,)
+        t[lp + "self_attn.o_proj.weight"] = (d, a.text.num_heads * s.head_dim)
+        t[lp + "mlp.gate_proj.weight"] = (s.mlp_width, d)
+        t[lp + "mlp.up_proj.weight"] = (s.mlp_width, d)
+        t[lp + "mlp.down_proj.weight"] = (d, s.mlp_width)
+    t[p + "norm.weight"] = (d,)
+    t[p + "pre_projection.weight"] = (d, 2 * hb)
+    t[p + "post_projection.weight"] = (hb, d)
+    if a.use_ordered_embeddings:
+        t[p + "masked_embedding.centroids.weight"] = (a.num_centroids, d)
+        t[TOKEN_ORDERING] = (v,)
+    return t

@@ -15,6 +15,10 @@ A tensor is cut into CHUNK-value pieces; piece k comes from its own SFC64 stream
 (seed, hash(name), k), so the result does not depend on how many threads fill it. Each raw
 64-bit word gives four int16 samples, mapped to float32 with one multiply (and one add for
 ranges not centred on zero).
+
+An assistant's tensors ("assistant.*") are drawn the same way, by their name without the prefix
+(its embedding std 0.03, ...), and its masked head's token_ordering is a random permutation of
+the vocabulary, also a function of (seed, name).
 """
 
 from __future__ import annotations
@@ -28,8 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import Gemma4Config
-from rvcompile.sources.model_source import CheckpointError, TensorRef, expected_tensors
+from rvcompile.sources.model_source import (
+    TOKEN_ORDERING,
+    CheckpointError,
+    TensorRef,
+    expected_assistant_tensors,
+    expected_tensors,
+)
 
 CHUNK = 1 << 20  # values per independently seeded stream; changing it changes every tensor
 EMBED_STD = 0.03
@@ -138,3 +149,34 @@ def random_tensors(cfg: Gemma4Config, seed: int,
                   reader=functools.partial(random_array, seed, name, shape, ranges))
         for name, shape in expected_tensors(cfg).items()
     )
+
+
+def _drafter_range(ranges: RangeRule, name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """`ranges` of an assistant tensor, by its name without "assistant."."""
+    return ranges(name.removeprefix(TENSOR_PREFIX), shape)
+
+
+def random_permutation(seed: int, name: str, n: int) -> np.ndarray:
+    """int32 [n]: a permutation of [0, n), a pure function of (seed, name, n)."""
+    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, *_name_key(name)])))
+    return rng.permutation(n).astype(np.int32)
+
+
+def random_assistant_tensors(a: AssistantConfig, seed: int,
+                             ranges: RangeRule = init_range) -> tuple[TensorRef, ...]:
+    """One TensorRef per expected_assistant_tensors(a) entry, generated on load()."""
+    if seed < 0:
+        raise CheckpointError(f"--seed must be >= 0 (got {seed})")
+    origin = (f"random(seed={seed})" if ranges is init_range
+              else f"random(seed={seed}, ranges={ranges.__name__})")
+    rule = functools.partial(_drafter_range, ranges)
+    refs = []
+    for name, shape in expected_assistant_tensors(a).items():
+        if name == TOKEN_ORDERING:
+            refs.append(TensorRef(name=name, shape=shape, source_dtype="int32", origin=origin,
+                                  reader=functools.partial(random_permutation, seed, name,
+                                                           shape[0])))
+        else:
+            refs.append(TensorRef(name=name, shape=shape, source_dtype="float32", origin=origin,
+                                  reader=functools.partial(random_array, seed, name, shape, rule)))
+    return tuple(refs)

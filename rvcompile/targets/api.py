@@ -45,6 +45,7 @@ class BuildOptions:
     decode_loop_steps: int | None = 0  # --decode-loop-steps; None: the target's default
     tp: int = 1  # --tp: tensor-parallel devices
     kv_cache: str = "auto"  # --kv-cache: one of KV_CACHE_CHOICES
+    draft_tokens: int = 0  # --num-draft-tokens: most drafts per verify call; 0: no such entries
 
     def __post_init__(self) -> None:
         """Every option inside its documented range, else a one-line CheckpointError naming the
@@ -70,6 +71,12 @@ class BuildOptions:
                                   or not 0 <= steps <= self.chunk):
             raise CheckpointError(f"--decode-loop-steps {steps!r}: expected 0 (no loop) to "
                                   f"{self.chunk}, the largest prefill bucket")
+        # A verify call runs a token and its drafts as one chunk of rows.
+        drafts = self.draft_tokens
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or not 0 <= drafts < self.chunk:
+            raise CheckpointError(f"--num-draft-tokens {drafts!r}: expected 0 (no speculative "
+                                  f"entry points) to {self.chunk - 1}, the largest prefill bucket "
+                                  "- 1")
         if self.kv_cache not in KV_CACHE_CHOICES:
             raise CheckpointError(f"--kv-cache {self.kv_cache!r}: expected one of "
                                   f"{', '.join(KV_CACHE_CHOICES)}")

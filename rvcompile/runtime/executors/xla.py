@@ -3,10 +3,12 @@ paged KV pools, deserializes and checks the jax.export programs (programs.py), c
 them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
 version), or, when the operator trusts them, loads the executables precompiled for this
 machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
-(the device-side decode loop) over sequences' block tables. Makes no policy: the engine drives
-it. It reads the manifest checked by artifacts/manifest.py, and the programs checked against
-it by artifacts/xla_programs.py before it uploads anything. A failed call that lost
-the KV pools raises DeviceError.
+(the device-side decode loop) over sequences' block tables, and, when the artifact has
+speculative entry points (manifest xla.speculative), verify and draft (executor_api's
+speculative contract): the states verify returns and draft reads stay on the device. Makes no
+policy: the engine drives it. It reads the manifest checked by artifacts/manifest.py, and the
+programs checked against it by artifacts/xla_programs.py before it uploads anything. A failed
+call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -28,10 +31,13 @@ from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.runtime.executor_api import (
     DeviceError,
+    Drafted,
+    DraftLane,
     KvKind,
     LoadOptions,
     LoopLane,
     SeqChunk,
+    Verified,
 )
 from rvcompile.runtime.executors import check_limits
 from rvcompile.runtime.executors.precompiled import choose, this_machine
@@ -163,6 +169,15 @@ class TpPlacement:
         return jnp.zeros(shape, dtype, device=self._sharding(key))
 
 
+@dataclass(frozen=True, eq=False)
+class XlaState:
+    """A Verified.states entry: row `row` of lane `lane` of one verify call's hidden states."""
+
+    rows: jax.Array  # float32 [B, R, H], on the device
+    lane: int
+    row: int
+
+
 class XlaExecutor:
     def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
                  trust_executables: bool = False):
@@ -181,6 +196,9 @@ class XlaExecutor:
             if platform not in exp.platforms:
                 raise ArtifactError(f"{art.path.name}: program {name} was exported for "
                                     f"{', '.join(exp.platforms)}, not {platform}")
+        self.speculative = xla.speculative  # None: built without verify/draft entries
+        self.max_draft_tokens = xla.speculative.draft_tokens if xla.speculative else 0
+        self.has_drafter = bool(xla.speculative and xla.speculative.draft)
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
         self.weights = {w.key: self.placement.weight(w.key, art.array(
@@ -204,7 +222,10 @@ class XlaExecutor:
             return
         if xla.precompiled or jax.default_backend() == "tpu":
             print(f"[rvrun] {choice.note}", file=sys.stderr)
-        self.fns = {name: jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
+        # Every entry point updates the pools in place (donated), but draft, which only reads.
+        draft = self.speculative and self.speculative.draft
+        self.fns = {name: jax.jit(exp.call) if name == draft
+                    else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
 
@@ -214,20 +235,31 @@ class XlaExecutor:
         t0 = time.perf_counter()
 
         def compile_entry(name: str):
-            kind, size = name.rsplit("_", 1)
-            batch, t = (int(size), 1) if kind.startswith("decode") else (1, int(size))
-            args = self._lane_args(batch, t)
-            if kind != "logits":
-                args += _sampling([], batch)
-            if kind == "decode_loop":
-                args += _loop_limits([], batch, self.decode_loop_stops)
-            return fn_by_name[name].lower(self.weights, self.caches, *args).compile()
+            return fn_by_name[name].lower(self.weights, self.caches,
+                                          *self._example_args(name)).compile()
 
         fn_by_name = dict(self.fns)
         # XLA compiles independent programs concurrently; entry points share nothing.
         with ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool:
             self.fns = dict(zip(fn_by_name, pool.map(compile_entry, fn_by_name), strict=True))
         return time.perf_counter() - t0
+
+    def _example_args(self, name: str) -> tuple:
+        """Arguments of entry point `name` (after weights and pools), all lanes idle."""
+        w, spec = self.max_seqs, self.speculative
+        if spec and name == spec.verify:
+            return (*self._lane_args(w, self.max_draft_tokens + 1), *_sampling([], w))
+        if spec and name == spec.draft:
+            return (*self._lane_args(w, 1), np.zeros((w, spec.hidden_size), np.float32),
+                    *_sampling([], w), np.int32(0))
+        kind, size = name.rsplit("_", 1)
+        batch, t = (int(size), 1) if kind.startswith("decode") else (1, int(size))
+        args = self._lane_args(batch, t)
+        if kind != "logits":
+            args += _sampling([], batch)
+        if kind == "decode_loop":
+            args += _loop_limits([], batch, self.decode_loop_stops)
+        return args
 
     def _lane_args(self, batch: int, t: int, lanes=()) -> tuple:
         """tokens [batch,t], start [batch], n_new [batch], tables {kind: [batch, width]}; lanes
@@ -279,6 +311,49 @@ class XlaExecutor:
         tok = self._call(f"decode_loop_{w}", *self._lane_args(w, 1, chunks),
                          *_sampling(chunks, w), *_loop_limits(lanes, w, self.decode_loop_stops))
         return [[int(t) for t in row if t >= 0] for row in tok[:len(lanes)]]
+
+    def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
+        if not self.max_draft_tokens:
+            raise ValueError(f"{self.art.path.name} was built without speculative entry points "
+                             "(--num-draft-tokens)")
+        w, rows = self.max_seqs, self.max_draft_tokens + 1
+        if len(lanes) > w:
+            raise ValueError(f"{len(lanes)} verify lanes; the programs take {w}")
+        for lane in lanes:
+            if not 1 <= len(lane.tokens) <= rows:
+                raise ValueError(f"verify lane of {len(lane.tokens)} tokens: a token and 0 to "
+                                 f"{self.max_draft_tokens} drafts")
+        out = self.fns[self.speculative.verify](
+            self.weights, self.caches, *self._lane_args(w, rows, lanes), *_sampling(lanes, w))
+        self.caches, tok = out[0], np.asarray(out[1])
+        hidden = out[2] if self.has_drafter else None
+        return [Verified(tok[i, :len(c.tokens)].tolist(),
+                         () if hidden is None else tuple(
+                             XlaState(hidden, i, r) for r in range(len(c.tokens))))
+                for i, c in enumerate(lanes)]
+
+    def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
+        if not self.has_drafter:
+            raise ValueError(f"{self.art.path.name} has no assistant drafter (--assistant)")
+        w = self.max_seqs
+        if len(lanes) > w:
+            raise ValueError(f"{len(lanes)} draft lanes; the programs take {w}")
+        if not 1 <= n <= self.max_draft_tokens:
+            raise ValueError(f"{n} drafts: draft makes 1 to {self.max_draft_tokens}")
+        for lane in lanes:
+            if len(lane.chunk.tokens) != 1 or not isinstance(lane.state, XlaState):
+                raise ValueError("a draft lane is one token and a state from this executor's "
+                                 "verify")
+        width = self.speculative.hidden_size
+        states = [lane.state.rows[lane.state.lane, lane.state.row] for lane in lanes]
+        states += [jnp.zeros(width, jnp.float32)] * (w - len(lanes))
+        chunks = [lane.chunk for lane in lanes]
+        tok, logits, hidden = self.fns[self.speculative.draft](
+            self.weights, self.caches, *self._lane_args(w, 1, chunks), jnp.stack(states),
+            *_sampling(chunks, w), np.int32(n))
+        tok = np.asarray(tok)
+        return [Drafted(tok[i, :n].tolist(), logits[i, :n], hidden[i, :n])
+                for i in range(len(lanes))]
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         c = self.max_chunk

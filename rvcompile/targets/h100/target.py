@@ -79,6 +79,9 @@ class H100Target:
         if opts.tp != 1:
             raise CheckpointError(f"target {self.name} runs on one GPU; --tp {opts.tp} is for "
                                   "the XLA targets")
+        if opts.draft_tokens:
+            raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: target {self.name} "
+                                  "has no speculative entry points yet (the XLA targets have)")
         if opts.decode_loop_steps:
             raise CheckpointError(f"--decode-loop-steps {opts.decode_loop_steps}: target "
                                   f"{self.name} has no device-side decode loop (XLA targets "

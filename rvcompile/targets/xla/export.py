@@ -6,6 +6,9 @@ the "weights" section), the paged KV layout (kinds, block tables, pools), bucket
 exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
 "default_blocks" give every slot a whole sequence. `decode_loop_steps` > 0 adds
 decode_loop_{max_seqs} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
+`draft_tokens` K > 0 adds verify_{max_seqs}x{K+1} (Program.verify: K + 1 rows per lane) and,
+with an assistant in the IR, draft_{max_seqs} (Program.draft: up to K assistant steps; it reads
+the pools without donating them); the manifest's "speculative" names them.
 
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
@@ -36,6 +39,7 @@ from rvcompile.targets.xla.program import (
     Program,
     cache_pools,
     cache_shapes,
+    draft_shapes,
     loop_shapes,
     loop_steps,
     plan_layout,
@@ -107,9 +111,12 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout):
 
 def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
                  platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
-                 decode_loop_steps: int = 0) -> XlaLowering:
+                 decode_loop_steps: int = 0, draft_tokens: int = 0) -> XlaLowering:
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
+    if draft_tokens + 1 > ir.max_chunk or (ir.assistant and not draft_tokens):
+        raise ValueError(f"{draft_tokens} draft tokens: verify rows must fit a prefill chunk "
+                         f"({ir.max_chunk}), and an assistant needs at least one")
     plan = plan_layout(ir)
     layout = plan_tp(ir, plan, tp) if tp > 1 else None
     prog = Program(ir, plan, _named(layout, layout.pools) if layout else None)
@@ -137,10 +144,25 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         entries[f"decode_loop_{max_seqs}"] = (
             functools.partial(prog.decode_loop, n_steps=n_loop),
             (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs), *loop_shapes(max_seqs)))
+    reads_only = set()  # entry points that only read the pools: no donation
+    b = max_seqs
+    if draft_tokens:
+        rows = draft_tokens + 1
+        entries[f"verify_{b}x{rows}"] = (prog.verify, (*lane_args(b, rows), *sampling_shapes(b)))
+    if ir.assistant:
+        entries[f"draft_{b}"] = (
+            functools.partial(prog.draft, max_steps=draft_tokens),
+            (*lane_args(b, 1), *draft_shapes(ir, b), *sampling_shapes(b), sds(())))
+        reads_only.add(f"draft_{b}")
+    if layout is not None and draft_tokens:
+        raise ValueError("speculative entry points are not sharded for tensor parallelism yet")
     programs = {}
     for name, (fn, args) in entries.items():
-        jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
-                  else _sharded_jit(fn, args, layout))
+        if name in reads_only:
+            jitted = jax.jit(fn)
+        else:
+            jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
+                      else _sharded_jit(fn, args, layout))
         exp = export.export(jitted, platforms=platforms)(*args)
         programs[name] = bytes(exp.serialize())
     arrays, nbytes, slot_map = weight_layout(ir, plan)
@@ -167,6 +189,13 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
                          for g in plan.groups],
     }
+    if draft_tokens:
+        manifest["speculative"] = {
+            "draft_tokens": draft_tokens, "verify": f"verify_{max_seqs}x{draft_tokens + 1}",
+            "draft": f"draft_{max_seqs}" if ir.assistant else None,
+            "hidden_size": ir.config.hidden_size,
+            "reads": list(ir.assistant.reads) if ir.assistant else [],
+        }
     if layout:
         manifest["mesh"] = layout.to_json()
     return XlaLowering(programs, manifest, nbytes, slot_map)

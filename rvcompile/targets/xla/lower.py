@@ -380,6 +380,24 @@ def _moe_gathered(xf, w, idx, gate_up, down, gate_up_scale, down_scale, compute,
     return jnp.sum(y * w[..., None], axis=1)
 
 
+def centroid_head(a, h, centroid_logits, ordering, table):
+    """CENTROID_HEAD: gather the top clusters' table rows, score them, scatter into [..., V]."""
+    h = f32(h)
+    if table.dtype != jnp.float32:
+        h = h.astype(jnp.bfloat16).astype(jnp.float32)
+    lead, vocab = h.shape[:-1], table.shape[0]
+    _, top = lax.top_k(f32(centroid_logits), a.top_k)  # ties: the lower cluster first
+    ids = ordering.reshape(a.clusters, -1)[top].reshape(*lead, -1)  # [..., N]
+    rows = jnp.take(table, ids, axis=0).astype(jnp.float32)  # [..., N, D]
+    sel = jnp.einsum("...d,...nd->...n", h, rows, precision=lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32)
+    n = math.prod(lead)
+    flat_ids, flat_sel = ids.reshape(n, -1), sel.reshape(n, -1)
+    out = jnp.broadcast_to(jnp.min(flat_sel, axis=-1, keepdims=True) - 1, (n, vocab))
+    out = out.at[jnp.arange(n)[:, None], flat_ids].set(flat_sel)
+    return out.reshape(*lead, vocab)
+
+
 def mix32(x):
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -435,6 +453,8 @@ LOWERINGS: dict[Op, Callable] = {
     Op.GATED_LINEAR: gated_linear,
     Op.MULTI_LINEAR: multi_linear,
     Op.SLICE_LAST: lambda a, x: x[..., a.start:a.stop],
+    Op.CONCAT: lambda a, x, y: jnp.concatenate([f32(x), f32(y)], axis=-1),
+    Op.CENTROID_HEAD: centroid_head,
 }
 # Full layers attend blockwise, reading their caches (and K=V layers' k_norm and RoPE) span by
 # span.

@@ -23,14 +23,25 @@ Entry points (all return the updated pools first; pools are meant to be donated)
 - logits(weights, caches, tokens [1,T], start [1], n_new [1], tables) -> logits [1,T,V]
 - decode_loop(decode's arguments, stop_ids [B,S], budget [B]) -> tokens [B,N], steps: up to N
   decode steps in one `lax.while_loop`, sampling and stop checks on the device.
+- verify(weights, caches, tokens [B,R], start [B], n_new [B], tables, sampling...) -> tokens
+  [B,R] (and, with an assistant, hidden [B,R,H]): R rows per lane (a token and the drafts after
+  it), each row's next token sampled (row i at RNG step step + i; -1 past n_new), and the
+  target's final-normed hidden state of each row (the drafter's first state).
+- draft(weights, caches, tokens [B,1], start [B], n_new [B], tables, hidden [B,H], sampling...,
+  n_draft []) -> tokens [B,K], logits [B,K,V], hidden [B,K,H]: up to K assistant steps (n_draft
+  of them) from each lane's token at position start, its caches read only (not returned, not
+  donated); draft i samples at RNG step step + i, like the verify row that checks it.
 `start` = tokens already cached; `n_new` = valid tokens in this call (0 = idle lane); `tables`
 = {kind: int32 [B, width]}. The next token is sampled from each lane's last valid row.
+An assistant's weights are unstacked entries under their full names ("assistant.*"); the few
+target weights it reads come from the target's arrays (`Program.weight`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -38,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_param
+from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
@@ -144,6 +155,9 @@ def _reads_inside(ir: ModelIR, group: LayerGroup, sig, start: int) -> bool:
                for j in range(len(sig)) if ir.config.layers[start + j].kv_shared)
 
 
+_TARGET_LAYER = re.compile(r"layers\.(\d+)\.(.+)")  # a (stacked) target layer weight
+
+
 def plan_layout(ir: ModelIR) -> LayoutPlan:
     groups = plan_groups(ir)
     stacked = []
@@ -152,6 +166,11 @@ def plan_layout(ir: ModelIR) -> LayoutPlan:
             for rel in ir.layers[t].params():
                 stacked.append(StackedParam(f"g{gi}.{j}.{rel}", rel, gi, j))
     names = list(ir.embed.params()) + [n for n in ir.head.params() if n not in ir.embed.params()]
+    if ir.assistant:
+        for g, resolve in ir.assistant.resolved_params():
+            for name in map(resolve, g.params()):
+                if not _TARGET_LAYER.fullmatch(name) and name not in names:
+                    names.append(name)
     return LayoutPlan(groups, tuple(stacked), tuple(names))
 
 
@@ -339,6 +358,81 @@ class Program:
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         return caches, self.head(weights, h)
 
+    def verify(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
+               seed, step):
+        """verify_{B}x{R}: run R rows per lane (its last token, then its drafts) and sample every
+        row's next token, row i at RNG step step + i: what decode would sample there, given the
+        same rows before it. Returns (caches, tokens [B,R], -1 past n_new) and, with an
+        assistant, the final-normed hidden states [B,R,H] too."""
+        caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
+        b, r = tokens.shape
+        logits = self._whole(self.head(weights, h)).reshape(b * r, -1)
+        per_row = [jnp.repeat(x, r) for x in (temperature, top_k, top_p, seed)]
+        steps = (step[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :]).reshape(-1)
+        toks = self.sample(weights, logits, *per_row, steps).reshape(b, r)
+        toks = jnp.where(jnp.arange(r)[None, :] < n_new[:, None], toks, -1)
+        if self.ir.assistant is None:
+            return caches, toks
+        hidden = run_graph(self.ir.assistant.hidden, {"h": h}, weights.__getitem__)["hidden"]
+        return caches, toks, hidden
+
+    def weight(self, weights, name: str):
+        """A weight by its full name: an unstacked entry, or a target layer's slice of its
+        group's stacked array (an assistant reads a K=V cache with the target's k_norm)."""
+        if name in weights:
+            return weights[name]
+        layer, rel = _TARGET_LAYER.fullmatch(name).groups()
+        gi, j, p = _cache_owner(self.plan, int(layer))
+        return weights[f"g{gi}.{j}.{rel}"][p]
+
+    def draft(self, weights, caches, tokens, start, n_new, tables, hidden, temperature, top_k,
+              top_p, seed, step, n_draft, *, max_steps: int):
+        """draft_{B}: up to `max_steps` assistant steps (n_draft of them, a traced count) per
+        lane, each feeding the last sampled token and the projected state to the next, all at
+        the lane's position `start` (the token's: the target's cached tokens) over the target's
+        caches, which are only read. Returns (tokens [B,K] (-1 past n_draft or on an idle lane),
+        logits [B,K,V], hidden [B,K,H]) with K = max_steps."""
+        d = self.ir.assistant
+        b = tokens.shape[0]
+        positions = jnp.where(n_new > 0, start, -1)[:, None]
+        lowerings = self._paged_lowerings()
+        reads = {}
+        for read in set(d.reads):
+            gi, j, p = _cache_owner(self.plan, read)
+            ring = self.ir.cache_of(read).ring
+            kind = kind_of(ring)
+            reads[read] = {name: PagedSlice(caches[f"g{gi}.{j}.{name}"], p, tables[kind], ring,
+                                            caches.get(f"g{gi}.{j}.{name}{SCALE_SUFFIX}"))
+                           for name in self.ir.cache_of(read).names}
+
+        def one_step(tok, state):
+            x = run_graph(d.draft_in, {"tokens": tok[:, None], "hidden": state[:, None]},
+                          weights.__getitem__)["h"]
+            for i, (t, read) in enumerate(zip(d.layer_template, d.reads, strict=True)):
+                args = {"h": x, "positions": positions, "cache_len": start, **reads[read]}
+                x = run_graph(d.layers[t], args, lambda rel, i=i, read=read: self.weight(
+                    weights, resolve_draft_param(rel, i, read)), lowerings)["h"]
+            out = run_graph(d.draft_out, {"h": x}, weights.__getitem__)
+            return self._whole(out["logits"][:, 0]), out["hidden"][:, 0]
+
+        vocab, width = self.ir.config.vocab_size, hidden.shape[-1]
+        init = (tokens[:, 0], hidden, jnp.full((b, max_steps), -1, jnp.int32),
+                jnp.zeros((b, max_steps, vocab), jnp.float32),
+                jnp.zeros((b, max_steps, width), jnp.float32))
+
+        def body(i, carry):
+            tok, state, toks, logits_all, states = carry
+            logits, state = one_step(tok, state)
+            tok = self.sample(weights, logits, temperature, top_k, top_p, seed, step + i)
+            toks = lax.dynamic_update_index_in_dim(toks, jnp.where(n_new > 0, tok, -1), i, 1)
+            logits_all = lax.dynamic_update_index_in_dim(logits_all, logits, i, 1)
+            states = lax.dynamic_update_index_in_dim(states, state, i, 1)
+            return tok, state, toks, logits_all, states
+
+        count = jnp.clip(n_draft, 0, max_steps)
+        _, _, toks, logits_all, states = lax.fori_loop(0, count, body, init)
+        return toks, logits_all, states
+
     def decode_loop(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
                     top_p, seed, step, stop_ids, budget, *, n_steps: int):
         """decode_loop_{B}: up to `n_steps` decode steps in one call, each the `step` of
@@ -394,3 +488,8 @@ def loop_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     """stop_ids [B, DECODE_LOOP_STOPS], budget [B] of decode_loop."""
     return (jax.ShapeDtypeStruct((batch, DECODE_LOOP_STOPS), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def draft_shapes(ir: ModelIR, batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """hidden [B, H] of draft (after the lane arguments); n_draft [] comes after sampling."""
+    return (jax.ShapeDtypeStruct((batch, ir.config.hidden_size), jnp.float32),)

@@ -2,7 +2,8 @@
 programs for tpu, cuda and cpu) behind four pipelines. Their artifacts run on rvrun's "xla"
 runtime. jax loads only when one of them lowers or summarizes precompiled executables.
 
-Options: all of them; `--decode-loop-steps` defaults to 32 steps (or the largest prefill
+Options: all of them (`--num-draft-tokens`: not yet with `--tp` or `--topology`);
+`--decode-loop-steps` defaults to 32 steps (or the largest prefill
 bucket, if smaller); `--topology` needs tpu among the platforms and libtpu on this machine.
 --kv-cache: "int8" (passes/kv_int8) on each; "auto" is int8 beyond INT8_KV_CONTEXT tokens on
 all but the exact xla-f32.
@@ -46,6 +47,9 @@ class XlaTarget:
     input_errors: tuple[type[Exception], ...] = ()  # precompile's PrecompileError: a ConfigError
 
     def check_options(self, opts: BuildOptions) -> BuildOptions:
+        if opts.draft_tokens and (opts.tp != 1 or opts.topologies):
+            raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: speculative entry "
+                                  "points are not built with --tp or --topology yet")
         if opts.topologies:
             from rvcompile.targets.xla.precompile import check_topology, parse_topology
 
@@ -63,7 +67,8 @@ class XlaTarget:
 
         lowering = lower_to_xla(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
                                 platforms=opts.platforms, tp=opts.tp,
-                                decode_loop_steps=opts.decode_loop_steps)
+                                decode_loop_steps=opts.decode_loop_steps,
+                                draft_tokens=opts.draft_tokens)
         programs_blob, program_index = concat(lowering.programs)
         devices = {"min_devices": opts.tp} if opts.tp > 1 else {}
         sections, precompiled = {"programs": programs_blob}, {}
@@ -85,6 +90,10 @@ class XlaTarget:
                 "mesh": x.get("mesh")}
         lines = [field_line(k, info[k])
                  for k in ("jax_version", "entry_points", "max_seqs", "max_context")]
+        drafter = _drafter_info(manifest)
+        if drafter is not None:
+            info["assistant"] = drafter
+            lines += _drafter_lines(drafter)
         if info["mesh"]:
             lines += _mesh_lines(info["mesh"])
         if info["precompiled"]:
@@ -100,6 +109,36 @@ def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log: Log) -> tuple[by
     return precompile_topologies(tuple(parse_topology(t) for t in opts.topologies),
                                  lowering.programs, lowering.manifest,
                                  query_per_kv=query_per_kv(ir), reads=read_model(ir), log=log)
+
+
+def _drafter_info(manifest: Manifest) -> dict | None:
+    """The speculative entry points and the assistant drafter of a checked manifest, or None."""
+    spec, drafter = manifest.xla.speculative, manifest.assistant
+    if spec is None:
+        return None
+    info: dict = {"verify": spec.verify, "draft": spec.draft, "draft_tokens": spec.draft_tokens}
+    if drafter is not None:
+        info.update(name=drafter.name, model_type=drafter.model_type, origin=drafter.origin,
+                    hidden_size=drafter.hidden_size, layers=list(drafter.layer_types),
+                    heads=drafter.num_heads, intermediate_size=drafter.intermediate_size,
+                    head=(f"centroids {drafter.num_centroids}, top {drafter.top_k}"
+                          if drafter.num_centroids else "dense (tied)"),
+                    reads=list(spec.reads))
+    return info
+
+
+def _drafter_lines(d: dict) -> list[str]:
+    lines = []
+    if "name" in d:
+        kinds = ", ".join(k.split("_")[0] for k in d["layers"])
+        lines.append(field_line("assistant", f"{d['name']} ({d['model_type']}, from "
+                                f"{d['origin']}): width {d['hidden_size']}, {len(d['layers'])} "
+                                f"layers ({kinds}) reading target layers {d['reads']}, "
+                                f"{d['heads']} query heads, MLP {d['intermediate_size']}, head "
+                                f"{d['head']}"))
+    lines.append(field_line("speculative", f"up to {d['draft_tokens']} drafts: {d['verify']}"
+                            + (f", {d['draft']}" if d["draft"] else "")))
+    return lines
 
 
 def _mesh_lines(mesh: dict) -> list[str]:
