@@ -6,9 +6,9 @@ what the artifact stores (targets/api.py). What every artifact has (header, mode
 sections, weights) is written here.
 
 Weights stream: each checkpoint tensor is read, encoded for every ParamSpec derived from it and
-written to its slots in the artifact before the next is read, so peak host memory is about one
-shard's page cache plus the largest tensor. The artifact appears only when complete (temp file +
-rename, via ArtifactWriter).
+written to its slots in the artifact before the next is read, a large one in row blocks of
+ROW_BLOCK_BYTES, so peak host memory does not grow with the model (docs/DEPLOY.md measures
+it). The artifact appears only when complete (temp file + rename, via ArtifactWriter).
 
 With an assistant (`--assistant DIR | PRESET`, checkpoint.load_assistant_source), its drafter
 joins the IR at the front end (draft_frontend.add_assistant), so the target's pipeline casts and
@@ -20,6 +20,7 @@ CLI's `--num-draft-tokens`) sizes the speculative entry points of the targets th
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,12 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
 
 
+# Tensors above this many float32 bytes are read, encoded and written in row blocks of about
+# this size (every ParamSpec.derive works row by row), so a build's peak memory is a few blocks
+# whatever the model: E4B's per-layer embedding table alone is 11 GB as float32.
+ROW_BLOCK_BYTES = 256 << 20
+
+
 def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                     progress: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
@@ -207,16 +214,40 @@ def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                   TransferSpeedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("weights", total=total)
         for ref in tensors:
-            arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
-            specs = specs_by_source.get(ref.name, ())
-            for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():
-                for slot in slots_by_param[name]:
-                    if enc.nbytes != slot.nbytes:
-                        raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to "
-                                              f"{enc.nbytes} bytes, layout expects {slot.nbytes}")
-                    w.write("weights", slot.offset, np.ascontiguousarray(enc))
-            del arr
-            bar.advance(task, ref.numel * 4)
+            derives = {p.name: p.derive for p in specs_by_source.get(ref.name, ())}
+            rows = math.prod(ref.shape[:-1])
+            for first, stop, block in _blocks(ref, rows):
+                # a pre-quantized FP8 tensor's block stays as stored
+                for name, enc in encode_all(derives, block).items():
+                    for slot in slots_by_param[name]:
+                        offset = _block_offset(ref, rows, slot, first, stop, enc.nbytes)
+                        w.write("weights", offset, np.ascontiguousarray(enc))
+                del block
+                bar.advance(task, ref.numel * 4 * (stop - first) // max(1, rows))
+
+
+def _blocks(ref, rows: int):
+    """(first row, stop row, what load_stored gives for those rows) covering `ref` seen as
+    [rows, shape[-1]]: the whole tensor at once when it is small or its source reads only whole
+    tensors."""
+    if ref.rows is None or len(ref.shape) < 2 or ref.numel * 4 <= ROW_BLOCK_BYTES:
+        yield 0, rows, ref.load_stored()
+        return
+    step = max(1, ROW_BLOCK_BYTES // (4 * ref.shape[-1]))
+    for first in range(0, rows, step):
+        stop = min(rows, first + step)
+        yield first, stop, ref.rows(first, stop)
+
+
+def _block_offset(ref, rows: int, slot, first: int, stop: int, nbytes: int) -> int:
+    """Where rows [first, stop) of a param stored in `slot` go, their encoding being `nbytes`
+    long: every derivation keeps the source's row order, so a row takes slot.nbytes / rows."""
+    row_bytes = slot.nbytes // max(1, rows)
+    if row_bytes * max(1, rows) != slot.nbytes or nbytes != (stop - first) * row_bytes:
+        raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to {nbytes} bytes for "
+                              f"rows {first}-{stop} of {rows}, layout expects {slot.nbytes} "
+                              "for all of them")
+    return slot.offset + first * row_bytes
 
 
 def _zero_fill_gaps(w: ArtifactWriter, slots_by_param, total: int) -> None:

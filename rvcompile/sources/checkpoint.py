@@ -60,7 +60,9 @@ from rvcompile.sources.safetensors_file import (
     SUPPORTED_DTYPES,
     HeaderEntry,
     dequantized,
+    read_fp8_rows,
     read_fp8_tensor,
+    read_rows,
     read_safetensors_header,
     read_stored,
     read_tensor,
@@ -215,8 +217,9 @@ def _tensor_ref(name: str, path: Path, e: HeaderEntry,
     if e.dtype != "F8_E4M3":
         return TensorRef(
             name=name, shape=e.shape, source_dtype=SUPPORTED_DTYPES[e.dtype][0], origin=str(path),
-            reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.nbytes,
-                                     e.dtype, e.shape),
+            reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.dtype,
+                                     e.shape),
+            rows=functools.partial(read_rows, str(path), e.raw_name, e.start, e.dtype, e.shape),
         )
     if scale is None:
         raise CheckpointError(f"{path}: tensor {e.raw_name} is F8_E4M3 but the checkpoint has no "
@@ -225,7 +228,8 @@ def _tensor_ref(name: str, path: Path, e: HeaderEntry,
     check_fp8_scale(scale_path, s, e.shape[0])
     read_fp8 = functools.partial(read_fp8_tensor, str(path), e, str(scale_path), s)
     return TensorRef(name=name, shape=e.shape, source_dtype="float8_e4m3fn", origin=str(path),
-                     reader=functools.partial(dequantized, read_fp8), fp8_reader=read_fp8)
+                     reader=functools.partial(dequantized, read_fp8), fp8_reader=read_fp8,
+                     rows=functools.partial(read_fp8_rows, str(path), e, str(scale_path), s))
 
 
 # ---------------------------------------------------------------------------------------------
