@@ -1,4 +1,4 @@
-"""build.py's row-block streaming of large tensors, and the released-layout checkpoint writer that
+"""build.py's row-block streaming of large tensors (checkpoint and random weights), and the released-layout checkpoint writer that
 measures it (benchmarks/hf_checkpoint.py): a build whose tensors all go through in blocks of a
 few rows writes the same artifact bytes as one that reads each tensor whole; a block's NaN is
 reported at its index in the whole tensor; the written checkpoint is one the safetensors
@@ -63,15 +63,20 @@ def test_writer_matches_a_release(released: Path) -> None:
     assert 0.02 < float(embed.load().std()) < 0.04  # init_range's 0.03
 
 
-@pytest.mark.parametrize("target", ["tpu-int8", "tpu-bf16", "xla-f32"])
+@pytest.mark.parametrize("target,random", [("tpu-int8", False), ("tpu-bf16", False),
+                                           ("xla-f32", False), ("tpu-int8", True)])
 def test_row_blocks_write_the_same_bytes(released: Path, tmp_path: Path, monkeypatch,
-                                         target: str) -> None:
+                                         target: str, random: bool) -> None:
     opts = BuildOptions(target=target, max_context=64, prefill_buckets=(16,), max_seqs=1)
-    whole = build_artifact(str(released), tmp_path / "whole.rvp", opts, progress=False,
-                           log=lambda *_: None).path
+    model = "gemma-4-tiny" if random else str(released)
+
+    def run(out: Path) -> Path:
+        return build_artifact(model, out, opts, random_weights=random, seed=5, progress=False,
+                              log=lambda *_: None).path
+
+    whole = run(tmp_path / "whole.rvp")
     monkeypatch.setattr(build, "ROW_BLOCK_BYTES", 3 * 128 * 4)  # 3 rows of a width-128 tensor
-    blocks = build_artifact(str(released), tmp_path / "blocks.rvp", opts, progress=False,
-                            log=lambda *_: None).path
+    blocks = run(tmp_path / "blocks.rvp")
     with Artifact.open(whole) as a, Artifact.open(blocks) as b:
         assert bytes(a.buffer("weights")) == bytes(b.buffer("weights"))
 
