@@ -1,8 +1,8 @@
-"""build.py's row-block streaming of large tensors (checkpoint and random weights), and the released-layout checkpoint writer that
-measures it (benchmarks/hf_checkpoint.py): a build whose tensors all go through in blocks of a
-few rows writes the same artifact bytes as one that reads each tensor whole; a block's NaN is
-reported at its index in the whole tensor; the written checkpoint is one the safetensors
-library reads, with the names and shapes a release has."""
+"""build.py's row-block streaming of large tensors (checkpoint and random weights), and the
+released-layout checkpoint writer that measures it (benchmarks/hf_checkpoint.py): a build whose
+tensors all go through in blocks of a few rows writes the same artifact bytes as one that reads
+each tensor whole; a block's NaN is reported at its index in the whole tensor; the written
+checkpoint is one the safetensors library reads, with the names and shapes a release has."""
 
 from __future__ import annotations
 
