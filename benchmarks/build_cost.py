@@ -39,7 +39,7 @@ def run_build(build_args: list[str]) -> dict:
         own_peak = max(own_peak, _vm_hwm_kib(child.pid))
         time.sleep(0.2)
     wall = time.perf_counter() - t0
-    child.returncode = os.waitstatus_to_exitcode(status)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: tell Popen
     return {
         "build_args": build_args,
         "exit_status": child.returncode,
