@@ -55,7 +55,8 @@ from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
-from rvcompile.runtime.serve import tool_calls, tools
+from rvcompile.runtime.serve import tool_calls
+from rvcompile.runtime.serve import tools as chat_tools
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -106,7 +107,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant message of tool_calls
     name: str | None = None
-    tool_calls: list[tools.AssistantToolCall] | None = None  # assistant messages
+    tool_calls: list[chat_tools.AssistantToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call answered
 
 
@@ -114,8 +115,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    tools: list[tools.Tool] | None = None
-    tool_choice: tools.ToolChoice | None = None
+    tools: list[chat_tools.Tool] | None = None
+    tool_choice: chat_tools.ToolChoice | None = None
     parallel_tool_calls: bool = True
 
     def unsupported(self) -> str | None:
@@ -284,9 +285,9 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_common(body, options)
         try:
-            plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-            messages = tools.template_messages(body.messages)
-        except tools.ToolRequestError as e:
+            plan = chat_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            messages = chat_tools.template_messages(body.messages)
+        except chat_tools.ToolRequestError as e:
             raise ApiError(400, str(e), param=e.param) from e
         try:
             text = model.apply_chat_template(messages, plan.tools)
@@ -346,7 +347,7 @@ def _check_common(body: _Sampling, options: ServeOptions) -> None:
 
 async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampling,
                  ids: list[int], max_tokens: int | None, request: Request, *, chat: bool,
-                 stop: tuple[str, ...] | None = None, plan: tools.ToolPlan | None = None):
+                 stop: tuple[str, ...] | None = None, plan: chat_tools.ToolPlan | None = None):
     """`stop`: the stop strings (default the body's); `plan`: a chat request's tools."""
     received = time.perf_counter()
     thread: EngineThread = state["thread"]
@@ -443,7 +444,7 @@ def _check_finished(out: RequestOutput) -> None:
 
 
 async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool,
-                    plan: tools.ToolPlan | None = None):
+                    plan: chat_tools.ToolPlan | None = None):
     """Collect the whole answer; a client that goes away meanwhile aborts the request at once
     (its disconnect is the next message on the request's ASGI channel, its body being read)."""
 
@@ -485,7 +486,7 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
             "usage": _usage(out)}
 
 
-def _chat_message(text: str, reason: str, plan: tools.ToolPlan | None) -> tuple[dict, str]:
+def _chat_message(text: str, reason: str, plan: chat_tools.ToolPlan | None) -> tuple[dict, str]:
     """A whole chat answer as an OpenAI message (its calls as `tool_calls`), and the finish
     reason: "tool_calls" when the model stopped after calling."""
     if plan is None or not plan.parse:
@@ -536,7 +537,7 @@ async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict 
 
 
 def _chat_events(stream: _Stream, model_name: str, include_usage: bool,
-                 plan: tools.ToolPlan | None = None) -> AsyncIterator[str]:
+                 plan: chat_tools.ToolPlan | None = None) -> AsyncIterator[str]:
     """Chat chunks; with tools, text that may still become a call is held back until it does
     (a `tool_calls` delta with the whole call) or does not (content)."""
     head = {"id": stream.rid, "object": "chat.completion.chunk", "created": stream.created,
