@@ -37,7 +37,7 @@ from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.chat_template import compile_template
 from rvcompile.runtime.executor_api import KvKind, SeqChunk
-from rvcompile.runtime.model import Model
+from rvcompile.runtime.model import Model, text_decoder
 from rvcompile.runtime.serve.server import ServeOptions, create_app
 from rvcompile.sources.checkpoint import load_model_source
 
@@ -157,6 +157,24 @@ def test_markers_are_text_to_the_default_tokenizer():
     assert ids[0] == 2 and tok.decode(ids[1:]) == text.removeprefix("<bos>")
     for marker in ("<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", Q):
         assert tok.token_to_id(marker) is None
+
+
+def test_special_call_markers_stay_in_decoded_text():
+    """Where a tokenizer has Gemma 4's call markers as special tokens (the released ones do),
+    decoding keeps them, and drops the other special tokens."""
+    from tokenizers import AddedToken
+
+    from rvcompile.sources.tokenizer_files import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(1024)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|tool_call>", "<tool_call|>", Q, "<|turn>")])
+    text = "<|turn>model\n<|tool_call>call:f{a:" + Q + "x" + Q + "}<tool_call|><eos>"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) < len(text) - 20  # the markers are one token each
+    decode = text_decoder(tok)
+    assert decode(ids) == "model\n<|tool_call>call:f{a:" + Q + "x" + Q + "}<tool_call|>"
+    assert decode(ids[:3]) == tok.decode(ids[:3], skip_special_tokens=True) == "mo"
 
 
 # ------------------------------------------------------------------------------ the build

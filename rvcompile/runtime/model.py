@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +63,22 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+def text_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
+    """`tokenizer`'s decode without special tokens, but for TOOL_CALL_MARKERS (a caller parses
+    the calls out of the text)."""
+    added = tokenizer.get_added_tokens_decoder()
+    kept = frozenset(i for i, t in added.items() if t.special and t.content in TOOL_CALL_MARKERS)
+    hidden = frozenset(i for i, t in added.items() if t.special) - kept
+
+    def decode(ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if kept.isdisjoint(ids):
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode([i for i in ids if i not in hidden], skip_special_tokens=False)
+
+    return decode
+
+
 class Model:
     def __init__(self, art, executor: Executor, *, contents: Contents | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None):
@@ -76,11 +92,7 @@ class Model:
         self.vocab_size = contents.vocab_size
         self.eos_ids = contents.eos_ids
         self.bos_id = contents.bos_id
-        added = self.tokenizer.get_added_tokens_decoder()
-        self._kept_special = frozenset(i for i, t in added.items()
-                                       if t.special and t.content in TOOL_CALL_MARKERS)
-        self._hidden_special = frozenset(i for i, t in added.items() if t.special) \
-            - self._kept_special
+        self._decode = text_decoder(self.tokenizer)
         self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.max_context = self.engine.max_model_len
@@ -94,11 +106,7 @@ class Model:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` without special tokens, but for Gemma 4's tool-call markers."""
-        ids = list(ids)
-        if not self._kept_special or self._kept_special.isdisjoint(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode([i for i in ids if i not in self._hidden_special],
-                                     skip_special_tokens=False)
+        return self._decode(ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The artifact's chat template over `messages` (and `tools`, OpenAI function tools, when
