@@ -192,14 +192,16 @@ def test_bad_tool_fields(fields, param, words):
     assert e.value.param == param and words in str(e.value)
 
 
-def test_forced_call_schema():
+def test_forced_call_grammar_names_the_allowed_functions():
     r = request(tools=[WEATHER, {"type": "function", "function": {"name": "noargs"}}])
-    one = tools.forced_call_schema(r.tools, tools.NamedToolChoice.model_validate(
-        {"type": "function", "function": {"name": "get_weather"}}))
-    assert one["properties"] == {"name": {"const": "get_weather"},
-                                 "arguments": WEATHER["function"]["parameters"]}
-    both = tools.forced_call_schema(r.tools, "required")
-    assert [o["properties"]["name"]["const"] for o in both["anyOf"]] == ["get_weather", "noargs"]
+    named = tools.NamedToolChoice.model_validate({"type": "function",
+                                                  "function": {"name": "get_weather"}})
+    one = tools.forced_call_grammar(r.tools, named, parallel=False)
+    assert "call:get_weather{" in one and "call:noargs" not in one
+    assert one.startswith("start: ") and "+" not in one.splitlines()[0]
+    both = tools.forced_call_grammar(r.tools, "required", parallel=True)
+    assert "call:get_weather{" in both and "call:noargs{" in both
+    assert both.splitlines()[0].endswith("+")
 
 
 ASSISTANT_CALL = {"role": "assistant", "content": None, "tool_calls": [

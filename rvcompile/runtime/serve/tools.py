@@ -9,8 +9,8 @@ and the answer's parser (tool_calls.py) need.
   and the answer is text. "required" and a named function need the answer constrained to a
   call, which takes a grammar-constrained sampler (structured outputs, issue 16 item 3): until
   the server has one they are refused with 400 rather than promised and not kept.
-  `forced_call_schema` is the integration point: the JSON Schema the forced call's name and
-  arguments must satisfy.
+  `forced_call_grammar` is the integration point: the grammar (Gemma 4's call syntax, the
+  arguments following the tools' schemas) such a sampler must enforce.
 - `parallel_tool_calls` false: only the first call of an answer is a call (later ones stay text).
 - messages: an assistant message may carry `tool_calls` (its arguments a JSON object's text,
   given to the template as the object); a `tool` message answers one of the calls of the
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from rvcompile.runtime.serve import tool_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -119,21 +121,18 @@ def plan(tools: list[Tool] | None, tool_choice: ToolChoice | None,
     return ToolPlan(declared, frozenset(names), parse=True, parallel=parallel_tool_calls)
 
 
-def forced_call_schema(tools: list[Tool], tool_choice: ToolChoice) -> dict:
-    """The JSON Schema of the call a "required" or named `tool_choice` forces: an object with
-    the function's `name` (one of the allowed) and its `arguments` (its parameters' schema).
-    A grammar-constrained sampler renders it in Gemma 4's call syntax (tool_calls.py)."""
-    allowed = [t for t in tools if tool_choice == "required"
+def forced_call_grammar(tools: list[Tool], tool_choice: ToolChoice, parallel: bool) -> str:
+    """The Lark grammar (llguidance's dialect) an answer must follow under a "required" or
+    named `tool_choice`: calls in Gemma 4's syntax of the allowed functions, their arguments
+    following the parameters' schemas (serve/tool_grammar.py). GrammarError names a tool
+    whose parameters it cannot express."""
+    allowed = [t.function.name for t in tools if tool_choice == "required"
                or (isinstance(tool_choice, NamedToolChoice)
                    and t.function.name == tool_choice.function.name)]
     if not allowed:
         raise ToolRequestError("tool_choice", "forces no declared function")
-    options = [{"type": "object", "additionalProperties": False,
-                "required": ["name", "arguments"],
-                "properties": {"name": {"const": t.function.name},
-                               "arguments": t.function.parameters or {"type": "object"}}}
-               for t in allowed]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return tool_grammar.call_grammar([t.model_dump(exclude_none=True) for t in tools], allowed,
+                                     parallel)
 
 
 def template_messages(messages: list) -> list[dict]:
