@@ -156,6 +156,13 @@ def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(body, strict=True)
 
 
+def nested(depth: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
 def plan_of(**fields) -> tools.ToolPlan:
     r = request(**fields)
     return tools.plan(r.tools, r.tool_choice, r.parallel_tool_calls)
@@ -182,6 +189,9 @@ def test_tool_plans():
      "tool_choice", "not among the tools"),
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice",
      "structured-output support"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": nested(40)}}}}]}, "tools[0].function.parameters",
+     "nested deeper than 32"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function",
                                           "function": {"name": "get_weather"}}},
      "tool_choice", "structured-output support"),
@@ -233,6 +243,8 @@ def with_call(arguments: str) -> dict:
     ([{"role": "user", "content": "Hi"}, with_call("[1]")],
      "messages[1].tool_calls[0].function.arguments"),
     ([{"role": "user", "content": "Hi"}, with_call('{"a": NaN}')],
+     "messages[1].tool_calls[0].function.arguments"),
+    ([{"role": "user", "content": "Hi"}, with_call('{"a":' * 40 + "1" + "}" * 40)],
      "messages[1].tool_calls[0].function.arguments"),
     ([{"role": "user", "content": "Hi"}, {"role": "tool", "tool_call_id": "c1",
                                           "content": "x"}], "messages[1].tool_call_id"),

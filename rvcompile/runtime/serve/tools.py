@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from rvcompile.runtime.serve import tool_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_DEPTH = 32  # nesting of a tool's parameters or a call's arguments (the template recurses)
 
 
 class ToolRequestError(ValueError):
@@ -104,6 +105,7 @@ def plan(tools: list[Tool] | None, tool_choice: ToolChoice | None,
         if parameters is not None and parameters.get("type", "object") != "object":
             raise ToolRequestError(f"tools[{i}].function.parameters",
                                    "must be a JSON Schema of type object")
+        _check_depth(parameters, f"tools[{i}].function.parameters")
         names.append(name)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -185,5 +187,18 @@ def _call(call: AssistantToolCall, where: str) -> dict:
         raise ToolRequestError(f"{where}.function.arguments", f"not JSON ({e.msg})") from None
     if not isinstance(arguments, dict):
         raise ToolRequestError(f"{where}.function.arguments", "must be a JSON object")
+    _check_depth(arguments, f"{where}.function.arguments")
     return {"id": call.id, "type": "function",
             "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _check_depth(value: object, where: str) -> None:
+    """Refuse JSON nested deeper than MAX_DEPTH (checked without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                raise ToolRequestError(where, f"nested deeper than {MAX_DEPTH} levels")
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
