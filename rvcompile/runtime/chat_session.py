@@ -44,10 +44,12 @@ class ChatSession:
                     line = ""
                 except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line
                     stdout.write("\n")
+                    stdout.flush()
                     continue
                 if not line:  # the end of the input
                     if terminal:
                         stdout.write("\n")
+                        stdout.flush()
                     return 0
                 line = line.rstrip("\n")
                 if line.strip() == "/reset":
