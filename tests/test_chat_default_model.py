@@ -6,9 +6,10 @@ through the official `openai` client, and `rvrun chat` driven over a pipe.
 - Chat completions, whole and streamed, give the same greedy answer; the prompt is the
   template's rendering (usage); a tool round trip (tools declared, the assistant's call and the
   tool's answer in the history) is rendered and answered; `required` is refused (400).
-- `rvrun chat` with piped stdin answers each line as the server answers the same conversation
-  (greedy), keeps the history, forgets it at `/reset`, and exits 0 at the end of the input;
-  Ctrl-C (SIGINT) stops a long answer without ending the session.
+- `rvrun ART --chat --prompt` answers as the server does. `rvrun chat` with piped stdin answers
+  each line as the server answers the same conversation (greedy), keeps the history, forgets it
+  at `/reset`, and exits 0 at the end of the input; Ctrl-C (SIGINT) stops a long answer without
+  ending the session.
 """
 
 from __future__ import annotations
@@ -138,6 +139,16 @@ def test_rvrun_chat_over_a_pipe(server, artifact):
     fresh = greedy(c, [{"role": "user", "content": turns[3]}], n=10).choices[0].message.content
     assert out == f"{first}\n{second}\n{fresh}\n"
     assert second != fresh  # the history made a difference
+
+
+def test_rvrun_chat_flag_answers_as_the_server(server, artifact):
+    question = "Who made the heavens?"
+    r = subprocess.run([str(BIN / "rvrun"), str(artifact), "--no-verify", "--chat", "--prompt",
+                        question, "--max-tokens", "10"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    answer = greedy(server.client(), [{"role": "user", "content": question}], n=10)
+    assert r.stdout == answer.choices[0].message.content + "\n"
 
 
 def test_rvrun_chat_ctrl_c_stops_the_answer_only(server, artifact):
