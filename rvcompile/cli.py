@@ -134,6 +134,10 @@ def build(
         None, "--num-draft-tokens",
         help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
              "default 3 with --assistant, else 0 (no speculative entry points)"),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template",
+        help="a Jinja chat template file: sets or replaces the model's (checked to render a "
+             "sample conversation in the runtime's sandbox)"),
 ) -> None:
     """Build MODEL into one artifact for TARGET."""
     from rvcompile.build import BuildOptions, build_artifact
@@ -156,7 +160,7 @@ def build(
                                 topologies=tuple(topology), draft_tokens=draft_tokens)
             report = build_artifact(model, output, opts, weights=weights,
                                     random_weights=random_weights, seed=seed or 0,
-                                    assistant=assistant,
+                                    assistant=assistant, chat_template=chat_template,
                                     progress=progress and sys.stderr.isatty(),
                                     log=lambda s: typer.echo(s, err=True))
     except BuildInterrupted as e:

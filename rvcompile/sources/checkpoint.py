@@ -274,6 +274,19 @@ def _read_chat_template(directory: Path) -> str | None:
     return None if template is None else _checked_chat_template(template, tok_cfg_path)
 
 
+def read_chat_template_file(path: Path) -> str:
+    """A chat template file (`rvcompile build --chat-template FILE`): UTF-8 Jinja text that
+    compiles and renders a sample conversation in the runtime's sandbox; CheckpointError (one
+    line naming the file) otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--chat-template {path}: cannot read: {e}") from None
+    if not text.strip():
+        raise CheckpointError(f"--chat-template {path}: the file is empty")
+    return _checked_chat_template(text, Path(f"--chat-template {path}"))
+
+
 def _checked_chat_template(template: str, where: Path) -> str:
     try:
         chat_template.check(template, bos_token="<bos>", eos_token="<eos>")
