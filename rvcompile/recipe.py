@@ -1,0 +1,310 @@
+"""The build recipe: one YAML file that says how an artifact is made, `rvcompile build --config
+FILE` (options on the command line override the file). Every build stores its recipe in the
+artifact (manifest "provenance", artifacts/manifest.py), with every option filled in as the
+target took it, so `rvcompile recipe ART` writes back a file that `build --config` makes the
+same artifact from, byte for byte, and `rvcompile rebuild ART` does so directly.
+
+Keys (each one the `rvcompile build` option named beside it; only model.source and target are
+required; a missing option takes the CLI's default):
+
+    model:
+      source: gemma-4-31B        # MODEL: a preset name or a Hugging Face checkpoint directory
+      weights: /models/g31       # --weights: the checkpoint directory of a preset
+      random_weights: false      # --random-weights: seeded random weights of the real shapes
+      seed: 0                    # --seed (with random_weights; default 0)
+      digest: sha256:...         # the checkpoint's input files (provenance.py); checked at build
+    assistant:                   # --assistant (optional): a drafter for speculative decoding
+      source: DIR | PRESET
+      digest: sha256:...
+    target: h100-fp8             # --target
+    options:
+      max_context: 2048          # --max-context
+      max_seqs: 4                # --max-seqs
+      prefill_buckets: [16, 64, 256]   # --prefill-buckets
+      platforms: [tpu, cuda, cpu]      # --platforms
+      topologies: []             # --topology (repeatable), e.g. [v6e:2x2]
+      tp: 1                      # --tp
+      kv_cache: auto             # --kv-cache
+      decode_loop_steps: null    # --decode-loop-steps (null: the target's default)
+      draft_tokens: null         # --num-draft-tokens (null: 3 with an assistant, else 0)
+
+Relative paths are relative to the current directory, as on the command line; a leading ~ is
+the home directory. The artifact records paths as written. A recipe is
+checked once, where it is read: an unknown key, a wrong type or a value out of range is a
+one-line RecipeError naming the file and the key, e.g.
+
+    recipe.yaml: options.max_seqs: expected an int in [1, 2147483647], got 0
+
+What depends on the target or the model (a target refusing an option, a bucket above the
+model's positions) is checked by the build, as for the CLI. `--dump-ir` and `--progress` change
+no byte of the artifact and are not recipe keys; the chat template is the checkpoint's (the build
+has no option for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rvcompile.artifacts.schema import INT32_MAX, At, SchemaError
+from rvcompile.build import BuildOptions
+from rvcompile.sources.model_source import CheckpointError
+from rvcompile.targets.api import KV_CACHE_CHOICES, PLATFORMS
+
+DIGEST = r"sha256:[0-9a-f]{64}"
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; more is not a recipe
+# options: key -> how it is read. Every BuildOptions field but target (a top-level key) and
+# dump_ir (prints, changes nothing) is one: tests/test_recipe.py checks the two lists agree.
+OPTION_KEYS = ("max_context", "max_seqs", "prefill_buckets", "platforms", "topologies", "tp",
+               "kv_cache", "decode_loop_steps", "draft_tokens")
+NOT_RECIPE_OPTIONS = ("target", "dump_ir")
+
+
+class RecipeError(ValueError):
+    """A recipe that breaks the schema; one line, 'FILE: key: what is wrong'."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model's (or an assistant's) weights come from."""
+
+    source: str  # preset name or checkpoint directory
+    weights: str | None = None  # a preset's checkpoint directory (model only)
+    random_weights: bool = False
+    seed: int | None = None  # with random_weights; None: 0
+    digest: str | None = None  # "sha256:<hex>" of its input files; None: not checked
+
+
+@dataclass(frozen=True)
+class Options:
+    """The build options a recipe sets; None: the CLI's default (`build_options` fills them)."""
+
+    max_context: int = 2048
+    max_seqs: int = 4
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    platforms: tuple[str, ...] = PLATFORMS
+    topologies: tuple[str, ...] = ()
+    tp: int = 1
+    kv_cache: str = "auto"
+    decode_loop_steps: int | None = None  # None: the target's default
+    draft_tokens: int | None = None  # None: 3 with an assistant, else 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: Source
+    target: str
+    options: Options = Options()
+    assistant: Source | None = None
+
+    def build_options(self, dump_ir: str | None = None) -> BuildOptions:
+        """The options as `build` takes them (their own range checks run here: CheckpointError
+        naming the CLI option)."""
+        o = self.options
+        drafts = o.draft_tokens if o.draft_tokens is not None else (
+            3 if self.assistant is not None else 0)
+        return BuildOptions(target=self.target, max_context=o.max_context,
+                            prefill_buckets=o.prefill_buckets, max_seqs=o.max_seqs,
+                            platforms=o.platforms, dump_ir=dump_ir, topologies=o.topologies,
+                            decode_loop_steps=o.decode_loop_steps, tp=o.tp,
+                            kv_cache=o.kv_cache, draft_tokens=drafts)
+
+    def with_options(self, opts: BuildOptions) -> Recipe:
+        """This recipe with every option as `opts` has it (a target's filled-in defaults)."""
+        return dataclasses.replace(self, target=opts.target, options=Options(
+            **{k: getattr(opts, k) for k in OPTION_KEYS}))
+
+    def to_json(self) -> dict[str, Any]:
+        """The recipe as JSON values, every key present (what the artifact stores)."""
+        d = dataclasses.asdict(self)
+        d["options"] = {k: list(v) if isinstance(v, tuple) else v
+                        for k, v in d["options"].items()}
+        return {"model": d["model"], "assistant": d["assistant"], "target": d["target"],
+                "options": d["options"]}
+
+    def to_yaml(self, comment: str = "") -> str:
+        """The recipe as a YAML file (`comment` lines first, each prefixed with '# ')."""
+        head = "".join(f"# {line}\n" for line in comment.splitlines())
+        return head + yaml.safe_dump(self.to_json(), sort_keys=False, default_flow_style=None,
+                                     width=100)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice (plain PyYAML keeps the last one silently)."""
+
+
+def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Read and check the recipe file at `path`."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read: {e.strerror or e}") from None
+    return parse_recipe_yaml(data, str(path))
+
+
+def parse_recipe_yaml(data: bytes | str, where: str) -> Recipe:
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{where}: {len(data)} bytes; a recipe is at most {MAX_RECIPE_BYTES}")
+    try:
+        doc = yaml.load(data, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{where}: not YAML ({e.problem}{at})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{where}: not YAML ({str(e).splitlines()[0]})") from None
+    return parse_recipe(doc, where)
+
+
+def parse_recipe(doc: Any, where: str) -> Recipe:
+    """A recipe from JSON-like values (a YAML file's, or the artifact's stored one); `where`
+    prefixes every error (the file, or 'ART: manifest.provenance.recipe')."""
+    try:
+        return _recipe(doc)
+    except SchemaError as e:
+        raise RecipeError(f"{where}: {e}") from None
+
+
+def _keys(at: At, allowed: tuple[str, ...]) -> None:
+    """`at` is a mapping whose keys are all in `allowed`."""
+    for key in at.obj():
+        if key not in allowed:
+            name = key if isinstance(key, str) else repr(key)
+            prefix = "" if at.path == "" else f"{at.path}."
+            raise SchemaError(f"{prefix}{name}: unknown key (known: {', '.join(allowed)})")
+
+
+def _recipe(doc: Any) -> Recipe:
+    top = At(doc, "")
+    if not isinstance(doc, dict):
+        raise SchemaError(f"expected a mapping of {', '.join(_TOP)}, got "
+                          f"{type(doc).__name__ if doc is not None else 'an empty file'}")
+    _keys(top, _TOP)
+    for key in ("model", "target"):
+        if key not in doc:
+            raise SchemaError(f"{key}: missing (a recipe needs model and target)")
+    model = _source(At(doc["model"], "model"), _MODEL_KEYS)
+    if model.weights is not None and model.random_weights:
+        raise SchemaError("model.weights: either weights or random_weights, not both")
+    if model.seed is not None and not model.random_weights:
+        raise SchemaError(f"model.seed: {model.seed}: only random_weights uses a seed")
+    target = At(doc["target"], "target").str(pattern=r"[a-z0-9][a-z0-9_-]{0,63}")
+    assistant = None
+    if doc.get("assistant") is not None:
+        assistant = _source(At(doc["assistant"], "assistant"), ("source", "digest"))
+    options = Options()
+    if doc.get("options") is not None:
+        options = _options(At(doc["options"], "options"))
+    return Recipe(model, target, options, assistant)
+
+
+_TOP = ("model", "assistant", "target", "options")
+_MODEL_KEYS = ("source", "weights", "random_weights", "seed", "digest")
+
+
+def _path(at: At) -> str:
+    return at.str(max_len=4096, printable=True)
+
+
+def _source(at: At, allowed: tuple[str, ...]) -> Source:
+    _keys(at, allowed)
+    d = at.obj()
+    if d.get("source") is None:
+        at.fail("missing 'source' (a preset name or a checkpoint directory)")
+
+    def opt(key: str, read):
+        return read(at[key]) if d.get(key) is not None else None
+
+    return Source(source=_path(at["source"]), weights=opt("weights", _path),
+                  random_weights=bool(opt("random_weights", At.bool)),
+                  seed=opt("seed", lambda a: a.int(0, None)),
+                  digest=opt("digest", lambda a: a.str(pattern=DIGEST)))
+
+
+def _options(at: At) -> Options:
+    _keys(at, OPTION_KEYS)
+    d = at.obj()
+    given: dict[str, Any] = {}
+    for key, value in d.items():
+        if value is None:
+            continue  # null: the default
+        v = at[key]
+        if key in ("max_context", "max_seqs", "tp"):
+            given[key] = v.int(1, INT32_MAX)
+        elif key in ("decode_loop_steps", "draft_tokens"):
+            given[key] = v.int(0, INT32_MAX)
+        elif key == "prefill_buckets":
+            sizes = [b.int(1, INT32_MAX) for b in v.items(1, 64)]
+            given[key] = tuple(sorted(set(sizes)))
+        elif key == "platforms":
+            names = [p.str(PLATFORMS) for p in v.items(1, len(PLATFORMS))]
+            if len(set(names)) != len(names):
+                v.fail(f"names a platform twice: {names}")
+            given[key] = tuple(names)
+        elif key == "topologies":
+            given[key] = tuple(t.str(pattern=r"[a-z0-9]{1,16}:[0-9x]{1,32}")
+                               for t in v.items(0, 64))
+        elif key == "kv_cache":
+            given[key] = v.str(KV_CACHE_CHOICES)
+    options = Options(**given)
+    # What relates options to each other, named by key (BuildOptions names the CLI option).
+    chunk = max(options.prefill_buckets)
+    if chunk > options.max_context:
+        at["max_context" if "max_context" in given else "prefill_buckets"].fail(
+            f"max_context {options.max_context} must be >= the largest prefill bucket {chunk}")
+    for key, hi in (("decode_loop_steps", chunk), ("draft_tokens", chunk - 1)):
+        value = getattr(options, key)
+        if value is not None and value > hi:
+            at[key].fail(f"expected 0 to {hi} (the largest prefill bucket"
+                         f"{' - 1' if key == 'draft_tokens' else ''}), got {value}")
+    return options
+
+
+def merge(recipe: Recipe | None, given: dict[str, Any]) -> Recipe:
+    """`recipe` (None: the CLI's defaults) with the command line's explicitly given values on
+    top. `given` keys: "model" (MODEL), "target", "weights", "random_weights", "seed",
+    "assistant", and the OPTION_KEYS; CheckpointError (one line, naming the option) when the
+    result lacks a model or target."""
+    base = recipe
+    if base is None:
+        if "model" not in given or "target" not in given:
+            missing = "MODEL" if "model" not in given else "--target"
+            raise CheckpointError(f"missing {missing}: give it, or a recipe with --config")
+        base = Recipe(Source(given["model"]), given["target"])
+    model = base.model
+    if "model" in given and given["model"] != model.source:
+        model = Source(given["model"])  # another model: the file's weights and digest are not its
+    model_fields = {k: given[k] for k in ("weights", "random_weights", "seed") if k in given}
+    if model_fields:
+        model = dataclasses.replace(model, digest=None if "weights" in given else model.digest,
+                                    **model_fields)
+    if model.weights is not None and model.random_weights:
+        raise CheckpointError("pass either --weights DIR or --random-weights, not both")
+    assistant = base.assistant
+    if "assistant" in given:
+        assistant = None if given["assistant"] is None else Source(given["assistant"])
+    options = dataclasses.replace(base.options,
+                                  **{k: given[k] for k in OPTION_KEYS if k in given})
+    return Recipe(model, given.get("target", base.target), options, assistant)
