@@ -54,9 +54,9 @@ from rvcompile.artifacts.schema import INT32_MAX, At, SchemaError
 from rvcompile.build import BuildOptions
 from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import KV_CACHE_CHOICES, PLATFORMS
+from rvcompile.yaml_file import known_keys, parse_yaml
 
 DIGEST = r"sha256:[0-9a-f]{64}"
-MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; more is not a recipe
 # options: key -> how it is read. Every BuildOptions field but target (a top-level key) and
 # dump_ir (prints, changes nothing) is one: tests/test_recipe.py checks the two lists agree.
 OPTION_KEYS = ("max_context", "max_seqs", "prefill_buckets", "platforms", "topologies", "tp",
@@ -137,24 +137,6 @@ class Recipe:
 # Reading
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice (plain PyYAML keeps the last one silently)."""
-
-
-def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} given twice", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
-
-
 def load_recipe(path: Path) -> Recipe:
     """Read and check the recipe file at `path`."""
     try:
@@ -165,16 +147,10 @@ def load_recipe(path: Path) -> Recipe:
 
 
 def parse_recipe_yaml(data: bytes | str, where: str) -> Recipe:
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{where}: {len(data)} bytes; a recipe is at most {MAX_RECIPE_BYTES}")
     try:
-        doc = yaml.load(data, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{where}: not YAML ({e.problem}{at})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{where}: not YAML ({str(e).splitlines()[0]})") from None
+        doc = parse_yaml(data, where)
+    except SchemaError as e:
+        raise RecipeError(str(e)) from None
     return parse_recipe(doc, where)
 
 
@@ -187,21 +163,12 @@ def parse_recipe(doc: Any, where: str) -> Recipe:
         raise RecipeError(f"{where}: {e}") from None
 
 
-def _keys(at: At, allowed: tuple[str, ...]) -> None:
-    """`at` is a mapping whose keys are all in `allowed`."""
-    for key in at.obj():
-        if key not in allowed:
-            name = key if isinstance(key, str) else repr(key)
-            prefix = "" if at.path == "" else f"{at.path}."
-            raise SchemaError(f"{prefix}{name}: unknown key (known: {', '.join(allowed)})")
-
-
 def _recipe(doc: Any) -> Recipe:
     top = At(doc, "")
     if not isinstance(doc, dict):
         raise SchemaError(f"expected a mapping of {', '.join(_TOP)}, got "
                           f"{type(doc).__name__ if doc is not None else 'an empty file'}")
-    _keys(top, _TOP)
+    known_keys(top, _TOP)
     for key in ("model", "target"):
         if key not in doc:
             raise SchemaError(f"{key}: missing (a recipe needs model and target)")
@@ -229,7 +196,7 @@ def _path(at: At) -> str:
 
 
 def _source(at: At, allowed: tuple[str, ...]) -> Source:
-    _keys(at, allowed)
+    known_keys(at, allowed)
     d = at.obj()
     if d.get("source") is None:
         at.fail("missing 'source' (a preset name or a checkpoint directory)")
@@ -244,7 +211,7 @@ def _source(at: At, allowed: tuple[str, ...]) -> Source:
 
 
 def _options(at: At) -> Options:
-    _keys(at, OPTION_KEYS)
+    known_keys(at, OPTION_KEYS)
     d = at.obj()
     given: dict[str, Any] = {}
     for key, value in d.items():
