@@ -290,3 +290,49 @@ def test_example_recipes_load_and_fit_their_targets(name):
         assert "tpu" in opts.platforms
     text = (EXAMPLES / name).read_text()
     assert text.count("#") > 5  # commented
+
+
+PROVENANCE_DAMAGE = [
+    (lambda p: p["toolchain"].pop("nvcc"), "manifest.provenance.toolchain: names"),
+    (lambda p: p["toolchain"].update(rvcompile="9.9"),
+     "manifest.provenance.toolchain.rvcompile: '9.9' differs from the header's"),
+    (lambda p: p["toolchain"].update(jax=3), "manifest.provenance.toolchain.jax: expected a str"),
+    (lambda p: p["inputs"].update(weights={}), "manifest.provenance.inputs.weights: an input is"),
+    (lambda p: p["inputs"]["model"].update({"config.json": "xyz"}),
+     "manifest.provenance.inputs.model.config.json: expected a string matching"),
+    (lambda p: p["inputs"]["model"].update({"../x": "0" * 64}), "'../x' is not a file name"),
+    (lambda p: p["recipe"].update(target="tpu-int8"),
+     "manifest.provenance.recipe.target: 'tpu-int8' differs from the header's 'xla-f32'"),
+    (lambda p: p["recipe"].update(options=[]),
+     "manifest.provenance.recipe.options: expected an object"),
+    (lambda p: p.pop("inputs"), "manifest.provenance: missing required key 'inputs'"),
+]
+
+
+@pytest.mark.parametrize(("damage", "needle"), PROVENANCE_DAMAGE,
+                         ids=[n for _, n in PROVENANCE_DAMAGE])
+def test_the_manifest_schema_checks_provenance(default_xla, damage, needle):
+    import copy
+
+    from rvcompile.artifacts import ArtifactError
+    from rvcompile.artifacts.manifest import parse_manifest
+
+    art, _ = default_xla
+    with Artifact.open(art) as a:
+        header, manifest = a.header, copy.deepcopy(a.manifest)
+        sizes = {n: s.size for n, s in a.sections.items()}
+    assert parse_manifest(header, manifest, sizes, "a.rvp").provenance is not None
+    damage(manifest["provenance"])
+    with pytest.raises(ArtifactError) as e:
+        parse_manifest(header, manifest, sizes, "a.rvp")
+    assert str(e.value).startswith("a.rvp: ") and needle in str(e.value), str(e.value)
+
+
+def test_a_stored_recipe_with_a_bad_field_is_named(default_xla, tmp_path):
+    from rvcompile.recipe import parse_recipe
+
+    art, recipe = default_xla
+    stored = recipe.to_json()
+    stored["options"]["tp"] = 0
+    with pytest.raises(RecipeError, match=r"^a.rvp: manifest.provenance.recipe: options.tp: "):
+        parse_recipe(stored, "a.rvp: manifest.provenance.recipe")

@@ -130,3 +130,12 @@ def test_rvrun_serve_reads_the_file_and_the_flags_override_it(tmp_path, capsys, 
     cfg.write_text("api_key_env: SERVE_TEST_KEY\n")
     assert "api_key_env: environment variable SERVE_TEST_KEY is not set" in serve(
         capsys, "x.rvp", "--config", str(cfg))
+
+
+def test_the_example_config_loads():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "serve.yaml"
+    cfg = load_serve_config(example, {"RVRUN_API_KEY": "sk-example"})
+    assert cfg.api_key == "sk-example" and cfg.artifact == "g31-h100.rvp"
+    assert example.read_text().count("#") > 5
