@@ -14,9 +14,9 @@ hand. A recipe that names a digest is refused at build when the files differ, na
 when the artifact it came from says what each one was. A preset with random weights reads no
 file and has no digest.
 
-Toolchain: rvcompile's version, and the versions of what shapes the bytes: jax and jaxlib (the
-XLA programs), numpy (random weights, quantization), nvcc (the h100 target's cubins, as the
-target records it; null for the other targets).
+Toolchain: rvcompile's version, and the versions of what shaped the bytes (`toolchain`): numpy
+and ml_dtypes (weights), jax and jaxlib (the XLA programs), libtpu (precompiled executables),
+nvcc (the h100 target's cubins); null for a tool the build did not use.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from rvcompile.sources.checkpoint import input_files
 from rvcompile.sources.model_source import CheckpointError
 
 _READ = 16 << 20  # bytes per read while hashing a file
-TOOLS = ("rvcompile", "jax", "jaxlib", "numpy", "nvcc")
 
 
 @dataclass(frozen=True)
@@ -114,23 +113,26 @@ def check_digest(role: str, want: str | None, got: Inputs | None,
                           f"recipe says {want}{why}")
 
 
-def toolchain(nvcc: str | None) -> dict[str, str | None]:
-    """The versions of what shapes an artifact's bytes; None for what is not installed."""
+def toolchain(manifest: dict[str, Any]) -> dict[str, str | None]:
+    """The versions of what shaped the bytes of the artifact `manifest` describes: rvcompile,
+    numpy and ml_dtypes (weights), jax and jaxlib (XLA targets' programs), libtpu (their
+    precompiled executables), nvcc (the h100 target's cubins, as it records it). None: not
+    used by this build, so that a tool it did not use cannot make two builds differ."""
+    xla = manifest.get("xla")
+    h100 = manifest.get("h100")
+    return {"rvcompile": __version__, "numpy": _version("numpy"),
+            "ml_dtypes": _version("ml_dtypes"),
+            "jax": _version("jax") if xla else None,
+            "jaxlib": _version("jaxlib") if xla else None,
+            "libtpu": _version("libtpu") if xla and xla.get("precompiled") else None,
+            "nvcc": h100.get("nvcc") if isinstance(h100, dict) else None}
 
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
 
-    return {"rvcompile": __version__, "jax": version("jax"), "jaxlib": version("jaxlib"),
-            "numpy": version("numpy"), "nvcc": nvcc}
-
-
-def nvcc_of(manifest: dict[str, Any]) -> str | None:
-    """The nvcc a built manifest names (the h100 target records it), else None."""
-    part = manifest.get("h100")
-    return part.get("nvcc") if isinstance(part, dict) else None
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
@@ -167,7 +169,7 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
             recipe = _replace_digest(recipe, "assistant", a_inputs.digest)
 
     def provenance(manifest: dict[str, Any]) -> dict[str, Any]:
-        return {"recipe": recipe.to_json(), "toolchain": toolchain(nvcc_of(manifest)),
+        return {"recipe": recipe.to_json(), "toolchain": toolchain(manifest),
                 "inputs": inputs}
 
     if read_from is not None:

@@ -94,7 +94,7 @@ def compare(old: Path, new: Path) -> tuple[str, ...]:
         if end_a == end_b and _same_bytes(a.path, b.path, end_a):
             return ()
         tools_a = (a.manifest.get("provenance") or {}).get("toolchain", {})
-        tools_b = (b.manifest.get("provenance") or {}).get("toolchain", toolchain(None))
+        tools_b = (b.manifest.get("provenance") or {}).get("toolchain", toolchain(b.manifest))
         changed = [f"{k} {tools_a.get(k)} in {a.path.name}, {tools_b.get(k)} here"
                    for k in sorted(set(tools_a) | set(tools_b))
                    if tools_a.get(k) != tools_b.get(k)]

@@ -137,7 +137,8 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "absent: no speculative entry points, as before. Readers before this entry "
                       "refuse such files (an entry point they do not know), never misread them"),
     ("2026-11-24", 4, "the manifest may carry provenance {recipe, toolchain, inputs}: the build "
-                      "recipe, the versions of rvcompile, jax, jaxlib, numpy and nvcc, and the "
+                      "recipe, the versions of the tools that shaped its bytes (rvcompile, numpy, "
+                      "ml_dtypes, jax, jaxlib, libtpu, nvcc), and the "
                       "sha256 of every input file (issue 21; `rvcompile recipe` and `rebuild` "
                       "read it); absent: built without one. Earlier readers ignore it"),
 )

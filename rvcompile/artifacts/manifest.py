@@ -38,7 +38,8 @@ Fields (format v3; required unless marked optional):
                       provenance.py): {"recipe": the build recipe (rvcompile/recipe.py: model,
                       assistant, target (the header's), options; its fields are checked by the
                       compiler, which alone reads them), "toolchain": {"rvcompile" (the header's
-                      compiler_version), "jax", "jaxlib", "numpy", "nvcc": str or null},
+                      compiler_version), "numpy", "ml_dtypes", "jax", "jaxlib", "libtpu", "nvcc":
+                      str, or null for a tool the build did not use},
                       "inputs": {"model" and/or "assistant": {file name: sha256 hex}}}; absent:
                       built without a recipe (build_artifact called directly)
 Header requirements, by runtime:
@@ -249,7 +250,7 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
                                                                  sections), None, provenance)
 
 
-TOOLS = ("rvcompile", "jax", "jaxlib", "numpy", "nvcc")
+TOOLS = ("rvcompile", "numpy", "ml_dtypes", "jax", "jaxlib", "libtpu", "nvcc")
 INPUT_ROLES = ("model", "assistant")
 FILE_NAME = r"[A-Za-z0-9_.+-]{1,200}"
 
