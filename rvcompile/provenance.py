@@ -21,6 +21,7 @@ nvcc (the h100 target's cubins); null for a tool the build did not use.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
@@ -72,17 +73,14 @@ def digest_directory(directory: Path, *, weights: bool) -> Inputs:
 
 
 def read_directory(model: Source) -> Path | None:
-    """The checkpoint directory the model's files come from, None for a preset with random
-    weights (the same resolution as checkpoint.load_model_source: a directory wins over a
-    preset of its name)."""
+    """The checkpoint directory the model's files come from; None for a preset with random
+    weights, or a source that is neither a preset nor a model directory (which the load
+    refuses, naming it). The same resolution as checkpoint.load_model_source: a directory wins
+    over a preset of its name."""
     if model.weights is not None:
         return Path(model.weights).expanduser()
     path = Path(model.source).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if model.source not in PRESETS:
-        return path  # the load refuses it, naming it
-    return None
+    return path if path.is_dir() and (path / "config.json").is_file() else None
 
 
 def assistant_directory(assistant: Source) -> Path | None:
@@ -146,15 +144,20 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
     artifact stored, to name the file that differs."""
     target, opts = prepare(recipe.build_options(dump_ir))
     recipe = recipe.with_options(opts)
+    if recipe.model.random_weights and recipe.model.seed is None:  # recorded as used
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, seed=0))
     model = recipe.model
     directory = read_from or read_directory(model)
     if read_from is not None and directory is None:
         raise CheckpointError("--weights: the recipe's model is a preset with random weights; "
                               "it reads no checkpoint")
+    if directory is not None and not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such model directory")
     weights_read = not model.random_weights
-    model_inputs = digest_directory(directory, weights=weights_read) if (
-        directory is not None and directory.is_dir()) else None
-    check_digest("model", model.digest, model_inputs, (recorded_inputs or {}).get("model"))
+    model_inputs = (digest_directory(directory, weights=weights_read)
+                    if directory is not None else None)
+    if model_inputs is not None or model.source in PRESETS:  # else the load names the error
+        check_digest("model", model.digest, model_inputs, (recorded_inputs or {}).get("model"))
     inputs = {"model": model_inputs.files} if model_inputs is not None else {}
     if model_inputs is not None:
         recipe = _replace_digest(recipe, "model", model_inputs.digest)
@@ -190,7 +193,5 @@ def _home(source: str) -> str:
 
 
 def _replace_digest(recipe: Recipe, role: str, digest: str) -> Recipe:
-    import dataclasses
-
     source = getattr(recipe, role)
     return dataclasses.replace(recipe, **{role: dataclasses.replace(source, digest=digest)})

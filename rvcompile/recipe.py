@@ -129,8 +129,17 @@ class Recipe:
     def to_yaml(self, comment: str = "") -> str:
         """The recipe as a YAML file (`comment` lines first, each prefixed with '# ')."""
         head = "".join(f"# {line}\n" for line in comment.splitlines())
-        return head + yaml.safe_dump(self.to_json(), sort_keys=False, default_flow_style=None,
-                                     width=100)
+        return head + yaml.dump(self.to_json(), Dumper=_Dumper, sort_keys=False,
+                                default_flow_style=False, width=100)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Mappings as blocks, one key a line; lists inline ([16, 64, 256]), as a person writes
+    a recipe."""
+
+
+_Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence(
+    "tag:yaml.org,2002:seq", value, flow_style=True))
 
 
 # ---------------------------------------------------------------------------------------------
