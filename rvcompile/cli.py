@@ -225,6 +225,11 @@ def rebuild(
         _die_of(e.signum)
     except (*USER_ERRORS, RecipeError, *input_errors()) as e:
         fail(str(e))
+    if report.identical and report.signatures:
+        typer.echo(f"{report.path}: identical to {artifact} up to its signature page "
+                   f"({report.signatures} signature(s); signing the rebuild with the same key "
+                   "gives the same page)")
+        return
     if report.identical:
         typer.echo(f"{report.path}: identical to {artifact} (byte for byte)")
         return

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.format import decode_header_block
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.provenance import build_recipe, toolchain
 from rvcompile.recipe import Recipe, parse_recipe
@@ -64,6 +65,7 @@ class RebuildReport:
     path: Path
     identical: bool  # byte for byte, the signature page aside
     differences: tuple[str, ...]  # one line each, the toolchain's first
+    signatures: int  # on the original's signature page, which the rebuild does not have
 
 
 def rebuild(artifact: Path, out: Path, *, weights: Path | None = None,
@@ -83,14 +85,16 @@ def rebuild(artifact: Path, out: Path, *, weights: Path | None = None,
         raise CheckpointError(f"-o {out}: the rebuild must not overwrite {artifact.name}")
     build_recipe(stored.recipe, out, read_from=weights, recorded_inputs=stored.inputs, log=log)
     differences = compare(artifact, out)
-    return RebuildReport(out, not differences, differences)
+    with Artifact.open(artifact) as a:
+        signatures = len(a.signatures)
+    return RebuildReport(out, not differences, differences, signatures)
 
 
 def compare(old: Path, new: Path) -> tuple[str, ...]:
     """() when `new` is `old` byte for byte up to the signature page; else one line per
     difference: the toolchain's, the header's, each section's, the manifest's first."""
     with Artifact.open(old) as a, Artifact.open(new) as b:
-        end_a, end_b = a.signable.page_offset, b.signable.page_offset
+        end_a, end_b = (_manifest_end(x) for x in (a, b))  # where the signature page starts
         if end_a == end_b and _same_bytes(a.path, b.path, end_a):
             return ()
         tools_a = (a.manifest.get("provenance") or {}).get("toolchain", {})
@@ -119,6 +123,13 @@ def compare(old: Path, new: Path) -> tuple[str, ...]:
         if not out:  # the same content laid out otherwise: the writer is not deterministic
             out.append(f"the files differ in layout only ({why})")
         return tuple(out)
+
+
+def _manifest_end(art: Artifact) -> int:
+    """Where the manifest ends: an unsigned file ends there, a signed one has zeros (checked
+    at open) up to its signature page."""
+    blob = decode_header_block(art.signable.header_block, art.path.name).manifest
+    return blob.offset + blob.size
 
 
 def _same_bytes(a: Path, b: Path, size: int, block: int = 16 << 20) -> bool:

@@ -112,6 +112,20 @@ def test_command_line_overrides_the_file_and_defaults_fill_in(tmp_path):
     assert back.model == Source("gemma-4-tiny-dense", random_weights=True, seed=5)
 
 
+def test_a_signed_original_compares_up_to_its_signature_page(default_xla, tmp_path):
+    from rvcompile.artifacts.signature import load_signing_key, sign_artifact, write_keypair
+
+    art, _ = default_xla
+    signed = tmp_path / "signed.rvp"
+    shutil.copyfile(art, signed)
+    key = load_signing_key(write_keypair(tmp_path / "k")[0])
+    sign_artifact(signed, key, "ci")
+    out = cli("rebuild", signed, "-o", tmp_path / "again.rvp")
+    assert "identical to" in out and "up to its signature page (1 signature(s)" in out
+    sign_artifact(tmp_path / "again.rvp", key, "ci")
+    assert (tmp_path / "again.rvp").read_bytes() == signed.read_bytes()
+
+
 def test_rebuild_h100_is_byte_identical(tmp_path):
     art = tmp_path / "h.rvp"
     recipe = Recipe(Source(str(MODEL_DIR)), "h100-fp8",
