@@ -34,7 +34,7 @@ from typing import Any
 from rvcompile import __version__
 from rvcompile.build import BuildReport, build_artifact, prepare
 from rvcompile.model.presets import PRESETS
-from rvcompile.recipe import Recipe, Source
+from rvcompile.recipe import Assistant, Recipe, Source
 from rvcompile.sources.checkpoint import input_files
 from rvcompile.sources.model_source import CheckpointError
 
@@ -83,7 +83,7 @@ def read_directory(model: Source) -> Path | None:
     return path if path.is_dir() and (path / "config.json").is_file() else None
 
 
-def assistant_directory(assistant: Source) -> Path | None:
+def assistant_directory(assistant: Assistant) -> Path | None:
     path = Path(assistant.source).expanduser()
     return path if path.is_dir() and (path / "config.json").is_file() else None
 

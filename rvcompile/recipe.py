@@ -70,12 +70,20 @@ class RecipeError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """Where a model's (or an assistant's) weights come from."""
+    """Where the model's weights come from."""
 
     source: str  # preset name or checkpoint directory
     weights: str | None = None  # a preset's checkpoint directory (model only)
     random_weights: bool = False
     seed: int | None = None  # with random_weights; None: 0
+    digest: str | None = None  # "sha256:<hex>" of its input files; None: not checked
+
+
+@dataclass(frozen=True)
+class Assistant:
+    """The drafter compiled in beside the model; its weights are random when the model's are."""
+
+    source: str  # assistant preset name or checkpoint directory
     digest: str | None = None  # "sha256:<hex>" of its input files; None: not checked
 
 
@@ -99,7 +107,7 @@ class Recipe:
     model: Source
     target: str
     options: Options = Options()
-    assistant: Source | None = None
+    assistant: Assistant | None = None
 
     def build_options(self, dump_ir: str | None = None) -> BuildOptions:
         """The options as `build` takes them (their own range checks run here: CheckpointError
@@ -181,7 +189,7 @@ def _recipe(doc: Any) -> Recipe:
     for key in ("model", "target"):
         if key not in doc:
             raise SchemaError(f"{key}: missing (a recipe needs model and target)")
-    model = _source(At(doc["model"], "model"), _MODEL_KEYS)
+    model = _source(At(doc["model"], "model"))
     if model.weights is not None and model.random_weights:
         raise SchemaError("model.weights: either weights or random_weights, not both")
     if model.seed is not None and not model.random_weights:
@@ -189,7 +197,13 @@ def _recipe(doc: Any) -> Recipe:
     target = At(doc["target"], "target").str(pattern=r"[a-z0-9][a-z0-9_-]{0,63}")
     assistant = None
     if doc.get("assistant") is not None:
-        assistant = _source(At(doc["assistant"], "assistant"), ("source", "digest"))
+        at = At(doc["assistant"], "assistant")
+        known_keys(at, ("source", "digest"))
+        if at.obj().get("source") is None:
+            at.fail("missing 'source' (an assistant preset name or a checkpoint directory)")
+        digest = at.get("digest")
+        assistant = Assistant(_path(at["source"]), None if digest is None or digest.value is None
+                              else digest.str(pattern=DIGEST))
     options = Options()
     if doc.get("options") is not None:
         options = _options(At(doc["options"], "options"))
@@ -204,8 +218,8 @@ def _path(at: At) -> str:
     return at.str(max_len=4096, printable=True)
 
 
-def _source(at: At, allowed: tuple[str, ...]) -> Source:
-    known_keys(at, allowed)
+def _source(at: At) -> Source:
+    known_keys(at, _MODEL_KEYS)
     d = at.obj()
     if d.get("source") is None:
         at.fail("missing 'source' (a preset name or a checkpoint directory)")
@@ -280,7 +294,7 @@ def merge(recipe: Recipe | None, given: dict[str, Any]) -> Recipe:
         raise CheckpointError("pass either --weights DIR or --random-weights, not both")
     assistant = base.assistant
     if "assistant" in given:
-        assistant = None if given["assistant"] is None else Source(given["assistant"])
+        assistant = None if given["assistant"] is None else Assistant(given["assistant"])
     options = dataclasses.replace(base.options,
                                   **{k: given[k] for k in OPTION_KEYS if k in given})
     return Recipe(model, given.get("target", base.target), options, assistant)

@@ -33,6 +33,7 @@ from rvcompile.model.presets import PRESETS
 from rvcompile.recipe import (
     NOT_RECIPE_OPTIONS,
     OPTION_KEYS,
+    Assistant,
     Options,
     Recipe,
     RecipeError,
@@ -183,6 +184,19 @@ def test_a_preset_with_random_weights_rebuilds_without_files(small_xla, tmp_path
     assert "rvcompile: error: " in out
 
 
+def test_an_assistant_recipe_rebuilds_byte_identical(tmp_path):
+    recipe = Recipe(Source("gemma-4-tiny", random_weights=True, seed=1), "xla-f32",
+                    Options(max_context=64, max_seqs=1, prefill_buckets=(8, 16),
+                            platforms=("cpu",)),
+                    assistant=Assistant("gemma-4-tiny-assistant"))
+    art = tmp_path / "spec.rvp"
+    cli("build", "--config", write(tmp_path / "r.yaml", recipe), "-o", art, "--no-progress")
+    back = parse_recipe_yaml(cli("recipe", art), "stdout")
+    assert back.assistant == Assistant("gemma-4-tiny-assistant")
+    assert back.options.draft_tokens == 3  # the default with an assistant, recorded
+    assert "identical" in cli("rebuild", art)
+
+
 def copy_model(dst: Path) -> Path:
     shutil.copytree(MODEL_DIR, dst, ignore=shutil.ignore_patterns("*.txt", "*.md", "*log*"))
     return dst
@@ -304,6 +318,11 @@ def test_example_recipes_load_and_fit_their_targets(name):
     for topo in opts.topologies:  # check_options would need libtpu here
         assert parse_topology(topo).chips == opts.tp
         assert "tpu" in opts.platforms
+    if opts.tp > 1:
+        from rvcompile.model.presets import get_preset
+        from rvcompile.targets.xla.sharding import check_tp
+
+        check_tp(get_preset(recipe.model.source), opts.tp)  # heads split evenly
     text = (EXAMPLES / name).read_text()
     assert text.count("#") > 5  # commented
 
