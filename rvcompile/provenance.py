@@ -142,7 +142,7 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
     checkpoint from this directory instead of the recipe's path (rebuild --weights), which
     stays what the artifact records. `recorded_inputs`: the per-file digests the recipe's
     artifact stored, to name the file that differs."""
-    target, opts = prepare(recipe.build_options(dump_ir))
+    _, opts = prepare(recipe.build_options(dump_ir))  # the target checks and fills them in
     recipe = recipe.with_options(opts)
     if recipe.model.random_weights and recipe.model.seed is None:  # recorded as used
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, seed=0))

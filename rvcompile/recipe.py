@@ -57,8 +57,9 @@ from rvcompile.targets.api import KV_CACHE_CHOICES, PLATFORMS
 from rvcompile.yaml_file import known_keys, parse_yaml
 
 DIGEST = r"sha256:[0-9a-f]{64}"
-# options: key -> how it is read. Every BuildOptions field but target (a top-level key) and
-# dump_ir (prints, changes nothing) is one: tests/test_recipe.py checks the two lists agree.
+# The keys under options: every BuildOptions field but target (a top-level key) and dump_ir
+# (prints, changes nothing); tests/test_recipe.py checks that the lists agree, so a new build
+# option joins the recipe in the same change.
 OPTION_KEYS = ("max_context", "max_seqs", "prefill_buckets", "platforms", "topologies", "tp",
                "kv_cache", "decode_loop_steps", "draft_tokens")
 NOT_RECIPE_OPTIONS = ("target", "dump_ir")
