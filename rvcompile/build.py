@@ -135,12 +135,15 @@ def format_ir(ir: ModelIR) -> str:
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, random_ranges=None,
                    assistant: str | None = None, chat_template: Path | None = None,
-                   progress: bool = True, log=print) -> BuildReport:
+                   progress: bool = True, log=print, provenance=None) -> BuildReport:
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
     random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
     `assistant`: an assistant directory or preset whose drafter joins the artifact (random
     weights with `random_weights`, like the target's). `chat_template`: a Jinja file that sets
-    or replaces the model's chat template (checked to render in the runtime's sandbox first)."""
+    or replaces the model's chat template (checked to render in the runtime's sandbox first).
+    `provenance`: a function of the manifest, once the rest of it is known, to the manifest's
+    "provenance" record (the recipe, toolchain and input digests, provenance.build_recipe);
+    None: no record."""
     t0 = time.perf_counter()
     template = None if chat_template is None else read_chat_template_file(chat_template)
     target, opts = prepare(opts)
@@ -183,6 +186,8 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
                                  "config": drafter.config.to_hf_dict(),
                                  "origin": Path(drafter.origin).name}
         tensors += drafter.tensors
+    if provenance is not None:
+        manifest["provenance"] = provenance(manifest)
     specs_by_source: dict[str, list] = {}
     for p in ir.params:
         specs_by_source.setdefault(p.source, []).append(p)

@@ -220,7 +220,11 @@ def chat_main(argv: list[str]) -> int:
 def serve_main(argv: list[str]) -> int:
     """Serve an artifact over HTTP with an OpenAI-compatible API."""
     p = argparse.ArgumentParser(prog="rvrun serve", description=serve_main.__doc__)
-    p.add_argument("artifact")
+    p.add_argument("artifact", nargs="?", help="the artifact (or the --config file's)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="the options as a YAML file (runtime/serve/config.py: each key a flag's "
+                        "name with underscores, api_key_env naming the API key's environment "
+                        "variable); options given here override it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -251,6 +255,20 @@ def serve_main(argv: list[str]) -> int:
                    help="on SIGTERM or Ctrl-C, seconds in-flight requests may still run while "
                         "new ones get 503")
     a = p.parse_args(argv)
+    if a.config is not None:
+        from rvcompile.runtime.serve.config import (
+            ServeConfigError,
+            apply,
+            given_on_command_line,
+            load_serve_config,
+        )
+
+        try:
+            apply(a, load_serve_config(a.config, os.environ), given_on_command_line(p, argv))
+        except ServeConfigError as e:
+            return _fail(str(e))
+    if a.artifact is None:
+        return _fail("missing ARTIFACT: give it, or artifact: in the --config file")
     problem = _check_http_flags(a)
     if problem:
         return _fail(problem)
