@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,11 @@ from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
+from rvcompile.sources.checkpoint import (
+    load_assistant_source,
+    load_model_source,
+    read_chat_template_file,
+)
 from rvcompile.sources.model_source import AssistantSource, CheckpointError, ModelSource
 from rvcompile.targets import get_target, registry
 from rvcompile.targets.api import KV_CACHE_CHOICES, BuildOptions, Target
@@ -131,18 +135,25 @@ def format_ir(ir: ModelIR) -> str:
 
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, random_ranges=None,
-                   assistant: str | None = None, progress: bool = True,
-                   log=print) -> BuildReport:
+                   assistant: str | None = None, chat_template: Path | None = None,
+                   progress: bool = True, log=print, provenance=None) -> BuildReport:
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
     random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
     `assistant`: an assistant directory or preset whose drafter joins the artifact (random
-    weights with `random_weights`, like the target's)."""
+    weights with `random_weights`, like the target's). `chat_template`: a Jinja file that sets
+    or replaces the model's chat template (checked to render in the runtime's sandbox first).
+    `provenance`: a function of the manifest, once the rest of it is known, to the manifest's
+    "provenance" record (the recipe, toolchain and input digests, provenance.build_recipe);
+    None: no record."""
     t0 = time.perf_counter()
+    template = None if chat_template is None else read_chat_template_file(chat_template)
     target, opts = prepare(opts)
     if assistant is not None:
         check_assistant_options(opts)
     source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
                                random_ranges=random_ranges)
+    if template is not None:
+        source = replace(source, chat_template=template)
     drafter: AssistantSource | None = None
     if assistant is not None:
         drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
@@ -176,6 +187,8 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
                                  "config": drafter.config.to_hf_dict(),
                                  "origin": Path(drafter.origin).name}
         tensors += drafter.tensors
+    if provenance is not None:
+        manifest["provenance"] = provenance(manifest)
     specs_by_source: dict[str, list] = {}
     for p in ir.params:
         specs_by_source.setdefault(p.source, []).append(p)

@@ -92,8 +92,11 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 @app.command()
 def build(
-    model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
-    target: str = typer.Option(..., "--target", help="what to compile for (see `targets`)"),
+    ctx: typer.Context,
+    model: str | None = typer.Argument(None, help="preset name (see `targets`) or a HF model "
+                                                  "directory (or the recipe's)"),
+    target: str | None = typer.Option(None, "--target", help="what to compile for (see "
+                                                             "`targets`, or the recipe's)"),
     output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
     weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
     random_weights: bool = typer.Option(False, "--random-weights",
@@ -134,39 +137,111 @@ def build(
         None, "--num-draft-tokens",
         help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
              "default 3 with --assistant, else 0 (no speculative entry points)"),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template",
+        help="a Jinja chat template file: sets or replaces the model's (checked to render a "
+             "sample conversation in the runtime's sandbox)"),
+    config: Path | None = typer.Option(
+        None, "--config", help="a build recipe (YAML: model, target, options, assistant; see "
+                               "`rvcompile recipe`); options given here override it"),
 ) -> None:
-    """Build MODEL into one artifact for TARGET."""
-    from rvcompile.build import BuildOptions, build_artifact
+    """Build MODEL into one artifact for TARGET (or as the --config recipe says). The artifact
+    records its recipe, toolchain and input digests (`rvcompile recipe`, `rebuild`)."""
+    from rvcompile.provenance import build_recipe
+    from rvcompile.recipe import RecipeError, load_recipe, merge
     from rvcompile.targets import input_errors
 
-    if seed is not None and not random_weights:
-        fail(f"--seed {seed}: only --random-weights uses a seed")
     if seed is not None and seed < 0:
         fail(f"--seed {seed}: expected an integer >= 0")
-    buckets = _buckets(prefill_buckets)
-    if draft_tokens is None:
-        draft_tokens = 3 if assistant is not None else 0
-    chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
+    values = {"model": model, "target": target, "weights": weights and str(weights),
+              "random_weights": random_weights, "seed": seed, "max_context": max_context,
+              "max_seqs": max_seqs, "tp": tp, "kv_cache": kv_cache,
+              "decode_loop_steps": decode_loop_steps, "assistant": assistant,
+              "draft_tokens": draft_tokens, "topologies": tuple(topology),
+              "chat_template": chat_template and str(chat_template)}
+    params = {"topologies": "topology", "draft_tokens": "draft_tokens"}
+    given = {k: v for k, v in values.items() if _given(ctx, params.get(k, k))}
+    if _given(ctx, "prefill_buckets"):
+        given["prefill_buckets"] = _buckets(prefill_buckets)
+    if _given(ctx, "platforms"):
+        given["platforms"] = tuple(p.strip() for p in platforms.split(",") if p.strip())
     try:
+        recipe = merge(load_recipe(config) if config is not None else None, given)
+        if recipe.model.seed is not None and not recipe.model.random_weights:
+            fail(f"--seed {recipe.model.seed}: only --random-weights uses a seed")
         with _signals_unwind():
-            # decode_loop_steps None: the target's default (targets/*/target.py)
-            opts = BuildOptions(target=target, max_context=max_context, prefill_buckets=buckets,
-                                max_seqs=max_seqs, platforms=chosen, tp=tp, dump_ir=dump_ir,
-                                kv_cache=kv_cache, decode_loop_steps=decode_loop_steps,
-                                topologies=tuple(topology), draft_tokens=draft_tokens)
-            report = build_artifact(model, output, opts, weights=weights,
-                                    random_weights=random_weights, seed=seed or 0,
-                                    assistant=assistant,
-                                    progress=progress and sys.stderr.isatty(),
-                                    log=lambda s: typer.echo(s, err=True))
+            report = build_recipe(recipe, output, dump_ir=dump_ir,
+                                  progress=progress and sys.stderr.isatty(),
+                                  log=lambda s: typer.echo(s, err=True))
     except BuildInterrupted as e:
         typer.echo(f"rvcompile: error: interrupted by {e}; no temporary file left behind",
                    err=True)
         _die_of(e.signum)
-    except (*USER_ERRORS, *input_errors()) as e:
+    except (*USER_ERRORS, RecipeError, *input_errors()) as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {report.path} ({report.artifact_bytes / 2**20:.1f} MiB, weights "
                f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
+
+
+def _given(ctx: typer.Context, param: str) -> bool:
+    """Whether `param` was set on the command line (or its environment variable), not left at
+    its default: what overrides a recipe."""
+    source = ctx.get_parameter_source(param)  # an enum of typer's own click, by name
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+@app.command()
+def recipe(artifact: Path) -> None:
+    """Print the recipe ARTIFACT was built from (YAML for `build --config`), with its toolchain
+    and input digests as comments."""
+    from rvcompile.rebuild import stored_recipe
+    from rvcompile.recipe import RecipeError
+
+    try:
+        stored = stored_recipe(artifact)
+    except (*USER_ERRORS, RecipeError) as e:
+        fail(str(e))
+    typer.echo(stored.to_yaml(artifact.name), nl=False)
+
+
+@app.command()
+def rebuild(
+    artifact: Path,
+    weights: Path | None = typer.Option(None, "--weights", help="the model's checkpoint "
+                                        "directory, if no longer where the recipe says"),
+    output: Path | None = typer.Option(None, "-o", "--output",
+                                       help="the rebuilt artifact (default: ART.rebuilt.rvp)"),
+) -> None:
+    """Build ARTIFACT again from its stored recipe and compare: exit 0 when the new file is the
+    same byte for byte (the signature page aside), 1 with each difference and its cause (a
+    different toolchain is named), 2 when the build fails."""
+    from rvcompile.rebuild import rebuild as run_rebuild
+    from rvcompile.recipe import RecipeError
+    from rvcompile.targets import input_errors
+
+    out = output or artifact.with_name(f"{artifact.stem}.rebuilt{artifact.suffix or '.rvp'}")
+    try:
+        with _signals_unwind():
+            report = run_rebuild(artifact, out, weights=weights,
+                                 log=lambda s: typer.echo(s, err=True))
+    except BuildInterrupted as e:
+        typer.echo(f"rvcompile: error: interrupted by {e}; no temporary file left behind",
+                   err=True)
+        _die_of(e.signum)
+    except (*USER_ERRORS, RecipeError, *input_errors()) as e:
+        fail(str(e))
+    if report.identical and report.signatures:
+        typer.echo(f"{report.path}: identical to {artifact} up to its signature page "
+                   f"({report.signatures} signature(s); signing the rebuild with the same key "
+                   "gives the same page)")
+        return
+    if report.identical:
+        typer.echo(f"{report.path}: identical to {artifact} (byte for byte)")
+        return
+    typer.echo(f"{report.path}: differs from {artifact}:")
+    for line in report.differences:
+        typer.echo(f"  {line}")
+    raise typer.Exit(1)
 
 
 TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)"

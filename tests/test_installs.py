@@ -39,7 +39,8 @@ DISTRIBUTION = {
     "numpy": "numpy", "tokenizers": "tokenizers", "jinja2": "jinja2",
     "cryptography": "cryptography", "cuda": "cuda-python", "fastapi": "fastapi",
     "uvicorn": "uvicorn", "prometheus_client": "prometheus-client", "pydantic": "pydantic",
-    "starlette": "starlette", "jax": "jax", "jaxlib": "jaxlib", "ml_dtypes": "ml-dtypes",
+    "starlette": "starlette", "yaml": "pyyaml", "jax": "jax", "jaxlib": "jaxlib",
+    "ml_dtypes": "ml-dtypes",
 }
 # rvrun's entry points and the server: where an h100 host's imports start.
 H100_HOST = ("rvcompile.runtime", "rvcompile.runtime.cli", RUNTIMES["h100"],

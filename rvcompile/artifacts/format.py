@@ -136,6 +136,11 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "config} (speculative decoding with an assistant drafter, issue 15); "
                       "absent: no speculative entry points, as before. Readers before this entry "
                       "refuse such files (an entry point they do not know), never misread them"),
+    ("2026-11-24", 4, "the manifest may carry provenance {recipe, toolchain, inputs}: the build "
+                      "recipe, the versions of the tools that shaped its bytes (rvcompile, numpy, "
+                      "ml_dtypes, jax, jaxlib, libtpu, nvcc), and the "
+                      "sha256 of every input file (issue 21; `rvcompile recipe` and `rebuild` "
+                      "read it); absent: built without one. Earlier readers ignore it"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -34,6 +34,15 @@ Fields (format v3; required unless marked optional):
                       `_assistant` checks what `inspect` shows and that it drafts for this model
     h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
                       version and schema), "nvcc": str, "arch": str}
+    provenance        optional (v4, 2026-11-24) how the artifact was built (rvcompile/
+                      provenance.py): {"recipe": the build recipe (rvcompile/recipe.py: model,
+                      assistant, chat_template, target (the header's), options; its fields are
+                      checked by the compiler, which alone reads them), "toolchain":
+                      {"rvcompile" (the header's compiler_version), "numpy", "ml_dtypes", "jax",
+                      "jaxlib", "libtpu", "nvcc": str, or null for a tool the build did not
+                      use}, "inputs": {"model", "assistant" and/or "chat_template": {file name:
+                      sha256 hex}}}; absent: built without a recipe (build_artifact called
+                      directly)
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
@@ -180,6 +189,14 @@ class Manifest:
     xla: XlaManifest | None
     h100: H100Manifest | None
     assistant: AssistantInfo | None = None  # the drafter compiled in, if any
+    provenance: Provenance | None = None  # how it was built, if recorded
+
+
+@dataclass(frozen=True)
+class Provenance:
+    recipe: dict[str, Any]  # as stored; rvcompile/recipe.py checks and reads its fields
+    toolchain: dict[str, str | None]  # tool -> version; None: not installed / not used
+    inputs: dict[str, dict[str, str]]  # input role (INPUT_ROLES) -> file name -> sha256 hex
 
 
 def read_manifest(art: Artifact) -> Manifest:
@@ -217,6 +234,8 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
         if name not in sections:
             m.fail(f"the artifact has no {name!r} section, which a {runtime} model needs")
     model = _model(m["model"])
+    provenance = (_provenance(m["provenance"], header) if m.get("provenance") is not None
+                  else None)
     other = "h100" if runtime == "xla" else "xla"
     if m.get(other) is not None:
         m[other].fail(f"present in an artifact whose header says runtime {runtime!r}")
@@ -227,9 +246,43 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
             (drafter or m).fail("an assistant comes with the xla.speculative draft entry point, "
                                 "and only with it")
         assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
-        return Manifest(model, header.target, runtime, xla, None, assistant)
+        return Manifest(model, header.target, runtime, xla, None, assistant, provenance)
     return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
-                                                                 sections))
+                                                                 sections), None, provenance)
+
+
+TOOLS = ("rvcompile", "numpy", "ml_dtypes", "jax", "jaxlib", "libtpu", "nvcc")
+INPUT_ROLES = ("model", "assistant", "chat_template")
+FILE_NAME = r"[A-Za-z0-9_.+-]{1,200}"
+
+
+def _provenance(p: At, header: ArtifactHeader) -> Provenance:
+    recipe = p["recipe"]
+    for key in ("model", "options"):
+        recipe[key].obj()
+    if recipe["target"].str() != header.target:
+        recipe["target"].fail(f"{recipe['target'].value!r} differs from the header's "
+                              f"{header.target!r}")
+    for key in ("assistant", "chat_template"):  # chat_template: absent before it existed
+        if recipe.obj().get(key) is not None:
+            recipe[key].obj()
+    tools = p["toolchain"]
+    if set(tools.obj()) != set(TOOLS):
+        tools.fail(f"names {sorted(tools.obj())}, not {list(TOOLS)}")
+    versions = {t: None if tools[t].value is None else tools[t].str(max_len=200, printable=True)
+                for t in TOOLS}
+    if versions["rvcompile"] != header.compiler_version:
+        tools["rvcompile"].fail(f"{versions['rvcompile']!r} differs from the header's "
+                                f"compiler_version {header.compiler_version!r}")
+    inputs = {}
+    for role, files in p["inputs"].members(len(INPUT_ROLES)).items():
+        if role not in INPUT_ROLES:
+            files.fail(f"an input is one of {', '.join(INPUT_ROLES)}")
+        for name in files.members(1 << 12):
+            if not re.fullmatch(FILE_NAME, name):
+                files.fail(f"{name[:40]!r} is not a file name")
+        inputs[role] = {name: d.sha256() for name, d in files.members().items()}
+    return Provenance(recipe.value, versions, inputs)
 
 
 def _token_id(at: At, vocab: int) -> int:

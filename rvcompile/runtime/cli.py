@@ -1,5 +1,9 @@
 """`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
+`rvrun chat ARTIFACT`: a conversation through the artifact's chat template, one line a user turn
+read from stdin, each answer streamed to stdout; on a terminal a `> ` prompt and line editing;
+Ctrl-C stops the answer being written (it stays in the history as far as it got), Ctrl-D (the
+end of stdin) ends the session with 0; `/reset` forgets the history.
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
 Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
@@ -53,6 +57,8 @@ def _main(argv: list[str] | None) -> int:
         return ppl_main(argv[1:])
     if argv[:1] == ["serve"]:
         return serve_main(argv[1:])
+    if argv[:1] == ["chat"]:
+        return chat_main(argv[1:])
     p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
     p.add_argument("artifact")
     p.add_argument("--prompt", required=True)
@@ -164,10 +170,61 @@ def ppl_main(argv: list[str]) -> int:
     return 0
 
 
+def chat_main(argv: list[str]) -> int:
+    """Chat with an artifact in the terminal, through its chat template."""
+    p = argparse.ArgumentParser(prog="rvrun chat", description=chat_main.__doc__)
+    p.add_argument("artifact")
+    p.add_argument("--system", default=None, help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens of one answer")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
+    a = p.parse_args(argv)
+    from rvcompile.runtime import request_limits as rl
+    from rvcompile.runtime.executor_api import Sampling
+
+    try:
+        rl.check_max_tokens(a.max_tokens)
+        rl.check_sampling(Sampling(a.temperature, a.top_k, a.top_p, a.seed), vocab_size=None)
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
+    problem = a.system is not None and _not_utf8("--system", a.system)
+    if problem:
+        return _fail(problem)
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
+    from rvcompile import runtime
+
+    try:
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    if not m.chat_template:
+        return _fail(f"{Path(a.artifact).name}: the artifact has no chat template (rvcompile "
+                     "build --chat-template FILE adds one)")
+    from rvcompile.runtime.chat_session import ChatSession
+
+    session = ChatSession(m, system=a.system, max_tokens=a.max_tokens,
+                          sampling=dict(temperature=a.temperature, top_k=a.top_k,
+                                        top_p=a.top_p, seed=a.seed))
+    return session.run(sys.stdin, sys.stdout, sys.stderr)
+
+
 def serve_main(argv: list[str]) -> int:
     """Serve an artifact over HTTP with an OpenAI-compatible API."""
     p = argparse.ArgumentParser(prog="rvrun serve", description=serve_main.__doc__)
-    p.add_argument("artifact")
+    p.add_argument("artifact", nargs="?", help="the artifact (or the --config file's)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="the options as a YAML file (runtime/serve/config.py: each key a flag's "
+                        "name with underscores, api_key_env naming the API key's environment "
+                        "variable); options given here override it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -198,6 +255,20 @@ def serve_main(argv: list[str]) -> int:
                    help="on SIGTERM or Ctrl-C, seconds in-flight requests may still run while "
                         "new ones get 503")
     a = p.parse_args(argv)
+    if a.config is not None:
+        from rvcompile.runtime.serve.config import (
+            ServeConfigError,
+            apply,
+            given_on_command_line,
+            load_serve_config,
+        )
+
+        try:
+            apply(a, load_serve_config(a.config, os.environ), given_on_command_line(p, argv))
+        except ServeConfigError as e:
+            return _fail(str(e))
+    if a.artifact is None:
+        return _fail("missing ARTIFACT: give it, or artifact: in the --config file")
     problem = _check_http_flags(a)
     if problem:
         return _fail(problem)

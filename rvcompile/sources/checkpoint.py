@@ -131,6 +131,26 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [directory / s for s in shards], weight_map
 
 
+def input_files(directory: Path, *, weights: bool = True) -> list[Path]:
+    """The files a load of `directory` reads, sorted by name (what a recipe's digest covers,
+    provenance.py): config.json, the tokenizer and generation config, the chat template
+    (chat_template.jinja, else tokenizer_config.json), and with `weights` the safetensors files
+    and their index (without `weights` and tokenizer.json: config.json alone, the rest being
+    synthetic). CheckpointError as the load's when the weights are missing."""
+    if not weights and not (directory / "tokenizer.json").is_file():
+        return [directory / "config.json"]  # random weights and synthetic tokenizer files
+    names = ["config.json", "tokenizer.json", "generation_config.json"]
+    names.append("chat_template.jinja" if (directory / "chat_template.jinja").is_file()
+                 else "tokenizer_config.json")
+    files = [directory / n for n in names if (directory / n).is_file()]
+    if weights:
+        shards, index = _weight_files(directory)
+        files += shards
+        if index is not None:
+            files.append(directory / "model.safetensors.index.json")
+    return sorted(files)
+
+
 def _shard_entries(directory: Path):
     """(file, its validated header entries) for every safetensors file of `directory`, in shard
     order; a sharded checkpoint's index must list only tensors its shards hold."""
@@ -276,6 +296,19 @@ def _read_chat_template(directory: Path) -> str | None:
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{tok_cfg_path}: chat_template is not a string")
     return None if template is None else _checked_chat_template(template, tok_cfg_path)
+
+
+def read_chat_template_file(path: Path) -> str:
+    """A chat template file (`rvcompile build --chat-template FILE`): UTF-8 Jinja text that
+    compiles and renders a sample conversation in the runtime's sandbox; CheckpointError (one
+    line naming the file) otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--chat-template {path}: cannot read: {e}") from None
+    if not text.strip():
+        raise CheckpointError(f"--chat-template {path}: the file is empty")
+    return _checked_chat_template(text, Path(f"--chat-template {path}"))
 
 
 def _checked_chat_template(template: str, where: Path) -> str:

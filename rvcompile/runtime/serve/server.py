@@ -1,7 +1,9 @@
 """`rvrun serve`: an OpenAI-compatible HTTP server (FastAPI) over one Model's engine.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON, or SSE token by token with
-`stream: true`), GET /v1/models, /health and /metrics (Prometheus). The engine runs in one
+`stream: true`), GET /v1/models, /health and /metrics (Prometheus). Chat requests may declare
+tools; the model's calls come back as `tool_calls` (serve/tools.py checks the fields,
+serve/tool_calls.py reads the calls out of the answer, streamed or whole). The engine runs in one
 background thread (EngineThread); each request hands it a sink that moves outputs onto the event
 loop. Bad requests get OpenAI-style error JSON: 400 for malformed bodies, unknown fields, wrong
 types (the schemas below check types only), values out of range and prompts that do not fit
@@ -53,6 +55,8 @@ from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
+from rvcompile.runtime.serve import tool_calls
+from rvcompile.runtime.serve import tools as chat_tools
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -100,15 +104,20 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message of tool_calls
     name: str | None = None
+    tool_calls: list[chat_tools.AssistantToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    tools: list[chat_tools.Tool] | None = None
+    tool_choice: chat_tools.ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def unsupported(self) -> str | None:
         return "logprobs is not supported" if self.logprobs else super().unsupported()
@@ -275,16 +284,24 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_common(body, options)
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content)} for m in body.messages]
         try:
-            text = model.apply_chat_template(messages)
+            plan = chat_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            messages = chat_tools.template_messages(body.messages)
+        except chat_tools.ToolRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from e
+        try:
+            text = model.apply_chat_template(messages, plan.tools)
         except Exception as e:  # a template that rejects these messages (roles, order)
             raise ApiError(400, f"messages: {str(e).splitlines()[0]}", param="messages") from e
+        try:
+            stop = model.chat_stop(body.stop)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.param) from e
         ids = model.encode(text, add_bos=False)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
-        return await _serve(model, state, options, body, ids, max_tokens, request, chat=True)
+        return await _serve(model, state, options, body, ids, max_tokens, request, chat=True,
+                            stop=stop, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -329,13 +346,16 @@ def _check_common(body: _Sampling, options: ServeOptions) -> None:
 
 
 async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampling,
-                 ids: list[int], max_tokens: int | None, request: Request, *, chat: bool):
+                 ids: list[int], max_tokens: int | None, request: Request, *, chat: bool,
+                 stop: tuple[str, ...] | None = None, plan: chat_tools.ToolPlan | None = None):
+    """`stop`: the stop strings (default the body's); `plan`: a chat request's tools."""
     received = time.perf_counter()
     thread: EngineThread = state["thread"]
     metrics: Metrics = state["metrics"]
     if max_tokens is None:  # what the context leaves (at least 1: a full prompt is refused)
         max_tokens = max(model.max_context - len(ids), 1)
-    stop = body.stop if body.stop is not None else ()
+    if stop is None:
+        stop = body.stop if body.stop is not None else ()
     seed = random.getrandbits(31) if body.seed is None else body.seed
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
@@ -365,10 +385,10 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     stream = _Stream(rid, queue, thread, metrics, received)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events if chat else _completion_events
-        return StreamingResponse(events(stream, options.model_name, include_usage),
-                                 media_type="text/event-stream")
-    return await _complete(stream, options.model_name, request, chat)
+        events = _chat_events(stream, options.model_name, include_usage, plan) if chat \
+            else _completion_events(stream, options.model_name, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _complete(stream, options.model_name, request, chat, plan)
 
 
 def _param(param: str, body: _Sampling, chat: bool) -> str:
@@ -423,7 +443,8 @@ def _check_finished(out: RequestOutput) -> None:
         raise ApiError(500, out.error, type_="server_error")
 
 
-async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool):
+async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool,
+                    plan: chat_tools.ToolPlan | None = None):
     """Collect the whole answer; a client that goes away meanwhile aborts the request at once
     (its disconnect is the next message on the request's ASGI channel, its body being read)."""
 
@@ -455,8 +476,8 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
     text, out = collector.result()
     _check_finished(out)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "finish_reason": out.finish_reason, "logprobs": None}
+        message, reason = _chat_message("".join(text), out.finish_reason, plan)
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
     else:
         choice = {"index": 0, "text": "".join(text), "finish_reason": out.finish_reason,
                   "logprobs": None}
@@ -465,14 +486,33 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
             "usage": _usage(out)}
 
 
+def _chat_message(text: str, reason: str, plan: chat_tools.ToolPlan | None) -> tuple[dict, str]:
+    """A whole chat answer as an OpenAI message (its calls as `tool_calls`), and the finish
+    reason: "tool_calls" when the model stopped after calling."""
+    if plan is None or not plan.parse:
+        return {"role": "assistant", "content": text}, reason
+    parsed = tool_calls.parse_message(text, plan.names, plan.parallel)
+    if not parsed.calls:
+        return {"role": "assistant", "content": parsed.content}, reason
+    calls = [_call_json(c) for c in parsed.calls]
+    return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
+            "tool_calls" if reason == "stop" else reason)
+
+
+def _call_json(call: tool_calls.ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict | None,
-                  piece) -> AsyncIterator[str]:
-    """SSE of one request: `first` (if any), then a chunk per new text, a final chunk with the
-    finish reason, the usage chunk if asked for, and [DONE]."""
+                  pieces) -> AsyncIterator[str]:
+    """SSE of one request: `first` (if any), then a chunk per choice `pieces(text, None)`
+    makes of each new text, the choices of `pieces("", finish_reason)` (the last one with the
+    finish reason), the usage chunk if asked for, and [DONE]."""
     try:
         if first is not None:
             yield _sse({**head, "choices": [first]})
@@ -483,9 +523,11 @@ async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict 
                                       "param": None, "code": None}})
                 return
             if out.text:
-                yield _sse({**head, "choices": [piece(out.text, None)]})
+                for choice in pieces(out.text, None):
+                    yield _sse({**head, "choices": [choice]})
             if out.finished:
-                yield _sse({**head, "choices": [piece("", out.finish_reason)]})
+                for choice in pieces("", out.finish_reason):
+                    yield _sse({**head, "choices": [choice]})
                 break
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(out)})
@@ -494,17 +536,35 @@ async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict 
         stream.close()
 
 
-def _chat_events(stream: _Stream, model_name: str, include_usage: bool) -> AsyncIterator[str]:
+def _chat_events(stream: _Stream, model_name: str, include_usage: bool,
+                 plan: chat_tools.ToolPlan | None = None) -> AsyncIterator[str]:
+    """Chat chunks; with tools, text that may still become a call is held back until it does
+    (a `tool_calls` delta with the whole call) or does not (content)."""
     head = {"id": stream.rid, "object": "chat.completion.chunk", "created": stream.created,
             "model": model_name}
+    calls = tool_calls.CallStream(plan.names, plan.parallel) if plan and plan.parse else None
+    given = 0  # tool calls sent so far: the next one's index
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {},
-                "finish_reason": reason, "logprobs": None}
+    def chunk(delta: dict, reason: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
 
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-             "logprobs": None}
-    return _events(stream, include_usage, head, first, piece)
+    def pieces(text: str, reason: str | None) -> list[dict]:
+        nonlocal given
+        if calls is None:
+            return [chunk({"content": text} if text else {}, reason)] if text or reason else []
+        out = []
+        for p in calls.feed(text) if reason is None else calls.finish():
+            if p.call is None:
+                out.append(chunk({"content": p.text}))
+            else:
+                out.append(chunk({"tool_calls": [{"index": given, **_call_json(p.call)}]}))
+                given += 1
+        if reason is not None:
+            out.append(chunk({}, "tool_calls" if given and reason == "stop" else reason))
+        return out
+
+    first = chunk({"role": "assistant", "content": ""})
+    return _events(stream, include_usage, head, first, pieces)
 
 
 def _completion_events(stream: _Stream, model_name: str,
@@ -512,10 +572,10 @@ def _completion_events(stream: _Stream, model_name: str,
     head = {"id": stream.rid, "object": "text_completion", "created": stream.created,
             "model": model_name}
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def pieces(text: str, reason: str | None) -> list[dict]:
+        return [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]
 
-    return _events(stream, include_usage, head, None, piece)
+    return _events(stream, include_usage, head, None, pieces)
 
 
 # ---------------------------------------------------------------------------------- HTTP guards

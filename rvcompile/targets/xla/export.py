@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 from jax import export
+from jax._src import config as jax_config
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import ModelIR
@@ -163,7 +164,13 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         else:
             jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
                       else _sharded_jit(fn, args, layout))
-        exp = export.export(jitted, platforms=platforms)(*args)
+        # No source locations in the program: by default jax records the Python call stack of
+        # every op (file paths, line numbers, function names of the caller, rvcompile's install
+        # directory and the CLI's frames included), so the bytes would depend on where and how
+        # the build ran; the op names ("jit(decode)/...") are kept. A private jax config (no
+        # public context manager); tests/test_rebuild.py checks that no path is left.
+        with jax_config.traceback_in_locations_limit(0):
+            exp = export.export(jitted, platforms=platforms)(*args)
         programs[name] = bytes(exp.serialize())
     arrays, nbytes, slot_map = weight_layout(ir, plan)
     manifest = {
