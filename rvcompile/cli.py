@@ -30,10 +30,18 @@ from rvcompile.ir.ops import SpecError
 from rvcompile.model.config import ConfigError
 from rvcompile.sources.model_source import CheckpointError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain click help (no rich panels): it never cuts an option's name, and it uses up to 120
+# columns of the terminal (80 when stdout is not one).
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120},
                   help="Compile Gemma 4 into one frozen artifact (.rvp).")
 # a build also fails on its target's own (targets.input_errors)
 USER_ERRORS = (ArtifactError, CheckpointError, ConfigError, SpecError, FileNotFoundError)
+
+
+def warn(msg: str) -> None:
+    """A clamp, replacement or other surprise the command goes on through: one line on stderr."""
+    typer.echo(f"rvcompile: warning: {msg}", err=True)
 
 
 def fail(msg: str) -> None:
@@ -95,9 +103,12 @@ def build(
     model: str = typer.Argument(..., help="preset name (see `targets`) or a HF model directory"),
     target: str = typer.Option(..., "--target", help="what to compile for (see `targets`)"),
     output: Path = typer.Option(..., "-o", "--output", help="artifact path (.rvp)"),
-    weights: Path | None = typer.Option(None, "--weights", help="HF checkpoint directory"),
-    random_weights: bool = typer.Option(False, "--random-weights",
-                                        help="seeded random weights of the real shapes"),
+    weights: Path | None = typer.Option(
+        None, "--weights", help="HF checkpoint directory whose weights MODEL's shapes take "
+                                "(default: MODEL's own, when MODEL is a directory)"),
+    random_weights: bool = typer.Option(
+        False, "--random-weights", help="seeded random weights of the real shapes, in place of "
+                                        "any checkpoint's (default: off)"),
     seed: int | None = typer.Option(None, "--seed", help="with --random-weights: the seed, "
                                                           ">= 0 (default 0)"),
     max_context: int = typer.Option(2048, "--max-context", help="KV cache tokens per sequence"),
@@ -107,11 +118,15 @@ def build(
     platforms: str = typer.Option("tpu,cuda,cpu", "--platforms",
                                   help="platforms to export for (subset of tpu,cuda,cpu)"),
     dump_ir: str | None = typer.Option(None, "--dump-ir",
-                                       help="print the IR after 'frontend' or a pass name"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+                                       help="print the IR after 'frontend' or a pass name "
+                                            "(default: none)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress",
+                                  help="show the build's phases: a bar with an ETA on a "
+                                       "terminal, else one line per finished phase"),
     topology: list[str] = typer.Option([], "--topology",
                                        help="TPU slice to precompile every entry point for, "
-                                            "e.g. v6e:2x2 (repeatable; needs libtpu, no TPU)"),
+                                            "e.g. v6e:2x2 (repeatable; needs libtpu, no TPU; "
+                                            "default: none)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel devices (XLA targets): heads, MLP "
                                            "columns, experts and KV heads split over N"),
     kv_cache: str = typer.Option("auto", "--kv-cache",
@@ -129,7 +144,7 @@ def build(
         None, "--assistant",
         help="speculative decoding: a Gemma 4 assistant (MTP drafter) directory, or with "
              "--random-weights an assistant preset (e.g. gemma-4-31B-assistant, see `targets`), "
-             "compiled into the artifact beside the target (XLA targets)"),
+             "compiled into the artifact beside the target (XLA targets; default: none)"),
     draft_tokens: int | None = typer.Option(
         None, "--num-draft-tokens",
         help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
@@ -144,6 +159,10 @@ def build(
     if seed is not None and seed < 0:
         fail(f"--seed {seed}: expected an integer >= 0")
     buckets = _buckets(prefill_buckets)
+    trained = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+    if random_weights and trained:
+        warn(f"--random-weights: building {model} from random weights (seed {seed or 0}), "
+             f"not the trained weights in its {len(trained)} safetensors file(s)")
     if draft_tokens is None:
         draft_tokens = 3 if assistant is not None else 0
     chosen = tuple(p.strip() for p in platforms.split(",") if p.strip())
@@ -169,11 +188,14 @@ def build(
                f"{report.weight_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s", err=True)
 
 
-TRUSTED_KEY_HELP = "PEM Ed25519 public key to check signatures with (repeatable)"
+TRUSTED_KEY_HELP = ("PEM Ed25519 public key to check signatures with (repeatable; default: "
+                    "none)")
 
 
 @app.command()
-def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
+def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
+            as_json: bool = typer.Option(False, "--json", help="one JSON object instead of "
+                                                                 "text (default: text)"),
             trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
             ) -> None:
     """Show an artifact's model, target, platforms, sizes, hashes, versions and signers (each
@@ -226,7 +248,7 @@ def inspect(artifact: Path, as_json: bool = typer.Option(False, "--json"),
 
 
 @app.command()
-def verify(artifact: Path,
+def verify(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
            ) -> None:
     """Re-hash every section and check what the manifest and sections hold
@@ -247,9 +269,10 @@ def verify(artifact: Path,
 
 
 @app.command()
-def sign(artifact: Path,
+def sign(artifact: Path = typer.Argument(..., help="the artifact (.rvp), signed in place"),
          key: Path = typer.Option(..., "--key", help="PEM Ed25519 private key (see `keygen`)"),
-         signer: str = typer.Option("", "--signer", help="a name shown with the signature")
+         signer: str = typer.Option("", "--signer", show_default=False,
+                                    help="a name shown with the signature (default: none)")
          ) -> None:
     """Add an Ed25519 signature over the artifact's header and digest table (replacing one by
     the same key). Fast at any size: the sections are not re-hashed; `verify` them first if the

@@ -1,4 +1,4 @@
-"""`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
+"""`rvrun [run] ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
@@ -10,16 +10,23 @@ exits 2. The sampling flags get the engine's own request check (runtime/request_
 parts that need no artifact before it loads; a generation the engine fails exits 1. Ctrl-C prints
 `rvrun: interrupted` and exits 130 (serve: after draining); a closed stdout (`rvrun ... | head`)
 ends it quietly with 141.
+
+Commands are the entries of COMMANDS (one line each in `rvrun --help`); a first word that is
+neither a command nor an existing file is refused with the closest command, if any ("did you
+mean"). Every option's help shows its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
@@ -49,25 +56,72 @@ def _exit_on_interrupt(signum: int, frame) -> None:
 
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ppl"]:
-        return ppl_main(argv[1:])
-    if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
-    p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
-    p.add_argument("artifact")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    if not argv or argv[0] in ("-h", "--help"):
+        _run_parser().print_help()
+        return 0 if argv else 2
+    first = argv[0]
+    if first in COMMANDS:
+        return COMMANDS[first].main(argv[1:])
+    if not first.startswith("-") and not Path(first).exists() and "." not in Path(first).name:
+        close = difflib.get_close_matches(first, COMMANDS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return _fail(f"{first!r} is neither a command ({', '.join(COMMANDS)}) nor an artifact "
+                     f"file{hint}")
+    return run_main(argv)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help, unless the help already names it; the epilog's
+    lines kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)"
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is False:  # a flag
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
+
+
+def _parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                   formatter_class=_HelpFormatter)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {name:8} {c.summary}" for name, c in COMMANDS.items())
+    p = _parser("rvrun", "Run an rvcompile artifact: generate from a prompt (the default\n"
+                "command, `run`), or one of the commands below.",
+                f"commands:\n{commands}\n\n`rvrun COMMAND --help` shows a command's options.")
+    p.usage = "rvrun [run] ARTIFACT --prompt TEXT [options]  |  rvrun COMMAND ARTIFACT ..."
+    p.add_argument("artifact", help="the artifact (.rvp)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K likeliest tokens; 0 keeps all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: the same seed and prompt give the same tokens")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string, excluded from the output (repeatable; default: none)")
     p.add_argument("--chat", action="store_true", help="apply the artifact's chat template")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens, to --max-tokens")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
-    a = p.parse_args(argv)
+    return p
+
+
+def run_main(argv: list[str]) -> int:
+    """Generate from a prompt: the text to stdout as it is made, a summary to stderr."""
+    a = _run_parser().parse_args(argv)
     from rvcompile.runtime import request_limits as rl
     from rvcompile.runtime.executor_api import Sampling
 
@@ -117,8 +171,8 @@ def _main(argv: list[str] | None) -> int:
 
 def ppl_main(argv: list[str]) -> int:
     """Teacher-forced perplexity of a text file (rvcompile.runtime.perplexity)."""
-    p = argparse.ArgumentParser(prog="rvrun ppl", description=ppl_main.__doc__)
-    p.add_argument("artifact")
+    p = _parser("rvrun ppl", ppl_main.__doc__)
+    p.add_argument("artifact", help="the artifact (.rvp)")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--window", type=int, default=None,
                    help="tokens per window, BOS included (default: the artifact's context)")
@@ -166,10 +220,10 @@ def ppl_main(argv: list[str]) -> int:
 
 def serve_main(argv: list[str]) -> int:
     """Serve an artifact over HTTP with an OpenAI-compatible API."""
-    p = argparse.ArgumentParser(prog="rvrun serve", description=serve_main.__doc__)
-    p.add_argument("artifact")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p = _parser("rvrun serve", serve_main.__doc__)
+    p.add_argument("artifact", help="the artifact (.rvp)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences in the running batch (default: the artifact's max_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -242,6 +296,21 @@ def serve_main(argv: list[str]) -> int:
                                                                   flush=True))
 
 
+@dataclass(frozen=True)
+class Command:
+    summary: str  # one line in `rvrun --help`
+    main: Callable[[list[str]], int]  # its arguments after the command's name -> exit status
+
+
+# `rvrun NAME ...` runs COMMANDS[NAME].main; a new command is one entry here.
+COMMANDS: dict[str, Command] = {
+    "run": Command("generate text from a prompt (the default: `rvrun ARTIFACT --prompt ...`)",
+                   run_main),
+    "ppl": Command("teacher-forced perplexity of a text file", ppl_main),
+    "serve": Command("an OpenAI-compatible HTTP server", serve_main),
+}
+
+
 def _check_http_flags(a: argparse.Namespace) -> str | None:
     """What is wrong with serve's listening and HTTP flags, if anything."""
     if not 0 <= a.port <= 65535:
@@ -272,7 +341,8 @@ def _not_utf8(flag: str, text: str) -> str | None:
 def _add_trusted_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
                    help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
-                        "--trusted-key) signed it (repeatable)")
+                        "--trusted-key) signed it (repeatable; default: none, unsigned "
+                        "artifacts run)")
     p.add_argument("--trust-executables", action="store_true",
                    help="load the artifact's precompiled XLA executables (--topology builds); XLA "
                         "runs them unchecked, like a program, so this needs --trusted-key "
