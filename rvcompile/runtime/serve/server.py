@@ -342,7 +342,7 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine_request = EngineRequest(rid, ids, max_tokens,
                                    Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos)
+                                   body.ignore_eos, stream=body.stream)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
