@@ -19,6 +19,7 @@ CLI's `--num-draft-tokens`) sizes the speculative entry points of the targets th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.progress import Phases
+from rvcompile.sources import provenance
 from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
 from rvcompile.sources.model_source import AssistantSource, CheckpointError, ModelSource
 from rvcompile.targets import get_target, registry
@@ -135,23 +138,31 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
     random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
     `assistant`: an assistant directory or preset whose drafter joins the artifact (random
-    weights with `random_weights`, like the target's)."""
+    weights with `random_weights`, like the target's). `progress`: show the phases on stderr
+    (progress.Phases: a bar on a terminal, else one `log` line per finished phase)."""
     t0 = time.perf_counter()
+    phases = Phases("rvcompile", Phases.mode_for(progress), write=log)
     target, opts = prepare(opts)
     if assistant is not None:
         check_assistant_options(opts)
-    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
-                               random_ranges=random_ranges)
-    drafter: AssistantSource | None = None
-    if assistant is not None:
-        drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
-                                        seed=seed, random_ranges=random_ranges)
-    ir = lower_model(source, opts, log, drafter and drafter.config)
+    with phases.phase("read"):
+        source = load_model_source(model, weights=weights, random_weights=random_weights,
+                                   seed=seed, random_ranges=random_ranges)
+        drafter: AssistantSource | None = None
+        if assistant is not None:
+            drafter = load_assistant_source(assistant, source.config,
+                                            random_weights=random_weights, seed=seed,
+                                            random_ranges=random_ranges)
+    weights_from = _weight_source(model, weights, random_weights, seed, random_ranges, phases)
+    with phases.phase("passes"):
+        ir = lower_model(source, opts, log, drafter and drafter.config)
     if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
             f"{ir.max_context} tokens")
-    lowered = target.lower(ir, opts, log)
+    # export, nvcc, XLA precompile: one phase, inside the target
+    with phases.phase(f"lower for {target.name}"):
+        lowered = target.lower(ir, opts, log)
     header = ArtifactHeader(compiler_version=__version__, target=opts.target,
                             platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {
@@ -168,6 +179,7 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         **lowered.manifest,
         "random_weights": (None if not random_weights else {"seed": seed} if random_ranges is None
                            else {"seed": seed, "ranges": random_ranges.__name__}),
+        "source": {"weights": weights_from, "options": _options_record(model, opts, assistant)},
     }
     tensors = source.tensors
     if drafter is not None:
@@ -192,20 +204,37 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, progress)
+        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, phases)
         _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
-        w.commit(manifest)
+        size = w.size()
+        with phases.phase("hash", total=size, unit="B") as p:
+            w.commit(manifest, on_hashed=p.advance)
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
 
 
-def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
-                    progress: bool) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
+def _weight_source(model: str, weights: Path | None, random_weights: bool, seed: int,
+                   random_ranges, phases: Phases) -> dict:
+    """The manifest's source.weights (sources/provenance.py): the checkpoint hashed, file by
+    file, or the random seed."""
+    directory = provenance.weights_directory(model, weights, random_weights)
+    if directory is None:
+        return provenance.random_record(seed, random_ranges and random_ranges.__name__)
+    total = sum(f.stat().st_size for f in provenance.checkpoint_files(directory))
+    with phases.phase("hash checkpoint", total=total, unit="B") as p:
+        return provenance.checkpoint_record(directory, p.advance)
 
+
+def _options_record(model: str, opts: BuildOptions, assistant: str | None) -> dict:
+    """The build's options as the target took them (its defaults filled in): source.options."""
+    fields = {k: list(v) if isinstance(v, tuple) else v
+              for k, v in dataclasses.asdict(opts).items() if k != "dump_ir"}
+    return {"model": model, **fields, "assistant": assistant}
+
+
+def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
+                    phases: Phases) -> None:
     total = sum(t.numel * 4 for t in tensors)
-    with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TransferSpeedColumn(), disable=not progress, transient=True) as bar:
-        task = bar.add_task("weights", total=total)
+    with phases.phase("quantize + write weights", total=total, unit="B") as bar:
         for ref in tensors:
             arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
             specs = specs_by_source.get(ref.name, ())
@@ -216,7 +245,7 @@ def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                                               f"{enc.nbytes} bytes, layout expects {slot.nbytes}")
                     w.write("weights", slot.offset, np.ascontiguousarray(enc))
             del arr
-            bar.advance(task, ref.numel * 4)
+            bar.advance(ref.numel * 4)
 
 
 def _zero_fill_gaps(w: ArtifactWriter, slots_by_param, total: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.manifest import BuildSource
 from rvcompile.artifacts.signature import (
     load_signing_key,
     load_trusted_key,
@@ -176,7 +177,7 @@ def build(
             report = build_artifact(model, output, opts, weights=weights,
                                     random_weights=random_weights, seed=seed or 0,
                                     assistant=assistant,
-                                    progress=progress and sys.stderr.isatty(),
+                                    progress=progress,
                                     log=lambda s: typer.echo(s, err=True))
     except BuildInterrupted as e:
         typer.echo(f"rvcompile: error: interrupted by {e}; no temporary file left behind",
@@ -224,6 +225,7 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
             signed = [(s, status(s, art.signable, keys)) for s in art.signatures]
             info["signatures"] = [{"key_id": s.key_id, "signer": s.signer, "status": st}
                                   for s, st in signed]
+            info["source"] = m.get("source")  # checked by read_manifest
     except USER_ERRORS as e:
         fail(str(e))
     if summary is not None:
@@ -234,6 +236,8 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
     for key in ("file", "model", "target", "platforms", "compiler_version", "passes",
                 "requirements"):
         typer.echo(f"{key:17} {info[key]}")
+    for line in _source_lines(checked.source):
+        typer.echo(line)
     lines = summary.lines if summary is not None else (
         f"{'summary':17} none: this rvcompile has no target {h.target!r}",)
     for line in lines:
@@ -245,6 +249,23 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
     typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
     for sig, st in signed:
         typer.echo(f"  signed by {sig.who()}, {st}")
+
+
+def _source_lines(source: BuildSource | None) -> list[str]:
+    """Where the weights came from and the build's options, as `inspect` prints them."""
+    if source is None:
+        return [f"{'weights':17} not recorded (built before rvcompile recorded its sources)"]
+    w = source.weights
+    if w.kind == "checkpoint":
+        lines = [f"{'weights':17} checkpoint {w.path}",
+                 f"{'':17} digest {w.digest} ({len(w.files)} files hashed)"]
+    else:
+        ranges = f", ranges {w.ranges}" if w.ranges else ""
+        lines = [f"{'weights':17} random, seed {w.seed}{ranges}"]
+    opts = " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in source.options.items())
+    return [*lines, textwrap.fill(opts, 100, initial_indent=f"{'build options':17} ",
+                                  subsequent_indent=" " * 18, break_on_hyphens=False)]
 
 
 @app.command()

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -38,9 +39,12 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def one_error_line(p: subprocess.CompletedProcess, prog: str, *needles: str) -> str:
-    """The process failed with exactly one stderr line `prog: error: ...` containing needles."""
+    """The process failed with exactly one stderr line `prog: error: ...` containing needles,
+    after any progress lines of the phases it finished (`prog: PHASE done in 1.2 s`: stderr is
+    not a terminal here)."""
     assert p.returncode != 0, p.stderr
-    lines = p.stderr.strip().splitlines()
+    lines = [line for line in p.stderr.strip().splitlines()
+             if not re.fullmatch(rf"{prog}: [\w /+-]+ done in \d+\.\d s", line)]
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     for n in needles:

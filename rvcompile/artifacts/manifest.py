@@ -34,6 +34,13 @@ Fields (format v3; required unless marked optional):
                       `_assistant` checks what `inspect` shows and that it drafts for this model
     h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
                       version and schema), "nvcc": str, "arch": str}
+    source            optional (rvcompile 0.x builds after 2026-11-24; the format version is
+                      unchanged: readers that predate it ignore it) where the weights came from
+                      and how the build was asked, for `inspect`: {"weights": {"kind":
+                      "checkpoint", "path": str, "files": {file name: sha256}, "digest": sha256
+                      over the sorted "NAME SHA256\n" lines} or {"kind": "random", "seed": int
+                      >= 0, optional "ranges": str}, "options": {option name: null, bool, int,
+                      str, or a list of ints and strs}} (sources/provenance.py)
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
@@ -173,6 +180,22 @@ class H100Manifest:
 
 
 @dataclass(frozen=True)
+class WeightSource:
+    kind: str  # "checkpoint" or "random"
+    path: str  # the checkpoint directory ("" for random weights)
+    digest: str  # sha256 over its files' sha256 ("" for random weights)
+    files: dict[str, str]  # file name -> sha256 (empty for random weights)
+    seed: int | None  # random weights' seed (None for a checkpoint)
+    ranges: str | None  # random weights' range rule, when not the default
+
+
+@dataclass(frozen=True)
+class BuildSource:
+    weights: WeightSource
+    options: dict[str, Any]  # option name -> value as the build took it
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: ModelInfo
     target: str
@@ -180,6 +203,7 @@ class Manifest:
     xla: XlaManifest | None
     h100: H100Manifest | None
     assistant: AssistantInfo | None = None  # the drafter compiled in, if any
+    source: BuildSource | None = None  # what the build read and was asked (builds that record it)
 
 
 def read_manifest(art: Artifact) -> Manifest:
@@ -217,6 +241,7 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
         if name not in sections:
             m.fail(f"the artifact has no {name!r} section, which a {runtime} model needs")
     model = _model(m["model"])
+    source = _source(m.get("source"))
     other = "h100" if runtime == "xla" else "xla"
     if m.get(other) is not None:
         m[other].fail(f"present in an artifact whose header says runtime {runtime!r}")
@@ -227,9 +252,48 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
             (drafter or m).fail("an assistant comes with the xla.speculative draft entry point, "
                                 "and only with it")
         assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
-        return Manifest(model, header.target, runtime, xla, None, assistant)
+        return Manifest(model, header.target, runtime, xla, None, assistant, source)
     return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
-                                                                 sections))
+                                                                 sections), source=source)
+
+
+def _source(at: At | None) -> BuildSource | None:
+    if at is None:
+        return None
+    w = at["weights"]
+    kind = w["kind"].str(("checkpoint", "random"))
+    if kind == "checkpoint":
+        files = {name: f.sha256() for name, f in w["files"].members(4096).items()}
+        for name in files:
+            if not re.fullmatch(NAME, name) or "/" in name:
+                w["files"].fail(f"{name!r} is not a file name")
+        digest = w["digest"].sha256()
+        weights = WeightSource(kind, w["path"].str(printable=True), digest, files, None, None)
+    else:
+        ranges = w.get("ranges")
+        weights = WeightSource(kind, "", "", {}, w["seed"].int(0), ranges and ranges.str(
+            pattern=NAME))
+    options = {}
+    for name, value in at["options"].members(64).items():
+        if not re.fullmatch(NAME, name):
+            at["options"].fail(f"{name!r} is not an option name")
+        options[name] = _option_value(value)
+    return BuildSource(weights, options)
+
+
+def _option_value(at: At) -> Any:
+    """null, a bool, an int, a printable str, or a list of ints and strs."""
+    v = at.value
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        return at.int(None, None)
+    if isinstance(v, str):
+        return at.str(printable=True)
+    if isinstance(v, list):
+        return [x.int(None, None) if isinstance(x.value, int) and not isinstance(x.value, bool)
+                else x.str(printable=True) for x in at.items(0, 64)]
+    at.expected("null, true, false, an int, a string or a list of ints and strings")
 
 
 def _token_id(at: At, vocab: int) -> int:
