@@ -65,6 +65,13 @@ class Phase:
                 self._last_line = now
                 ph.write(f"{ph.prefix}: {self.status()}")
 
+    def set_total(self, total: float) -> None:
+        """The phase's total, once it is known."""
+        self.total = total
+        if self._bar is not None:
+            bar, task = self._bar
+            bar.update(task, total=total)
+
     def status(self) -> str:
         """`NAME 3/40 (info)`: what the lines mode prints while the phase runs."""
         of = f"/{_amount(self.total, self.unit)}" if self.total is not None else ""
@@ -120,12 +127,11 @@ class Phases:
             TimeRemainingColumn,
         )
 
-        columns = [SpinnerColumn(), TextColumn(f"{self.prefix}: {p.name}")]
-        if p.total is not None:
-            columns += [BarColumn(), DownloadColumn() if p.unit == "B" else MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TextColumn("ETA"),
-                        TimeRemainingColumn()]
-        columns.append(TimeElapsedColumn())
+        # a phase without a total (yet: Phase.set_total) shows a pulsing bar and no ETA
+        columns = [SpinnerColumn(), TextColumn(f"{self.prefix}: {p.name}"), BarColumn(),
+                   DownloadColumn() if p.unit == "B" else MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                   TimeElapsedColumn()]
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             p._bar = (bar, bar.add_task(p.name, total=p.total, info=""))
             yield

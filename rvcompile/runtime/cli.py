@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
+from rvcompile.progress import Phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +144,7 @@ def run_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
-                         trust_executables=a.trust_executables)
+                         trust_executables=a.trust_executables, phases=_phases())
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -200,16 +201,23 @@ def ppl_main(argv: list[str]) -> int:
             return _fail(str(e))
     from rvcompile import runtime
 
+    phases = _phases()
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
-                         trust_executables=a.trust_executables)
+                         trust_executables=a.trust_executables, phases=phases)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
     stride = window // 2 if a.stride is None else a.stride
     t0 = time.perf_counter()
     try:
-        s = perplexity.text_perplexity(m, text, window=window, stride=stride)
+        with phases.phase("score windows") as bar:
+            def on_window(done: int, windows: int, ppl: float) -> None:
+                bar.set_total(windows)
+                bar.advance(1, info=f"perplexity {ppl:.4f}")
+
+            s = perplexity.text_perplexity(m, text, window=window, stride=stride,
+                                           on_window=on_window)
     except ValueError as e:
         return _fail(str(e))
     print(f"perplexity {s.perplexity:.4f} | {s.tokens} tokens | mean NLL {s.mean_nll:.5f} nats "
@@ -279,7 +287,8 @@ def serve_main(argv: list[str]) -> int:
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                         trusted_keys=keys, trust_executables=a.trust_executables)
+                         trusted_keys=keys, trust_executables=a.trust_executables,
+                         phases=_phases())
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
@@ -287,7 +296,8 @@ def serve_main(argv: list[str]) -> int:
 
     name = a.model_name or Path(a.artifact).stem
     app = create_app(m, ServeOptions(name, a.max_waiting),
-                     HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout))
+                     HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout),
+                     access_log=lambda line: print(line, file=sys.stderr, flush=True))
     host, port = sock.getsockname()[:2]
     kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
     print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
@@ -309,6 +319,11 @@ COMMANDS: dict[str, Command] = {
     "ppl": Command("teacher-forced perplexity of a text file", ppl_main),
     "serve": Command("an OpenAI-compatible HTTP server", serve_main),
 }
+
+
+def _phases() -> Phases:
+    """Load (and ppl's scoring) phases on stderr: a bar on a terminal, else one line each."""
+    return Phases("rvrun", Phases.mode_for(True))
 
 
 def _check_http_flags(a: argparse.Namespace) -> str | None:

@@ -132,7 +132,7 @@ class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
                  eos_ids: frozenset[int], *, vocab_size: int, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, prefill_budget: int | None = None,
-                 stream_interval_s: float = 0.05,
+                 stream_interval_s: float = 0.1,
                  clock: Callable[[], float] = time.perf_counter):
         """`stream_interval_s`: the longest a decode loop call should take while a request
         streams (> 0); `clock`: seconds, for measuring those calls."""

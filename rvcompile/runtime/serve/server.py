@@ -53,6 +53,7 @@ from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
+from rvcompile.runtime.serve.access_log import AccessLog, AccessRecord, record
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -225,9 +226,11 @@ class ServeOptions:
     max_waiting: int = 256  # requests queued beyond this get 503
 
 
-def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None) -> FastAPI:
+def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None,
+               access_log: Callable[[str], None] | None = None) -> FastAPI:
     """The ASGI app; its lifespan starts the engine thread and stops it. `http`: the HTTP
-    layer's limits (default: HttpOptions())."""
+    layer's limits (default: HttpOptions()); `access_log`: where each request's access-log
+    line goes (access_log.py; default: nowhere)."""
     state: dict[str, object] = {}
 
     @asynccontextmanager
@@ -253,6 +256,8 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
 
     _install_http_guards(app, http or HttpOptions())  # before _CountRequests: it sees them all
     app.add_middleware(_CountRequests, state=state)
+    if access_log is not None:  # outermost: it sees every response
+        app.add_middleware(AccessLog, write=access_log)
 
     @app.get("/health")
     async def health():
@@ -362,7 +367,9 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
-    stream = _Stream(rid, queue, thread, metrics, received)
+    access = record(request.scope) or AccessRecord()
+    access.tokens_in = len(ids)
+    stream = _Stream(rid, queue, thread, metrics, received, access)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_events if chat else _completion_events
@@ -385,8 +392,9 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float):
+                 received: float, access: AccessRecord):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
+        self.access = access  # what the access log shows of this request
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
@@ -397,11 +405,13 @@ class _Stream:
         if out.token_ids:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.received)
+                self.access.ttft_s = now - self.received
             else:  # a device-side decode loop hands over several tokens at once: per token
                 gap = (now - self.last) / len(out.token_ids)
                 for _ in out.token_ids:
                     self.metrics.itl.observe(gap)
             self.last = now
+        self.access.tokens_out = out.completion_tokens
         if out.finished:
             self.done = True
         return out
