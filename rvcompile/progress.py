@@ -10,9 +10,9 @@ a server's start. A leaf: imports nothing of rvcompile, so the compiler and the 
         ...
 
 Modes:
-- "live" (stderr is a terminal): the running phase as one rich line, its bar, count and ETA
-  when it has a total (a spinner and elapsed time when not), replaced when it ends by the line
-  below;
+- "live" (stderr is a terminal): the running phase as one line redrawn in place, with a bar,
+  its count and an ETA when it has a total, replaced when it ends by the line below (drawn
+  here, not with rich: the slim runtime installs do not have it);
 - "lines" (stderr is a file or a pipe: CI logs, journald): `PREFIX: NAME done in 1.2 s` for
   every finished phase and, while a phase with a total runs, `PREFIX: NAME 3/40 (info)` at most
   every `every_s` seconds;
@@ -24,13 +24,15 @@ phases.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, TextIO
 
 Mode = Literal["live", "lines", "off"]
+BAR = 24  # characters of the live bar
 
 
 def _stderr(line: str) -> None:
@@ -48,17 +50,16 @@ class Phase:
         self._phases, self.name, self.total, self.unit = phases, name, total, unit
         self.completed = 0.0
         self.info = ""
-        self._last_line = phases.clock()
-        self._bar = None  # (rich Progress, task id) in live mode
+        self.started = self._last_line = phases.clock()
+        self._drawn = -1.0  # when live mode last drew the line
 
     def advance(self, n: float = 1, info: str = "") -> None:
         """`n` more units done; `info` (e.g. a running perplexity) is shown beside the count."""
         self.completed += n
         self.info = info or self.info
         ph = self._phases
-        if self._bar is not None:
-            bar, task = self._bar
-            bar.update(task, advance=n, info=self.info)
+        if ph.mode == "live":
+            ph._draw(self, ph.clock())
         elif ph.mode == "lines" and self.total is not None:
             now = ph.clock()
             if now - self._last_line >= ph.every_s and self.completed < self.total:
@@ -68,9 +69,6 @@ class Phase:
     def set_total(self, total: float) -> None:
         """The phase's total, once it is known."""
         self.total = total
-        if self._bar is not None:
-            bar, task = self._bar
-            bar.update(task, total=total)
 
     def status(self) -> str:
         """`NAME 3/40 (info)`: what the lines mode prints while the phase runs."""
@@ -81,11 +79,15 @@ class Phase:
 
 class Phases:
     def __init__(self, prefix: str, mode: Mode, *, write: Callable[[str], None] = _stderr,
-                 every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
+                 every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter,
+                 stream: TextIO | None = None) -> None:
+        """`stream`: the live line's terminal (default stderr)."""
         if mode not in ("live", "lines", "off"):
             raise ValueError(f"progress mode {mode!r}: expected live, lines or off")
         self.prefix, self.mode, self.write = prefix, mode, write
         self.every_s, self.clock = every_s, clock
+        self.stream = stream or sys.stderr
+        self.width = shutil.get_terminal_size().columns
         self.done: list[tuple[str, float]] = []
 
     @staticmethod
@@ -101,10 +103,13 @@ class Phases:
         """Time the block as phase `name`; `total`: its countable work (a bar and ETA), in
         `unit` ("B": bytes, shown in MiB; "": a count)."""
         p = Phase(self, name, total, unit)
-        t0 = self.clock()
+        t0 = p.started
         if self.mode == "live":
-            with self._live_bar(p):
+            self._draw(p, t0)
+            try:
                 yield p
+            finally:
+                self._clear()
         else:
             yield p
         seconds = self.clock() - t0
@@ -113,25 +118,29 @@ class Phases:
             info = f" ({p.info})" if p.info else ""
             self.write(f"{self.prefix}: {name} done in {seconds:.1f} s{info}")
 
-    @contextmanager
-    def _live_bar(self, p: Phase) -> Iterator[None]:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+    def _draw(self, p: Phase, now: float) -> None:
+        """Live mode: redraw the phase's line in place (at most 10 times a second)."""
+        if now - p._drawn < 0.1 and p.completed < (p.total or 0):
+            return
+        p._drawn = now
+        line = f"{self.prefix}: {p.name}"
+        if p.total:
+            frac = min(1.0, p.completed / p.total)
+            filled = int(frac * BAR)
+            elapsed = now - p.started
+            eta = elapsed * (1 - frac) / frac if frac > 0 else None
+            line += (f" [{'#' * filled}{'.' * (BAR - filled)}] {p.status()[len(p.name) + 1:]}"
+                     f" ETA {'?' if eta is None else _clock_time(eta)}")
+        else:
+            line += " ..."
+        self.stream.write(f"\r{line[:self.width - 1]}\x1b[K")
+        self.stream.flush()
 
-        # a phase without a total (yet: Phase.set_total) shows a pulsing bar and no ETA
-        columns = [SpinnerColumn(), TextColumn(f"{self.prefix}: {p.name}"), BarColumn(),
-                   DownloadColumn() if p.unit == "B" else MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
-                   TimeElapsedColumn()]
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-            p._bar = (bar, bar.add_task(p.name, total=p.total, info=""))
-            yield
+    def _clear(self) -> None:
+        self.stream.write("\r\x1b[K")
+        self.stream.flush()
+
+
+def _clock_time(seconds: float) -> str:
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"

@@ -68,13 +68,21 @@ def test_a_failed_phase_prints_no_done_line():
     assert lines == [] and ph.done == []
 
 
-def test_live_mode_ends_with_the_done_line():
-    ph, lines, clock = _phases("live")
-    with ph.phase("compile", total=2) as p:
-        p.advance(1)
+def test_live_mode_draws_a_bar_with_eta_then_the_done_line():
+    lines: list[str] = []
+    clock, term = Clock(), io.StringIO()
+    ph = Phases("tool", "live", write=lines.append, clock=clock, stream=term)
+    with ph.phase("compile", total=4) as p:
         clock.t += 3
         p.advance(1)
-    assert lines == ["tool: compile done in 3.0 s"]
+        clock.t += 3
+        p.advance(1, info="x")
+    assert lines == ["tool: compile done in 6.0 s (x)"]
+    drawn = term.getvalue().split("\r")
+    assert drawn[1] == "tool: compile [........................] 0/4 ETA ?\x1b[K"
+    assert drawn[2] == "tool: compile [######..................] 1/4 ETA 0:09\x1b[K"
+    assert drawn[3] == "tool: compile [############............] 2/4 (x) ETA 0:06\x1b[K"
+    assert drawn[-1] == "\x1b[K"  # the line cleared before the done line
 
 
 class _Tty(io.StringIO):
