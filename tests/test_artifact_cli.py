@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import struct
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_output import without_progress
 from safetensors.numpy import load_file, save_file
 
 from rvcompile.artifacts import ArtifactError, ArtifactHeader, check_platform
@@ -43,8 +43,7 @@ def one_error_line(p: subprocess.CompletedProcess, prog: str, *needles: str) -> 
     after any progress lines of the phases it finished (`prog: PHASE done in 1.2 s`: stderr is
     not a terminal here)."""
     assert p.returncode != 0, p.stderr
-    lines = [line for line in p.stderr.strip().splitlines()
-             if not re.fullmatch(rf"{prog}: [\w /+-]+ done in \d+\.\d s", line)]
+    lines = without_progress(p.stderr)
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     for n in needles:

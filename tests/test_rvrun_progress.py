@@ -11,6 +11,7 @@ import pytest
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.progress import Phases
 from rvcompile.runtime import cli as rvrun
 
 LOAD = ["open", "check", "verify", "upload", "compile"]
@@ -30,17 +31,30 @@ def _phases(err: str) -> list[tuple[str, str | None]]:
     return [m.groups() for line in err.splitlines() if (m := DONE.match(line))]
 
 
-def test_rvrun_shows_its_load_phases(artifact, capsys):
+def test_serve_shows_its_load_phases(artifact, capsys):
+    """Refused after the load (its KV pools too small), `rvrun serve` has logged the phases."""
+    assert rvrun.main(["serve", str(artifact), "--port", "0", "--kv-blocks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert [name for name, _ in _phases(err)] == LOAD[:2]  # refused before the upload
+    assert rvrun.main(["serve", str(artifact), "--port", "0", "--max-num-seqs", "2"]) == 2
+    assert [name for name, _ in _phases(capsys.readouterr().err)] == LOAD[:2]
+
+
+def test_load_phases_in_order(artifact):
+    lines: list[str] = []
+    runtime.load(artifact, phases=Phases("rvrun", "lines", write=lines.append))
+    assert [name for name, _ in _phases("\n".join(lines))] == LOAD
+    lines.clear()
+    runtime.load(artifact, verify=False, phases=Phases("rvrun", "lines", write=lines.append))
+    assert [name for name, _ in _phases("\n".join(lines))] == ["open", "check", "upload",
+                                                                "compile"]
+
+
+def test_rvrun_run_logs_only_its_summary(artifact, capsys):
+    """Not on a terminal, `rvrun` keeps stderr to its summary (or one error line)."""
     assert rvrun.main([str(artifact), "--prompt", "hello", "--max-tokens", "4"]) == 0
     err = capsys.readouterr().err
-    assert [name for name, _ in _phases(err)] == LOAD
-    assert err.splitlines()[-1].startswith("[rvrun] load ")
-
-
-def test_no_verify_has_no_verify_phase(artifact, capsys):
-    assert rvrun.main([str(artifact), "--prompt", "hi", "--max-tokens", "2",
-                       "--no-verify"]) == 0
-    assert "verify" not in [name for name, _ in _phases(capsys.readouterr().err)]
+    assert len(err.splitlines()) == 1 and err.startswith("[rvrun] load ")
 
 
 def test_ppl_shows_windows_and_the_running_perplexity(artifact, tmp_path, capsys):

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from cli_output import without_progress
 from prometheus_client.parser import text_string_to_metric_families
 
 from rvcompile import runtime
@@ -436,7 +437,7 @@ def test_serve_refuses_bad_options(artifact):
                             "--no-verify", *args], capture_output=True, text=True, env=env,
                            timeout=300)
         assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert len(lines) == 1 and lines[0].startswith("rvrun: error: ") and needle in lines[0]
 
 

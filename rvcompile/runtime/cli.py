@@ -11,6 +11,9 @@ parts that need no artifact before it loads; a generation the engine fails exits
 `rvrun: interrupted` and exits 130 (serve: after draining); a closed stdout (`rvrun ... | head`)
 ends it quietly with 141.
 
+`rvrun ppl` and `rvrun serve` show the load's phases (and ppl its windows) on stderr: a bar on
+a terminal, else one line per finished phase; `rvrun` itself only on a terminal.
+
 Commands are the entries of COMMANDS (one line each in `rvrun --help`); a first word that is
 neither a command nor an existing file is refused with the closest command, if any ("did you
 mean"). Every option's help shows its default.
@@ -144,7 +147,7 @@ def run_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
-                         trust_executables=a.trust_executables, phases=_phases())
+                         trust_executables=a.trust_executables, phases=_phases(logged=False))
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -321,9 +324,12 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _phases() -> Phases:
-    """Load (and ppl's scoring) phases on stderr: a bar on a terminal, else one line each."""
-    return Phases("rvrun", Phases.mode_for(True))
+def _phases(logged: bool = True) -> Phases:
+    """Load (and ppl's scoring) phases on stderr: a bar on a terminal, else one line each when
+    `logged` (ppl, serve: long jobs and services whose stderr is a log), else nothing (run: its
+    summary line gives the load time; its stderr stays the summary or one error line)."""
+    mode = Phases.mode_for(True)
+    return Phases("rvrun", mode if logged or mode == "live" else "off")
 
 
 def _check_http_flags(a: argparse.Namespace) -> str | None:
