@@ -126,11 +126,14 @@ class Phases:
         line = f"{self.prefix}: {p.name}"
         if p.total:
             frac = min(1.0, p.completed / p.total)
-            filled = int(frac * BAR)
-            elapsed = now - p.started
-            eta = elapsed * (1 - frac) / frac if frac > 0 else None
-            line += (f" [{'#' * filled}{'.' * (BAR - filled)}] {p.status()[len(p.name) + 1:]}"
-                     f" ETA {'?' if eta is None else _clock_time(eta)}")
+            eta = (now - p.started) * (1 - frac) / frac if frac > 0 else None
+            rest = (f" {p.status()[len(p.name) + 1:]} ETA "
+                    f"{'?' if eta is None else _clock_time(eta)}")
+            width = min(BAR, self.width - 1 - len(line) - len(rest) - 3)  # the bar gives way
+            if width >= 5:
+                filled = int(frac * width)
+                line += f" [{'#' * filled}{'.' * (width - filled)}]"
+            line += rest
         else:
             line += " ..."
         self.stream.write(f"\r{line[:self.width - 1]}\x1b[K")

@@ -72,6 +72,7 @@ def test_live_mode_draws_a_bar_with_eta_then_the_done_line():
     lines: list[str] = []
     clock, term = Clock(), io.StringIO()
     ph = Phases("tool", "live", write=lines.append, clock=clock, stream=term)
+    ph.width = 80  # whatever the terminal running the tests
     with ph.phase("compile", total=4) as p:
         clock.t += 3
         p.advance(1)
@@ -83,6 +84,10 @@ def test_live_mode_draws_a_bar_with_eta_then_the_done_line():
     assert drawn[2] == "tool: compile [######..................] 1/4 ETA 0:09\x1b[K"
     assert drawn[3] == "tool: compile [############............] 2/4 (x) ETA 0:06\x1b[K"
     assert drawn[-1] == "\x1b[K"  # the line cleared before the done line
+    ph.width = 40  # a narrow terminal: the bar gives way to the count and the ETA
+    with ph.phase("compile", total=4) as p:
+        p.advance(2)
+    assert term.getvalue().split("\r")[-2] == f"tool: compile [{'.' * 13}] 0/4 ETA ?\x1b[K"
 
 
 class _Tty(io.StringIO):
