@@ -134,3 +134,8 @@ def test_build_warns_of_clamp_and_replaced_weights(tmp_path):
     assert "--random-weights" in warnings[0] and "2 safetensors file(s)" in warnings[0]
     assert "--max-context 100000000" in warnings[1] and "building for 4096 tokens" in warnings[1]
     assert out.is_file()
+
+
+def test_rvcompile_unknown_command_did_you_mean():
+    r = _invoke("buidl", "x")
+    assert r.exit_code == 2 and "No such command 'buidl'. Did you mean 'build'?" in r.output

@@ -367,7 +367,7 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
-    access = record(request.scope) or AccessRecord()
+    access = record(request.scope) or AccessRecord()  # none without the access log
     access.tokens_in = len(ids)
     stream = _Stream(rid, queue, thread, metrics, received, access)
     if body.stream:
@@ -392,9 +392,9 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float, access: AccessRecord):
+                 received: float, access: AccessRecord | None = None):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
-        self.access = access  # what the access log shows of this request
+        self.access = access or AccessRecord()  # what the access log shows of this request
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
