@@ -13,10 +13,10 @@ request's blocks go back to the pool in the same step.
 Streaming: while any running request streams (Request.stream), a decode_many call runs at most
 as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
 one), so a streamed request gets its tokens every ~stream_interval_s rather than in bursts of
-decode_loop_steps; with nobody streaming, calls run their full length. The per-step time is a
-running mean over earlier calls (their wall time over the steps they ran, host overhead
-included, so a call lasts about the interval); before the first measurement a call runs one
-step.
+decode_loop_steps; with nobody streaming, calls run their full length. The per-step time is an
+exponential mean (weight 1/2 to the newest) over earlier calls' wall time over the steps they
+ran, host overhead included, so a streamed call lasts at most about the interval; before the
+first measurement a call runs one step.
 
 Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
 freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
