@@ -239,10 +239,11 @@ class XlaExecutor:
         draft = self.speculative and self.speculative.draft
         self.fns = {name: jax.jit(exp.call) if name == draft
                     else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
-        self.compile_s = self._warm_up(phases)
+        self._phases = phases  # where _warm_up shows the compile
+        self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
 
-    def _warm_up(self, phases: Phases) -> float:
+    def _warm_up(self) -> float:
         """Compile every entry point now (from the persistent cache when it has them) and keep
         the executables, so no request ever compiles."""
         t0 = time.perf_counter()
@@ -253,7 +254,7 @@ class XlaExecutor:
 
         fn_by_name = dict(self.fns)
         # XLA compiles independent programs concurrently; entry points share nothing.
-        with (phases.phase("compile", total=len(fn_by_name)) as bar,
+        with (self._phases.phase("compile", total=len(fn_by_name)) as bar,
               ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool):
             futures = {pool.submit(compile_entry, name): name for name in fn_by_name}
             compiled = {}
