@@ -37,6 +37,7 @@ from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes.weight_math import encode_all
+from rvcompile.progress import Phases
 from rvcompile.sources.checkpoint import (
     load_assistant_source,
     load_model_source,
@@ -142,28 +143,35 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
     `assistant`: an assistant directory or preset whose drafter joins the artifact (random
     weights with `random_weights`, like the target's). `chat_template`: a Jinja file that sets
     or replaces the model's chat template (checked to render in the runtime's sandbox first).
-    `provenance`: a function of the manifest, once the rest of it is known, to the manifest's
-    "provenance" record (the recipe, toolchain and input digests, provenance.build_recipe);
-    None: no record."""
+    `progress`: show the phases on stderr (progress.Phases: a bar on a terminal, else one `log`
+    line per finished phase). `provenance`: a function of the manifest, once the rest of it is
+    known, to the manifest's "provenance" record (the recipe, toolchain and input digests,
+    provenance.build_recipe); None: no record."""
     t0 = time.perf_counter()
+    phases = Phases("rvcompile", Phases.mode_for(progress), write=log)
     template = None if chat_template is None else read_chat_template_file(chat_template)
     target, opts = prepare(opts)
     if assistant is not None:
         check_assistant_options(opts)
-    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
-                               random_ranges=random_ranges)
+    with phases.phase("read"):
+        source = load_model_source(model, weights=weights, random_weights=random_weights,
+                                   seed=seed, random_ranges=random_ranges)
+        drafter: AssistantSource | None = None
+        if assistant is not None:
+            drafter = load_assistant_source(assistant, source.config,
+                                            random_weights=random_weights, seed=seed,
+                                            random_ranges=random_ranges)
     if template is not None:
         source = replace(source, chat_template=template)
-    drafter: AssistantSource | None = None
-    if assistant is not None:
-        drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
-                                        seed=seed, random_ranges=random_ranges)
-    ir = lower_model(source, opts, log, drafter and drafter.config)
+    with phases.phase("passes"):
+        ir = lower_model(source, opts, log, drafter and drafter.config)
     if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
             f"{ir.max_context} tokens")
-    lowered = target.lower(ir, opts, log)
+    # export, nvcc, XLA precompile: one phase, inside the target
+    with phases.phase(f"lower for {target.name}"):
+        lowered = target.lower(ir, opts, log)
     header = ArtifactHeader(compiler_version=__version__, target=opts.target,
                             platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {
@@ -206,9 +214,11 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, progress)
+        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, phases)
         _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
-        w.commit(manifest)
+        size = w.size()
+        with phases.phase("hash", total=size, unit="B") as p:
+            w.commit(manifest, on_hashed=p.advance)
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
 
 
@@ -219,13 +229,9 @@ ROW_BLOCK_BYTES = 256 << 20
 
 
 def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
-                    progress: bool) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
-
+                    phases: Phases) -> None:
     total = sum(t.numel * 4 for t in tensors)
-    with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TransferSpeedColumn(), disable=not progress, transient=True) as bar:
-        task = bar.add_task("weights", total=total)
+    with phases.phase("quantize + write weights", total=total, unit="B") as bar:
         for ref in tensors:
             derives = {p.name: p.derive for p in specs_by_source.get(ref.name, ())}
             rows = math.prod(ref.shape[:-1])
@@ -236,7 +242,7 @@ def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                         offset = _block_offset(ref, rows, slot, first, stop, enc.nbytes)
                         w.write("weights", offset, np.ascontiguousarray(enc))
                 del block
-                bar.advance(task, ref.numel * 4 * (stop - first) // max(1, rows))
+                bar.advance(ref.numel * 4 * (stop - first) // max(1, rows))
 
 
 def _blocks(ref, rows: int):

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from cli_output import without_progress
 from prometheus_client.parser import text_string_to_metric_families
 
 from rvcompile import runtime
@@ -162,6 +163,18 @@ def test_completions_plain_and_streamed(server, model):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert sum(bool(p) for p in pieces) >= 6  # a chunk per token, not one at the end
+    httpx.get(f"{server.base}/nope")
+    deadline = time.monotonic() + 10  # each line is written once its response has ended
+    while len([line for line in server.lines if line.startswith("rvrun: access")]) < 3:
+        assert time.monotonic() < deadline, "".join(server.lines)
+        time.sleep(0.05)
+    access = [line.split() for line in server.lines if line.startswith("rvrun: access")][-3:]
+    for fields in access[:2]:
+        assert fields[2:5] == ["POST", "/v1/completions", "200"]
+        assert fields[5:7] == [f"tokens_in={len(ids)}", "tokens_out=12"]
+        assert float(fields[7].removeprefix("ttft_ms=")) > 0
+        assert float(fields[8].removeprefix("duration_ms=")) >= float(fields[7][8:])
+    assert access[2][2:8] == ["GET", "/nope", "404", "tokens_in=-", "tokens_out=-", "ttft_ms=-"]
 
 
 def test_chat_plain_and_streamed_with_the_artifacts_template(server, model):
@@ -424,7 +437,7 @@ def test_serve_refuses_bad_options(artifact):
                             "--no-verify", *args], capture_output=True, text=True, env=env,
                            timeout=300)
         assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert len(lines) == 1 and lines[0].startswith("rvrun: error: ") and needle in lines[0]
 
 

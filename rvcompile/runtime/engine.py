@@ -10,6 +10,14 @@ and nobody waits to join, the step is one decode_many call instead (where the ex
 it): up to decode_loop_steps tokens per sequence, the same tokens. A finished or aborted
 request's blocks go back to the pool in the same step.
 
+Streaming: while any running request streams (Request.stream), a decode_many call runs at most
+as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
+one), so a streamed request gets its tokens every ~stream_interval_s rather than in bursts of
+decode_loop_steps; with nobody streaming, calls run their full length. The per-step time is an
+exponential mean (weight 1/2 to the newest) over earlier calls' wall time over the steps they
+ran, host overhead included, so a streamed call lasts at most about the interval; before the
+first measurement a call runs one step.
+
 Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
 freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
 DeviceError (the device is unusable) leaves step(). `EngineThread` runs steps in the background
@@ -24,6 +32,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -56,6 +65,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()  # strings that end the text (checked on decoded text, excluded)
     ignore_eos: bool = False
+    stream: bool = False  # someone watches tokens arrive: bound decode loops (Engine docstring)
 
 
 @dataclass(frozen=True)
@@ -121,8 +131,16 @@ class QueueFull(RuntimeError):
 class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
                  eos_ids: frozenset[int], *, vocab_size: int, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None, prefill_budget: int | None = None):
+                 max_model_len: int | None = None, prefill_budget: int | None = None,
+                 stream_interval_s: float = 0.1,
+                 clock: Callable[[], float] = time.perf_counter):
+        """`stream_interval_s`: the longest a decode loop call should take while a request
+        streams (> 0); `clock`: seconds, for measuring those calls."""
+        if not stream_interval_s > 0:
+            raise ValueError(f"stream_interval_s {stream_interval_s}: expected > 0")
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
+        self.stream_interval_s, self._clock = stream_interval_s, clock
+        self._loop_step_s: float | None = None  # measured seconds per decode-loop step
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
@@ -246,6 +264,8 @@ class Engine:
                 or len(self.eos_ids) > self.executor.decode_loop_stops
                 or any(w.seq.cached + 1 < len(w.seq.tokens) for w in sched.decodes)):
             return None
+        if any(self._live[w.seq.id].request.stream for w in sched.decodes):
+            steps = self._streaming_steps(steps)
         lanes = []
         for w in sched.decodes:
             live = self._live[w.seq.id]
@@ -257,13 +277,26 @@ class Engine:
             lanes.append(LoopLane(chunk, budget, stops))
         return lanes
 
+    def _streaming_steps(self, steps: int) -> int:
+        """Loop steps that fit in stream_interval_s (1 to `steps`; 1 before any measurement)."""
+        if self._loop_step_s is None:
+            return 1
+        fit = int(self.stream_interval_s / self._loop_step_s + 1e-6)  # 0.03 / 0.01 is 2.99..
+        return max(1, min(steps, fit))
+
     def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane],
                      outputs: list[RequestOutput]) -> None:
         """Run the lanes in one decode_many call. Their tokens go through advance/_emit one by
         one, as if from single decode steps; each request gets one RequestOutput for the call."""
+        t0 = self._clock()
         results = self._guarded("decode_many", decodes, outputs, _pairs,
                                 list(zip(decodes, lanes, strict=True)),
                                 self.executor.decode_many, lanes)
+        ran = max((len(tokens) for _, tokens in results or []), default=0)
+        if ran:  # the loop ends when its longest lane does
+            per_step = (self._clock() - t0) / ran
+            self._loop_step_s = per_step if self._loop_step_s is None else (
+                0.5 * self._loop_step_s + 0.5 * per_step)
         for (w, lane), tokens in results or []:
             out = self._guarded("output", [w], outputs, self._advance_lane, w, lane, tokens)
             if out is not None:

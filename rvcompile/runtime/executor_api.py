@@ -54,6 +54,8 @@ from typing import Protocol
 
 import numpy as np
 
+from rvcompile.progress import Phases
+
 
 @dataclass(frozen=True)
 class KvKind:
@@ -108,6 +110,8 @@ class LoadOptions:
     max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
     max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
     trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+    # the load's phases as the person running it sees them (verify, upload, compile, ...)
+    phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
 
 
 class DeviceError(RuntimeError):

@@ -8,9 +8,10 @@
 Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
 paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
 serve` drives from a background thread. Where the artifact has a device-side decode loop and
-nothing else runs, tokens come up to its decode_loop_steps at a time, so generate_stream yields
-in bursts of that many. Call generate and logits from one thread, and not while a server runs
-the engine.
+nothing else runs, generate's tokens come up to its decode_loop_steps at a time;
+generate_stream's requests stream (engine: each loop call bounded to about the engine's
+stream_interval_s), so its pieces arrive as the tokens are made. Call generate and logits
+from one thread, and not while a server runs the engine.
 
 Chat follows Gemma 4's format: a model turn ends at `<turn|>`, or at `<|tool_response>` where the
 model hands the turn to a tool. Where the tokenizer has these markers as EOS tokens, EOS ends the
@@ -164,7 +165,7 @@ class Model:
                  stop: str | Sequence[str] = (), ignore_eos: bool = False,
                  chat: bool = False) -> GenerationResult:
         *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                    ignore_eos, chat)
+                                    ignore_eos, chat, stream=False)
         return result
 
     def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
@@ -177,19 +178,20 @@ class Model:
         also stops at the end of the model's turn (`chat_stop`)."""
         emitted = 0
         for text, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                      ignore_eos, chat):
+                                      ignore_eos, chat, stream=True):
             self.last_result = result
             if len(text) > emitted:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat):
+    def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat,
+             *, stream: bool):
         """Yields (final text so far, GenerationResult so far) after each new token."""
         if chat:
             stop = self.chat_stop(stop)
         request = Request(f"generate-{next(self._ids)}", self._prompt_ids(prompt, chat),
                           max_tokens, Sampling(temperature, top_k, top_p, seed), stop,
-                          ignore_eos)
+                          ignore_eos, stream)
         t0 = time.perf_counter()
         self.engine.add(request)
         res = GenerationResult([], "", "length", len(request.prompt_ids))

@@ -471,8 +471,10 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
     path = Path(model)
     is_dir = path.is_dir() and (path / "config.json").is_file()
     if not is_dir and model not in PRESETS:
-        if path.exists() or "/" in model or model.startswith("."):
+        if path.exists():
             raise CheckpointError(f"{model}: not a model directory (needs config.json)")
+        if "/" in model or model.startswith("."):
+            raise CheckpointError(f"{model}: no such directory")
         raise ConfigError(
             f"unknown model {model!r}: not a directory and not a preset "
             f"(known presets: {', '.join(PRESETS)})"

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
+from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import (
     DeviceError,
     Drafted,
@@ -138,8 +139,12 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     check_fits(art, xla, opts.kv_blocks)
     check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)
-    art.verify(opts.verify)
-    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables)
+    if opts.verify:  # --no-verify: nothing to re-hash
+        with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
+                               unit="B"):
+            art.verify(opts.verify)
+    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
+                       phases=opts.phases)
 
 
 class TpPlacement:
@@ -180,8 +185,10 @@ class XlaState:
 
 class XlaExecutor:
     def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
-                 trust_executables: bool = False):
-        """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
+                 trust_executables: bool = False, phases: Phases | None = None):
+        """`xla`: the artifact's checked manifest part (artifacts/manifest.py); `phases`: where
+        the upload and compile show (progress.py; default: nowhere)."""
+        phases = phases or Phases("rvrun", "off")
         check_fits(art, xla, blocks)
         self.art = art
         self.max_seqs, self.max_context = xla.max_seqs, xla.max_context
@@ -201,12 +208,17 @@ class XlaExecutor:
         self.has_drafter = bool(xla.speculative and xla.speculative.draft)
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
-        self.weights = {w.key: self.placement.weight(w.key, art.array(
-            "weights", w.offset, w.shape, numpy_dtype(w.dtype))) for w in xla.weights}
-        self.caches = {
-            p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
-                                                *p.block_shape), numpy_dtype(p.dtype))
-            for p in xla.pools}
+        self.weights = {}
+        with phases.phase("upload", total=sum(w.nbytes for w in xla.weights),
+                          unit="B") as bar:
+            for w in xla.weights:
+                self.weights[w.key] = self.placement.weight(w.key, art.array(
+                    "weights", w.offset, w.shape, numpy_dtype(w.dtype)))
+                bar.advance(w.nbytes)
+            self.caches = {
+                p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
+                                                    *p.block_shape), numpy_dtype(p.dtype))
+                for p in xla.pools}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -216,7 +228,8 @@ class XlaExecutor:
                         trusted=trust_executables)
         if choice.topology is not None:
             t0 = time.perf_counter()
-            self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
+            with phases.phase("load executables"):
+                self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
             self.compile_s = 0.0
             self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
             return
@@ -226,6 +239,7 @@ class XlaExecutor:
         draft = self.speculative and self.speculative.draft
         self.fns = {name: jax.jit(exp.call) if name == draft
                     else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
+        self._phases = phases  # where _warm_up shows the compile
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
 
@@ -240,8 +254,14 @@ class XlaExecutor:
 
         fn_by_name = dict(self.fns)
         # XLA compiles independent programs concurrently; entry points share nothing.
-        with ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool:
-            self.fns = dict(zip(fn_by_name, pool.map(compile_entry, fn_by_name), strict=True))
+        with (self._phases.phase("compile", total=len(fn_by_name)) as bar,
+              ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool):
+            futures = {pool.submit(compile_entry, name): name for name in fn_by_name}
+            compiled = {}
+            for done in as_completed(futures):
+                compiled[futures[done]] = done.result()
+                bar.advance(1)
+        self.fns = {name: compiled[name] for name in fn_by_name}
         return time.perf_counter() - t0
 
     def _example_args(self, name: str) -> tuple:

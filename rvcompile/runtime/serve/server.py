@@ -57,6 +57,7 @@ from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.serve import tool_calls
 from rvcompile.runtime.serve import tools as chat_tools
+from rvcompile.runtime.serve.access_log import AccessLog, AccessRecord, record
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -234,9 +235,11 @@ class ServeOptions:
     max_waiting: int = 256  # requests queued beyond this get 503
 
 
-def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None) -> FastAPI:
+def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None,
+               access_log: Callable[[str], None] | None = None) -> FastAPI:
     """The ASGI app; its lifespan starts the engine thread and stops it. `http`: the HTTP
-    layer's limits (default: HttpOptions())."""
+    layer's limits (default: HttpOptions()); `access_log`: where each request's access-log
+    line goes (access_log.py; default: nowhere)."""
     state: dict[str, object] = {}
 
     @asynccontextmanager
@@ -262,6 +265,8 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
 
     _install_http_guards(app, http or HttpOptions())  # before _CountRequests: it sees them all
     app.add_middleware(_CountRequests, state=state)
+    if access_log is not None:  # outermost: it sees every response
+        app.add_middleware(AccessLog, write=access_log)
 
     @app.get("/health")
     async def health():
@@ -362,7 +367,7 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine_request = EngineRequest(rid, ids, max_tokens,
                                    Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos)
+                                   body.ignore_eos, stream=body.stream)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
@@ -382,7 +387,9 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
-    stream = _Stream(rid, queue, thread, metrics, received)
+    access = record(request.scope) or AccessRecord()  # none without the access log
+    access.tokens_in = len(ids)
+    stream = _Stream(rid, queue, thread, metrics, received, access)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_events(stream, options.model_name, include_usage, plan) if chat \
@@ -405,8 +412,9 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float):
+                 received: float, access: AccessRecord | None = None):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
+        self.access = access or AccessRecord()  # what the access log shows of this request
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
@@ -417,11 +425,13 @@ class _Stream:
         if out.token_ids:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.received)
+                self.access.ttft_s = now - self.received
             else:  # a device-side decode loop hands over several tokens at once: per token
                 gap = (now - self.last) / len(out.token_ids)
                 for _ in out.token_ids:
                     self.metrics.itl.observe(gap)
             self.last = now
+        self.access.tokens_out = out.completion_tokens
         if out.finished:
             self.done = True
         return out
