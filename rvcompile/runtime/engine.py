@@ -24,27 +24,29 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
+from rvcompile.runtime.constraints import Constraint, Grammars, Matcher
 from rvcompile.runtime.executor_api import (
     DeviceError,
     Executor,
     KvKind,
     LoopLane,
     Penalties,
-    SampleExtras,
     Sampled,
+    SampleExtras,
     Sampling,
     SeqChunk,
     decode_loop_steps,
     top_logprobs,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
-from rvcompile.runtime.request_limits import SEED_MASK, RequestLimits
+from rvcompile.runtime.request_limits import NO_EXTRAS, SEED_MASK, RequestError, RequestLimits
 from rvcompile.runtime.scheduler import Schedule, Scheduler, Seq, Work
 from rvcompile.runtime.textstream import TextStream
 
@@ -64,6 +66,7 @@ class Request:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     penalties: Penalties = field(default_factory=Penalties)
     stop_token_ids: tuple[int, ...] = ()  # sampling one ends the sample (excluded, like EOS)
+    constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class EngineStats:
     prefix_hit: int  # of them, served from the prefix cache
     preemptions: int
     steps: int
+    mask_s: float = 0.0  # host seconds spent computing grammar masks
+    mask_rows: int = 0  # masks computed (one per constrained sequence per sampling step)
 
 
 @dataclass(eq=False)
@@ -103,12 +108,13 @@ class _Live:
     index: int = 0  # sample index
     out_counts: np.ndarray | None = None  # int32 [V]: times each token was generated (penalties)
     in_prompt: np.ndarray | None = None  # bool [V]: the prompt's tokens (repetition penalty)
+    matcher: Matcher | None = None  # with a constraint: where its grammar stands
 
     @property
     def extras(self) -> bool:
         """Its sampling steps need the sampler's extras (and so single decode steps)."""
         r = self.request
-        return r.logprobs is not None or r.penalties.active
+        return r.logprobs is not None or r.penalties.active or r.constraint is not None
 
 
 @dataclass(eq=False)
@@ -149,8 +155,12 @@ class QueueFull(RuntimeError):
 class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
                  eos_ids: frozenset[int], *, vocab_size: int, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None, prefill_budget: int | None = None):
+                 max_model_len: int | None = None, prefill_budget: int | None = None,
+                 grammars: Grammars | None = None):
+        """`grammars`: constraints over the model's tokenizer (None: constraints refused)."""
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
+        self.grammars = grammars
+        self.mask_s, self.mask_rows = 0.0, 0
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
@@ -175,6 +185,13 @@ class Engine:
         ValueError), and return it as checked. With max_waiting, raises QueueFull while that
         many requests wait."""
         request = self.limits.check(request)
+        if request.constraint is not None:
+            if self.grammars is None or not self.limits.top_logprobs:
+                raise RequestError(getattr(request.constraint, "param", "response_format"),
+                                   "this engine takes no grammar constraints" if
+                                   self.grammars is None else NO_EXTRAS)
+            request = dataclasses.replace(request,
+                                          constraint=self.grammars.check(request.constraint))
         with self._lock:
             waiting = len(self._inbox) + len(self.scheduler.waiting)
             if max_waiting is not None and waiting >= max_waiting:
@@ -202,7 +219,8 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting),
                            {k: self.kv.num_used(k) for k in self.kv.pools},
                            {k: len(p.blocks) for k, p in self.kv.pools.items()},
-                           s.prefix.queried, s.prefix.hit, self.preemptions, self.steps)
+                           s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
+                           self.mask_s, self.mask_rows)
 
     # ------------------------------------------------------------------ the loop (one thread)
 
@@ -246,8 +264,9 @@ class Engine:
             in_prompt[r.prompt_ids] = True
         for i, seq in enumerate(seqs):
             counts = np.zeros(self.vocab_size, np.int32) if extras else None
+            matcher = self.grammars.matcher(r.constraint) if r.constraint else None
             self._live[seq.id] = _Live(r, seq, TextStream(self._decode, r.stop), i, counts,
-                                       in_prompt)
+                                       in_prompt, matcher)
         self.scheduler.add(seqs[0])
         if len(seqs) > 1 and seqs[0].prompt:
             self._held.append(_Held(seqs[0], len(seqs[0].prompt), seqs[1:]))
@@ -282,8 +301,15 @@ class Engine:
                 touched |= live.in_prompt
             pen_ids = np.flatnonzero(touched).astype(np.int32)
             pen_counts = live.out_counts[pen_ids]
+        mask = None
+        if live.matcher is not None:
+            t0 = time.perf_counter()
+            mask = np.empty(self.grammars.words, np.int32)
+            live.matcher.fill(mask)
+            self.mask_s += time.perf_counter() - t0
+            self.mask_rows += 1
         extras = SampleExtras(-1 if r.logprobs is None else r.logprobs, r.penalties, pen_ids,
-                              pen_counts)
+                              pen_counts, mask)
         return Work(seq, dataclasses.replace(work.chunk, extras=extras))
 
     def _prefill(self, chunk: SeqChunk) -> Sampled:
@@ -413,6 +439,9 @@ class Engine:
             live.out_counts[token] += 1
         lps = (sampled,) if r.logprobs is not None else ()
         text, hit = live.text.add(token)
+        if live.matcher is not None:
+            live.matcher.consume(token)
+            hit = hit or live.matcher.done  # the grammar is complete: only EOS could follow
         if hit:
             return self._finish(live, "stop", [token], text, lps)
         if len(live.text.token_ids) >= r.max_tokens:

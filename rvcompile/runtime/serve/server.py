@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException
 
 from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Penalties, Sampled, Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
 
@@ -82,15 +82,19 @@ class _Sampling(_Strict):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # an extension (as in vLLM)
+    stop_token_ids: list[int] | None = None  # an extension (as in vLLM)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
-            return "n: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            return "presence_penalty, frequency_penalty and logit_bias are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+    def want_logprobs(self) -> int | None:
+        """Top log-probabilities per token wanted; None: no log-probabilities."""
         return None
 
 
@@ -109,9 +113,13 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
 
-    def unsupported(self) -> str | None:
-        return "logprobs is not supported" if self.logprobs else super().unsupported()
+    def want_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true to use top_logprobs",
+                           param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
@@ -121,9 +129,12 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     suffix: str | None = None
 
+    def want_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> str | None:
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            return "echo, logprobs and suffix are not supported"
+        if self.echo or self.suffix is not None:
+            return "echo and suffix are not supported"
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
                 and len(self.prompt) != 1:
             return "prompt: one prompt per request"
@@ -326,6 +337,7 @@ def _check_common(body: _Sampling, options: ServeOptions) -> None:
     problem = body.unsupported()
     if problem:
         raise ApiError(400, problem)
+    body.want_logprobs()  # refuses top_logprobs without logprobs
 
 
 async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampling,
@@ -340,9 +352,12 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine_request = EngineRequest(rid, ids, max_tokens,
-                                   Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos)
+    engine_request = EngineRequest(
+        rid, ids, max_tokens, Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
+        body.ignore_eos, n=body.n, logprobs=body.want_logprobs(),
+        penalties=Penalties(body.presence_penalty, body.frequency_penalty,
+                            body.repetition_penalty),
+        stop_token_ids=tuple(body.stop_token_ids or ()))
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
@@ -362,13 +377,14 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
-    stream = _Stream(rid, queue, thread, metrics, received)
+    stream = _Stream(rid, queue, thread, metrics, received, body.n)
+    lp = _Logprobs(model, chat) if engine_request.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_events if chat else _completion_events
-        return StreamingResponse(events(stream, options.model_name, include_usage),
+        return StreamingResponse(events(stream, options.model_name, include_usage, lp),
                                  media_type="text/event-stream")
-    return await _complete(stream, options.model_name, request, chat)
+    return await _complete(stream, options.model_name, request, chat, lp)
 
 
 def _param(param: str, body: _Sampling, chat: bool) -> str:
@@ -377,6 +393,8 @@ def _param(param: str, body: _Sampling, chat: bool) -> str:
         return "messages"
     if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if param == "logprobs" and chat and body.top_logprobs is not None:
+        return "top_logprobs"
     return param
 
 
@@ -385,11 +403,12 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float):
+                 received: float, n: int = 1):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
+        self.left = n  # samples not finished yet
 
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
@@ -403,7 +422,8 @@ class _Stream:
                     self.metrics.itl.observe(gap)
             self.last = now
         if out.finished:
-            self.done = True
+            self.left -= 1
+            self.done = self.left == 0 or out.finish_reason == "error"
         return out
 
     def close(self) -> None:
@@ -412,10 +432,43 @@ class _Stream:
             self.done = True
 
 
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def _usage(outs: list[RequestOutput]) -> dict:
+    """Usage of a request from each sample's last output: the prompt counted once."""
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": outs[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": outs[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": min(o.cached_tokens for o in outs)}}
+
+
+class _Logprobs:
+    """Log-probabilities in OpenAI's shapes: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, model: Model, chat: bool):
+        self.model, self.chat = model, chat
+
+    def piece(self, token: int) -> str:
+        return self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+    def entry(self, s: Sampled) -> dict:
+        text = self.piece(s.token)
+        return {"token": text, "logprob": s.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.piece(t), "logprob": lp,
+                                  "bytes": list(self.piece(t).encode())} for t, lp in s.top]}
+
+    def of(self, sampled: list[Sampled], offset: int = 0) -> dict:
+        """The log-probabilities of these tokens; `offset`: the completion text's length
+        before them (completions' text_offset)."""
+        if self.chat:
+            return {"content": [self.entry(s) for s in sampled]}
+        tokens = [self.piece(s.token) for s in sampled]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [s.logprob for s in sampled],
+                "top_logprobs": [{self.piece(t): lp for t, lp in s.top} for s in sampled],
+                "text_offset": offsets}
 
 
 def _check_finished(out: RequestOutput) -> None:
@@ -423,17 +476,18 @@ def _check_finished(out: RequestOutput) -> None:
         raise ApiError(500, out.error, type_="server_error")
 
 
-async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool):
+async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool,
+                    lp: _Logprobs | None = None):
     """Collect the whole answer; a client that goes away meanwhile aborts the request at once
     (its disconnect is the next message on the request's ASGI channel, its body being read)."""
 
-    async def collect() -> tuple[list[str], RequestOutput]:
-        text = []
+    async def collect() -> tuple[dict[int, list[RequestOutput]], RequestOutput]:
+        outs: dict[int, list[RequestOutput]] = {}
         while True:
             out = await stream.next()
-            text.append(out.text)
-            if out.finished:
-                return text, out
+            outs.setdefault(out.index, []).append(out)
+            if stream.done:
+                return outs, out
 
     async def disconnected() -> None:
         try:
@@ -452,17 +506,21 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
         stream.close()
     if not collector.done() or collector.cancelled():
         return Response(status_code=499)
-    text, out = collector.result()
+    outs, out = collector.result()
     _check_finished(out)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "finish_reason": out.finish_reason, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": "".join(text), "finish_reason": out.finish_reason,
-                  "logprobs": None}
+    choices = []
+    for index, parts in sorted(outs.items()):
+        text = "".join(p.text for p in parts)
+        logprobs = lp.of([s for p in parts for s in p.logprobs]) if lp else None
+        if chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "finish_reason": parts[-1].finish_reason, "logprobs": logprobs})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": parts[-1].finish_reason})
     return {"id": stream.rid, "object": "chat.completion" if chat else "text_completion",
-            "created": stream.created, "model": model_name, "choices": [choice],
-            "usage": _usage(out)}
+            "created": stream.created, "model": model_name, "choices": choices,
+            "usage": _usage([parts[-1] for _, parts in sorted(outs.items())])}
 
 
 def _sse(payload: dict | str) -> str:
@@ -470,52 +528,62 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict | None,
-                  piece) -> AsyncIterator[str]:
-    """SSE of one request: `first` (if any), then a chunk per new text, a final chunk with the
-    finish reason, the usage chunk if asked for, and [DONE]."""
+                  piece, lp: _Logprobs | None, n: int) -> AsyncIterator[str]:
+    """SSE of one request: `first` (if any) per sample, then a chunk per new text (or new
+    tokens, with log-probabilities), a final chunk per sample with its finish reason, the usage
+    chunk if asked for, and [DONE]."""
+    last: dict[int, RequestOutput] = {}
+    offsets = [0] * n
     try:
         if first is not None:
-            yield _sse({**head, "choices": [first]})
-        while True:
+            for index in range(n):
+                yield _sse({**head, "choices": [{**first, "index": index}]})
+        while not stream.done:
             out = await stream.next()
             if out.finish_reason == "error":
                 yield _sse({"error": {"message": out.error, "type": "server_error",
                                       "param": None, "code": None}})
                 return
-            if out.text:
-                yield _sse({**head, "choices": [piece(out.text, None)]})
+            if out.text or (lp and out.logprobs):
+                c = piece(out.text, None, out.index)
+                if lp:
+                    c["logprobs"] = lp.of(list(out.logprobs), offsets[out.index])
+                offsets[out.index] += sum(len(lp.piece(s.token)) for s in out.logprobs) \
+                    if lp else 0
+                yield _sse({**head, "choices": [c]})
             if out.finished:
-                yield _sse({**head, "choices": [piece("", out.finish_reason)]})
-                break
+                last[out.index] = out
+                yield _sse({**head, "choices": [piece("", out.finish_reason, out.index)]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(out)})
+            yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
         yield _sse("[DONE]")
     finally:
         stream.close()
 
 
-def _chat_events(stream: _Stream, model_name: str, include_usage: bool) -> AsyncIterator[str]:
+def _chat_events(stream: _Stream, model_name: str, include_usage: bool,
+                 lp: _Logprobs | None = None) -> AsyncIterator[str]:
     head = {"id": stream.rid, "object": "chat.completion.chunk", "created": stream.created,
             "model": model_name}
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {},
+    def piece(text: str, reason: str | None, index: int) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
                 "finish_reason": reason, "logprobs": None}
 
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
              "logprobs": None}
-    return _events(stream, include_usage, head, first, piece)
+    return _events(stream, include_usage, head, first, piece, lp, stream.left)
 
 
-def _completion_events(stream: _Stream, model_name: str,
-                       include_usage: bool) -> AsyncIterator[str]:
+def _completion_events(stream: _Stream, model_name: str, include_usage: bool,
+                       lp: _Logprobs | None = None) -> AsyncIterator[str]:
     head = {"id": stream.rid, "object": "text_completion", "created": stream.created,
             "model": model_name}
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def piece(text: str, reason: str | None, index: int) -> dict:
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
 
-    return _events(stream, include_usage, head, None, piece)
+    return _events(stream, include_usage, head, None, piece, lp, stream.left)
 
 
 # ---------------------------------------------------------------------------------- HTTP guards
