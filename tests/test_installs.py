@@ -40,6 +40,7 @@ DISTRIBUTION = {
     "cryptography": "cryptography", "cuda": "cuda-python", "fastapi": "fastapi",
     "uvicorn": "uvicorn", "prometheus_client": "prometheus-client", "pydantic": "pydantic",
     "starlette": "starlette", "jax": "jax", "jaxlib": "jaxlib", "ml_dtypes": "ml-dtypes",
+    "llguidance": "llguidance",
 }
 # rvrun's entry points and the server: where an h100 host's imports start.
 H100_HOST = ("rvcompile.runtime", "rvcompile.runtime.cli", RUNTIMES["h100"],

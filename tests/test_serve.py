@@ -263,8 +263,8 @@ def test_errors(server, model):
     assert e.status_code == 400 and e.body["code"] == "context_length_exceeded"
     e = error(lambda: c.completions.create(model=NAME, prompt=[5, 99999], max_tokens=2))
     assert e.status_code == 400 and "vocabulary" in e.body["message"]
-    e = error(lambda: c.completions.create(model=NAME, prompt="hi", n=2))
-    assert e.status_code == 400
+    e = error(lambda: c.completions.create(model=NAME, prompt="hi", n=17))
+    assert e.status_code == 400 and e.body["param"] == "n"
     e = error(lambda: c.chat.completions.create(model=NAME, messages=[]))
     assert e.status_code == 400 and e.body["param"] == "messages"
     e = error(lambda: c.chat.completions.create(

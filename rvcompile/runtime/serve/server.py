@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from rvcompile.runtime.constraints import Constraint
 from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Penalties, Sampled, Sampling
@@ -63,6 +64,30 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The grammar this format asks for (the engine compiles it: a 400 naming why when
+        llguidance cannot)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema.schema",
+                           param="response_format")
+        return Constraint.json_schema(self.json_schema.schema_)
 
 
 class _Sampling(_Strict):
@@ -87,6 +112,8 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks
+    response_format: ResponseFormat | None = None  # structured outputs (on completions too,
+    # as in vLLM)
 
     def unsupported(self) -> str | None:
         if self.logit_bias:
@@ -357,7 +384,8 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
         body.ignore_eos, n=body.n, logprobs=body.want_logprobs(),
         penalties=Penalties(body.presence_penalty, body.frequency_penalty,
                             body.repetition_penalty),
-        stop_token_ids=tuple(body.stop_token_ids or ()))
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        constraint=body.response_format.constraint() if body.response_format else None)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
