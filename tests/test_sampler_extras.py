@@ -1,11 +1,16 @@
 """The sampler's extras (issue 16) on the default model's xla-f32 artifact, on the CPU:
 log-probabilities equal log_softmax of the `logits` entry at the same positions; penalties and
 token masks against their numpy references (ir/ops.py), in the jax lowering and end to end
-through the engine; n samples share one prefill and differ; stop token ids end a sample.
+through the engine; n samples share one prefill and differ; stop token ids end a sample;
+grammar constraints (regex, Lark, JSON schema) through the engine beside free sequences, and
+grammars llguidance cannot compile refused at the door; an executor without the extras (h100)
+refuses them naming why.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,6 +20,7 @@ import pytest
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.ir.ops import ref_penalize, ref_token_mask
+from rvcompile.runtime.constraints import Constraint
 from rvcompile.runtime.engine import Request
 from rvcompile.runtime.executor_api import Penalties, Sampling
 from rvcompile.runtime.request_limits import RequestError
@@ -151,3 +157,63 @@ def test_bad_extras_are_refused_at_the_door(tiny, kw, param):
     with pytest.raises(RequestError) as e:
         tiny.engine.add(Request("bad", [1, 2, 3], 4, **kw))
     assert e.value.param == param
+
+
+def test_grammar_constraints_through_the_engine(tiny):
+    """The engine-level constraint API (what structured outputs and forced tool calls use):
+    a regex, a Lark grammar and a JSON schema, constrained and free sequences in one batch."""
+    prompt = tiny.encode("The number is")
+    reqs = [Request("re", prompt, 8, Sampling(1.0, 0, 1.0, 1),
+                    constraint=Constraint.regex(r"[0-9]{3}")),
+            Request("lark", prompt, 16, Sampling(1.0, 0, 1.0, 2),
+                    constraint=Constraint.lark('start: "call(" NAME ")"\nNAME: /[a-z]{1,5}/')),
+            Request("js", prompt, 24, Sampling(1.0, 0, 1.0, 3), n=2,
+                    constraint=Constraint.json_schema({"enum": ["yes", "no", 7]})),
+            Request("free", prompt, 8, Sampling(1.0, 0, 1.0, 4))]
+    eng = tiny.engine
+    masks = eng.mask_rows
+    for r in reqs:
+        eng.add(r)
+    outs: dict[tuple[str, int], list] = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault((o.id, o.index), []).append(o)
+    text = {k: "".join(o.text for o in v) for k, v in outs.items()}
+    assert re.fullmatch(r"[0-9]{3}", text["re", 0]) and outs["re", 0][-1].finish_reason == "stop"
+    assert re.fullmatch(r"call\([a-z]{1,5}\)", text["lark", 0])
+    assert json.loads(text["js", 0]) in ("yes", "no", 7)
+    assert json.loads(text["js", 1]) in ("yes", "no", 7)
+    assert sum(len(o.token_ids) for o in outs["free", 0]) == 8
+    assert eng.mask_rows > masks
+
+
+@pytest.mark.parametrize("constraint,needle", [
+    (Constraint.json_schema({"type": "foo"}), "foo"),
+    (Constraint.json_schema({"$ref": "#/definitions/missing"}), "missing"),
+    (Constraint.lark("start: undefined_rule"), "undefined_rule"),
+    (Constraint.regex("(unclosed"), ""),
+])
+def test_grammars_llguidance_cannot_compile_are_refused_at_the_door(tiny, constraint, needle):
+    with pytest.raises(RequestError) as e:
+        tiny.engine.add(Request("bad", [1, 2, 3], 4, constraint=constraint))
+    assert e.value.param == constraint.param
+    assert "cannot compile" in e.value.problem and needle in e.value.problem
+
+
+def test_an_executor_without_sampler_extras_refuses_them():
+    """An h100 artifact's sampler returns a token only: logprobs, penalties and constraints
+    are refused at the door, naming why."""
+    from test_engine import VOCAB, FakeExecutor, text_of
+
+    from rvcompile.runtime.constraints import Grammars
+    from rvcompile.runtime.engine import Engine
+
+    eng = Engine(FakeExecutor(), text_of, frozenset([1]), vocab_size=VOCAB,
+                 grammars=Grammars(None, VOCAB, frozenset([1])))
+    for kw, param in (({"logprobs": 0}, "logprobs"),
+                      ({"penalties": Penalties(repetition=1.1)}, "repetition_penalty"),
+                      ({"constraint": Constraint.json_object()}, "response_format")):
+        with pytest.raises(RequestError) as e:
+            eng.add(Request("x", [2, 3], 4, **kw))
+        assert e.value.param == param and "h100" in e.value.problem
+    eng.add(Request("ok", [2, 3], 4, n=2, stop_token_ids=(5,)))  # no extras needed

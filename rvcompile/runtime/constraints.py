@@ -8,9 +8,10 @@ tokenizers JSON it ships), and applied by the device-side sampler (SampleExtras.
 - `Grammars` (one per engine) builds llguidance's tokenizer once, checks a constraint at the door
   (`check`: a RequestError naming the field and llguidance's reason for a schema it cannot
   compile) and starts a `Matcher` per sequence.
-- `Matcher` follows one sequence: `fill(row)` writes the mask of its next token (int32 words,
-  bit j of word w allows token 32 w + j: llguidance's layout and the sampler's), `consume`
-  advances it by the sampled token. Once the grammar is complete only EOS is allowed.
+- `Matcher` follows one sequence: `consume` advances it by a sampled token; `done` says the
+  grammar is complete (only EOS is allowed then). `Grammars.fill(matchers)` writes the masks of
+  their next tokens at once, on llguidance's threads (int32 words, bit j of word w allows token
+  32 w + j: llguidance's layout and the sampler's).
 llguidance comes with the `serve` extra; without it a constraint is refused in one line.
 """
 
@@ -59,16 +60,14 @@ class Constraint:
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher, words: int):
-        self._m, self.words = matcher, words
+    def __init__(self, matcher):
+        self._m = matcher
 
-    def fill(self, row: np.ndarray) -> None:
-        """The allowed next tokens into row (int32 [words], C-contiguous)."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self._m, row.reshape(1, self.words))
-        if self._m.is_error():
-            raise RuntimeError(f"the grammar failed: {self._m.get_error()}")
+    @property
+    def error(self) -> str:
+        """Why the grammar failed ("" while it has not): llguidance's matchers do not raise;
+        one that fails stays failed."""
+        return f"the grammar failed: {self._m.get_error()}" if self._m.is_error() else ""
 
     def consume(self, token: int) -> None:
         if not self._m.consume_token(token):
@@ -88,6 +87,7 @@ class Grammars:
         self._eos = sorted(eos_ids)
         self.words = -(-vocab_size // 32)
         self._ll = None
+        self._pool = None  # llguidance's thread pool, for masks of many sequences at once
 
     def _llg(self):
         """(llguidance, its tokenizer), built on first use (about a second for a large vocab)."""
@@ -131,10 +131,26 @@ class Grammars:
     def matcher(self, c: Constraint) -> Matcher:
         """A Matcher at the start of a checked constraint's grammar."""
         llg, tok = self._llg()
-        m = llg.LLMatcher(tok, c.grammar, log_level=0)
-        if m.is_error():
-            raise RuntimeError(f"the grammar failed: {m.get_error()}")
-        return Matcher(m, self.words)
+        m = Matcher(llg.LLMatcher(tok, c.grammar, log_level=0))
+        if m.error:
+            raise RuntimeError(m.error)
+        return m
+
+    def fill(self, matchers: list[Matcher]) -> np.ndarray:
+        """The allowed next tokens of each matcher's sequence: int32 [len(matchers), words],
+        computed on llguidance's threads (outside the GIL) when there are several. A matcher
+        that failed says so in its `error` afterwards (its row is then meaningless)."""
+        import llguidance.numpy as lln
+
+        out = np.empty((len(matchers), self.words), np.int32)
+        if len(matchers) == 1:
+            lln.fill_next_token_bitmask(matchers[0]._m, out)
+        elif matchers:
+            if self._pool is None:
+                self._pool = lln.LLExecutor()
+            lln.fill_next_token_bitmask_par(self._pool, [(m._m, i) for i, m in
+                                                         enumerate(matchers)], out)
+        return out
 
 
 def _line(e: object) -> str:

@@ -287,11 +287,30 @@ class Engine:
                 keep.append(h)
         self._held = keep
 
-    def _with_extras(self, work: Work) -> Work:
+    def _samples(self, work: Work) -> bool:
+        """work's call samples its sequence's next token (it is no prompt chunk or recomputed
+        token before the last)."""
+        return work.chunk.start + len(work.chunk.tokens) == len(work.seq.tokens)
+
+    def _masks(self, works: list[Work]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The grammar masks of this step's constrained sampling calls, by sequence id, all in
+        one go (llguidance's threads); and the sequences whose grammar failed, with why."""
+        lives = [self._live[w.seq.id] for w in works if self._samples(w)]
+        lives = [live for live in lives if live.matcher is not None]
+        if not lives:
+            return {}, {}
+        t0 = time.perf_counter()
+        rows = self.grammars.fill([live.matcher for live in lives])
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(lives)
+        failed = {live.seq.id: live.matcher.error for live in lives if live.matcher.error}
+        return {live.seq.id: rows[i] for i, live in enumerate(lives)}, failed
+
+    def _with_extras(self, work: Work, masks: dict[str, np.ndarray]) -> Work:
         """work with its sequence's sampler extras when its call samples a new token."""
         live = self._live[work.seq.id]
         seq = work.seq
-        if not live.extras or work.chunk.start + len(work.chunk.tokens) < len(seq.tokens):
+        if not live.extras or not self._samples(work):
             return work
         r = live.request
         pen_ids = pen_counts = None
@@ -301,15 +320,8 @@ class Engine:
                 touched |= live.in_prompt
             pen_ids = np.flatnonzero(touched).astype(np.int32)
             pen_counts = live.out_counts[pen_ids]
-        mask = None
-        if live.matcher is not None:
-            t0 = time.perf_counter()
-            mask = np.empty(self.grammars.words, np.int32)
-            live.matcher.fill(mask)
-            self.mask_s += time.perf_counter() - t0
-            self.mask_rows += 1
         extras = SampleExtras(-1 if r.logprobs is None else r.logprobs, r.penalties, pen_ids,
-                              pen_counts, mask)
+                              pen_counts, masks.get(seq.id))
         return Work(seq, dataclasses.replace(work.chunk, extras=extras))
 
     def _prefill(self, chunk: SeqChunk) -> Sampled:
@@ -325,12 +337,22 @@ class Engine:
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
         """The schedule's prefill calls, then its decode call; each token through advance."""
         done: list[tuple[Work, Sampled]] = []
-        for w in map(self._with_extras, sched.prefills):
+        works = sched.prefills + sched.decodes
+        got = self._guarded("grammar masks", works, outputs, self._masks, works)
+        if got is None:  # llguidance raised: the step's requests ended
+            return
+        masks, failed = got
+        for sid, error in failed.items():
+            outputs.append(self._fail(self._live[sid], error))
+        for w in sched.prefills:
+            if w.seq.id in failed:
+                continue
+            w = self._with_extras(w, masks)
             token = self._guarded("prefill", [w], outputs, self._prefill, w.chunk)
             if token is not None:
                 done.append((w, token))
-        if sched.decodes:
-            decodes = [self._with_extras(w) for w in sched.decodes]
+        decodes = [self._with_extras(w, masks) for w in sched.decodes if w.seq.id not in failed]
+        if decodes:
             tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
                                    self._decode_lanes, [w.chunk for w in decodes])
             done += tokens or []

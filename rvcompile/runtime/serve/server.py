@@ -252,6 +252,11 @@ class _EngineCollector:
                                 value=s.prefix_hit / s.prefix_queried if s.prefix_queried else 0)
         yield CounterMetricFamily("rvrun_preemptions", "Sequences preempted for KV blocks",
                                   value=s.preemptions)
+        yield CounterMetricFamily("rvrun_grammar_mask_seconds",
+                                  "Host time computing grammar token masks", value=s.mask_s)
+        yield CounterMetricFamily("rvrun_grammar_masks",
+                                  "Grammar token masks computed (one per constrained sequence "
+                                  "per sampling step)", value=s.mask_rows)
 
 
 # ---------------------------------------------------------------------------------- app
