@@ -217,3 +217,41 @@ def test_an_executor_without_sampler_extras_refuses_them():
             eng.add(Request("x", [2, 3], 4, **kw))
         assert e.value.param == param and "h100" in e.value.problem
     eng.add(Request("ok", [2, 3], 4, n=2, stop_token_ids=(5,)))  # no extras needed
+
+
+@pytest.mark.parametrize("prompt_len", [3, 17, 40])
+def test_n_samples_read_the_true_history_from_shared_blocks(prompt_len):
+    """Through test_engine's fake executor, which checks on every call that the block tables
+    hold the sequence's true history: n samples share the prompt's whole blocks (one prefill
+    of them, none when there are none), and each gets the tokens of its own seed, its RNG steps
+    counting the prompt tail it ran as decode lanes."""
+    from test_engine import (
+        BS,
+        EOS,
+        FakeExecutor,
+        assert_pools_whole,
+        drain,
+        engine,
+        next_token,
+    )
+
+    ex = FakeExecutor()
+    eng = engine(ex)
+    prompt = list(range(10, 10 + prompt_len))
+    sampling = Sampling(1.0, 0, 1.0, 11)
+    eng.add(Request("r", prompt, 6, sampling, n=3))
+    outs = drain(eng)["r"]
+    shared = (prompt_len - 1) // BS * BS
+    for i in range(3):
+        got = [t for o in outs if o.index == i for t in o.token_ids]
+        s = Sampling(1.0, 0, 1.0, 11 + i)
+        history, want = list(prompt), []
+        while len(want) < 6:
+            want.append(next_token(history, s, prompt_len - shared + len(want)))
+            history.append(want[-1])
+        if EOS in want:  # a sample ends at EOS (not returned)
+            want = want[:want.index(EOS)]
+        assert got == want, i
+    prefilled = sum(n for kind, _, n in ex.calls if kind == "prefill")
+    assert prefilled == shared  # once, by the first sample
+    assert_pools_whole(eng)

@@ -2,7 +2,12 @@
 shared by Model.generate and `rvrun serve`.
 
 Requests come in through `add` and `abort` (thread-safe). `add` checks every field once
-(request_limits): a request the engine cannot run is refused there, never in a step. Each
+(request_limits, and a grammar constraint through constraints.Grammars): a request the engine
+cannot run is refused there, never in a step. A request of n samples runs as n sequences (its
+outputs carry their index) that share the prompt's whole KV blocks, prefilled once. Sequences
+asking for log-probabilities, penalties or a grammar constraint pass SampleExtras with their
+sampling calls (the constraint's token mask computed on the host just before the call) and run
+single decode steps. Each
 `step()` takes them in, asks the scheduler for work, runs it on the executor (prefill chunks,
 then one decode call) and turns the sampled tokens into RequestOutputs: text deltas, stop
 strings, EOS and max_tokens. When every running sequence decodes past its recomputed tokens
@@ -230,7 +235,13 @@ class Engine:
             self._inbox, self._aborts = [], []
         outputs: list[RequestOutput] = []
         for r in inbox:
-            self._start(r)
+            try:
+                self._start(r)
+            except Exception as e:  # nothing of it was kept: it ends alone
+                log.error("engine: starting request %s failed", r.id, exc_info=e)
+                error = f"the engine failed to start this request: {type(e).__name__}: {e}"
+                outputs += [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0,
+                                          error, i) for i in range(r.n)]
         for rid in aborts:
             for live in [v for v in self._live.values() if v.request.id == rid]:
                 outputs.append(self._finish(live, "abort", []))
@@ -262,9 +273,10 @@ class Engine:
         if extras:
             in_prompt = np.zeros(self.vocab_size, bool)
             in_prompt[r.prompt_ids] = True
-        for i, seq in enumerate(seqs):
+        matchers = [self.grammars.matcher(r.constraint) if r.constraint else None
+                    for _ in seqs]  # first: the one step of _start that may fail
+        for i, (seq, matcher) in enumerate(zip(seqs, matchers, strict=True)):
             counts = np.zeros(self.vocab_size, np.int32) if extras else None
-            matcher = self.grammars.matcher(r.constraint) if r.constraint else None
             self._live[seq.id] = _Live(r, seq, TextStream(self._decode, r.stop), i, counts,
                                        in_prompt, matcher)
         self.scheduler.add(seqs[0])
