@@ -35,7 +35,13 @@ def mask_words(vocab: int) -> int:
 
 
 def penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
-    """logits [B, V] with the penalties of the listed ids applied (ids -1 are skipped)."""
+    """logits [B, V] with the penalties of the listed ids applied (ids -1 are skipped); the
+    gather and scatter of B * P ids run only when some id is listed."""
+    return lax.cond(jnp.any(pen_ids >= 0), _penalize, lambda *a: a[0], logits, pen_ids,
+                    pen_counts, presence, frequency, repetition)
+
+
+def _penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
     b, vocab = logits.shape
     valid = pen_ids >= 0
     x = jnp.take_along_axis(logits, jnp.where(valid, pen_ids, 0), axis=-1)
