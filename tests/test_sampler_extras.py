@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -255,3 +256,14 @@ def test_n_samples_read_the_true_history_from_shared_blocks(prompt_len):
     prefilled = sum(n for kind, _, n in ex.calls if kind == "prefill")
     assert prefilled == shared  # once, by the first sample
     assert_pools_whole(eng)
+
+
+def test_constraints_without_llguidance_are_refused_naming_the_extra(tiny, monkeypatch):
+    """llguidance comes with the serve extra; the runtime imports it only for a constraint."""
+    from rvcompile.runtime.constraints import Grammars
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # its import fails
+    g = Grammars(tiny.tokenizer, tiny.vocab_size, tiny.eos_ids)
+    with pytest.raises(RequestError) as e:
+        g.check(Constraint.json_object())
+    assert e.value.param == "response_format" and "rvcompile[serve]" in e.value.problem
