@@ -13,7 +13,7 @@ client, the model's answers scripted.
   text): tool calls come back as `tool_calls` with ids and JSON arguments and finish_reason
   "tool_calls", whole and streamed, and the two agree; a malformed call, an undeclared tool, or
   text that only looks like a call come back as content; tool_choice "none" parses nothing;
-  `required` and named choices and bad tool fields get 400s naming the field.
+  bad tool fields (and a forced call with response_format) get 400s naming the field.
 """
 
 from __future__ import annotations
@@ -438,9 +438,8 @@ def error(call) -> openai.APIStatusError:
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    ({"tool_choice": "required"}, "tool_choice", "structured-output support"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "structured-output support"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot both constrain"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "declared twice"),
     ({"messages": [{"role": "tool", "tool_call_id": "x", "content": "y"}]},
      "messages[0].tool_call_id", "answers no call"),

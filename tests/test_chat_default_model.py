@@ -5,7 +5,8 @@ through the official `openai` client, and `rvrun chat` driven over a pipe.
 - The README's client example runs as written (the address aside) and gets an answer.
 - Chat completions, whole and streamed, give the same greedy answer; the prompt is the
   template's rendering (usage); a tool round trip (tools declared, the assistant's call and the
-  tool's answer in the history) is rendered and answered; `required` is refused (400).
+  tool's answer in the history) is rendered and answered; `required` and a named
+  function force a call through the grammar-constrained sampler.
 - `rvrun ART --chat --prompt` answers as the server does. `rvrun chat` with piped stdin answers
   each line as the server answers the same conversation (greedy), keeps the history, forgets it
   at `/reset`, and exits 0 at the end of the input; Ctrl-C (SIGINT) stops a long answer without
@@ -14,6 +15,7 @@ through the official `openai` client, and `rvrun chat` driven over a pipe.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -113,11 +115,16 @@ def test_a_tool_round_trip_on_the_default_model(server):
         model=NAME, messages=messages, max_tokens=16, temperature=0, tools=[WEATHER],
         stream=True) if ch.choices)
     assert streamed == choice.message.content
-    import openai
-
-    with pytest.raises(openai.BadRequestError) as e:
-        greedy(c, messages, tools=[WEATHER], tool_choice="required")
-    assert "structured-output support" in e.value.body["message"]
+    # forced: the grammar's token mask makes even this untaught model call, parsed as OpenAI's
+    for choice_field in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for temperature in (0.0, 1.0):
+            forced = c.chat.completions.create(
+                model=NAME, messages=messages, max_tokens=64, temperature=temperature, seed=3,
+                tools=[WEATHER], tool_choice=choice_field).choices[0]
+            assert forced.finish_reason == "tool_calls", forced
+            (call,) = forced.message.tool_calls
+            assert call.function.name == "get_weather"
+            assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
 def rvrun_chat(artifact: Path, *args: str) -> subprocess.Popen:

@@ -7,8 +7,8 @@ and the tool fields of a chat request (serve/tools.py), without a model.
 - Streaming: feeding an answer in pieces of any size (one character, random cuts) gives the
   same content and calls as the whole answer, and never holds back text that cannot become a
   call.
-- Request checks: names, duplicates, tool_choice, required/named refused until structured
-  outputs exist, assistant calls' arguments, tool messages answering a call.
+- Request checks: names, duplicates, tool_choice; required/named plan a forced-call grammar
+  (the grammar the sampler enforces), assistant calls' arguments, tool messages answering a call.
 """
 
 from __future__ import annotations
@@ -187,19 +187,22 @@ def test_tool_plans():
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice", "not among the tools"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice",
-     "structured-output support"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": nested(40)}}}}]}, "tools[0].function.parameters",
      "nested deeper than 32"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                          "function": {"name": "get_weather"}}},
-     "tool_choice", "structured-output support"),
 ])
 def test_bad_tool_fields(fields, param, words):
     with pytest.raises(tools.ToolRequestError) as e:
         plan_of(**fields)
     assert e.value.param == param and words in str(e.value)
+
+
+def test_required_and_named_plan_a_forced_call_grammar():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        p = plan_of(tools=[WEATHER], tool_choice=choice)
+        assert p.parse and p.grammar is not None and "call:get_weather{" in p.grammar
+    assert plan_of(tools=[WEATHER], tool_choice="auto").grammar is None
 
 
 def test_forced_call_grammar_names_the_allowed_functions():

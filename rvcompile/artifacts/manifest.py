@@ -27,7 +27,11 @@ Fields (format v3; required unless marked optional):
                       optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
                       "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
                       layer each assistant layer reads]} (speculative decoding, see
-                      targets/xla/program.py's verify and draft)
+                      targets/xla/program.py's verify and draft),
+                      sampler {top_logprobs K, penalty_ids P (max_context), mask_words W
+                      (ceil(vocab / 32))} (v5): prefill_T and decode_B take penalties, a token
+                      mask and the top log-probabilities wanted, and return log-probabilities
+                      (targets/xla/sampler.py)
     assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
                       "origin": str, "config": its config.json as
                       model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
@@ -132,6 +136,15 @@ class XlaMesh:
 
 
 @dataclass(frozen=True)
+class XlaSampler:
+    """What prefill_{T} and decode_{B} take and return beyond a token (targets/xla/sampler.py)."""
+
+    top_logprobs: int  # K: top log-probabilities per row they return
+    penalty_ids: int  # P: token ids per lane the penalty inputs list (max_context)
+    mask_words: int  # int32 words of a row's token mask: ceil(vocab / 32)
+
+
+@dataclass(frozen=True)
 class XlaSpeculative:
     draft_tokens: int  # K: most drafts one verify call checks
     verify: str  # entry point verify_{max_seqs}x{K+1}
@@ -171,6 +184,7 @@ class XlaManifest:
     pools: tuple[XlaPool, ...]
     mesh: XlaMesh | None  # None: one device
     precompiled: dict[str, dict]  # topology -> record (runtime/executors/precompiled.py), checked
+    sampler: XlaSampler  # what prefill/decode take and return beyond a token (v5)
     speculative: XlaSpeculative | None = None  # verify (and draft) entry points, if built
 
 
@@ -445,7 +459,22 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
         if name not in programs:
             x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
     return XlaManifest(jax_version, platforms, max_seqs, max_context, max_chunk, buckets, steps,
-                       stops, programs, weights, block, kinds, pools, mesh, records, spec)
+                       stops, programs, weights, block, kinds, pools, mesh, records,
+                       _sampler(x["sampler"], max_context, model), spec)
+
+
+def _sampler(at: At, max_context: int, model: ModelInfo) -> XlaSampler:
+    top = at["top_logprobs"].int(1, 1024)
+    if top > model.vocab_size:
+        at["top_logprobs"].fail(f"{top}, more than the vocabulary's {model.vocab_size} tokens")
+    pen = at["penalty_ids"].int(1, INT32_MAX)
+    if pen != max_context:
+        at["penalty_ids"].fail(f"{pen}, not max_context {max_context}")
+    words = at["mask_words"].int(1, INT32_MAX)
+    if words != -(-model.vocab_size // 32):
+        at["mask_words"].fail(f"{words}, not ceil(vocab_size / 32) = "
+                              f"{-(-model.vocab_size // 32)}")
+    return XlaSampler(top, pen, words)
 
 
 def _speculative(at: At, max_seqs: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:

@@ -37,6 +37,7 @@ import numpy as np
 from rvcompile import chat_template
 from rvcompile.artifacts.contents import Contents, read_contents
 from rvcompile.artifacts.manifest import read_manifest
+from rvcompile.runtime.constraints import Grammars
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
 from rvcompile.runtime.request_limits import MAX_STOP_STRINGS, RequestError, check_stop
@@ -95,7 +96,8 @@ class Model:
         self.bos_id = contents.bos_id
         self._decode = text_decoder(self.tokenizer)
         self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
-                             max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             grammars=Grammars(self.tokenizer, self.vocab_size, self.eos_ids))
         self.max_context = self.engine.max_model_len
         self._ids = itertools.count()
 

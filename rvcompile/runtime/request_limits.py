@@ -15,7 +15,13 @@ The limits are what the device takes, so nothing a request holds can fail a step
   that agree there sample alike;
 - stop: a string or a list of at most MAX_STOP_STRINGS strings of 1 to MAX_STOP_CHARS
   characters each (the text is searched for each of them after every token);
-- ignore_eos: a bool.
+- ignore_eos: a bool;
+- n: an int, 1 to MAX_N samples;
+- logprobs: None, or an int 0 to the executor's top log-probabilities (20 on XLA artifacts);
+  refused where the sampler returns none (h100 artifacts: their sample kernels return a token);
+- penalties: presence and frequency in [-2, 2] (OpenAI's range), repetition in (0, 100]; any
+  but neutral refused where the sampler takes no extras, as logprobs;
+- stop_token_ids: at most MAX_STOP_STRINGS token ids in the vocabulary.
 
 A refusal is a RequestError: a ValueError whose `param` names the field (callers map it to their
 spelling: `--top-k`, `max_completion_tokens`, `messages`) and whose message is one line.
@@ -32,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Penalties, Sampling
 
 if TYPE_CHECKING:
     from rvcompile.runtime.engine import Request
@@ -43,6 +49,11 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 SEED_MASK = 0x7FFFFFFF  # the device's seeds are 31-bit
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_N = 16  # samples per request
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+MAX_REPETITION = 100.0
+NO_EXTRAS = ("this artifact's sampler returns a token only (h100 artifacts: the sample kernels "
+             "take no penalties and return no log-probabilities yet); use an XLA artifact")
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the OpenAI error code
 
 
@@ -60,6 +71,8 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    top_logprobs: int = 0  # the executor's sampler's top log-probabilities; 0: it takes no
+    # extras (no log-probabilities or penalties)
 
     def check(self, request: Request) -> Request:
         """The request with every field checked and normalized (ids as ints, top_k -1 as 0,
@@ -77,10 +90,48 @@ class RequestLimits:
                                              f"{len(ids) + max_tokens} ({len(ids)} in the "
                                              f"prompt, {max_tokens} to generate)",
                                CONTEXT_LENGTH_EXCEEDED)
+        n = _int("n", request.n)
+        if not 1 <= n <= MAX_N:
+            raise RequestError("n", f"must be 1 to {MAX_N}, got {n}")
         return dataclasses.replace(
             request, prompt_ids=ids, max_tokens=max_tokens,
             sampling=check_sampling(request.sampling, self.vocab_size),
-            stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos))
+            stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos),
+            n=n, logprobs=self.check_logprobs(request.logprobs),
+            penalties=self.check_penalties(request.penalties),
+            stop_token_ids=self.stop_token_ids(request.stop_token_ids))
+
+    def check_logprobs(self, value: object) -> int | None:
+        if value is None:
+            return None
+        k = _int("logprobs", value)
+        if not self.top_logprobs:
+            raise RequestError("logprobs", NO_EXTRAS)
+        if not 0 <= k <= self.top_logprobs:
+            raise RequestError("logprobs", f"must be 0 to {self.top_logprobs}, got {k}")
+        return k
+
+    def check_penalties(self, p: Penalties) -> Penalties:
+        out = check_penalties(p)
+        if out.active and not self.top_logprobs:
+            param = "repetition_penalty" if out.repetition != 1.0 else (
+                "presence_penalty" if out.presence else "frequency_penalty")
+            raise RequestError(param, NO_EXTRAS)
+        return out
+
+    def stop_token_ids(self, ids: object) -> tuple[int, ...]:
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+            raise RequestError("stop_token_ids", f"expected a list of token ids, got "
+                                                 f"{_kind(ids)}")
+        out = tuple(_int("stop_token_ids", t, "a token id") for t in ids)
+        if len(out) > MAX_STOP_STRINGS:
+            raise RequestError("stop_token_ids", f"at most {MAX_STOP_STRINGS} ids, got "
+                                                 f"{len(out)}")
+        bad = next((t for t in out if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary "
+                                                 f"[0, {self.vocab_size})")
+        return out
 
     def token_ids(self, ids: object, param: str) -> list[int]:
         """ids as a list of ints in [0, vocab_size), 1 to max_model_len of them."""
@@ -127,6 +178,20 @@ def check_sampling(s: Sampling, vocab_size: int | None) -> Sampling:
     if not INT64_MIN <= seed <= INT64_MAX:
         raise RequestError("seed", f"must be a 64-bit integer, got {seed}")
     return Sampling(temperature, max(top_k, 0), top_p, seed & SEED_MASK)
+
+
+def check_penalties(p: Penalties) -> Penalties:
+    """p checked: presence and frequency in [-2, 2], repetition in (0, MAX_REPETITION]."""
+    presence = _number("presence_penalty", p.presence)
+    frequency = _number("frequency_penalty", p.frequency)
+    repetition = _number("repetition_penalty", p.repetition)
+    for param, x in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= x <= MAX_PENALTY:
+            raise RequestError(param, f"must be -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {x}")
+    if not 0 < repetition <= MAX_REPETITION:
+        raise RequestError("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got "
+                                                 f"{repetition}")
+    return Penalties(presence, frequency, repetition)
 
 
 def check_stop(stop: object) -> tuple[str, ...]:

@@ -41,6 +41,8 @@ class Seq:
     blocks: SeqBlocks | None = None  # None while waiting
     preemptions: int = 0
     cached_prompt: int = 0  # prompt tokens the prefix cache supplied at first admission
+    fed: int = 0  # the first `fed` tokens of output are the request's prompt tail, run as
+    # decode lanes (a sample of an n > 1 request: its prompt's whole blocks are shared)
 
     @property
     def tokens(self) -> list[int]:

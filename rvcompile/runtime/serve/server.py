@@ -50,9 +50,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from rvcompile.runtime.constraints import Constraint
 from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Penalties, Sampled, Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.serve import tool_calls
@@ -68,6 +69,30 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The grammar this format asks for (the engine compiles it: a 400 naming why when
+        llguidance cannot)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema.schema",
+                           param="response_format")
+        return Constraint.json_schema(self.json_schema.schema_)
 
 
 class _Sampling(_Strict):
@@ -87,15 +112,21 @@ class _Sampling(_Strict):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # an extension (as in vLLM)
+    stop_token_ids: list[int] | None = None  # an extension (as in vLLM)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks
+    response_format: ResponseFormat | None = None  # structured outputs (on completions too,
+    # as in vLLM)
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
-            return "n: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            return "presence_penalty, frequency_penalty and logit_bias are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+    def want_logprobs(self) -> int | None:
+        """Top log-probabilities per token wanted; None: no log-probabilities."""
         return None
 
 
@@ -119,9 +150,13 @@ class ChatCompletionRequest(_Sampling):
     tools: list[chat_tools.Tool] | None = None
     tool_choice: chat_tools.ToolChoice | None = None
     parallel_tool_calls: bool = True
+    top_logprobs: int | None = None
 
-    def unsupported(self) -> str | None:
-        return "logprobs is not supported" if self.logprobs else super().unsupported()
+    def want_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true to use top_logprobs",
+                           param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
@@ -131,9 +166,12 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     suffix: str | None = None
 
+    def want_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> str | None:
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            return "echo, logprobs and suffix are not supported"
+        if self.echo or self.suffix is not None:
+            return "echo and suffix are not supported"
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
                 and len(self.prompt) != 1:
             return "prompt: one prompt per request"
@@ -224,6 +262,11 @@ class _EngineCollector:
                                 value=s.prefix_hit / s.prefix_queried if s.prefix_queried else 0)
         yield CounterMetricFamily("rvrun_preemptions", "Sequences preempted for KV blocks",
                                   value=s.preemptions)
+        yield CounterMetricFamily("rvrun_grammar_mask_seconds",
+                                  "Host time computing grammar token masks", value=s.mask_s)
+        yield CounterMetricFamily("rvrun_grammar_masks",
+                                  "Grammar token masks computed (one per constrained sequence "
+                                  "per sampling step)", value=s.mask_rows)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -348,6 +391,7 @@ def _check_common(body: _Sampling, options: ServeOptions) -> None:
     problem = body.unsupported()
     if problem:
         raise ApiError(400, problem)
+    body.want_logprobs()  # refuses top_logprobs without logprobs
 
 
 async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampling,
@@ -365,9 +409,13 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine_request = EngineRequest(rid, ids, max_tokens,
-                                   Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos, stream=body.stream)
+    engine_request = EngineRequest(
+        rid, ids, max_tokens, Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
+        body.ignore_eos, n=body.n, logprobs=body.want_logprobs(),
+        penalties=Penalties(body.presence_penalty, body.frequency_penalty,
+                            body.repetition_penalty),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        constraint=_constraint(body, plan), stream=body.stream)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
@@ -389,13 +437,25 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     metrics.prompt_tokens.inc(len(ids))
     access = record(request.scope) or AccessRecord()  # none without the access log
     access.tokens_in = len(ids)
-    stream = _Stream(rid, queue, thread, metrics, received, access)
+    stream = _Stream(rid, queue, thread, metrics, received, body.n, access)
+    lp = _Logprobs(model, chat) if engine_request.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events(stream, options.model_name, include_usage, plan) if chat \
-            else _completion_events(stream, options.model_name, include_usage)
+        events = _chat_events(stream, options.model_name, include_usage, lp, plan) if chat \
+            else _completion_events(stream, options.model_name, include_usage, lp)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(stream, options.model_name, request, chat, plan)
+    return await _complete(stream, options.model_name, request, chat, lp, plan)
+
+
+def _constraint(body: _Sampling, plan: chat_tools.ToolPlan | None) -> Constraint | None:
+    """The grammar the answer must follow: a forced tool call's, or response_format's."""
+    forced = plan.grammar if plan is not None else None
+    if forced is not None and body.response_format is not None:
+        raise ApiError(400, "tool_choice: a required or named tool call and response_format "
+                            "cannot both constrain one answer", param="tool_choice")
+    if forced is not None:
+        return Constraint.lark(forced, param="tool_choice")
+    return body.response_format.constraint() if body.response_format else None
 
 
 def _param(param: str, body: _Sampling, chat: bool) -> str:
@@ -404,6 +464,8 @@ def _param(param: str, body: _Sampling, chat: bool) -> str:
         return "messages"
     if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if param == "logprobs" and chat and body.top_logprobs is not None:
+        return "top_logprobs"
     return param
 
 
@@ -412,12 +474,13 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float, access: AccessRecord | None = None):
+                 received: float, n: int = 1, access: AccessRecord | None = None):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
         self.access = access or AccessRecord()  # what the access log shows of this request
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
+        self.left = n  # samples not finished yet
 
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
@@ -433,7 +496,8 @@ class _Stream:
             self.last = now
         self.access.tokens_out = out.completion_tokens
         if out.finished:
-            self.done = True
+            self.left -= 1
+            self.done = self.left == 0 or out.finish_reason == "error"
         return out
 
     def close(self) -> None:
@@ -442,10 +506,43 @@ class _Stream:
             self.done = True
 
 
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def _usage(outs: list[RequestOutput]) -> dict:
+    """Usage of a request from each sample's last output: the prompt counted once."""
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": outs[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": outs[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": min(o.cached_tokens for o in outs)}}
+
+
+class _Logprobs:
+    """Log-probabilities in OpenAI's shapes: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, model: Model, chat: bool):
+        self.model, self.chat = model, chat
+
+    def piece(self, token: int) -> str:
+        return self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+    def entry(self, s: Sampled) -> dict:
+        text = self.piece(s.token)
+        return {"token": text, "logprob": s.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.piece(t), "logprob": lp,
+                                  "bytes": list(self.piece(t).encode())} for t, lp in s.top]}
+
+    def of(self, sampled: list[Sampled], offset: int = 0) -> dict:
+        """The log-probabilities of these tokens; `offset`: the completion text's length
+        before them (completions' text_offset)."""
+        if self.chat:
+            return {"content": [self.entry(s) for s in sampled]}
+        tokens = [self.piece(s.token) for s in sampled]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [s.logprob for s in sampled],
+                "top_logprobs": [{self.piece(t): lp for t, lp in s.top} for s in sampled],
+                "text_offset": offsets}
 
 
 def _check_finished(out: RequestOutput) -> None:
@@ -454,17 +551,17 @@ def _check_finished(out: RequestOutput) -> None:
 
 
 async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool,
-                    plan: chat_tools.ToolPlan | None = None):
+                    lp: _Logprobs | None = None, plan: chat_tools.ToolPlan | None = None):
     """Collect the whole answer; a client that goes away meanwhile aborts the request at once
     (its disconnect is the next message on the request's ASGI channel, its body being read)."""
 
-    async def collect() -> tuple[list[str], RequestOutput]:
-        text = []
+    async def collect() -> tuple[dict[int, list[RequestOutput]], RequestOutput]:
+        outs: dict[int, list[RequestOutput]] = {}
         while True:
             out = await stream.next()
-            text.append(out.text)
-            if out.finished:
-                return text, out
+            outs.setdefault(out.index, []).append(out)
+            if stream.done:
+                return outs, out
 
     async def disconnected() -> None:
         try:
@@ -483,17 +580,22 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
         stream.close()
     if not collector.done() or collector.cancelled():
         return Response(status_code=499)
-    text, out = collector.result()
+    outs, out = collector.result()
     _check_finished(out)
-    if chat:
-        message, reason = _chat_message("".join(text), out.finish_reason, plan)
-        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": "".join(text), "finish_reason": out.finish_reason,
-                  "logprobs": None}
+    choices = []
+    for index, parts in sorted(outs.items()):
+        text = "".join(p.text for p in parts)
+        logprobs = lp.of([s for p in parts for s in p.logprobs]) if lp else None
+        if chat:
+            message, reason = _chat_message(text, parts[-1].finish_reason, plan)
+            choices.append({"index": index, "message": message, "finish_reason": reason,
+                            "logprobs": logprobs})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": parts[-1].finish_reason})
     return {"id": stream.rid, "object": "chat.completion" if chat else "text_completion",
-            "created": stream.created, "model": model_name, "choices": [choice],
-            "usage": _usage(out)}
+            "created": stream.created, "model": model_name, "choices": choices,
+            "usage": _usage([parts[-1] for _, parts in sorted(outs.items())])}
 
 
 def _chat_message(text: str, reason: str, plan: chat_tools.ToolPlan | None) -> tuple[dict, str]:
@@ -519,73 +621,90 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict | None,
-                  pieces) -> AsyncIterator[str]:
-    """SSE of one request: `first` (if any), then a chunk per choice `pieces(text, None)`
-    makes of each new text, the choices of `pieces("", finish_reason)` (the last one with the
-    finish reason), the usage chunk if asked for, and [DONE]."""
+                  pieces, lp: _Logprobs | None, n: int) -> AsyncIterator[str]:
+    """SSE of one request: `first` (if any) per sample, then the chunks `pieces(text, None,
+    index)` makes of each sample's new text (the first carrying the new tokens'
+    log-probabilities when asked), the chunks of `pieces("", finish_reason, index)` when the
+    sample ends (the last with its finish reason), the usage chunk if asked for, and [DONE]."""
+    last: dict[int, RequestOutput] = {}
+    offsets = [0] * n
     try:
         if first is not None:
-            yield _sse({**head, "choices": [first]})
-        while True:
+            for index in range(n):
+                yield _sse({**head, "choices": [{**first, "index": index}]})
+        while not stream.done:
             out = await stream.next()
             if out.finish_reason == "error":
                 yield _sse({"error": {"message": out.error, "type": "server_error",
                                       "param": None, "code": None}})
                 return
-            if out.text:
-                for choice in pieces(out.text, None):
-                    yield _sse({**head, "choices": [choice]})
+            if out.text or (lp and out.logprobs):
+                chunks = pieces(out.text, None, out.index)
+                if lp and out.logprobs:
+                    if not chunks:  # text held back (a possible tool call): its tokens still go
+                        chunks = [pieces("", None, out.index, empty=True)[0]]
+                    chunks[0]["logprobs"] = lp.of(list(out.logprobs), offsets[out.index])
+                    offsets[out.index] += sum(len(lp.piece(s.token)) for s in out.logprobs)
+                for c in chunks:
+                    yield _sse({**head, "choices": [c]})
             if out.finished:
-                for choice in pieces("", out.finish_reason):
-                    yield _sse({**head, "choices": [choice]})
-                break
+                last[out.index] = out
+                for c in pieces("", out.finish_reason, out.index):
+                    yield _sse({**head, "choices": [c]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(out)})
+            yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
         yield _sse("[DONE]")
     finally:
         stream.close()
 
 
 def _chat_events(stream: _Stream, model_name: str, include_usage: bool,
+                 lp: _Logprobs | None = None,
                  plan: chat_tools.ToolPlan | None = None) -> AsyncIterator[str]:
-    """Chat chunks; with tools, text that may still become a call is held back until it does
-    (a `tool_calls` delta with the whole call) or does not (content)."""
+    """Chat chunks, per sample; with tools, text that may still become a call is held back
+    until it does (a `tool_calls` delta with the whole call) or does not (content)."""
     head = {"id": stream.rid, "object": "chat.completion.chunk", "created": stream.created,
             "model": model_name}
-    calls = tool_calls.CallStream(plan.names, plan.parallel) if plan and plan.parse else None
-    given = 0  # tool calls sent so far: the next one's index
+    parse = bool(plan and plan.parse)
+    calls = {i: tool_calls.CallStream(plan.names, plan.parallel)
+             for i in range(stream.left)} if parse else {}
+    given = [0] * stream.left  # per sample: tool calls sent so far, the next one's index
 
-    def chunk(delta: dict, reason: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+    def chunk(delta: dict, index: int, reason: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
 
-    def pieces(text: str, reason: str | None) -> list[dict]:
-        nonlocal given
-        if calls is None:
-            return [chunk({"content": text} if text else {}, reason)] if text or reason else []
+    def pieces(text: str, reason: str | None, index: int, empty: bool = False) -> list[dict]:
+        if empty:
+            return [chunk({}, index)]
+        if not parse:
+            return ([chunk({"content": text} if text else {}, index, reason)]
+                    if text or reason else [])
         out = []
-        for p in calls.feed(text) if reason is None else calls.finish():
+        for p in calls[index].feed(text) if reason is None else calls[index].finish():
             if p.call is None:
-                out.append(chunk({"content": p.text}))
+                out.append(chunk({"content": p.text}, index))
             else:
-                out.append(chunk({"tool_calls": [{"index": given, **_call_json(p.call)}]}))
-                given += 1
+                out.append(chunk({"tool_calls": [{"index": given[index], **_call_json(p.call)}]},
+                                 index))
+                given[index] += 1
         if reason is not None:
-            out.append(chunk({}, "tool_calls" if given and reason == "stop" else reason))
+            out.append(chunk({}, index,
+                             "tool_calls" if given[index] and reason == "stop" else reason))
         return out
 
-    first = chunk({"role": "assistant", "content": ""})
-    return _events(stream, include_usage, head, first, pieces)
+    first = chunk({"role": "assistant", "content": ""}, 0)
+    return _events(stream, include_usage, head, first, pieces, lp, stream.left)
 
 
-def _completion_events(stream: _Stream, model_name: str,
-                       include_usage: bool) -> AsyncIterator[str]:
+def _completion_events(stream: _Stream, model_name: str, include_usage: bool,
+                       lp: _Logprobs | None = None) -> AsyncIterator[str]:
     head = {"id": stream.rid, "object": "text_completion", "created": stream.created,
             "model": model_name}
 
-    def pieces(text: str, reason: str | None) -> list[dict]:
-        return [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]
+    def pieces(text: str, reason: str | None, index: int, empty: bool = False) -> list[dict]:
+        return [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]
 
-    return _events(stream, include_usage, head, None, pieces)
+    return _events(stream, include_usage, head, None, pieces, lp, stream.left)
 
 
 # ---------------------------------------------------------------------------------- HTTP guards

@@ -87,6 +87,7 @@ class ToolPlan:
     names: frozenset[str]  # the tools a call may name
     parse: bool  # read calls out of the answer
     parallel: bool  # more than one call per answer
+    grammar: str | None = None  # "required" / named: the Lark grammar the answer must follow
 
 
 def plan(tools: list[Tool] | None, tool_choice: ToolChoice | None,
@@ -113,14 +114,17 @@ def plan(tools: list[Tool] | None, tool_choice: ToolChoice | None,
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise ToolRequestError("tool_choice", f"names the function {choice.function.name!r}, "
                                               "which is not among the tools")
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        raise ToolRequestError("tool_choice", "'required' and a named function need "
-                               "structured-output support (a grammar-constrained sampler) "
-                               "that this server does not have yet; use 'auto'")
     if choice == "none":
         return ToolPlan(None, frozenset(), parse=False, parallel=parallel_tool_calls)
+    grammar = None
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        try:  # the sampler's token mask then keeps the answer to calls of the allowed functions
+            grammar = forced_call_grammar(tools, choice, parallel_tool_calls)
+        except tool_grammar.GrammarError as e:
+            raise ToolRequestError(e.param, str(e).removeprefix(f"{e.param}: ")) from e
     declared = [tool.model_dump(exclude_none=True) for tool in tools]
-    return ToolPlan(declared, frozenset(names), parse=True, parallel=parallel_tool_calls)
+    return ToolPlan(declared, frozenset(names), parse=True, parallel=parallel_tool_calls,
+                    grammar=grammar)
 
 
 def forced_call_grammar(tools: list[Tool], tool_choice: ToolChoice, parallel: bool) -> str:
