@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from rvcompile.artifacts.signature import load_signing_key, sign_artifact, write_keypair
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.cli import app
+from rvcompile.runtime.engine import EngineStats
 from rvcompile.runtime.serve.server import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,8 +132,8 @@ def test_rollout_script_is_valid_sh_and_calls_the_checker() -> None:
 
 
 def test_every_metric_deploy_md_names_is_exposed() -> None:
-    stats = SimpleNamespace(running=0, waiting=0, kv_total={"full": 1}, kv_used={"full": 0},
-                            prefix_queried=0, prefix_hit=0, preemptions=0)
+    stats = EngineStats(running=0, waiting=0, kv_used={"full": 0}, kv_total={"full": 1},
+                        prefix_queried=0, prefix_hit=0, preemptions=0, steps=0)
     metrics = Metrics(SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats)))
     metrics.requests.labels("/v1/completions", "200").inc()
     metrics.finished.labels("stop").inc()

@@ -144,8 +144,13 @@ def test_models_health_metrics(server):
     assert metrics["rvrun_kv_blocks_total{kind=sliding}"] == 8
 
 
+def access_lines(server) -> list[str]:
+    return [line for line in list(server.lines) if line.startswith("rvrun: access")]
+
+
 def test_completions_plain_and_streamed(server, model):
     c = server.client()
+    before = len(access_lines(server))  # the module's server logged earlier tests' requests
     prompt = "The quick brown fox"
     ids = model.encode(prompt)
     want = greedy(model, ids, 12)
@@ -167,10 +172,10 @@ def test_completions_plain_and_streamed(server, model):
     assert sum(bool(p) for p in pieces) >= 6  # a chunk per token, not one at the end
     httpx.get(f"{server.base}/nope")
     deadline = time.monotonic() + 10  # each line is written once its response has ended
-    while len([line for line in server.lines if line.startswith("rvrun: access")]) < 3:
+    while len(access_lines(server)) < before + 3:
         assert time.monotonic() < deadline, "".join(server.lines)
         time.sleep(0.05)
-    access = [line.split() for line in server.lines if line.startswith("rvrun: access")][-3:]
+    access = [line.split() for line in access_lines(server)[before:before + 3]]
     for fields in access[:2]:
         assert fields[2:5] == ["POST", "/v1/completions", "200"]
         assert fields[5:7] == [f"tokens_in={len(ids)}", "tokens_out=12"]
