@@ -15,7 +15,10 @@ The limits are what the device takes, so nothing a request holds can fail a step
   that agree there sample alike;
 - stop: a string or a list of at most MAX_STOP_STRINGS strings of 1 to MAX_STOP_CHARS
   characters each (the text is searched for each of them after every token);
-- ignore_eos: a bool.
+- ignore_eos: a bool;
+- speculation (speculative decoding, runtime/speculative.py): None, or a method the artifact
+  offers ("ngram" needs its verify entry point, `rvcompile build --num-draft-tokens K`;
+  "assistant" also its drafter, `--assistant`) and num_draft_tokens an int in [1, K] (None: K).
 
 A refusal is a RequestError: a ValueError whose `param` names the field (callers map it to their
 spelling: `--top-k`, `max_completion_tokens`, `messages`) and whose message is one line.
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.speculative import METHODS, Speculation
 
 if TYPE_CHECKING:
     from rvcompile.runtime.engine import Request
@@ -60,6 +64,8 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    max_draft_tokens: int = 0  # drafts one verify call checks (0: no speculative decoding)
+    has_drafter: bool = False  # the artifact carries an assistant drafter
 
     def check(self, request: Request) -> Request:
         """The request with every field checked and normalized (ids as ints, top_k -1 as 0,
@@ -80,7 +86,28 @@ class RequestLimits:
         return dataclasses.replace(
             request, prompt_ids=ids, max_tokens=max_tokens,
             sampling=check_sampling(request.sampling, self.vocab_size),
-            stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos))
+            stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos),
+            speculation=self.speculation(request.speculation))
+
+    def speculation(self, spec: object) -> Speculation | None:
+        """spec checked against what the artifact offers, num_draft_tokens filled in."""
+        if spec is None:
+            return None
+        if not isinstance(spec, Speculation):
+            raise RequestError("speculative", f"expected a Speculation, got {_kind(spec)}")
+        method = check_method(spec.method)
+        if not self.max_draft_tokens:
+            raise RequestError("speculative", f"{method}: the artifact has no verify entry "
+                                              "point (build it with --num-draft-tokens K)")
+        if method == "assistant" and not self.has_drafter:
+            raise RequestError("speculative", "assistant: the artifact has no assistant "
+                                              "drafter (build it with --assistant)")
+        k = self.max_draft_tokens if spec.num_draft_tokens is None else _int(
+            "num_draft_tokens", spec.num_draft_tokens)
+        if not 1 <= k <= self.max_draft_tokens:
+            raise RequestError("num_draft_tokens", f"must be 1 to {self.max_draft_tokens} (the "
+                                                   f"artifact's verify rows - 1), got {k}")
+        return Speculation(method, k)
 
     def token_ids(self, ids: object, param: str) -> list[int]:
         """ids as a list of ints in [0, vocab_size), 1 to max_model_len of them."""
@@ -127,6 +154,14 @@ def check_sampling(s: Sampling, vocab_size: int | None) -> Sampling:
     if not INT64_MIN <= seed <= INT64_MAX:
         raise RequestError("seed", f"must be a 64-bit integer, got {seed}")
     return Sampling(temperature, max(top_k, 0), top_p, seed & SEED_MASK)
+
+
+def check_method(method: object) -> str:
+    """A speculative decoding method's name: one of speculative.METHODS."""
+    if method not in METHODS:
+        raise RequestError("speculative", f"expected one of {', '.join(METHODS)}, got "
+                                          f"{_kind(method)}")
+    return method
 
 
 def check_stop(stop: object) -> tuple[str, ...]:
