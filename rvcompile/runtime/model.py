@@ -4,6 +4,7 @@
     out = m.generate("Hello", max_tokens=32, temperature=0.7, top_k=40, top_p=0.95, seed=1)
     for piece in m.generate_stream(...): ...      # text pieces as tokens arrive
     m.logits(token_ids) -> np.ndarray [T, vocab]  # teacher-forced, every position
+    m.generate("Hello", speculative="ngram", num_draft_tokens=3)  # or "assistant"
 
 Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
 paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
@@ -11,6 +12,11 @@ serve` drives from a background thread. Where the artifact has a device-side dec
 nothing else runs, tokens come up to its decode_loop_steps at a time, so generate_stream yields
 in bursts of that many. Call generate and logits from one thread, and not while a server runs
 the engine.
+
+Speculative decoding (`speculative`: "assistant", the artifact's drafter, or "ngram", prompt
+lookup; `num_draft_tokens`: drafts per round, default the artifact's most) changes no token: a
+seeded or greedy generation gives the same tokens with it as without (runtime/speculative.py);
+the result counts the drafts verified and accepted.
 
 generate's arguments are checked where they enter the engine (request_limits, the same check
 `rvrun serve` runs): a bad one raises RequestError (a ValueError) naming it. A generation the
@@ -32,6 +38,7 @@ from rvcompile.artifacts.contents import Contents, read_contents
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
+from rvcompile.runtime.request_limits import speculation_of
 
 
 @dataclass
@@ -43,6 +50,8 @@ class GenerationResult:
     ttft_s: float = 0.0  # prompt in -> first new token out
     decode_s: float = 0.0  # time spent producing tokens after the first
     stats: dict = field(default_factory=dict)
+    drafted_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_tokens: int = 0  # of them, accepted (each one a target step saved)
 
     @property
     def decode_tok_s(self) -> float:
@@ -107,30 +116,33 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop: str | Sequence[str] = (), ignore_eos: bool = False,
-                 chat: bool = False) -> GenerationResult:
+                 chat: bool = False, speculative: str | None = None,
+                 num_draft_tokens: int | None = None) -> GenerationResult:
         *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                    ignore_eos, chat)
+                                    ignore_eos, chat, speculative, num_draft_tokens)
         return result
 
     def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, stop: str | Sequence[str] = (), ignore_eos: bool = False,
-                        chat: bool = False) -> Iterator[str]:
+                        chat: bool = False, speculative: str | None = None,
+                        num_draft_tokens: int | None = None) -> Iterator[str]:
         """Yields text pieces as they become final; the last GenerationResult is on
         `self.last_result` afterwards."""
         emitted = 0
         for text, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                      ignore_eos, chat):
+                                      ignore_eos, chat, speculative, num_draft_tokens):
             self.last_result = result
             if len(text) > emitted:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat):
+    def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat,
+             speculative=None, num_draft_tokens=None):
         """Yields (final text so far, GenerationResult so far) after each new token."""
         request = Request(f"generate-{next(self._ids)}", self._prompt_ids(prompt, chat),
                           max_tokens, Sampling(temperature, top_k, top_p, seed), stop,
-                          ignore_eos)
+                          ignore_eos, speculation_of(speculative, num_draft_tokens))
         t0 = time.perf_counter()
         self.engine.add(request)
         res = GenerationResult([], "", "length", len(request.prompt_ids))
@@ -145,6 +157,8 @@ class Model:
                     res.decode_s = now - t0 - res.ttft_s
                     res.token_ids += out.token_ids
                     res.text += out.text
+                    res.drafted_tokens = out.drafted_tokens
+                    res.accepted_tokens = out.accepted_tokens
                     if out.finish_reason == "error":
                         raise RuntimeError(f"generation failed: {out.error}")
                     if out.finished:

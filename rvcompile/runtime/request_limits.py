@@ -156,6 +156,16 @@ def check_sampling(s: Sampling, vocab_size: int | None) -> Sampling:
     return Sampling(temperature, max(top_k, 0), top_p, seed & SEED_MASK)
 
 
+def speculation_of(method: object, num_draft_tokens: object) -> Speculation | None:
+    """The Speculation a caller's two arguments ask for (method None: none; then
+    num_draft_tokens must be None too). RequestLimits.speculation checks the rest."""
+    if method is None:
+        if num_draft_tokens is not None:
+            raise RequestError("num_draft_tokens", "only with speculative (assistant or ngram)")
+        return None
+    return Speculation(check_method(method), num_draft_tokens)
+
+
 def check_method(method: object) -> str:
     """A speculative decoding method's name: one of speculative.METHODS."""
     if method not in METHODS:

@@ -9,7 +9,8 @@ types (the schemas below check types only), values out of range and prompts that
 waiting queue is full or the engine is lost (a device error; /health then says why). A request
 the engine fails to run gets a 500 (or an error event in its stream); the others go on. A client
 that disconnects, streaming or not, aborts its request, which frees its sequence at the next
-step.
+step. With `ServeOptions.speculation` (`rvrun serve --speculative`), every request runs with
+speculative decoding (the same tokens); /metrics counts the drafts verified and accepted.
 
 The HTTP layer (`HttpOptions`, the guards at the end of this module): every error, unknown routes
 (404), wrong methods (405) and failures in a route (500, traceback in the server log only)
@@ -53,6 +54,7 @@ from rvcompile.runtime.engine import Request as EngineRequest
 from rvcompile.runtime.executor_api import Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
+from rvcompile.runtime.speculative import Speculation
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -214,6 +216,15 @@ class _EngineCollector:
                                 value=s.prefix_hit / s.prefix_queried if s.prefix_queried else 0)
         yield CounterMetricFamily("rvrun_preemptions", "Sequences preempted for KV blocks",
                                   value=s.preemptions)
+        yield CounterMetricFamily("rvrun_spec_draft_tokens",
+                                  "Speculative decoding: draft tokens verified", value=s.drafted)
+        yield CounterMetricFamily("rvrun_spec_accepted_tokens",
+                                  "Speculative decoding: draft tokens accepted", value=s.accepted)
+        yield CounterMetricFamily("rvrun_spec_verify_calls",
+                                  "Speculative decoding: verify calls run", value=s.verify_calls)
+        yield GaugeMetricFamily("rvrun_spec_acceptance_rate",
+                                "Accepted / drafted tokens, since start",
+                                value=s.accepted / s.drafted if s.drafted else 0)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -223,6 +234,7 @@ class _EngineCollector:
 class ServeOptions:
     model_name: str  # the only model id requests may name
     max_waiting: int = 256  # requests queued beyond this get 503
+    speculation: Speculation | None = None  # every request's speculative decoding (checked)
 
 
 def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None) -> FastAPI:
@@ -342,7 +354,7 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine_request = EngineRequest(rid, ids, max_tokens,
                                    Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos)
+                                   body.ignore_eos, speculation=options.speculation)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
