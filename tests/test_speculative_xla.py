@@ -9,7 +9,7 @@ Model.generate, the engine, `rvrun` and `rvrun serve`'s app.
 - Sampling's distribution with speculation equals the target's: a chi-square two-sample test of
   the first token decided after a round of drafts, on a small effective vocabulary (top_k 4),
   seeds disjoint between the arms. (Checked while writing it: with the acceptance rule replaced
-  by "accept every draft" the same test fails with p < 1e-30.)
+  by "accept every draft" the same test fails with p = 2e-50.)
 - A batch of plain, assistant and n-gram requests, greedy and sampled, under KV pools small
   enough to preempt, gives each request its solo tokens.
 - rvrun --speculative and its refusals; /metrics counts drafts.
@@ -40,7 +40,7 @@ from rvcompile.sources.random_weights import random_assistant_tensors
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
 K = 3
-OPTS = BuildOptions("xla-f32", max_context=320, prefill_buckets=(16,), max_seqs=4,
+OPTS = BuildOptions("xla-f32", max_context=320, prefill_buckets=(16,), max_seqs=2,
                     platforms=("cpu",), draft_tokens=K, decode_loop_steps=8)
 N_GREEDY = 256
 
@@ -103,7 +103,7 @@ def test_greedy_speculation_is_greedy_and_transformers(model):
 
 def test_seeded_sampling_keeps_its_tokens(model):
     prompt = prompt_ids(model)
-    kw = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
+    kw = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
     plain = model.generate(prompt, **kw).token_ids
     for spec in ("assistant", "ngram"):
         assert model.generate(prompt, speculative=spec, num_draft_tokens=2, **kw).token_ids == \
@@ -123,7 +123,7 @@ def chi_square_p(a: Counter, b: Counter) -> float:
     return float(chi2_contingency(np.array(rows)).pvalue)
 
 
-N_SAMPLES = 240
+N_SAMPLES = 160
 
 
 def sample_third_tokens(model, prompt, speculation, seeds) -> Counter:
@@ -152,12 +152,13 @@ def test_sampling_distribution_with_speculation_is_the_targets(model):
 
 
 def test_mixed_batch_with_preemption_gives_solo_tokens(artifact, model):
-    """Plain, assistant and n-gram requests, greedy and seeded, in one engine whose full-attention
-    pool holds 24 blocks (a 320-token sequence needs 20): they preempt each other."""
-    small = runtime.load(artifact, kv_blocks={"full": 24})
+    """Plain, assistant and n-gram requests, greedy and seeded, two at a time in one engine whose
+    full-attention pool holds 16 blocks of 16 tokens (a 200-token sequence needs 13; two of these
+    need 18): they run in the same steps and preempt each other."""
+    small = runtime.load(artifact, kv_blocks={"full": 16}, max_model_len=200)
     prompt = prompt_ids(model)
     cases = []
-    for i, spec in enumerate([None, "assistant", "ngram", "assistant", None, "ngram"]):
+    for i, spec in enumerate([None, "assistant", "ngram", None]):
         sampling = {"temperature": 0.7, "top_k": 20, "seed": i} if i % 2 else {}
         cases.append((f"r{i}", prompt[:12 + i], spec, sampling))
     solo = {rid: model.generate(p, max_tokens=120, ignore_eos=True, **s).token_ids
