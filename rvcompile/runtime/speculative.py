@@ -1,5 +1,5 @@
-"""Speculative decoding's host-side pieces, pure Python: what a request asks for (`Speculation`),
-n-gram (prompt lookup) drafting, and acceptance.
+"""Speculative decoding's host-side pieces (numpy at most, no device): what a request asks for
+(`Speculation`), n-gram (prompt lookup) drafting, and acceptance.
 
 A round of one sequence (executor_api, "Speculative decoding"): the engine drafts up to k tokens
 (with the artifact's assistant, `Executor.draft`, or here by n-gram lookup), the target runs the
@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 METHODS = ("assistant", "ngram")
 
 
@@ -45,24 +47,23 @@ def ngram_drafts(tokens: Sequence[int], k: int) -> list[int]:
     """Up to k drafts for what follows `tokens`: find the longest suffix of `tokens` that also
     ends earlier in them (its most recent such occurrence) and propose the k tokens that
     followed it there (fewer where the sequence ends first). [] when the last token never
-    occurred before."""
+    occurred before. One vectorised pass per suffix length that still matches."""
     n = len(tokens)
     if n < 2 or k < 1:
         return []
-    last = tokens[-1]
-    # ends: exclusive end positions e < n of earlier occurrences of the suffix matched so far
-    ends = [e for e in range(1, n) if tokens[e - 1] == last]
+    seq = np.asarray(tokens, np.int64)
+    ends = np.flatnonzero(seq[:-1] == seq[-1]) + 1  # exclusive ends of earlier matches
     length = 1
-    while ends and length < n - 1:
-        longer = [e for e in ends if e - length - 1 >= 0
-                  and tokens[e - length - 1] == tokens[n - length - 1]]
-        if not longer:
+    while ends.size and length < n - 1:
+        ends_ok = ends[ends - length - 1 >= 0]
+        longer = ends_ok[seq[ends_ok - length - 1] == seq[n - length - 1]]
+        if not longer.size:
             break
         ends, length = longer, length + 1
-    if not ends:
+    if not ends.size:
         return []
-    e = ends[-1]
-    return list(tokens[e:e + k])
+    e = int(ends[-1])
+    return [int(t) for t in seq[e:e + k]]
 
 
 def accepted(drafts: Sequence[int], target: Sequence[int]) -> int:
