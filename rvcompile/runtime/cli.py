@@ -257,7 +257,9 @@ def serve_main(argv: list[str]) -> int:
     host, port = sock.getsockname()[:2]
     kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
     print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
-          f"context {m.max_context}, KV blocks {kv}", file=sys.stderr, flush=True)
+          f"context {m.max_context}, KV blocks {kv}"
+          + (f", speculative {speculation.method} ({speculation.num_draft_tokens} drafts)"
+             if speculation else ""), file=sys.stderr, flush=True)
     return run(app, sock, a.drain_timeout, log=lambda line: print(line, file=sys.stderr,
                                                                   flush=True))
 
