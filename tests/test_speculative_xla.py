@@ -12,7 +12,7 @@ Model.generate, the engine, `rvrun` and `rvrun serve`'s app.
   by "accept every draft" the same test fails with p = 2e-50.)
 - A batch of plain, assistant and n-gram requests, greedy and sampled, under KV pools small
   enough to preempt, gives each request its solo tokens.
-- rvrun --speculative and its refusals; /metrics counts drafts.
+- rvrun and rvrun serve --speculative and their refusals; /metrics counts drafts.
 """
 
 from __future__ import annotations
@@ -200,6 +200,13 @@ def test_rvrun_speculative(artifact, model):
          "--num-draft-tokens: must be 1 to 3"),
     ]:
         p = run_rvrun(str(artifact), *base, *args)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+    serve = ["serve", str(artifact), "--port", "0", "--no-verify"]
+    for args, needle in [(["--speculative", "medusa"], "--speculative: expected one of"),
+                         (["--speculative", "ngram", "--num-draft-tokens", "4"],
+                          "--num-draft-tokens: must be 1 to 3")]:
+        p = run_rvrun(*serve, *args)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
 
