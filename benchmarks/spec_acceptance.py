@@ -42,7 +42,7 @@ def text_acceptance(tokens: list[int], k: int) -> float:
     """Tokens per round when a target emits `tokens` and n-gram lookup drafts k per round."""
     i, rounds = WARMUP, 0
     while i < len(tokens):
-        drafts = ngram_drafts(tokens[:i], k)
+        drafts = ngram_drafts(tokens[:i], min(k, len(tokens) - i))
         i += accepted(drafts, tokens[i:]) + 1
         rounds += 1
     return (len(tokens) - WARMUP) / rounds
