@@ -98,7 +98,8 @@ class RequestLimits:
         method = check_method(spec.method)
         if not self.max_draft_tokens:
             raise RequestError("speculative", f"{method}: the artifact has no verify entry "
-                                              "point (build it with --num-draft-tokens K)")
+                                              "point (an XLA target built with "
+                                              "--num-draft-tokens K has one)")
         if method == "assistant" and not self.has_drafter:
             raise RequestError("speculative", "assistant: the artifact has no assistant "
                                               "drafter (build it with --assistant)")
