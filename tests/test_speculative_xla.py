@@ -217,13 +217,13 @@ def test_serve_counts_drafts_in_metrics(model):
 
     from rvcompile.runtime.serve.server import ServeOptions, create_app
 
+    want = model.generate("And the angel said", max_tokens=40, ignore_eos=True).text
     app = create_app(model, ServeOptions("m", 8, Speculation("ngram", K)))
-    with TestClient(app) as client:
+    with TestClient(app) as client:  # its engine thread now runs model.engine
         r = client.post("/v1/completions", json={"model": "m", "prompt": "And the angel said",
                                                  "max_tokens": 40, "temperature": 0,
                                                  "ignore_eos": True})
         assert r.status_code == 200, r.text
-        want = model.generate("And the angel said", max_tokens=40, ignore_eos=True).text
         assert r.json()["choices"][0]["text"] == want
         metrics = {s.name: s.value for f in text_string_to_metric_families(
             client.get("/metrics").text) for s in f.samples}
