@@ -14,8 +14,8 @@ Speculative decoding (a request's `speculation`, runtime/speculative.py; executo
 speculative contract): a speculating sequence runs every token past its prompt through the
 executor's verify call, never decode, so it is computed the same way under any load. Each step,
 after the prefill and decode calls: one draft call for the sequences drafting with the
-assistant (those with a state from their previous verify: a fresh or recomputed one verifies
-its last token alone first), n-gram lookup for the others, then one verify call for every
+assistant (those with a state from their previous verify: a just prefilled one verifies its
+last token alone first), n-gram lookup for the others, then one verify call for every
 speculating sequence; the scheduler keeps the matching drafts (`Scheduler.verified`). Sequences
 with and without drafting share a step, in separate calls (a decode lane and a verify row are
 different call shapes, and a row's bits may depend on its call's shape). Speculation runs
