@@ -9,7 +9,9 @@ from the usage chunk when the server sends one). Prompts are synthetic text of a
 
 Per level: output tokens/s over the level's wall time, requests/s, and p50/p90/p99 of time to
 first token (request sent -> first content chunk) and inter-token latency (gaps between content
-chunks of a request, over all requests). Prints a table, writes a JSON report.
+chunks of a request, over all requests). With `--response-format`, every request is
+constrained (structured outputs); against rvrun the report adds the host time per grammar mask
+(its /metrics counters). Prints a table, writes a JSON report.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080/v1 --concurrency 1,2,4,8 \\
         --requests 32 --prompt-words 64 --output-tokens 64 --json out.json
@@ -93,6 +95,10 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
                "max_tokens": args.output_tokens, "temperature": args.temperature,
                "stream": True, "stream_options": {"include_usage": True},
                "ignore_eos": True} for _ in range(n_requests + 1)]
+    if args.response_format:
+        for b in bodies:
+            b["response_format"] = args.response_format
+    masks_before = grammar_masks(url)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         await one_request(client, url, bodies.pop())  # warm-up, excluded
@@ -117,10 +123,33 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
             return {}
         return {f"p{p}_ms": float(np.percentile(a, p) * 1e3) for p in (50, 90, 99)}
 
+    masks = None
+    if masks_before is not None:  # rvrun's own counters: host time per grammar mask
+        after = grammar_masks(url)
+        n = after[1] - masks_before[1]
+        masks = {"masks": n, "host_s": after[0] - masks_before[0],
+                 "us_per_mask": (after[0] - masks_before[0]) / n * 1e6 if n else 0.0}
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(ok),
+            "grammar_masks": masks,
             "errors": sorted({r.error for r in results if not r.ok})[:3], "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall,
             "requests_per_s": len(ok) / wall, "ttft": pct(ttft), "itl": pct(itl)}
+
+
+def grammar_masks(url: str) -> tuple[float, float] | None:
+    """(host seconds, masks) of rvrun's grammar counters at /metrics; None for other servers."""
+    try:
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total"):
+            values[name] = float(value)
+    if len(values) != 2:
+        return None
+    return values["rvrun_grammar_mask_seconds_total"], values["rvrun_grammar_masks_total"]
 
 
 def main() -> None:
@@ -134,7 +163,16 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--response-format", default=None,
+                   help="structured outputs: 'json_object', or a JSON schema file for "
+                        "json_schema (the cost of constrained decoding)")
     a = p.parse_args()
+    if a.response_format == "json_object":
+        a.response_format = {"type": "json_object"}
+    elif a.response_format:
+        with open(a.response_format) as f:
+            a.response_format = {"type": "json_schema", "json_schema": {
+                "name": "bench", "schema": json.load(f), "strict": True}}
     url = a.url.rstrip("/")
     model = a.model or httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
     report = {"url": url, "model": model, "args": vars(a), "levels": []}
@@ -159,6 +197,10 @@ def main() -> None:
               f"{level['requests_per_s']:>7.2f} {fmt(t):>22} {fmt(itl):>22}", flush=True)
         if level["errors"]:
             print(f"     errors: {level['errors']}")
+        if level["grammar_masks"] and level["grammar_masks"]["masks"]:
+            g = level["grammar_masks"]
+            print(f"     grammar masks: {g['masks']:.0f}, {g['us_per_mask']:.0f} us each on "
+                  "the host")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

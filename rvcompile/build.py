@@ -6,9 +6,9 @@ what the artifact stores (targets/api.py). What every artifact has (header, mode
 sections, weights) is written here.
 
 Weights stream: each checkpoint tensor is read, encoded for every ParamSpec derived from it and
-written to its slots in the artifact before the next is read, so peak host memory is about one
-shard's page cache plus the largest tensor. The artifact appears only when complete (temp file +
-rename, via ArtifactWriter).
+written to its slots in the artifact before the next is read, a large one in row blocks of
+ROW_BLOCK_BYTES, so peak host memory does not grow with the model (docs/DEPLOY.md measures
+it). The artifact appears only when complete (temp file + rename, via ArtifactWriter).
 
 With an assistant (`--assistant DIR | PRESET`, checkpoint.load_assistant_source), its drafter
 joins the IR at the front end (draft_frontend.add_assistant), so the target's pipeline casts and
@@ -20,8 +20,9 @@ CLI's `--num-draft-tokens`) sizes the speculative entry points of the targets th
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,12 @@ from rvcompile.ir.frontend import build_model_ir
 from rvcompile.ir.graph import ModelIR, check_model
 from rvcompile.model.assistant import AssistantConfig
 from rvcompile.passes.weight_math import encode_all
-from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
+from rvcompile.progress import Phases
+from rvcompile.sources.checkpoint import (
+    load_assistant_source,
+    load_model_source,
+    read_chat_template_file,
+)
 from rvcompile.sources.model_source import AssistantSource, CheckpointError, ModelSource
 from rvcompile.targets import get_target, registry
 from rvcompile.targets.api import KV_CACHE_CHOICES, BuildOptions, Target
@@ -130,28 +136,42 @@ def format_ir(ir: ModelIR) -> str:
 
 def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path | None = None,
                    random_weights: bool = False, seed: int = 0, random_ranges=None,
-                   assistant: str | None = None, progress: bool = True,
-                   log=print) -> BuildReport:
+                   assistant: str | None = None, chat_template: Path | None = None,
+                   progress: bool = True, log=print, provenance=None) -> BuildReport:
     """`random_ranges`: with random_weights, what each tensor is drawn from (a
     random_weights.RangeRule; default what `--random-weights` draws); the manifest names it.
     `assistant`: an assistant directory or preset whose drafter joins the artifact (random
-    weights with `random_weights`, like the target's)."""
+    weights with `random_weights`, like the target's). `chat_template`: a Jinja file that sets
+    or replaces the model's chat template (checked to render in the runtime's sandbox first).
+    `progress`: show the phases on stderr (progress.Phases: a bar on a terminal, else one `log`
+    line per finished phase). `provenance`: a function of the manifest, once the rest of it is
+    known, to the manifest's "provenance" record (the recipe, toolchain and input digests,
+    provenance.build_recipe); None: no record."""
     t0 = time.perf_counter()
+    phases = Phases("rvcompile", Phases.mode_for(progress), write=log)
+    template = None if chat_template is None else read_chat_template_file(chat_template)
     target, opts = prepare(opts)
     if assistant is not None:
         check_assistant_options(opts)
-    source = load_model_source(model, weights=weights, random_weights=random_weights, seed=seed,
-                               random_ranges=random_ranges)
-    drafter: AssistantSource | None = None
-    if assistant is not None:
-        drafter = load_assistant_source(assistant, source.config, random_weights=random_weights,
-                                        seed=seed, random_ranges=random_ranges)
-    ir = lower_model(source, opts, log, drafter and drafter.config)
+    with phases.phase("read"):
+        source = load_model_source(model, weights=weights, random_weights=random_weights,
+                                   seed=seed, random_ranges=random_ranges)
+        drafter: AssistantSource | None = None
+        if assistant is not None:
+            drafter = load_assistant_source(assistant, source.config,
+                                            random_weights=random_weights, seed=seed,
+                                            random_ranges=random_ranges)
+    if template is not None:
+        source = replace(source, chat_template=template)
+    with phases.phase("passes"):
+        ir = lower_model(source, opts, log, drafter and drafter.config)
     if opts.max_context > ir.max_context:  # lower_model clamps it to the model's positions
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
             f"{ir.max_context} tokens")
-    lowered = target.lower(ir, opts, log)
+    # export, nvcc, XLA precompile: one phase, inside the target
+    with phases.phase(f"lower for {target.name}"):
+        lowered = target.lower(ir, opts, log)
     header = ArtifactHeader(compiler_version=__version__, target=opts.target,
                             platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {
@@ -175,6 +195,8 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
                                  "config": drafter.config.to_hf_dict(),
                                  "origin": Path(drafter.origin).name}
         tensors += drafter.tensors
+    if provenance is not None:
+        manifest["provenance"] = provenance(manifest)
     specs_by_source: dict[str, list] = {}
     for p in ir.params:
         specs_by_source.setdefault(p.source, []).append(p)
@@ -192,31 +214,59 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)
-        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, progress)
+        _stream_weights(w, tensors, specs_by_source, lowered.slots_by_param, phases)
         _zero_fill_gaps(w, lowered.slots_by_param, lowered.weights_nbytes)
-        w.commit(manifest)
+        size = w.size()
+        with phases.phase("hash", total=size, unit="B") as p:
+            w.commit(manifest, on_hashed=p.advance)
     return BuildReport(out, time.perf_counter() - t0, lowered.weights_nbytes, out.stat().st_size)
 
 
-def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
-                    progress: bool) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
+# Tensors above this many float32 bytes are read, encoded and written in row blocks of about
+# this size (every ParamSpec.derive works row by row), so a build's peak memory is a few blocks
+# whatever the model: E4B's per-layer embedding table alone is 11 GB as float32.
+ROW_BLOCK_BYTES = 256 << 20
 
+
+def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
+                    phases: Phases) -> None:
     total = sum(t.numel * 4 for t in tensors)
-    with Progress(TextColumn("weights"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TransferSpeedColumn(), disable=not progress, transient=True) as bar:
-        task = bar.add_task("weights", total=total)
+    with phases.phase("quantize + write weights", total=total, unit="B") as bar:
         for ref in tensors:
-            arr = ref.load_stored()  # a pre-quantized FP8 tensor stays as stored
-            specs = specs_by_source.get(ref.name, ())
-            for name, enc in encode_all({p.name: p.derive for p in specs}, arr).items():
-                for slot in slots_by_param[name]:
-                    if enc.nbytes != slot.nbytes:
-                        raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to "
-                                              f"{enc.nbytes} bytes, layout expects {slot.nbytes}")
-                    w.write("weights", slot.offset, np.ascontiguousarray(enc))
-            del arr
-            bar.advance(task, ref.numel * 4)
+            derives = {p.name: p.derive for p in specs_by_source.get(ref.name, ())}
+            rows = math.prod(ref.shape[:-1])
+            for first, stop, block in _blocks(ref, rows):
+                # a pre-quantized FP8 tensor's block stays as stored
+                for name, enc in encode_all(derives, block).items():
+                    for slot in slots_by_param[name]:
+                        offset = _block_offset(ref, rows, slot, first, stop, enc.nbytes)
+                        w.write("weights", offset, np.ascontiguousarray(enc))
+                del block
+                bar.advance(ref.numel * 4 * (stop - first) // max(1, rows))
+
+
+def _blocks(ref, rows: int):
+    """(first row, stop row, what load_stored gives for those rows) covering `ref` seen as
+    [rows, shape[-1]]: the whole tensor at once when it is small or its source reads only whole
+    tensors."""
+    if ref.rows is None or len(ref.shape) < 2 or ref.numel * 4 <= ROW_BLOCK_BYTES:
+        yield 0, rows, ref.load_stored()
+        return
+    step = max(1, ROW_BLOCK_BYTES // (4 * ref.shape[-1]))
+    for first in range(0, rows, step):
+        stop = min(rows, first + step)
+        yield first, stop, ref.rows(first, stop)
+
+
+def _block_offset(ref, rows: int, slot, first: int, stop: int, nbytes: int) -> int:
+    """Where rows [first, stop) of a param stored in `slot` go, their encoding being `nbytes`
+    long: every derivation keeps the source's row order, so a row takes slot.nbytes / rows."""
+    row_bytes = slot.nbytes // max(1, rows)
+    if row_bytes * max(1, rows) != slot.nbytes or nbytes != (stop - first) * row_bytes:
+        raise CheckpointError(f"{ref.origin}: tensor {ref.name} encodes to {nbytes} bytes for "
+                              f"rows {first}-{stop} of {rows}, layout expects {slot.nbytes} "
+                              "for all of them")
+    return slot.offset + first * row_bytes
 
 
 def _zero_fill_gaps(w: ArtifactWriter, slots_by_param, total: int) -> None:

@@ -11,5 +11,7 @@ mkdir -p build
     --max-context 512 --prefill-buckets 16,64 -o build/rv-gemma4-tiny.rvp
 .venv/bin/rvcompile inspect build/rv-gemma4-tiny.rvp
 .venv/bin/rvrun build/rv-gemma4-tiny.rvp --prompt "In the beginning" --max-tokens 30
+echo "Who made the heavens and the earth?" | .venv/bin/rvrun chat build/rv-gemma4-tiny.rvp \
+    --max-tokens 30
 .venv/bin/rvrun ppl build/rv-gemma4-tiny.rvp --text models/rv-gemma4-tiny/heldout_sample.txt \
     --window 256 --stride 128

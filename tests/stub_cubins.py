@@ -7,6 +7,8 @@ never reach a GPU: the tests that use it stop at the machine check."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
@@ -58,9 +60,11 @@ def _kernels_by_module(schedule: KernelSchedule) -> dict[str, dict[str, tuple[in
     return out
 
 
-def build_h100(out: Path, model: str, opts: BuildOptions, random_weights: bool = True) -> Path:
-    """`rvcompile build MODEL [--random-weights]` for an h100 target, stub cubins in place of
-    nvcc's (the CUDA 13.0 driver is what the header then asks for)."""
+@contextmanager
+def stub_nvcc() -> Iterator[None]:
+    """Within the block, h100 builds (`build_artifact`, `rvcompile build` and `rebuild` run in
+    this process) put stub cubins in place of nvcc's (the CUDA 13.0 driver is what the header
+    then asks for)."""
     import pytest
 
     from rvcompile.targets.h100 import lower, target
@@ -78,6 +82,13 @@ def build_h100(out: Path, model: str, opts: BuildOptions, random_weights: bool =
         mp.setattr(target, "compile_cubin", lambda module: stub_cubin(kernels[module]))
         mp.setattr(target, "nvcc_version", lambda: STUB_NVCC)
         mp.setattr(target, "min_driver", lambda: 13000)
+        yield
+
+
+def build_h100(out: Path, model: str, opts: BuildOptions, random_weights: bool = True) -> Path:
+    """`rvcompile build MODEL [--random-weights]` for an h100 target, stub cubins in place of
+    nvcc's."""
+    with stub_nvcc():
         build_artifact(model, out, opts, random_weights=random_weights, progress=False,
                        log=lambda s: None)
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_output import without_progress
 from safetensors.numpy import load_file, save_file
 
 from rvcompile.artifacts import ArtifactError, ArtifactHeader, check_platform
@@ -38,9 +39,11 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def one_error_line(p: subprocess.CompletedProcess, prog: str, *needles: str) -> str:
-    """The process failed with exactly one stderr line `prog: error: ...` containing needles."""
+    """The process failed with exactly one stderr line `prog: error: ...` containing needles,
+    after any progress lines of the phases it finished (`prog: PHASE done in 1.2 s`: stderr is
+    not a terminal here)."""
     assert p.returncode != 0, p.stderr
-    lines = p.stderr.strip().splitlines()
+    lines = without_progress(p.stderr)
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     for n in needles:

@@ -39,7 +39,8 @@ DISTRIBUTION = {
     "numpy": "numpy", "tokenizers": "tokenizers", "jinja2": "jinja2",
     "cryptography": "cryptography", "cuda": "cuda-python", "fastapi": "fastapi",
     "uvicorn": "uvicorn", "prometheus_client": "prometheus-client", "pydantic": "pydantic",
-    "starlette": "starlette", "jax": "jax", "jaxlib": "jaxlib", "ml_dtypes": "ml-dtypes",
+    "starlette": "starlette", "yaml": "pyyaml", "jax": "jax", "jaxlib": "jaxlib",
+    "ml_dtypes": "ml-dtypes", "llguidance": "llguidance",
 }
 # rvrun's entry points and the server: where an h100 host's imports start.
 H100_HOST = ("rvcompile.runtime", "rvcompile.runtime.cli", RUNTIMES["h100"],
@@ -125,9 +126,18 @@ def test_h100_and_serve_extras_are_what_the_h100_runtime_imports():
     assert not needed & {DISTRIBUTION.get(b, b) for b in BLOCKED}
 
 
+# Imported by the runtime only when a request needs it (a grammar constraint: structured
+# outputs), which is refused in one line naming the extra when it is missing
+# (tests/test_sampler_extras.py checks the refusal): import name -> the extra that brings it.
+OPTIONAL = {"llguidance": "serve"}
+
+
 def test_xla_runtime_needs_only_the_xla_extra():
-    needed = _distributions(third_party_imports(RUNTIMES["xla"]))
+    imports = third_party_imports(RUNTIMES["xla"])
+    needed = _distributions(imports - set(OPTIONAL))
     assert {"jax", "jaxlib", "ml-dtypes"} <= needed <= declared("xla")
+    for name, extra in OPTIONAL.items():
+        assert DISTRIBUTION[name] in declared(extra)
 
 
 def test_import_scan_sees_imports_inside_functions():

@@ -6,10 +6,10 @@ rvcompile/, read with ast (module level and inside functions alike), checked aga
 - no two units import each other, directly or round a longer loop.
 
 A unit is a top-level package or module of rvcompile (`model`, `sources`, `ir`, `passes`,
-`artifacts`, `runtime`, `build`, `cli`, the shared leaves `dtypes` and `chat_template`), each
-target family (`targets.xla`, `targets.h100`: a package under targets/) counting as its own;
-`targets` itself is the interface and registry every family implements (targets/api.py,
-targets/__init__.py).
+`artifacts`, `runtime`, `build`, `cli`, the shared leaves `dtypes`, `chat_template` and
+`yaml_file`, `progress`), each target family (`targets.xla`, `targets.h100`: a package under
+targets/) counting as its own; `targets` itself is the interface and registry every family
+implements (targets/api.py, targets/__init__.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "rvcompile"
 COMPILER = {"model", "sources", "ir", "passes", "targets", "build", "cli"}
-LEAVES = {"dtypes", "chat_template"}
+LEAVES = {"dtypes", "chat_template", "yaml_file", "progress"}
 
 
 def module_name(path: Path) -> str:

@@ -9,6 +9,7 @@ artifact on the CPU. Its KV pools are small (16 full and 8 sliding blocks of 16 
 - each sampling parameter (temperature, top_k, top_p, seed, max_tokens) and stop strings;
 - errors with OpenAI-style bodies and codes: 400, 404, 503 (full queue);
 - batched == one at a time (greedy and seeded), with a shared prefix and with preemption;
+- on chat: logprobs, n samples streamed, a json_schema response_format (issue 16);
 - 64 concurrent streaming clients with mixed prompts and disconnects: every request completes
   or is aborted, and the KV pools are whole afterwards.
 """
@@ -16,6 +17,7 @@ artifact on the CPU. Its KV pools are small (16 full and 8 sliding blocks of 16 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +29,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from cli_output import without_progress
 from prometheus_client.parser import text_string_to_metric_families
 
 from rvcompile import runtime
@@ -162,6 +165,18 @@ def test_completions_plain_and_streamed(server, model):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert sum(bool(p) for p in pieces) >= 6  # a chunk per token, not one at the end
+    httpx.get(f"{server.base}/nope")
+    deadline = time.monotonic() + 10  # each line is written once its response has ended
+    while len([line for line in server.lines if line.startswith("rvrun: access")]) < 3:
+        assert time.monotonic() < deadline, "".join(server.lines)
+        time.sleep(0.05)
+    access = [line.split() for line in server.lines if line.startswith("rvrun: access")][-3:]
+    for fields in access[:2]:
+        assert fields[2:5] == ["POST", "/v1/completions", "200"]
+        assert fields[5:7] == [f"tokens_in={len(ids)}", "tokens_out=12"]
+        assert float(fields[7].removeprefix("ttft_ms=")) > 0
+        assert float(fields[8].removeprefix("duration_ms=")) >= float(fields[7][8:])
+    assert access[2][2:8] == ["GET", "/nope", "404", "tokens_in=-", "tokens_out=-", "ttft_ms=-"]
 
 
 def test_chat_plain_and_streamed_with_the_artifacts_template(server, model):
@@ -187,6 +202,42 @@ def test_chat_plain_and_streamed_with_the_artifacts_template(server, model):
     r = c.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=3,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
+
+
+def test_chat_logprobs_n_and_json_schema(server, model):
+    """Issue 16 on the chat route: logprobs with top_logprobs (greedy: the token is the top
+    one), n samples streamed with an index and logprobs each, a json_schema response_format.
+    (Their values against the logits: tests/test_serve_extras.py, on a float32 artifact.)"""
+    c = server.client()
+    messages = [{"role": "user", "content": "Hello there"}]
+    r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                  logprobs=True, top_logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob <= 0
+        assert e.top_logprobs[1].logprob <= e.logprob and e.bytes == list(e.token.encode())
+    stream = c.chat.completions.create(model=NAME, messages=messages, max_tokens=4, n=2,
+                                       temperature=1.0, seed=3, logprobs=True, stream=True,
+                                       extra_body={"ignore_eos": True})
+    tokens = {0: 0, 1: 0}
+    finished = set()
+    for chunk in stream:
+        for ch in chunk.choices:
+            tokens[ch.index] += len(ch.logprobs.content) if ch.logprobs else 0
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert tokens == {0: 4, 1: 4} and finished == {0, 1}
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=1.0,
+                                  response_format={"type": "json_schema", "json_schema": {
+                                      "name": "a", "schema": schema, "strict": True}})
+    assert json.loads(r.choices[0].message.content) in ({"a": "x"}, {"a": "y"})
+    assert r.choices[0].finish_reason == "stop"
+    assert server.wait_idle()
 
 
 def test_sampling_parameters(server, model):
@@ -263,8 +314,8 @@ def test_errors(server, model):
     assert e.status_code == 400 and e.body["code"] == "context_length_exceeded"
     e = error(lambda: c.completions.create(model=NAME, prompt=[5, 99999], max_tokens=2))
     assert e.status_code == 400 and "vocabulary" in e.body["message"]
-    e = error(lambda: c.completions.create(model=NAME, prompt="hi", n=2))
-    assert e.status_code == 400
+    e = error(lambda: c.completions.create(model=NAME, prompt="hi", n=17))
+    assert e.status_code == 400 and e.body["param"] == "n"
     e = error(lambda: c.chat.completions.create(model=NAME, messages=[]))
     assert e.status_code == 400 and e.body["param"] == "messages"
     e = error(lambda: c.chat.completions.create(
@@ -424,7 +475,7 @@ def test_serve_refuses_bad_options(artifact):
                             "--no-verify", *args], capture_output=True, text=True, env=env,
                            timeout=300)
         assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert len(lines) == 1 and lines[0].startswith("rvrun: error: ") and needle in lines[0]
 
 

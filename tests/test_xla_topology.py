@@ -340,7 +340,8 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
     # flat inputs: weights (sorted keys), then the pools (donated), then tokens, start, ...
     assert [i["donated"] for i in sig["inputs"]].count(True) == len(pools)
     assert all(i["donated"] for i in sig["inputs"][len(weights):len(weights) + len(pools)])
-    assert [o["shape"] for o in sig["outputs"]][-1] == [2]  # the sampled token per lane
+    # the pools, the sampled token per lane, its log-probability, the top ids and their logprobs
+    assert [o["shape"] for o in sig["outputs"]][len(pools):] == [[2], [2], [2, 20], [2, 20]]
     prompt = [2, 17, 5, 99, 3]
     model = load(with_set, trusted_keys=[key[1]], trust_executables=True)
     note = model.executor.load_note
@@ -481,7 +482,7 @@ def _tampered(src: Path, dst: Path, edit) -> None:
     (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][0].update(dtype="bfloat16"),
      "decode_2: input 0 is bfloat16"),
     (lambda r: r["entries"]["decode_2"]["operands"]["outputs"].pop(),
-     "decode_2: 5 outputs, its program has 6"),
+     "decode_2: 8 outputs, its program has 9"),
     (lambda r: r["entries"]["decode_2"]["operands"]["outputs"][0].update(donated=True),
      "decode_2: operands.outputs: an output cannot be donated"),
     (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(spec=["tp", 3]),

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_output import without_progress
 
 from rvcompile.build import BuildOptions
 
@@ -263,7 +264,7 @@ def test_cli_refuses_tp_it_cannot_do(tmp_path):
                        "--tp", str(tp), "-o", str(out), "--max-context", "128",
                        "--prefill-buckets", "32")
         assert p.returncode == 2
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert len(lines) == 1 and needle in lines[0], p.stderr
         assert not out.exists()
 

@@ -31,7 +31,7 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -298,9 +298,14 @@ class ArtifactWriter:
         self.reserve(name, size)
         self.write(name, 0, data)
 
-    def commit(self, manifest: dict[str, Any]) -> None:
+    def size(self) -> int:
+        """Bytes of the sections reserved so far (what commit hashes)."""
+        return sum(r.size for r in self._sections.values())
+
+    def commit(self, manifest: dict[str, Any],
+               on_hashed: Callable[[int], None] | None = None) -> None:
         """Checks coverage, hashes sections' pieces, writes digest table, manifest and header,
-        renames into place."""
+        renames into place. `on_hashed(n)` after each piece of n bytes is hashed (progress)."""
         fd = self._open_fd()
         if not isinstance(manifest, dict):
             raise ArtifactError(f"{self._fname}: manifest must be a dict, not {type(manifest)}")
@@ -319,7 +324,12 @@ class ArtifactWriter:
         pieces = [p for s in spans for p in _cut(s.name, s.offset, s.size, self.piece_size)]
         with _os_errors(f"{self._fname}: committing"):
             with _hashing(fd, pieces, self._threads, self._fname) as digests:
-                table = b"".join(d.result() for d in digests)
+                hashed = []
+                for piece, d in zip(pieces, digests, strict=True):
+                    hashed.append(d.result())
+                    if on_hashed is not None:
+                        on_hashed(piece.size)
+                table = b"".join(hashed)
             end = max((s.offset + s.size for s in spans), default=HEADER_SIZE)
             tinfo = Blob(align_up(end), len(table), hashlib.sha256(table).hexdigest())
             minfo = Blob(

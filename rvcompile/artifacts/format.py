@@ -88,10 +88,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # and one schema keep the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 4
+MIN_READABLE_FORMAT = 5
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -136,6 +136,17 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "config} (speculative decoding with an assistant drafter, issue 15); "
                       "absent: no speculative entry points, as before. Readers before this entry "
                       "refuse such files (an entry point they do not know), never misread them"),
+    ("2026-11-24", 4, "the manifest may carry provenance {recipe, toolchain, inputs}: the build "
+                      "recipe, the versions of the tools that shaped its bytes (rvcompile, numpy, "
+                      "ml_dtypes, jax, jaxlib, libtpu, nvcc), and the "
+                      "sha256 of every input file (issue 21; `rvcompile recipe` and `rebuild` "
+                      "read it); absent: built without one. Earlier readers ignore it"),
+    ("2026-11-24", 5, "XLA manifest carries xla.sampler (top_logprobs K, penalty_ids P, "
+                      "mask_words W): prefill_T and decode_B take, after the sampling arrays, a "
+                      "token mask, penalty ids, counts and factors and the top log-probabilities "
+                      "wanted, and return each token's log-probability and the top K (issue 16; "
+                      "targets/xla/sampler.py); v4 files are refused (rebuild them), since v4 "
+                      "readers would call such programs with too few arguments"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -27,13 +27,26 @@ Fields (format v3; required unless marked optional):
                       optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
                       "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
                       layer each assistant layer reads]} (speculative decoding, see
-                      targets/xla/program.py's verify and draft)
+                      targets/xla/program.py's verify and draft),
+                      sampler {top_logprobs K, penalty_ids P (max_context), mask_words W
+                      (ceil(vocab / 32))} (v5): prefill_T and decode_B take penalties, a token
+                      mask and the top log-probabilities wanted, and return log-probabilities
+                      (targets/xla/sampler.py)
     assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
                       "origin": str, "config": its config.json as
                       model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
                       `_assistant` checks what `inspect` shows and that it drafts for this model
     h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
                       version and schema), "nvcc": str, "arch": str}
+    provenance        optional (v4, 2026-11-24) how the artifact was built (rvcompile/
+                      provenance.py): {"recipe": the build recipe (rvcompile/recipe.py: model,
+                      assistant, chat_template, target (the header's), options; its fields are
+                      checked by the compiler, which alone reads them), "toolchain":
+                      {"rvcompile" (the header's compiler_version), "numpy", "ml_dtypes", "jax",
+                      "jaxlib", "libtpu", "nvcc": str, or null for a tool the build did not
+                      use}, "inputs": {"model", "assistant" and/or "chat_template": {file name:
+                      sha256 hex}}}; absent: built without a recipe (build_artifact called
+                      directly)
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
@@ -123,6 +136,15 @@ class XlaMesh:
 
 
 @dataclass(frozen=True)
+class XlaSampler:
+    """What prefill_{T} and decode_{B} take and return beyond a token (targets/xla/sampler.py)."""
+
+    top_logprobs: int  # K: top log-probabilities per row they return
+    penalty_ids: int  # P: token ids per lane the penalty inputs list (max_context)
+    mask_words: int  # int32 words of a row's token mask: ceil(vocab / 32)
+
+
+@dataclass(frozen=True)
 class XlaSpeculative:
     draft_tokens: int  # K: most drafts one verify call checks
     verify: str  # entry point verify_{max_seqs}x{K+1}
@@ -162,6 +184,7 @@ class XlaManifest:
     pools: tuple[XlaPool, ...]
     mesh: XlaMesh | None  # None: one device
     precompiled: dict[str, dict]  # topology -> record (runtime/executors/precompiled.py), checked
+    sampler: XlaSampler  # what prefill/decode take and return beyond a token (v5)
     speculative: XlaSpeculative | None = None  # verify (and draft) entry points, if built
 
 
@@ -180,6 +203,14 @@ class Manifest:
     xla: XlaManifest | None
     h100: H100Manifest | None
     assistant: AssistantInfo | None = None  # the drafter compiled in, if any
+    provenance: Provenance | None = None  # how it was built, if recorded
+
+
+@dataclass(frozen=True)
+class Provenance:
+    recipe: dict[str, Any]  # as stored; rvcompile/recipe.py checks and reads its fields
+    toolchain: dict[str, str | None]  # tool -> version; None: not installed / not used
+    inputs: dict[str, dict[str, str]]  # input role (INPUT_ROLES) -> file name -> sha256 hex
 
 
 def read_manifest(art: Artifact) -> Manifest:
@@ -217,6 +248,8 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
         if name not in sections:
             m.fail(f"the artifact has no {name!r} section, which a {runtime} model needs")
     model = _model(m["model"])
+    provenance = (_provenance(m["provenance"], header) if m.get("provenance") is not None
+                  else None)
     other = "h100" if runtime == "xla" else "xla"
     if m.get(other) is not None:
         m[other].fail(f"present in an artifact whose header says runtime {runtime!r}")
@@ -227,9 +260,43 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
             (drafter or m).fail("an assistant comes with the xla.speculative draft entry point, "
                                 "and only with it")
         assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
-        return Manifest(model, header.target, runtime, xla, None, assistant)
+        return Manifest(model, header.target, runtime, xla, None, assistant, provenance)
     return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
-                                                                 sections))
+                                                                 sections), None, provenance)
+
+
+TOOLS = ("rvcompile", "numpy", "ml_dtypes", "jax", "jaxlib", "libtpu", "nvcc")
+INPUT_ROLES = ("model", "assistant", "chat_template")
+FILE_NAME = r"[A-Za-z0-9_.+-]{1,200}"
+
+
+def _provenance(p: At, header: ArtifactHeader) -> Provenance:
+    recipe = p["recipe"]
+    for key in ("model", "options"):
+        recipe[key].obj()
+    if recipe["target"].str() != header.target:
+        recipe["target"].fail(f"{recipe['target'].value!r} differs from the header's "
+                              f"{header.target!r}")
+    for key in ("assistant", "chat_template"):  # chat_template: absent before it existed
+        if recipe.obj().get(key) is not None:
+            recipe[key].obj()
+    tools = p["toolchain"]
+    if set(tools.obj()) != set(TOOLS):
+        tools.fail(f"names {sorted(tools.obj())}, not {list(TOOLS)}")
+    versions = {t: None if tools[t].value is None else tools[t].str(max_len=200, printable=True)
+                for t in TOOLS}
+    if versions["rvcompile"] != header.compiler_version:
+        tools["rvcompile"].fail(f"{versions['rvcompile']!r} differs from the header's "
+                                f"compiler_version {header.compiler_version!r}")
+    inputs = {}
+    for role, files in p["inputs"].members(len(INPUT_ROLES)).items():
+        if role not in INPUT_ROLES:
+            files.fail(f"an input is one of {', '.join(INPUT_ROLES)}")
+        for name in files.members(1 << 12):
+            if not re.fullmatch(FILE_NAME, name):
+                files.fail(f"{name[:40]!r} is not a file name")
+        inputs[role] = {name: d.sha256() for name, d in files.members().items()}
+    return Provenance(recipe.value, versions, inputs)
 
 
 def _token_id(at: At, vocab: int) -> int:
@@ -392,7 +459,22 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
         if name not in programs:
             x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
     return XlaManifest(jax_version, platforms, max_seqs, max_context, max_chunk, buckets, steps,
-                       stops, programs, weights, block, kinds, pools, mesh, records, spec)
+                       stops, programs, weights, block, kinds, pools, mesh, records,
+                       _sampler(x["sampler"], max_context, model), spec)
+
+
+def _sampler(at: At, max_context: int, model: ModelInfo) -> XlaSampler:
+    top = at["top_logprobs"].int(1, 1024)
+    if top > model.vocab_size:
+        at["top_logprobs"].fail(f"{top}, more than the vocabulary's {model.vocab_size} tokens")
+    pen = at["penalty_ids"].int(1, INT32_MAX)
+    if pen != max_context:
+        at["penalty_ids"].fail(f"{pen}, not max_context {max_context}")
+    words = at["mask_words"].int(1, INT32_MAX)
+    if words != -(-model.vocab_size // 32):
+        at["mask_words"].fail(f"{words}, not ceil(vocab_size / 32) = "
+                              f"{-(-model.vocab_size // 32)}")
+    return XlaSampler(top, pen, words)
 
 
 def _speculative(at: At, max_seqs: int, max_chunk: int, model: ModelInfo) -> XlaSpeculative:

@@ -539,6 +539,28 @@ def sample_sorted(logits, temperature, top_k, top_p, uniform):
     return int(order[min(i, int(keep.sum()) - 1)])
 
 
+def ref_penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
+    """Rows [B, V] with each row's penalties (the sampler's extras, targets/xla/sampler.py):
+    for each listed id (-1: none), HF's repetition penalty (divide a positive logit, multiply a
+    negative one), then OpenAI's frequency * count + presence * (count > 0) subtracted."""
+    out = np.array(logits, np.float32)
+    for b in range(out.shape[0]):
+        for t, c in zip(pen_ids[b], pen_counts[b], strict=True):
+            if t < 0:
+                continue
+            x = out[b, t]
+            x = x / np.float32(repetition[b]) if x > 0 else x * np.float32(repetition[b])
+            out[b, t] = x - np.float32(frequency[b]) * np.float32(c) - np.float32(
+                presence[b]) * np.float32(c > 0)
+    return out
+
+
+def ref_token_mask(logits, mask):
+    """Rows [B, V] with tokens whose bit in mask [B, ceil(V / 32)] int32 is 0 set to -inf."""
+    bits = np.unpackbits(np.asarray(mask, "<i4").view(np.uint8), axis=-1, bitorder="little")
+    return np.where(bits[:, :logits.shape[-1]] != 0, logits, -np.inf).astype(np.float32)
+
+
 def ref_sample(a, logits, temperature, top_k, top_p, seed, step):
     u = sampling_uniform(seed, step)
     out = np.zeros(logits.shape[0], np.int32)

@@ -14,6 +14,7 @@ from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.contents import content_sections, read_contents
 from rvcompile.artifacts.manifest import Manifest, read_manifest
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
+from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import Executor, LoadOptions
 from rvcompile.runtime.model import GenerationResult, Model
 
@@ -32,7 +33,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
          kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
          max_model_len: int | None = None,
          trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None,
-         trust_executables: bool = False) -> Model:
+         trust_executables: bool = False, phases: Phases | None = None) -> Model:
     """Open `path` and check it, then load it on this machine. Raises ArtifactError with a
     one-line message when the file is damaged or does not fit.
 
@@ -49,7 +50,10 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs
     unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
-    `trusted_keys` signed; by default the StableHLO is compiled."""
+    `trusted_keys` signed; by default the StableHLO is compiled. `phases` (progress.py): what
+    the load shows of its phases ("open", "check", then the executor's verify, upload, compile
+    or graph capture); default: nothing."""
+    phases = phases or Phases("rvrun", "off")
     if trust_executables and trusted_keys is None:
         raise ArtifactError(f"{Path(path).name}: trust_executables needs trusted_keys: XLA runs "
                             "an executable unchecked, so only a signer you trust may supply one")
@@ -59,16 +63,19 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
             raise ArtifactError(f"{Path(path).name}: trusted_keys needs verify: a signature "
                                 "vouches for the sections only through their digests")
         keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
-    art = Artifact.open(Path(path), trusted_keys=keys)
+    with phases.phase("open"):
+        art = Artifact.open(Path(path), trusted_keys=keys)
     try:
-        manifest = read_manifest(art)
-        small = content_sections(manifest)
-        if verify:
-            art.verify(small)
-        contents = read_contents(art, manifest)
+        with phases.phase("check"):
+            manifest = read_manifest(art)
+            small = content_sections(manifest)
+            if verify:
+                art.verify(small)
+            contents = read_contents(art, manifest)
         rest = tuple(name for name in art.sections if name not in small) if verify else ()
         executor = open_executor(art, manifest, LoadOptions(rest, kv_blocks, max_num_seqs,
-                                                            max_model_len, trust_executables))
+                                                            max_model_len, trust_executables,
+                                                            phases))
         return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len)
     except BaseException:

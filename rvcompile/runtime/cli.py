@@ -1,5 +1,9 @@
-"""`rvrun ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
+"""`rvrun [run] ARTIFACT --prompt ...`: stream generated text to stdout, a summary to stderr.
 `rvrun ppl ARTIFACT --text FILE [--window N --stride S]`: the text's perplexity (one line).
+`rvrun chat ARTIFACT`: a conversation through the artifact's chat template, one line a user turn
+read from stdin, each answer streamed to stdout; on a terminal a `> ` prompt and line editing;
+Ctrl-C stops the answer being written (it stays in the history as far as it got), Ctrl-D (the
+end of stdin) ends the session with 0; `/reset` forgets the history.
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
 `rvrun` and `rvrun serve` take `--speculative assistant|ngram [--num-draft-tokens K]`:
@@ -13,20 +17,31 @@ exits 2. The sampling flags get the engine's own request check (runtime/request_
 parts that need no artifact before it loads; a generation the engine fails exits 1. Ctrl-C prints
 `rvrun: interrupted` and exits 130 (serve: after draining); a closed stdout (`rvrun ... | head`)
 ends it quietly with 141.
+
+`rvrun ppl` and `rvrun serve` show the load's phases (and ppl its windows) on stderr: a bar on
+a terminal, else one line per finished phase; `rvrun` itself only on a terminal.
+
+Commands are the entries of COMMANDS (one line each in `rvrun --help`); a first word that is
+neither a command nor an existing file is refused with the closest command, if any ("did you
+mean"). Every option's help shows its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rvcompile.artifacts import ArtifactError
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
+from rvcompile.progress import Phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,26 +67,73 @@ def _exit_on_interrupt(signum: int, frame) -> None:
 
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ppl"]:
-        return ppl_main(argv[1:])
-    if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
-    p = argparse.ArgumentParser(prog="rvrun", description="Run an rvcompile artifact.")
-    p.add_argument("artifact")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    if not argv or argv[0] in ("-h", "--help"):
+        _run_parser().print_help()
+        return 0 if argv else 2
+    first = argv[0]
+    if first in COMMANDS:
+        return COMMANDS[first].main(argv[1:])
+    if not first.startswith("-") and not Path(first).exists() and "." not in Path(first).name:
+        close = difflib.get_close_matches(first, COMMANDS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return _fail(f"{first!r} is neither a command ({', '.join(COMMANDS)}) nor an artifact "
+                     f"file{hint}")
+    return run_main(argv)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help, unless the help already names it; the epilog's
+    lines kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)"
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is False:  # a flag
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
+
+
+def _parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                   formatter_class=_HelpFormatter)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {name:8} {c.summary}" for name, c in COMMANDS.items())
+    p = _parser("rvrun", "Run an rvcompile artifact: generate from a prompt (the default\n"
+                "command, `run`), or one of the commands below.",
+                f"commands:\n{commands}\n\n`rvrun COMMAND --help` shows a command's options.")
+    p.usage = "rvrun [run] ARTIFACT --prompt TEXT [options]  |  rvrun COMMAND ARTIFACT ..."
+    p.add_argument("artifact", help="the artifact (.rvp)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K likeliest tokens; 0 keeps all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: the same seed and prompt give the same tokens")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string, excluded from the output (repeatable; default: none)")
     p.add_argument("--chat", action="store_true", help="apply the artifact's chat template")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens, to --max-tokens")
     _add_speculative(p)
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
-    a = p.parse_args(argv)
+    return p
+
+
+def run_main(argv: list[str]) -> int:
+    """Generate from a prompt: the text to stdout as it is made, a summary to stderr."""
+    a = _run_parser().parse_args(argv)
     from rvcompile.runtime import request_limits as rl
     from rvcompile.runtime.executor_api import Sampling
 
@@ -94,7 +156,7 @@ def _main(argv: list[str] | None) -> int:
     t0 = time.perf_counter()
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
-                         trust_executables=a.trust_executables)
+                         trust_executables=a.trust_executables, phases=_phases(logged=False))
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -125,8 +187,8 @@ def _main(argv: list[str] | None) -> int:
 
 def ppl_main(argv: list[str]) -> int:
     """Teacher-forced perplexity of a text file (rvcompile.runtime.perplexity)."""
-    p = argparse.ArgumentParser(prog="rvrun ppl", description=ppl_main.__doc__)
-    p.add_argument("artifact")
+    p = _parser("rvrun ppl", ppl_main.__doc__)
+    p.add_argument("artifact", help="the artifact (.rvp)")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--window", type=int, default=None,
                    help="tokens per window, BOS included (default: the artifact's context)")
@@ -154,16 +216,23 @@ def ppl_main(argv: list[str]) -> int:
             return _fail(str(e))
     from rvcompile import runtime
 
+    phases = _phases()
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
-                         trust_executables=a.trust_executables)
+                         trust_executables=a.trust_executables, phases=phases)
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     window = m.max_context if a.window is None else a.window
     stride = window // 2 if a.stride is None else a.stride
     t0 = time.perf_counter()
     try:
-        s = perplexity.text_perplexity(m, text, window=window, stride=stride)
+        with phases.phase("score windows") as bar:
+            def on_window(done: int, windows: int, ppl: float) -> None:
+                bar.set_total(windows)
+                bar.advance(1, info=f"perplexity {ppl:.4f}")
+
+            s = perplexity.text_perplexity(m, text, window=window, stride=stride,
+                                           on_window=on_window)
     except ValueError as e:
         return _fail(str(e))
     print(f"perplexity {s.perplexity:.4f} | {s.tokens} tokens | mean NLL {s.mean_nll:.5f} nats "
@@ -172,12 +241,68 @@ def ppl_main(argv: list[str]) -> int:
     return 0
 
 
+def chat_main(argv: list[str]) -> int:
+    """Chat with an artifact in the terminal, through its chat template."""
+    p = _parser("rvrun chat", chat_main.__doc__)
+    p.add_argument("artifact", help="the artifact (.rvp)")
+    p.add_argument("--system", default=None,
+                   help="a system message opening the conversation (default: none)")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens of one answer")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K likeliest tokens; 0 keeps all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: the same seed and conversation give the same tokens")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip re-hashing the sections at load (header checks still run)")
+    _add_trusted_key(p)
+    a = p.parse_args(argv)
+    from rvcompile.runtime import request_limits as rl
+    from rvcompile.runtime.executor_api import Sampling
+
+    try:
+        rl.check_max_tokens(a.max_tokens)
+        rl.check_sampling(Sampling(a.temperature, a.top_k, a.top_p, a.seed), vocab_size=None)
+    except rl.RequestError as e:
+        return _fail(_flag_error(e))
+    problem = a.system is not None and _not_utf8("--system", a.system)
+    if problem:
+        return _fail(problem)
+    try:
+        keys = _trusted_keys(a)
+    except ValueError as e:
+        return _fail(str(e))
+    from rvcompile import runtime
+
+    try:
+        m = runtime.load(a.artifact, verify=not a.no_verify, trusted_keys=keys,
+                         trust_executables=a.trust_executables)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    if not m.chat_template:
+        return _fail(f"{Path(a.artifact).name}: the artifact has no chat template (rvcompile "
+                     "build --chat-template FILE adds one)")
+    from rvcompile.runtime.chat_session import ChatSession
+
+    session = ChatSession(m, system=a.system, max_tokens=a.max_tokens,
+                          sampling=dict(temperature=a.temperature, top_k=a.top_k,
+                                        top_p=a.top_p, seed=a.seed))
+    return session.run(sys.stdin, sys.stdout, sys.stderr)
+
+
 def serve_main(argv: list[str]) -> int:
     """Serve an artifact over HTTP with an OpenAI-compatible API."""
-    p = argparse.ArgumentParser(prog="rvrun serve", description=serve_main.__doc__)
-    p.add_argument("artifact")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p = _parser("rvrun serve", serve_main.__doc__)
+    p.add_argument("artifact", nargs="?", help="the artifact (.rvp; or the --config file's)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="the options as a YAML file (runtime/serve/config.py: each key a flag's "
+                        "name with underscores, api_key_env naming the API key's environment "
+                        "variable); options given here override it (default: none)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences in the running batch (default: the artifact's max_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -207,6 +332,20 @@ def serve_main(argv: list[str]) -> int:
                    help="on SIGTERM or Ctrl-C, seconds in-flight requests may still run while "
                         "new ones get 503")
     a = p.parse_args(argv)
+    if a.config is not None:
+        from rvcompile.runtime.serve.config import (
+            ServeConfigError,
+            apply,
+            given_on_command_line,
+            load_serve_config,
+        )
+
+        try:
+            apply(a, load_serve_config(a.config, os.environ), given_on_command_line(p, argv))
+        except ServeConfigError as e:
+            return _fail(str(e))
+    if a.artifact is None:
+        return _fail("missing ARTIFACT: give it, or artifact: in the --config file")
     problem = _check_http_flags(a)
     if problem:
         return _fail(problem)
@@ -240,7 +379,8 @@ def serve_main(argv: list[str]) -> int:
     try:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                         trusted_keys=keys, trust_executables=a.trust_executables)
+                         trusted_keys=keys, trust_executables=a.trust_executables,
+                         phases=_phases())
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
@@ -253,7 +393,8 @@ def serve_main(argv: list[str]) -> int:
         return _fail(_flag_error(e))
     name = a.model_name or Path(a.artifact).stem
     app = create_app(m, ServeOptions(name, a.max_waiting, speculation),
-                     HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout))
+                     HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout),
+                     access_log=lambda line: print(line, file=sys.stderr, flush=True))
     host, port = sock.getsockname()[:2]
     kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
     print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
@@ -262,6 +403,31 @@ def serve_main(argv: list[str]) -> int:
              if speculation else ""), file=sys.stderr, flush=True)
     return run(app, sock, a.drain_timeout, log=lambda line: print(line, file=sys.stderr,
                                                                   flush=True))
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str  # one line in `rvrun --help`
+    main: Callable[[list[str]], int]  # its arguments after the command's name -> exit status
+
+
+# `rvrun NAME ...` runs COMMANDS[NAME].main; a new command is one entry here.
+COMMANDS: dict[str, Command] = {
+    "run": Command("generate text from a prompt (the default: `rvrun ARTIFACT --prompt ...`)",
+                   run_main),
+    "ppl": Command("teacher-forced perplexity of a text file", ppl_main),
+    "chat": Command("a conversation in the terminal, through the artifact's chat template",
+                    chat_main),
+    "serve": Command("an OpenAI-compatible HTTP server", serve_main),
+}
+
+
+def _phases(logged: bool = True) -> Phases:
+    """Load (and ppl's scoring) phases on stderr: a bar on a terminal, else one line each when
+    `logged` (ppl, serve: long jobs and services whose stderr is a log), else nothing (run: its
+    summary line gives the load time; its stderr stays the summary or one error line)."""
+    mode = Phases.mode_for(True)
+    return Phases("rvrun", mode if logged or mode == "live" else "off")
 
 
 def _check_http_flags(a: argparse.Namespace) -> str | None:
@@ -314,7 +480,8 @@ def _speculation(a: argparse.Namespace):
 def _add_trusted_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
                    help="PEM Ed25519 public key: refuse the artifact unless this key (or another "
-                        "--trusted-key) signed it (repeatable)")
+                        "--trusted-key) signed it (repeatable; default: none, unsigned "
+                        "artifacts run)")
     p.add_argument("--trust-executables", action="store_true",
                    help="load the artifact's precompiled XLA executables (--topology builds); XLA "
                         "runs them unchecked, like a program, so this needs --trusted-key "

@@ -2,7 +2,12 @@
 shared by Model.generate and `rvrun serve`.
 
 Requests come in through `add` and `abort` (thread-safe). `add` checks every field once
-(request_limits): a request the engine cannot run is refused there, never in a step. Each
+(request_limits, and a grammar constraint through constraints.Grammars): a request the engine
+cannot run is refused there, never in a step. A request of n samples runs as n sequences (its
+outputs carry their index) that share the prompt's whole KV blocks, prefilled once. Sequences
+asking for log-probabilities, penalties or a grammar constraint pass SampleExtras with their
+sampling calls (the constraint's token mask computed on the host just before the call) and run
+single decode steps. Each
 `step()` takes them in, asks the scheduler for work, runs it on the executor (prefill chunks,
 then one decode call) and turns the sampled tokens into RequestOutputs: text deltas, stop
 strings, EOS and max_tokens. When every running sequence decodes past its recomputed tokens
@@ -22,6 +27,14 @@ different call shapes, and a row's bits may depend on its call's shape). Specula
 outside the device-side decode loop: while any speculating sequence runs, steps are single
 decode / verify calls, each of up to 1 + num_draft_tokens tokens per speculating sequence.
 
+Streaming: while any running request streams (Request.stream), a decode_many call runs at most
+as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
+one), so a streamed request gets its tokens every ~stream_interval_s rather than in bursts of
+decode_loop_steps; with nobody streaming, calls run their full length. The per-step time is an
+exponential mean (weight 1/2 to the newest) over earlier calls' wall time over the steps they
+ran, host overhead included, so a streamed call lasts at most about the interval; before the
+first measurement a call runs one step.
+
 Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
 freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
 DeviceError (the device is unusable) leaves step(). `EngineThread` runs steps in the background
@@ -36,27 +49,33 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
+from rvcompile.runtime.constraints import Constraint, Grammars, Matcher
 from rvcompile.runtime.executor_api import (
     DeviceError,
     DraftLane,
     Executor,
     KvKind,
     LoopLane,
+    Penalties,
+    Sampled,
+    SampleExtras,
     Sampling,
     SeqChunk,
     Verified,
     decode_loop_steps,
     has_drafter,
     max_draft_tokens,
+    top_logprobs,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
-from rvcompile.runtime.request_limits import RequestLimits
+from rvcompile.runtime.request_limits import NO_EXTRAS, SEED_MASK, RequestError, RequestLimits
 from rvcompile.runtime.scheduler import Schedule, Scheduler, Seq, Work
 from rvcompile.runtime.speculative import Speculation, ngram_drafts
 from rvcompile.runtime.textstream import TextStream
@@ -74,6 +93,12 @@ class Request:
     stop: tuple[str, ...] = ()  # strings that end the text (checked on decoded text, excluded)
     ignore_eos: bool = False
     speculation: Speculation | None = None  # speculative decoding; None: plain decoding
+    stream: bool = False  # someone watches tokens arrive: bound decode loops (Engine docstring)
+    n: int = 1  # samples: sample i samples with seed + i; they share the prompt's whole blocks
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    penalties: Penalties = field(default_factory=Penalties)
+    stop_token_ids: tuple[int, ...] = ()  # sampling one ends the sample (excluded, like EOS)
+    constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,8 @@ class RequestOutput:
     error: str = ""  # with finish_reason "error"
     drafted_tokens: int = 0  # speculative decoding: drafts verified so far
     accepted_tokens: int = 0  # of them, accepted
+    index: int = 0  # which of the request's n samples
+    logprobs: tuple[Sampled, ...] = ()  # with Request.logprobs: one per token of token_ids
 
 
 @dataclass(frozen=True)
@@ -106,6 +133,8 @@ class EngineStats:
     drafted: int = 0  # speculative decoding: drafts verified
     accepted: int = 0  # of them, accepted
     verify_calls: int = 0  # verify calls run
+    mask_s: float = 0.0  # host seconds spent computing grammar masks
+    mask_rows: int = 0  # masks computed (one per constrained sequence per sampling step)
 
 
 @dataclass(eq=False)
@@ -113,7 +142,26 @@ class _Live:
     request: Request
     seq: Seq
     text: TextStream
+    index: int = 0  # sample index
     state: object = None  # drafting with the assistant: the last verify's state to draft from
+    out_counts: np.ndarray | None = None  # int32 [V]: times each token was generated (penalties)
+    in_prompt: np.ndarray | None = None  # bool [V]: the prompt's tokens (repetition penalty)
+    matcher: Matcher | None = None  # with a constraint: where its grammar stands
+
+    @property
+    def extras(self) -> bool:
+        """Its sampling steps need the sampler's extras (and so single decode steps)."""
+        r = self.request
+        return r.logprobs is not None or r.penalties.active or r.constraint is not None
+
+
+@dataclass(eq=False)
+class _Held:
+    """Samples of an n > 1 request waiting for the first to have prefilled the shared blocks."""
+
+    first: Seq
+    shared: int  # prompt tokens in whole blocks, prefilled once
+    rest: list[Seq]
 
 
 def engine_limits(kinds: dict[str, KvKind], block_size: int, max_seqs: int,
@@ -145,13 +193,26 @@ class QueueFull(RuntimeError):
 class Engine:
     def __init__(self, executor: Executor, decode: Callable[[list[int]], str],
                  eos_ids: frozenset[int], *, vocab_size: int, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None, prefill_budget: int | None = None):
+                 max_model_len: int | None = None, prefill_budget: int | None = None,
+                 stream_interval_s: float = 0.1,
+                 clock: Callable[[], float] = time.perf_counter,
+                 grammars: Grammars | None = None):
+        """`stream_interval_s`: the longest a decode loop call should take while a request
+        streams (> 0); `clock`: seconds, for measuring those calls; `grammars`: constraints
+        over the model's tokenizer (None: constraints refused)."""
+        if not stream_interval_s > 0:
+            raise ValueError(f"stream_interval_s {stream_interval_s}: expected > 0")
         self.executor, self._decode, self.eos_ids = executor, decode, eos_ids
+        self.stream_interval_s, self._clock = stream_interval_s, clock
+        self._loop_step_s: float | None = None  # measured seconds per decode-loop step
+        self.grammars = grammars
+        self.mask_s, self.mask_rows = 0.0, 0
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
-        self.limits = RequestLimits(vocab_size, self.max_model_len,
+        self.limits = RequestLimits(vocab_size, self.max_model_len, top_logprobs(executor),
                                     max_draft_tokens(executor), has_drafter(executor))
+        self.vocab_size = vocab_size
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.max_num_seqs,
                                    prefill_buckets=tuple(executor.prefill_buckets),
@@ -159,22 +220,32 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # by Seq id
+        self._held: list[_Held] = []
         self._order = itertools.count()
         self.steps = self.preemptions = 0
         self.drafted = self.accepted = self.verify_calls = 0
 
     # ------------------------------------------------------------------ requests (any thread)
 
-    def add(self, request: Request, max_waiting: int | None = None) -> None:
+    def add(self, request: Request, max_waiting: int | None = None) -> Request:
         """Queue a request, its fields checked (request_limits: raises RequestError, a
-        ValueError). With max_waiting, raises QueueFull while that many requests wait."""
+        ValueError), and return it as checked. With max_waiting, raises QueueFull while that
+        many requests wait."""
         request = self.limits.check(request)
+        if request.constraint is not None:
+            if self.grammars is None or not self.limits.top_logprobs:
+                raise RequestError(getattr(request.constraint, "param", "response_format"),
+                                   "this engine takes no grammar constraints" if
+                                   self.grammars is None else NO_EXTRAS)
+            request = dataclasses.replace(request,
+                                          constraint=self.grammars.check(request.constraint))
         with self._lock:
             waiting = len(self._inbox) + len(self.scheduler.waiting)
             if max_waiting is not None and waiting >= max_waiting:
                 raise QueueFull(f"the queue is full ({waiting} waiting requests)")
             self._inbox.append(request)
+        return request
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step."""
@@ -197,7 +268,9 @@ class Engine:
                            {k: self.kv.num_used(k) for k in self.kv.pools},
                            {k: len(p.blocks) for k, p in self.kv.pools.items()},
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
-                           self.drafted, self.accepted, self.verify_calls)
+                           drafted=self.drafted, accepted=self.accepted,
+                           verify_calls=self.verify_calls, mask_s=self.mask_s,
+                           mask_rows=self.mask_rows)
 
     # ------------------------------------------------------------------ the loop (one thread)
 
@@ -207,15 +280,17 @@ class Engine:
             self._inbox, self._aborts = [], []
         outputs: list[RequestOutput] = []
         for r in inbox:
-            seq = Seq(r.id, list(r.prompt_ids), r.sampling, next(self._order))
-            if r.speculation is not None:
-                seq.verify_rows = 1 + r.speculation.num_draft_tokens
-                seq.max_len = len(r.prompt_ids) + r.max_tokens
-            self._live[r.id] = _Live(r, seq, TextStream(self._decode, r.stop))
-            self.scheduler.add(seq)
+            try:
+                self._start(r)
+            except Exception as e:  # nothing of it was kept: it ends alone
+                log.error("engine: starting request %s failed", r.id, exc_info=e)
+                error = f"the engine failed to start this request: {type(e).__name__}: {e}"
+                outputs += [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0,
+                                          error, i) for i in range(r.n)]
         for rid in aborts:
-            if rid in self._live:
-                outputs.append(self._finish(self._live[rid], "abort", []))
+            for live in [v for v in self._live.values() if v.request.id == rid]:
+                outputs.append(self._finish(live, "abort", []))
+        self._release_held()
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
         for seq in sched.preempted:  # its drafting state went with its blocks
@@ -228,16 +303,120 @@ class Engine:
         self.steps += 1
         return outputs
 
+    def _start(self, r: Request) -> None:
+        """r's sequences into the scheduler: one, or n samples. The samples share the prompt's
+        whole blocks: the first prefills them, the others join once it has (through the prefix
+        cache), and every sample runs the rest of the prompt as decode lanes (Seq.fed)."""
+        extras = r.penalties.active
+        if r.n == 1:
+            seqs = [Seq(r.id, list(r.prompt_ids), r.sampling, next(self._order))]
+            if r.speculation is not None:  # request_limits: never with n > 1 or extras
+                seqs[0].verify_rows = 1 + r.speculation.num_draft_tokens
+                seqs[0].max_len = len(r.prompt_ids) + r.max_tokens
+        else:
+            shared = (len(r.prompt_ids) - 1) // self.kv.block_size * self.kv.block_size
+            seqs = [Seq(f"{r.id}/{i}", list(r.prompt_ids[:shared]),
+                        dataclasses.replace(r.sampling, seed=(r.sampling.seed + i) & SEED_MASK),
+                        next(self._order), output=list(r.prompt_ids[shared:]),
+                        fed=len(r.prompt_ids) - shared) for i in range(r.n)]
+        in_prompt = None
+        if extras:
+            in_prompt = np.zeros(self.vocab_size, bool)
+            in_prompt[r.prompt_ids] = True
+        matchers = [self.grammars.matcher(r.constraint) if r.constraint else None
+                    for _ in seqs]  # first: the one step of _start that may fail
+        for i, (seq, matcher) in enumerate(zip(seqs, matchers, strict=True)):
+            counts = np.zeros(self.vocab_size, np.int32) if extras else None
+            self._live[seq.id] = _Live(r, seq, TextStream(self._decode, r.stop), i, counts,
+                                       in_prompt, matcher)
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1 and seqs[0].prompt:
+            self._held.append(_Held(seqs[0], len(seqs[0].prompt), seqs[1:]))
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
+
+    def _release_held(self) -> None:
+        """Held samples into the scheduler once their first sample has prefilled the shared
+        blocks (or has ended)."""
+        keep = []
+        for h in self._held:
+            if h.first.cached >= h.shared or h.first.id not in self._live:
+                for seq in h.rest:
+                    if seq.id in self._live:  # not aborted meanwhile
+                        self.scheduler.add(seq)
+            else:
+                keep.append(h)
+        self._held = keep
+
+    def _samples(self, work: Work) -> bool:
+        """work's call samples its sequence's next token (it is no prompt chunk or recomputed
+        token before the last)."""
+        return work.chunk.start + len(work.chunk.tokens) == len(work.seq.tokens)
+
+    def _masks(self, works: list[Work]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The grammar masks of this step's constrained sampling calls, by sequence id, all in
+        one go (llguidance's threads); and the sequences whose grammar failed, with why."""
+        lives = [self._live[w.seq.id] for w in works if self._samples(w)]
+        lives = [live for live in lives if live.matcher is not None]
+        if not lives:
+            return {}, {}
+        t0 = time.perf_counter()
+        rows = self.grammars.fill([live.matcher for live in lives])
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(lives)
+        failed = {live.seq.id: live.matcher.error for live in lives if live.matcher.error}
+        return {live.seq.id: rows[i] for i, live in enumerate(lives)}, failed
+
+    def _with_extras(self, work: Work, masks: dict[str, np.ndarray]) -> Work:
+        """work with its sequence's sampler extras when its call samples a new token."""
+        live = self._live[work.seq.id]
+        seq = work.seq
+        if not live.extras or not self._samples(work):
+            return work
+        r = live.request
+        pen_ids = pen_counts = None
+        if r.penalties.active:
+            touched = live.out_counts > 0
+            if r.penalties.repetition != 1.0:
+                touched |= live.in_prompt
+            pen_ids = np.flatnonzero(touched).astype(np.int32)
+            pen_counts = live.out_counts[pen_ids]
+        extras = SampleExtras(-1 if r.logprobs is None else r.logprobs, r.penalties, pen_ids,
+                              pen_counts, masks.get(seq.id))
+        return Work(seq, dataclasses.replace(work.chunk, extras=extras))
+
+    def _prefill(self, chunk: SeqChunk) -> Sampled:
+        if chunk.extras is None:
+            return Sampled(self.executor.prefill(chunk))
+        return self.executor.prefill_sampled(chunk)
+
+    def _decode_lanes(self, chunks: list[SeqChunk]) -> list[Sampled]:
+        if all(c.extras is None for c in chunks):
+            return [Sampled(t) for t in self.executor.decode(chunks)]
+        return self.executor.decode_sampled(chunks)
+
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
         """The schedule's prefill calls, then its decode call; each token through advance."""
-        done: list[tuple[Work, int]] = []
+        done: list[tuple[Work, Sampled]] = []
+        works = sched.prefills + sched.decodes
+        got = self._guarded("grammar masks", works, outputs, self._masks, works)
+        if got is None:  # llguidance raised: the step's requests ended
+            return
+        masks, failed = got
+        for sid, error in failed.items():
+            outputs.append(self._fail(self._live[sid], error))
         for w in sched.prefills:
-            token = self._guarded("prefill", [w], outputs, self.executor.prefill, w.chunk)
+            if w.seq.id in failed:
+                continue
+            w = self._with_extras(w, masks)
+            token = self._guarded("prefill", [w], outputs, self._prefill, w.chunk)
             if token is not None:
                 done.append((w, token))
-        if sched.decodes:
-            tokens = self._guarded("decode", sched.decodes, outputs, _pairs, sched.decodes,
-                                   self.executor.decode, [w.chunk for w in sched.decodes])
+        decodes = [self._with_extras(w, masks) for w in sched.decodes if w.seq.id not in failed]
+        if decodes:
+            tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
+                                   self._decode_lanes, [w.chunk for w in decodes])
             done += tokens or []
         for work, token in done:
             out = self._guarded("output", [work], outputs, self._advance, work, token)
@@ -301,14 +480,14 @@ class Engine:
         parts = []
         for token in new:
             seq.output.append(token)
-            parts.append(self._emit(live, token))
+            parts.append(self._emit(live, Sampled(token)))
             if parts[-1].finished:
                 break
         return _merge(parts) if parts else None
 
-    def _advance(self, work: Work, token: int) -> RequestOutput | None:
-        new = self.scheduler.advance(work, token)
-        return None if new is None else self._emit(self._live[work.seq.id], new)
+    def _advance(self, work: Work, sampled: Sampled) -> RequestOutput | None:
+        new = self.scheduler.advance(work, sampled.token)
+        return None if new is None else self._emit(self._live[work.seq.id], sampled)
 
     def _guarded(self, what: str, works: Sequence[Work], outputs: list[RequestOutput],
                  fn: Callable[..., T], *args) -> T | None:
@@ -338,27 +517,46 @@ class Engine:
         if (steps == 0 or not sched.decodes or sched.prefills or sched.preempted
                 or sched.verifies
                 or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
-                or len(self.eos_ids) > self.executor.decode_loop_stops
-                or any(w.seq.cached + 1 < len(w.seq.tokens) for w in sched.decodes)):
+                or self._held
+                or any(w.seq.cached + 1 < len(w.seq.tokens) or self._live[w.seq.id].extras
+                       for w in sched.decodes)):
             return None
+        if any(self._live[w.seq.id].request.stream for w in sched.decodes):
+            steps = self._streaming_steps(steps)
         lanes = []
         for w in sched.decodes:
             live = self._live[w.seq.id]
-            budget = min(steps, live.request.max_tokens - len(w.seq.output))
+            stops = ((frozenset() if live.request.ignore_eos else self.eos_ids)
+                     | frozenset(live.request.stop_token_ids))
+            if len(stops) > self.executor.decode_loop_stops:
+                return None
+            budget = min(steps, live.request.max_tokens - (len(w.seq.output) - w.seq.fed))
             if not self.kv.ensure(w.seq.blocks, w.seq.cached, w.seq.cached + budget):
                 return None
-            stops = frozenset() if live.request.ignore_eos else self.eos_ids
             chunk = dataclasses.replace(w.chunk, tables=self.kv.tables(w.seq.blocks))
             lanes.append(LoopLane(chunk, budget, stops))
         return lanes
+
+    def _streaming_steps(self, steps: int) -> int:
+        """Loop steps that fit in stream_interval_s (1 to `steps`; 1 before any measurement)."""
+        if self._loop_step_s is None:
+            return 1
+        fit = int(self.stream_interval_s / self._loop_step_s + 1e-6)  # 0.03 / 0.01 is 2.99..
+        return max(1, min(steps, fit))
 
     def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane],
                      outputs: list[RequestOutput]) -> None:
         """Run the lanes in one decode_many call. Their tokens go through advance/_emit one by
         one, as if from single decode steps; each request gets one RequestOutput for the call."""
+        t0 = self._clock()
         results = self._guarded("decode_many", decodes, outputs, _pairs,
                                 list(zip(decodes, lanes, strict=True)),
                                 self.executor.decode_many, lanes)
+        ran = max((len(tokens) for _, tokens in results or []), default=0)
+        if ran:  # the loop ends when its longest lane does
+            per_step = (self._clock() - t0) / ran
+            self._loop_step_s = per_step if self._loop_step_s is None else (
+                0.5 * self._loop_step_s + 0.5 * per_step)
         for (w, lane), tokens in results or []:
             out = self._guarded("output", [w], outputs, self._advance_lane, w, lane, tokens)
             if out is not None:
@@ -373,7 +571,8 @@ class Engine:
             chunk = dataclasses.replace(lane.chunk, tokens=[w.seq.tokens[-1]],
                                         start=lane.chunk.start + k, step=lane.chunk.step + k)
             # A lane never recomputes (_loop_lanes), so each token is the sequence's next.
-            parts.append(self._emit(live, self.scheduler.advance(Work(w.seq, chunk), token)))
+            self.scheduler.advance(Work(w.seq, chunk), token)
+            parts.append(self._emit(live, Sampled(token)))
             if parts[-1].finished:
                 break
         return _merge(parts)
@@ -383,9 +582,10 @@ class Engine:
         still held afterwards (the engine's state is lost)."""
         with self._lock:
             inbox, self._inbox, self._aborts = self._inbox, [], []
-        outputs = [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0, error)
-                   for r in inbox]
+        outputs = [RequestOutput(r.id, [], "", True, "error", len(r.prompt_ids), 0, 0, error, i)
+                   for r in inbox for i in range(r.n)]
         outputs += [self._fail(live, error) for live in list(self._live.values())]
+        self._held = []
         held = {k: n for k, n in self.stats().kv_used.items() if n}
         if held or self.scheduler.running or self.scheduler.waiting:
             raise RuntimeError(f"KV blocks {held} and {len(self.scheduler.running)} running, "
@@ -393,38 +593,45 @@ class Engine:
                                "ending every request")
         return outputs
 
-    def _emit(self, live: _Live, token: int) -> RequestOutput:
-        r = live.request
-        if token in self.eos_ids and not r.ignore_eos:
+    def _emit(self, live: _Live, sampled: Sampled) -> RequestOutput:
+        r, token = live.request, sampled.token
+        if (token in self.eos_ids and not r.ignore_eos) or token in r.stop_token_ids:
             return self._finish(live, "stop", [])
+        if live.out_counts is not None:
+            live.out_counts[token] += 1
+        lps = (sampled,) if r.logprobs is not None else ()
         text, hit = live.text.add(token)
+        if live.matcher is not None:
+            live.matcher.consume(token)
+            hit = hit or live.matcher.done  # the grammar is complete: only EOS could follow
         if hit:
-            return self._finish(live, "stop", [token], text)
+            return self._finish(live, "stop", [token], text, lps)
         if len(live.text.token_ids) >= r.max_tokens:
-            return self._finish(live, "length", [token], text)
-        return self._output(live, [token], text, None)
+            return self._finish(live, "length", [token], text, lps)
+        return self._output(live, [token], text, None, logprobs=lps)
 
-    def _finish(self, live: _Live, reason: str, token_ids: list[int],
-                text: str = "") -> RequestOutput:
+    def _finish(self, live: _Live, reason: str, token_ids: list[int], text: str = "",
+                logprobs: tuple[Sampled, ...] = ()) -> RequestOutput:
         self.scheduler.remove(live.seq)
-        del self._live[live.request.id]
+        del self._live[live.seq.id]
         if reason in ("stop", "length"):
             text += live.text.finish()
-        return self._output(live, token_ids, text, reason)
+        return self._output(live, token_ids, text, reason, logprobs=logprobs)
 
     def _fail(self, live: _Live, error: str) -> RequestOutput:
         """End live's request with finish_reason "error", whatever state a failure left it in
         (its sequence running, waiting, or already removed)."""
         self.scheduler.remove(live.seq)
-        self._live.pop(live.request.id, None)
+        self._live.pop(live.seq.id, None)
         return self._output(live, [], "", "error", error)
 
     @staticmethod
     def _output(live: _Live, token_ids: list[int], text: str, reason: str | None,
-                error: str = "") -> RequestOutput:
+                error: str = "", logprobs: tuple[Sampled, ...] = ()) -> RequestOutput:
         seq = live.seq
         return RequestOutput(live.request.id, token_ids, text, reason is not None, reason,
-                             len(seq.prompt), len(seq.output), seq.cached_prompt, error,
+                             len(seq.prompt) + seq.fed, len(seq.output) - seq.fed,
+                             seq.cached_prompt, error, live.index, logprobs,
                              drafted_tokens=seq.drafted, accepted_tokens=seq.accepted)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -455,7 +662,8 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
     """One request's consecutive outputs as one."""
     last = parts[-1]
     return dataclasses.replace(last, token_ids=[t for p in parts for t in p.token_ids],
-                               text="".join(p.text for p in parts))
+                               text="".join(p.text for p in parts),
+                               logprobs=tuple(x for p in parts for x in p.logprobs))
 
 
 class EngineThread:
@@ -470,6 +678,7 @@ class EngineThread:
         self.engine = engine
         self._cv = threading.Condition()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._left: dict[str, int] = {}  # request id -> its samples not finished yet
         self._stopped = False
         self.error = ""  # why the engine cannot run requests any more; "" while it can
         self._thread = threading.Thread(target=self._run, name="rvrun-engine", daemon=True)
@@ -484,8 +693,9 @@ class EngineThread:
                 raise RuntimeError(self.error)
             if request.id in self._sinks:
                 raise ValueError(f"request id {request.id!r} is already running")
-            self.engine.add(request, max_waiting)
+            checked = self.engine.add(request, max_waiting)
             self._sinks[request.id] = sink
+            self._left[request.id] = checked.n
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -511,8 +721,7 @@ class EngineThread:
             except Exception as e:
                 outputs = self._recover(e)
             with self._cv:
-                sinks = [(self._sinks.pop(o.id) if o.finished else self._sinks[o.id], o)
-                         for o in outputs if o.id in self._sinks]
+                sinks = [(self._route(o), o) for o in outputs if o.id in self._sinks]
             for sink, out in sinks:
                 try:
                     sink(out)
@@ -522,6 +731,18 @@ class EngineThread:
                     self.abort(out.id)
             if self.error:
                 return
+
+    def _route(self, out: RequestOutput) -> Callable[[RequestOutput], None]:
+        """out's sink (under _cv), dropped once every sample of its request has finished, or
+        at its first error (the request's other samples are aborted: it failed)."""
+        sink = self._sinks[out.id]
+        if out.finished:
+            self._left[out.id] -= 1
+            if self._left[out.id] <= 0 or out.finish_reason == "error":
+                del self._sinks[out.id], self._left[out.id]
+                if out.finish_reason == "error":
+                    self.engine.abort(out.id)
+        return sink
 
     def _recover(self, e: Exception) -> list[RequestOutput]:
         """An error output for every request after a step raised e. Marks the engine lost

@@ -21,6 +21,11 @@ Failures: a call that raises DeviceError has left the device unusable, and the e
 a call that raises anything else ends only the sequences it ran, whose blocks go back to the
 pools, and the engine goes on with the next call.
 
+Sampler extras (optional, `top_logprobs(executor)` > 0; issue 16): `prefill_sampled` and
+`decode_sampled` apply a chunk's SampleExtras (penalties, a token mask) before sampling and
+return the token's log-probability and the top ones; neutral extras sample what `prefill` and
+`decode` do, bit for bit.
+
 Decode loop (optional, `decode_loop_steps` > 0): `decode_many` runs up to that many decode
 steps in one call, each bit for bit a `decode` call of the same lanes, so the host is not in the
 per-token path. Every lane must own the blocks of the positions its budget can reach; a call
@@ -56,6 +61,8 @@ from typing import Protocol
 
 import numpy as np
 
+from rvcompile.progress import Phases
+
 
 @dataclass(frozen=True)
 class KvKind:
@@ -80,6 +87,44 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """A sequence's logit penalties (request_limits checks them): OpenAI's presence and frequency
+    penalties over its generated tokens, after HF's repetition penalty over its prompt and
+    generated tokens (a logit divided by it when positive, multiplied when not)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0  # 1: none
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+
+@dataclass(frozen=True, eq=False)
+class SampleExtras:
+    """What a sequence's next sampling step takes beyond Sampling (executors offering
+    `top_logprobs(executor)` > 0 apply it on the device; targets/xla/sampler.py)."""
+
+    top_logprobs: int = -1  # -1: no log-probabilities; 0..K: the token's and the K likeliest
+    penalties: Penalties = field(default_factory=Penalties)
+    pen_ids: np.ndarray | None = None  # int32 [n <= max_context]: the ids penalties touch
+    pen_counts: np.ndarray | None = None  # int32 [n]: times each was generated
+    mask: np.ndarray | None = None  # int32 [ceil(vocab / 32)]: bit j of word w allows token
+    # 32 w + j; None: every token allowed
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A sampled token with what the sampler says of it (executors with log-probabilities)."""
+
+    token: int
+    logprob: float | None = None  # log p(token) under the model (before penalties, mask and
+    # temperature); None when not asked for
+    top: tuple[tuple[int, float], ...] = ()  # the likeliest (id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class SeqChunk:
     """One sequence's share of one executor call."""
 
@@ -89,6 +134,7 @@ class SeqChunk:
     sampling: Sampling = field(default_factory=Sampling)
     step: int = 0  # the RNG step of the token sampled after this chunk: tokens generated so far
     rows: int = 0  # prefill: run padded to this many rows, a prefill bucket (0: smallest fit)
+    extras: SampleExtras | None = None  # penalties, mask, log-probabilities; None: none
 
 
 @dataclass(frozen=True)
@@ -110,6 +156,8 @@ class LoadOptions:
     max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
     max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
     trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+    # the load's phases as the person running it sees them (verify, upload, compile, ...)
+    phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
 
 
 class DeviceError(RuntimeError):
@@ -179,6 +227,26 @@ class LoopExecutor(Executor, Protocol):
         feeding each its sampled token, until every lane sampled a stop id or its budget;
         return each lane's sampled tokens (its stop id included)."""
         ...
+
+
+class SamplingExecutor(Executor, Protocol):
+    """An executor whose sampler also applies SampleExtras and returns log-probabilities."""
+
+    top_logprobs: int  # K: most top log-probabilities per token (0: extras not offered)
+
+    def prefill_sampled(self, chunk: SeqChunk) -> Sampled:
+        """prefill, with chunk.extras applied to its sampling step."""
+        ...
+
+    def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
+        """decode, with each lane's extras applied."""
+        ...
+
+
+def top_logprobs(executor: Executor) -> int:
+    """Top log-probabilities per token the executor's sampler returns; 0 when it takes no
+    SampleExtras (no log-probabilities, penalties or masks)."""
+    return getattr(executor, "top_logprobs", 0)
 
 
 class SpeculativeExecutor(Executor, Protocol):

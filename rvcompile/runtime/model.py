@@ -9,9 +9,16 @@
 Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
 paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
 serve` drives from a background thread. Where the artifact has a device-side decode loop and
-nothing else runs, tokens come up to its decode_loop_steps at a time, so generate_stream yields
-in bursts of that many. Call generate and logits from one thread, and not while a server runs
-the engine.
+nothing else runs, generate's tokens come up to its decode_loop_steps at a time;
+generate_stream's requests stream (engine: each loop call bounded to about the engine's
+stream_interval_s), so its pieces arrive as the tokens are made. Call generate and logits
+from one thread, and not while a server runs the engine.
+
+Chat follows Gemma 4's format: a model turn ends at `<turn|>`, or at `<|tool_response>` where the
+model hands the turn to a tool. Where the tokenizer has these markers as EOS tokens, EOS ends the
+turn; where it does not (rv-gemma4-tiny's vocabulary has no room for them: they are text there),
+a chat generation also stops at their text (`chat_stop`). Decoding keeps Gemma 4's tool-call
+markers even where they are special tokens, so a caller can parse the calls from the text.
 
 Speculative decoding (`speculative`: "assistant", the artifact's drafter, or "ngram", prompt
 lookup; `num_draft_tokens`: drafts per round, default the artifact's most) changes no token: a
@@ -28,7 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,9 +43,21 @@ import numpy as np
 from rvcompile import chat_template
 from rvcompile.artifacts.contents import Contents, read_contents
 from rvcompile.artifacts.manifest import read_manifest
+from rvcompile.runtime.constraints import Grammars
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
-from rvcompile.runtime.request_limits import speculation_of
+from rvcompile.runtime.request_limits import (
+    MAX_STOP_STRINGS,
+    RequestError,
+    check_stop,
+    speculation_of,
+)
+
+# Gemma 4's markers that end a model turn: `<turn|>` closes it, `<|tool_response>` hands it over
+# to a tool's answer (the released tokenizers have them as EOS ids 106 and 50).
+TURN_ENDS = ("<turn|>", "<|tool_response>")
+# Gemma 4's tool-call syntax: kept in decoded text where the tokenizer has them as special tokens
+TOOL_CALL_MARKERS = ("<|tool_call>", "<tool_call|>", '<|"|>')
 
 
 @dataclass
@@ -59,6 +78,22 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+def text_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
+    """`tokenizer`'s decode without special tokens, but for TOOL_CALL_MARKERS (a caller parses
+    the calls out of the text)."""
+    added = tokenizer.get_added_tokens_decoder()
+    kept = frozenset(i for i, t in added.items() if t.special and t.content in TOOL_CALL_MARKERS)
+    hidden = frozenset(i for i, t in added.items() if t.special) - kept
+
+    def decode(ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if kept.isdisjoint(ids):
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode([i for i in ids if i not in hidden], skip_special_tokens=False)
+
+    return decode
+
+
 class Model:
     def __init__(self, art, executor: Executor, *, contents: Contents | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None):
@@ -72,8 +107,10 @@ class Model:
         self.vocab_size = contents.vocab_size
         self.eos_ids = contents.eos_ids
         self.bos_id = contents.bos_id
+        self._decode = text_decoder(self.tokenizer)
         self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
-                             max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             grammars=Grammars(self.tokenizer, self.vocab_size, self.eos_ids))
         self.max_context = self.engine.max_model_len
         self._ids = itertools.count()
 
@@ -84,14 +121,39 @@ class Model:
         return [self.bos_id, *ids] if add_bos and (not ids or ids[0] != self.bos_id) else ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of `ids` without special tokens, but for Gemma 4's tool-call markers."""
+        return self._decode(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The artifact's chat template over `messages`, rendered in jinja2's immutable sandbox
-        (rvcompile.chat_template); a template that fails or reaches outside it raises
-        ChatTemplateError (a ValueError), one line."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The artifact's chat template over `messages` (and `tools`, OpenAI function tools, when
+        given), rendered in jinja2's immutable sandbox (rvcompile.chat_template); a template
+        that fails or reaches outside it raises ChatTemplateError (a ValueError), one line."""
+        extra = {} if tools is None else {"tools": tools}
         return self._chat_template.render(messages, add_generation_prompt=True,
-                                          bos_token="<bos>", eos_token="<eos>")
+                                          bos_token="<bos>", eos_token="<eos>", **extra)
+
+    @functools.cached_property
+    def chat_stops(self) -> tuple[str, ...]:
+        """The turn ends the chat template writes that the tokenizer does not encode as one EOS
+        token: a chat generation stops at their text."""
+        template = self.chat_template or ""
+        stops = []
+        for marker in TURN_ENDS:
+            ids = self.tokenizer.encode(marker, add_special_tokens=False).ids
+            if marker in template and not (len(ids) == 1 and ids[0] in self.eos_ids):
+                stops.append(marker)
+        return tuple(stops)
+
+    def chat_stop(self, stop: str | Sequence[str] | None) -> tuple[str, ...]:
+        """A chat request's stop strings: the caller's, checked, and `chat_stops`. Raises
+        RequestError when both together are more than a request may have."""
+        own = check_stop(() if stop is None else stop)
+        extra = tuple(s for s in self.chat_stops if s not in own)
+        if len(own) + len(extra) > MAX_STOP_STRINGS:
+            raise RequestError("stop", f"at most {MAX_STOP_STRINGS - len(extra)} strings in a "
+                                       f"chat request on this model (its chat template ends "
+                                       f"turns with {len(extra)} of its own), got {len(own)}")
+        return own + extra
 
     @functools.cached_property
     def _chat_template(self) -> chat_template.ChatTemplate:
@@ -119,7 +181,8 @@ class Model:
                  chat: bool = False, speculative: str | None = None,
                  num_draft_tokens: int | None = None) -> GenerationResult:
         *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                    ignore_eos, chat, speculative, num_draft_tokens)
+                                    ignore_eos, chat, speculative, num_draft_tokens,
+                                    stream=False)
         return result
 
     def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
@@ -128,21 +191,27 @@ class Model:
                         chat: bool = False, speculative: str | None = None,
                         num_draft_tokens: int | None = None) -> Iterator[str]:
         """Yields text pieces as they become final; the last GenerationResult is on
-        `self.last_result` afterwards."""
+        `self.last_result` afterwards. `chat`: a text prompt is one user message rendered by
+        the chat template (token ids: a conversation the caller rendered), and the generation
+        also stops at the end of the model's turn (`chat_stop`)."""
         emitted = 0
         for text, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                      ignore_eos, chat, speculative, num_draft_tokens):
+                                      ignore_eos, chat, speculative, num_draft_tokens,
+                                      stream=True):
             self.last_result = result
             if len(text) > emitted:
                 yield text[emitted:]
                 emitted = len(text)
 
     def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat,
-             speculative=None, num_draft_tokens=None):
+             speculative=None, num_draft_tokens=None, *, stream: bool):
         """Yields (final text so far, GenerationResult so far) after each new token."""
+        if chat:
+            stop = self.chat_stop(stop)
         request = Request(f"generate-{next(self._ids)}", self._prompt_ids(prompt, chat),
                           max_tokens, Sampling(temperature, top_k, top_p, seed), stop,
-                          ignore_eos, speculation_of(speculative, num_draft_tokens))
+                          ignore_eos, stream=stream,
+                          speculation=speculation_of(speculative, num_draft_tokens))
         t0 = time.perf_counter()
         self.engine.add(request)
         res = GenerationResult([], "", "length", len(request.prompt_ids))

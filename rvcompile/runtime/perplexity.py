@@ -70,13 +70,15 @@ def plan_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
 
 
 def score(logits_fn: Callable[[Sequence[int]], np.ndarray], token_ids: Sequence[int], *,
-          bos_id: int, window: int, stride: int) -> Scores:
-    """Score the text tokens `token_ids` (without BOS) window by window."""
+          bos_id: int, window: int, stride: int,
+          on_window: Callable[[int, int, float], None] | None = None) -> Scores:
+    """Score the text tokens `token_ids` (without BOS) window by window; `on_window(done,
+    windows, perplexity so far)` after each."""
     ids = np.asarray(token_ids, np.int64)
     nll = np.empty(ids.size, np.float64)
     top1 = np.empty(ids.size, np.int32)
     plan = plan_windows(ids.size, window, stride)
-    for w in plan:
+    for i, w in enumerate(plan):
         inputs = np.concatenate([[bos_id], ids[w.begin:w.end]])
         logits = np.asarray(logits_fn(inputs), np.float64)  # [1 + end - begin, vocab]
         # text token j sits at input j - begin + 1 and is predicted by row j - begin
@@ -86,13 +88,16 @@ def score(logits_fn: Callable[[Sequence[int]], np.ndarray], token_ids: Sequence[
         log_z = np.log(np.exp(rows - peak).sum(axis=-1)) + peak[:, 0]
         nll[w.score_from:w.end] = log_z - rows[np.arange(targets.size), targets]
         top1[w.score_from:w.end] = rows.argmax(axis=-1)
+        if on_window is not None:
+            on_window(i + 1, len(plan), math.exp(nll[:w.end].mean()))
     return Scores(nll=nll, top1=top1, windows=len(plan))
 
 
-def text_perplexity(model, text: str, *, window: int, stride: int) -> Scores:
+def text_perplexity(model, text: str, *, window: int, stride: int,
+                    on_window: Callable[[int, int, float], None] | None = None) -> Scores:
     """Score `text` with a loaded runtime `Model` (its tokenizer, BOS id and logits)."""
     if window > model.max_context:
         raise ValueError(f"window {window} exceeds the artifact's context of "
                          f"{model.max_context} tokens")
     return score(model.logits, model.encode(text, add_bos=False), bos_id=model.bos_id,
-                 window=window, stride=stride)
+                 window=window, stride=stride, on_window=on_window)

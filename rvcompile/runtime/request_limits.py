@@ -16,6 +16,12 @@ The limits are what the device takes, so nothing a request holds can fail a step
 - stop: a string or a list of at most MAX_STOP_STRINGS strings of 1 to MAX_STOP_CHARS
   characters each (the text is searched for each of them after every token);
 - ignore_eos: a bool;
+- n: an int, 1 to MAX_N samples;
+- logprobs: None, or an int 0 to the executor's top log-probabilities (20 on XLA artifacts);
+  refused where the sampler returns none (h100 artifacts: their sample kernels return a token);
+- penalties: presence and frequency in [-2, 2] (OpenAI's range), repetition in (0, 100]; any
+  but neutral refused where the sampler takes no extras, as logprobs;
+- stop_token_ids: at most MAX_STOP_STRINGS token ids in the vocabulary.
 - speculation (speculative decoding, runtime/speculative.py): None, or a method the artifact
   offers ("ngram" needs its verify entry point, `rvcompile build --num-draft-tokens K`;
   "assistant" also its drafter, `--assistant`) and num_draft_tokens an int in [1, K] (None: K).
@@ -35,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Penalties, Sampling
 from rvcompile.runtime.speculative import METHODS, Speculation
 
 if TYPE_CHECKING:
@@ -47,6 +53,11 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 SEED_MASK = 0x7FFFFFFF  # the device's seeds are 31-bit
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_N = 16  # samples per request
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+MAX_REPETITION = 100.0
+NO_EXTRAS = ("this artifact's sampler returns a token only (h100 artifacts: the sample kernels "
+             "take no penalties and return no log-probabilities yet); use an XLA artifact")
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the OpenAI error code
 
 
@@ -64,6 +75,8 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    top_logprobs: int = 0  # the executor's sampler's top log-probabilities; 0: it takes no
+    # extras (no log-probabilities or penalties)
     max_draft_tokens: int = 0  # drafts one verify call checks (0: no speculative decoding)
     has_drafter: bool = False  # the artifact carries an assistant drafter
 
@@ -83,16 +96,31 @@ class RequestLimits:
                                              f"{len(ids) + max_tokens} ({len(ids)} in the "
                                              f"prompt, {max_tokens} to generate)",
                                CONTEXT_LENGTH_EXCEEDED)
+        n = _int("n", request.n)
+        if not 1 <= n <= MAX_N:
+            raise RequestError("n", f"must be 1 to {MAX_N}, got {n}")
         return dataclasses.replace(
             request, prompt_ids=ids, max_tokens=max_tokens,
             sampling=check_sampling(request.sampling, self.vocab_size),
             stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos),
-            speculation=self.speculation(request.speculation))
+            n=n, logprobs=self.check_logprobs(request.logprobs),
+            penalties=self.check_penalties(request.penalties),
+            stop_token_ids=self.stop_token_ids(request.stop_token_ids),
+            speculation=self.speculation(request))
 
-    def speculation(self, spec: object) -> Speculation | None:
-        """spec checked against what the artifact offers, num_draft_tokens filled in."""
+    def speculation(self, request: Request) -> Speculation | None:
+        """The request's speculation checked against what the artifact offers,
+        num_draft_tokens filled in. Not with n > 1, log-probabilities, penalties or a grammar:
+        the verify entry point's sampler takes none of those."""
+        spec = request.speculation
         if spec is None:
             return None
+        for param, used in (("n", request.n != 1), ("logprobs", request.logprobs is not None),
+                            ("penalties", request.penalties.active),
+                            ("response_format", request.constraint is not None)):
+            if used:
+                raise RequestError("speculative", f"speculative decoding does not combine "
+                                                  f"with {param} yet")
         if not isinstance(spec, Speculation):
             raise RequestError("speculative", f"expected a Speculation, got {_kind(spec)}")
         method = check_method(spec.method)
@@ -109,6 +137,38 @@ class RequestLimits:
             raise RequestError("num_draft_tokens", f"must be 1 to {self.max_draft_tokens} (the "
                                                    f"artifact's verify rows - 1), got {k}")
         return Speculation(method, k)
+
+    def check_logprobs(self, value: object) -> int | None:
+        if value is None:
+            return None
+        k = _int("logprobs", value)
+        if not self.top_logprobs:
+            raise RequestError("logprobs", NO_EXTRAS)
+        if not 0 <= k <= self.top_logprobs:
+            raise RequestError("logprobs", f"must be 0 to {self.top_logprobs}, got {k}")
+        return k
+
+    def check_penalties(self, p: Penalties) -> Penalties:
+        out = check_penalties(p)
+        if out.active and not self.top_logprobs:
+            param = "repetition_penalty" if out.repetition != 1.0 else (
+                "presence_penalty" if out.presence else "frequency_penalty")
+            raise RequestError(param, NO_EXTRAS)
+        return out
+
+    def stop_token_ids(self, ids: object) -> tuple[int, ...]:
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+            raise RequestError("stop_token_ids", f"expected a list of token ids, got "
+                                                 f"{_kind(ids)}")
+        out = tuple(_int("stop_token_ids", t, "a token id") for t in ids)
+        if len(out) > MAX_STOP_STRINGS:
+            raise RequestError("stop_token_ids", f"at most {MAX_STOP_STRINGS} ids, got "
+                                                 f"{len(out)}")
+        bad = next((t for t in out if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary "
+                                                 f"[0, {self.vocab_size})")
+        return out
 
     def token_ids(self, ids: object, param: str) -> list[int]:
         """ids as a list of ints in [0, vocab_size), 1 to max_model_len of them."""
@@ -155,6 +215,20 @@ def check_sampling(s: Sampling, vocab_size: int | None) -> Sampling:
     if not INT64_MIN <= seed <= INT64_MAX:
         raise RequestError("seed", f"must be a 64-bit integer, got {seed}")
     return Sampling(temperature, max(top_k, 0), top_p, seed & SEED_MASK)
+
+
+def check_penalties(p: Penalties) -> Penalties:
+    """p checked: presence and frequency in [-2, 2], repetition in (0, MAX_REPETITION]."""
+    presence = _number("presence_penalty", p.presence)
+    frequency = _number("frequency_penalty", p.frequency)
+    repetition = _number("repetition_penalty", p.repetition)
+    for param, x in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= x <= MAX_PENALTY:
+            raise RequestError(param, f"must be -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {x}")
+    if not 0 < repetition <= MAX_REPETITION:
+        raise RequestError("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got "
+                                                 f"{repetition}")
+    return Penalties(presence, frequency, repetition)
 
 
 def speculation_of(method: object, num_draft_tokens: object) -> Speculation | None:

@@ -55,6 +55,8 @@ class Seq:
     max_len: int = 0  # prompt + max_tokens: no verify reaches past it (with verify_rows)
     drafted: int = 0  # drafts verified so far
     accepted: int = 0  # of them, accepted
+    fed: int = 0  # the first `fed` tokens of output are the request's prompt tail, run as
+    # decode lanes (a sample of an n > 1 request: its prompt's whole blocks are shared)
 
     @property
     def tokens(self) -> list[int]:

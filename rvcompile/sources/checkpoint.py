@@ -60,7 +60,9 @@ from rvcompile.sources.safetensors_file import (
     SUPPORTED_DTYPES,
     HeaderEntry,
     dequantized,
+    read_fp8_rows,
     read_fp8_tensor,
+    read_rows,
     read_safetensors_header,
     read_stored,
     read_tensor,
@@ -127,6 +129,26 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
         if not (directory / shard).is_file():
             raise CheckpointError(f"{index_path}: shard {shard} is missing from {directory}")
     return [directory / s for s in shards], weight_map
+
+
+def input_files(directory: Path, *, weights: bool = True) -> list[Path]:
+    """The files a load of `directory` reads, sorted by name (what a recipe's digest covers,
+    provenance.py): config.json, the tokenizer and generation config, the chat template
+    (chat_template.jinja, else tokenizer_config.json), and with `weights` the safetensors files
+    and their index (without `weights` and tokenizer.json: config.json alone, the rest being
+    synthetic). CheckpointError as the load's when the weights are missing."""
+    if not weights and not (directory / "tokenizer.json").is_file():
+        return [directory / "config.json"]  # random weights and synthetic tokenizer files
+    names = ["config.json", "tokenizer.json", "generation_config.json"]
+    names.append("chat_template.jinja" if (directory / "chat_template.jinja").is_file()
+                 else "tokenizer_config.json")
+    files = [directory / n for n in names if (directory / n).is_file()]
+    if weights:
+        shards, index = _weight_files(directory)
+        files += shards
+        if index is not None:
+            files.append(directory / "model.safetensors.index.json")
+    return sorted(files)
 
 
 def _shard_entries(directory: Path):
@@ -215,8 +237,9 @@ def _tensor_ref(name: str, path: Path, e: HeaderEntry,
     if e.dtype != "F8_E4M3":
         return TensorRef(
             name=name, shape=e.shape, source_dtype=SUPPORTED_DTYPES[e.dtype][0], origin=str(path),
-            reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.nbytes,
-                                     e.dtype, e.shape),
+            reader=functools.partial(read_tensor, str(path), e.raw_name, e.start, e.dtype,
+                                     e.shape),
+            rows=functools.partial(read_rows, str(path), e.raw_name, e.start, e.dtype, e.shape),
         )
     if scale is None:
         raise CheckpointError(f"{path}: tensor {e.raw_name} is F8_E4M3 but the checkpoint has no "
@@ -225,7 +248,8 @@ def _tensor_ref(name: str, path: Path, e: HeaderEntry,
     check_fp8_scale(scale_path, s, e.shape[0])
     read_fp8 = functools.partial(read_fp8_tensor, str(path), e, str(scale_path), s)
     return TensorRef(name=name, shape=e.shape, source_dtype="float8_e4m3fn", origin=str(path),
-                     reader=functools.partial(dequantized, read_fp8), fp8_reader=read_fp8)
+                     reader=functools.partial(dequantized, read_fp8), fp8_reader=read_fp8,
+                     rows=functools.partial(read_fp8_rows, str(path), e, str(scale_path), s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +296,19 @@ def _read_chat_template(directory: Path) -> str | None:
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{tok_cfg_path}: chat_template is not a string")
     return None if template is None else _checked_chat_template(template, tok_cfg_path)
+
+
+def read_chat_template_file(path: Path) -> str:
+    """A chat template file (`rvcompile build --chat-template FILE`): UTF-8 Jinja text that
+    compiles and renders a sample conversation in the runtime's sandbox; CheckpointError (one
+    line naming the file) otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--chat-template {path}: cannot read: {e}") from None
+    if not text.strip():
+        raise CheckpointError(f"--chat-template {path}: the file is empty")
+    return _checked_chat_template(text, Path(f"--chat-template {path}"))
 
 
 def _checked_chat_template(template: str, where: Path) -> str:
@@ -434,8 +471,10 @@ def load_model_source(model: str, *, weights: Path | None = None, random_weights
     path = Path(model)
     is_dir = path.is_dir() and (path / "config.json").is_file()
     if not is_dir and model not in PRESETS:
-        if path.exists() or "/" in model or model.startswith("."):
+        if path.exists():
             raise CheckpointError(f"{model}: not a model directory (needs config.json)")
+        if "/" in model or model.startswith("."):
+            raise CheckpointError(f"{model}: no such directory")
         raise ConfigError(
             f"unknown model {model!r}: not a directory and not a preset "
             f"(known presets: {', '.join(PRESETS)})"

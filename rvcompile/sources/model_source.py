@@ -2,10 +2,11 @@
 
 A `ModelSource` is a config, one `TensorRef` per tensor of `expected_tensors(config)`, and the
 tokenizer files. A TensorRef reads one tensor on `load()` (float32, checked finite); a
-pre-quantized FP8 one also gives its `Fp8Tensor` as stored through `load_stored()`. The sources
-(checkpoint.py: a Hugging Face directory; random_weights.py: `--random-weights --seed S`) build
-them; the front end and the build consume them. Every error is a one-line `CheckpointError`
-naming the file and/or tensor.
+pre-quantized FP8 one also gives its `Fp8Tensor` as stored through `load_stored()`; a
+checkpoint's also reads a range of rows (`rows`), which is how the build streams large ones.
+The sources (checkpoint.py: a Hugging Face directory; random_weights.py: `--random-weights
+--seed S`) build them; the front end and the build consume them. Every error is a one-line
+`CheckpointError` naming the file and/or tensor.
 
 Tensor names are the text decoder's, without the "model." prefix ("layers.3.self_attn.q_proj.
 weight"); `expected_tensors(cfg)` lists them with their shapes (shared/GEMMA4.md, "Weights").
@@ -54,6 +55,11 @@ class TensorRef:
     reader: Callable[[], np.ndarray] = field(repr=False, compare=False)
     # Pre-quantized FP8 tensors only: returns the Fp8Tensor as stored (`reader` dequantizes it).
     fp8_reader: Callable[[], Fp8Tensor] | None = field(default=None, repr=False, compare=False)
+    # (first, stop) -> rows [first, stop) of what load_stored() returns, the tensor seen as
+    # [prod(shape[:-1]), shape[-1]] (float32 rows, or an Fp8Tensor's rows and their scales), so
+    # the build streams a large tensor in blocks; None where only the whole tensor is read.
+    rows: Callable[[int, int], np.ndarray | Fp8Tensor] | None = field(
+        default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:

@@ -12,7 +12,8 @@ bits) with the spread a trained Gemma 4 has:
     router.per_expert_scale       [0.5, 1.5]
 
 A tensor is cut into CHUNK-value pieces; piece k comes from its own SFC64 stream seeded with
-(seed, hash(name), k), so the result does not depend on how many threads fill it. Each raw
+(seed, hash(name), k), so the result does not depend on how many threads fill it, and a range
+of rows (`random_rows`, how the build streams a large tensor) is made without the rest. Each raw
 64-bit word gives four int16 samples, mapped to float32 with one multiply (and one add for
 ranges not centred on zero).
 
@@ -109,32 +110,47 @@ def random_array(seed: int, name: str, shape: tuple[int, ...],
                  ranges: RangeRule = init_range) -> np.ndarray:
     """float32 C-contiguous [shape], a pure function of (seed, name, shape), uniform on
     ranges(name, shape)."""
+    return _random_values(seed, name, shape, ranges, 0, math.prod(shape)).reshape(shape)
+
+
+def random_rows(seed: int, name: str, shape: tuple[int, ...], ranges: RangeRule, first: int,
+                stop: int) -> np.ndarray:
+    """Rows [first, stop) of random_array(seed, name, shape, ranges) seen as
+    [prod(shape[:-1]), shape[-1]], made without the rest (a TensorRef's `rows`)."""
+    width = shape[-1] if shape else 1
+    return _random_values(seed, name, shape, ranges, first * width,
+                          stop * width).reshape(stop - first, width)
+
+
+def _random_values(seed: int, name: str, shape: tuple[int, ...], ranges: RangeRule, start: int,
+                   stop: int) -> np.ndarray:
+    """Flat values [start, stop) of the tensor: the CHUNK-value pieces that cover them, cut."""
     low, high = ranges(name, shape)
     scale = np.float32((high - low) / 65536.0)
     mid = (high + low) / 2.0
     offset = np.float32(mid + float(scale) / 2.0) if mid else None  # int16 -32768.. -> low..
     key = [seed, *_name_key(name)]
     n = math.prod(shape)
-    out = np.empty(n, np.float32)
+    out = np.empty(stop - start, np.float32)
 
     def fill(k: int) -> None:
-        start = k * CHUNK
-        stop = min(n, start + CHUNK)
+        begin, end = k * CHUNK, min(n, (k + 1) * CHUNK)
+        lo, hi = max(start, begin), min(stop, end)
         bits = np.random.SFC64(np.random.SeedSequence([*key, k]))
-        samples = bits.random_raw((stop - start + 3) // 4).view(np.int16)[: stop - start]
-        piece = out[start:stop]
+        samples = bits.random_raw((end - begin + 3) // 4).view(np.int16)[lo - begin:hi - begin]
+        piece = out[lo - start:hi - start]
         np.multiply(samples, scale, out=piece)
         if offset is not None:
             piece += offset
 
-    chunks = range((n + CHUNK - 1) // CHUNK)
+    chunks = range(start // CHUNK, (stop + CHUNK - 1) // CHUNK)
     if len(chunks) <= 2:
         for k in chunks:
             fill(k)
     else:
         for _ in _pool().map(fill, chunks):
             pass
-    return out.reshape(shape)
+    return out
 
 
 def random_tensors(cfg: Gemma4Config, seed: int,
@@ -146,7 +162,8 @@ def random_tensors(cfg: Gemma4Config, seed: int,
               else f"random(seed={seed}, ranges={ranges.__name__})")
     return tuple(
         TensorRef(name=name, shape=shape, source_dtype="float32", origin=origin,
-                  reader=functools.partial(random_array, seed, name, shape, ranges))
+                  reader=functools.partial(random_array, seed, name, shape, ranges),
+                  rows=functools.partial(random_rows, seed, name, shape, ranges))
         for name, shape in expected_tensors(cfg).items()
     )
 
@@ -178,5 +195,6 @@ def random_assistant_tensors(a: AssistantConfig, seed: int,
                                                            shape[0])))
         else:
             refs.append(TensorRef(name=name, shape=shape, source_dtype="float32", origin=origin,
-                                  reader=functools.partial(random_array, seed, name, shape, rule)))
+                                  reader=functools.partial(random_array, seed, name, shape, rule),
+                                  rows=functools.partial(random_rows, seed, name, shape, rule)))
     return tuple(refs)

@@ -4,7 +4,9 @@ read.
 Layout: an 8-byte little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
 "data_offsets": [begin, end]}}, then the data section; offsets are relative to its start.
 `read_safetensors_header` checks everything the header claims before any tensor is read;
-`read_tensor` and `read_fp8_tensor` read one tensor each (values checked there: NaN/Inf).
+`read_tensor` and `read_fp8_tensor` read one tensor each (values checked there: NaN/Inf), and
+`read_rows` / `read_fp8_rows` a range of its rows (the tensor as [prod(shape[:-1]), shape[-1]]),
+so the build can stream a 10 GB embedding table in blocks of a few hundred MB.
 Every error is a one-line CheckpointError naming the file and tensor.
 """
 
@@ -157,31 +159,55 @@ def read_stored(path: str, raw_name: str, start: int, nbytes: int,
     return buf
 
 
-def read_tensor(path: str, raw_name: str, start: int, nbytes: int, dtype: str,
+def read_tensor(path: str, raw_name: str, start: int, dtype: str,
                 shape: tuple[int, ...]) -> np.ndarray:
     """Read one tensor as float32 [shape]; CheckpointError on a short read or NaN/Inf."""
-    buf = read_stored(path, raw_name, start, nbytes, SUPPORTED_DTYPES[dtype][1])
+    rows = num_rows(shape)
+    return read_rows(path, raw_name, start, dtype, shape, 0, rows).reshape(shape)
+
+
+def num_rows(shape: tuple[int, ...]) -> int:
+    """Rows of the tensor as [prod(shape[:-1]), shape[-1]] (a vector is one row)."""
+    return math.prod(shape[:-1])
+
+
+def read_rows(path: str, raw_name: str, start: int, dtype: str, shape: tuple[int, ...],
+              first: int, stop: int) -> np.ndarray:
+    """Rows [first, stop) of a BF16/F16/F32 tensor as float32 [stop - first, shape[-1]];
+    CheckpointError on a short read or NaN/Inf (its index given in the whole tensor)."""
+    stored = SUPPORTED_DTYPES[dtype][1]
+    width = shape[-1] if shape else 1
+    row_bytes = width * stored.itemsize
+    buf = read_stored(path, raw_name, start + first * row_bytes, (stop - first) * row_bytes,
+                      stored)
     if dtype == "BF16":  # bfloat16 is the top half of a float32
         bits = np.empty(buf.shape, np.uint32)
         np.left_shift(buf, np.uint32(16), out=bits, dtype=np.uint32)
         out = bits.view(np.float32)
     else:
         out = buf.astype(np.float32, copy=False)
-    out = out.reshape(shape)
-    _check_finite(out, f"{path}: tensor {raw_name}")
-    return out
+    _check_finite(out, f"{path}: tensor {raw_name}", shape, first * width)
+    return out.reshape(stop - first, width)
 
 
 def read_fp8_tensor(path: str, weight: HeaderEntry, scale_path: str,
                     scale: HeaderEntry) -> Fp8Tensor:
     """An F8_E4M3 weight [N, K] and its weight_scale ([N, 1], [N], [1] or [], expanded to [N]),
     as stored; CheckpointError on a short read, a NaN value or a NaN/Inf scale."""
-    codes = read_stored(path, weight.raw_name, weight.start, weight.nbytes, np.dtype(np.uint8))
-    _check_e4m3(codes, weight.shape, f"{path}: tensor {weight.raw_name}")
-    s = read_tensor(scale_path, scale.raw_name, scale.start, scale.nbytes, scale.dtype,
-                    scale.shape)
-    scales = np.ascontiguousarray(np.broadcast_to(s.reshape(-1), weight.shape[:1]), np.float32)
-    return Fp8Tensor(codes.view(ml_dtypes.float8_e4m3fn).reshape(weight.shape), scales)
+    return read_fp8_rows(path, weight, scale_path, scale, 0, weight.shape[0])
+
+
+def read_fp8_rows(path: str, weight: HeaderEntry, scale_path: str, scale: HeaderEntry,
+                  first: int, stop: int) -> Fp8Tensor:
+    """Rows [first, stop) of an F8_E4M3 weight [N, K] and their scales (read_fp8_tensor)."""
+    width = weight.shape[-1]
+    codes = read_stored(path, weight.raw_name, weight.start + first * width,
+                        (stop - first) * width, np.dtype(np.uint8))
+    _check_e4m3(codes, weight.shape, f"{path}: tensor {weight.raw_name}", first * width)
+    s = read_tensor(scale_path, scale.raw_name, scale.start, scale.dtype, scale.shape)
+    scales = np.broadcast_to(s.reshape(-1), weight.shape[:1])[first:stop]
+    return Fp8Tensor(codes.view(ml_dtypes.float8_e4m3fn).reshape(stop - first, width),
+                     np.ascontiguousarray(scales, np.float32))
 
 
 def dequantized(read_fp8: Callable[[], Fp8Tensor]) -> np.ndarray:
@@ -189,23 +215,24 @@ def dequantized(read_fp8: Callable[[], Fp8Tensor]) -> np.ndarray:
     return read_fp8().dequantize()
 
 
-def _check_e4m3(codes: np.ndarray, shape: tuple[int, ...], what: str, step: int = 1 << 24) -> None:
-    """e4m3fn has no Inf; S.1111.111 is its NaN."""
+def _check_e4m3(codes: np.ndarray, shape: tuple[int, ...], what: str, base: int = 0,
+                step: int = 1 << 24) -> None:
+    """e4m3fn has no Inf; S.1111.111 is its NaN. `codes` start at flat index `base` of `shape`."""
     for i in range(0, codes.size, step):
         nan = np.flatnonzero((codes[i:i + step] & 0x7F) == 0x7F)
         if nan.size:
-            index = tuple(int(x) for x in np.unravel_index(i + int(nan[0]), shape))
+            index = tuple(int(x) for x in np.unravel_index(base + i + int(nan[0]), shape))
             raise CheckpointError(f"{what} has a NaN at index {list(index)}")
 
 
-def _check_finite(arr: np.ndarray, what: str, step: int = 1 << 24) -> None:
-    flat = arr.reshape(-1)
+def _check_finite(flat: np.ndarray, what: str, shape: tuple[int, ...], base: int = 0,
+                  step: int = 1 << 24) -> None:
+    """`flat` (1-D) holds the values from flat index `base` of a tensor of `shape`."""
     for i in range(0, flat.size, step):
         piece = flat[i:i + step]
         # A sum is finite unless a value is NaN/Inf (or it overflows: then look closer).
         if not np.isfinite(piece.sum()) and not np.isfinite(piece).all():
             j = i + int(np.flatnonzero(~np.isfinite(piece))[0])
             kind = "a NaN" if np.isnan(flat[j]) else "an Inf"
-            index = tuple(int(x) for x in np.unravel_index(j, arr.shape))
+            index = tuple(int(x) for x in np.unravel_index(base + j, shape))
             raise CheckpointError(f"{what} has {kind} at index {list(index)}")
-

@@ -26,6 +26,7 @@ import numpy as np
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
+from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import LoadOptions
 from rvcompile.runtime.executors import check_limits, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
@@ -62,19 +63,22 @@ def check_fits(art: Artifact, ctx: CudaContext) -> None:
 
 
 class CudaScheduleDevice:
-    def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext):
+    def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
+                 phases: Phases | None = None):
+        phases = phases or Phases("rvrun", "off")
         self.ctx, self.schedule = ctx, schedule
         self.stream = ctx.stream()
         t0 = time.perf_counter()
-        self.arena = ctx.alloc(schedule.arena_bytes)
-        base = self.arena.ptr
-        ctx.memset_range(base + schedule.weights_bytes,
-                         schedule.arena_bytes - schedule.weights_bytes, self.stream)
-        self._upload(art.buffer("weights"), base)
-        consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
-        if consts.size:
-            ctx.copy_to_device(base + schedule.constants_offset, consts.copy(), 0)
-        ctx.synchronize()
+        with phases.phase("upload"):
+            self.arena = ctx.alloc(schedule.arena_bytes)
+            base = self.arena.ptr
+            ctx.memset_range(base + schedule.weights_bytes,
+                             schedule.arena_bytes - schedule.weights_bytes, self.stream)
+            self._upload(art.buffer("weights"), base)
+            consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
+            if consts.size:
+                ctx.copy_to_device(base + schedule.constants_offset, consts.copy(), 0)
+            ctx.synchronize()
         self.upload_s = time.perf_counter() - t0
         self.functions = self._load_cubins(art)
         self.entries = {name: self._prepare(e) for name, e in schedule.entries.items()}
@@ -82,9 +86,10 @@ class CudaScheduleDevice:
         # token ids come back every step through pinned memory; logits (rare) need not
         self.out_host = ctx.alloc_pinned(max(4 * f.shape[0] for name, f in schedule.outputs.items()
                                              if name.endswith(".out_tokens")))
-        self.graphs = {name: ctx.capture(self.stream, lambda n=name: self._launch_all(n))
-                       for name, e in schedule.entries.items() if e.graph}
-        ctx.synchronize()
+        with phases.phase("graph capture"):
+            self.graphs = {name: ctx.capture(self.stream, lambda n=name: self._launch_all(n))
+                           for name, e in schedule.entries.items() if e.graph}
+            ctx.synchronize()
 
     def _upload(self, weights: memoryview, base: int) -> None:
         """Two pinned buffers: fill one from the mapped file while the other is copying."""
@@ -187,8 +192,11 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
                  schedule.max_context, opts)
     ctx = open_context(art)
-    art.verify(opts.verify)
-    return h100_executor(art, schedule, ctx)
+    if opts.verify:  # --no-verify: nothing to re-hash
+        with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
+                               unit="B"):
+            art.verify(opts.verify)
+    return h100_executor(art, schedule, ctx, opts.phases)
 
 
 def open_context(art: Artifact) -> CudaContext:
@@ -201,11 +209,12 @@ def open_context(art: Artifact) -> CudaContext:
     return ctx
 
 
-def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext) -> ScheduledExecutor:
+def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
+                  phases: Phases | None = None) -> ScheduledExecutor:
     """`schedule`: the artifact's, as artifacts/manifest.py checked it (and contents.py its
-    cubins)."""
+    cubins); `phases`: where the upload and graph capture show (default: nowhere)."""
     t0 = time.perf_counter()
-    device = CudaScheduleDevice(art, schedule, ctx)
+    device = CudaScheduleDevice(art, schedule, ctx, phases)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
     ex.load_note = f"weights uploaded in {ex.upload_s:.2f} s; nothing compiled"

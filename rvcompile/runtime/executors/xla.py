@@ -3,7 +3,8 @@ paged KV pools, deserializes and checks the jax.export programs (programs.py), c
 them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
 version), or, when the operator trusts them, loads the executables precompiled for this
 machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
-(the device-side decode loop) over sequences' block tables, and, when the artifact has
+(the device-side decode loop) over sequences' block tables (prefill and decode also with
+the sampler's extras: penalties, token masks, log-probabilities), and, when the artifact has
 speculative entry points (manifest xla.speculative), verify and draft (executor_api's
 speculative contract): the states verify returns and draft reads stay on the device. Makes no
 policy: the engine drives it. It reads the manifest checked by artifacts/manifest.py, and the
@@ -17,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
 from rvcompile.dtypes import numpy_dtype
+from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import (
     DeviceError,
     Drafted,
@@ -36,6 +38,7 @@ from rvcompile.runtime.executor_api import (
     KvKind,
     LoadOptions,
     LoopLane,
+    Sampled,
     SeqChunk,
     Verified,
 )
@@ -138,8 +141,12 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     check_fits(art, xla, opts.kv_blocks)
     check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)
-    art.verify(opts.verify)
-    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables)
+    if opts.verify:  # --no-verify: nothing to re-hash
+        with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
+                               unit="B"):
+            art.verify(opts.verify)
+    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
+                       phases=opts.phases)
 
 
 class TpPlacement:
@@ -163,6 +170,12 @@ class TpPlacement:
         return jax.make_array_from_callback(host.shape, self._sharding(key),
                                             lambda index: host[index])
 
+    def replicated(self, host: np.ndarray) -> jax.Array:
+        """A small array every device holds whole (an entry point's non-weight input)."""
+        if self.mesh is None:
+            return jax.device_put(host)
+        return jax.device_put(host, NamedSharding(self.mesh, PartitionSpec()))
+
     def zeros(self, key: str, shape: tuple[int, ...], dtype) -> jax.Array:
         if self.mesh is None:
             return jnp.zeros(shape, dtype)
@@ -180,8 +193,10 @@ class XlaState:
 
 class XlaExecutor:
     def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
-                 trust_executables: bool = False):
-        """`xla`: the artifact's checked manifest part (artifacts/manifest.py)."""
+                 trust_executables: bool = False, phases: Phases | None = None):
+        """`xla`: the artifact's checked manifest part (artifacts/manifest.py); `phases`: where
+        the upload and compile show (progress.py; default: nowhere)."""
+        phases = phases or Phases("rvrun", "off")
         check_fits(art, xla, blocks)
         self.art = art
         self.max_seqs, self.max_context = xla.max_seqs, xla.max_context
@@ -190,6 +205,9 @@ class XlaExecutor:
         self.decode_loop_steps, self.decode_loop_stops = xla.decode_loop_steps, \
             xla.decode_loop_stops
         self.kinds = kv_kinds(xla, blocks, art.path.name)
+        self.sampler = xla.sampler
+        self.top_logprobs = xla.sampler.top_logprobs
+        self._neutral: dict[int, tuple] = {}  # lanes -> neutral mask and penalty ids, on device
         exported = load_programs(art, xla)
         platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
         for name, exp in exported.items():
@@ -201,12 +219,17 @@ class XlaExecutor:
         self.has_drafter = bool(xla.speculative and xla.speculative.draft)
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
-        self.weights = {w.key: self.placement.weight(w.key, art.array(
-            "weights", w.offset, w.shape, numpy_dtype(w.dtype))) for w in xla.weights}
-        self.caches = {
-            p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
-                                                *p.block_shape), numpy_dtype(p.dtype))
-            for p in xla.pools}
+        self.weights = {}
+        with phases.phase("upload", total=sum(w.nbytes for w in xla.weights),
+                          unit="B") as bar:
+            for w in xla.weights:
+                self.weights[w.key] = self.placement.weight(w.key, art.array(
+                    "weights", w.offset, w.shape, numpy_dtype(w.dtype)))
+                bar.advance(w.nbytes)
+            self.caches = {
+                p.key: self.placement.zeros(p.key, (p.layers, self.kinds[p.kind].num_blocks,
+                                                    *p.block_shape), numpy_dtype(p.dtype))
+                for p in xla.pools}
         self.upload_s = time.perf_counter() - t0
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -216,7 +239,8 @@ class XlaExecutor:
                         trusted=trust_executables)
         if choice.topology is not None:
             t0 = time.perf_counter()
-            self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
+            with phases.phase("load executables"):
+                self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
             self.compile_s = 0.0
             self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
             return
@@ -226,6 +250,7 @@ class XlaExecutor:
         draft = self.speculative and self.speculative.draft
         self.fns = {name: jax.jit(exp.call) if name == draft
                     else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
+        self._phases = phases  # where _warm_up shows the compile
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
 
@@ -240,8 +265,14 @@ class XlaExecutor:
 
         fn_by_name = dict(self.fns)
         # XLA compiles independent programs concurrently; entry points share nothing.
-        with ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool:
-            self.fns = dict(zip(fn_by_name, pool.map(compile_entry, fn_by_name), strict=True))
+        with (self._phases.phase("compile", total=len(fn_by_name)) as bar,
+              ThreadPoolExecutor(max_workers=len(fn_by_name)) as pool):
+            futures = {pool.submit(compile_entry, name): name for name in fn_by_name}
+            compiled = {}
+            for done in as_completed(futures):
+                compiled[futures[done]] = done.result()
+                bar.advance(1)
+        self.fns = {name: compiled[name] for name in fn_by_name}
         return time.perf_counter() - t0
 
     def _example_args(self, name: str) -> tuple:
@@ -257,6 +288,8 @@ class XlaExecutor:
         args = self._lane_args(batch, t)
         if kind != "logits":
             args += _sampling([], batch)
+        if kind in ("prefill", "decode"):
+            args += self._extras([], batch)
         if kind == "decode_loop":
             args += _loop_limits([], batch, self.decode_loop_stops)
         return args
@@ -283,19 +316,77 @@ class XlaExecutor:
         raise ValueError(f"chunk of {n} tokens exceeds the largest prefill bucket")
 
     def prefill(self, chunk: SeqChunk) -> int:
+        return self.prefill_sampled(chunk).token
+
+    def decode(self, lanes) -> list[int]:
+        return [s.token for s in self.decode_sampled(lanes)]
+
+    def prefill_sampled(self, chunk: SeqChunk) -> Sampled:
         b = chunk.rows or self.bucket(len(chunk.tokens))
         if b not in self.prefill_buckets or len(chunk.tokens) > b:
             raise ValueError(f"chunk of {len(chunk.tokens)} tokens in {b} rows; the prefill "
                              f"buckets are {self.prefill_buckets}")
-        tok = self._call(f"prefill_{b}", *self._lane_args(1, b, [chunk]), *_sampling([chunk], 1))
-        return int(tok[0])
+        return self._sampled(f"prefill_{b}", [chunk], 1, b)[0]
 
-    def decode(self, lanes) -> list[int]:
+    def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
         if len(lanes) > self.max_seqs:
             raise ValueError(f"{len(lanes)} decode lanes; the programs take {self.max_seqs}")
-        w = self.max_seqs
-        tok = self._call(f"decode_{w}", *self._lane_args(w, 1, lanes), *_sampling(lanes, w))
-        return tok[:len(lanes)].tolist()
+        return self._sampled(f"decode_{self.max_seqs}", lanes, self.max_seqs, 1)
+
+    def _sampled(self, name: str, lanes: Sequence[SeqChunk], batch: int,
+                 rows: int) -> list[Sampled]:
+        """Entry point `name` (prefill or decode) over the lanes; each lane's token, with its
+        log-probabilities where its extras ask for them."""
+        outs = self._call_all(name, *self._lane_args(batch, rows, lanes),
+                              *_sampling(lanes, batch), *self._extras(lanes, batch))
+        want = [c.extras.top_logprobs if c.extras else -1 for c in lanes]
+        tok = np.asarray(outs[0])
+        if max(want, default=-1) < 0:
+            return [Sampled(int(t)) for t in tok[:len(lanes)]]
+        lp, top_ids, top_lp = (np.asarray(x) for x in outs[1:4])
+        return [Sampled(int(tok[i])) if k < 0 else
+                Sampled(int(tok[i]), float(lp[i]),
+                        tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(),
+                                  strict=True)))
+                for i, k in enumerate(want)]
+
+    def _extras(self, lanes: Sequence[SeqChunk], batch: int) -> tuple:
+        """mask, pen_ids, pen_counts, presence, frequency, repetition, n_top [batch] of the
+        lanes' extras (targets/xla/sampler.py); lanes without them, and idle lanes, neutral.
+        The mask and penalty arrays stay on the device while no lane needs them."""
+        presence = np.zeros(batch, np.float32)
+        frequency = np.zeros(batch, np.float32)
+        repetition = np.ones(batch, np.float32)
+        n_top = np.zeros(batch, np.int32)
+        masks = [i for i, c in enumerate(lanes) if c.extras and c.extras.mask is not None]
+        pens = [i for i, c in enumerate(lanes) if c.extras and c.extras.pen_ids is not None]
+        mask, pen_ids, pen_counts = self._neutral_extras(batch)
+        if masks:
+            mask = np.full((batch, self.sampler.mask_words), -1, np.int32)
+        if pens:
+            pen_ids = np.full((batch, self.sampler.penalty_ids), -1, np.int32)
+            pen_counts = np.zeros((batch, self.sampler.penalty_ids), np.int32)
+        for i, c in enumerate(lanes):
+            e = c.extras
+            if e is None:
+                continue
+            n_top[i] = max(e.top_logprobs, 0)
+            p = e.penalties
+            presence[i], frequency[i], repetition[i] = p.presence, p.frequency, p.repetition
+            if e.mask is not None:
+                mask[i] = e.mask
+            if e.pen_ids is not None:
+                n = len(e.pen_ids)
+                pen_ids[i, :n], pen_counts[i, :n] = e.pen_ids, e.pen_counts
+        return mask, pen_ids, pen_counts, presence, frequency, repetition, n_top
+
+    def _neutral_extras(self, batch: int) -> tuple:
+        if batch not in self._neutral:
+            host = (np.full((batch, self.sampler.mask_words), -1, np.int32),
+                    np.full((batch, self.sampler.penalty_ids), -1, np.int32),
+                    np.zeros((batch, self.sampler.penalty_ids), np.int32))
+            self._neutral[batch] = tuple(self.placement.replicated(a) for a in host)
+        return self._neutral[batch]
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
         if len(lanes) > self.max_seqs:
@@ -364,9 +455,13 @@ class XlaExecutor:
         """Entry point `name` over the KV pools, which it takes (donated) and gives back; its
         first result on the host. A failure that took the pools with it (deleted, or results
         of a failed computation) raises DeviceError: no later call could run."""
+        return np.asarray(self._call_all(name, *args)[0])
+
+    def _call_all(self, name: str, *args) -> list:
+        """_call's, but every result after the pools, left on the device."""
         try:
-            self.caches, out, *_ = self.fns[name](self.weights, self.caches, *args)
-            return np.asarray(out)
+            self.caches, *out = self.fns[name](self.weights, self.caches, *args)
+            return out
         except Exception as e:
             if _pools_lost(self.caches):
                 raise DeviceError(f"{name} failed and took the KV pools with it: "

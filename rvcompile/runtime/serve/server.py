@@ -1,7 +1,9 @@
 """`rvrun serve`: an OpenAI-compatible HTTP server (FastAPI) over one Model's engine.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON, or SSE token by token with
-`stream: true`), GET /v1/models, /health and /metrics (Prometheus). The engine runs in one
+`stream: true`), GET /v1/models, /health and /metrics (Prometheus). Chat requests may declare
+tools; the model's calls come back as `tool_calls` (serve/tools.py checks the fields,
+serve/tool_calls.py reads the calls out of the answer, streamed or whole). The engine runs in one
 background thread (EngineThread); each request hands it a sink that moves outputs onto the event
 loop. Bad requests get OpenAI-style error JSON: 400 for malformed bodies, unknown fields, wrong
 types (the schemas below check types only), values out of range and prompts that do not fit
@@ -49,11 +51,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from rvcompile.runtime.constraints import Constraint
 from rvcompile.runtime.engine import EngineThread, QueueFull, RequestOutput
 from rvcompile.runtime.engine import Request as EngineRequest
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Penalties, Sampled, Sampling
 from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
+from rvcompile.runtime.serve import tool_calls
+from rvcompile.runtime.serve import tools as chat_tools
+from rvcompile.runtime.serve.access_log import AccessLog, AccessRecord, record
 from rvcompile.runtime.speculative import Speculation
 
 # ---------------------------------------------------------------------------------- schemas
@@ -65,6 +71,30 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The grammar this format asks for (the engine compiles it: a 400 naming why when
+        llguidance cannot)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema.schema",
+                           param="response_format")
+        return Constraint.json_schema(self.json_schema.schema_)
 
 
 class _Sampling(_Strict):
@@ -84,15 +114,21 @@ class _Sampling(_Strict):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # an extension (as in vLLM)
+    stop_token_ids: list[int] | None = None  # an extension (as in vLLM)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # an extension (as in vLLM), for benchmarks
+    response_format: ResponseFormat | None = None  # structured outputs (on completions too,
+    # as in vLLM)
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
-            return "n: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            return "presence_penalty, frequency_penalty and logit_bias are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+    def want_logprobs(self) -> int | None:
+        """Top log-probabilities per token wanted; None: no log-probabilities."""
         return None
 
 
@@ -102,18 +138,27 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message of tool_calls
     name: str | None = None
+    tool_calls: list[chat_tools.AssistantToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    tools: list[chat_tools.Tool] | None = None
+    tool_choice: chat_tools.ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    top_logprobs: int | None = None
 
-    def unsupported(self) -> str | None:
-        return "logprobs is not supported" if self.logprobs else super().unsupported()
+    def want_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true to use top_logprobs",
+                           param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
@@ -123,9 +168,12 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     suffix: str | None = None
 
+    def want_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> str | None:
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            return "echo, logprobs and suffix are not supported"
+        if self.echo or self.suffix is not None:
+            return "echo and suffix are not supported"
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
                 and len(self.prompt) != 1:
             return "prompt: one prompt per request"
@@ -225,6 +273,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("rvrun_spec_acceptance_rate",
                                 "Accepted / drafted tokens, since start",
                                 value=s.accepted / s.drafted if s.drafted else 0)
+        yield CounterMetricFamily("rvrun_grammar_mask_seconds",
+                                  "Host time computing grammar token masks", value=s.mask_s)
+        yield CounterMetricFamily("rvrun_grammar_masks",
+                                  "Grammar token masks computed (one per constrained sequence "
+                                  "per sampling step)", value=s.mask_rows)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -237,9 +290,11 @@ class ServeOptions:
     speculation: Speculation | None = None  # every request's speculative decoding (checked)
 
 
-def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None) -> FastAPI:
+def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None,
+               access_log: Callable[[str], None] | None = None) -> FastAPI:
     """The ASGI app; its lifespan starts the engine thread and stops it. `http`: the HTTP
-    layer's limits (default: HttpOptions())."""
+    layer's limits (default: HttpOptions()); `access_log`: where each request's access-log
+    line goes (access_log.py; default: nowhere)."""
     state: dict[str, object] = {}
 
     @asynccontextmanager
@@ -265,6 +320,8 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
 
     _install_http_guards(app, http or HttpOptions())  # before _CountRequests: it sees them all
     app.add_middleware(_CountRequests, state=state)
+    if access_log is not None:  # outermost: it sees every response
+        app.add_middleware(AccessLog, write=access_log)
 
     @app.get("/health")
     async def health():
@@ -287,16 +344,24 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_common(body, options)
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content)} for m in body.messages]
         try:
-            text = model.apply_chat_template(messages)
+            plan = chat_tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            messages = chat_tools.template_messages(body.messages)
+        except chat_tools.ToolRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from e
+        try:
+            text = model.apply_chat_template(messages, plan.tools)
         except Exception as e:  # a template that rejects these messages (roles, order)
             raise ApiError(400, f"messages: {str(e).splitlines()[0]}", param="messages") from e
+        try:
+            stop = model.chat_stop(body.stop)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.param) from e
         ids = model.encode(text, add_bos=False)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
-        return await _serve(model, state, options, body, ids, max_tokens, request, chat=True)
+        return await _serve(model, state, options, body, ids, max_tokens, request, chat=True,
+                            stop=stop, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -338,23 +403,35 @@ def _check_common(body: _Sampling, options: ServeOptions) -> None:
     problem = body.unsupported()
     if problem:
         raise ApiError(400, problem)
+    body.want_logprobs()  # refuses top_logprobs without logprobs
 
 
 async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampling,
-                 ids: list[int], max_tokens: int | None, request: Request, *, chat: bool):
+                 ids: list[int], max_tokens: int | None, request: Request, *, chat: bool,
+                 stop: tuple[str, ...] | None = None, plan: chat_tools.ToolPlan | None = None):
+    """`stop`: the stop strings (default the body's); `plan`: a chat request's tools."""
     received = time.perf_counter()
     thread: EngineThread = state["thread"]
     metrics: Metrics = state["metrics"]
     if max_tokens is None:  # what the context leaves (at least 1: a full prompt is refused)
         max_tokens = max(model.max_context - len(ids), 1)
-    stop = body.stop if body.stop is not None else ()
+    if stop is None:
+        stop = body.stop if body.stop is not None else ()
     seed = random.getrandbits(31) if body.seed is None else body.seed
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine_request = EngineRequest(rid, ids, max_tokens,
-                                   Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-                                   body.ignore_eos, speculation=options.speculation)
+    sampled = Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
+    constraint = _constraint(body, plan)
+    logprobs = body.want_logprobs()
+    # the server's speculative decoding speeds up what it can: the verify step's sampler takes
+    # no extras, so requests that use them decode plainly
+    plain = body.n != 1 or logprobs is not None or sampled.active or constraint is not None
+    engine_request = EngineRequest(
+        rid, ids, max_tokens, Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
+        body.ignore_eos, n=body.n, logprobs=logprobs, penalties=sampled,
+        stop_token_ids=tuple(body.stop_token_ids or ()), constraint=constraint,
+        stream=body.stream, speculation=None if plain else options.speculation)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
@@ -374,13 +451,27 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     except RuntimeError as e:
         raise ApiError(503, str(e), type_="server_error") from e
     metrics.prompt_tokens.inc(len(ids))
-    stream = _Stream(rid, queue, thread, metrics, received)
+    access = record(request.scope) or AccessRecord()  # none without the access log
+    access.tokens_in = len(ids)
+    stream = _Stream(rid, queue, thread, metrics, received, body.n, access)
+    lp = _Logprobs(model, chat) if engine_request.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events if chat else _completion_events
-        return StreamingResponse(events(stream, options.model_name, include_usage),
-                                 media_type="text/event-stream")
-    return await _complete(stream, options.model_name, request, chat)
+        events = _chat_events(stream, options.model_name, include_usage, lp, plan) if chat \
+            else _completion_events(stream, options.model_name, include_usage, lp)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _complete(stream, options.model_name, request, chat, lp, plan)
+
+
+def _constraint(body: _Sampling, plan: chat_tools.ToolPlan | None) -> Constraint | None:
+    """The grammar the answer must follow: a forced tool call's, or response_format's."""
+    forced = plan.grammar if plan is not None else None
+    if forced is not None and body.response_format is not None:
+        raise ApiError(400, "tool_choice: a required or named tool call and response_format "
+                            "cannot both constrain one answer", param="tool_choice")
+    if forced is not None:
+        return Constraint.lark(forced, param="tool_choice")
+    return body.response_format.constraint() if body.response_format else None
 
 
 def _param(param: str, body: _Sampling, chat: bool) -> str:
@@ -389,6 +480,8 @@ def _param(param: str, body: _Sampling, chat: bool) -> str:
         return "messages"
     if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if param == "logprobs" and chat and body.top_logprobs is not None:
+        return "top_logprobs"
     return param
 
 
@@ -397,11 +490,13 @@ class _Stream:
     request if it is still running (a client gone, a server shutting down)."""
 
     def __init__(self, rid: str, queue: asyncio.Queue, thread: EngineThread, metrics: Metrics,
-                 received: float):
+                 received: float, n: int = 1, access: AccessRecord | None = None):
         self.rid, self.queue, self.thread, self.metrics = rid, queue, thread, metrics
+        self.access = access or AccessRecord()  # what the access log shows of this request
         self.received, self.last = received, None
         self.created = int(time.time())
         self.done = False
+        self.left = n  # samples not finished yet
 
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
@@ -409,13 +504,16 @@ class _Stream:
         if out.token_ids:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.received)
+                self.access.ttft_s = now - self.received
             else:  # a device-side decode loop hands over several tokens at once: per token
                 gap = (now - self.last) / len(out.token_ids)
                 for _ in out.token_ids:
                     self.metrics.itl.observe(gap)
             self.last = now
+        self.access.tokens_out = out.completion_tokens
         if out.finished:
-            self.done = True
+            self.left -= 1
+            self.done = self.left == 0 or out.finish_reason == "error"
         return out
 
     def close(self) -> None:
@@ -424,10 +522,43 @@ class _Stream:
             self.done = True
 
 
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def _usage(outs: list[RequestOutput]) -> dict:
+    """Usage of a request from each sample's last output: the prompt counted once."""
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": outs[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": outs[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": min(o.cached_tokens for o in outs)}}
+
+
+class _Logprobs:
+    """Log-probabilities in OpenAI's shapes: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, model: Model, chat: bool):
+        self.model, self.chat = model, chat
+
+    def piece(self, token: int) -> str:
+        return self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+    def entry(self, s: Sampled) -> dict:
+        text = self.piece(s.token)
+        return {"token": text, "logprob": s.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.piece(t), "logprob": lp,
+                                  "bytes": list(self.piece(t).encode())} for t, lp in s.top]}
+
+    def of(self, sampled: list[Sampled], offset: int = 0) -> dict:
+        """The log-probabilities of these tokens; `offset`: the completion text's length
+        before them (completions' text_offset)."""
+        if self.chat:
+            return {"content": [self.entry(s) for s in sampled]}
+        tokens = [self.piece(s.token) for s in sampled]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [s.logprob for s in sampled],
+                "top_logprobs": [{self.piece(t): lp for t, lp in s.top} for s in sampled],
+                "text_offset": offsets}
 
 
 def _check_finished(out: RequestOutput) -> None:
@@ -435,17 +566,18 @@ def _check_finished(out: RequestOutput) -> None:
         raise ApiError(500, out.error, type_="server_error")
 
 
-async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool):
+async def _complete(stream: _Stream, model_name: str, request: Request, chat: bool,
+                    lp: _Logprobs | None = None, plan: chat_tools.ToolPlan | None = None):
     """Collect the whole answer; a client that goes away meanwhile aborts the request at once
     (its disconnect is the next message on the request's ASGI channel, its body being read)."""
 
-    async def collect() -> tuple[list[str], RequestOutput]:
-        text = []
+    async def collect() -> tuple[dict[int, list[RequestOutput]], RequestOutput]:
+        outs: dict[int, list[RequestOutput]] = {}
         while True:
             out = await stream.next()
-            text.append(out.text)
-            if out.finished:
-                return text, out
+            outs.setdefault(out.index, []).append(out)
+            if stream.done:
+                return outs, out
 
     async def disconnected() -> None:
         try:
@@ -464,17 +596,40 @@ async def _complete(stream: _Stream, model_name: str, request: Request, chat: bo
         stream.close()
     if not collector.done() or collector.cancelled():
         return Response(status_code=499)
-    text, out = collector.result()
+    outs, out = collector.result()
     _check_finished(out)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "finish_reason": out.finish_reason, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": "".join(text), "finish_reason": out.finish_reason,
-                  "logprobs": None}
+    choices = []
+    for index, parts in sorted(outs.items()):
+        text = "".join(p.text for p in parts)
+        logprobs = lp.of([s for p in parts for s in p.logprobs]) if lp else None
+        if chat:
+            message, reason = _chat_message(text, parts[-1].finish_reason, plan)
+            choices.append({"index": index, "message": message, "finish_reason": reason,
+                            "logprobs": logprobs})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": parts[-1].finish_reason})
     return {"id": stream.rid, "object": "chat.completion" if chat else "text_completion",
-            "created": stream.created, "model": model_name, "choices": [choice],
-            "usage": _usage(out)}
+            "created": stream.created, "model": model_name, "choices": choices,
+            "usage": _usage([parts[-1] for _, parts in sorted(outs.items())])}
+
+
+def _chat_message(text: str, reason: str, plan: chat_tools.ToolPlan | None) -> tuple[dict, str]:
+    """A whole chat answer as an OpenAI message (its calls as `tool_calls`), and the finish
+    reason: "tool_calls" when the model stopped after calling."""
+    if plan is None or not plan.parse:
+        return {"role": "assistant", "content": text}, reason
+    parsed = tool_calls.parse_message(text, plan.names, plan.parallel)
+    if not parsed.calls:
+        return {"role": "assistant", "content": parsed.content}, reason
+    calls = [_call_json(c) for c in parsed.calls]
+    return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
+            "tool_calls" if reason == "stop" else reason)
+
+
+def _call_json(call: tool_calls.ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _sse(payload: dict | str) -> str:
@@ -482,52 +637,90 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _events(stream: _Stream, include_usage: bool, head: dict, first: dict | None,
-                  piece) -> AsyncIterator[str]:
-    """SSE of one request: `first` (if any), then a chunk per new text, a final chunk with the
-    finish reason, the usage chunk if asked for, and [DONE]."""
+                  pieces, lp: _Logprobs | None, n: int) -> AsyncIterator[str]:
+    """SSE of one request: `first` (if any) per sample, then the chunks `pieces(text, None,
+    index)` makes of each sample's new text (the first carrying the new tokens'
+    log-probabilities when asked), the chunks of `pieces("", finish_reason, index)` when the
+    sample ends (the last with its finish reason), the usage chunk if asked for, and [DONE]."""
+    last: dict[int, RequestOutput] = {}
+    offsets = [0] * n
     try:
         if first is not None:
-            yield _sse({**head, "choices": [first]})
-        while True:
+            for index in range(n):
+                yield _sse({**head, "choices": [{**first, "index": index}]})
+        while not stream.done:
             out = await stream.next()
             if out.finish_reason == "error":
                 yield _sse({"error": {"message": out.error, "type": "server_error",
                                       "param": None, "code": None}})
                 return
-            if out.text:
-                yield _sse({**head, "choices": [piece(out.text, None)]})
+            if out.text or (lp and out.logprobs):
+                chunks = pieces(out.text, None, out.index)
+                if lp and out.logprobs:
+                    if not chunks:  # text held back (a possible tool call): its tokens still go
+                        chunks = [pieces("", None, out.index, empty=True)[0]]
+                    chunks[0]["logprobs"] = lp.of(list(out.logprobs), offsets[out.index])
+                    offsets[out.index] += sum(len(lp.piece(s.token)) for s in out.logprobs)
+                for c in chunks:
+                    yield _sse({**head, "choices": [c]})
             if out.finished:
-                yield _sse({**head, "choices": [piece("", out.finish_reason)]})
-                break
+                last[out.index] = out
+                for c in pieces("", out.finish_reason, out.index):
+                    yield _sse({**head, "choices": [c]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(out)})
+            yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
         yield _sse("[DONE]")
     finally:
         stream.close()
 
 
-def _chat_events(stream: _Stream, model_name: str, include_usage: bool) -> AsyncIterator[str]:
+def _chat_events(stream: _Stream, model_name: str, include_usage: bool,
+                 lp: _Logprobs | None = None,
+                 plan: chat_tools.ToolPlan | None = None) -> AsyncIterator[str]:
+    """Chat chunks, per sample; with tools, text that may still become a call is held back
+    until it does (a `tool_calls` delta with the whole call) or does not (content)."""
     head = {"id": stream.rid, "object": "chat.completion.chunk", "created": stream.created,
             "model": model_name}
+    parse = bool(plan and plan.parse)
+    calls = {i: tool_calls.CallStream(plan.names, plan.parallel)
+             for i in range(stream.left)} if parse else {}
+    given = [0] * stream.left  # per sample: tool calls sent so far, the next one's index
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {},
-                "finish_reason": reason, "logprobs": None}
+    def chunk(delta: dict, index: int, reason: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
 
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-             "logprobs": None}
-    return _events(stream, include_usage, head, first, piece)
+    def pieces(text: str, reason: str | None, index: int, empty: bool = False) -> list[dict]:
+        if empty:
+            return [chunk({}, index)]
+        if not parse:
+            return ([chunk({"content": text} if text else {}, index, reason)]
+                    if text or reason else [])
+        out = []
+        for p in calls[index].feed(text) if reason is None else calls[index].finish():
+            if p.call is None:
+                out.append(chunk({"content": p.text}, index))
+            else:
+                out.append(chunk({"tool_calls": [{"index": given[index], **_call_json(p.call)}]},
+                                 index))
+                given[index] += 1
+        if reason is not None:
+            out.append(chunk({}, index,
+                             "tool_calls" if given[index] and reason == "stop" else reason))
+        return out
+
+    first = chunk({"role": "assistant", "content": ""}, 0)
+    return _events(stream, include_usage, head, first, pieces, lp, stream.left)
 
 
-def _completion_events(stream: _Stream, model_name: str,
-                       include_usage: bool) -> AsyncIterator[str]:
+def _completion_events(stream: _Stream, model_name: str, include_usage: bool,
+                       lp: _Logprobs | None = None) -> AsyncIterator[str]:
     head = {"id": stream.rid, "object": "text_completion", "created": stream.created,
             "model": model_name}
 
-    def piece(text: str, reason: str | None) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def pieces(text: str, reason: str | None, index: int, empty: bool = False) -> list[dict]:
+        return [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]
 
-    return _events(stream, include_usage, head, None, piece)
+    return _events(stream, include_usage, head, None, pieces, lp, stream.left)
 
 
 # ---------------------------------------------------------------------------------- HTTP guards

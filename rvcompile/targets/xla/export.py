@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 from jax import export
+from jax._src import config as jax_config
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import ModelIR
@@ -47,6 +48,7 @@ from rvcompile.targets.xla.program import (
     table_shapes,
     weight_shapes,
 )
+from rvcompile.targets.xla.sampler import TOP_LOGPROBS, extras_shapes, mask_words
 from rvcompile.targets.xla.sharding import TP_AXIS, TpLayout, partition_spec, plan_tp
 
 ALIGN = 4096
@@ -133,11 +135,16 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         return (ws, cs, sds((batch, t)), sds((batch,)), sds((batch,)),
                 table_shapes(kinds, batch))
 
+    vocab, pen = ir.config.vocab_size, ir.max_context
+
+    def sampled(batch: int) -> tuple:
+        return (*sampling_shapes(batch), *extras_shapes(batch, vocab, pen))
+
     entries: dict[str, tuple] = {}
     for t in prefill_buckets:
-        entries[f"prefill_{t}"] = (prog.step, (*lane_args(1, t), *sampling_shapes(1)))
-    entries[f"decode_{max_seqs}"] = (prog.step,
-                                     (*lane_args(max_seqs, 1), *sampling_shapes(max_seqs)))
+        entries[f"prefill_{t}"] = (prog.step_sampled, (*lane_args(1, t), *sampled(1)))
+    entries[f"decode_{max_seqs}"] = (prog.step_sampled,
+                                     (*lane_args(max_seqs, 1), *sampled(max_seqs)))
     entries[f"logits_{ir.max_chunk}"] = (prog.logits, lane_args(1, ir.max_chunk))
     n_loop = loop_steps(ir, decode_loop_steps)
     if n_loop > 0:
@@ -163,7 +170,13 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         else:
             jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
                       else _sharded_jit(fn, args, layout))
-        exp = export.export(jitted, platforms=platforms)(*args)
+        # No source locations in the program: by default jax records the Python call stack of
+        # every op (file paths, line numbers, function names of the caller, rvcompile's install
+        # directory and the CLI's frames included), so the bytes would depend on where and how
+        # the build ran; the op names ("jit(decode)/...") are kept. A private jax config (no
+        # public context manager); tests/test_rebuild.py checks that no path is left.
+        with jax_config.traceback_in_locations_limit(0):
+            exp = export.export(jitted, platforms=platforms)(*args)
         programs[name] = bytes(exp.serialize())
     arrays, nbytes, slot_map = weight_layout(ir, plan)
     manifest = {
@@ -175,6 +188,8 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
         "max_chunk": ir.max_chunk,
         "prefill_buckets": list(prefill_buckets),
         "decode_loop": {"steps": n_loop, "stop_ids": DECODE_LOOP_STOPS},
+        "sampler": {"top_logprobs": TOP_LOGPROBS, "penalty_ids": pen,
+                    "mask_words": mask_words(vocab)},
         "entry_points": sorted(programs),
         "weights": arrays,
         "kv": {

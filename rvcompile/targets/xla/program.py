@@ -18,8 +18,11 @@ Pool sizes are symbolic in the exported programs ("blocks_full", "blocks_sliding
 chooses them at load.
 
 Entry points (all return the updated pools first; pools are meant to be donated):
-- prefill(weights, caches, tokens [1,T], start [1], n_new [1], tables, sampling...) -> token [1]
-- decode(weights, caches, tokens [B,1], start [B], n_new [B], tables, sampling...) -> tokens [B]
+- prefill(weights, caches, tokens [1,T], start [1], n_new [1], tables, sampling..., extras...)
+  -> token [1], logprob [1], top_ids [1,K], top_logprobs [1,K]
+- decode(weights, caches, tokens [B,1], start [B], n_new [B], tables, sampling..., extras...)
+  -> tokens [B], logprob [B], top_ids [B,K], top_logprobs [B,K]
+  (extras: penalties, a token mask, top log-probabilities wanted: targets/xla/sampler.py)
 - logits(weights, caches, tokens [1,T], start [1], n_new [1], tables) -> logits [1,T,V]
 - decode_loop(decode's arguments, stop_ids [B,S], budget [B]) -> tokens [B,N], steps: up to N
   decode steps in one `lax.while_loop`, sampling and stop checks on the device.
@@ -51,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
+from rvcompile.targets.xla import sampler
 from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
     BLOCKWISE_LOWERINGS,
@@ -347,12 +351,28 @@ class Program:
 
     def step(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
              seed, step):
+        """One decode step of decode_loop: run the tokens and sample the next token of every
+        lane from its last valid row (step_sampled with neutral extras, bit for bit)."""
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
+        return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
+
+    def step_sampled(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
+                     top_p, seed, step, mask, pen_ids, pen_counts, presence, frequency,
+                     repetition, n_top):
         """prefill_{T} (one lane, T tokens) and decode_{B} (B lanes, one token each): run the
-        tokens and sample the next token of every lane from its last valid row."""
+        tokens and sample the next token of every lane from its last valid row, after its
+        penalties and token mask; returns (caches, tokens, logprob, top_ids, top_logprobs)
+        (targets/xla/sampler.py)."""
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
+        shaped = sampler.penalize(logits, pen_ids, pen_counts, presence, frequency, repetition)
+        shaped = sampler.apply_mask(shaped, mask)
+        toks = self.sample(weights, shaped, temperature, top_k, top_p, seed, step)
+        return (caches, toks, *sampler.logprobs(logits, toks, n_top))
+
+    def _last_logits(self, weights, caches, tokens, start, n_new, tables):
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
-        logits = self._whole(self.head(weights, last)[:, 0])
-        return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
+        return caches, self._whole(self.head(weights, last)[:, 0])
 
     def logits(self, weights, caches, tokens, start, n_new, tables):
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)

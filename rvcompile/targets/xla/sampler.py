@@ -1,0 +1,89 @@
+"""The sampling step's extras on the XLA targets (issue 16): penalties and a token mask before the
+IR's SAMPLE, log-probabilities after it. `Program.step` runs them in prefill_{T} and
+decode_{B}; the manifest's `xla.sampler` records the shapes below, so a runtime knows the
+entry points take them.
+
+Extra inputs, after the five sampling arrays, per lane (B lanes):
+- mask        int32 [B, W], W = ceil(V / 32): bit j of word w allows token 32 w + j; a token
+              whose bit is 0 is never sampled (a grammar's mask; all bits set: no constraint).
+- pen_ids     int32 [B, P]: the token ids penalties touch (-1: none); P = max_context, since a
+              sequence holds at most that many distinct tokens.
+- pen_counts  int32 [B, P]: how often each of them was generated (0: a prompt token only).
+- presence, frequency, repetition   float32 [B]: OpenAI's presence and frequency penalties
+              (logit -= frequency * count + presence * (count > 0)) after the repetition penalty
+              (HF's: a listed token's logit divided by it when positive, multiplied when not).
+- n_top       int32 [B]: top log-probabilities wanted (0 to TOP_LOGPROBS); any lane above 0
+              computes them for all.
+Extra outputs: logprob float32 [B] (the sampled token's), top_ids int32 [B, TOP_LOGPROBS] and
+top_logprobs float32 [B, TOP_LOGPROBS] (zeros unless some lane asked), all of the model's own
+distribution: log_softmax of the head's logits, before penalties, mask and temperature.
+Neutral values (mask all ones, no pen_ids, n_top 0) leave the sampled tokens bit for bit those
+of the plain sampler. The numpy references are ir/ops.py's ref_penalize and ref_token_mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
+
+
+def mask_words(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
+def penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
+    """logits [B, V] with the penalties of the listed ids applied (ids -1 are skipped); the
+    gather and scatter of B * P ids run only when some id is listed."""
+    return lax.cond(jnp.any(pen_ids >= 0), _penalize, lambda *a: a[0], logits, pen_ids,
+                    pen_counts, presence, frequency, repetition)
+
+
+def _penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
+    b, vocab = logits.shape
+    valid = pen_ids >= 0
+    x = jnp.take_along_axis(logits, jnp.where(valid, pen_ids, 0), axis=-1)
+    r = repetition[:, None]
+    x = jnp.where(x > 0, x / r, x * r)
+    c = pen_counts.astype(jnp.float32)
+    x = x - frequency[:, None] * c - presence[:, None] * (c > 0).astype(jnp.float32)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], pen_ids.shape)
+    return logits.at[rows, jnp.where(valid, pen_ids, vocab)].set(x, mode="drop")
+
+
+def apply_mask(logits, mask):
+    """logits [B, V] with tokens whose mask bit is 0 set to -inf."""
+    vocab = logits.shape[-1]
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(mask.shape[0], -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def logprobs(logits, tokens, n_top):
+    """(logprob [B] of tokens, top ids [B, K], top logprobs [B, K]) under log_softmax(logits)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    b = logits.shape[0]
+
+    def top(_):
+        vals, ids = lax.top_k(lp, TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals
+
+    def none(_):
+        return (jnp.zeros((b, TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((b, TOP_LOGPROBS), jnp.float32))
+
+    ids, vals = lax.cond(jnp.any(n_top > 0), top, none, None)
+    return chosen, ids, vals
+
+
+def extras_shapes(batch: int, vocab: int, penalty_ids: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """mask, pen_ids, pen_counts, presence, frequency, repetition, n_top of `batch` lanes."""
+    i, f = jnp.int32, jnp.float32
+    return (jax.ShapeDtypeStruct((batch, mask_words(vocab)), i),
+            jax.ShapeDtypeStruct((batch, penalty_ids), i),
+            jax.ShapeDtypeStruct((batch, penalty_ids), i),
+            *(jax.ShapeDtypeStruct((batch,), f) for _ in range(3)),
+            jax.ShapeDtypeStruct((batch,), i))

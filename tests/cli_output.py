@@ -1,0 +1,17 @@
+"""What a CLI wrote to stderr, less its progress: with stderr not a terminal, `rvcompile` and
+`rvrun` print one line per finished phase (`PROG: PHASE done in 1.2 s`, rvcompile/progress.py)
+before any error, which tests of the one-line error rule set aside with `without_progress`."""
+
+from __future__ import annotations
+
+import re
+
+
+def is_progress(line: str) -> bool:
+    return re.fullmatch(r"(rvcompile|rvrun): [\w /+.-]+ done in \d+\.\d s( \(.*\))?", line) \
+        is not None
+
+
+def without_progress(stderr: str) -> list[str]:
+    """stderr's lines (stripped of surrounding blank space), phase lines left out."""
+    return [line for line in stderr.strip().splitlines() if not is_progress(line)]
