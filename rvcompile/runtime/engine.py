@@ -114,10 +114,10 @@ class RequestOutput:
     completion_tokens: int  # tokens generated so far, EOS included
     cached_tokens: int  # prompt tokens served by the prefix cache
     error: str = ""  # with finish_reason "error"
-    drafted_tokens: int = 0  # speculative decoding: drafts verified so far
-    accepted_tokens: int = 0  # of them, accepted
     index: int = 0  # which of the request's n samples
     logprobs: tuple[Sampled, ...] = ()  # with Request.logprobs: one per token of token_ids
+    drafted_tokens: int = 0  # speculative decoding: drafts verified so far
+    accepted_tokens: int = 0  # of them, accepted
 
 
 @dataclass(frozen=True)
