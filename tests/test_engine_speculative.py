@@ -162,7 +162,8 @@ def test_mixed_speculative_traffic_matches_the_reference(full, sliding):
         sampling = Sampling(0.8, 0, 1.0, rng.randrange(100)) if i % 3 == 0 else Sampling()
         max_tokens = rng.randrange(1, 64 - len(prompt))
         specs[str(i)] = SPECS[i % len(SPECS)]
-        eng.add(Request(str(i), prompt, max_tokens, sampling, (), True, specs[str(i)]))
+        eng.add(Request(str(i), prompt, max_tokens, sampling, (), True,
+                        speculation=specs[str(i)]))
         expected[str(i)] = reference(prompt, max_tokens, sampling)
         for _ in range(rng.randrange(3)):
             for o in eng.step():

@@ -92,13 +92,13 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()  # strings that end the text (checked on decoded text, excluded)
     ignore_eos: bool = False
-    speculation: Speculation | None = None  # speculative decoding; None: plain decoding
     stream: bool = False  # someone watches tokens arrive: bound decode loops (Engine docstring)
     n: int = 1  # samples: sample i samples with seed + i; they share the prompt's whole blocks
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     penalties: Penalties = field(default_factory=Penalties)
     stop_token_ids: tuple[int, ...] = ()  # sampling one ends the sample (excluded, like EOS)
     constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
+    speculation: Speculation | None = None  # speculative decoding; None: plain decoding
 
 
 @dataclass(frozen=True)
@@ -143,10 +143,10 @@ class _Live:
     seq: Seq
     text: TextStream
     index: int = 0  # sample index
-    state: object = None  # drafting with the assistant: the last verify's state to draft from
     out_counts: np.ndarray | None = None  # int32 [V]: times each token was generated (penalties)
     in_prompt: np.ndarray | None = None  # bool [V]: the prompt's tokens (repetition penalty)
     matcher: Matcher | None = None  # with a constraint: where its grammar stands
+    state: object = None  # drafting with the assistant: the last verify's state to draft from
 
     @property
     def extras(self) -> bool:

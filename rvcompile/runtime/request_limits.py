@@ -106,18 +106,19 @@ class RequestLimits:
             n=n, logprobs=self.check_logprobs(request.logprobs),
             penalties=self.check_penalties(request.penalties),
             stop_token_ids=self.stop_token_ids(request.stop_token_ids),
-            speculation=self.speculation(request))
+            speculation=self.speculation(request.speculation, request))
 
-    def speculation(self, request: Request) -> Speculation | None:
-        """The request's speculation checked against what the artifact offers,
-        num_draft_tokens filled in. Not with n > 1, log-probabilities, penalties or a grammar:
-        the verify entry point's sampler takes none of those."""
-        spec = request.speculation
+    def speculation(self, spec: object, request: Request | None = None) -> Speculation | None:
+        """spec checked against what the artifact offers, num_draft_tokens filled in; with
+        `request`, also that it asks for nothing the verify entry point's sampler lacks (n > 1,
+        log-probabilities, penalties, a grammar)."""
         if spec is None:
             return None
-        for param, used in (("n", request.n != 1), ("logprobs", request.logprobs is not None),
-                            ("penalties", request.penalties.active),
-                            ("response_format", request.constraint is not None)):
+        uses = () if request is None else (
+            ("n", request.n != 1), ("logprobs", request.logprobs is not None),
+            ("penalties", request.penalties.active),
+            ("response_format", request.constraint is not None))
+        for param, used in uses:
             if used:
                 raise RequestError("speculative", f"speculative decoding does not combine "
                                                   f"with {param} yet")
