@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_output import without_progress
 from safetensors.numpy import save_file
 
 from rvcompile import runtime
@@ -132,7 +133,7 @@ def sample_third_tokens(model, prompt, speculation, seeds) -> Counter:
     eng = model.engine
     for seed in seeds:
         eng.add(Request(f"d{seed}", prompt, 4, Sampling(1.0, 4, 1.0, seed), (), True,
-                        speculation))
+                        speculation=speculation))
     out: dict[str, list[int]] = {}
     while eng.has_work():
         for o in eng.step():
@@ -167,7 +168,7 @@ def test_mixed_batch_with_preemption_gives_solo_tokens(artifact, model):
     for rid, p, spec, s in cases:
         eng.add(Request(rid, p, 120, Sampling(s.get("temperature", 0.0), s.get("top_k", 0),
                                               1.0, s.get("seed", 0)), (), True,
-                        Speculation(spec) if spec else None))
+                        speculation=Speculation(spec) if spec else None))
     got: dict[str, list[int]] = {}
     while eng.has_work():
         for o in eng.step():
@@ -200,14 +201,14 @@ def test_rvrun_speculative(artifact, model):
          "--num-draft-tokens: must be 1 to 3"),
     ]:
         p = run_rvrun(str(artifact), *base, *args)
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
     serve = ["serve", str(artifact), "--port", "0", "--no-verify"]
     for args, needle in [(["--speculative", "medusa"], "--speculative: expected one of"),
                          (["--speculative", "ngram", "--num-draft-tokens", "4"],
                           "--num-draft-tokens: must be 1 to 3")]:
         p = run_rvrun(*serve, *args)
-        lines = p.stderr.strip().splitlines()
+        lines = without_progress(p.stderr)
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
 
 
