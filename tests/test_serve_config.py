@@ -12,12 +12,14 @@ import pytest
 from rvcompile.runtime.cli import main
 from rvcompile.runtime.serve.config import (
     KEYS,
+    SPECULATIVE,
     ServeConfig,
     ServeConfigError,
     apply,
     given_on_command_line,
     load_serve_config,
 )
+from rvcompile.runtime.speculative import METHODS
 
 FULL = """\
 artifact: g31.rvp
@@ -36,6 +38,8 @@ api_key_env: MY_KEY
 trusted_key: [release.pub]
 trust_executables: true
 no_verify: false
+speculative: ngram
+num_draft_tokens: 3
 """
 
 
@@ -51,7 +55,8 @@ def test_every_key_is_read(tmp_path):
         artifact="g31.rvp", host="0.0.0.0", port=8081, model_name="gemma-4-31b", max_num_seqs=8,
         max_model_len=4096, kv_blocks=1024, kv_sliding_blocks=256, max_waiting=64,
         max_body_bytes=1 << 20, body_timeout=12.5, drain_timeout=5.0, api_key="sk-local-123",
-        trusted_key=("release.pub",), trust_executables=True, no_verify=False)
+        trusted_key=("release.pub",), trust_executables=True, no_verify=False,
+        speculative="ngram", num_draft_tokens=3)
     assert len(KEYS) == len(FULL.splitlines())
     assert load(tmp_path, "") == ServeConfig()
     assert load(tmp_path, "port: null\n") == ServeConfig()
@@ -67,6 +72,8 @@ BAD = [
     ("body_timeout: 0\n", "body_timeout: expected a positive number of seconds, got 0"),
     ("drain_timeout: .nan\n", "drain_timeout: expected a finite number"),
     ("no_verify: maybe\n", "no_verify: expected true or false"),
+    ("speculative: medusa\n", "speculative: expected one of"),
+    ("num_draft_tokens: 0\n", "num_draft_tokens: expected an int in [1, 2147483647], got 0"),
     ("trusted_key: release.pub\n", "trusted_key: expected a list"),
     ("host: 'a b'\n", "host: expected a string matching"),
     ("api_key_env: UNSET_VAR\n", "api_key_env: environment variable UNSET_VAR is not set"),
@@ -139,3 +146,7 @@ def test_the_example_config_loads():
     cfg = load_serve_config(example, {"RVRUN_API_KEY": "sk-example"})
     assert cfg.api_key == "sk-example" and cfg.artifact == "g31-h100.rvp"
     assert example.read_text().count("#") > 5
+
+
+def test_speculative_keys_name_the_server_flags():
+    assert SPECULATIVE == tuple(METHODS)

@@ -6,6 +6,9 @@ Ctrl-C stops the answer being written (it stays in the history as far as it got)
 end of stdin) ends the session with 0; `/reset` forgets the history.
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
+`rvrun` and `rvrun serve` take `--speculative assistant|ngram [--num-draft-tokens K]`:
+speculative decoding with the artifact's drafter or by n-gram lookup (the same tokens, fewer
+target steps; runtime/speculative.py); an artifact that cannot do it is refused in one line.
 Each takes `--trusted-key PUB` (repeatable): refuse the artifact unless one of these Ed25519
 public keys signed it (`rvcompile sign`), before anything past its header and digest table is read.
 
@@ -121,6 +124,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the artifact's chat template")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens, to --max-tokens")
+    _add_speculative(p)
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
@@ -137,6 +141,7 @@ def run_main(argv: list[str]) -> int:
         rl.check_max_tokens(a.max_tokens)
         rl.check_sampling(Sampling(a.temperature, a.top_k, a.top_p, a.seed), vocab_size=None)
         rl.check_stop(a.stop)
+        _speculation(a)
     except rl.RequestError as e:
         return _fail(_flag_error(e))
     problem = _not_utf8("--prompt", a.prompt)
@@ -159,7 +164,8 @@ def run_main(argv: list[str]) -> int:
         for piece in m.generate_stream(a.prompt, max_tokens=a.max_tokens,
                                        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                        seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
-                                       chat=a.chat):
+                                       chat=a.chat, speculative=a.speculative,
+                                       num_draft_tokens=a.num_draft_tokens):
             sys.stdout.write(piece)
             sys.stdout.flush()
     except rl.RequestError as e:
@@ -173,7 +179,9 @@ def run_main(argv: list[str]) -> int:
     ex = m.executor
     print(f"[rvrun] load {load_s:.2f} s ({ex.load_note}) | prompt "
           f"{r.prompt_tokens} tokens | new {len(r.token_ids)} tokens ({r.finish_reason}) | "
-          f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s", file=sys.stderr)
+          f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s"
+          + (f" | {a.speculative}: {r.accepted_tokens} of {r.drafted_tokens} drafts accepted"
+             if a.speculative else ""), file=sys.stderr)
     return 0
 
 
@@ -308,6 +316,7 @@ def serve_main(argv: list[str]) -> int:
                    help="queued requests beyond this are refused with 503")
     p.add_argument("--model-name", default=None,
                    help="the model id requests name (default: the artifact's file stem)")
+    _add_speculative(p)
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
@@ -346,6 +355,12 @@ def serve_main(argv: list[str]) -> int:
     for flag, value in numbers.items():
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    from rvcompile.runtime.request_limits import RequestError
+
+    try:
+        _speculation(a)
+    except RequestError as e:
+        return _fail(_flag_error(e))
     try:
         keys = _trusted_keys(a)
     except ValueError as e:
@@ -371,14 +386,21 @@ def serve_main(argv: list[str]) -> int:
         return _fail(str(e))
     from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
+    try:  # once, against the artifact: every request then speculates alike
+        speculation = m.engine.limits.speculation(_speculation(a))
+    except RequestError as e:
+        sock.close()
+        return _fail(_flag_error(e))
     name = a.model_name or Path(a.artifact).stem
-    app = create_app(m, ServeOptions(name, a.max_waiting),
+    app = create_app(m, ServeOptions(name, a.max_waiting, speculation),
                      HttpOptions(a.api_key, a.max_body_bytes, a.body_timeout),
                      access_log=lambda line: print(line, file=sys.stderr, flush=True))
     host, port = sock.getsockname()[:2]
     kv = ", ".join(f"{k.num_blocks} {k.name}" for k in m.executor.kinds.values())
     print(f"rvrun: serving {name} at http://{host}:{port}/v1 | {m.engine.max_num_seqs} seqs, "
-          f"context {m.max_context}, KV blocks {kv}", file=sys.stderr, flush=True)
+          f"context {m.max_context}, KV blocks {kv}"
+          + (f", speculative {speculation.method} ({speculation.num_draft_tokens} drafts)"
+             if speculation else ""), file=sys.stderr, flush=True)
     return run(app, sock, a.drain_timeout, log=lambda line: print(line, file=sys.stderr,
                                                                   flush=True))
 
@@ -433,6 +455,26 @@ def _not_utf8(flag: str, text: str) -> str | None:
         byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
         return f"{flag} is not valid UTF-8 text ({byte} at character {e.start})"
     return None
+
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="assistant|ngram",
+                   help="speculative decoding: draft with the artifact's assistant (built with "
+                        "--assistant) or by n-gram lookup in the sequence (built with "
+                        "--num-draft-tokens); the tokens do not change")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="drafts per verify step, 1 to the artifact's (default: the artifact's)")
+
+
+def _speculation(a: argparse.Namespace):
+    """--speculative and --num-draft-tokens as a Speculation (or None), checked as far as
+    they can be without the artifact (RequestError)."""
+    from rvcompile.runtime.request_limits import RequestError, speculation_of
+
+    spec = speculation_of(a.speculative, a.num_draft_tokens)
+    if spec is not None and spec.num_draft_tokens is not None and spec.num_draft_tokens < 1:
+        raise RequestError("num_draft_tokens", f"must be at least 1, got {spec.num_draft_tokens}")
+    return spec
 
 
 def _add_trusted_key(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,18 @@ and nobody waits to join, the step is one decode_many call instead (where the ex
 it): up to decode_loop_steps tokens per sequence, the same tokens. A finished or aborted
 request's blocks go back to the pool in the same step.
 
+Speculative decoding (a request's `speculation`, runtime/speculative.py; executor_api's
+speculative contract): a speculating sequence runs every token past its prompt through the
+executor's verify call, never decode, so it is computed the same way under any load. Each step,
+after the prefill and decode calls: one draft call for the sequences drafting with the
+assistant (those with a state from their previous verify: a just prefilled one verifies its
+last token alone first), n-gram lookup for the others, then one verify call for every
+speculating sequence; the scheduler keeps the matching drafts (`Scheduler.verified`). Sequences
+with and without drafting share a step, in separate calls (a decode lane and a verify row are
+different call shapes, and a row's bits may depend on its call's shape). Speculation runs
+outside the device-side decode loop: while any speculating sequence runs, steps are single
+decode / verify calls, each of up to 1 + num_draft_tokens tokens per speculating sequence.
+
 Streaming: while any running request streams (Request.stream), a decode_many call runs at most
 as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
 one), so a streamed request gets its tokens every ~stream_interval_s rather than in bursts of
@@ -47,6 +59,7 @@ import numpy as np
 from rvcompile.runtime.constraints import Constraint, Grammars, Matcher
 from rvcompile.runtime.executor_api import (
     DeviceError,
+    DraftLane,
     Executor,
     KvKind,
     LoopLane,
@@ -55,12 +68,16 @@ from rvcompile.runtime.executor_api import (
     SampleExtras,
     Sampling,
     SeqChunk,
+    Verified,
     decode_loop_steps,
+    has_drafter,
+    max_draft_tokens,
     top_logprobs,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
 from rvcompile.runtime.request_limits import NO_EXTRAS, SEED_MASK, RequestError, RequestLimits
 from rvcompile.runtime.scheduler import Schedule, Scheduler, Seq, Work
+from rvcompile.runtime.speculative import Speculation, ngram_drafts
 from rvcompile.runtime.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -81,6 +98,7 @@ class Request:
     penalties: Penalties = field(default_factory=Penalties)
     stop_token_ids: tuple[int, ...] = ()  # sampling one ends the sample (excluded, like EOS)
     constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
+    speculation: Speculation | None = None  # speculative decoding; None: plain decoding
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,8 @@ class RequestOutput:
     error: str = ""  # with finish_reason "error"
     index: int = 0  # which of the request's n samples
     logprobs: tuple[Sampled, ...] = ()  # with Request.logprobs: one per token of token_ids
+    drafted_tokens: int = 0  # speculative decoding: drafts verified so far
+    accepted_tokens: int = 0  # of them, accepted
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,9 @@ class EngineStats:
     prefix_hit: int  # of them, served from the prefix cache
     preemptions: int
     steps: int
+    drafted: int = 0  # speculative decoding: drafts verified
+    accepted: int = 0  # of them, accepted
+    verify_calls: int = 0  # verify calls run
     mask_s: float = 0.0  # host seconds spent computing grammar masks
     mask_rows: int = 0  # masks computed (one per constrained sequence per sampling step)
 
@@ -123,6 +146,7 @@ class _Live:
     out_counts: np.ndarray | None = None  # int32 [V]: times each token was generated (penalties)
     in_prompt: np.ndarray | None = None  # bool [V]: the prompt's tokens (repetition penalty)
     matcher: Matcher | None = None  # with a constraint: where its grammar stands
+    state: object = None  # drafting with the assistant: the last verify's state to draft from
 
     @property
     def extras(self) -> bool:
@@ -186,7 +210,8 @@ class Engine:
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
-        self.limits = RequestLimits(vocab_size, self.max_model_len, top_logprobs(executor))
+        self.limits = RequestLimits(vocab_size, self.max_model_len, top_logprobs(executor),
+                                    max_draft_tokens(executor), has_drafter(executor))
         self.vocab_size = vocab_size
         self.kv = PagedKv(executor.kinds, executor.block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.max_num_seqs,
@@ -199,6 +224,7 @@ class Engine:
         self._held: list[_Held] = []
         self._order = itertools.count()
         self.steps = self.preemptions = 0
+        self.drafted = self.accepted = self.verify_calls = 0
 
     # ------------------------------------------------------------------ requests (any thread)
 
@@ -242,7 +268,9 @@ class Engine:
                            {k: self.kv.num_used(k) for k in self.kv.pools},
                            {k: len(p.blocks) for k, p in self.kv.pools.items()},
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
-                           self.mask_s, self.mask_rows)
+                           drafted=self.drafted, accepted=self.accepted,
+                           verify_calls=self.verify_calls, mask_s=self.mask_s,
+                           mask_rows=self.mask_rows)
 
     # ------------------------------------------------------------------ the loop (one thread)
 
@@ -265,6 +293,8 @@ class Engine:
         self._release_held()
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
+        for seq in sched.preempted:  # its drafting state went with its blocks
+            self._live[seq.id].state = None
         lanes = self._loop_lanes(sched) if not inbox else None
         if lanes is not None:
             self._decode_loop(sched.decodes, lanes, outputs)
@@ -280,6 +310,9 @@ class Engine:
         extras = r.penalties.active
         if r.n == 1:
             seqs = [Seq(r.id, list(r.prompt_ids), r.sampling, next(self._order))]
+            if r.speculation is not None:  # request_limits: never with n > 1 or extras
+                seqs[0].verify_rows = 1 + r.speculation.num_draft_tokens
+                seqs[0].max_len = len(r.prompt_ids) + r.max_tokens
         else:
             shared = (len(r.prompt_ids) - 1) // self.kv.block_size * self.kv.block_size
             seqs = [Seq(f"{r.id}/{i}", list(r.prompt_ids[:shared]),
@@ -389,6 +422,68 @@ class Engine:
             out = self._guarded("output", [work], outputs, self._advance, work, token)
             if out is not None:
                 outputs.append(out)
+        if sched.verifies:
+            self._speculate(sched.verifies, outputs)
+
+    def _speculate(self, works: list[Work], outputs: list[RequestOutput]) -> None:
+        """One speculative round of every speculating sequence past its prompt: drafts (one
+        draft call for the assistant's, n-gram lookup for the rest), one verify call, then
+        each sequence's accepted tokens through advance/_emit (one RequestOutput each)."""
+        drafts: dict[str, list[int]] = {}
+        assisted: list[tuple[Work, int]] = []
+        for w in works:
+            room = self._draft_room(w)
+            method = self._live[w.seq.id].request.speculation.method
+            if room and method == "ngram":
+                drafts[w.seq.id] = ngram_drafts(w.seq.tokens, room)
+            elif room and self._live[w.seq.id].state is not None:
+                assisted.append((w, room))
+        if assisted:
+            lanes = [DraftLane(w.chunk, self._live[w.seq.id].state) for w, _ in assisted]
+            n = max(room for _, room in assisted)
+            made = self._guarded("draft", [w for w, _ in assisted], outputs, _pairs, assisted,
+                                 lambda ls: self.executor.draft(ls, n), lanes)
+            for (w, room), d in made or []:
+                drafts[w.seq.id] = list(d.tokens[:room])
+        works = [w for w in works if w.seq.id in self._live]  # a failed draft ended some
+        if not works:
+            return
+        plan = [(w, drafts.get(w.seq.id, [])) for w in works]
+        lanes = [dataclasses.replace(w.chunk, tokens=[*w.chunk.tokens, *d]) for w, d in plan]
+        self.verify_calls += 1
+        results = self._guarded("verify", works, outputs, _pairs, plan, self.executor.verify,
+                                lanes)
+        for (w, d), verified in results or []:
+            out = self._guarded("output", [w], outputs, self._advance_verified, w, d, verified)
+            if out is not None:
+                outputs.append(out)
+
+    def _draft_room(self, w: Work) -> int:
+        """Drafts w's verify can take: the rows the scheduler reserved past its last token;
+        0 while it recomputes known tokens."""
+        if w.seq.recomputing or len(w.chunk.tokens) != 1:
+            return 0
+        return self.scheduler.piece(w.seq)[0] - 1
+
+    def _advance_verified(self, w: Work, drafts: list[int],
+                          verified: Verified) -> RequestOutput | None:
+        seq, live = w.seq, self._live[w.seq.id]
+        drafted, accepted = seq.drafted, seq.accepted
+        new = self.scheduler.verified(w, drafts, list(verified.tokens))
+        self.drafted += seq.drafted - drafted
+        self.accepted += seq.accepted - accepted
+        if verified.states and live.request.speculation.method == "assistant":
+            live.state = verified.states[seq.cached - w.chunk.start - 1]  # its last kept row's
+        # The new tokens join the output one at a time, as from decode steps, so a request
+        # that ends part-way (EOS, a stop string) counts only the tokens up to there.
+        del seq.output[len(seq.output) - len(new):]
+        parts = []
+        for token in new:
+            seq.output.append(token)
+            parts.append(self._emit(live, Sampled(token)))
+            if parts[-1].finished:
+                break
+        return _merge(parts) if parts else None
 
     def _advance(self, work: Work, sampled: Sampled) -> RequestOutput | None:
         new = self.scheduler.advance(work, sampled.token)
@@ -420,6 +515,7 @@ class Engine:
         stay with it)."""
         steps = decode_loop_steps(self.executor)
         if (steps == 0 or not sched.decodes or sched.prefills or sched.preempted
+                or sched.verifies
                 or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
                 or self._held
                 or any(w.seq.cached + 1 < len(w.seq.tokens) or self._live[w.seq.id].extras
@@ -535,7 +631,8 @@ class Engine:
         seq = live.seq
         return RequestOutput(live.request.id, token_ids, text, reason is not None, reason,
                              len(seq.prompt) + seq.fed, len(seq.output) - seq.fed,
-                             seq.cached_prompt, error, live.index, logprobs)
+                             seq.cached_prompt, error, live.index, logprobs,
+                             drafted_tokens=seq.drafted, accepted_tokens=seq.accepted)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits [T, vocab] of every position, chunk by chunk (call it only while

@@ -48,7 +48,9 @@ sequence whose target has cached positions [0, p) and whose last accepted token 
   draft the assistant's argmax, as transformers does). A sequence with no state yet (just
   prefilled) runs one verify with no drafts first: a decode step that also yields a state.
 A verify lane with no drafts is a decode lane; a sequence not drafting can ride along in one.
-Verify needs the blocks of positions [p, p + k] like a prefill chunk of k + 1 rows does.
+Verify needs the blocks of positions [p, p + k] like a prefill chunk of k + 1 rows does. The
+engine (engine.py, speculative.py) runs every speculating sequence's tokens through verify and
+keeps plain sequences in decode calls, so each sequence's rows come from one call shape.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
     out = m.generate("Hello", max_tokens=32, temperature=0.7, top_k=40, top_p=0.95, seed=1)
     for piece in m.generate_stream(...): ...      # text pieces as tokens arrive
     m.logits(token_ids) -> np.ndarray [T, vocab]  # teacher-forced, every position
+    m.generate("Hello", speculative="ngram", num_draft_tokens=3)  # or "assistant"
 
 Model owns tokenization and chat templating; generation runs through its Engine (scheduling,
 paged KV with prefix caching, chunked prefill, decode, stop checks), the same engine `rvrun
@@ -18,6 +19,11 @@ model hands the turn to a tool. Where the tokenizer has these markers as EOS tok
 turn; where it does not (rv-gemma4-tiny's vocabulary has no room for them: they are text there),
 a chat generation also stops at their text (`chat_stop`). Decoding keeps Gemma 4's tool-call
 markers even where they are special tokens, so a caller can parse the calls from the text.
+
+Speculative decoding (`speculative`: "assistant", the artifact's drafter, or "ngram", prompt
+lookup; `num_draft_tokens`: drafts per round, default the artifact's most) changes no token: a
+seeded or greedy generation gives the same tokens with it as without (runtime/speculative.py);
+the result counts the drafts verified and accepted.
 
 generate's arguments are checked where they enter the engine (request_limits, the same check
 `rvrun serve` runs): a bad one raises RequestError (a ValueError) naming it. A generation the
@@ -40,7 +46,12 @@ from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.runtime.constraints import Grammars
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
-from rvcompile.runtime.request_limits import MAX_STOP_STRINGS, RequestError, check_stop
+from rvcompile.runtime.request_limits import (
+    MAX_STOP_STRINGS,
+    RequestError,
+    check_stop,
+    speculation_of,
+)
 
 # Gemma 4's markers that end a model turn: `<turn|>` closes it, `<|tool_response>` hands it over
 # to a tool's answer (the released tokenizers have them as EOS ids 106 and 50).
@@ -58,6 +69,8 @@ class GenerationResult:
     ttft_s: float = 0.0  # prompt in -> first new token out
     decode_s: float = 0.0  # time spent producing tokens after the first
     stats: dict = field(default_factory=dict)
+    drafted_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_tokens: int = 0  # of them, accepted (each one a target step saved)
 
     @property
     def decode_tok_s(self) -> float:
@@ -165,35 +178,40 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop: str | Sequence[str] = (), ignore_eos: bool = False,
-                 chat: bool = False) -> GenerationResult:
+                 chat: bool = False, speculative: str | None = None,
+                 num_draft_tokens: int | None = None) -> GenerationResult:
         *_, (_, result) = self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                    ignore_eos, chat, stream=False)
+                                    ignore_eos, chat, speculative, num_draft_tokens,
+                                    stream=False)
         return result
 
     def generate_stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, stop: str | Sequence[str] = (), ignore_eos: bool = False,
-                        chat: bool = False) -> Iterator[str]:
+                        chat: bool = False, speculative: str | None = None,
+                        num_draft_tokens: int | None = None) -> Iterator[str]:
         """Yields text pieces as they become final; the last GenerationResult is on
         `self.last_result` afterwards. `chat`: a text prompt is one user message rendered by
         the chat template (token ids: a conversation the caller rendered), and the generation
         also stops at the end of the model's turn (`chat_stop`)."""
         emitted = 0
         for text, result in self._run(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                      ignore_eos, chat, stream=True):
+                                      ignore_eos, chat, speculative, num_draft_tokens,
+                                      stream=True):
             self.last_result = result
             if len(text) > emitted:
                 yield text[emitted:]
                 emitted = len(text)
 
     def _run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, chat,
-             *, stream: bool):
+             speculative=None, num_draft_tokens=None, *, stream: bool):
         """Yields (final text so far, GenerationResult so far) after each new token."""
         if chat:
             stop = self.chat_stop(stop)
         request = Request(f"generate-{next(self._ids)}", self._prompt_ids(prompt, chat),
                           max_tokens, Sampling(temperature, top_k, top_p, seed), stop,
-                          ignore_eos, stream)
+                          ignore_eos, stream=stream,
+                          speculation=speculation_of(speculative, num_draft_tokens))
         t0 = time.perf_counter()
         self.engine.add(request)
         res = GenerationResult([], "", "length", len(request.prompt_ids))
@@ -208,6 +226,8 @@ class Model:
                     res.decode_s = now - t0 - res.ttft_s
                     res.token_ids += out.token_ids
                     res.text += out.text
+                    res.drafted_tokens = out.drafted_tokens
+                    res.accepted_tokens = out.accepted_tokens
                     if out.finish_reason == "error":
                         raise RuntimeError(f"generation failed: {out.error}")
                     if out.finished:

@@ -22,6 +22,9 @@ The limits are what the device takes, so nothing a request holds can fail a step
 - penalties: presence and frequency in [-2, 2] (OpenAI's range), repetition in (0, 100]; any
   but neutral refused where the sampler takes no extras, as logprobs;
 - stop_token_ids: at most MAX_STOP_STRINGS token ids in the vocabulary.
+- speculation (speculative decoding, runtime/speculative.py): None, or a method the artifact
+  offers ("ngram" needs its verify entry point, `rvcompile build --num-draft-tokens K`;
+  "assistant" also its drafter, `--assistant`) and num_draft_tokens an int in [1, K] (None: K).
 
 A refusal is a RequestError: a ValueError whose `param` names the field (callers map it to their
 spelling: `--top-k`, `max_completion_tokens`, `messages`) and whose message is one line.
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rvcompile.runtime.executor_api import Penalties, Sampling
+from rvcompile.runtime.speculative import METHODS, Speculation
 
 if TYPE_CHECKING:
     from rvcompile.runtime.engine import Request
@@ -73,6 +77,8 @@ class RequestLimits:
     max_model_len: int
     top_logprobs: int = 0  # the executor's sampler's top log-probabilities; 0: it takes no
     # extras (no log-probabilities or penalties)
+    max_draft_tokens: int = 0  # drafts one verify call checks (0: no speculative decoding)
+    has_drafter: bool = False  # the artifact carries an assistant drafter
 
     def check(self, request: Request) -> Request:
         """The request with every field checked and normalized (ids as ints, top_k -1 as 0,
@@ -99,7 +105,39 @@ class RequestLimits:
             stop=check_stop(request.stop), ignore_eos=_bool("ignore_eos", request.ignore_eos),
             n=n, logprobs=self.check_logprobs(request.logprobs),
             penalties=self.check_penalties(request.penalties),
-            stop_token_ids=self.stop_token_ids(request.stop_token_ids))
+            stop_token_ids=self.stop_token_ids(request.stop_token_ids),
+            speculation=self.speculation(request.speculation, request))
+
+    def speculation(self, spec: object, request: Request | None = None) -> Speculation | None:
+        """spec checked against what the artifact offers, num_draft_tokens filled in; with
+        `request`, also that it asks for nothing the verify entry point's sampler lacks (n > 1,
+        log-probabilities, penalties, a grammar)."""
+        if spec is None:
+            return None
+        uses = () if request is None else (
+            ("n", request.n != 1), ("logprobs", request.logprobs is not None),
+            ("penalties", request.penalties.active),
+            ("response_format", request.constraint is not None))
+        for param, used in uses:
+            if used:
+                raise RequestError("speculative", f"speculative decoding does not combine "
+                                                  f"with {param} yet")
+        if not isinstance(spec, Speculation):
+            raise RequestError("speculative", f"expected a Speculation, got {_kind(spec)}")
+        method = check_method(spec.method)
+        if not self.max_draft_tokens:
+            raise RequestError("speculative", f"{method}: the artifact has no verify entry "
+                                              "point (an XLA target built with "
+                                              "--num-draft-tokens K has one)")
+        if method == "assistant" and not self.has_drafter:
+            raise RequestError("speculative", "assistant: the artifact has no assistant "
+                                              "drafter (build it with --assistant)")
+        k = self.max_draft_tokens if spec.num_draft_tokens is None else _int(
+            "num_draft_tokens", spec.num_draft_tokens)
+        if not 1 <= k <= self.max_draft_tokens:
+            raise RequestError("num_draft_tokens", f"must be 1 to {self.max_draft_tokens} (the "
+                                                   f"artifact's verify rows - 1), got {k}")
+        return Speculation(method, k)
 
     def check_logprobs(self, value: object) -> int | None:
         if value is None:
@@ -192,6 +230,24 @@ def check_penalties(p: Penalties) -> Penalties:
         raise RequestError("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got "
                                                  f"{repetition}")
     return Penalties(presence, frequency, repetition)
+
+
+def speculation_of(method: object, num_draft_tokens: object) -> Speculation | None:
+    """The Speculation a caller's two arguments ask for (method None: none; then
+    num_draft_tokens must be None too). RequestLimits.speculation checks the rest."""
+    if method is None:
+        if num_draft_tokens is not None:
+            raise RequestError("num_draft_tokens", "only with speculative (assistant or ngram)")
+        return None
+    return Speculation(check_method(method), num_draft_tokens)
+
+
+def check_method(method: object) -> str:
+    """A speculative decoding method's name: one of speculative.METHODS."""
+    if method not in METHODS:
+        raise RequestError("speculative", f"expected one of {', '.join(METHODS)}, got "
+                                          f"{_kind(method)}")
+    return method
 
 
 def check_stop(stop: object) -> tuple[str, ...]:

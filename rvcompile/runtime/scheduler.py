@@ -1,7 +1,8 @@
 """The scheduler: which sequences run in the next step, and in which KV blocks. Pure Python, no
 arrays; the engine executes what it returns and reports back through `advance`.
 
-One step is a decode call over every running sequence past its prompt (one token each), plus
+One step is a decode call over every running sequence past its prompt (one token each), a
+verify call over every speculating one (its last token and room for drafts, see below), plus
 prefill chunks (one sequence each, oldest first) up to a budget of tokens, so a long prompt is
 cut into chunks between decode steps and never stalls the running streams. Waiting sequences are
 admitted oldest first, reusing their longest cached prefix (PagedKv.match), while the running
@@ -14,6 +15,14 @@ its prompt in chunks aligned to multiples of max_chunk, each run with the rows o
 chunk even when a prefix hit starts it part-way; every later token as one decode lane, also when
 a preempted sequence is recomputed. Block hashes carry this recipe, so a prefix hit holds
 exactly what the sequence would have computed itself.
+
+Speculating sequences (`Seq.verify_rows` > 0, runtime/speculative.py) run every token past
+their prompt through verify calls instead (the artifact's one verify shape), never decode, so
+their recipe is fixed too: after the prompt, "verify rows". Each verify reserves blocks for the
+last token and as many drafts as fit (`piece`); the engine fills in the drafts, and `verified`
+records the rows it keeps. Rows of rejected drafts are never counted as cached, so their blocks
+are neither hashed nor shared (later writes overwrite them). A preempted speculating sequence
+recomputes its generated tokens as verify rows too, up to verify_rows at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import numpy as np
 
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 from rvcompile.runtime.kv_blocks import PagedKv, SeqBlocks
+from rvcompile.runtime.speculative import accepted
 
 
 @dataclass(eq=False)
@@ -41,12 +51,21 @@ class Seq:
     blocks: SeqBlocks | None = None  # None while waiting
     preemptions: int = 0
     cached_prompt: int = 0  # prompt tokens the prefix cache supplied at first admission
+    verify_rows: int = 0  # speculating: rows per verify (1 + its drafts); 0: decode lanes
+    max_len: int = 0  # prompt + max_tokens: no verify reaches past it (with verify_rows)
+    drafted: int = 0  # drafts verified so far
+    accepted: int = 0  # of them, accepted
     fed: int = 0  # the first `fed` tokens of output are the request's prompt tail, run as
     # decode lanes (a sample of an n > 1 request: its prompt's whole blocks are shared)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def recomputing(self) -> bool:
+        """Past its prompt with generated tokens still to run again (after a preemption)."""
+        return not self.in_prompt and self.cached + 1 < len(self.tokens)
 
     @property
     def in_prompt(self) -> bool:
@@ -64,6 +83,7 @@ class Work:
 class Schedule:
     prefills: list[Work]  # one executor prefill call each
     decodes: list[Work]  # one executor decode call for all
+    verifies: list[Work]  # speculating sequences: one verify call for all (known tokens only)
     preempted: list[Seq]  # sent back to waiting by this schedule
 
 
@@ -105,7 +125,7 @@ class Scheduler:
         decodes: list[Seq] = []
         for seq in list(self.running):
             if seq in self.running and not seq.in_prompt and self._reserve(
-                    seq, 1, preempted, decodes, allow_self=True):
+                    seq, self.piece(seq)[0], preempted, decodes, allow_self=True):
                 decodes.append(seq)
         prefills: list[Seq] = []
         budget = self.prefill_budget
@@ -118,14 +138,21 @@ class Scheduler:
                 break
             prefills.append(seq)
             budget -= n
-        return Schedule([self._work(s) for s in prefills], [self._work(s) for s in decodes],
-                        preempted)
+        return Schedule([self._work(s) for s in prefills],
+                        [self._work(s) for s in decodes if not s.verify_rows],
+                        [self._work(s) for s in decodes if s.verify_rows], preempted)
 
     def piece(self, seq: Seq) -> tuple[int, int]:
         """(tokens, rows) of seq's next call: the rest of its prompt's aligned chunk, in that
-        chunk's rows; past the prompt, one token (rows 0: a decode lane)."""
+        chunk's rows; past the prompt, one token (rows 0: a decode lane), or for a speculating
+        sequence the positions its verify may write: its known tokens to recompute, else its
+        last token and the drafts that fit before max_len (rows 0)."""
         if not seq.in_prompt:
-            return 1, 0
+            if not seq.verify_rows:
+                return 1, 0
+            if seq.recomputing:
+                return min(seq.verify_rows, len(seq.tokens) - seq.cached), 0
+            return max(1, min(seq.verify_rows, seq.max_len - len(seq.tokens))), 0
         start = seq.cached // self.max_chunk * self.max_chunk
         end = min(start + self.max_chunk, len(seq.prompt))
         return end - seq.cached, self._rows(end - start)
@@ -135,14 +162,15 @@ class Scheduler:
 
     def recipe(self, seq: Seq) -> Callable[[int], bytes]:
         """recipe(j): how seq computes block j, as (rows, row count) runs: its prompt chunks'
-        rows, 0 for decode lanes."""
+        rows, 0 for decode lanes, -1 for verify rows."""
         bs, chunk, prompt = self.kv.block_size, self.max_chunk, len(seq.prompt)
+        generated = -1 if seq.verify_rows else 0
 
         def recipe(j: int) -> bytes:
             runs, r, end = [], j * bs, (j + 1) * bs
             while r < end:
                 if r >= prompt:
-                    runs += [0, end - r]
+                    runs += [generated, end - r]
                     break
                 start = r // chunk * chunk
                 stop = min(start + chunk, prompt, end)
@@ -198,9 +226,13 @@ class Scheduler:
     def _work(self, seq: Seq) -> Work:
         n, rows = self.piece(seq)
         end = seq.cached + n
+        if seq.verify_rows and not seq.in_prompt:  # known tokens only; step: row 0's sample
+            end = min(end, len(seq.tokens))
+            step = seq.cached + 1 - len(seq.prompt)
+        else:
+            step = end - len(seq.prompt)
         return Work(seq, SeqChunk(seq.tokens[seq.cached:end], seq.cached,
-                                  self.kv.tables(seq.blocks), seq.sampling,
-                                  end - len(seq.prompt), rows))
+                                  self.kv.tables(seq.blocks), seq.sampling, step, rows))
 
     # ------------------------------------------------------------------ results
 
@@ -213,5 +245,25 @@ class Scheduler:
         if seq.cached == len(seq.prompt) + len(seq.output):
             seq.output.append(token)
             new = token
+        self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
+        return new
+
+    def verified(self, work: Work, drafts: list[int], target: list[int]) -> list[int]:
+        """Record that work's verify ran its known tokens then `drafts`, and that `target[i]`
+        is the target's token after row i. Keeps the known rows and the drafts that match
+        (speculative.accepted); returns the sequence's new tokens: those drafts and the
+        target's token after them, or none while it recomputes known tokens."""
+        seq, known = work.seq, len(work.chunk.tokens)
+        if len(target) != known + len(drafts):
+            raise RuntimeError(f"verify returned {len(target)} tokens for {known} + "
+                               f"{len(drafts)} rows")
+        m = accepted(drafts, target[known - 1:]) if drafts else 0
+        seq.cached += known + m
+        new: list[int] = []
+        if seq.cached == len(seq.tokens) + m:  # the last known token ran: new tokens follow
+            new = [*drafts[:m], target[known - 1 + m]]
+            seq.output += new
+            seq.drafted += len(drafts)
+            seq.accepted += m
         self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
         return new

@@ -20,6 +20,8 @@ and means what the flag means (`rvrun serve --help`); every key is optional:
     trusted_key: [release.pub]      # --trusted-key (a list)
     trust_executables: false        # --trust-executables
     no_verify: false                # --no-verify
+    speculative: ngram              # --speculative: assistant or ngram
+    num_draft_tokens: 3             # --num-draft-tokens (1 to the artifact's; checked at start)
 
 The API key itself never sits in the file (a file is copied, committed and read by more people
 than the secret should be): `api_key_env` names the environment variable that holds it, and a
@@ -70,6 +72,8 @@ class ServeConfig:
     trusted_key: tuple[str, ...] | None = None
     trust_executables: bool | None = None
     no_verify: bool | None = None
+    speculative: str | None = None
+    num_draft_tokens: int | None = None
 
     def set_values(self) -> dict[str, Any]:
         """destination -> value, for what the file sets."""
@@ -82,7 +86,8 @@ _COUNTS = ("max_num_seqs", "max_model_len", "kv_blocks", "kv_sliding_blocks", "m
 _SECONDS = ("body_timeout", "drain_timeout")
 _FLAGS = ("trust_executables", "no_verify")
 KEYS = ("artifact", "host", "port", "model_name", *_COUNTS, *_SECONDS, "api_key_env",
-        "trusted_key", *_FLAGS)
+        "trusted_key", *_FLAGS, "speculative", "num_draft_tokens")
+SPECULATIVE = ("assistant", "ngram")  # runtime/speculative.METHODS
 
 
 def load_serve_config(path: Path, environ: Mapping[str, str]) -> ServeConfig:
@@ -127,6 +132,10 @@ def _config(doc: Any, environ: Mapping[str, str]) -> ServeConfig:
             got[key] = at.bool()
         elif key == "trusted_key":
             got[key] = tuple(k.str(max_len=4096, printable=True) for k in at.items(1, 64))
+        elif key == "speculative":
+            got[key] = at.str(SPECULATIVE)
+        elif key == "num_draft_tokens":
+            got[key] = at.int(1, INT32_MAX)
         elif key == "api_key_env":
             got["api_key"] = _api_key(at, environ)
     return ServeConfig(**got)

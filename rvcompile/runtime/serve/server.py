@@ -11,7 +11,8 @@ types (the schemas below check types only), values out of range and prompts that
 waiting queue is full or the engine is lost (a device error; /health then says why). A request
 the engine fails to run gets a 500 (or an error event in its stream); the others go on. A client
 that disconnects, streaming or not, aborts its request, which frees its sequence at the next
-step.
+step. With `ServeOptions.speculation` (`rvrun serve --speculative`), every request runs with
+speculative decoding (the same tokens); /metrics counts the drafts verified and accepted.
 
 The HTTP layer (`HttpOptions`, the guards at the end of this module): every error, unknown routes
 (404), wrong methods (405) and failures in a route (500, traceback in the server log only)
@@ -59,6 +60,7 @@ from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.serve import tool_calls
 from rvcompile.runtime.serve import tools as chat_tools
 from rvcompile.runtime.serve.access_log import AccessLog, AccessRecord, record
+from rvcompile.runtime.speculative import Speculation
 
 # ---------------------------------------------------------------------------------- schemas
 
@@ -262,6 +264,15 @@ class _EngineCollector:
                                 value=s.prefix_hit / s.prefix_queried if s.prefix_queried else 0)
         yield CounterMetricFamily("rvrun_preemptions", "Sequences preempted for KV blocks",
                                   value=s.preemptions)
+        yield CounterMetricFamily("rvrun_spec_draft_tokens",
+                                  "Speculative decoding: draft tokens verified", value=s.drafted)
+        yield CounterMetricFamily("rvrun_spec_accepted_tokens",
+                                  "Speculative decoding: draft tokens accepted", value=s.accepted)
+        yield CounterMetricFamily("rvrun_spec_verify_calls",
+                                  "Speculative decoding: verify calls run", value=s.verify_calls)
+        yield GaugeMetricFamily("rvrun_spec_acceptance_rate",
+                                "Accepted / drafted tokens, since start",
+                                value=s.accepted / s.drafted if s.drafted else 0)
         yield CounterMetricFamily("rvrun_grammar_mask_seconds",
                                   "Host time computing grammar token masks", value=s.mask_s)
         yield CounterMetricFamily("rvrun_grammar_masks",
@@ -276,6 +287,7 @@ class _EngineCollector:
 class ServeOptions:
     model_name: str  # the only model id requests may name
     max_waiting: int = 256  # requests queued beyond this get 503
+    speculation: Speculation | None = None  # every request's speculative decoding (checked)
 
 
 def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = None,
@@ -409,13 +421,17 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    sampled = Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
+    constraint = _constraint(body, plan)
+    logprobs = body.want_logprobs()
+    # the server's speculative decoding speeds up what it can: the verify step's sampler takes
+    # no extras, so requests that use them decode plainly
+    plain = body.n != 1 or logprobs is not None or sampled.active or constraint is not None
     engine_request = EngineRequest(
         rid, ids, max_tokens, Sampling(body.temperature, body.top_k, body.top_p, seed), stop,
-        body.ignore_eos, n=body.n, logprobs=body.want_logprobs(),
-        penalties=Penalties(body.presence_penalty, body.frequency_penalty,
-                            body.repetition_penalty),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        constraint=_constraint(body, plan), stream=body.stream)
+        body.ignore_eos, n=body.n, logprobs=logprobs, penalties=sampled,
+        stop_token_ids=tuple(body.stop_token_ids or ()), constraint=constraint,
+        stream=body.stream, speculation=None if plain else options.speculation)
 
     def sink(out: RequestOutput) -> None:  # on the engine thread
         if out.finished:
