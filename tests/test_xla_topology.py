@@ -355,6 +355,30 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
     assert "[rvrun]" not in capsys.readouterr().err
 
 
+def test_precompiling_never_takes_executables_from_the_persistent_cache(artifacts, tmp_path):
+    """rvrun turns jax's persistent compilation cache on in its process; an executable loaded
+    from it serializes without its compiled code (half the bytes; "Function ... not found" when
+    run). Precompiling twice with the cache on and eager gives the same bytes both times."""
+    from jax._src import config as jax_config
+
+    plain, _, _ = artifacts
+    with Artifact.open(plain) as art:
+        m = art.manifest
+        blob = art.buffer("programs")
+        programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
+                    for n, loc in m["xla"]["programs"].items()}
+    with jax_config.compilation_cache_dir(str(tmp_path)), \
+            jax_config.persistent_cache_min_compile_time_secs(0), \
+            jax_config.persistent_cache_min_entry_size_bytes(0):
+        runs = [precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"),
+                                          ("logits_16",)).executables["logits_16"]
+                for _ in range(2)]
+        jax.clear_caches()
+        runs.append(precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"),
+                                              ("logits_16",)).executables["logits_16"])
+    assert len(runs[0]) == len(runs[1]) == len(runs[2])
+
+
 def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,
                                                            monkeypatch):
     from rvcompile.runtime import load

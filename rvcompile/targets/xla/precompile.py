@@ -30,6 +30,7 @@ import jax
 import jaxlib
 import numpy as np
 from jax import export
+from jax._src import config as jax_config  # enable_compilation_cache: no public context manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts.format import EXECUTABLES_ENCODING
@@ -132,10 +133,14 @@ def compile_entries(programs: dict[str, bytes], xla_manifest: dict, devices: lis
     mesh = Mesh(np.array(devices[:mesh_info["size"]]), (mesh_info["axis"],))
     blocks = default_blocks(xla_manifest)
     out = {}
-    for name in names or sorted(programs):
-        exp = export.deserialize(bytearray(programs[name]))
-        args, kwargs = _entry_args(exp, blocks, mesh)
-        out[name] = jax.jit(exp.call, donate_argnums=(1,)).lower(*args, **kwargs).compile()
+    # Never from jax's persistent compilation cache (which rvrun turns on in its process): an
+    # executable loaded from it serializes without its compiled code (an XLA:CPU one to half
+    # the bytes, then "Function ... not found" when run), so it is compiled here every time.
+    with jax_config.enable_compilation_cache(False):
+        for name in names or sorted(programs):
+            exp = export.deserialize(bytearray(programs[name]))
+            args, kwargs = _entry_args(exp, blocks, mesh)
+            out[name] = jax.jit(exp.call, donate_argnums=(1,)).lower(*args, **kwargs).compile()
     return out
 
 
