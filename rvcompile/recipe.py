@@ -209,28 +209,26 @@ def _recipe(doc: Any) -> Recipe:
     if model.seed is not None and not model.random_weights:
         raise SchemaError(f"model.seed: {model.seed}: only random_weights uses a seed")
     target = At(doc["target"], "target").str(pattern=r"[a-z0-9][a-z0-9_-]{0,63}")
-    assistant = None
-    if doc.get("assistant") is not None:
-        at = At(doc["assistant"], "assistant")
-        known_keys(at, ("source", "digest"))
-        if at.obj().get("source") is None:
-            at.fail("missing 'source' (an assistant preset name or a checkpoint directory)")
-        digest = at.get("digest")
-        assistant = Assistant(_path(at["source"]), None if digest is None or digest.value is None
-                              else digest.str(pattern=DIGEST))
-    template = None
-    if doc.get("chat_template") is not None:
-        at = At(doc["chat_template"], "chat_template")
-        known_keys(at, ("source", "digest"))
-        if at.obj().get("source") is None:
-            at.fail("missing 'source' (a Jinja chat template file)")
-        digest = at.get("digest")
-        template = ChatTemplate(_path(at["source"]), None if digest is None or digest.value is None
-                                else digest.str(pattern=DIGEST))
+    assistant = _input(doc, "assistant", Assistant,
+                       "an assistant preset name or a checkpoint directory")
+    template = _input(doc, "chat_template", ChatTemplate, "a Jinja chat template file")
     options = Options()
     if doc.get("options") is not None:
         options = _options(At(doc["options"], "options"))
     return Recipe(model, target, options, assistant, template)
+
+
+def _input(doc: dict, key: str, kind, what: str):
+    """doc[key] as `kind(source, digest)` (an assistant, a chat template), or None if absent."""
+    if doc.get(key) is None:
+        return None
+    at = At(doc[key], key)
+    known_keys(at, ("source", "digest"))
+    if at.obj().get("source") is None:
+        at.fail(f"missing 'source' ({what})")
+    digest = at.get("digest")
+    return kind(_path(at["source"]), None if digest is None or digest.value is None
+                else digest.str(pattern=DIGEST))
 
 
 _TOP = ("model", "assistant", "chat_template", "target", "options")
