@@ -111,14 +111,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact", help="the artifact (.rvp)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample from the K likeliest tokens; 0 keeps all")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the likeliest tokens holding this much probability")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed: the same seed and prompt give the same tokens")
+    _add_sampling(p, "prompt")
     p.add_argument("--stop", action="append", default=[],
                    help="stop string, excluded from the output (repeatable; default: none)")
     p.add_argument("--chat", action="store_true", help="apply the artifact's chat template")
@@ -248,14 +241,7 @@ def chat_main(argv: list[str]) -> int:
     p.add_argument("--system", default=None,
                    help="a system message opening the conversation (default: none)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens of one answer")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample from the K likeliest tokens; 0 keeps all")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the likeliest tokens holding this much probability")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed: the same seed and conversation give the same tokens")
+    _add_sampling(p, "conversation")
     p.add_argument("--no-verify", action="store_true",
                    help="skip re-hashing the sections at load (header checks still run)")
     _add_trusted_key(p)
@@ -455,6 +441,18 @@ def _not_utf8(flag: str, text: str) -> str | None:
         byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
         return f"{flag} is not valid UTF-8 text ({byte} at character {e.start})"
     return None
+
+
+def _add_sampling(p: argparse.ArgumentParser, given: str) -> None:
+    """--temperature, --top-k, --top-p, --seed; `given`: what the same seed reproduces from."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K likeliest tokens; 0 keeps all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"sampling seed: the same seed and {given} give the same tokens")
 
 
 def _add_speculative(p: argparse.ArgumentParser) -> None:
