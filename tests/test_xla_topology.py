@@ -358,7 +358,9 @@ def test_precompiled_cpu_set_loads_without_compiling_and_matches(artifacts, key,
 def test_precompiling_never_takes_executables_from_the_persistent_cache(artifacts, tmp_path):
     """rvrun turns jax's persistent compilation cache on in its process; an executable loaded
     from it serializes without its compiled code (half the bytes; "Function ... not found" when
-    run). Precompiling twice with the cache on and eager gives the same bytes both times."""
+    run). With the cache really in use (jax decides that once per process, hence the reset),
+    precompiling gives the same bytes every time as without it."""
+    from jax._src import compilation_cache
     from jax._src import config as jax_config
 
     plain, _, _ = artifacts
@@ -367,16 +369,25 @@ def test_precompiling_never_takes_executables_from_the_persistent_cache(artifact
         blob = art.buffer("programs")
         programs = {n: bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
                     for n, loc in m["xla"]["programs"].items()}
+
+    def logits_16() -> bytes:
+        return precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"),
+                                          ("logits_16",)).executables["logits_16"]
+
+    without_cache = logits_16()
     with jax_config.compilation_cache_dir(str(tmp_path)), \
             jax_config.persistent_cache_min_compile_time_secs(0), \
             jax_config.persistent_cache_min_entry_size_bytes(0):
-        runs = [precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"),
-                                          ("logits_16",)).executables["logits_16"]
-                for _ in range(2)]
-        jax.clear_caches()
-        runs.append(precompile.precompile_for("cpu:1", programs, m["xla"], jax.devices("cpu"),
-                                              ("logits_16",)).executables["logits_16"])
-    assert len(runs[0]) == len(runs[1]) == len(runs[2])
+        compilation_cache.reset_cache()
+        try:
+            jax.jit(lambda x: x * 3 + 1).lower(np.float32(2)).compile()
+            assert any(tmp_path.iterdir()), "the persistent cache is not in use: nothing tested"
+            runs = [logits_16(), logits_16()]
+            jax.clear_caches()
+            runs.append(logits_16())
+        finally:
+            compilation_cache.reset_cache()
+    assert [len(r) for r in runs] == [len(without_cache)] * 3
 
 
 def test_precompiled_set_untrusted_or_not_matching_says_why(artifacts, key, capsys,

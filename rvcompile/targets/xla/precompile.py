@@ -21,6 +21,7 @@ PartitionSpec over the mesh) is refused here, not stored.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import re
@@ -30,6 +31,7 @@ import jax
 import jaxlib
 import numpy as np
 from jax import export
+from jax._src import compilation_cache  # reset_cache: jax decides "cache used" once a process
 from jax._src import config as jax_config  # enable_compilation_cache: no public context manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -125,6 +127,21 @@ def _entry_args(exp: export.Exported, blocks: dict[str, int], mesh: Mesh) -> tup
     return jax.tree.unflatten(exp.in_tree, flat)
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """Compile without jax's persistent compilation cache (which rvrun turns on in its process):
+    an executable loaded from it serializes without its compiled code (an XLA:CPU one to half the
+    bytes, then "Function ... not found" when run). jax decides whether the cache is used once
+    per process and remembers it, so turning the flag off is not enough: the decision is reset
+    on the way in (made again with the flag off) and on the way out (made again as configured)."""
+    with jax_config.enable_compilation_cache(False):
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            compilation_cache.reset_cache()
+
+
 def compile_entries(programs: dict[str, bytes], xla_manifest: dict, devices: list,
                     names: tuple[str, ...] | None = None) -> dict[str, object]:
     """Compile the exported `programs` (all, or `names`) for `devices`, as the runtime would:
@@ -133,10 +150,7 @@ def compile_entries(programs: dict[str, bytes], xla_manifest: dict, devices: lis
     mesh = Mesh(np.array(devices[:mesh_info["size"]]), (mesh_info["axis"],))
     blocks = default_blocks(xla_manifest)
     out = {}
-    # Never from jax's persistent compilation cache (which rvrun turns on in its process): an
-    # executable loaded from it serializes without its compiled code (an XLA:CPU one to half
-    # the bytes, then "Function ... not found" when run), so it is compiled here every time.
-    with jax_config.enable_compilation_cache(False):
+    with _without_persistent_cache():
         for name in names or sorted(programs):
             exp = export.deserialize(bytearray(programs[name]))
             args, kwargs = _entry_args(exp, blocks, mesh)
