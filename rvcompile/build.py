@@ -169,9 +169,7 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
         log(f"rvcompile: warning: --max-context {opts.max_context} is above "
             f"{source.config.name}'s max_position_embeddings {ir.max_context}: building for "
             f"{ir.max_context} tokens")
-    # export, nvcc, XLA precompile: one phase, inside the target
-    with phases.phase(f"lower for {target.name}"):
-        lowered = target.lower(ir, opts, log)
+    lowered = target.lower(ir, opts, log, phases)  # its phases: lower or export, nvcc, precompile
     header = ArtifactHeader(compiler_version=__version__, target=opts.target,
                             platforms=lowered.platforms, requirements=lowered.requirements)
     text_sections = {

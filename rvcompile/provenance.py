@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Any
 from rvcompile import __version__
 from rvcompile.build import BuildReport, build_artifact, prepare
 from rvcompile.model.presets import PRESETS
+from rvcompile.progress import Phases
 from rvcompile.recipe import Assistant, Recipe, Source
 from rvcompile.sources.checkpoint import input_files, read_chat_template_file
 from rvcompile.sources.model_source import CheckpointError
@@ -63,13 +64,22 @@ def combined_digest(files: dict[str, str]) -> str:
     return "sha256:" + hashlib.sha256(listing.encode()).hexdigest()
 
 
-def digest_directory(directory: Path, *, weights: bool) -> Inputs:
+def digest_directory(directory: Path, *, weights: bool, phases: Phases | None = None) -> Inputs:
     """The digests of the files a load of `directory` reads (its weights too with `weights`),
-    hashed on every core; the result does not depend on the order they finish in."""
+    hashed on every core, a phase of `phases` counting bytes by finished file (a checkpoint's
+    weights are read once more for this); the result does not depend on the order they finish
+    in."""
     paths = input_files(directory, weights=weights)
-    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
-        hexes = list(pool.map(file_sha256, paths))
-    files = {p.name: h for p, h in zip(paths, hexes, strict=True)}
+    phases = phases or Phases("rvcompile", "off")
+    total = sum(p.stat().st_size for p in paths)
+    with phases.phase(f"digest {directory.name}", total=total, unit="B") as bar, \
+            ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
+        futures = {pool.submit(file_sha256, p): p for p in paths}
+        for done in as_completed(futures):
+            done.result()
+            bar.advance(futures[done].stat().st_size)
+        hexes = [f.result() for f in futures]
+    files = {p.name: h for p, h in zip(futures.values(), hexes, strict=True)}
     return Inputs(files, combined_digest(files))
 
 
@@ -144,6 +154,7 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
     stays what the artifact records. `recorded_inputs`: the per-file digests the recipe's
     artifact stored, to name the file that differs."""
     _, opts = prepare(recipe.build_options(dump_ir))  # the target checks and fills them in
+    phases = Phases("rvcompile", Phases.mode_for(progress), write=log)
     recipe = recipe.with_options(opts)
     if recipe.model.random_weights and recipe.model.seed is None:  # recorded as used
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, seed=0))
@@ -155,7 +166,7 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
     if directory is not None and not directory.is_dir():
         raise CheckpointError(f"{directory}: no such model directory")
     weights_read = not model.random_weights
-    model_inputs = (digest_directory(directory, weights=weights_read)
+    model_inputs = (digest_directory(directory, weights=weights_read, phases=phases)
                     if directory is not None else None)
     if model_inputs is not None or model.source in PRESETS:  # else the load names the error
         check_digest("model", model.digest, model_inputs, (recorded_inputs or {}).get("model"))
@@ -165,7 +176,8 @@ def build_recipe(recipe: Recipe, out: Path, *, dump_ir: str | None = None,
     assistant = recipe.assistant
     if assistant is not None:
         adir = assistant_directory(assistant)
-        a_inputs = digest_directory(adir, weights=weights_read) if adir is not None else None
+        a_inputs = (digest_directory(adir, weights=weights_read, phases=phases)
+                    if adir is not None else None)
         check_digest("assistant", assistant.digest, a_inputs,
                      (recorded_inputs or {}).get("assistant"))
         if a_inputs is not None:

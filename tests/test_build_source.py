@@ -21,7 +21,8 @@ from rvcompile.cli import app
 MODEL = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny"
 SMALL = ["--target", "xla-f32", "--platforms", "cpu", "--prefill-buckets", "16", "--max-seqs",
          "1", "--max-context", "64"]
-PHASES = ["read", "passes", "lower for xla-f32", "quantize + write weights", "hash"]
+PHASES = ["digest rv-gemma4-tiny", "read", "passes", "export StableHLO", "quantize + write weights",
+          "hash"]
 
 
 def _cli(*args: str):
@@ -95,3 +96,17 @@ def test_manifest_provenance_is_checked(built, path, value, error):
     at[path[-1]] = value
     with pytest.raises(ArtifactError, match=re.escape(error)):
         parse_manifest(header, manifest, sizes, "x.rvp")
+
+
+def test_h100_build_shows_lowering_and_nvcc_as_phases(tmp_path):
+    """nvcc is its own phase, counted in modules (stub cubins stand in for nvcc's here)."""
+    from stub_cubins import stub_nvcc
+
+    with stub_nvcc():
+        r = _cli("build", "gemma-4-tiny-dense", "--random-weights", "--target", "h100-fp8",
+                 "--max-context", "64", "--prefill-buckets", "8", "--max-seqs", "1", "-o",
+                 str(tmp_path / "h.rvp"))
+    assert r.exit_code == 0, r.output
+    done = re.findall(r"^rvcompile: (.+) done in \d+\.\d s$", r.stderr, re.M)
+    assert done == ["read", "passes", "lower for h100", "nvcc", "quantize + write weights",
+                    "hash"], r.stderr

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
+from rvcompile.progress import Phases
 from rvcompile.sources.model_source import CheckpointError
 
 Pass = tuple[str, Callable[[ModelIR], ModelIR]]  # (name for --dump-ir, IR -> IR)
@@ -152,8 +153,9 @@ class Target(Protocol):
         any work; return `opts` with this target's defaults in its None fields."""
         ...
 
-    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
-        """The IR after the pipeline, as what the artifact stores."""
+    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
+        """The IR after the pipeline, as what the artifact stores; each step of it that takes
+        time (lowering, nvcc, export, XLA precompile) is a phase of `phases`."""
         ...
 
     def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ from rvcompile.passes import (
     kv_fp8,
     quantize_fp8,
 )
+from rvcompile.progress import Phases
 from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import (
     PLATFORMS,
@@ -91,14 +92,20 @@ class H100Target:
                                   f"{', '.join(opts.platforms)}")
         return replace(opts, decode_loop_steps=0, platforms=("cuda",))
 
-    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
+    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
         from rvcompile.targets.h100.lower import lower_to_h100
 
-        lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
-                                 prefill_buckets=opts.prefill_buckets)
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one nvcc a module
-            cubins = dict(zip(lowering.modules, pool.map(compile_cubin, lowering.modules),
-                              strict=True))
+        with phases.phase("lower for h100"):
+            lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
+                                     prefill_buckets=opts.prefill_buckets)
+        # one nvcc a module; cached modules come back at once
+        with phases.phase("nvcc", total=len(lowering.modules)) as bar, \
+                ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {m: pool.submit(compile_cubin, m) for m in lowering.modules}
+            for done in as_completed(futures.values()):
+                done.result()
+                bar.advance()
+            cubins = {m: f.result() for m, f in futures.items()}
         blob, index = concat(cubins)
         schedule = replace(lowering.schedule, cubins={
             name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())

@@ -18,6 +18,7 @@ from typing import Any
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import cast_bf16, kv_int8, quantize_fp8, quantize_int8
+from rvcompile.progress import Phases
 from rvcompile.sources.model_source import CheckpointError
 from rvcompile.targets.api import (
     BuildOptions,
@@ -62,18 +63,21 @@ class XlaTarget:
             return replace(opts, decode_loop_steps=min(DECODE_LOOP_STEPS, opts.chunk))
         return opts
 
-    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log) -> Lowered:
+    def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
         from rvcompile.targets.xla.export import lower_to_xla
 
-        lowering = lower_to_xla(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
-                                platforms=opts.platforms, tp=opts.tp,
-                                decode_loop_steps=opts.decode_loop_steps,
-                                draft_tokens=opts.draft_tokens)
+        with phases.phase("export StableHLO"):
+            lowering = lower_to_xla(ir, max_seqs=opts.max_seqs,
+                                    prefill_buckets=opts.prefill_buckets,
+                                    platforms=opts.platforms, tp=opts.tp,
+                                    decode_loop_steps=opts.decode_loop_steps,
+                                    draft_tokens=opts.draft_tokens)
         programs_blob, program_index = concat(lowering.programs)
         devices = {"min_devices": opts.tp} if opts.tp > 1 else {}
         sections, precompiled = {"programs": programs_blob}, {}
         if opts.topologies:
-            sections["executables"], precompiled = _precompile(ir, opts, lowering, log)
+            with phases.phase("XLA precompile"):
+                sections["executables"], precompiled = _precompile(ir, opts, lowering, log)
         return Lowered(
             tuple(lowering.manifest["platforms"]),
             {"jax": f">={lowering.manifest['jax_version']}", "runtime": self.runtime,
