@@ -1,6 +1,8 @@
 """What a CLI wrote to stderr, less its progress: with stderr not a terminal, `rvcompile` and
 `rvrun` print one line per finished phase (`PROG: PHASE done in 1.2 s`, rvcompile/progress.py)
-before any error, which tests of the one-line error rule set aside with `without_progress`."""
+and, while a countable phase runs long (a slow or loaded machine), `PROG: PHASE 3/6 (info)` every
+10 s, before any error; tests of the one-line error rule set both aside with
+`without_progress`."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import re
 
 
 def is_progress(line: str) -> bool:
-    return re.fullmatch(r"(rvcompile|rvrun): [\w /+.-]+ done in \d+\.\d s( \(.*\))?", line) \
-        is not None
+    done = r"(rvcompile|rvrun): [\w /+.-]+ done in \d+\.\d s( \(.*\))?"
+    running = r"(rvcompile|rvrun): [\w /+.-]+ [\d,.]+( MiB)?/[\d,.]+( MiB)?( \(.*\))?"
+    return re.fullmatch(done, line) is not None or re.fullmatch(running, line) is not None
 
 
 def without_progress(stderr: str) -> list[str]:
