@@ -1,17 +1,16 @@
-"""FP8 tensor-core GEMM (gemm_fp8_tc: CUTLASS SM90, e4m3 x e4m3 -> float32 with per-token and
-per-channel scales) on the GPU at a model's linear shapes for M token rows, against the mma.sync
-FP8-weight GEMM (gemm_fp8w: bf16 x, f32 out) and torch._scaled_mm (cuBLASLt FP8, row-wise
-scales, bf16 out: torch takes no other output with row-wise scales; fast accumulation on and
-off), plus the per-token quantization kernel that
-feeds it. Each figure is the median over 5 replays of a CUDA graph of 20 launches (CUDA events
-around each replay, after warm-up; the graph keeps host launch overhead out, as the runtime's
-graphs do), rotating among enough weight copies that the 50 MB L2 cannot hold them; inputs are
-random (never zeros).
+"""FP8 tensor-core GEMM (gemm_tc's FP8 entries: CUTLASS SM90, e4m3 x e4m3 -> float32 with per-token
+and per-channel scales) on the GPU at a model's linear shapes for M token rows, against the
+mma.sync FP8-weight GEMM (gemm_fp8w: bf16 x, f32 out) and torch._scaled_mm (cuBLASLt FP8, row-wise
+scales, bf16 out: torch takes no other output with row-wise scales; fast accumulation on and off),
+plus the per-token quantization kernel that feeds it. Each figure is the median over 5 replays of a
+CUDA graph of 20 launches (CUDA events around each replay, after warm-up; the graph keeps host
+launch overhead out, as the runtime's graphs do), rotating among enough weight copies that the 50
+MB L2 cannot hold them; inputs are random (never zeros).
 
     python benchmarks/h100_gemm_tc.py [--model 31b|e4b|26b] [--rows 16,256,2048] [--sweep]
                                       [--no-baselines] [--json FILE] [--accuracy]
 
---sweep times every tile configuration of gemm_fp8_tc (* marks the default for the shape) and,
+--sweep times every tile configuration of gemm_tc (* marks the default for the shape) and,
 for the large tiles, other tile orders of the persistent scheduler. --accuracy instead measures
 the error of every entry and of torch._scaled_mm against the exact product (float64) on
 model-like data (normal values quantized per row) and on random e4m3 bit patterns (the full
@@ -31,7 +30,7 @@ import numpy as np
 
 from rvcompile.runtime.executors import tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext
-from rvcompile.targets.h100 import gemm_fp8_tc, gemm_fp8w
+from rvcompile.targets.h100 import gemm_fp8w, gemm_tc
 from rvcompile.targets.h100.nvcc import compile_cubin
 
 MODELS = {  # name: {matrix: (N, K)}
@@ -43,6 +42,7 @@ MODELS = {  # name: {matrix: (N, K)}
             "gate_up": (4224, 2816), "down": (2816, 2112)},
 }
 ROWS = (16, 64, 128, 256, 512, 1024, 2048)
+FP8_ENTRIES = [e for e, c in gemm_tc.CONFIGS.items() if c.element == "e4m3"]
 BATCHES, PER_BATCH = 5, 20
 
 
@@ -58,8 +58,8 @@ def main() -> None:
     a = p.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     ctx = CudaContext()
-    tc = ctx.load_module(compile_cubin(gemm_fp8_tc.SOURCE))
-    quant = ctx.load_module(compile_cubin(gemm_fp8_tc.QUANT_SOURCE))
+    tc = ctx.load_module(compile_cubin(gemm_tc.SOURCE))
+    quant = ctx.load_module(compile_cubin(gemm_tc.QUANT_SOURCE))
     fp8w = ctx.load_module(compile_cubin(gemm_fp8w.SOURCE))
     torch = None if a.no_baselines else _torch()
     rng = np.random.default_rng(0)
@@ -88,9 +88,9 @@ def main() -> None:
             bufs = {"a": ctx.upload(random_fp8(rng, (m, k))),
                     "a_scale": ctx.upload(rng.uniform(0.5, 2, m).astype(np.float32)),
                     "d": ctx.alloc(m * n * 4), "b_scale": w_scale}
-            default = gemm_fp8_tc.default_entry(m, n, ctx.sm_count)
+            default = gemm_tc.default_entry(m, n, ctx.sm_count)
             for entry, raster, swizzle in (sweep(m) if a.sweep else [(default, "heuristic", 1)]):
-                t = gemm_fp8_tc.params_template(entry, m, n, k, ctx.sm_count, raster, swizzle)
+                t = gemm_tc.params_template(entry, m, n, k, ctx.sm_count, raster, swizzle)
                 fn = ctx.get_function(tc, entry)
                 ctx.set_max_dynamic_smem(fn, t.smem)
                 params = [tma.KernelParams(tma.fill(ctx.cu, t, {
@@ -100,7 +100,7 @@ def main() -> None:
                                                      [[p.arg] for p in params]),
                        entry == default and not order)
             x = ctx.upload(rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16))
-            q = gemm_fp8_tc.quant_launch(m, k, "bfloat16")
+            q = gemm_tc.quant_launch(m, k, "bfloat16")
             ctx.set_max_dynamic_smem(ctx.get_function(quant, q.entry), q.smem)
             qs = median_seconds(ctx, ctx.get_function(quant, q.entry), q.grid, q.block, q.smem,
                                 [[ctypes.c_uint64(x.ptr), ctypes.c_uint64(bufs["a"].ptr),
@@ -149,7 +149,7 @@ def report(where: dict, kernel: str, seconds: float, default: bool) -> dict:
 def sweep(m: int) -> list[tuple[str, str, int]]:
     """(entry, raster, swizzle): every entry in the scheduler's default order; from 512 rows
     also the 128 x 256 tile in each raster order with swizzles 1, 2, 4 and 8."""
-    out = [(entry, "heuristic", 1) for entry in gemm_fp8_tc.CONFIGS]
+    out = [(entry, "heuristic", 1) for entry in FP8_ENTRIES]
     if m >= 512:
         out += [("gemm_fp8_tc_128x256", r, s) for r in ("along_m", "along_n") for s in (1, 2, 4, 8)]
     return out
@@ -163,18 +163,18 @@ def accuracy(ctx: CudaContext, tc, torch, rng) -> list[dict]:
     for data in ("normal", "full_range"):
         for k in (2112, 5376, 21504):
             if data == "normal":
-                a, sa = gemm_fp8_tc.quantize_rows_reference(rng.normal(size=(m, k)))
-                b, sb = gemm_fp8_tc.quantize_rows_reference(rng.normal(size=(n, k)))
+                a, sa = gemm_tc.quantize_rows_reference(rng.normal(size=(m, k)))
+                b, sb = gemm_tc.quantize_rows_reference(rng.normal(size=(n, k)))
             else:
                 a, b = random_fp8(rng, (m, k)), random_fp8(rng, (n, k))
                 sa = rng.uniform(0.5, 2, m).astype(np.float32)
                 sb = rng.uniform(1e-4, 1e-3, n).astype(np.float32)
-            af = gemm_fp8_tc.e4m3_to_f32(a).astype(np.float64)
-            bf = gemm_fp8_tc.e4m3_to_f32(b).astype(np.float64)
+            af = gemm_tc.e4m3_to_f32(a).astype(np.float64)
+            bf = gemm_tc.e4m3_to_f32(b).astype(np.float64)
             scales = sb.astype(np.float64)[None, :] * sa.astype(np.float64)[:, None]
             exact = (af @ bf.T) * scales
             magnitude = (np.abs(af) @ np.abs(bf).T) * scales
-            kernels = {e: run_tc(ctx, tc, e, a, sa, b, sb) for e in gemm_fp8_tc.CONFIGS}
+            kernels = {e: run_tc(ctx, tc, e, a, sa, b, sb) for e in FP8_ENTRIES}
             if torch is not None:
                 for fast in (True, False):
                     kernels[f"torch._scaled_mm fast_accum={int(fast)}"] = torch._scaled_mm(
@@ -198,9 +198,9 @@ def accuracy(ctx: CudaContext, tc, torch, rng) -> list[dict]:
 
 
 def run_tc(ctx: CudaContext, module, entry: str, a, sa, b, sb) -> np.ndarray:
-    """d of one gemm_fp8_tc entry, as float32."""
+    """d of one gemm_tc entry, as float32."""
     (m, k), n = a.shape, b.shape[0]
-    t = gemm_fp8_tc.params_template(entry, m, n, k, ctx.sm_count)
+    t = gemm_tc.params_template(entry, m, n, k, ctx.sm_count)
     fn = ctx.get_function(module, entry)
     ctx.set_max_dynamic_smem(fn, t.smem)
     bufs = {"a": ctx.upload(a), "a_scale": ctx.upload(sa), "b": ctx.upload(b),
@@ -253,7 +253,7 @@ def median_seconds(ctx: CudaContext, fn, grid, block, smem, args: list) -> float
 
 def scaled_mm_seconds(torch, rng, m, n, k, w_copies, fast: bool) -> float:
     """torch._scaled_mm with a row-wise activation scale [M, 1] and a per-channel weight scale
-    [1, N] (the same arithmetic as gemm_fp8_tc), bf16 out."""
+    [1, N] (the same arithmetic as gemm_tc), bf16 out."""
     a = torch.from_numpy(random_fp8(rng, (m, k))).cuda().view(torch.float8_e4m3fn)
     sa = torch.rand(m, 1, device="cuda") + 0.5
     sb = torch.rand(1, n, device="cuda") * 1e-3

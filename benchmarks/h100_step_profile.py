@@ -22,7 +22,8 @@ import numpy as np
 from rvcompile import runtime
 from rvcompile.runtime.executor_api import SeqChunk
 
-FAMILIES = ("gemv_mma_fp8", "gemv_fp8", "gemv_bf16", "gemm_fp8_tc", "gemm_fp8w", "quant_fp8_rows",
+FAMILIES = ("gemv_mma_fp8", "gemv_fp8", "gemv_bf16", "gemm_fp8_tc", "gemm_bf16_tc", "gemm_fp8w",
+            "quant_fp8_rows",
             "attn_decode_combine", "attn_decode", "attn_prefill", "qkv_post", "gelu_mul",
             "residual_rmsnorm", "rmsnorm", "embed", "sample", "select_row", "softcap")
 REPLAYS = 20

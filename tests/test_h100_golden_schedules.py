@@ -8,7 +8,10 @@ f9c3679, before the fusion passes took the lowering's pattern matching over, and
 the schedule became version 2 (named arguments), after checking that every case still made the
 same launches (module, kernel, geometry, argument kinds and values, in order) and the same
 everything else; and again for the rename slots -> max_seqs (schedule version 3), every case's
-dump differing by that rename alone.
+dump differing by that rename alone; and again when the tied head over more than 4 rows (logits
+entries) moved from gemv_bf16 onto the bf16 tensor-core GEMM (module gemm_fp8_tc.cu renamed
+gemm_tc.cu): every case's dump differing only in those head launches, the module's name, and the
+offsets after the constants, which grew by the GEMM's all-ones scale vector.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -1,6 +1,6 @@
 """The h100-fp8 plan on the tensor cores (launches.EntryLowering.gemv): up to 32 token rows every
 FP8 linear is gemv_mma_fp8 (bf16 activations, W read once), beyond that per-token e4m3
-activations (quant_fp8_rows_bf16) and gemm_fp8_tc, whose parameter block the schedule stores.
+activations (quant_fp8_rows_bf16) and gemm_tc, whose parameter block the schedule stores.
 On the CPU, through the reference executor (each kernel's numpy reference), against the
 transformers oracle and against the plan's own bf16-activation path.
 
@@ -39,6 +39,7 @@ from stub_cubins import build_h100
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.model import Model
+from rvcompile.targets.h100 import gemv_bf16
 
 GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "max_seqs": 3}
@@ -83,14 +84,21 @@ def test_tc_plan_uses_both_new_kernels(plans):
             one_row = name.endswith("_1")
             assert ("gemv_fp8_rowscale" in kernels) == one_row, name
             assert not any(k.startswith("gemm_fp8w") for k in kernels)
-            gemms = [i for i, x in enumerate(e.launches) if x.module == "gemm_fp8_tc.cu"]
+            gemms = [i for i, k in enumerate(kernels) if k.startswith("gemm_fp8_tc")]
+            # the tied head over more rows than the bf16 GEMV takes: the bf16 tensor-core GEMM
+            heads = [k for k in kernels if k.startswith(("gemm_bf16_tc", "gemv_bf16"))]
+            head_rows = 1 if name.startswith("prefill") else int(name.rsplit("_", 1)[1])
+            assert heads == (["gemm_bf16_tc_64x256"] if head_rows > gemv_bf16.MAX_ROWS
+                             else ["gemv_bf16"] * -(-head_rows // gemv_bf16.MAX_ROWS)), name
             if name in wide:
                 assert not any(k.startswith("gemv_mma_fp8") for k in kernels[:-8])
                 assert gemms and all(kernels[i - 1] == "quant_fp8_rows_bf16" for i in gemms)
             else:
                 assert not gemms
                 assert any(k.startswith("gemv_mma_fp8") for k in kernels) != one_row, name
-        assert bool(s.params_templates) == bool(wide)
+        tensor_core = {x.kernel for e in s.entries.values() for x in e.launches
+                       if x.module == "gemm_tc.cu"}
+        assert bool(s.params_templates) == bool(tensor_core)
 
 
 @pytest.mark.parametrize("case", list(TC_BOUNDS))

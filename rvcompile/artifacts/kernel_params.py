@@ -1,5 +1,5 @@
 """A kernel-parameter template: the by-value parameter block of a kernel that takes one large
-struct (CUTLASS's `Params`), learned at build time (targets/h100/gemm_fp8_tc.py probes it) and
+struct (CUTLASS's `Params`), learned at build time (targets/h100/gemm_tc.py probes it) and
 completed at load by the runtime (executors/tma.py), which never runs the kernel library's host
 code. Written by the build, read by the runtime, so it imports nothing from the compiler.
 

@@ -35,8 +35,8 @@ from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
     gelu_mul,
-    gemm_fp8_tc,
     gemm_fp8w,
+    gemm_tc,
     gemv_bf16,
     gemv_f32,
     gemv_fp8,
@@ -281,7 +281,8 @@ class EntryLowering:
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
         """y[rows, n] (float32) = x[rows, k] @ W^T, by W's dtype and the row count:
         - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
-        - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS;
+        - bf16 W (the tied head, the MoE router; x bf16): up to the bf16 GEMV's MAX_ROWS rows that
+          GEMV; more rows the bf16 tensor-core GEMM (bf16_gemm), which reads W once for all;
         - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
           GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
           entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
@@ -291,6 +292,8 @@ class EntryLowering:
                 r = min(gemv_f32.MAX_ROWS, rows - r0)
                 self.emit(gemv_f32.ENTRY, gemv_f32.launch_geometry(r, n, k, SM_COUNT), W=w,
                           x=x.at(r0 * k * 4), y=y.at(r0 * n * 4), M=r, N=n, K=k)
+        elif scale is None and rows > gemv_bf16.MAX_ROWS and gemm_tc.fits(rows, n, k):
+            self.bf16_gemm(x, w, y, rows, n, k)
         elif scale is None:
             for r0 in range(0, rows, gemv_bf16.MAX_ROWS):
                 r = min(gemv_bf16.MAX_ROWS, rows - r0)
@@ -313,21 +316,28 @@ class EntryLowering:
 
     def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
         """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row; a separate launch,
-        not yet fused into the kernels writing x), then gemm_fp8_tc at its default tile with
-        its parameter block (probed at build: gemm_fp8_tc.params_template). An output width the
+        not yet fused into the kernels writing x), then gemm_tc at its default tile with
+        its parameter block (probed at build: gemm_tc.params_template). An output width the
         GEMM's TMA strides cannot take (N % 8) goes to the mma.sync FP8-weight GEMM instead."""
-        try:
-            gemm_fp8_tc.check_shape(rows, n, k)
-        except ValueError:
+        if not gemm_tc.fits(rows, n, k):
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
             self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
             return
         q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
-        quant = gemm_fp8_tc.quant_launch(rows, k, "bfloat16")
+        quant = gemm_tc.quant_launch(rows, k, "bfloat16")
         self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
-        entry = gemm_fp8_tc.default_entry(rows, n, SM_COUNT)
-        t = gemm_fp8_tc.params_template(entry, rows, n, k, SM_COUNT)
+        entry = gemm_tc.default_entry(rows, n, SM_COUNT)
+        t = gemm_tc.params_template(entry, rows, n, k, SM_COUNT)
         roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
+        self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
+
+    def bf16_gemm(self, x: Ref, w: Ref, y: Ref, rows: int, n: int, k: int) -> None:
+        """gemm_bf16_tc at its default tile: x bf16 [rows, k] as the GEMV takes it, W bf16
+        [n, k], both scale vectors all ones (one constant serves both)."""
+        entry = gemm_tc.default_entry(rows, n, SM_COUNT, "bfloat16")
+        t = gemm_tc.params_template(entry, rows, n, k, SM_COUNT)
+        ones = self.consts.add(np.ones(max(rows, n)))
+        roles = (("a", x), ("b", w), ("d", y), ("a_scale", ones), ("b_scale", ones))
         self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
 
     def linear_weights(self, at: _At, first: int, count: int) -> tuple[list[str], list[str]]:

@@ -4,7 +4,7 @@
 // so that x[m, k] ~= q[m, k] * scale[m]. x is bf16 or float32 [M, K] row-major, q e4m3 [M, K],
 // scale float32 [M]. 448 / amax and amax / 448 are IEEE float32 divisions and x * (448 / amax) one
 // float32 multiply, each rounded to nearest, then one conversion to e4m3 (round to nearest even,
-// clamped to +-448): bit for bit the numpy reference (gemm_fp8_tc.quantize_rows_reference).
+// clamped to +-448): bit for bit the numpy reference (gemm_tc.quantize_rows_reference).
 //
 // One CTA of 256 threads per row: a pass over the row for amax (16-byte loads) that also keeps
 // the row in shared memory, a CTA maximum, a second pass over the shared copy converting and

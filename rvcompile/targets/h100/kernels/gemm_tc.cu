@@ -1,20 +1,23 @@
 // D[m, n] = (sum_k A[m, k] * B[n, k]) * b_scale[n] * a_scale[m]   (float32)
-//   A: e4m3 [M, K] row-major (activations, one float32 scale per row / token),
-//   B: e4m3 [N, K] row-major (weights, one float32 scale per row of B = output column / channel),
+//   FP8 entries (gemm_fp8_tc_*), the linears:
+//     A: e4m3 [M, K] row-major (activations, one float32 scale per row / token),
+//     B: e4m3 [N, K] row-major (weights, one float32 scale per row of B = output column / channel);
+//   bf16 entries (gemm_bf16_tc_*), the tied head: A bf16 [M, K] (the normed hidden rows), B bf16
+//     [N, K] (the embedding table), both scale vectors all ones (the same epilogue: x * 1.0f is x);
 //   D: float32 [M, N] row-major (what the kernels reading a linear's output take: the h100
 //      lowering's consumers of a GEMV's output read float32).
 //
-// FP8 tensor-core GEMM from CUTLASS 3.x's SM90 collective builders: TMA loads into a multi-stage
-// shared-memory pipeline, wgmma (QGMMA in SASS) by warp-specialized consumer warpgroups, a
+// Tensor-core GEMM from CUTLASS 3.x's SM90 collective builders: TMA loads into a multi-stage
+// shared-memory pipeline, wgmma (QGMMA / HGMMA in SASS) by warp-specialized consumer warpgroups, a
 // persistent tile scheduler, and an epilogue visitor tree that multiplies the float32
 // accumulator by b_scale[n] and then by a_scale[m] (float32, round to nearest), stored through
-// TMA. One entry per tile configuration (gemm_fp8_tc.py picks one per M bucket); each entry is
-// CUTLASS's device_kernel body behind the PDL prologue.
+// TMA. One entry per (element type, tile configuration) (gemm_tc.py picks one per M bucket);
+// each entry is CUTLASS's device_kernel body behind the PDL prologue.
 //
 // Kernel parameter: CUTLASS's `Params` struct, by value (__grid_constant__). It holds the TMA
 // descriptors of A, B and D, the scale pointers and the problem-dependent scheduler values. The
 // runtime never runs CUTLASS host code: at build, the probe below (this file compiled for the
-// host with -DGEMM_FP8_TC_PROBE) builds the Params for one (entry, M, N, K) with sentinel
+// host with -DGEMM_TC_PROBE) builds the Params for one (entry, M, N, K) with sentinel
 // pointers and a stub cuTensorMapEncodeTiled that records its arguments, and prints the bytes,
 // the place of every descriptor with the arguments that encode it, and the place of every
 // pointer; at load, the runtime encodes the descriptors for the real addresses with
@@ -35,25 +38,28 @@
 
 #include "common.cuh"
 
-namespace gemm_fp8_tc {
+namespace gemm_tc {
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
-using ElementA = cutlass::float_e4m3_t;
-using ElementB = cutlass::float_e4m3_t;
+using E4m3 = cutlass::float_e4m3_t;
+using Bf16 = cutlass::bfloat16_t;
 using ElementD = float;
 using LayoutA = cutlass::layout::RowMajor;     // [M, K], K contiguous
 using LayoutB = cutlass::layout::ColumnMajor;  // CUTLASS's K x N view of the [N, K] weights
 using LayoutD = cutlass::layout::RowMajor;
-constexpr int kAlignAB = 16;  // elements per 16 bytes
 constexpr int kAlignD = 4;
 
 using Round = cutlass::FloatRoundStyle;
 constexpr Round kRn = Round::round_to_nearest;
 
-// One tile configuration: CTA tile TM x TN x TK, cluster CM x CN, kernel and epilogue schedule.
-template <int TM, int TN, int TK, int CM, int CN, class KernelSchedule, class EpilogueSchedule>
+// One configuration: the element type of A and B, CTA tile TM x TN x TK, cluster CM x CN, kernel
+// and epilogue schedule.
+template <class Element_, int TM, int TN, int TK, int CM, int CN, class KernelSchedule,
+          class EpilogueSchedule>
 struct Config {
+    using Element = Element_;
+    static constexpr int kAlignAB = 16 / sizeof(Element);  // elements per 16 bytes
     static constexpr int kClusterM = CM;
     static constexpr int kClusterN = CN;
     using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
@@ -75,8 +81,8 @@ struct Config {
         ElementD, LayoutD, kAlignD, EpilogueSchedule, Epilogue>::CollectiveOp;
 
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignAB,
-        ElementB, LayoutB, kAlignAB, float, TileShape, ClusterShape,
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignAB,
+        Element, LayoutB, kAlignAB, float, TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
         KernelSchedule>::CollectiveOp;
@@ -92,33 +98,41 @@ using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAcc
 // separate float32 accumulator (CUTLASS's mma promotion) instead of accumulating all of K in the
 // tensor core's own, less precise, accumulator. A second accumulator: 128 x 256 tiles spill.
 using CooperativePromoted = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+// bf16 accumulates in float32 in the tensor core: the plain schedules.
+using PingpongBf16 = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using CooperativeBf16 = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpiPingpong = cutlass::epilogue::TmaWarpSpecialized;
 using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
 // The tiles default_entry chooses among, and the promoted variant. (Measured and dropped: 2 x 1
 // clusters with the weight tile multicast, 256 x 128 tiles with 1 x 2 clusters and a 128 x 128
-// ping-pong were no faster at the 31B shapes; docs/BENCHMARKS.md.)
-using Tc64x128 = Config<64, 128, 128, 1, 1, Pingpong, EpiPingpong>;
-using Tc64x256 = Config<64, 256, 128, 1, 1, Pingpong, EpiPingpong>;
-using Tc128x128 = Config<128, 128, 128, 1, 1, Cooperative, EpiCooperative>;
-using Tc128x256 = Config<128, 256, 128, 1, 1, Cooperative, EpiCooperative>;
-using Tc128x128p = Config<128, 128, 128, 1, 1, CooperativePromoted, EpiCooperative>;
-}  // namespace gemm_fp8_tc
+// ping-pong were no faster at the 31B shapes; docs/BENCHMARKS.md.) The bf16 tiles are 64 deep:
+// 128 bytes of K per row, the TMA swizzle's width, as the FP8 tiles' 128.
+using Tc64x128 = Config<E4m3, 64, 128, 128, 1, 1, Pingpong, EpiPingpong>;
+using Tc64x256 = Config<E4m3, 64, 256, 128, 1, 1, Pingpong, EpiPingpong>;
+using Tc128x128 = Config<E4m3, 128, 128, 128, 1, 1, Cooperative, EpiCooperative>;
+using Tc128x256 = Config<E4m3, 128, 256, 128, 1, 1, Cooperative, EpiCooperative>;
+using Tc128x128p = Config<E4m3, 128, 128, 128, 1, 1, CooperativePromoted, EpiCooperative>;
+using Bf16x64x256 = Config<Bf16, 64, 256, 64, 1, 1, PingpongBf16, EpiPingpong>;
+using Bf16x128x256 = Config<Bf16, 128, 256, 64, 1, 1, CooperativeBf16, EpiCooperative>;
+}  // namespace gemm_tc
 
-// X(entry name, configuration): every entry of the module. Names must match gemm_fp8_tc.py.
-#define GEMM_FP8_TC_CONFIGS(X)                                \
-    X(gemm_fp8_tc_64x128, gemm_fp8_tc::Tc64x128)              \
-    X(gemm_fp8_tc_64x256, gemm_fp8_tc::Tc64x256)              \
-    X(gemm_fp8_tc_128x128, gemm_fp8_tc::Tc128x128)            \
-    X(gemm_fp8_tc_128x256, gemm_fp8_tc::Tc128x256)            \
-    X(gemm_fp8_tc_128x128_promoted, gemm_fp8_tc::Tc128x128p)
+// X(entry name, configuration): every entry of the module. Names must match gemm_tc.py.
+#define GEMM_TC_CONFIGS(X)                                    \
+    X(gemm_fp8_tc_64x128, gemm_tc::Tc64x128)                  \
+    X(gemm_fp8_tc_64x256, gemm_tc::Tc64x256)                  \
+    X(gemm_fp8_tc_128x128, gemm_tc::Tc128x128)                \
+    X(gemm_fp8_tc_128x256, gemm_tc::Tc128x256)                \
+    X(gemm_fp8_tc_128x128_promoted, gemm_tc::Tc128x128p)      \
+    X(gemm_bf16_tc_64x256, gemm_tc::Bf16x64x256)              \
+    X(gemm_bf16_tc_128x256, gemm_tc::Bf16x128x256)
 
-#ifndef GEMM_FP8_TC_PROBE
+#ifndef GEMM_TC_PROBE
 
 // CUTLASS's device_kernel, behind the project's PDL prologue (common.cuh). CUTLASS's own
 // griddepcontrol hooks stay off (CUTLASS_ENABLE_GDC_FOR_SM90 is not defined): the prologue has
 // already waited for the previous kernel before any global memory is touched.
-#define GEMM_FP8_TC_ENTRY(NAME, CFG)                                                       \
+#define GEMM_TC_ENTRY(NAME, CFG)                                                       \
     extern "C" __global__ void __cluster_dims__(CFG::kClusterM, CFG::kClusterN, 1)          \
     __launch_bounds__(CFG::Kernel::MaxThreadsPerBlock, CFG::Kernel::MinBlocksPerMultiprocessor) \
     NAME(const __grid_constant__ CFG::Params params) {                                       \
@@ -128,7 +142,7 @@ using Tc128x128p = Config<128, 128, 128, 1, 1, CooperativePromoted, EpiCooperati
         CFG::Kernel op;                                                                      \
         op(params, smem);                                                                    \
     }
-GEMM_FP8_TC_CONFIGS(GEMM_FP8_TC_ENTRY)
+GEMM_TC_CONFIGS(GEMM_TC_ENTRY)
 
 #else  // the build-time host probe: prints one configuration's Params template as JSON
 
@@ -202,10 +216,10 @@ int probe(int m, int n, int k, int sm_count, int raster, int swizzle) {
     typename Kernel::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, 1},
-        {reinterpret_cast<const gemm_fp8_tc::ElementA*>(ptr(0)), row_major<StrideA>(m, k),
-         reinterpret_cast<const gemm_fp8_tc::ElementB*>(ptr(1)), row_major<StrideB>(n, k)},
+        {reinterpret_cast<const typename Cfg::Element*>(ptr(0)), row_major<StrideA>(m, k),
+         reinterpret_cast<const typename Cfg::Element*>(ptr(1)), row_major<StrideB>(n, k)},
         {{}, nullptr, row_major<StrideD>(m, n),
-         reinterpret_cast<gemm_fp8_tc::ElementD*>(ptr(2)), row_major<StrideD>(m, n)},
+         reinterpret_cast<gemm_tc::ElementD*>(ptr(2)), row_major<StrideD>(m, n)},
     };
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = sm_count;
@@ -315,11 +329,11 @@ int main(int argc, char** argv) {
     const std::string entry = argv[1];
     const int m = atoi(argv[2]), n = atoi(argv[3]), k = atoi(argv[4]), sms = atoi(argv[5]);
     const int raster = atoi(argv[6]), swizzle = atoi(argv[7]);
-#define GEMM_FP8_TC_PROBE_CASE(NAME, CFG) \
+#define GEMM_TC_PROBE_CASE(NAME, CFG) \
     if (entry == #NAME) return probe<CFG>(m, n, k, sms, raster, swizzle);
-    GEMM_FP8_TC_CONFIGS(GEMM_FP8_TC_PROBE_CASE)
+    GEMM_TC_CONFIGS(GEMM_TC_PROBE_CASE)
     fprintf(stderr, "unknown entry %s\n", entry.c_str());
     return 2;
 }
 
-#endif  // GEMM_FP8_TC_PROBE
+#endif  // GEMM_TC_PROBE

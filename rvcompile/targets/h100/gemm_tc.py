@@ -1,21 +1,30 @@
-"""The FP8 tensor-core GEMM (kernels/gemm_fp8_tc.cu, CUTLASS SM90 TMA + wgmma) and the per-token
-activation quantization that feeds it (kernels/quant_fp8_rows.cu): numpy references, shape
-checks, the tile configuration for an M x N output, and the build-time probe of the kernel's
-parameter block.
+"""The tensor-core GEMMs (kernels/gemm_tc.cu, CUTLASS SM90 TMA + wgmma) and the per-token
+activation quantization that feeds the FP8 ones (kernels/quant_fp8_rows.cu): numpy references,
+shape checks, the tile configuration for an M x N output, and the build-time probe of the
+kernel's parameter block.
+
+FP8 entries (gemm_fp8_tc_*, the linears):
 
     a_scale[m] = max_k |x[m, k]| / 448,  a[m, k] = e4m3(x[m, k] * 448 / max_k |x[m, k]|)
     d[m, n] = (sum_k a[m, k] * b[n, k]) * b_scale[n] * a_scale[m]
 
 a: e4m3 [M, K] activations, b: e4m3 [N, K] weights with one float32 scale per row (channel), d:
 float32 [M, N], as the GEMVs write a linear's output (the kernels reading it take float32; a
-bf16 d would need a bf16-input entry of each). Limits: M >= 1, K % 16 == 0, N % 8 == 0
-(16-byte TMA row strides); every buffer 16-byte aligned.
+bf16 d would need a bf16-input entry of each).
+
+bf16 entries (gemm_bf16_tc_*, the tied head over many rows): a bf16 [M, K] (the normed hidden
+rows as the head's GEMV reads them), b bf16 [N, K] (the embedding table), the same epilogue with
+both scale vectors all ones, so d[m, n] = sum_k a[m, k] * b[n, k] in float32. The GEMV
+(gemv_bf16) reads the table once per 4 rows; this reads it once for all of them.
+
+Limits: M >= 1, K % 16 == 0, N % 8 == 0 (16-byte TMA row strides); every buffer 16-byte aligned.
 
 Numerics: Hopper's FP8 tensor cores add products into an accumulator with about 13 mantissa
 bits, truncating (others measured "FP22"); fast-accumulation entries keep all of K there, the
 promoted entry adds each 128-deep k tile's partial sum into float32 registers. Sums that fit
 those bits (e.g. products on a 1/4 grid with partial sums below 2^11) come out exact, and then d
-equals the reference bit for bit; otherwise d differs from it by that accumulation error.
+equals the reference bit for bit; otherwise d differs from it by that accumulation error. bf16
+products are exact in float32 and accumulate in float32 (in another order than numpy's).
 
 The GEMM takes CUTLASS's `Params` struct by value. params_template runs the module's probe (the
 source compiled for the host, nvcc.compile_host_probe) for one (entry, M, N, K) and returns a
@@ -45,9 +54,9 @@ from rvcompile.artifacts.kernel_params import (
 )
 from rvcompile.targets.h100.contract import Call, Entry, Param, i32, ptr
 
-SOURCE = "gemm_fp8_tc.cu"
+SOURCE = "gemm_tc.cu"
 QUANT_SOURCE = "quant_fp8_rows.cu"
-PROBE_DEFINE = "GEMM_FP8_TC_PROBE"
+PROBE_DEFINE = "GEMM_TC_PROBE"
 E4M3_MAX = 448.0
 ROLES = ("a", "b", "d", "a_scale", "b_scale")
 QUANT_THREADS = 256  # must match quant_fp8_rows.cu
@@ -58,9 +67,10 @@ MAX_SMEM = 227 * 1024  # H100: dynamic shared memory one block may opt into
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One entry of gemm_fp8_tc.cu (its name and template arguments must match)."""
+    """One entry of gemm_tc.cu (its name and template arguments must match)."""
 
     entry: str
+    element: str  # of a and b: "e4m3" (the linears) or "bfloat16" (the tied head)
     tile: tuple[int, int, int]  # CTA tile M x N x K
     cluster: tuple[int, int]  # CTAs per cluster along M and N (TMA multicast)
     schedule: str  # "pingpong" (a warpgroup per tile) or "cooperative" (two on one tile)
@@ -71,22 +81,36 @@ class TileConfig:
 
 
 CONFIGS = {c.entry: c for c in (
-    TileConfig("gemm_fp8_tc_64x128", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
-    TileConfig("gemm_fp8_tc_64x256", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
-    TileConfig("gemm_fp8_tc_128x128", (128, 128, 128), (1, 1), "cooperative", True, 8.76),
-    TileConfig("gemm_fp8_tc_128x256", (128, 256, 128), (1, 1), "cooperative", True, 9.34),
+    TileConfig("gemm_fp8_tc_64x128", "e4m3", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
+    TileConfig("gemm_fp8_tc_64x256", "e4m3", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
+    TileConfig("gemm_fp8_tc_128x128", "e4m3", (128, 128, 128), (1, 1), "cooperative", True,
+               8.76),
+    TileConfig("gemm_fp8_tc_128x256", "e4m3", (128, 256, 128), (1, 1), "cooperative", True,
+               9.34),
     # promotion needs a second accumulator: at 128 x 256 it spills, at 128 x 128 it fits
-    TileConfig("gemm_fp8_tc_128x128_promoted", (128, 128, 128), (1, 1), "cooperative", False,
-               0),
+    TileConfig("gemm_fp8_tc_128x128_promoted", "e4m3", (128, 128, 128), (1, 1), "cooperative",
+               False, 0),
+    # bf16 runs at half FP8's rate on the tensor cores; the rates are that estimate, not yet
+    # measured (the head is bound by reading the table, not by the tiles' rate)
+    TileConfig("gemm_bf16_tc_64x256", "bfloat16", (64, 256, 64), (1, 1), "pingpong", True,
+               3.67),
+    TileConfig("gemm_bf16_tc_128x256", "bfloat16", (128, 256, 64), (1, 1), "cooperative",
+               True, 4.67),
 )}
+ELEMENTS = ("e4m3", "bfloat16")
 RASTERS = {"heuristic": 0, "along_m": 1, "along_n": 2}  # CUTLASS's RasterOrderOptions
 SWIZZLES = (1, 2, 4, 8)
 
 
 def check_shape(m: int, n: int, k: int) -> None:
-    if m < 1 or n < 8 or k < 16 or n % 8 or k % 16:
-        raise ValueError(f"gemm_fp8_tc needs M >= 1, N a positive multiple of 8 and K a positive "
+    if not fits(m, n, k):
+        raise ValueError(f"gemm_tc needs M >= 1, N a positive multiple of 8 and K a positive "
                          f"multiple of 16 (M={m}, N={n}, K={k})")
+
+
+def fits(m: int, n: int, k: int) -> bool:
+    """Whether an [m, k] x [n, k]^T product meets check_shape's limits."""
+    return m >= 1 and n >= 8 and k >= 16 and n % 8 == 0 and k % 16 == 0
 
 
 def tiles(entry: str, m: int, n: int) -> int:
@@ -94,8 +118,9 @@ def tiles(entry: str, m: int, n: int) -> int:
     return -(-m // tm) * -(-n // tn)
 
 
-def default_entry(m: int, n: int, sm_count: int) -> str:
-    """The tile configuration for an M x N output: the least estimated time, one tile's work
+def default_entry(m: int, n: int, sm_count: int, element: str = "e4m3") -> str:
+    """The tile configuration of `element` for an M x N output: the least estimated time, one
+    tile's work
     over its measured rate times the waves of tiles over the SMs (the persistent grid runs one
     CTA per SM). Small M picks 64-row tiles, large M 128 x 256, and wave quantization moves
     the choice between them (e.g. 128 x 128 where 128 x 256 would leave most SMs idle)."""
@@ -103,7 +128,10 @@ def default_entry(m: int, n: int, sm_count: int) -> str:
         waves = -(-tiles(c.entry, m, n) // sm_count)
         return waves * c.tile[0] * c.tile[1] / c.sm_tflops
 
-    return min((c for c in CONFIGS.values() if c.sm_tflops), key=estimate).entry
+    if element not in ELEMENTS:
+        raise ValueError(f"gemm_tc: element {element!r} not one of {ELEMENTS}")
+    return min((c for c in CONFIGS.values() if c.sm_tflops and c.element == element),
+               key=estimate).entry
 
 
 # ---------------------------------------------------------------- numpy references
@@ -144,7 +172,14 @@ def _quantize_rows_call(c: Call) -> None:
     c.array("scale", (m,))[:] = scale
 
 
-def _gemm_call(c: Call) -> None:
+def reference_bf16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """d (float32 [M, N]) of bf16 a [M, K] and b [N, K]: the products exact, summed in float64,
+    rounded to float32 (the scale vectors of the bf16 entries are all ones)."""
+    return (np.asarray(a).astype(np.float64) @ np.asarray(b).astype(np.float64).T).astype(
+        np.float32)
+
+
+def _gemm_call(element: str, c: Call) -> None:
     """d = (a @ b^T) * b_scale * a_scale over the parameter block's roles (the GEMM entries take
     CUTLASS's Params by value: the roles' addresses and the problem shape live in that struct),
     the shapes as the kernel reads them: from the block's TMA descriptors, a [K, M] and b [K, N]
@@ -153,13 +188,21 @@ def _gemm_call(c: Call) -> None:
     at = dict(block.roles)
     dims = {d.role: d.dims for d in block.template.descriptors}
     (k, m), n = dims["a"][:2], dims["b"][1]
-    c.region(at["d"], "float32", (m, n), writable=True)[:] = reference(
-        c.region(at["a"], "bytes", (m, k)), c.region(at["a_scale"], "float32", (m,)),
-        c.region(at["b"], "bytes", (n, k)), c.region(at["b_scale"], "float32", (n,)))
+    a_scale = c.region(at["a_scale"], "float32", (m,))
+    b_scale = c.region(at["b_scale"], "float32", (n,))
+    if element == "e4m3":
+        d = reference(c.region(at["a"], "bytes", (m, k)), a_scale,
+                      c.region(at["b"], "bytes", (n, k)), b_scale)
+    else:
+        d = (reference_bf16(c.region(at["a"], "bfloat16", (m, k)),
+                            c.region(at["b"], "bfloat16", (n, k)))
+             * np.asarray(b_scale, np.float32)[None, :]) * np.asarray(a_scale, np.float32)[:, None]
+    c.region(at["d"], "float32", (m, n), writable=True)[:] = d
 
 
 ENTRIES = (
-    *(Entry(name, SOURCE, (Param("params", "params"),), _gemm_call) for name in CONFIGS),
+    *(Entry(name, SOURCE, (Param("params", "params"),),
+            functools.partial(_gemm_call, c.element)) for name, c in CONFIGS.items()),
     *(Entry(name, QUANT_SOURCE, (ptr("x", dtype), ptr("q", "float8_e4m3fn", "out"),
                                  ptr("scale", "float32", "out"), i32("M"), i32("K")),
             _quantize_rows_call) for dtype, name in QUANT_ENTRIES.items()),
@@ -200,9 +243,9 @@ def params_template(entry: str, m: int, n: int, k: int, sm_count: int,
 
     check_shape(m, n, k)
     if entry not in CONFIGS:
-        raise ValueError(f"gemm_fp8_tc: unknown entry {entry!r}")
+        raise ValueError(f"gemm_tc: unknown entry {entry!r}")
     if raster not in RASTERS or swizzle not in SWIZZLES:
-        raise ValueError(f"gemm_fp8_tc: raster {raster!r} / swizzle {swizzle} not one of "
+        raise ValueError(f"gemm_tc: raster {raster!r} / swizzle {swizzle} not one of "
                          f"{sorted(RASTERS)} / {SWIZZLES}")
     probe = compile_host_probe(SOURCE, PROBE_DEFINE, cache_dir)
     reports = []

@@ -1,5 +1,5 @@
-"""FP8 tensor-core GEMM and per-token activation quantization (targets/h100/gemm_fp8_tc.py,
-kernels/gemm_fp8_tc.cu, kernels/quant_fp8_rows.cu, runtime/executors/tma.py).
+"""FP8 tensor-core GEMM and per-token activation quantization (targets/h100/gemm_tc.py,
+kernels/gemm_tc.cu, kernels/quant_fp8_rows.cu, runtime/executors/tma.py).
 
 CPU: the numpy references; the tile choice; the parameter template's parsing from a synthetic
 probe report, its JSON round trip and refusals; filling a template through a stand-in driver;
@@ -25,7 +25,7 @@ from h100_helpers import h100_context
 
 from rvcompile.artifacts.kernel_params import ParamsTemplate, ParamsTemplateError
 from rvcompile.runtime.executors import tma
-from rvcompile.targets.h100 import gemm_fp8_tc
+from rvcompile.targets.h100 import gemm_tc
 
 HAVE_BUILD = shutil.which("nvcc") is not None and importlib.util.find_spec(
     "cutlass_library") is not None
@@ -38,10 +38,10 @@ def test_quantize_rows_reference_known_values() -> None:
     x = np.array([[448.0, -224.0, 1.0, 0.0] * 4,
                   [0.0] * 16,
                   [896.0, 1.0, -3.0, 0.5] * 4], np.float32)
-    q, scale = gemm_fp8_tc.quantize_rows_reference(x)
+    q, scale = gemm_tc.quantize_rows_reference(x)
     assert scale.dtype == np.float32 and q.dtype == np.uint8
     np.testing.assert_array_equal(scale, np.float32([1.0, 0.0, 2.0]))
-    back = gemm_fp8_tc.e4m3_to_f32(q)
+    back = gemm_tc.e4m3_to_f32(q)
     np.testing.assert_array_equal(back[0], x[0])  # scale 1: every value is an e4m3
     assert not q[1].any()  # a zero row: zero codes, zero scale
     np.testing.assert_array_equal(back[2, :4], np.float32([448.0, 0.5, -1.5, 0.25]))
@@ -50,13 +50,13 @@ def test_quantize_rows_reference_known_values() -> None:
 def test_quantize_rows_reference_rounds_to_nearest_even_and_clamps() -> None:
     # amax 448 -> inv 1: 17 lies between e4m3 16 and 18 -> 16 (even mantissa); 19 -> 20
     x = np.array([[17.0, 19.0, 448.0, -17.0] + [0.0] * 12], np.float32)
-    q, _ = gemm_fp8_tc.quantize_rows_reference(x)
-    np.testing.assert_array_equal(gemm_fp8_tc.e4m3_to_f32(q)[0, :4], [16.0, 20.0, 448.0, -16.0])
+    q, _ = gemm_tc.quantize_rows_reference(x)
+    np.testing.assert_array_equal(gemm_tc.e4m3_to_f32(q)[0, :4], [16.0, 20.0, 448.0, -16.0])
     rng = np.random.default_rng(1)
     x = rng.normal(size=(8, 64)).astype(ml_dtypes.bfloat16)
-    q, scale = gemm_fp8_tc.quantize_rows_reference(x)
-    back = gemm_fp8_tc.e4m3_to_f32(q) * scale[:, None]
-    assert np.abs(gemm_fp8_tc.e4m3_to_f32(q)).max() == 448.0
+    q, scale = gemm_tc.quantize_rows_reference(x)
+    back = gemm_tc.e4m3_to_f32(q) * scale[:, None]
+    assert np.abs(gemm_tc.e4m3_to_f32(q)).max() == 448.0
     err = np.abs(back - x.astype(np.float32)) / np.abs(x.astype(np.float32)).max(axis=1)[:, None]
     assert err.max() < 2.0 ** -4  # e4m3 keeps 3 mantissa bits
 
@@ -66,35 +66,35 @@ def test_gemm_reference_matches_float64() -> None:
     a, b = random_fp8(rng, (5, 48)), random_fp8(rng, (24, 48))
     sa, sb = rng.uniform(0.5, 2, 5).astype(np.float32), rng.uniform(1e-3, 1e-2, 24).astype(
         np.float32)
-    want = (gemm_fp8_tc.e4m3_to_f32(a).astype(np.float64)
-            @ gemm_fp8_tc.e4m3_to_f32(b).astype(np.float64).T) * sb[None, :] * sa[:, None]
-    got = gemm_fp8_tc.reference(a, sa, b, sb)
+    want = (gemm_tc.e4m3_to_f32(a).astype(np.float64)
+            @ gemm_tc.e4m3_to_f32(b).astype(np.float64).T) * sb[None, :] * sa[:, None]
+    got = gemm_tc.reference(a, sa, b, sb)
     assert got.dtype == np.float32
     # three float32 roundings (the sum, then each scale's multiply)
     assert np.all(np.abs(got.astype(np.float64) - want) <= 2.0 ** -22 * np.abs(want) + 1e-30)
 
 
 def test_shapes_and_default_entries() -> None:
-    gemm_fp8_tc.check_shape(1, 8, 16)
+    gemm_tc.check_shape(1, 8, 16)
     for m, n, k in [(0, 8, 16), (1, 12, 16), (1, 8, 24), (1, 0, 16)]:
-        with pytest.raises(ValueError, match="gemm_fp8_tc needs"):
-            gemm_fp8_tc.check_shape(m, n, k)
-    pick = gemm_fp8_tc.default_entry
+        with pytest.raises(ValueError, match="gemm_tc needs"):
+            gemm_tc.check_shape(m, n, k)
+    pick = gemm_tc.default_entry
     assert pick(16, 43008, 132) == "gemm_fp8_tc_64x128"  # few rows: 64-row tiles
     assert pick(16, 18432, 132) == "gemm_fp8_tc_64x256"  # 72 tiles in one wave beat 144 in two
     assert pick(2048, 43008, 132) == "gemm_fp8_tc_128x256"
     # 5376 columns at 256 rows: 42 tiles of 128 x 256 leave 90 SMs idle, 84 of 128 x 128 fewer
     assert pick(256, 5376, 132) == "gemm_fp8_tc_128x128"
     assert pick(1, 8, 132) == "gemm_fp8_tc_64x128"
-    launch = gemm_fp8_tc.quant_launch(3, 32, "float32")
+    launch = gemm_tc.quant_launch(3, 32, "float32")
     assert launch.entry == "quant_fp8_rows_f32" and launch.grid == (3, 1, 1)
-    assert launch.smem == 128 and gemm_fp8_tc.quant_launch(3, 21504, "bfloat16").smem == 43008
+    assert launch.smem == 128 and gemm_tc.quant_launch(3, 21504, "bfloat16").smem == 43008
     with pytest.raises(ValueError, match="dtype"):
-        gemm_fp8_tc.quant_launch(3, 32, "float16")
+        gemm_tc.quant_launch(3, 32, "float16")
     with pytest.raises(ValueError, match="K a positive multiple of 16"):
-        gemm_fp8_tc.quant_launch(3, 40, "bfloat16")
+        gemm_tc.quant_launch(3, 40, "bfloat16")
     with pytest.raises(ValueError, match="at most"):
-        gemm_fp8_tc.quant_launch(3, 60000, "float32")
+        gemm_tc.quant_launch(3, 60000, "float32")
 
 
 # ---------------------------------------------------------------- parameter templates (CPU)
@@ -132,7 +132,7 @@ def test_parse_probe_finds_every_place_and_zeroes_it() -> None:
     out = synthetic_probe()
     alt = bytearray.fromhex(out["bytes"])
     alt[3] ^= 0xFF  # undefined in one image of the second run: padding
-    t = gemm_fp8_tc.parse_probe("gemm_fp8_tc_128x256_c2x1", [out, dict(out, bytes_alt=alt.hex())])
+    t = gemm_tc.parse_probe("gemm_fp8_tc_128x256_c2x1", [out, dict(out, bytes_alt=alt.hex())])
     assert [(d.offset, d.role, d.delta) for d in t.descriptors] == [
         (128, "a", 0), (384, "b", 0), (640, "d", 0)]
     assert [(p.offset, p.role, p.delta) for p in t.pointers] == [
@@ -149,28 +149,28 @@ def test_parse_probe_refuses_what_it_cannot_place() -> None:
     out = synthetic_probe()
     out["known_descriptors"] = {"a": 128, "b": 384, "d": 768}
     with pytest.raises(ValueError, match="struct's fields"):
-        gemm_fp8_tc.parse_probe("e", [out])
+        gemm_tc.parse_probe("e", [out])
     out = synthetic_probe()
     raw = bytearray.fromhex(out["bytes"])
     raw[900:908] = struct.pack("<Q", BASES["d"])  # an address at a 4-byte offset
     with pytest.raises(ValueError, match="unaligned"):
-        gemm_fp8_tc.parse_probe("e", [set_bytes(out, raw)])
+        gemm_tc.parse_probe("e", [set_bytes(out, raw)])
     out = synthetic_probe()
     raw = bytearray.fromhex(out["bytes"])
     raw[920:928] = bytes(8)  # no b_scale pointer
     with pytest.raises(ValueError, match="no b_scale pointer"):
-        gemm_fp8_tc.parse_probe("e", [set_bytes(out, raw)])
+        gemm_tc.parse_probe("e", [set_bytes(out, raw)])
     out = synthetic_probe()
     alt = bytearray.fromhex(out["bytes"])
     alt[200] ^= 1  # a's descriptor differs between the images
     with pytest.raises(ValueError, match="descriptor 0 found 0 times"):
-        gemm_fp8_tc.parse_probe("e", [dict(out, bytes_alt=alt.hex())])
+        gemm_tc.parse_probe("e", [dict(out, bytes_alt=alt.hex())])
     out = synthetic_probe()
     out["encodes"][1]["address"] = 0x1234_0000_0000
     with pytest.raises(ValueError, match="no role's"):
-        gemm_fp8_tc.parse_probe("e", [out])
+        gemm_tc.parse_probe("e", [out])
     with pytest.raises(ValueError, match="disagree"):
-        gemm_fp8_tc.parse_probe("e", [synthetic_probe(), dict(synthetic_probe(), smem=1)])
+        gemm_tc.parse_probe("e", [synthetic_probe(), dict(synthetic_probe(), smem=1)])
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -178,22 +178,22 @@ def test_parse_probe_refuses_what_it_cannot_place() -> None:
     ("roles", ["a", "a", "b", "d", "a_scale", "b_scale"], "repeat"),
 ])
 def test_template_json_refusals(field: str, value, match: str) -> None:
-    d = gemm_fp8_tc.parse_probe("e", [synthetic_probe()]).to_json()
+    d = gemm_tc.parse_probe("e", [synthetic_probe()]).to_json()
     d[field] = value
     with pytest.raises(ParamsTemplateError, match=match):
         ParamsTemplate.from_json(d)
 
 
 def test_template_refuses_overlaps_and_unzeroed_places() -> None:
-    d = gemm_fp8_tc.parse_probe("e", [synthetic_probe()]).to_json()
+    d = gemm_tc.parse_probe("e", [synthetic_probe()]).to_json()
     d["pointers"][0]["offset"] = 136  # inside a's descriptor
     with pytest.raises(ParamsTemplateError, match="overlaps"):
         ParamsTemplate.from_json(d)
-    d = gemm_fp8_tc.parse_probe("e", [synthetic_probe()]).to_json()
+    d = gemm_tc.parse_probe("e", [synthetic_probe()]).to_json()
     d["descriptors"][0]["offset"] = 0  # free, but holds the filler bytes
     with pytest.raises(ParamsTemplateError, match="not zeroed"):
         ParamsTemplate.from_json(d)
-    d = gemm_fp8_tc.parse_probe("e", [synthetic_probe()]).to_json()
+    d = gemm_tc.parse_probe("e", [synthetic_probe()]).to_json()
     d["descriptors"][0]["offset"] = 130
     with pytest.raises(ParamsTemplateError, match="aligned"):
         ParamsTemplate.from_json(d)
@@ -225,7 +225,7 @@ class FakeDriver:
 
 
 def test_fill_patches_descriptors_and_pointers() -> None:
-    t = gemm_fp8_tc.parse_probe("e", [synthetic_probe()])
+    t = gemm_tc.parse_probe("e", [synthetic_probe()])
     cu = FakeDriver()
     addresses = {"a": 0x7F00_0000_1000, "b": 0x7F00_1000_0000, "d": 0x7F00_2000_0000,
                  "a_scale": 0x7F00_3000_0000, "b_scale": 0x7F00_3000_1000}
@@ -245,7 +245,7 @@ def test_fill_patches_descriptors_and_pointers() -> None:
 
 
 def test_fill_refuses_missing_or_misaligned_addresses() -> None:
-    t = gemm_fp8_tc.parse_probe("e", [synthetic_probe()])
+    t = gemm_tc.parse_probe("e", [synthetic_probe()])
     good = {"a": 1 << 20, "b": 2 << 20, "d": 3 << 20, "a_scale": 4 << 20, "b_scale": 5 << 20}
     with pytest.raises(ValueError, match="roles"):
         tma.fill(FakeDriver(), t, {k: v for k, v in good.items() if k != "d"})
@@ -254,10 +254,10 @@ def test_fill_refuses_missing_or_misaligned_addresses() -> None:
 
 
 @needs_build
-@pytest.mark.parametrize("entry", sorted(gemm_fp8_tc.CONFIGS))
+@pytest.mark.parametrize("entry", sorted(gemm_tc.CONFIGS))
 def test_probe_every_entry(entry: str) -> None:
-    cfg = gemm_fp8_tc.CONFIGS[entry]
-    t = gemm_fp8_tc.params_template(entry, 200, 43008, 5376, 132)
+    cfg = gemm_tc.CONFIGS[entry]
+    t = gemm_tc.params_template(entry, 200, 43008, 5376, 132)
     assert t.kernel == entry and t.block == (384, 1, 1) and 100_000 < t.smem <= 227 * 1024
     assert {d.role for d in t.descriptors} == {"a", "b", "d"}
     assert {p.role for p in t.pointers} == {"a_scale", "b_scale"}
@@ -265,7 +265,7 @@ def test_probe_every_entry(entry: str) -> None:
     assert a.dims[:2] == (5376, 200) and a.strides[0] == 5376
     assert b.dims[:2] == (5376, 43008) and b.box[0] == cfg.tile[2]
     assert t.grid[0] * t.grid[1] <= 132 and t.grid[0] % cfg.cluster[0] == 0
-    assert gemm_fp8_tc.params_template(entry, 200, 43008, 5376, 132) == t  # deterministic
+    assert gemm_tc.params_template(entry, 200, 43008, 5376, 132) == t  # deterministic
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -274,12 +274,15 @@ def test_quant_kernel_builds(tmp_path) -> None:
     entries' names are checked by the probe above.)"""
     from rvcompile.targets.h100.nvcc import compile_cubin
 
-    quant = compile_cubin(gemm_fp8_tc.QUANT_SOURCE, cache_dir=tmp_path)
-    for entry in gemm_fp8_tc.QUANT_ENTRIES.values():
+    quant = compile_cubin(gemm_tc.QUANT_SOURCE, cache_dir=tmp_path)
+    for entry in gemm_tc.QUANT_ENTRIES.values():
         assert entry.encode() + b"\0" in quant
 
 
 # ---------------------------------------------------------------- GPU
+
+FP8 = sorted(e for e, c in gemm_tc.CONFIGS.items() if c.element == "e4m3")
+BF16 = sorted(e for e, c in gemm_tc.CONFIGS.items() if c.element == "bfloat16")
 
 def random_fp8(rng, shape) -> np.ndarray:
     """Random e4m3 bit patterns (subnormals included) with the NaN codes (0x7f, 0xff) removed."""
@@ -315,16 +318,16 @@ class Gpu:
         from rvcompile.targets.h100.nvcc import compile_cubin
 
         self.ctx = ctx = h100_context()
-        gemm = ctx.load_module(compile_cubin(gemm_fp8_tc.SOURCE))
-        quant = ctx.load_module(compile_cubin(gemm_fp8_tc.QUANT_SOURCE))
-        self.fns = {e: ctx.get_function(gemm, e) for e in gemm_fp8_tc.CONFIGS}
+        gemm = ctx.load_module(compile_cubin(gemm_tc.SOURCE))
+        quant = ctx.load_module(compile_cubin(gemm_tc.QUANT_SOURCE))
+        self.fns = {e: ctx.get_function(gemm, e) for e in gemm_tc.CONFIGS}
         self.fns.update({e: ctx.get_function(quant, e)
-                         for e in gemm_fp8_tc.QUANT_ENTRIES.values()})
+                         for e in gemm_tc.QUANT_ENTRIES.values()})
 
     def gemm(self, entry: str, a, sa, b, sb) -> np.ndarray:
         ctx = self.ctx
         (m, k), n = a.shape, b.shape[0]
-        t = gemm_fp8_tc.params_template(entry, m, n, k, ctx.sm_count)
+        t = gemm_tc.params_template(entry, m, n, k, ctx.sm_count)
         fn = self.fns[entry]
         ctx.set_max_dynamic_smem(fn, t.smem)
         bufs = {"a": ctx.upload(a), "a_scale": ctx.upload(sa), "b": ctx.upload(b),
@@ -346,7 +349,7 @@ class Gpu:
     def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ctx = self.ctx
         m, k = x.shape
-        launch = gemm_fp8_tc.quant_launch(m, k, np.dtype(x.dtype).name)
+        launch = gemm_tc.quant_launch(m, k, np.dtype(x.dtype).name)
         ctx.set_max_dynamic_smem(self.fns[launch.entry], launch.smem)
         dx, dq, ds = ctx.upload(x), ctx.alloc(m * k + GUARD), ctx.alloc(m * 4 + GUARD)
         try:
@@ -373,7 +376,7 @@ def gpu() -> Gpu:
 def assert_exact(got, a, sa, b, sb, rows=None) -> None:
     """got (rows of d; all by default) equals the reference bit for bit."""
     rows = np.arange(a.shape[0]) if rows is None else rows
-    want = gemm_fp8_tc.reference(a[rows], sa[rows], b, sb)
+    want = gemm_tc.reference(a[rows], sa[rows], b, sb)
     diff = got.view(np.uint32) != want.view(np.uint32)
     assert not diff.any(), (
         f"{diff.sum()} of {diff.size} outputs differ from the reference, first at "
@@ -393,7 +396,7 @@ TINY = [  # (M, N, K): M, N and K tails against every tile; K below and between 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", sorted(gemm_fp8_tc.CONFIGS))
+@pytest.mark.parametrize("entry", FP8)
 @pytest.mark.parametrize("m,n,k", TINY)
 def test_gemm_tiny_is_exact(gpu: Gpu, entry: str, m: int, n: int, k: int) -> None:
     a, sa, b, sb = exact_case(m, n, k, seed=m * 7919 + n * 31 + k)
@@ -411,14 +414,14 @@ REAL = [  # (M, N, K) at 31B, E4B and 26B-A4B linear shapes, ragged M, every def
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", REAL)
 def test_gemm_real_shapes_are_exact(gpu: Gpu, m: int, n: int, k: int) -> None:
-    entry = gemm_fp8_tc.default_entry(m, n, gpu.ctx.sm_count)
+    entry = gemm_tc.default_entry(m, n, gpu.ctx.sm_count)
     a, sa, b, sb = exact_case(m, n, k, seed=m + n + k)
     rows = sample_rows(m)
     assert_exact(gpu.gemm(entry, a, sa, b, sb)[rows], a, sa, b, sb, rows)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", sorted(gemm_fp8_tc.CONFIGS))
+@pytest.mark.parametrize("entry", FP8)
 def test_every_entry_at_a_real_shape_is_exact(gpu: Gpu, entry: str) -> None:
     m, n, k = 333, 18432, 5376
     a, sa, b, sb = exact_case(m, n, k, seed=5)
@@ -430,8 +433,8 @@ def normal_case(m: int, n: int, k: int, seed: int):
     """Activations and weights as a model has them: normal values, a quantized per row (token),
     b per row (channel), by the quantization reference."""
     rng = np.random.default_rng(seed)
-    a, sa = gemm_fp8_tc.quantize_rows_reference(rng.normal(size=(m, k)).astype(np.float32))
-    b, sb = gemm_fp8_tc.quantize_rows_reference(rng.normal(size=(n, k)).astype(np.float32))
+    a, sa = gemm_tc.quantize_rows_reference(rng.normal(size=(m, k)).astype(np.float32))
+    b, sb = gemm_tc.quantize_rows_reference(rng.normal(size=(n, k)).astype(np.float32))
     return a, sa, b, sb
 
 
@@ -449,18 +452,18 @@ D_ROUNDING = 2.0 ** -22  # three float32 roundings: the sum, then each scale's m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", sorted(gemm_fp8_tc.CONFIGS))
+@pytest.mark.parametrize("entry", FP8)
 @pytest.mark.parametrize("k", [2112, 5376, 21504])
 def test_accumulation_error_on_model_like_data(gpu: Gpu, entry: str, k: int) -> None:
     m, n = 200, 1024
     a, sa, b, sb = normal_case(m, n, k, seed=k)
     got = gpu.gemm(entry, a, sa, b, sb).astype(np.float64)
-    af = gemm_fp8_tc.e4m3_to_f32(a).astype(np.float64)
-    bf = gemm_fp8_tc.e4m3_to_f32(b).astype(np.float64)
+    af = gemm_tc.e4m3_to_f32(a).astype(np.float64)
+    bf = gemm_tc.e4m3_to_f32(b).astype(np.float64)
     scales = sb.astype(np.float64)[None, :] * sa.astype(np.float64)[:, None]
     exact = (af @ bf.T) * scales
     magnitude = (np.abs(af) @ np.abs(bf).T) * scales
-    fast = gemm_fp8_tc.CONFIGS[entry].fast_accum
+    fast = gemm_tc.CONFIGS[entry].fast_accum
     excess = (np.abs(got - exact) - D_ROUNDING * np.abs(exact)) / magnitude
     row_rel = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
     print(f"\n[measured] {entry} K={k}: excess {excess.max():.3g} of sum |a b|, row error "
@@ -480,7 +483,7 @@ def test_quantize_rows_bit_exact(gpu: Gpu, dtype: str, m: int, k: int) -> None:
     if k > 16:
         x[-1, :16] = 1e-30  # values far below the row's amax: e4m3 subnormals and zeros
     q, scale = gpu.quantize(x)
-    want_q, want_scale = gemm_fp8_tc.quantize_rows_reference(x)
+    want_q, want_scale = gemm_tc.quantize_rows_reference(x)
     np.testing.assert_array_equal(scale, want_scale)
     np.testing.assert_array_equal(q, want_q)
 
@@ -495,12 +498,77 @@ def test_quantize_then_gemm(gpu: Gpu) -> None:
     grid_a, _, b, sb = exact_case(m, n, k, seed=12)
     rng = np.random.default_rng(13)
     grid_a[:, 0] = 0x40  # every row reaches 2: amax 2 x factor
-    x = (gemm_fp8_tc.e4m3_to_f32(grid_a) * rng.uniform(1e-3, 1e3, (m, 1))).astype(
+    x = (gemm_tc.e4m3_to_f32(grid_a) * rng.uniform(1e-3, 1e3, (m, 1))).astype(
         ml_dtypes.bfloat16)
     a, sa = gpu.quantize(x)
-    want_a, want_sa = gemm_fp8_tc.quantize_rows_reference(x)
+    want_a, want_sa = gemm_tc.quantize_rows_reference(x)
     np.testing.assert_array_equal(a, want_a)
     np.testing.assert_array_equal(sa, want_sa)
-    assert set(np.unique(gemm_fp8_tc.e4m3_to_f32(a) ** 2)) <= {0.0, 112.0**2, 224.0**2, 448.0**2}
-    got = gpu.gemm(gemm_fp8_tc.default_entry(m, n, gpu.ctx.sm_count), a, sa, b, sb)
+    assert set(np.unique(gemm_tc.e4m3_to_f32(a) ** 2)) <= {0.0, 112.0**2, 224.0**2, 448.0**2}
+    got = gpu.gemm(gemm_tc.default_entry(m, n, gpu.ctx.sm_count), a, sa, b, sb)
     assert_exact(got, a, sa, b, sb)
+
+
+# ---------------------------------------------------------------- bf16 entries (the tied head)
+
+def bf16_grid_case(m: int, n: int, k: int, seed: int):
+    """bf16 a and b from {0, +-1/2, +-1, +-2}: every product and partial sum is exact in float32,
+    so d must equal the reference bit for bit whatever the order of the sums."""
+    rng = np.random.default_rng(seed)
+    grid = np.float32([0, 0.5, -0.5, 1, -1, 2, -2]).astype(ml_dtypes.bfloat16)
+    return grid[rng.integers(0, 7, (m, k))], grid[rng.integers(0, 7, (n, k))]
+
+
+def gemm_bf16(gpu: Gpu, entry: str, a, b) -> np.ndarray:
+    ones_m, ones_n = np.ones(a.shape[0], np.float32), np.ones(b.shape[0], np.float32)
+    return gpu.gemm(entry, a, ones_m, b, ones_n)
+
+
+def test_bf16_reference_and_default_entries() -> None:
+    rng = np.random.default_rng(4)
+    a = rng.normal(size=(5, 48)).astype(ml_dtypes.bfloat16)
+    b = rng.normal(size=(24, 48)).astype(ml_dtypes.bfloat16)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    got = gemm_tc.reference_bf16(a, b)
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
+    assert gemm_tc.default_entry(32, 262144, 132, "bfloat16") == "gemm_bf16_tc_64x256"
+    assert gemm_tc.default_entry(256, 262144, 132, "bfloat16") == "gemm_bf16_tc_128x256"
+    assert gemm_tc.default_entry(32, 262144, 132) == "gemm_fp8_tc_64x256"  # e4m3 by default
+    with pytest.raises(ValueError, match="element"):
+        gemm_tc.default_entry(32, 262144, 132, "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", BF16)
+@pytest.mark.parametrize("m,n,k", TINY)
+def test_bf16_gemm_tiny_is_exact(gpu: Gpu, entry: str, m: int, n: int, k: int) -> None:
+    a, b = bf16_grid_case(m, n, k, seed=m * 7919 + n * 31 + k)
+    got = gemm_bf16(gpu, entry, a, b)
+    want = gemm_tc.reference_bf16(a, b)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+        f"{(got != want).sum()} of {got.size} differ"
+
+
+HEAD = [(5, 262144, 5376), (8, 262144, 5376), (32, 262144, 5376), (256, 262144, 5376),
+        (32, 262144, 2560), (9, 8192, 128)]  # the 31B and E4B heads, the default model's
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", HEAD)
+def test_bf16_head_shapes_within_float32_summation(gpu: Gpu, m: int, n: int, k: int) -> None:
+    """Normal bf16 data at the heads' shapes, every row, a sample of columns (the first and last
+    tiles' among them): |d - exact| within K float32 roundings of sum_k |a b|, the bound of any
+    float32 summation order."""
+    rng = np.random.default_rng(m + n + k)
+    a = rng.standard_normal((m, k), np.float32).astype(ml_dtypes.bfloat16)
+    # a random block of 4096 table rows, repeated: the kernel reads all N rows as it would a
+    # table's, and making 2.8 GB of random numbers would take longer than the test
+    block = (rng.standard_normal((min(n, 4096), k), np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    b = np.tile(block, (-(-n // block.shape[0]), 1))[:n]
+    got = gemm_bf16(gpu, gemm_tc.default_entry(m, n, gpu.ctx.sm_count, "bfloat16"), a, b)
+    cols = np.unique(np.r_[0:256, n - 256:n, rng.integers(0, n, 2048)])
+    af, bf = a.astype(np.float64), b[cols].astype(np.float64)
+    exact, magnitude = af @ bf.T, np.abs(af) @ np.abs(bf).T
+    err = np.abs(got[:, cols].astype(np.float64) - exact) / magnitude
+    print(f"\n[measured] bf16 head M={m} N={n} K={k}: error {err.max():.3g} of sum |a b|")
+    assert err.max() <= k * 2.0 ** -24
