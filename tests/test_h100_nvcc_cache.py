@@ -1,9 +1,13 @@
-"""The h100 cubin cache key covers the module and every header beside it (CPU only, no nvcc)."""
+"""The h100 cubin cache key covers the module and every header beside it (CPU only, no nvcc);
+with nvcc (no GPU needed), a cubin is the same wherever rvcompile is installed."""
 
 from __future__ import annotations
 
 import shutil
 
+import pytest
+
+from rvcompile.targets.h100 import nvcc
 from rvcompile.targets.h100.nvcc import KERNEL_DIR, cache_key
 
 VERSION = "Build cuda_13.0.r13.0/compiler.36424714_0"
@@ -51,3 +55,15 @@ def test_shared_header_edit_changes_every_key(tmp_path) -> None:
     common = kernels / "common.cuh"
     common.write_text(common.read_text() + "\n// edited\n")
     assert all(cache_key(m, VERSION) != before[m.name] for m in modules)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cubins_do_not_depend_on_where_rvcompile_is_installed(tmp_path, monkeypatch) -> None:
+    """nvcc names internal symbols after the source's real path (and CUTLASS's asserts keep
+    header paths): compiled where they lie, the same sources from two install paths gave two
+    cubins. Staged under their key, a copy of the kernels elsewhere compiles to the same bytes."""
+    here = nvcc.compile_cubin("sample.cu", tmp_path / "a")
+    elsewhere = tmp_path / "site-packages" / "rvcompile" / "kernels"
+    shutil.copytree(nvcc.KERNEL_DIR, elsewhere)
+    monkeypatch.setattr(nvcc, "KERNEL_DIR", elsewhere)
+    assert nvcc.compile_cubin("sample.cu", tmp_path / "b") == here

@@ -6,6 +6,15 @@ and a change to a module or to any header it may include recompiles. Modules inc
 name from the kernel directory (passed as `-I`); the key hashes all headers rather than parsing
 includes, so it cannot miss one.
 
+Sources compile from a fixed place, not from where rvcompile is installed: nvcc names a
+translation unit's internal symbols after the real path of its source file, and CUTLASS's
+device asserts keep the real paths of its headers, so the same sources compiled from two install
+paths gave two different cubins (seen for sample.cu and the CUTLASS module). A compile copies
+the module and the headers its key covers into STAGE/<module>-<key>/ (and, for a CUTLASS module,
+the wheel's headers into STAGE/cutlass-<their digest>/) and compiles there: the path is a
+function of the key, so a cached cubin and a fresh one agree, and a rebuild on another machine,
+from another virtualenv, gets the same bytes from the same nvcc.
+
 A module that includes CUTLASS (`#include "cutlass/..."` or `"cute/..."`) compiles against the
 headers of the `nvidia-cutlass` wheel (the `build` extra) with CUTLASS_FLAGS, and its key also
 covers the wheel's version and CUTLASS's own version header. Such a module may also hold a
@@ -22,9 +31,12 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
+# Fixed on purpose (not tempfile.gettempdir(), which TMPDIR moves): the path is in the cubins.
+STAGE = Path("/tmp/rvcompile-nvcc")
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
 CUTLASS_FLAGS = ("--expt-relaxed-constexpr",)
 # The probe links a stub in place of the driver's cuTensorMapEncodeTiled and needs no libcuda;
@@ -90,12 +102,14 @@ def cutlass_version() -> str:
 
 def cache_key(src: Path, version: str, cutlass: str = "") -> str:
     """The cubin cache key of module `src`: its bytes, every `*.cuh` beside it (sorted by name),
-    NVCC_FLAGS, the nvcc `version` line and, for a CUTLASS module, `cutlass` (cutlass_version).
+    NVCC_FLAGS, the nvcc `version` line, STAGE and, for a CUTLASS module, `cutlass`
+    (cutlass_version).
     Each part is hashed separately, so no two different inputs concatenate to the same bytes."""
     parts = [src.read_bytes()]
     for header in sorted(src.parent.glob("*.cuh")):
         parts += [header.name.encode(), header.read_bytes()]
-    parts += [repr(NVCC_FLAGS).encode(), version.encode()]
+    # STAGE: where it compiles is in the cubin (module docstring)
+    parts += [repr(NVCC_FLAGS).encode(), version.encode(), str(STAGE).encode()]
     if cutlass:
         parts.append(cutlass.encode())
     digest = hashlib.sha256()
@@ -109,11 +123,53 @@ def _cache_dir(cache_dir: Path | None) -> Path:
                                             Path.home() / ".cache" / "rvcompile")) / "cubin"
 
 
-def _run_nvcc(src: Path, out: Path, args: list[str]) -> None:
-    """nvcc `args` writing `out` atomically (a temporary name, then a rename)."""
+def _staged(directory: Path, files: list[Path], name: str) -> Path:
+    """`files` (under `directory`) copied to STAGE/<name>/ with their relative paths (made once,
+    atomically: a copy under a temporary name, then a rename; a concurrent stager's finished
+    copy is as good). `name` must identify the files' bytes."""
+    final = STAGE / name
+    if final.is_dir():
+        return final
+    try:
+        STAGE.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=STAGE))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep other users' builds out
+        for f in files:
+            (tmp / f.relative_to(directory)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, tmp / f.relative_to(directory))
+        try:
+            tmp.rename(final)
+        except OSError:  # another build staged the same files first
+            shutil.rmtree(tmp)
+            if not final.is_dir():
+                raise
+    except OSError as e:
+        raise NvccError(f"cannot stage the kernel sources in {STAGE}: {e.strerror or e}") from e
+    return final
+
+
+def _cutlass_staged() -> Path:
+    """The wheel's CUTLASS headers in STAGE/cutlass-<digest of their names and bytes>/."""
+    include = cutlass_include()
+    files = sorted(f for f in include.rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(hashlib.sha256(str(f.relative_to(include)).encode()).digest())
+        digest.update(hashlib.sha256(f.read_bytes()).digest())
+    return _staged(include, files, f"cutlass-{digest.hexdigest()[:16]}")
+
+
+def _run_nvcc(src: Path, key: str, out: Path, args: list[str], cutlass: bool) -> None:
+    """nvcc `args` on module `src` staged under its cache `key` (with the CUTLASS headers when
+    `cutlass`), writing `out` atomically (a temporary name, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    p = subprocess.run([*args, "-I", str(KERNEL_DIR), "-o", str(tmp), str(src)],
+    kernels = _staged(KERNEL_DIR, [src, *sorted(src.parent.glob("*.cuh"))],
+                      f"{src.stem}-{key}")
+    includes = ["-I", str(kernels)]
+    if cutlass:
+        includes = [*CUTLASS_FLAGS, "-I", str(_cutlass_staged()), *includes]
+    p = subprocess.run([*args, *includes, "-o", str(tmp), str(kernels / src.name)],
                        capture_output=True, text=True)
     if p.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -131,8 +187,7 @@ def compile_cubin(source: str, cache_dir: Path | None = None) -> bytes:
     key = cache_key(src, _nvcc_version(nvcc), cutlass_version() if cutlass else "")
     out = _cache_dir(cache_dir) / f"{src.stem}-{key}.cubin"
     if not out.exists():
-        extra = [*CUTLASS_FLAGS, "-I", str(cutlass_include())] if cutlass else []
-        _run_nvcc(src, out, [nvcc, *NVCC_FLAGS, *extra])
+        _run_nvcc(src, key, out, [nvcc, *NVCC_FLAGS], cutlass)
     return out.read_bytes()
 
 
@@ -146,6 +201,5 @@ def compile_host_probe(source: str, define: str, cache_dir: Path | None = None) 
     flags_key = hashlib.sha256(repr((define, PROBE_FLAGS)).encode()).hexdigest()[:8]
     out = _cache_dir(cache_dir) / f"{src.stem}-{key}-probe-{flags_key}"
     if not out.exists():
-        extra = [*CUTLASS_FLAGS, "-I", str(cutlass_include())] if cutlass else []
-        _run_nvcc(src, out, [nvcc, *PROBE_FLAGS, *extra, f"-D{define}"])
+        _run_nvcc(src, key, out, [nvcc, *PROBE_FLAGS, f"-D{define}"], cutlass)
     return out
