@@ -19,7 +19,9 @@ parts that need no artifact before it loads; a generation the engine fails exits
 ends it quietly with 141.
 
 `rvrun ppl` and `rvrun serve` show the load's phases (and ppl its windows) on stderr: a bar on
-a terminal, else one line per finished phase; `rvrun` itself only on a terminal.
+a terminal, else one line per finished phase; `rvrun` itself only on a terminal. Once loaded,
+`rvrun` and `rvrun serve` print what the load cost (Model.load_report: two lines, `rvrun: load
+...` with the time of each phase and `rvrun: weights ...` with the bytes and GB/s).
 
 Commands are the entries of COMMANDS (one line each in `rvrun --help`); a first word that is
 neither a command nor an existing file is refused with the closest command, if any ("did you
@@ -153,6 +155,7 @@ def run_main(argv: list[str]) -> int:
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
+    _print_load_report(m)
     try:
         for piece in m.generate_stream(a.prompt, max_tokens=a.max_tokens,
                                        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -370,6 +373,7 @@ def serve_main(argv: list[str]) -> int:
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
+    _print_load_report(m)
     from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
     try:  # once, against the artifact: every request then speculates alike
@@ -406,6 +410,12 @@ COMMANDS: dict[str, Command] = {
                     chat_main),
     "serve": Command("an OpenAI-compatible HTTP server", serve_main),
 }
+
+
+def _print_load_report(m) -> None:
+    """What the load cost, phase by phase (runtime/load_report.py), on stderr."""
+    for line in m.load_report.lines():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _phases(logged: bool = True) -> Phases:

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -37,6 +37,7 @@ from rvcompile.runtime.executor_api import (
     DraftLane,
     KvKind,
     LoadOptions,
+    LoadTimes,
     LoopLane,
     Sampled,
     SeqChunk,
@@ -141,12 +142,16 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     check_fits(art, xla, opts.kv_blocks)
     check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)
+    t0 = time.perf_counter()
     if opts.verify:  # --no-verify: nothing to re-hash
         with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
                                unit="B"):
             art.verify(opts.verify)
-    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
-                       phases=opts.phases)
+    verify_s = time.perf_counter() - t0
+    ex = XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
+                     phases=opts.phases)
+    ex.load_times = replace(ex.load_times, verify_s=verify_s, checked="weights" in opts.verify)
+    return ex
 
 
 class TpPlacement:
@@ -220,8 +225,8 @@ class XlaExecutor:
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
         self.weights = {}
-        with phases.phase("upload", total=sum(w.nbytes for w in xla.weights),
-                          unit="B") as bar:
+        weight_bytes = sum(w.nbytes for w in xla.weights)
+        with phases.phase("upload", total=weight_bytes, unit="B") as bar:
             for w in xla.weights:
                 self.weights[w.key] = self.placement.weight(w.key, art.array(
                     "weights", w.offset, w.shape, numpy_dtype(w.dtype)))
@@ -241,8 +246,11 @@ class XlaExecutor:
             t0 = time.perf_counter()
             with phases.phase("load executables"):
                 self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
-            self.compile_s = 0.0
-            self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
+            self.compile_s = 0.0  # nothing compiled
+            loaded_s = time.perf_counter() - t0
+            self.load_note = f"{choice.note}, loaded in {loaded_s:.2f} s"
+            self.load_times = LoadTimes(upload_s=self.upload_s, weight_bytes=weight_bytes,
+                                        compile_s=loaded_s)
             return
         if xla.precompiled or jax.default_backend() == "tpu":
             print(f"[rvrun] {choice.note}", file=sys.stderr)
@@ -253,6 +261,8 @@ class XlaExecutor:
         self._phases = phases  # where _warm_up shows the compile
         self.compile_s = self._warm_up()
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
+        self.load_times = LoadTimes(upload_s=self.upload_s, weight_bytes=weight_bytes,
+                                    compile_s=self.compile_s)
 
     def _warm_up(self) -> float:
         """Compile every entry point now (from the persistent cache when it has them) and keep
