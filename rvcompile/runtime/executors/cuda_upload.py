@@ -28,7 +28,10 @@ class CudaUploadSink:
     """Delivers a section to device address `dst` (its byte 0) for `workers` stream workers."""
 
     def __init__(self, ctx: CudaContext, dst: int, workers: int, *,
-                 chunk_bytes: int = CHUNK_BYTES, streams: int = STREAMS):
+                 chunk_bytes: int | None = None, streams: int | None = None):
+        """`chunk_bytes`, `streams`: default CHUNK_BYTES, STREAMS (read when called)."""
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
+        streams = streams or STREAMS
         self.ctx, self.dst, self.chunk_bytes = ctx, dst, chunk_bytes
         self._bound = threading.local()
         self._streams: list = []
