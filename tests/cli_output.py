@@ -11,7 +11,7 @@ import re
 def is_progress(line: str) -> bool:
     """A phase line, or one of the two lines of rvrun's load report (runtime/load_report.py)."""
     return re.fullmatch(r"(rvcompile|rvrun): [\w /+.-]+ done in \d+\.\d s( \(.*\))?", line) \
-        is not None or re.match(r"rvrun: (load \d+\.\d\d s: open |weights \d)", line) is not None
+        is not None or re.match(r"rvrun: (load \d+\.\d\d s \(|weights \d)", line) is not None
 
 
 def without_progress(stderr: str) -> list[str]:

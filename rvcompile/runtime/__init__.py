@@ -65,7 +65,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
             raise ArtifactError(f"{Path(path).name}: trusted_keys needs verify: a signature "
                                 "vouches for the sections only through their digests")
         keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with phases.phase("open"):
         art = Artifact.open(Path(path), trusted_keys=keys)
     t1 = time.perf_counter()
@@ -78,11 +78,13 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
             contents = read_contents(art, manifest)
         t2 = time.perf_counter()
         rest = tuple(name for name in art.sections if name not in small) if verify else ()
-        executor = open_executor(art, manifest, LoadOptions(rest, kv_blocks, max_num_seqs,
-                                                            max_model_len, trust_executables,
-                                                            phases))
-        report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t1,
-                            executor.load_times, time.perf_counter() - t0)
+        module = runtime_module(art, manifest)
+        t3 = time.perf_counter()
+        executor = module.open_executor(art, manifest, LoadOptions(
+            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables, phases))
+        report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t1, t3 - t2,
+                            executor.load_times, time.perf_counter() - t0,
+                            time.process_time() - cpu0)
         return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len, load_report=report)
     except BaseException:
@@ -92,9 +94,14 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:
     """The executor of the runtime kind `art` requires (one of RUNTIMES: the manifest's schema
-    admits no other), from the module RUNTIMES names, imported only now: an h100 host never
-    imports jax. ArtifactError when that module's dependencies are not installed, naming the
-    extra that brings them."""
+    admits no other), from the module RUNTIMES names (runtime_module)."""
+    return runtime_module(art, manifest).open_executor(art, manifest, opts)
+
+
+def runtime_module(art: Artifact, manifest: Manifest):
+    """The module of RUNTIMES for `art`, imported only now: an h100 host never imports jax.
+    ArtifactError when that module's dependencies are not installed, naming the extra that
+    brings them."""
     kind = manifest.runtime
     try:
         module = importlib.import_module(RUNTIMES[kind])
@@ -103,4 +110,4 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Execu
             raise
         raise ArtifactError(f"{art.path.name}: the {kind} runtime needs {e.name}, which is not "
                             f"installed (pip install 'rvcompile[{kind}]')") from None
-    return module.open_executor(art, manifest, opts)
+    return module

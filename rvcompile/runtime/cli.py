@@ -6,6 +6,8 @@ Ctrl-C stops the answer being written (it stays in the history as far as it got)
 end of stdin) ends the session with 0; `/reset` forgets the history.
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
+`rvrun prepare ARTIFACT`: compile an XLA artifact's programs on this machine into
+ARTIFACT.prepared (runtime/prepare.py), which later loads use instead of compiling.
 `rvrun` and `rvrun serve` take `--speculative assistant|ngram [--num-draft-tokens K]`:
 speculative decoding with the artifact's drafter or by n-gram lookup (the same tokens, fewer
 target steps; runtime/speculative.py); an artifact that cannot do it is refused in one line.
@@ -395,6 +397,25 @@ def serve_main(argv: list[str]) -> int:
                                                                   flush=True))
 
 
+def prepare_main(argv: list[str]) -> int:
+    """Compile an XLA artifact's programs once on this machine into ARTIFACT.prepared, beside
+    it; later starts load those executables instead of compiling (runtime/prepare.py)."""
+    p = _parser("rvrun prepare", prepare_main.__doc__)
+    p.add_argument("artifact", help="the XLA artifact (.rvp); the cache is written beside it")
+    a = p.parse_args(argv)
+    from rvcompile.runtime.prepare import prepare
+
+    try:
+        done = prepare(a.artifact)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    except OSError as e:  # the directory beside the artifact is not writable
+        return _fail(f"cannot write beside {a.artifact}: {e.strerror or e}")
+    print(f"rvrun: prepared {done.entries} executables for {done.device} in {done.seconds:.1f} s:"
+          f" {done.path}", file=sys.stderr)
+    return 0
+
+
 @dataclass(frozen=True)
 class Command:
     summary: str  # one line in `rvrun --help`
@@ -409,6 +430,8 @@ COMMANDS: dict[str, Command] = {
     "chat": Command("a conversation in the terminal, through the artifact's chat template",
                     chat_main),
     "serve": Command("an OpenAI-compatible HTTP server", serve_main),
+    "prepare": Command("compile an XLA artifact once on this machine; later starts load it",
+                       prepare_main),
 }
 
 

@@ -178,6 +178,7 @@ class LoadTimes:
     cubin_load_s: float = 0.0  # h100: modules loaded, launches prepared (during the upload)
     graph_capture_s: float = 0.0  # h100: CUDA graphs captured, instantiated (during the upload)
     warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run
+    programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
     compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
     # loaded
     overlapped: tuple[str, ...] = ()  # phases that ran while the weights uploaded
