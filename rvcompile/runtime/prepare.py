@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rvcompile import __version__
 from rvcompile.artifacts import Artifact, ArtifactError, ArtifactHeader, ArtifactWriter
 from rvcompile.artifacts.manifest import read_manifest
 
@@ -94,8 +93,11 @@ def prepare(path: str | os.PathLike[str]) -> Prepared:
             record["entries"][name].update(offset=offset, size=size)
             offset += size
         out = prepared_path(art.path)
-        with ArtifactWriter(out, ArtifactHeader(__version__, "prepared-xla",
-                                                (record["platform"],))) as w:
+        # the header's compiler version is the artifact's: the runtime does not import the
+        # compiler's package metadata (tests/test_layering.py)
+        header = ArtifactHeader(art.header.compiler_version, "prepared-xla",
+                                (record["platform"],))
+        with ArtifactWriter(out, header) as w:
             w.add("executables", b"".join(executables[n] for n in sorted(executables)))
             w.commit({"prepared": {"format": FORMAT, "artifact": art.path.name,
                                    "artifact_id": artifact_id(art), "set": record}})
