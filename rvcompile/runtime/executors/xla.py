@@ -49,8 +49,12 @@ from rvcompile.runtime.executors import check_limits
 from rvcompile.runtime.executors.compile_estimate import compile_estimate
 from rvcompile.runtime.executors.precompiled import choose, load_set, this_machine
 from rvcompile.runtime.executors.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.prepared_cache import find_prepared
+from rvcompile.runtime.executors.prepared_cache import prepare_here as prepare_here
 from rvcompile.runtime.executors.programs import load_programs
-from rvcompile.runtime.prepare import find_prepared
+
+# prepare_here: `rvrun prepare`'s entry, which runtime/prepare.py reaches through this runtime's
+# module as runtime.load reaches open_executor (so an h100 host's rvrun never imports jax).
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
