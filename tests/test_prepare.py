@@ -20,7 +20,7 @@ from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.progress import Phases
 from rvcompile.runtime import cli as rvrun
 from rvcompile.runtime import prepare as prep
-from rvcompile.runtime.executors import compile_estimate, precompiled
+from rvcompile.runtime.executors import compile_estimate, prepared_cache
 from rvcompile.runtime.executors.xla import XlaExecutor
 
 OPTS = BuildOptions("xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
@@ -118,8 +118,8 @@ def test_another_machine_or_pool_size_is_refused(built, tmp_path, capsys, monkey
     art, _ = _copy(built, tmp_path)
     assert "compiled for KV blocks" in _refused(art, capsys, monkeypatch,
                                                 kv_blocks={"full": 9})
-    real = precompiled.this_machine()
-    monkeypatch.setattr(precompiled, "this_machine",
+    real = prepared_cache.this_machine()
+    monkeypatch.setattr(prepared_cache, "this_machine",
                         lambda: dataclasses.replace(real, jaxlib="0.0.1"))
     assert "it was compiled with jaxlib " in _refused(art, capsys, monkeypatch)
 
