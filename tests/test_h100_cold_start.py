@@ -43,6 +43,8 @@ class FakeContext:
         self.launched_outside_capture = 0
         self.thread_local_captures = 0
         self.graph_uploads = 0
+        self.modules = 0  # loaded, not unloaded
+        self.graphs = 0  # instantiated, not destroyed
         self.lock = threading.Lock()
         self.cu = None
 
@@ -92,13 +94,21 @@ class FakeContext:
             record()
         finally:
             self.capturing.discard(threading.get_ident())
+        self.graphs += 1
         return object()
 
     def graph_upload(self, graph_exec, stream):
         self.graph_uploads += 1
 
     def load_module(self, cubin):
+        self.modules += 1
         return cubin
+
+    def unload_module(self, module):
+        self.modules -= 1
+
+    def destroy_graph(self, graph_exec):
+        self.graphs -= 1
 
     def get_function(self, module, name):
         return name
@@ -147,7 +157,8 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert rest.replace(consts, b"", 1).count(0) == len(rest) - len(consts)
     assert fake.launched_outside_capture == 0 and fake.captured_launches > 0
     graphs = sum(e.graph for e in schedule.entries.values())
-    assert fake.thread_local_captures == fake.graph_uploads == graphs > 0
+    assert fake.thread_local_captures == fake.graph_uploads == fake.graphs == graphs > 0
+    assert fake.modules > 0  # kept, with the graphs, by a load that succeeded
     t = ex.load_times
     assert t.streamed and t.checked and t.weight_bytes == len(weights) and t.threads >= 1
     assert t.upload_s > 0 and t.read_s > 0 and t.hash_s > 0
@@ -165,7 +176,7 @@ def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fa
     assert str(e.value).startswith("bad.rvp: section 'weights' is corrupt: piece 0 of 1 (bytes "
                                    "[0, ")
     assert "\n" not in str(e.value)
-    assert fake.live == set() and fake.pinned == {}
+    assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
     assert fake.launched_outside_capture == 0
 
 

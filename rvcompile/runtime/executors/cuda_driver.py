@@ -87,6 +87,9 @@ class CudaContext:
     def load_module(self, cubin: bytes):
         return check(self.cu.cuModuleLoadData(cubin), "cuModuleLoadData")
 
+    def unload_module(self, module) -> None:
+        check(self.cu.cuModuleUnload(module), "cuModuleUnload")
+
     def get_function(self, module, name: str):
         return check(self.cu.cuModuleGetFunction(module, name.encode()),
                      f"cuModuleGetFunction({name})")
@@ -222,6 +225,9 @@ class CudaContext:
         record()
         graph = check(self.cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
         return check(self.cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def destroy_graph(self, graph_exec) -> None:
+        check(self.cu.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
 
     def graph_upload(self, graph_exec, stream) -> None:
         """Put an instantiated graph's work on the device ahead of its first launch (runs

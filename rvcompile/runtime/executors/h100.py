@@ -87,6 +87,8 @@ class CudaScheduleDevice:
         self.ctx, self.schedule = ctx, schedule
         self.stream = ctx.stream()
         self.arena = self.io_host = self.out_host = None
+        self.modules: list = []  # loaded cubins, unloaded again if the load fails
+        self.graphs: dict[str, object] = {}
         try:
             self.arena = ctx.alloc(schedule.arena_bytes)
             self._load(art, phases, check_weights)
@@ -130,10 +132,11 @@ class CudaScheduleDevice:
                         4 * f.shape[0] for name, f in schedule.outputs.items()
                         if name.endswith(".out_tokens")))
                     t1 = clock()
-                    self.graphs = {name: ctx.capture(self.stream,
-                                                     lambda n=name: self._launch_all(n),
-                                                     thread_local=True)
-                                   for name, e in schedule.entries.items() if e.graph}
+                    for name, e in schedule.entries.items():
+                        if e.graph:
+                            self.graphs[name] = ctx.capture(
+                                self.stream, lambda n=name: self._launch_all(n),
+                                thread_local=True)
                     t2 = clock()
                     for g in self.graphs.values():  # ready to launch; nothing runs yet
                         ctx.graph_upload(g, self.stream)
@@ -156,14 +159,20 @@ class CudaScheduleDevice:
             overlapped=("cubin load", "graph capture", "warm-up"), **times)
 
     def _free(self) -> None:
-        """After a failed load: the arena and pinned buffers go back (a failed call may have
-        left the context unusable; what cannot be freed then goes with the process)."""
+        """After a failed load: the graphs, modules, arena and pinned buffers go back (a failed
+        call may have left the context unusable; what cannot be freed then goes with the
+        process)."""
+        for g in self.graphs.values():
+            self.ctx.destroy_graph(g)
+        for mod in self.modules:
+            self.ctx.unload_module(mod)
         for host in (self.io_host, self.out_host):
             if host is not None:
                 self.ctx.free_pinned(host)
         if self.arena is not None:
             self.ctx.free(self.arena)
         self.arena = self.io_host = self.out_host = None
+        self.graphs, self.modules = {}, []
 
     def _load_cubins(self, art: Artifact) -> dict[tuple[str, str], object]:
         """The launched kernels, from cubins whose sha256 and kernel signatures
@@ -177,6 +186,7 @@ class CudaScheduleDevice:
         for module, names in kernels.items():
             c = self.schedule.cubins[module]
             mod = self.ctx.load_module(bytes(blob[c.offset:c.offset + c.size]))
+            self.modules.append(mod)
             for kernel in names:
                 out[(module, kernel)] = self.ctx.get_function(mod, kernel)
         return out
