@@ -8,6 +8,7 @@ parent times it from spawn to the child's "ready" line, so the figure is what a 
 server pays.
 
     python benchmarks/cold_start.py ART [--cold] [--runs 3] [--no-verify] [--out FILE.json]
+        [--streams N --chunk-mib M --workers W]    # H100 upload tunables, for a sweep
 
 Page cache: the file is read once (untimed) first, then `--runs` starts. With --cold, the file
 is dropped from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) on the file, which needs
@@ -39,11 +40,18 @@ READ_CHUNK = 16 << 20
 PIECE = 256 << 20
 
 
-def child(path: str, verify: bool) -> None:
-    """One start in this process: imports, load, a 1-token request; prints one JSON line."""
+def child(path: str, verify: bool, tune: dict[str, int]) -> None:
+    """One start in this process: imports, load, a 1-token request; prints one JSON line.
+    `tune`: the H100 upload's tunables to set first (streams, chunk_mib, workers; a sweep)."""
     t0 = time.perf_counter()
     from rvcompile import runtime
 
+    if tune:
+        from rvcompile.runtime.executors import cuda_upload, h100
+
+        cuda_upload.STREAMS = tune.get("streams", cuda_upload.STREAMS)
+        cuda_upload.CHUNK_BYTES = tune.get("chunk_mib", cuda_upload.CHUNK_BYTES >> 20) << 20
+        h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
     t1 = time.perf_counter()
     m = runtime.load(path, verify=verify)
     t2 = time.perf_counter()
@@ -54,9 +62,10 @@ def child(path: str, verify: bool) -> None:
                       "report_lines": m.load_report.lines()}), flush=True)
 
 
-def start(path: Path, verify: bool) -> dict:
+def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
     """A fresh process's start: seconds from spawn to its ready line, and what it reported."""
     cmd = [sys.executable, __file__, "--child", str(path)] + ([] if verify else ["--no-verify"])
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in tune.items()]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -160,23 +169,33 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true", help="load without hashing")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON file (default: cold_start-ARTIFACT.json here)")
+    ap.add_argument("--streams", type=int, help="H100: copy streams (default: cuda_upload's)")
+    ap.add_argument("--chunk-mib", type=int, help="H100: MiB per staging buffer (default: "
+                    "cuda_upload's)")
+    ap.add_argument("--workers", type=int, help="H100: most threads reading and hashing "
+                    "(default: h100's)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    tune = {k: v for k, v in (("streams", a.streams), ("chunk_mib", a.chunk_mib),
+                              ("workers", a.workers)) if v is not None}
+    if any(v < 1 for v in tune.values()):
+        raise SystemExit("cold_start: --streams, --chunk-mib and --workers must be at least 1")
     if a.child:
-        return child(str(a.artifact), not a.no_verify)
+        return child(str(a.artifact), not a.no_verify, tune)
     path = a.artifact
     size = path.stat().st_size
     verify = not a.no_verify
-    from rvcompile.runtime.executors.h100 import stream_workers  # no CUDA imported here
+    from rvcompile.runtime.executors import h100  # imports no CUDA
 
-    threads = stream_workers()
-    result = {"artifact": str(path), "file_bytes": size, "verify": verify,
+    h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
+    threads = h100.stream_workers()  # as many as the loader reads with
+    result = {"artifact": str(path), "file_bytes": size, "verify": verify, "tune": tune,
               "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "commit": _commit(), "command": " ".join(sys.argv)}
     read_rate(path, threads)  # into the page cache
     result["page_cache_read_GBps"] = read_rate(path, threads) / 1e9
-    result["page_cache_starts"] = [start(path, verify) for _ in range(a.runs)]
+    result["page_cache_starts"] = [start(path, verify, tune) for _ in range(a.runs)]
     best = min(result["page_cache_starts"], key=lambda r: r["spawn_to_ready_s"])
     print(f"page cache: ready in {best['spawn_to_ready_s']:.2f} s (best of {a.runs}; imports "
           f"{best['import_s']:.2f} s, load {best['load_s']:.2f} s, first request "
@@ -189,7 +208,7 @@ def main() -> None:
         drops.append(drop(path))
         many = read_rate(path, threads)
         drops.append(drop(path))
-        cold = start(path, verify)
+        cold = start(path, verify, tune)
         disk = max(one, many)
         result.update(resident_after_drop=drops, disk_read_GBps_1_thread=one / 1e9,
                       disk_read_GBps_threads=many / 1e9, disk_read_threads=threads,
