@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
+from rvcompile.artifacts.xla_programs import xla_programs
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import (
@@ -221,8 +222,15 @@ class XlaExecutor:
         self.sampler = xla.sampler
         self.top_logprobs = xla.sampler.top_logprobs
         self._neutral: dict[int, tuple] = {}  # lanes -> neutral mask and penalty ids, on device
+        blocks = {k.name: k.num_blocks for k in self.kinds.values()}
+        choice = choose(xla.precompiled, this_machine(), blocks, trusted=trust_executables)
+        prepared = find_prepared(art, blocks) if choice.topology is None else None
+        loads_executables = choice.topology is not None or bool(prepared and prepared.record)
         t0 = time.perf_counter()
-        exported = load_programs(art, xla)
+        # What a program may call is checked only where it will be compiled: loaded
+        # executables were compiled from programs that passed it (at build, or by `rvrun
+        # prepare` from these very bytes: the cache names the artifact's digests).
+        exported = xla_programs(art, xla) if loads_executables else load_programs(art, xla)
         programs_s = time.perf_counter() - t0
         platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
         for name, exp in exported.items():
@@ -249,10 +257,7 @@ class XlaExecutor:
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        blocks = {k.name: k.num_blocks for k in self.kinds.values()}
-        choice = choose(xla.precompiled, this_machine(), blocks, trusted=trust_executables)
-        prepared = find_prepared(art, blocks) if choice.topology is None else None
-        if choice.topology is not None or (prepared and prepared.record is not None):
+        if loads_executables:
             t0 = time.perf_counter()
             with phases.phase("load executables"):
                 if choice.topology is not None:
