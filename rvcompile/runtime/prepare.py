@@ -21,7 +21,9 @@ cache), so the file must be the operator's own: owned by this user and writable 
 `find_prepared` refuses, in one line saying why, a cache that is not, or that does not match
 the artifact, this machine (precompiled.mismatch: platform, device kind and ids, jax, jaxlib,
 libtpu) or the KV pools the load asks for; the executor then compiles the StableHLO, as it
-does without a cache. Prepared at the artifact's default KV block counts.
+does without a cache. Prepared at the artifact's default KV block counts. A load that uses the
+cache skips the check of what the StableHLO may call (executors/programs.py): nothing compiles
+it, and `prepare` checked these very bytes before compiling them.
 """
 
 from __future__ import annotations
