@@ -90,6 +90,12 @@ class Phases:
         self.width = shutil.get_terminal_size().columns
         self.done: list[tuple[str, float]] = []
 
+    def note(self, text: str) -> None:
+        """One line `PREFIX: text` (what is about to happen and why it takes long), in the live
+        and lines modes; nothing when off."""
+        if self.mode != "off":
+            self.write(f"{self.prefix}: {text}")
+
     @staticmethod
     def mode_for(enabled: bool, stream=None) -> Mode:
         """"off" unless enabled; "live" when `stream` (default stderr) is a terminal."""

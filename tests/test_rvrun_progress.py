@@ -50,11 +50,14 @@ def test_load_phases_in_order(artifact):
                                                                 "compile"]
 
 
-def test_rvrun_run_logs_only_its_summary(artifact, capsys):
-    """Not on a terminal, `rvrun` keeps stderr to its summary (or one error line)."""
+def test_rvrun_run_logs_only_its_load_report_and_summary(artifact, capsys):
+    """Not on a terminal, `rvrun` keeps stderr to its load report (two lines) and its summary
+    (or one error line)."""
     assert rvrun.main([str(artifact), "--prompt", "hello", "--max-tokens", "4"]) == 0
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith("[rvrun] load ")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("rvrun: load ") and lines[1].startswith("rvrun: weights ")
+    assert lines[2].startswith("[rvrun] load ")
 
 
 def test_ppl_shows_windows_and_the_running_perplexity(artifact, tmp_path, capsys):

@@ -128,6 +128,13 @@ def greedy(model, ids, n) -> str:
 # The API
 
 
+def test_serve_prints_its_load_report_before_serving(server):
+    text = "".join(server.lines)
+    load = text.index("rvrun: load ")
+    assert load < text.index("rvrun: weights ") < text.index("rvrun: serving ")
+    assert "not checked (--no-verify)" in text
+
+
 def test_models_health_metrics(server):
     c = server.client()
     (m,) = c.models.list().data

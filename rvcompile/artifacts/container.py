@@ -97,6 +97,20 @@ def _cut(name: str, offset: int, size: int, piece_size: int) -> list[_Piece]:
     ]
 
 
+def section_pieces(section: SectionInfo) -> list[_Piece]:
+    """The hashed pieces of `section`, in order (what its piece digests cover)."""
+    return _cut(section.name, section.offset, section.size, section.piece_size)
+
+
+def corrupt_piece_error(fname: str, piece: _Piece, got: bytes, want: bytes) -> ArtifactError:
+    """The one-line error of a piece whose sha256 is not the recorded one."""
+    return ArtifactError(
+        f"{fname}: section '{piece.section}' is corrupt: piece {piece.index} of {piece.count} "
+        f"(bytes [{piece.start}, {piece.start + piece.size})) has sha256 {got.hex()}, "
+        f"recorded {want.hex()}"
+    )
+
+
 def _sha256_piece(fd: int, piece: _Piece, fname: str) -> bytes:
     buf = getattr(_thread_buffers, "buf", None)
     if buf is None:
@@ -495,17 +509,18 @@ class Artifact:
         self._mmap()  # raises if closed
         threads = _check_threads(threads, f"{fname}: verify threads")
         sections = [self._section(n) for n in (self.sections if names is None else names)]
-        pieces = [p for s in sections for p in _cut(s.name, s.offset, s.size, s.piece_size)]
+        pieces = [p for s in sections for p in section_pieces(s)]
         recorded = [d for s in sections for d in s.piece_sha256]
         with _hashing(self._file.fileno(), pieces, threads, fname) as digests:
             for piece, want, digest in zip(pieces, recorded, digests, strict=True):
                 got = digest.result()
                 if got != want:
-                    raise ArtifactError(
-                        f"{fname}: section '{piece.section}' is corrupt: piece {piece.index} of "
-                        f"{piece.count} (bytes [{piece.start}, {piece.start + piece.size})) has "
-                        f"sha256 {got.hex()}, recorded {want.hex()}"
-                    )
+                    raise corrupt_piece_error(fname, piece, got, want)
+
+    def fileno(self) -> int:
+        """The open file's descriptor (for positioned reads: artifacts/stream.py)."""
+        self._mmap()  # raises if closed
+        return self._file.fileno()
 
     def close(self) -> None:
         if self._mm is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,9 +17,10 @@ from rvcompile.artifacts.manifest import Manifest, read_manifest
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import Executor, LoadOptions
+from rvcompile.runtime.load_report import LoadReport
 from rvcompile.runtime.model import GenerationResult, Model
 
-__all__ = ["load", "Model", "GenerationResult", "ArtifactError", "RUNTIMES"]
+__all__ = ["load", "Model", "GenerationResult", "ArtifactError", "LoadReport", "RUNTIMES"]
 
 # Runtime kind (an artifact's requirements["runtime"]) -> the module that opens its artifacts
 # with `open_executor(art, manifest, LoadOptions) -> Executor`. The install extra of the same
@@ -52,7 +54,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
     `trusted_keys` signed; by default the StableHLO is compiled. `phases` (progress.py): what
     the load shows of its phases ("open", "check", then the executor's verify, upload, compile
-    or graph capture); default: nothing."""
+    or graph capture); default: nothing. The model's `load_report` says what each cost."""
     phases = phases or Phases("rvrun", "off")
     if trust_executables and trusted_keys is None:
         raise ArtifactError(f"{Path(path).name}: trust_executables needs trusted_keys: XLA runs "
@@ -63,8 +65,10 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
             raise ArtifactError(f"{Path(path).name}: trusted_keys needs verify: a signature "
                                 "vouches for the sections only through their digests")
         keys = [k if isinstance(k, TrustedKey) else load_trusted_key(k) for k in trusted_keys]
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with phases.phase("open"):
         art = Artifact.open(Path(path), trusted_keys=keys)
+    t1 = time.perf_counter()
     try:
         with phases.phase("check"):
             manifest = read_manifest(art)
@@ -72,12 +76,17 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
             if verify:
                 art.verify(small)
             contents = read_contents(art, manifest)
+        t2 = time.perf_counter()
         rest = tuple(name for name in art.sections if name not in small) if verify else ()
-        executor = open_executor(art, manifest, LoadOptions(rest, kv_blocks, max_num_seqs,
-                                                            max_model_len, trust_executables,
-                                                            phases))
+        module = runtime_module(art, manifest)
+        t3 = time.perf_counter()
+        executor = module.open_executor(art, manifest, LoadOptions(
+            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables, phases))
+        report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t1, t3 - t2,
+                            executor.load_times, time.perf_counter() - t0,
+                            time.process_time() - cpu0)
         return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, load_report=report)
     except BaseException:
         art.close()
         raise
@@ -85,9 +94,14 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:
     """The executor of the runtime kind `art` requires (one of RUNTIMES: the manifest's schema
-    admits no other), from the module RUNTIMES names, imported only now: an h100 host never
-    imports jax. ArtifactError when that module's dependencies are not installed, naming the
-    extra that brings them."""
+    admits no other), from the module RUNTIMES names (runtime_module)."""
+    return runtime_module(art, manifest).open_executor(art, manifest, opts)
+
+
+def runtime_module(art: Artifact, manifest: Manifest):
+    """The module of RUNTIMES for `art`, imported only now: an h100 host never imports jax.
+    ArtifactError when that module's dependencies are not installed, naming the extra that
+    brings them."""
     kind = manifest.runtime
     try:
         module = importlib.import_module(RUNTIMES[kind])
@@ -96,4 +110,4 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Execu
             raise
         raise ArtifactError(f"{art.path.name}: the {kind} runtime needs {e.name}, which is not "
                             f"installed (pip install 'rvcompile[{kind}]')") from None
-    return module.open_executor(art, manifest, opts)
+    return module

@@ -6,6 +6,8 @@ Ctrl-C stops the answer being written (it stays in the history as far as it got)
 end of stdin) ends the session with 0; `/reset` forgets the history.
 `rvrun serve ARTIFACT [--host H --port P --max-num-seqs N --max-model-len N --kv-blocks N]`: an
 OpenAI-compatible HTTP server (rvcompile.runtime.serve.server); SIGTERM drains it and exits 0.
+`rvrun prepare ARTIFACT`: compile an XLA artifact's programs on this machine into
+ARTIFACT.prepared (runtime/prepare.py), which later loads use instead of compiling.
 `rvrun` and `rvrun serve` take `--speculative assistant|ngram [--num-draft-tokens K]`:
 speculative decoding with the artifact's drafter or by n-gram lookup (the same tokens, fewer
 target steps; runtime/speculative.py); an artifact that cannot do it is refused in one line.
@@ -19,7 +21,9 @@ parts that need no artifact before it loads; a generation the engine fails exits
 ends it quietly with 141.
 
 `rvrun ppl` and `rvrun serve` show the load's phases (and ppl its windows) on stderr: a bar on
-a terminal, else one line per finished phase; `rvrun` itself only on a terminal.
+a terminal, else one line per finished phase; `rvrun` itself only on a terminal. Once loaded,
+`rvrun` and `rvrun serve` print what the load cost (Model.load_report: two lines, `rvrun: load
+...` with the time of each phase and `rvrun: weights ...` with the bytes and GB/s).
 
 Commands are the entries of COMMANDS (one line each in `rvrun --help`); a first word that is
 neither a command nor an existing file is refused with the closest command, if any ("did you
@@ -153,6 +157,7 @@ def run_main(argv: list[str]) -> int:
     except (ArtifactError, FileNotFoundError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
+    _print_load_report(m)
     try:
         for piece in m.generate_stream(a.prompt, max_tokens=a.max_tokens,
                                        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -370,6 +375,7 @@ def serve_main(argv: list[str]) -> int:
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
+    _print_load_report(m)
     from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
     try:  # once, against the artifact: every request then speculates alike
@@ -391,6 +397,25 @@ def serve_main(argv: list[str]) -> int:
                                                                   flush=True))
 
 
+def prepare_main(argv: list[str]) -> int:
+    """Compile an XLA artifact's programs once on this machine into ARTIFACT.prepared, beside
+    it; later starts load those executables instead of compiling (runtime/prepare.py)."""
+    p = _parser("rvrun prepare", prepare_main.__doc__)
+    p.add_argument("artifact", help="the XLA artifact (.rvp); the cache is written beside it")
+    a = p.parse_args(argv)
+    from rvcompile.runtime.prepare import prepare
+
+    try:
+        done = prepare(a.artifact)
+    except (ArtifactError, FileNotFoundError) as e:
+        return _fail(str(e))
+    except OSError as e:  # the directory beside the artifact is not writable
+        return _fail(f"cannot write beside {a.artifact}: {e.strerror or e}")
+    print(f"rvrun: prepared {done.entries} executables for {done.device} in {done.seconds:.1f} s:"
+          f" {done.path}", file=sys.stderr)
+    return 0
+
+
 @dataclass(frozen=True)
 class Command:
     summary: str  # one line in `rvrun --help`
@@ -405,7 +430,15 @@ COMMANDS: dict[str, Command] = {
     "chat": Command("a conversation in the terminal, through the artifact's chat template",
                     chat_main),
     "serve": Command("an OpenAI-compatible HTTP server", serve_main),
+    "prepare": Command("compile an XLA artifact once on this machine; later starts load it",
+                       prepare_main),
 }
+
+
+def _print_load_report(m) -> None:
+    """What the load cost, phase by phase (runtime/load_report.py), on stderr."""
+    for line in m.load_report.lines():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _phases(logged: bool = True) -> Phases:

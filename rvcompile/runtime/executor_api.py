@@ -160,6 +160,30 @@ class LoadOptions:
     phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
 
 
+@dataclass(frozen=True)
+class LoadTimes:
+    """What an executor's load cost, phase by phase (runtime.load adds the open and the checks
+    before it: runtime/load_report.py). Seconds of wall time, but read_s and hash_s: busy time
+    summed over the threads that streamed the weights, which overlap one another and the
+    copies. A phase the executor does not have stays 0."""
+
+    verify_s: float = 0.0  # sections re-hashed before the upload (all but a streamed weights)
+    upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)
+    weight_bytes: int = 0  # of the weights section
+    streamed: bool = False  # weights read once, each piece hashed as it was uploaded (h100)
+    checked: bool = False  # the weights' sha256 compared (in verify_s, or in the stream)
+    threads: int = 0  # streamed: threads that read and hashed the weights
+    read_s: float = 0.0  # streamed: thread-seconds reading the file
+    hash_s: float = 0.0  # streamed: thread-seconds hashing
+    cubin_load_s: float = 0.0  # h100: modules loaded, launches prepared (during the upload)
+    graph_capture_s: float = 0.0  # h100: CUDA graphs captured, instantiated (during the upload)
+    warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run
+    programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
+    compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
+    # loaded
+    overlapped: tuple[str, ...] = ()  # phases that ran while the weights uploaded
+
+
 class DeviceError(RuntimeError):
     """The device can no longer run this executor's programs (a sticky CUDA error, KV pools lost
     in a failed call): every later call would fail too. Any other exception from a call fails
@@ -202,6 +226,7 @@ class Executor(Protocol):
     block_size: int  # tokens per KV block
     kinds: dict[str, KvKind]  # by name
     load_note: str  # one line on what loading cost (compile time, upload), for rvrun's summary
+    load_times: LoadTimes  # what loading cost, phase by phase (Model.load_report)
 
     def prefill(self, chunk: SeqChunk) -> int:
         """Run one chunk of one sequence; return the token sampled after its last token."""

@@ -46,6 +46,7 @@ from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.runtime.constraints import Grammars
 from rvcompile.runtime.engine import Engine, Request
 from rvcompile.runtime.executor_api import Executor, Sampling
+from rvcompile.runtime.load_report import LoadReport
 from rvcompile.runtime.request_limits import (
     MAX_STOP_STRINGS,
     RequestError,
@@ -96,10 +97,14 @@ def text_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
 
 class Model:
     def __init__(self, art, executor: Executor, *, contents: Contents | None = None,
-                 max_num_seqs: int | None = None, max_model_len: int | None = None):
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 load_report: LoadReport | None = None):
         """`contents`: the artifact's checked tokenizer, ids and template (what `load` read
-        before it asked the machine anything); read and checked here when not given."""
+        before it asked the machine anything); read and checked here when not given.
+        `load_report`: what `runtime.load` spent, phase by phase (None for a Model built
+        around an executor directly)."""
         self.art, self.executor = art, executor
+        self.load_report = load_report
         self.manifest = art.manifest
         contents = contents or read_contents(art, read_manifest(art))
         self.tokenizer = contents.tokenizer

@@ -77,11 +77,18 @@ class CudaContext:
         self.sm_count = check(cu.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device), "cuDeviceGetAttribute")
 
+    def make_current(self) -> None:
+        """Bind this context to the calling thread (each thread that calls the driver must)."""
+        check(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
     def load_function(self, cubin: bytes, name: str):
         return self.get_function(self.load_module(cubin), name)
 
     def load_module(self, cubin: bytes):
         return check(self.cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def unload_module(self, module) -> None:
+        check(self.cu.cuModuleUnload(module), "cuModuleUnload")
 
     def get_function(self, module, name: str):
         return check(self.cu.cuModuleGetFunction(module, name.encode()),
@@ -187,20 +194,45 @@ class CudaContext:
     def record(self, ev, stream=0) -> None:
         check(self.cu.cuEventRecord(ev, stream), "cuEventRecord")
 
-    def stream(self):
-        return check(self.cu.cuStreamCreate(0), "cuStreamCreate")
+    def stream(self, non_blocking: bool = False):
+        """A new stream; `non_blocking`: one that never waits on the legacy default stream (so
+        its copies may run while another thread captures a graph)."""
+        flags = int(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING) if non_blocking else 0
+        return check(self.cu.cuStreamCreate(flags), "cuStreamCreate")
+
+    def destroy_stream(self, stream) -> None:
+        check(self.cu.cuStreamDestroy(stream), "cuStreamDestroy")
+
+    def destroy_event(self, ev) -> None:
+        check(self.cu.cuEventDestroy(ev), "cuEventDestroy")
+
+    def event_without_timing(self):
+        """An event for ordering only (cheaper to record and wait on)."""
+        flags = int(self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return check(self.cu.cuEventCreate(flags), "cuEventCreate")
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=0) -> None:
         check(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
-    def capture(self, stream, record) -> object:
+    def capture(self, stream, record, *, thread_local: bool = False) -> object:
         """Run `record()` (launches on `stream`) under stream capture; returns the instantiated
-        CUDA graph."""
-        mode = self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+        CUDA graph. `thread_local`: only this thread's calls are checked against the capture, so
+        other threads may go on copying on their own non-blocking streams meanwhile."""
+        modes = self.cu.CUstreamCaptureMode
+        mode = (modes.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL if thread_local
+                else modes.CU_STREAM_CAPTURE_MODE_GLOBAL)
         check(self.cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         record()
         graph = check(self.cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
         return check(self.cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def destroy_graph(self, graph_exec) -> None:
+        check(self.cu.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
+
+    def graph_upload(self, graph_exec, stream) -> None:
+        """Put an instantiated graph's work on the device ahead of its first launch (runs
+        nothing)."""
+        check(self.cu.cuGraphUpload(graph_exec, stream), "cuGraphUpload")
 
     def graph_launch(self, graph_exec, stream) -> None:
         check(self.cu.cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")

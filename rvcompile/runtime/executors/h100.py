@@ -4,14 +4,17 @@ NVRTC or Triton). Nothing compiles at load.
 `check_fits` refuses, before any allocation, an artifact built before its kernels opened with
 griddepcontrol.wait (header requirement kernel_launch), and a machine whose GPU is not compute
 capability 9.0, whose driver is older than the cubins need, or whose free memory is short of the
-arena. Then: one arena allocation; weights streamed from the mapped artifact through two pinned
-staging buffers (disk reads overlap the copies); constants uploaded, the rest zeroed; cubins
-loaded (their sha256 and every launch's kernel, argument sizes and block checked by
-artifacts/contents.py before); every launch's argument block and launch configuration
-(programmatic stream serialization on: cuda_driver.py) built once, a parameter block completed
-for the arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture
-those bytes, and the arena never moves); each decode entry captured
-into a CUDA graph, consecutive kernels joined by programmatic edges. A call writes the io fields
+arena. Then: one arena allocation; constants uploaded, the rest zeroed; the weights read from
+the file once, each piece hashed as it is copied through pinned staging buffers on several
+streams (artifacts/stream.py, cuda_upload.py), on a background thread, while this one loads
+the cubins (their sha256 and every launch's kernel, argument sizes and block checked by
+artifacts/contents.py before), builds every launch's argument block and launch configuration
+(programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
+arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
+bytes, and the arena never moves), captures each decode entry into a CUDA graph (consecutive
+kernels joined by programmatic edges) and uploads the graphs. Nothing runs on the device before
+every weight piece checked out; a mismatch fails the load with the container's one-line error,
+the arena and buffers freed. A call writes the io fields
 with one copy, replays the entry and copies back only token ids (or the logits the logits entry
 asks for).
 """
@@ -19,20 +22,25 @@ asks for).
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
+from rvcompile.artifacts.stream import stream_section
 from rvcompile.progress import Phases
-from rvcompile.runtime.executor_api import LoadOptions
+from rvcompile.runtime.executor_api import LoadOptions, LoadTimes
 from rvcompile.runtime.executors import check_limits, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
+from rvcompile.runtime.executors.cuda_upload import CudaUploadSink
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 
-STAGING_BYTES = 64 << 20
+MAX_STREAM_WORKERS = 16  # threads reading and hashing the weights: enough for PCIe Gen5
 DEFAULT_SMEM = 48 << 10
 HEADROOM = 256 << 20  # driver and module memory beyond the arena
 
@@ -62,56 +70,109 @@ def check_fits(art: Artifact, ctx: CudaContext) -> None:
                             f"{free / 2**30:.1f} GiB free")
 
 
+def stream_workers() -> int:
+    """Threads that read and hash the weights: one per core this process may use (hashlib
+    and preadv release the GIL), at most MAX_STREAM_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_STREAM_WORKERS))
+
+
 class CudaScheduleDevice:
     def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
-                 phases: Phases | None = None):
+                 phases: Phases | None = None, *, check_weights: bool = False):
+        """Allocates, uploads and prepares everything; `check_weights`: hash every piece of
+        the weights as it streams (runtime.load's verify), failing before anything runs. On
+        any failure what was allocated is freed before the error propagates."""
         phases = phases or Phases("rvrun", "off")
         self.ctx, self.schedule = ctx, schedule
         self.stream = ctx.stream()
-        t0 = time.perf_counter()
-        with phases.phase("upload"):
-            self.arena = ctx.alloc(schedule.arena_bytes)
-            base = self.arena.ptr
-            ctx.memset_range(base + schedule.weights_bytes,
-                             schedule.arena_bytes - schedule.weights_bytes, self.stream)
-            self._upload(art.buffer("weights"), base)
-            consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
-            if consts.size:
-                ctx.copy_to_device(base + schedule.constants_offset, consts.copy(), 0)
-            ctx.synchronize()
-        self.upload_s = time.perf_counter() - t0
-        self.functions = self._load_cubins(art)
-        self.entries = {name: self._prepare(e) for name, e in schedule.entries.items()}
-        self.io_host = ctx.alloc_pinned(schedule.io_bytes)
-        # token ids come back every step through pinned memory; logits (rare) need not
-        self.out_host = ctx.alloc_pinned(max(4 * f.shape[0] for name, f in schedule.outputs.items()
-                                             if name.endswith(".out_tokens")))
-        with phases.phase("graph capture"):
-            self.graphs = {name: ctx.capture(self.stream, lambda n=name: self._launch_all(n))
-                           for name, e in schedule.entries.items() if e.graph}
-            ctx.synchronize()
-
-    def _upload(self, weights: memoryview, base: int) -> None:
-        """Two pinned buffers: fill one from the mapped file while the other is copying."""
-        ctx, n = self.ctx, len(weights)
-        src = np.frombuffer(weights, np.uint8)
-        staging = [ctx.alloc_pinned(STAGING_BYTES) for _ in range(2)]
-        done = [ctx.event(), ctx.event()]
-        used = [False, False]
+        self.arena = self.io_host = self.out_host = None
+        self.modules: list = []  # loaded cubins, unloaded again if the load fails
+        self.graphs: dict[str, object] = {}
         try:
-            for i, off in enumerate(range(0, n, STAGING_BYTES)):
-                k = i % 2
-                if used[k]:
-                    ctx.event_synchronize(done[k])
-                size = min(STAGING_BYTES, n - off)
-                staging[k][:size] = src[off:off + size]
-                ctx.copy_to_device(base + off, staging[k][:size], self.stream)
-                ctx.record(done[k], self.stream)
-                used[k] = True
-            ctx.stream_synchronize(self.stream)
+            self.arena = ctx.alloc(schedule.arena_bytes)
+            self._load(art, phases, check_weights)
+        except BaseException:
+            self._free()
+            raise
+
+    def _load(self, art: Artifact, phases: Phases, check_weights: bool) -> None:
+        """The weights stream to the device (artifacts/stream.py through cuda_upload.py) on a
+        background thread while this one loads the cubins, prepares the launches and captures
+        the graphs: capture needs the arena's addresses, not its contents. Nothing runs on the
+        device until the stream returned, i.e. every piece checked out."""
+        ctx, schedule = self.ctx, self.schedule
+        clock = time.perf_counter
+        t_start = clock()
+        base = self.arena.ptr
+        weights = art.sections["weights"].size
+        ctx.memset_range(base + schedule.weights_bytes,
+                         schedule.arena_bytes - schedule.weights_bytes, self.stream)
+        consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
+        if consts.size:
+            ctx.copy_to_device(base + schedule.constants_offset, consts.copy(), self.stream)
+        ctx.stream_synchronize(self.stream)  # before the capture starts on this stream
+        workers = stream_workers()
+        sink = CudaUploadSink(ctx, base, workers)
+        times: dict[str, float] = {}
+        try:
+            with (phases.phase("upload", total=weights, unit="B") as bar,
+                  ThreadPoolExecutor(1, thread_name_prefix="rvrun-upload") as background):
+                streaming = background.submit(stream_section, art, "weights", sink,
+                                              workers=workers, check=check_weights)
+                try:
+                    t0 = clock()
+                    self.functions = self._load_cubins(art)
+                    self.entries = {name: self._prepare(e)
+                                    for name, e in schedule.entries.items()}
+                    self.io_host = ctx.alloc_pinned(schedule.io_bytes)
+                    # token ids come back every step through pinned memory; logits (rare)
+                    # need not
+                    self.out_host = ctx.alloc_pinned(max(
+                        4 * f.shape[0] for name, f in schedule.outputs.items()
+                        if name.endswith(".out_tokens")))
+                    t1 = clock()
+                    for name, e in schedule.entries.items():
+                        if e.graph:
+                            self.graphs[name] = ctx.capture(
+                                self.stream, lambda n=name: self._launch_all(n),
+                                thread_local=True)
+                    t2 = clock()
+                    for g in self.graphs.values():  # ready to launch; nothing runs yet
+                        ctx.graph_upload(g, self.stream)
+                    ctx.stream_synchronize(self.stream)
+                    times.update(cubin_load_s=t1 - t0, graph_capture_s=t2 - t1,
+                                 warm_up_s=clock() - t2)
+                finally:
+                    stats = streaming.result()  # raises a mismatch; waits on our own failure
+                bar.advance(weights)
+                bar.info = (f"{weights / 1e9:.2f} GB at {stats.gb_s:.1f} GB/s"
+                            + (", sha256 checked" if stats.checked else ""))
         finally:
-            for buf in staging:
-                ctx.free_pinned(buf)
+            sink.close()
+        ctx.synchronize()
+        self.upload_s = clock() - t_start
+        self.stream_stats = stats
+        self.load_times = LoadTimes(
+            upload_s=stats.wall_s, weight_bytes=weights, streamed=True, checked=stats.checked,
+            threads=stats.workers, read_s=stats.read_s, hash_s=stats.hash_s,
+            overlapped=("cubin load", "graph capture", "warm-up"), **times)
+
+    def _free(self) -> None:
+        """After a failed load: the graphs, modules, arena and pinned buffers go back (a failed
+        call may have left the context unusable; what cannot be freed then goes with the
+        process)."""
+        for g in self.graphs.values():
+            self.ctx.destroy_graph(g)
+        for mod in self.modules:
+            self.ctx.unload_module(mod)
+        for host in (self.io_host, self.out_host):
+            if host is not None:
+                self.ctx.free_pinned(host)
+        if self.arena is not None:
+            self.ctx.free(self.arena)
+        self.arena = self.io_host = self.out_host = None
+        self.graphs, self.modules = {}, []
 
     def _load_cubins(self, art: Artifact) -> dict[tuple[str, str], object]:
         """The launched kernels, from cubins whose sha256 and kernel signatures
@@ -125,6 +186,7 @@ class CudaScheduleDevice:
         for module, names in kernels.items():
             c = self.schedule.cubins[module]
             mod = self.ctx.load_module(bytes(blob[c.offset:c.offset + c.size]))
+            self.modules.append(mod)
             for kernel in names:
                 out[(module, kernel)] = self.ctx.get_function(mod, kernel)
         return out
@@ -183,8 +245,9 @@ class CudaScheduleDevice:
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> ScheduledExecutor:
     """An h100 artifact on this machine (runtime.load's entry; `manifest` checked): the engine's
-    limits, then this GPU, refused before any weight is read; then opts.verify's sections
-    re-hashed; then the executor."""
+    limits, then this GPU, refused before any weight is read; then opts.verify's sections but
+    the weights re-hashed; then the executor, which hashes the weights as it uploads them
+    (when opts.verify has them) and runs nothing before they checked out."""
     schedule = manifest.h100.schedule
     if opts.kv_blocks:
         raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
@@ -192,11 +255,16 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
                  schedule.max_context, opts)
     ctx = open_context(art)
-    if opts.verify:  # --no-verify: nothing to re-hash
-        with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
+    before = tuple(n for n in opts.verify if n != "weights")
+    t0 = time.perf_counter()
+    if before:
+        with opts.phases.phase("verify", total=sum(art.sections[n].size for n in before),
                                unit="B"):
-            art.verify(opts.verify)
-    return h100_executor(art, schedule, ctx, opts.phases)
+            art.verify(before)
+    verify_s = time.perf_counter() - t0
+    ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify)
+    ex.load_times = replace(ex.load_times, verify_s=verify_s)
+    return ex
 
 
 def open_context(art: Artifact) -> CudaContext:
@@ -210,12 +278,19 @@ def open_context(art: Artifact) -> CudaContext:
 
 
 def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
-                  phases: Phases | None = None) -> ScheduledExecutor:
+                  phases: Phases | None = None, *,
+                  check_weights: bool = False) -> ScheduledExecutor:
     """`schedule`: the artifact's, as artifacts/manifest.py checked it (and contents.py its
-    cubins); `phases`: where the upload and graph capture show (default: nowhere)."""
+    cubins); `phases`: where the upload and graph capture show (default: nowhere);
+    `check_weights`: hash the weights' pieces as they stream (CudaScheduleDevice)."""
     t0 = time.perf_counter()
-    device = CudaScheduleDevice(art, schedule, ctx, phases)
+    device = CudaScheduleDevice(art, schedule, ctx, phases, check_weights=check_weights)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
-    ex.load_note = f"weights uploaded in {ex.upload_s:.2f} s; nothing compiled"
+    ex.load_times = device.load_times
+    stats = device.stream_stats
+    ex.load_note = (f"weights {stats.bytes / 1e9:.2f} GB uploaded in {stats.wall_s:.2f} s "
+                    f"({stats.gb_s:.1f} GB/s"
+                    + (", sha256 checked while streaming" if stats.checked else "")
+                    + "); nothing compiled")
     return ex

@@ -72,7 +72,7 @@ class Choice:
     note: str  # one line: what was chosen, or why nothing was
 
 
-def _mismatch(rec: dict, machine: Machine, blocks: dict[str, int]) -> str | None:
+def mismatch(rec: dict, machine: Machine, blocks: dict[str, int]) -> str | None:
     """Why `rec` cannot run here as it is, or None when it can."""
     if rec.get("encoding") != EXECUTABLES_ENCODING:
         return "it is stored as jax's pickle, which rvrun does not load (rebuild the artifact)"
@@ -102,7 +102,7 @@ def choose(precompiled: dict[str, dict], machine: Machine, blocks: dict[str, int
                             "(--trust-executables --trusted-key); compiling StableHLO")
     reasons = []
     for name, rec in sorted(precompiled.items()):
-        why = _mismatch(rec, machine, blocks)
+        why = mismatch(rec, machine, blocks)
         if why is None:
             return Choice(name, f"precompiled executables for {name} (jaxlib {rec['jaxlib']}, "
                                 f"libtpu {rec['libtpu']}); nothing compiled")
@@ -223,17 +223,28 @@ def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
     """Deserialize every entry of `topology`'s set onto `devices`, without pickle; `exported`
     maps entry name to its jax.export.Exported (the in/out pytrees, and what each entry's operands
     must agree with). Checks each sha256 and the operands."""
+    xla = art.manifest["xla"]
+    return load_set(xla["precompiled"][topology], art.buffer("executables"),
+                    f"{art.path.name}: precompiled {topology}", xla, exported, devices)
+
+
+def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: dict,
+             devices: list) -> dict:
+    """`load` for any record `rec` (xla_executables.executable_set's) whose entries lie in
+    `blob`: the artifact's precompiled sets, or a prepared cache (runtime/prepare.py);
+    `where_set` begins every error; `xla`: the artifact's manifest part (its mesh)."""
     from jax._src.lib import xla_client
 
-    xla = art.manifest["xla"]
-    rec = xla["precompiled"][topology]
-    blob = art.buffer("executables")
     by_id = {d.id: d for d in devices}
     run_on = [by_id[i] for i in rec["device_ids"]]
     mesh = Mesh(np.array(run_on), ((xla.get("mesh") or {"axis": "tp"})["axis"],))
     out = {}
     for name, loc in rec["entries"].items():
-        where = f"{art.path.name}: precompiled {topology}/{name}"
+        where = f"{where_set}/{name}"
+        if not (isinstance(loc, dict) and all(type(loc.get(k)) is int and loc[k] >= 0
+                                              for k in ("offset", "size"))
+                and loc["offset"] + loc["size"] <= len(blob)):
+            raise ArtifactError(f"{where}: offset and size must locate it in its section")
         data = bytes(blob[loc["offset"]:loc["offset"] + loc["size"]])
         if hashlib.sha256(data).hexdigest() != loc["sha256"]:
             raise ArtifactError(f"{where} is corrupt (sha256 mismatch)")

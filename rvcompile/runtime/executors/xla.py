@@ -1,15 +1,17 @@
 """Executor for XLA-target artifacts (the executor_api contract): maps weights, allocates the
 paged KV pools, deserializes and checks the jax.export programs (programs.py), compiles
 them once for the chosen pool sizes (through a persistent cache keyed on the artifact and jax
-version), or, when the operator trusts them, loads the executables precompiled for this
-machine's topology (precompiled.py), and runs prefill / decode / logits / decode_many
-(the device-side decode loop) over sequences' block tables (prefill and decode also with
-the sampler's extras: penalties, token masks, log-probabilities), and, when the artifact has
-speculative entry points (manifest xla.speculative), verify and draft (executor_api's
-speculative contract): the states verify returns and draft reads stay on the device. Makes no
-policy: the engine drives it. It reads the manifest checked by artifacts/manifest.py, and the
-programs checked against it by artifacts/xla_programs.py before it uploads anything. A failed
-call that lost the KV pools raises DeviceError.
+version; a first start says so, with the time it expects: compile_estimate.py), or loads
+executables: those `rvrun prepare` compiled on this machine (prepare.py), or, when the operator
+trusts them, those precompiled at build for this machine's topology (precompiled.py). It runs
+prefill / decode / logits / decode_many (the device-side decode loop) over sequences' block
+tables (prefill and decode also with the sampler's extras: penalties, token masks,
+log-probabilities), and, when the artifact has speculative entry points (manifest
+xla.speculative), verify and draft (executor_api's speculative contract): the states verify
+returns and draft reads stay on the device. Makes no policy: the engine drives it. It reads the
+manifest checked by artifacts/manifest.py, and the programs checked against it by
+artifacts/xla_programs.py before it uploads anything. A failed call that lost the KV pools
+raises DeviceError.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -29,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rvcompile.artifacts import Artifact, ArtifactError, check_platform
 from rvcompile.artifacts.manifest import Manifest, XlaManifest, XlaMesh, XlaPool
+from rvcompile.artifacts.xla_programs import xla_programs
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import (
@@ -37,15 +40,22 @@ from rvcompile.runtime.executor_api import (
     DraftLane,
     KvKind,
     LoadOptions,
+    LoadTimes,
     LoopLane,
     Sampled,
     SeqChunk,
     Verified,
 )
 from rvcompile.runtime.executors import check_limits
-from rvcompile.runtime.executors.precompiled import choose, this_machine
+from rvcompile.runtime.executors.compile_estimate import compile_estimate
+from rvcompile.runtime.executors.precompiled import choose, load_set, this_machine
 from rvcompile.runtime.executors.precompiled import load as load_precompiled
+from rvcompile.runtime.executors.prepared_cache import find_prepared
+from rvcompile.runtime.executors.prepared_cache import prepare_here as prepare_here
 from rvcompile.runtime.executors.programs import load_programs
+
+# prepare_here: `rvrun prepare`'s entry, which runtime/prepare.py reaches through this runtime's
+# module as runtime.load reaches open_executor (so an h100 host's rvrun never imports jax).
 
 BACKEND_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "tpu": "tpu"}
 
@@ -141,12 +151,16 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     check_fits(art, xla, opts.kv_blocks)
     check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)
+    t0 = time.perf_counter()
     if opts.verify:  # --no-verify: nothing to re-hash
         with opts.phases.phase("verify", total=sum(art.sections[n].size for n in opts.verify),
                                unit="B"):
             art.verify(opts.verify)
-    return XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
-                       phases=opts.phases)
+    verify_s = time.perf_counter() - t0
+    ex = XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
+                     phases=opts.phases)
+    ex.load_times = replace(ex.load_times, verify_s=verify_s, checked="weights" in opts.verify)
+    return ex
 
 
 class TpPlacement:
@@ -208,7 +222,16 @@ class XlaExecutor:
         self.sampler = xla.sampler
         self.top_logprobs = xla.sampler.top_logprobs
         self._neutral: dict[int, tuple] = {}  # lanes -> neutral mask and penalty ids, on device
-        exported = load_programs(art, xla)
+        blocks = {k.name: k.num_blocks for k in self.kinds.values()}
+        choice = choose(xla.precompiled, this_machine(), blocks, trusted=trust_executables)
+        prepared = find_prepared(art, blocks) if choice.topology is None else None
+        loads_executables = choice.topology is not None or bool(prepared and prepared.record)
+        t0 = time.perf_counter()
+        # What a program may call is checked only where it will be compiled: loaded
+        # executables were compiled from programs that passed it (at build, or by `rvrun
+        # prepare` from these very bytes: the cache names the artifact's digests).
+        exported = xla_programs(art, xla) if loads_executables else load_programs(art, xla)
+        programs_s = time.perf_counter() - t0
         platform = BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
         for name, exp in exported.items():
             if platform not in exp.platforms:
@@ -220,8 +243,8 @@ class XlaExecutor:
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
         self.weights = {}
-        with phases.phase("upload", total=sum(w.nbytes for w in xla.weights),
-                          unit="B") as bar:
+        weight_bytes = sum(w.nbytes for w in xla.weights)
+        with phases.phase("upload", total=weight_bytes, unit="B") as bar:
             for w in xla.weights:
                 self.weights[w.key] = self.placement.weight(w.key, art.array(
                     "weights", w.offset, w.shape, numpy_dtype(w.dtype)))
@@ -234,16 +257,30 @@ class XlaExecutor:
         jax.config.update("jax_compilation_cache_dir", str(_cache_dir(art)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        choice = choose(xla.precompiled, this_machine(),
-                        {k.name: k.num_blocks for k in self.kinds.values()},
-                        trusted=trust_executables)
-        if choice.topology is not None:
+        if loads_executables:
             t0 = time.perf_counter()
             with phases.phase("load executables"):
-                self.fns = load_precompiled(art, choice.topology, exported, jax.local_devices())
-            self.compile_s = 0.0
-            self.load_note = f"{choice.note}, loaded in {time.perf_counter() - t0:.2f} s"
+                if choice.topology is not None:
+                    self.fns = load_precompiled(art, choice.topology, exported,
+                                                jax.local_devices())
+                    note = choice.note
+                else:
+                    try:
+                        self.fns = load_set(prepared.record,
+                                            prepared.cache.buffer("executables"),
+                                            prepared.cache.path.name, art.manifest["xla"],
+                                            exported, jax.local_devices())
+                    finally:
+                        prepared.cache.close()
+                    note = f"{prepared.note}; nothing compiled"
+            self.compile_s = 0.0  # nothing compiled
+            loaded_s = time.perf_counter() - t0
+            self.load_note = f"{note}, loaded in {loaded_s:.2f} s"
+            self.load_times = LoadTimes(upload_s=self.upload_s, weight_bytes=weight_bytes,
+                                        programs_s=programs_s, compile_s=loaded_s)
             return
+        if prepared and prepared.note:
+            print(f"[rvrun] {prepared.note}", file=sys.stderr)
         if xla.precompiled or jax.default_backend() == "tpu":
             print(f"[rvrun] {choice.note}", file=sys.stderr)
         # Every entry point updates the pools in place (donated), but draft, which only reads.
@@ -251,8 +288,16 @@ class XlaExecutor:
         self.fns = {name: jax.jit(exp.call) if name == draft
                     else jax.jit(exp.call, donate_argnums=(1,)) for name, exp in exported.items()}
         self._phases = phases  # where _warm_up shows the compile
+        estimate = compile_estimate(_cache_dir(art), art.sections["programs"].size,
+                                    len(exported), f"{platform} / jax {jax.__version__}")
+        if estimate.first:
+            phases.note(estimate.line())
         self.compile_s = self._warm_up()
+        if estimate.first:
+            estimate.record(self.compile_s)
         self.load_note = f"XLA compile {self.compile_s:.2f} s"
+        self.load_times = LoadTimes(upload_s=self.upload_s, weight_bytes=weight_bytes,
+                                    programs_s=programs_s, compile_s=self.compile_s)
 
     def _warm_up(self) -> float:
         """Compile every entry point now (from the persistent cache when it has them) and keep

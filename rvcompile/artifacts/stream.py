@@ -1,0 +1,175 @@
+"""Reading a section ONCE while checking it: the bytes that are hashed are the bytes delivered.
+
+`stream_section(art, name, sink)` reads section `name` of an open artifact piece by piece (the
+pieces whose sha256 the digest table records) on a pool of worker threads. Each worker takes the
+next piece in file order and reads it in chunks of `sink.chunk_bytes` into one of its two
+staging buffers (`sink.staging(worker, k)`, k = 0 or 1: while one is being delivered the other
+is filled), feeds every chunk to the piece's running sha256, and hands the chunk to
+`sink.deliver(worker, k, offset, size)` (for the CUDA sink: an async copy to the device, on a
+stream of its own). Before it refills a buffer it calls `sink.reusable(worker, k)`, which
+returns once the previous delivery from that buffer is done with it.
+
+When a piece's last chunk is read, its digest is compared with the recorded one. Chunks are
+delivered before their piece is checked (so the reads, hashes and copies all overlap), but
+`sink.finish()`, which is what makes the delivered bytes count, is called only after every
+piece checked out and every worker stopped: a caller runs nothing on what was delivered before
+`stream_section` returns. A mismatch stops every worker at its next chunk, `finish` is never
+called, and the lowest corrupt piece found raises the container's one-line ArtifactError (the
+caller frees what it allocated). `check=False` (rvrun --no-verify) delivers without hashing.
+
+Reads are `os.preadv` into the staging buffer: it releases the GIL (so N workers read N chunks
+at once), copies straight from the page cache into the (pinned) buffer, and reads the file
+once; a memcpy from the mmap would fault the mapping in 4 KiB pages first. hashlib releases the
+GIL too, so the pool scales with cores. No CUDA here: the sink is whatever the caller passes
+(runtime/executors/cuda_upload.py for the H100; tests use a recording one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from rvcompile.artifacts.container import Artifact, corrupt_piece_error, section_pieces
+from rvcompile.artifacts.format import ArtifactError
+
+BUFFERS_PER_WORKER = 2  # one filling while the other is delivered
+
+
+class Sink(Protocol):
+    """Where `stream_section` delivers a section. Every method but `finish` is called from the
+    worker threads, each worker only with its own index and buffers."""
+
+    chunk_bytes: int  # bytes of each staging buffer (the most one delivery moves)
+
+    def staging(self, worker: int, k: int) -> memoryview:
+        """Worker `worker`'s staging buffer `k` (0 or 1): writable, `chunk_bytes` long."""
+        ...
+
+    def reusable(self, worker: int, k: int) -> None:
+        """Blocks until the last delivery from buffer `k` of `worker` no longer needs it."""
+        ...
+
+    def deliver(self, worker: int, k: int, offset: int, size: int) -> None:
+        """Starts moving `staging(worker, k)[:size]` to byte `offset` of the section."""
+        ...
+
+    def finish(self) -> None:
+        """Every piece checked out: block until everything delivered has arrived."""
+        ...
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """What one stream cost. Reads and hashes overlap one another and the deliveries, so their
+    seconds are summed over the workers (busy time), not wall time."""
+
+    bytes: int  # of the section
+    pieces: int
+    workers: int
+    checked: bool  # every piece's sha256 compared (False: check=False)
+    wall_s: float  # first read to finish() returned
+    read_s: float  # summed over workers: in preadv
+    hash_s: float  # summed over workers: in sha256
+    wait_s: float  # summed over workers: waiting for a buffer to be reusable (delivery-bound)
+
+    @property
+    def gb_s(self) -> float:
+        """Bytes per second of wall time, in GB/s (1e9)."""
+        return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+
+def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
+                   check: bool = True) -> StreamStats:
+    """Reads section `name` of `art` once into `sink` on `workers` threads (the sink has two
+    staging buffers per worker), hashing every piece when `check`; see the module docstring."""
+    fname = art.path.name
+    if workers < 1:
+        raise ArtifactError(f"{fname}: stream workers must be at least 1, not {workers}")
+    if sink.chunk_bytes < 1:
+        raise ArtifactError(f"{fname}: stream chunk_bytes must be at least 1")
+    section = art.sections.get(name)
+    if section is None:
+        raise ArtifactError(f"{fname}: no section '{name}' (has: {', '.join(art.sections)})")
+    pieces = section_pieces(section)
+    fd = art.fileno()
+    workers = max(1, min(workers, len(pieces)))
+    lock = threading.Lock()
+    queue = iter(enumerate(pieces))
+    stop = threading.Event()
+    failures: dict[int, ArtifactError] = {}  # piece index -> its error
+    busy = [[0.0, 0.0, 0.0] for _ in range(workers)]  # read, hash, wait seconds per worker
+    chunk = sink.chunk_bytes
+
+    def next_piece():
+        with lock:
+            return next(queue, None)
+
+    def run(w: int) -> None:
+        times = busy[w]
+        uses = 0  # deliveries so far: buffer k = uses % 2 was used before when uses >= 2
+        clock = time.perf_counter
+        while not stop.is_set() and (item := next_piece()) is not None:
+            i, piece = item
+            h = hashlib.sha256()
+            done = 0
+            while done < piece.size:
+                if stop.is_set():
+                    return
+                k = uses % BUFFERS_PER_WORKER
+                t0 = clock()
+                if uses >= BUFFERS_PER_WORKER:
+                    sink.reusable(w, k)
+                t1 = clock()
+                size = min(chunk, piece.size - done)
+                buf = sink.staging(w, k)[:size]
+                got = 0
+                while got < size:
+                    try:
+                        n = os.preadv(fd, [buf[got:]], piece.offset + done + got)
+                    except OSError as e:
+                        raise ArtifactError(f"{fname}: section '{name}' piece {piece.index}: "
+                                            f"cannot read: {e.strerror or e}") from None
+                    if n == 0:
+                        raise ArtifactError(f"{fname}: section '{name}' piece {piece.index}: "
+                                            "file ended while reading it")
+                    got += n
+                t2 = clock()
+                if check:
+                    h.update(buf)
+                t3 = clock()
+                sink.deliver(w, k, piece.start + done, size)
+                uses += 1
+                done += size
+                times[0] += t2 - t1
+                times[1] += t3 - t2
+                times[2] += t1 - t0
+            if check and h.digest() != section.piece_sha256[i]:
+                with lock:
+                    failures[i] = corrupt_piece_error(fname, piece, h.digest(),
+                                                      section.piece_sha256[i])
+                stop.set()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers, thread_name_prefix="rvp-stream") as pool:
+        futures = [pool.submit(run, w) for w in range(workers)]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # stop the others at their next chunk, then raise
+                stop.set()
+                errors.append(e)
+    if failures:
+        raise failures[min(failures)]
+    if errors:
+        raise errors[0]
+    sink.finish()
+    read_s, hash_s, wait_s = (sum(t[j] for t in busy) for j in range(3))
+    return StreamStats(section.size, len(pieces), workers, check, time.perf_counter() - t0,
+                       read_s, hash_s, wait_s)
+
