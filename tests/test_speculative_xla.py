@@ -28,13 +28,14 @@ import numpy as np
 import pytest
 from cli_output import without_progress
 from safetensors.numpy import save_file
+from test_speculative_ratio import chi_square_fit, ref_filtered
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.model.config import AttnKind
 from rvcompile.model.presets import _assistant
 from rvcompile.runtime.engine import Request
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Sampling, SeqChunk
 from rvcompile.runtime.speculative import Speculation
 from rvcompile.sources.checkpoint import load_model_source
 from rvcompile.sources.random_weights import random_assistant_tensors
@@ -103,12 +104,17 @@ def test_greedy_speculation_is_greedy_and_transformers(model):
 
 
 def test_seeded_sampling_keeps_its_tokens(model):
+    """n-gram drafts are point masses, verified by exact match: a seeded request keeps the
+    tokens it gets without speculation. The assistant's sampled drafts go through the ratio
+    rule: other tokens of the same distribution, the same ones on every run."""
     prompt = prompt_ids(model)
     kw = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
     plain = model.generate(prompt, **kw).token_ids
-    for spec in ("assistant", "ngram"):
-        assert model.generate(prompt, speculative=spec, num_draft_tokens=2, **kw).token_ids == \
-            plain, spec
+    assert model.generate(prompt, speculative="ngram", num_draft_tokens=2, **kw).token_ids == \
+        plain
+    runs = [model.generate(prompt, speculative="assistant", num_draft_tokens=2, **kw)
+            for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].drafted_tokens > 0
 
 
 def chi_square_p(a: Counter, b: Counter) -> float:
@@ -152,29 +158,85 @@ def test_sampling_distribution_with_speculation_is_the_targets(model):
     assert p > 1e-3
 
 
+N_RATIO, TOP_K, NOISE = 400, 8, 1.0
+
+
+def test_ratio_rule_on_the_model(artifact, model):
+    """verify's ratio rule on the default model against exact match, on the same drafts: after
+    a prompt, the target's sampling distribution p (temperature 1, top_k 8: a small effective
+    vocabulary) and one draft per seed from q, the target's logits plus noise (a drafter that
+    is close but not equal), sampled the drafter's way (the sampler's rule and uniform at the
+    verify row's step). The rule's token is distributed as p (chi-square against p itself),
+    as is the target's own sample, and the rule keeps more drafts. Its own executor, so that
+    its block tables touch no engine's cached blocks."""
+    import jax.numpy as jnp
+
+    from rvcompile.ir.ops import sample_sorted, sampling_uniform
+    from rvcompile.runtime.executors.xla import XlaDraftProbs
+
+    ex = runtime.load(artifact).executor
+    tables = [{k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
+               for k in ex.kinds.values()} for i in range(2)]
+    prompt = prompt_ids(model, 8)
+    x = [ex.prefill(SeqChunk(prompt, 0, t)) for t in tables][0]
+    logits = ex.logits(SeqChunk([x], len(prompt), tables[0]))[0]
+    p = ref_filtered(logits, 1.0, TOP_K, 1.0)
+    g = (logits + np.random.default_rng(5).normal(0, NOISE, logits.shape)).astype(np.float32)
+    q = np.zeros((ex.max_seqs, K, len(g)), np.float32)
+    q[:, 0] = ref_filtered(g, 1.0, TOP_K, 1.0)
+    rows = jnp.asarray(q)
+    seeds = np.arange(N_RATIO, dtype=np.int32)
+    drafts = [sample_sorted(g, 1.0, TOP_K, 1.0, sampling_uniform(s, 1)) for s in seeds]
+    tokens: dict[str, list[int]] = {"ratio": [], "exact": []}
+    for rule, out in tokens.items():
+        for i in range(0, N_RATIO, 2):
+            lanes = [SeqChunk([x, drafts[i + j]], len(prompt), tables[j],
+                              Sampling(1.0, TOP_K, 1.0, int(seeds[i + j])), step=1,
+                              draft_probs=XlaDraftProbs(rows, j) if rule == "ratio" else None)
+                     for j in range(2)]
+            out += [v.tokens[0] for v in ex.verify(lanes)]
+    kept = {rule: float(np.mean([t == d for t, d in zip(out, drafts, strict=True)]))
+            for rule, out in tokens.items()}
+    fit = {rule: chi_square_fit(np.bincount(out, minlength=len(p)), p)
+           for rule, out in tokens.items()}
+    print(f"\n[measured] one draft per seed, {N_RATIO} seeds (q = target logits + N(0, "
+          f"{NOISE}), T 1, top_k {TOP_K}): drafts kept by the ratio rule {kept['ratio']:.3f}, "
+          f"by exact match {kept['exact']:.3f} (sum min(p, q) = "
+          f"{np.minimum(p, q[0, 0]).sum():.3f}); chi-square against p: ratio rule "
+          f"p = {fit['ratio']:.3f}, exact match p = {fit['exact']:.3f}")
+    assert fit["ratio"] > 1e-3 and fit["exact"] > 1e-3
+    assert kept["ratio"] > kept["exact"] + 0.1
+
+
 def test_mixed_batch_with_preemption_gives_solo_tokens(artifact, model):
     """Plain, assistant and n-gram requests, greedy and seeded, two at a time in one engine whose
     full-attention pool holds 16 blocks of 16 tokens (a 200-token sequence needs 13; two of these
-    need 18): they run in the same steps and preempt each other."""
+    need 18): they run in the same steps and preempt each other, the newer of two running ones
+    (the seeded assistant requests among them: their tokens depend on their drafts, so a
+    preempted one must recompute and draft on exactly as it would have)."""
     small = runtime.load(artifact, kv_blocks={"full": 16}, max_model_len=200)
     prompt = prompt_ids(model)
     cases = []
-    for i, spec in enumerate([None, "assistant", "ngram", None]):
+    for i, spec in enumerate([None, "assistant", "ngram", "assistant"]):
         sampling = {"temperature": 0.7, "top_k": 20, "seed": i} if i % 2 else {}
         cases.append((f"r{i}", prompt[:12 + i], spec, sampling))
-    solo = {rid: model.generate(p, max_tokens=120, ignore_eos=True, **s).token_ids
-            for rid, p, _, s in cases}
+    solo = {rid: model.generate(p, max_tokens=120, ignore_eos=True, speculative=spec,
+                                **s).token_ids
+            for rid, p, spec, s in cases}
     eng = small.engine
     for rid, p, spec, s in cases:
         eng.add(Request(rid, p, 120, Sampling(s.get("temperature", 0.0), s.get("top_k", 0),
                                               1.0, s.get("seed", 0)), (), True,
                         speculation=Speculation(spec) if spec else None))
     got: dict[str, list[int]] = {}
+    preempted: set[str] = set()
     while eng.has_work():
         for o in eng.step():
             got.setdefault(o.id, []).extend(o.token_ids)
+        preempted |= {s.id for s in eng.scheduler.waiting if s.preemptions}
     for rid, *_ in cases:
         assert got[rid] == solo[rid], rid
+    assert preempted & {"r1", "r3"}, preempted
     stats = eng.stats()
     assert stats.preemptions > 0 and stats.drafted > 0
     assert stats.kv_used == {k: 0 for k in stats.kv_used}

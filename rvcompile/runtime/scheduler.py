@@ -150,8 +150,8 @@ class Scheduler:
         if not seq.in_prompt:
             if not seq.verify_rows:
                 return 1, 0
-            if seq.recomputing:
-                return min(seq.verify_rows, len(seq.tokens) - seq.cached), 0
+            if seq.recomputing:  # up to its last token, which its next round runs
+                return min(seq.verify_rows, len(seq.tokens) - 1 - seq.cached), 0
             return max(1, min(seq.verify_rows, seq.max_len - len(seq.tokens))), 0
         start = seq.cached // self.max_chunk * self.max_chunk
         end = min(start + self.max_chunk, len(seq.prompt))
