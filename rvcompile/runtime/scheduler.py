@@ -22,7 +22,9 @@ their recipe is fixed too: after the prompt, "verify rows". Each verify reserves
 last token and as many drafts as fit (`piece`); the engine fills in the drafts, and `verified`
 records the rows it keeps. Rows of rejected drafts are never counted as cached, so their blocks
 are neither hashed nor shared (later writes overwrite them). A preempted speculating sequence
-recomputes its generated tokens as verify rows too, up to verify_rows at a time.
+recomputes its generated tokens but the last as verify rows too, up to verify_rows at a time;
+its last token then starts the round it would have run (with its drafts: a sampled assistant
+request's tokens depend on them).
 """
 
 from __future__ import annotations
