@@ -190,12 +190,12 @@ def test_assistant_presets_shapes(name):
     b, k = 2, 3
     cs = cache_shapes(ir, plan, {kind.name: b * kind.table_width for kind in prog.kinds.values()})
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-    toks, logits, states = jax.eval_shape(
+    toks, logits, probs, states = jax.eval_shape(
         functools.partial(prog.draft, max_steps=k), weight_shapes(ir, plan), cs,
         jax.ShapeDtypeStruct((b, 1), jnp.int32), i32, i32, table_shapes(prog.kinds, b),
         *draft_shapes(ir, b), *sampling_shapes(b), jax.ShapeDtypeStruct((), jnp.int32))
-    assert (toks.shape, logits.shape, states.shape) == (
-        (b, k), (b, k, target.vocab_size), (b, k, target.hidden_size))
+    assert (toks.shape, logits.shape, probs.shape, states.shape) == (
+        (b, k), (b, k, target.vocab_size), (b, k, target.vocab_size), (b, k, target.hidden_size))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -47,6 +47,7 @@ class SpecExecutor(FakeExecutor):
         super().__init__(full_blocks, sliding_blocks)
         self.has_drafter, self.period, self.hit_rate = drafter, period, hit_rate
         self.log: list[tuple[str, ...]] = []  # per call: the entry, then its lanes' rows
+        self.lanes_drafted = self.lanes_with_probs = 0  # draft lanes; verify lanes with q
         self.calls_by_step: list[set[str]] = []  # entries called, per engine step (mixed())
 
     def target(self, history, sampling: Sampling, step: int) -> int:
@@ -108,6 +109,10 @@ class SpecExecutor(FakeExecutor):
         self._called("verify", *(str(len(c.tokens)) for c in lanes))
         out = []
         for c in lanes:
+            if c.draft_probs is not None:  # its own draft's, for its drafts (a prefix of them)
+                self.lanes_with_probs += 1
+                assert c.draft_probs[0] == c.start and len(c.tokens) > 1
+                assert tuple(c.tokens[1:]) == c.draft_probs[1][:len(c.tokens) - 1]
             history = self._history(c)
             n = c.start + 1
             tokens = [self.target(history[:n + i], c.sampling, c.step + i)
@@ -119,6 +124,7 @@ class SpecExecutor(FakeExecutor):
     def draft(self, lanes, n: int) -> list[Drafted]:
         assert self.has_drafter and 0 < len(lanes) <= self.max_seqs and 1 <= n <= K
         self._called("draft", str(n))
+        self.lanes_drafted += len(lanes)
         out = []
         for lane in lanes:
             c = lane.chunk
@@ -132,7 +138,7 @@ class SpecExecutor(FakeExecutor):
                 coin = hashlib.sha256(repr(history).encode()).digest()[0] / 256
                 drafts.append(right if coin < self.hit_rate else 2 + (right + 1) % (VOCAB - 2))
                 history.append(drafts[-1])
-            out.append(Drafted(drafts, None, None))
+            out.append(Drafted(drafts, None, None, (c.start, tuple(drafts))))
         return out
 
 
@@ -181,6 +187,8 @@ def test_mixed_speculative_traffic_matches_the_reference(full, sliding):
     assert 0 < s.accepted < s.drafted and s.verify_calls > 0
     assert sum({"decode", "draft", "verify"} <= calls for calls in ex.calls_by_step) > 0
     assert (s.preemptions > 0) == ((full, sliding) != (64, 16))
+    # every assistant draft reached its verify with its draft_probs; nothing else has any
+    assert ex.lanes_with_probs == ex.lanes_drafted > 0
     assert_pools_whole(eng)
 
 
@@ -232,7 +240,9 @@ def test_a_stop_inside_accepted_drafts_counts_only_tokens_up_to_it():
 
 def test_preempted_assistant_sequences_recompute_through_verify():
     """Tight full pool: sequences are preempted mid-generation; they come back, recompute their
-    generated tokens as verify rows (known tokens, no drafts), get a fresh state and draft on."""
+    generated tokens but the last as verify rows (known tokens, no drafts), and draft on from
+    their last token with the state they kept (the fake checks it is that row's): the round
+    they would have run."""
     ex = SpecExecutor(full_blocks=16)
     eng = engine(ex)
     prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]

@@ -4,14 +4,18 @@ Model.generate, the engine, `rvrun` and `rvrun serve`'s app.
 
 - Greedy with speculation (assistant and n-gram) gives the tokens greedy without it gives, 256
   of them, and those are transformers' own greedy tokens for the checkpoint.
-- Seeded sampling with speculation gives the very tokens it gives without (verify samples row i
-  at the RNG step plain decoding would use: runtime/speculative.py).
+- Seeded sampling with n-gram speculation gives the very tokens it gives without (exact match:
+  verify samples row i at the RNG step plain decoding would use: runtime/speculative.py); with
+  the assistant (the ratio rule) the same tokens on every run.
 - Sampling's distribution with speculation equals the target's: a chi-square two-sample test of
   the first token decided after a round of drafts, on a small effective vocabulary (top_k 4),
   seeds disjoint between the arms. (Checked while writing it: with the acceptance rule replaced
   by "accept every draft" the same test fails with p = 2e-50.)
+- verify's ratio rule on the model, with drafts from a q close to the target's p: its token is
+  distributed as p, and it keeps more drafts than exact match on the same drafts.
 - A batch of plain, assistant and n-gram requests, greedy and sampled, under KV pools small
-  enough to preempt, gives each request its solo tokens.
+  enough to preempt, gives each request its solo tokens (a preempted sampled assistant request
+  among them).
 - rvrun and rvrun serve --speculative and their refusals; /metrics counts drafts.
 """
 
@@ -24,17 +28,21 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_output import without_progress
 from safetensors.numpy import save_file
+from test_speculative_ratio import chi_square_fit, ref_filtered
 
 from rvcompile import runtime
 from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.ir.ops import sample_sorted, sampling_uniform
 from rvcompile.model.config import AttnKind
 from rvcompile.model.presets import _assistant
 from rvcompile.runtime.engine import Request
-from rvcompile.runtime.executor_api import Sampling
+from rvcompile.runtime.executor_api import Sampling, SeqChunk
+from rvcompile.runtime.executors.xla import XlaDraftProbs
 from rvcompile.runtime.speculative import Speculation
 from rvcompile.sources.checkpoint import load_model_source
 from rvcompile.sources.random_weights import random_assistant_tensors
@@ -103,12 +111,17 @@ def test_greedy_speculation_is_greedy_and_transformers(model):
 
 
 def test_seeded_sampling_keeps_its_tokens(model):
+    """n-gram drafts are point masses, verified by exact match: a seeded request keeps the
+    tokens it gets without speculation. The assistant's sampled drafts go through the ratio
+    rule: other tokens of the same distribution, the same ones on every run."""
     prompt = prompt_ids(model)
     kw = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
     plain = model.generate(prompt, **kw).token_ids
-    for spec in ("assistant", "ngram"):
-        assert model.generate(prompt, speculative=spec, num_draft_tokens=2, **kw).token_ids == \
-            plain, spec
+    assert model.generate(prompt, speculative="ngram", num_draft_tokens=2, **kw).token_ids == \
+        plain
+    runs = [model.generate(prompt, speculative="assistant", num_draft_tokens=2, **kw)
+            for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].drafted_tokens > 0
 
 
 def chi_square_p(a: Counter, b: Counter) -> float:
@@ -152,29 +165,92 @@ def test_sampling_distribution_with_speculation_is_the_targets(model):
     assert p > 1e-3
 
 
+N_RATIO, TOP_K, NOISE = 200, 8, 1.0
+
+
+def test_ratio_rule_on_the_model(artifact, model):
+    """verify's ratio rule on the default model against exact match, on the same drafts: after
+    a prompt, the target's sampling distribution p (temperature 1, top_k 8: a small effective
+    vocabulary) and one draft per seed from q, the target's logits plus noise (a drafter that
+    is close but not equal), sampled the drafter's way (the sampler's rule and uniform at the
+    verify row's step). The rule's token is distributed as p (chi-square against p itself),
+    as is the target's own sample, and the rule keeps more drafts. The executor runs on blocks
+    taken from the (idle) engine's pools and given back, never committed."""
+    ex, kv = model.executor, model.engine.kv
+    prompt = prompt_ids(model, 8)
+    held = [kv.empty() for _ in range(2)]
+    assert all(kv.ensure(seq, 0, len(prompt) + 2) for seq in held)
+    try:
+        kept, fit, summin = _ratio_against_exact(ex, [kv.tables(seq) for seq in held], prompt)
+    finally:
+        for seq in held:
+            kv.free(seq)
+    print(f"\n[measured] one draft per seed, {N_RATIO} seeds (q = target logits + N(0, "
+          f"{NOISE}), T 1, top_k {TOP_K}): drafts kept by the ratio rule {kept['ratio']:.3f}, "
+          f"by exact match {kept['exact']:.3f} (sum min(p, q) = {summin:.3f}); chi-square "
+          f"against p: ratio rule p = {fit['ratio']:.3f}, exact match p = {fit['exact']:.3f}")
+    assert fit["ratio"] > 1e-3 and fit["exact"] > 1e-3
+    # the ratio rule keeps a draft with probability sum min(p, q) (within 4 standard errors)
+    assert abs(kept["ratio"] - summin) < 4 * np.sqrt(summin * (1 - summin) / N_RATIO)
+    assert kept["ratio"] > kept["exact"] + 0.05
+
+
+def _ratio_against_exact(ex, tables: list[dict], prompt: list[int]):
+    """test_ratio_rule_on_the_model's rounds: (drafts kept per rule, chi-square p-value of its
+    tokens against p per rule, sum min(p, q))."""
+    x = [ex.prefill(SeqChunk(prompt, 0, t)) for t in tables][0]
+    logits = ex.logits(SeqChunk([x], len(prompt), tables[0]))[0]
+    p = ref_filtered(logits, 1.0, TOP_K, 1.0)
+    g = (logits + np.random.default_rng(5).normal(0, NOISE, logits.shape)).astype(np.float32)
+    q = np.zeros((ex.max_seqs, K, len(g)), np.float32)
+    q[:, 0] = ref_filtered(g, 1.0, TOP_K, 1.0)
+    rows = jnp.asarray(q)
+    seeds = np.arange(N_RATIO, dtype=np.int32)
+    drafts = [sample_sorted(g, 1.0, TOP_K, 1.0, sampling_uniform(s, 1)) for s in seeds]
+    tokens: dict[str, list[int]] = {"ratio": [], "exact": []}
+    for s, d in zip(seeds, drafts, strict=True):  # lane 0 by the ratio rule, lane 1 exactly
+        lanes = [SeqChunk([x, d], len(prompt), tables[j], Sampling(1.0, TOP_K, 1.0, int(s)),
+                          step=1, draft_probs=XlaDraftProbs(rows, 0) if j == 0 else None)
+                 for j in range(2)]
+        ratio, exact = ex.verify(lanes)
+        tokens["ratio"].append(ratio.tokens[0])
+        tokens["exact"].append(exact.tokens[0])
+    kept = {rule: float(np.mean([t == d for t, d in zip(out, drafts, strict=True)]))
+            for rule, out in tokens.items()}
+    fit = {rule: chi_square_fit(np.bincount(out, minlength=len(p)), p)
+           for rule, out in tokens.items()}
+    return kept, fit, float(np.minimum(p, q[0, 0]).sum())
+
+
 def test_mixed_batch_with_preemption_gives_solo_tokens(artifact, model):
     """Plain, assistant and n-gram requests, greedy and seeded, two at a time in one engine whose
     full-attention pool holds 16 blocks of 16 tokens (a 200-token sequence needs 13; two of these
-    need 18): they run in the same steps and preempt each other."""
+    need 18): they run in the same steps and preempt each other, the newer of two running ones
+    (the seeded assistant requests among them: their tokens depend on their drafts, so a
+    preempted one must recompute and draft on exactly as it would have)."""
     small = runtime.load(artifact, kv_blocks={"full": 16}, max_model_len=200)
     prompt = prompt_ids(model)
     cases = []
-    for i, spec in enumerate([None, "assistant", "ngram", None]):
+    for i, spec in enumerate([None, "assistant", "ngram", "assistant"]):
         sampling = {"temperature": 0.7, "top_k": 20, "seed": i} if i % 2 else {}
         cases.append((f"r{i}", prompt[:12 + i], spec, sampling))
-    solo = {rid: model.generate(p, max_tokens=120, ignore_eos=True, **s).token_ids
-            for rid, p, _, s in cases}
+    solo = {rid: model.generate(p, max_tokens=120, ignore_eos=True, speculative=spec,
+                                **s).token_ids
+            for rid, p, spec, s in cases}
     eng = small.engine
     for rid, p, spec, s in cases:
         eng.add(Request(rid, p, 120, Sampling(s.get("temperature", 0.0), s.get("top_k", 0),
                                               1.0, s.get("seed", 0)), (), True,
                         speculation=Speculation(spec) if spec else None))
     got: dict[str, list[int]] = {}
+    preempted: set[str] = set()
     while eng.has_work():
         for o in eng.step():
             got.setdefault(o.id, []).extend(o.token_ids)
+        preempted |= {s.id for s in eng.scheduler.waiting if s.preemptions}
     for rid, *_ in cases:
         assert got[rid] == solo[rid], rid
+    assert preempted & {"r1", "r3"}, preempted
     stats = eng.stats()
     assert stats.preemptions > 0 and stats.drafted > 0
     assert stats.kv_used == {k: 0 for k in stats.kv_used}

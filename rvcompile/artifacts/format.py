@@ -88,10 +88,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # and one schema keep the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 5
+MIN_READABLE_FORMAT = 6
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -147,6 +147,13 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "wanted, and return each token's log-probability and the top K (issue 16; "
                       "targets/xla/sampler.py); v4 files are refused (rebuild them), since v4 "
                       "readers would call such programs with too few arguments"),
+    ("2026-11-24", 6, "speculative decoding's ratio rule on the XLA targets (issue 15): with an "
+                      "assistant, draft_B also returns draft_probs [B, K, V] (the distribution "
+                      "each draft was sampled from) and verify_BxR takes draft_probs and "
+                      "draft_lane [B] after the sampling arrays, accepting the drafts of lanes "
+                      "at temperature > 0 with probability min(1, p/q) on the device "
+                      "(targets/xla/rejection.py); v5 files are refused (rebuild them), since "
+                      "the programs' signatures changed"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

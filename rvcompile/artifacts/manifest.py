@@ -27,7 +27,9 @@ Fields (format v3; required unless marked optional):
                       optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
                       "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
                       layer each assistant layer reads]} (speculative decoding, see
-                      targets/xla/program.py's verify and draft),
+                      targets/xla/program.py's verify and draft; since v6, with a draft entry
+                      point, draft returns draft_probs and verify takes draft_probs and
+                      draft_lane: the ratio rule, targets/xla/rejection.py),
                       sampler {top_logprobs K, penalty_ids P (max_context), mask_words W
                       (ceil(vocab / 32))} (v5): prefill_T and decode_B take penalties, a token
                       mask and the top log-probabilities wanted, and return log-probabilities

@@ -58,6 +58,14 @@ def _check_signature(where: str, name: str, args, xla: XlaManifest) -> None:
         diff = sorted(set(got) ^ set(want))[0]
         raise ArtifactError(f"{where}: the manifest and the program disagree on {diff[0]} "
                             f"{diff[1]!r}")
+    spec = xla.speculative
+    if spec and spec.draft and name == spec.verify:  # the ratio rule's inputs come last (v6)
+        if len(args) != 13 or any(isinstance(a, dict) for a in args[-2:]):
+            raise ArtifactError(f"{where} does not take (..., sampling, draft_probs, "
+                                "draft_lane)")
+        want |= {("draft_probs", ""): ((batch, spec.draft_tokens, None), "float32"),
+                 ("draft_lane", ""): ((batch,), "int32")}
+        got |= {("draft_probs", ""): args[-2], ("draft_lane", ""): args[-1]}
     for (group, key), (shape, dtype) in want.items():
         aval = got[(group, key)]
         dims = tuple(d if isinstance(d, int) else None for d in getattr(aval, "shape", ()))

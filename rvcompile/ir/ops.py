@@ -224,10 +224,14 @@ def mix32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
-def sampling_uniform(seed: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """Uniform in [0, 1) from (seed, step), 24 bits."""
+def sampling_uniform(seed: np.ndarray, step: np.ndarray, stream: int = 0) -> np.ndarray:
+    """Uniform in [0, 1) from (seed, step), 24 bits. Stream 0 is the sampler's; another stream
+    hashes it again with its id (the speculative rejection rule's draws,
+    targets/xla/rejection.py)."""
     with np.errstate(over="ignore"):
         h = mix32(mix32(np.asarray(seed).astype(np.uint32)) ^ np.asarray(step).astype(np.uint32))
+        if stream:
+            h = mix32(h ^ np.uint32(stream))
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 

@@ -293,8 +293,6 @@ class Engine:
         self._release_held()
         sched = self.scheduler.schedule()
         self.preemptions += len(sched.preempted)
-        for seq in sched.preempted:  # its drafting state went with its blocks
-            self._live[seq.id].state = None
         lanes = self._loop_lanes(sched) if not inbox else None
         if lanes is not None:
             self._decode_loop(sched.decodes, lanes, outputs)
@@ -430,6 +428,7 @@ class Engine:
         draft call for the assistant's, n-gram lookup for the rest), one verify call, then
         each sequence's accepted tokens through advance/_emit (one RequestOutput each)."""
         drafts: dict[str, list[int]] = {}
+        probs: dict[str, object] = {}  # the assistant's Drafted.draft_probs, for the ratio rule
         assisted: list[tuple[Work, int]] = []
         for w in works:
             room = self._draft_room(w)
@@ -445,11 +444,13 @@ class Engine:
                                  lambda ls: self.executor.draft(ls, n), lanes)
             for (w, room), d in made or []:
                 drafts[w.seq.id] = list(d.tokens[:room])
+                probs[w.seq.id] = d.draft_probs
         works = [w for w in works if w.seq.id in self._live]  # a failed draft ended some
         if not works:
             return
         plan = [(w, drafts.get(w.seq.id, [])) for w in works]
-        lanes = [dataclasses.replace(w.chunk, tokens=[*w.chunk.tokens, *d]) for w, d in plan]
+        lanes = [dataclasses.replace(w.chunk, tokens=[*w.chunk.tokens, *d],
+                                     draft_probs=probs.get(w.seq.id)) for w, d in plan]
         self.verify_calls += 1
         results = self._guarded("verify", works, outputs, _pairs, plan, self.executor.verify,
                                 lanes)
@@ -472,8 +473,10 @@ class Engine:
         new = self.scheduler.verified(w, drafts, list(verified.tokens))
         self.drafted += seq.drafted - drafted
         self.accepted += seq.accepted - accepted
-        if verified.states and live.request.speculation.method == "assistant":
-            live.state = verified.states[seq.cached - w.chunk.start - 1]  # its last kept row's
+        # Its last kept row's state, once tokens follow: while it recomputes known tokens after a
+        # preemption it keeps the state it had (so its next round drafts what it would have).
+        if new and verified.states and live.request.speculation.method == "assistant":
+            live.state = verified.states[seq.cached - w.chunk.start - 1]
         # The new tokens join the output one at a time, as from decode steps, so a request
         # that ends part-way (EOS, a stop string) counts only the tokens up to there.
         del seq.output[len(seq.output) - len(new):]

@@ -35,18 +35,28 @@ with `decode_loop_steps(executor)`, never the executor's type.
 Speculative decoding (optional, `max_draft_tokens(executor)` > 0; issue 15). One round of a
 sequence whose target has cached positions [0, p) and whose last accepted token x sits at p:
 - `verify`: one call runs x and up to max_draft_tokens drafts d1..dk as k + 1 rows at
-  positions p..p+k (writing their KV) and returns the target's token after every row, row i
-  sampled at RNG step `step + i` (so row i is what `decode` would give after x, d1..di), plus
-  an opaque state per row: the target's final-normed hidden state there. The caller accepts
-  drafts (greedily: the longest prefix with d(i+1) == tokens[i]; m of them) and takes
-  tokens[m] as the next token; rows past m wrote KV that later writes overwrite (the engine's
-  block bookkeeping must not count them, nor hash them into the prefix cache).
+  positions p..p+k (writing their KV) and returns, per row, the token after it and an opaque
+  state (the target's final-normed hidden state there). The caller keeps the longest prefix of
+  drafts with d(i+1) == tokens[i] (m of them) and takes tokens[m] as the next token; rows past
+  m wrote KV that later writes overwrite (the engine's block bookkeeping must not count them,
+  nor hash them into the prefix cache). Which tokens come back depends on the lane:
+  - by exact match (a lane without draft_probs: n-gram drafts, no drafts, greedy): row i's
+    token is the target's, sampled at RNG step `step + i` (what `decode` would give after x,
+    d1..di), so a draft is kept where it equals the token the target samples there;
+  - by the ratio rule (a lane whose SeqChunk.draft_probs is its Drafted.draft_probs, at
+    temperature > 0): the executor accepts d(i+1) with probability min(1, p(d) / q(d)) (p the
+    target's sampling distribution at row i, q the drafter's), and at the first rejection
+    draws the next token from max(0, p - q) renormalised (all accepted: the target's token
+    after row k, at step + k); it returns the accepted drafts, then the new token, then -1,
+    so the same comparison finds m (a rejected draft is never the residual's token).
+  Both keep the output distribution the target's.
 - `draft` (with an assistant, `has_drafter(executor)`): from a token at position q (the target
   has cached [0, q): after a verify accepting m drafts, q = p + m + 1, the token tokens[m], the
   state `states[m]`) n assistant steps at that position over the target's caches, which it only
-  reads; draft i is sampled at RNG step `step + i` (the verify row that checks it; greedy lanes
-  draft the assistant's argmax, as transformers does). A sequence with no state yet (just
-  prefilled) runs one verify with no drafts first: a decode step that also yields a state.
+  reads; draft i is sampled at RNG step `step + i` (greedy lanes draft the assistant's argmax,
+  as transformers does) from a distribution it returns, opaque, as `draft_probs` for verify's
+  ratio rule. A sequence with no state yet (just prefilled) runs one verify with no drafts
+  first: a decode step that also yields a state.
 A verify lane with no drafts is a decode lane; a sequence not drafting can ride along in one.
 Verify needs the blocks of positions [p, p + k] like a prefill chunk of k + 1 rows does. The
 engine (engine.py, speculative.py) runs every speculating sequence's tokens through verify and
@@ -135,6 +145,8 @@ class SeqChunk:
     step: int = 0  # the RNG step of the token sampled after this chunk: tokens generated so far
     rows: int = 0  # prefill: run padded to this many rows, a prefill bucket (0: smallest fit)
     extras: SampleExtras | None = None  # penalties, mask, log-probabilities; None: none
+    draft_probs: object = None  # verify: the Drafted.draft_probs its drafts came with, which
+    # it accepts by the ratio rule (at temperature > 0); None: by exact match
 
 
 @dataclass(frozen=True)
@@ -194,7 +206,8 @@ class DeviceError(RuntimeError):
 class Verified:
     """One lane's result of a verify call."""
 
-    tokens: list[int]  # the target's token after each row: tokens[i] follows rows 0..i
+    tokens: list[int]  # the token after each row: tokens[i] follows rows 0..i (by the ratio
+    # rule: the accepted drafts, the new token, then -1)
     states: tuple[object, ...]  # per row, opaque: what `draft` starts from after tokens[i]
     # (empty when the executor has no drafter)
 
@@ -216,6 +229,8 @@ class Drafted:
     logits: object  # float32 [n, vocab] as an array-like (np.asarray copies it to the host): the
     # drafter's logits at each step, kept on the device until asked for
     states: object  # float32 [n, H], likewise: the drafter's projected state after each step
+    draft_probs: object = None  # opaque: the distribution each draft was sampled from, for
+    # verify's ratio rule (SeqChunk.draft_probs)
 
 
 class Executor(Protocol):
@@ -282,7 +297,8 @@ class SpeculativeExecutor(Executor, Protocol):
 
     def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
         """Run up to max_seqs sequences, each its last token and 0..max_draft_tokens drafts
-        as rows at positions start, start + 1, ...; return each row's next token and state."""
+        as rows at positions start, start + 1, ...; return each row's next token and state
+        (by exact match, or by the ratio rule for lanes with draft_probs)."""
         ...
 
     def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:

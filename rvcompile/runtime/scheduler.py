@@ -22,7 +22,9 @@ their recipe is fixed too: after the prompt, "verify rows". Each verify reserves
 last token and as many drafts as fit (`piece`); the engine fills in the drafts, and `verified`
 records the rows it keeps. Rows of rejected drafts are never counted as cached, so their blocks
 are neither hashed nor shared (later writes overwrite them). A preempted speculating sequence
-recomputes its generated tokens as verify rows too, up to verify_rows at a time.
+recomputes its generated tokens but the last as verify rows too, up to verify_rows at a time;
+its last token then starts the round it would have run (with its drafts: a sampled assistant
+request's tokens depend on them).
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ class Scheduler:
         if not seq.in_prompt:
             if not seq.verify_rows:
                 return 1, 0
-            if seq.recomputing:
-                return min(seq.verify_rows, len(seq.tokens) - seq.cached), 0
+            if seq.recomputing:  # up to its last token, which its next round runs
+                return min(seq.verify_rows, len(seq.tokens) - 1 - seq.cached), 0
             return max(1, min(seq.verify_rows, seq.max_len - len(seq.tokens))), 0
         start = seq.cached // self.max_chunk * self.max_chunk
         end = min(start + self.max_chunk, len(seq.prompt))

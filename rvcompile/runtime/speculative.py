@@ -3,25 +3,32 @@
 
 A round of one sequence (executor_api, "Speculative decoding"): the engine drafts up to k tokens
 (with the artifact's assistant, `Executor.draft`, or here by n-gram lookup), the target runs the
-sequence's last token and the drafts as k + 1 rows of one `verify` call, which samples the
-target's token after every row (row i at RNG step step + i: the token plain decoding would
-sample there), and the engine keeps the longest prefix of drafts equal to those tokens plus the
-target's token after it (`accepted`).
+sequence's last token and the drafts as k + 1 rows of one `verify` call, which decides the
+token after each row, and the engine keeps the longest prefix of drafts equal to those tokens
+plus the token after it (`accepted`).
 
-Why exact match is the rejection rule. The standard rule (Leviathan et al. 2023; Chen et al.
-2023) accepts a draft d proposed with probability q(d) with probability min(1, p(d) / q(d)) and
-otherwise samples from max(0, p - q), renormalised. Verification here treats each draft as a
-given proposal (q the point mass on d, as for n-gram lookup): the rule then accepts d with
-probability p(d) and otherwise samples p conditioned on "not d", which is exactly what comparing
-d with a token sampled from p does. So the output distribution is the target's, for greedy
-(p one-hot) and sampling alike. It is more: since row i samples at the RNG step plain decoding
-would use there, a seeded request gives the very tokens it gives without speculation. The cost,
-against the full ratio rule, is acceptance when an assistant samples its drafts at temperature
-> 0 from a q close to p: the ratio rule would accept d with probability min(1, p(d)/q(d)),
-this one with p(d) given d. (The drafter samples with the same (seed, step) as the verify row:
-one uniform through both sorted distributions, so where q is close to p the two draws mostly
-agree.) The ratio rule needs the target's probabilities at every verify row, which the verify
-entry point does not return.
+The rejection rule. The standard rule (Leviathan et al. 2023; Chen et al. 2023) accepts a
+draft d proposed with probability q(d) with probability min(1, p(d) / q(d)), p the target's
+sampling distribution there (after temperature, top_k and top_p), and at the first rejection
+samples max(0, p - q), renormalised; when every draft is accepted, the token after the last
+comes from p. The output distribution is then the target's, and a draft is accepted with
+probability sum_x min(p(x), q(x)). Verify applies it in two forms:
+- Drafts the assistant sampled at temperature > 0 carry q (Drafted.draft_probs, kept on the
+  device) into verify, which runs the rule itself (targets/xla/rejection.py) and returns the
+  accepted drafts, the new token, then -1, so `accepted` reads the count off them.
+- Every other draft is a given proposal, q the point mass on d: n-gram drafts, and greedy
+  ones (p is one-hot, and the assistant drafts its argmax). The rule then accepts d with
+  probability p(d) and otherwise samples p conditioned on "not d", which is exactly what
+  comparing d with a token sampled from p does; verify samples row i at the RNG step plain
+  decoding would use there, so a seeded request gives the very tokens it gives without
+  speculation, and `accepted` compares.
+Against exact match on a sample of p (the rule before), the ratio rule accepts more of an
+assistant's sampled drafts: exact match keeps d only where the target's own draw lands on it
+(the drafter drew with the same uniform, so where p and q rank tokens alike the two draws often
+agree, and otherwise seldom); the ratio rule keeps d with probability min(1, p(d)/q(d)).
+The price: such a request's tokens depend on its drafts, so a seeded one gives the same tokens
+on every run and under any load (with the same num_draft_tokens), but not the ones it gives
+without speculation.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ def ngram_drafts(tokens: Sequence[int], k: int) -> list[int]:
 
 def accepted(drafts: Sequence[int], target: Sequence[int]) -> int:
     """How many drafts to keep: the longest prefix with drafts[i] == target[i], where target[i]
-    is the target's token after the row before draft i."""
+    is verify's token after the row before draft i (by exact match or the ratio rule)."""
     m = 0
     while m < len(drafts) and drafts[m] == target[m]:
         m += 1

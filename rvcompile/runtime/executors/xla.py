@@ -8,10 +8,10 @@ prefill / decode / logits / decode_many (the device-side decode loop) over seque
 tables (prefill and decode also with the sampler's extras: penalties, token masks,
 log-probabilities), and, when the artifact has speculative entry points (manifest
 xla.speculative), verify and draft (executor_api's speculative contract): the states verify
-returns and draft reads stay on the device. Makes no policy: the engine drives it. It reads the
-manifest checked by artifacts/manifest.py, and the programs checked against it by
-artifacts/xla_programs.py before it uploads anything. A failed call that lost the KV pools
-raises DeviceError.
+returns and draft reads, and the draft probabilities draft returns and verify's ratio rule
+reads, stay on the device. Makes no policy: the engine drives it. It reads the manifest checked
+by artifacts/manifest.py, and the programs checked against it by artifacts/xla_programs.py
+before it uploads anything. A failed call that lost the KV pools raises DeviceError.
 """
 
 from __future__ import annotations
@@ -205,6 +205,14 @@ class XlaState:
     row: int
 
 
+@dataclass(frozen=True, eq=False)
+class XlaDraftProbs:
+    """A Drafted.draft_probs entry: lane `lane` of one draft call's draft_probs."""
+
+    rows: jax.Array  # float32 [B, K, V], on the device
+    lane: int
+
+
 class XlaExecutor:
     def __init__(self, art: Artifact, xla: XlaManifest, blocks: dict[str, int] | None = None, *,
                  trust_executables: bool = False, phases: Phases | None = None):
@@ -240,6 +248,11 @@ class XlaExecutor:
         self.speculative = xla.speculative  # None: built without verify/draft entries
         self.max_draft_tokens = xla.speculative.draft_tokens if xla.speculative else 0
         self.has_drafter = bool(xla.speculative and xla.speculative.draft)
+        # verify's draft_probs [B, K, V] (its last input but one), and zeros of that shape on
+        # the device for calls where no lane has any
+        self._draft_probs_shape = (tuple(exported[xla.speculative.verify].in_avals[-2].shape)
+                                   if self.has_drafter else None)
+        self._no_draft_probs = None
         t0 = time.perf_counter()
         self.placement = TpPlacement(xla.mesh)
         self.weights = {}
@@ -324,7 +337,8 @@ class XlaExecutor:
         """Arguments of entry point `name` (after weights and pools), all lanes idle."""
         w, spec = self.max_seqs, self.speculative
         if spec and name == spec.verify:
-            return (*self._lane_args(w, self.max_draft_tokens + 1), *_sampling([], w))
+            return (*self._lane_args(w, self.max_draft_tokens + 1), *_sampling([], w),
+                    *self._draft_probs([]))
         if spec and name == spec.draft:
             return (*self._lane_args(w, 1), np.zeros((w, spec.hidden_size), np.float32),
                     *_sampling([], w), np.int32(0))
@@ -460,7 +474,8 @@ class XlaExecutor:
                 raise ValueError(f"verify lane of {len(lane.tokens)} tokens: a token and 0 to "
                                  f"{self.max_draft_tokens} drafts")
         out = self.fns[self.speculative.verify](
-            self.weights, self.caches, *self._lane_args(w, rows, lanes), *_sampling(lanes, w))
+            self.weights, self.caches, *self._lane_args(w, rows, lanes), *_sampling(lanes, w),
+            *self._draft_probs(lanes))
         self.caches, tok = out[0], np.asarray(out[1])
         hidden = out[2] if self.has_drafter else None
         return [Verified(tok[i, :len(c.tokens)].tolist(),
@@ -484,12 +499,39 @@ class XlaExecutor:
         states = [lane.state.rows[lane.state.lane, lane.state.row] for lane in lanes]
         states += [jnp.zeros(width, jnp.float32)] * (w - len(lanes))
         chunks = [lane.chunk for lane in lanes]
-        tok, logits, hidden = self.fns[self.speculative.draft](
+        tok, logits, probs, hidden = self.fns[self.speculative.draft](
             self.weights, self.caches, *self._lane_args(w, 1, chunks), jnp.stack(states),
             *_sampling(chunks, w), np.int32(n))
         tok = np.asarray(tok)
-        return [Drafted(tok[i, :n].tolist(), logits[i, :n], hidden[i, :n])
-                for i in range(len(lanes))]
+        return [Drafted(tok[i, :n].tolist(), logits[i, :n], hidden[i, :n],
+                        XlaDraftProbs(probs, i)) for i in range(len(lanes))]
+
+    def _draft_probs(self, lanes: Sequence[SeqChunk]) -> tuple:
+        """verify's draft_probs [B, K, V] and draft_lane [B] (an artifact with a drafter): the
+        draft call's array the lanes' draft_probs point into (stacked when they come from
+        several calls) and each lane's row in it; -1 for a lane without (exact match)."""
+        if not self.has_drafter:
+            return ()
+        w = self.max_seqs
+        where = np.full(w, -1, np.int32)
+        got = [(i, c.draft_probs) for i, c in enumerate(lanes) if c.draft_probs is not None]
+        for _, d in got:
+            if not isinstance(d, XlaDraftProbs):
+                raise ValueError("a verify lane's draft_probs come from this executor's draft")
+        sources = {id(d.rows): d.rows for _, d in got}
+        if not sources:
+            if self._no_draft_probs is None:
+                self._no_draft_probs = self.placement.replicated(
+                    np.zeros(self._draft_probs_shape, np.float32))
+            return self._no_draft_probs, where
+        if len(sources) == 1:
+            for i, d in got:
+                where[i] = d.lane
+            return next(iter(sources.values())), where
+        rows = [d.rows[d.lane] for _, d in got]
+        for j, (i, _) in enumerate(got):
+            where[i] = j
+        return jnp.stack(rows + [jnp.zeros_like(rows[0])] * (w - len(rows))), where
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         c = self.max_chunk

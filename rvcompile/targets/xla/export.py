@@ -8,7 +8,8 @@ exporting jax version. The pools' block counts stay symbolic in the programs; th
 decode_loop_{max_seqs} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
 `draft_tokens` K > 0 adds verify_{max_seqs}x{K+1} (Program.verify: K + 1 rows per lane) and,
 with an assistant in the IR, draft_{max_seqs} (Program.draft: up to K assistant steps; it reads
-the pools without donating them); the manifest's "speculative" names them.
+the pools without donating them), whose draft_probs verify then takes for the ratio rule
+(format v6); the manifest's "speculative" names them.
 
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
@@ -46,6 +47,7 @@ from rvcompile.targets.xla.program import (
     plan_layout,
     sampling_shapes,
     table_shapes,
+    verify_shapes,
     weight_shapes,
 )
 from rvcompile.targets.xla.sampler import TOP_LOGPROBS, extras_shapes, mask_words
@@ -155,7 +157,8 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
     b = max_seqs
     if draft_tokens:
         rows = draft_tokens + 1
-        entries[f"verify_{b}x{rows}"] = (prog.verify, (*lane_args(b, rows), *sampling_shapes(b)))
+        entries[f"verify_{b}x{rows}"] = (prog.verify, (*lane_args(b, rows), *sampling_shapes(b),
+                                                       *verify_shapes(ir, b, draft_tokens)))
     if ir.assistant:
         entries[f"draft_{b}"] = (
             functools.partial(prog.draft, max_steps=draft_tokens),

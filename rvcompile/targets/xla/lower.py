@@ -406,30 +406,63 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
+def uniform(seed, step, stream: int = 0):
+    """float32 [B] in [0, 1), 24 bits, from (seed, step) [B]: stream 0 is the sampler's
+    (ir/ops.py sampling_uniform); other streams hash it again with the stream id, so the
+    speculative rejection rule's draws (targets/xla/rejection.py) are independent of it."""
+    bits = mix32(mix32(lax.bitcast_convert_type(seed, jnp.uint32))
+                 ^ lax.bitcast_convert_type(step, jnp.uint32))
+    if stream:
+        bits = mix32(bits ^ jnp.uint32(stream))
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def sorted_probs(logits, temperature, top_k, top_p):
+    """The sampling distribution of rows [B, V] at temperature > 0, in descending-logit order:
+    (order [B, V], probs [B, V] (zero outside top_k and top_p; not renormalised after the
+    top_p cut), keep [B, V])."""
+    v = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sv = jnp.take_along_axis(logits, order, axis=-1) / t
+    ranks = jnp.arange(v)[None, :]
+    keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
+    sv = jnp.where(keep, sv, -jnp.inf)
+    probs = jnp.exp(sv - sv[:, :1])
+    probs = probs / jnp.sum(probs, -1, keepdims=True)
+    keep &= (jnp.cumsum(probs, -1) - probs) < top_p[:, None]
+    return order, jnp.where(keep, probs, 0), keep
+
+
 def sample(a, logits, temperature, top_k, top_p, seed, step):
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
-        v = logits.shape[-1]
-        u_bits = mix32(mix32(lax.bitcast_convert_type(seed, jnp.uint32))
-                       ^ lax.bitcast_convert_type(step, jnp.uint32))
-        u = (u_bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-        order = jnp.argsort(-logits, axis=-1, stable=True)
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        sv = jnp.take_along_axis(logits, order, axis=-1) / t
-        ranks = jnp.arange(v)[None, :]
-        keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
-        sv = jnp.where(keep, sv, -jnp.inf)
-        probs = jnp.exp(sv - sv[:, :1])
-        probs = probs / jnp.sum(probs, -1, keepdims=True)
-        keep &= (jnp.cumsum(probs, -1) - probs) < top_p[:, None]
-        probs = jnp.where(keep, probs, 0)
+        u = uniform(seed, step)
+        order, probs, keep = sorted_probs(logits, temperature, top_k, top_p)
         cum = jnp.cumsum(probs, -1)
         i = jnp.sum(cum <= u[:, None] * cum[:, -1:], axis=-1)
         i = jnp.minimum(i, jnp.sum(keep, -1) - 1)
         tok = jnp.take_along_axis(order, i[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
+
+    return lax.cond(jnp.all(temperature <= 0), lambda _: greedy, sampled, None)
+
+
+def filtered_probs(logits, temperature, top_k, top_p):
+    """float32 [B, V]: the distribution SAMPLE draws each row of logits [B, V] from, in vocabulary
+    order: the temperature softmax cut to top_k and top_p and renormalised; at temperature 0 the
+    point mass on the argmax."""
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+
+    def sampled(_):
+        order, probs, _ = sorted_probs(logits, temperature, top_k, top_p)
+        probs = probs / jnp.sum(probs, -1, keepdims=True)
+        out = jnp.zeros_like(probs).at[jnp.arange(b)[:, None], order].set(probs)
+        return jnp.where(temperature[:, None] > 0, out, greedy)
 
     return lax.cond(jnp.all(temperature <= 0), lambda _: greedy, sampled, None)
 

@@ -26,14 +26,17 @@ Entry points (all return the updated pools first; pools are meant to be donated)
 - logits(weights, caches, tokens [1,T], start [1], n_new [1], tables) -> logits [1,T,V]
 - decode_loop(decode's arguments, stop_ids [B,S], budget [B]) -> tokens [B,N], steps: up to N
   decode steps in one `lax.while_loop`, sampling and stop checks on the device.
-- verify(weights, caches, tokens [B,R], start [B], n_new [B], tables, sampling...) -> tokens
-  [B,R] (and, with an assistant, hidden [B,R,H]): R rows per lane (a token and the drafts after
-  it), each row's next token sampled (row i at RNG step step + i; -1 past n_new), and the
-  target's final-normed hidden state of each row (the drafter's first state).
+- verify(weights, caches, tokens [B,R], start [B], n_new [B], tables, sampling...[, draft_probs
+  [B,R-1,V], draft_lane [B]]) -> tokens [B,R] (and, with an assistant, hidden [B,R,H]): R rows
+  per lane (a token and the drafts after it), each row's next token sampled (row i at RNG step
+  step + i; -1 past n_new), and the target's final-normed hidden state of each row (the
+  drafter's first state). With an assistant, the lanes with draft_lane >= 0 at temperature > 0
+  accept their drafts by the ratio rule against draft_probs[draft_lane] (rejection.py).
 - draft(weights, caches, tokens [B,1], start [B], n_new [B], tables, hidden [B,H], sampling...,
-  n_draft []) -> tokens [B,K], logits [B,K,V], hidden [B,K,H]: up to K assistant steps (n_draft
-  of them) from each lane's token at position start, its caches read only (not returned, not
-  donated); draft i samples at RNG step step + i, like the verify row that checks it.
+  n_draft []) -> tokens [B,K], logits [B,K,V], draft_probs [B,K,V], hidden [B,K,H]: up to K
+  assistant steps (n_draft of them) from each lane's token at position start, its caches read
+  only (not returned, not donated); draft i samples at RNG step step + i, like the verify row
+  that checks it, from draft_probs[:, i].
 `start` = tokens already cached; `n_new` = valid tokens in this call (0 = idle lane); `tables`
 = {kind: int32 [B, width]}. The next token is sampled from each lane's last valid row.
 An assistant's weights are unstacked entries under their full names ("assistant.*"); the few
@@ -54,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
-from rvcompile.targets.xla import sampler
+from rvcompile.targets.xla import rejection, sampler
 from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
     BLOCKWISE_LOWERINGS,
@@ -62,6 +65,7 @@ from rvcompile.targets.xla.lower import (
     LOWERINGS,
     PagedSlice,
     cache_positions,
+    filtered_probs,
     run_graph,
 )
 
@@ -379,11 +383,15 @@ class Program:
         return caches, self.head(weights, h)
 
     def verify(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
-               seed, step):
+               seed, step, draft_probs=None, draft_lane=None):
         """verify_{B}x{R}: run R rows per lane (its last token, then its drafts) and sample every
         row's next token, row i at RNG step step + i: what decode would sample there, given the
         same rows before it. Returns (caches, tokens [B,R], -1 past n_new) and, with an
-        assistant, the final-normed hidden states [B,R,H] too."""
+        assistant, the final-normed hidden states [B,R,H] too. With an assistant it also takes
+        draft_probs [B, R-1, V] (a draft call's) and draft_lane [B]: a lane with draft_lane
+        j >= 0 and temperature > 0 had its drafts sampled from draft_probs[j] and accepts them
+        by the ratio rule (rejection.py; its tokens past the new one -1); the others (-1,
+        greedy) keep the sampled tokens, which the caller compares with its drafts."""
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         b, r = tokens.shape
         logits = self._whole(self.head(weights, h)).reshape(b * r, -1)
@@ -393,6 +401,16 @@ class Program:
         toks = jnp.where(jnp.arange(r)[None, :] < n_new[:, None], toks, -1)
         if self.ir.assistant is None:
             return caches, toks
+        ratio = (draft_lane >= 0) & (temperature > 0) & (n_new > 1)
+
+        def by_ratio(logits, toks):
+            q = jnp.take(draft_probs, jnp.maximum(draft_lane, 0), axis=0)
+            got = rejection.ratio_rule(logits.reshape(b, r, -1), toks, tokens, n_new, q,
+                                       temperature, top_k, top_p, seed, step)
+            return jnp.where(ratio[:, None], got, toks)
+
+        # Lanes that all compare exactly (greedy, n-gram) skip the rule's sort and residuals.
+        toks = lax.cond(jnp.any(ratio), by_ratio, lambda _, t: t, logits, toks)
         hidden = run_graph(self.ir.assistant.hidden, {"h": h}, weights.__getitem__)["hidden"]
         return caches, toks, hidden
 
@@ -411,7 +429,9 @@ class Program:
         lane, each feeding the last sampled token and the projected state to the next, all at
         the lane's position `start` (the token's: the target's cached tokens) over the target's
         caches, which are only read. Returns (tokens [B,K] (-1 past n_draft or on an idle lane),
-        logits [B,K,V], hidden [B,K,H]) with K = max_steps."""
+        logits [B,K,V], draft_probs [B,K,V], hidden [B,K,H]) with K = max_steps: draft_probs
+        is the distribution each token was sampled from (lower.filtered_probs), which verify's
+        ratio rule takes."""
         d = self.ir.assistant
         b = tokens.shape[0]
         positions = jnp.where(n_new > 0, start, -1)[:, None]
@@ -438,20 +458,23 @@ class Program:
         vocab, width = self.ir.config.vocab_size, hidden.shape[-1]
         init = (tokens[:, 0], hidden, jnp.full((b, max_steps), -1, jnp.int32),
                 jnp.zeros((b, max_steps, vocab), jnp.float32),
+                jnp.zeros((b, max_steps, vocab), jnp.float32),
                 jnp.zeros((b, max_steps, width), jnp.float32))
 
         def body(i, carry):
-            tok, state, toks, logits_all, states = carry
+            tok, state, toks, logits_all, probs_all, states = carry
             logits, state = one_step(tok, state)
             tok = self.sample(weights, logits, temperature, top_k, top_p, seed, step + i)
+            probs = filtered_probs(logits, temperature, top_k, top_p)
             toks = lax.dynamic_update_index_in_dim(toks, jnp.where(n_new > 0, tok, -1), i, 1)
             logits_all = lax.dynamic_update_index_in_dim(logits_all, logits, i, 1)
+            probs_all = lax.dynamic_update_index_in_dim(probs_all, probs, i, 1)
             states = lax.dynamic_update_index_in_dim(states, state, i, 1)
-            return tok, state, toks, logits_all, states
+            return tok, state, toks, logits_all, probs_all, states
 
         count = jnp.clip(n_draft, 0, max_steps)
-        _, _, toks, logits_all, states = lax.fori_loop(0, count, body, init)
-        return toks, logits_all, states
+        _, _, toks, logits_all, probs_all, states = lax.fori_loop(0, count, body, init)
+        return toks, logits_all, probs_all, states
 
     def decode_loop(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
                     top_p, seed, step, stop_ids, budget, *, n_steps: int):
@@ -513,3 +536,12 @@ def loop_shapes(batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
 def draft_shapes(ir: ModelIR, batch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     """hidden [B, H] of draft (after the lane arguments); n_draft [] comes after sampling."""
     return (jax.ShapeDtypeStruct((batch, ir.config.hidden_size), jnp.float32),)
+
+
+def verify_shapes(ir: ModelIR, batch: int, draft_tokens: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """draft_probs [B, K, V] and draft_lane [B] of verify with an assistant (after sampling);
+    none without one."""
+    if ir.assistant is None:
+        return ()
+    return (jax.ShapeDtypeStruct((batch, draft_tokens, ir.config.vocab_size), jnp.float32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
