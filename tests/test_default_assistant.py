@@ -31,9 +31,10 @@ ASSISTANT_DIR = ROOT / "models" / "rv-gemma4-tiny-assistant"
 MAX_WEIGHT_BYTES = 6 * 2**20  # "a few MB": 2.26M parameters in bf16 are 4.5 MB
 N_NEW, K = 256, 3
 # Share of the assistant's drafts accepted over the test's 256 greedy tokens at k = 3: measured
-# MEASURED_SHARE (see test_greedy_speculation_gives_greedy_tokens); the bound leaves room for
-# XLA version drift in near-tie argmaxes, not for an untrained drafter (a random one gets 0).
-MIN_ACCEPTED_SHARE = 0.3
+# 109 of 433 (0.252; transformers' Gemma4AssistantForCausalLM run on the same greedy tokens
+# accepts the same 109); the bound leaves room for near-tie argmaxes that move with the XLA
+# version, not for an untrained drafter (docs/QUALITY.md: a random one accepted 0 of 756).
+MIN_ACCEPTED_SHARE = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +59,25 @@ def test_assistant_dir_fits_the_default_model(sources):
     assert log["seed"] == 0 and log["target"].endswith("rv-gemma4-tiny")
     assert log["data"]["train_sha256"] == json.loads(
         (MODEL_DIR / "training_log.json").read_text())["data"]["train_sha256"]
-    n = sum(int(np.prod(t.shape)) for t in asrc.tensors
-            if not t.name.endswith("lm_head.weight"))
-    assert n == log["parameters"]
 
 
 def test_transformers_loads_the_same_weights(sources):
     _, asrc = sources
     with all_kv_shared_allowed():
         hf = Gemma4AssistantForCausalLM.from_pretrained(ASSISTANT_DIR, dtype=torch.float32)
-    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    log = json.loads((ASSISTANT_DIR / "training_log.json").read_text())
+    assert sum(p.numel() for p in hf.parameters()) == log["parameters"]
+    # every tensor transformers holds, but the head tied to the embedding, is one rvcompile read
+    state = {k: v.numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     ours = {t.name: t.load() for t in asrc.tensors}
-    assert ours, "rvcompile read no assistant tensors"
-    for name, value in ours.items():
+    hf_names = {}
+    for name in ours:
         rel = name.removeprefix("assistant.")  # the checkpoint's name, "model." dropped
-        hf_name = rel if rel in state else "model." + rel
-        np.testing.assert_array_equal(value.astype(np.float32), state[hf_name], err_msg=name)
+        hf_names[name] = rel if rel in state else "model." + rel
+    assert sorted(hf_names.values()) == sorted(state)
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value.astype(np.float32), state[hf_names[name]],
+                                      err_msg=name)
 
 
 def test_greedy_speculation_gives_greedy_tokens(tmp_path):
