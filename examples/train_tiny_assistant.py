@@ -5,7 +5,7 @@ examples/tiny_gemma4_corpus.py prepares. The target stays frozen.
 
     python examples/tiny_gemma4_corpus.py --out .train            # data + tokenizer (CPU, apt)
     python examples/train_tiny_assistant.py --data .train --target models/rv-gemma4-tiny \\
-        --out models/rv-gemma4-tiny-assistant                      # CPU, ~25 minutes
+        --out models/rv-gemma4-tiny-assistant                      # CPU, 23 minutes
 
 The drafter (MODEL below, `Gemma4AssistantForCausalLM`): width 128, 4 layers S S S F, 4 query
 heads, MLP 512, a dense head tied to its own embedding (8192 x 128, started from the target's
@@ -27,9 +27,11 @@ BOS + a corpus prompt + the target's own greedy continuation of it (speculative 
 along the target's greedy path; a pool is generated before training, inside the budget). The
 frozen target runs each window once (float32, no grad): logits, final-normed hidden states and
 its layer 3 and 5 K/V (transformers' `shared_kv_states`). The drafter then runs `draft_steps`
-chained steps for every query position q of the window at once (step j's token is the window's
-x_(q+j-1), its state step j - 1's output), with masks that let position q see only keys < q
-(and, sliding, >= q - W - 1): exactly one assisted-generation step per q. Step j's loss is
+chained steps for `queries` random query positions q of the window at once (step j's token is
+the window's x_(q+j-1), its state step j - 1's output), with masks that let position q see
+only keys < q (and, sliding, >= q - W - 1): exactly one assisted-generation step per q
+(tests/test_default_assistant.py checks it against Gemma4AssistantForCausalLM.forward at one
+position at a time). Step j's loss is
 KL(target || drafter) against the target's distribution after x_(q+j-1); the steps' losses are
 averaged. AdamW, linear warm-up then cosine, float32 on the CPU, one thread. The run is budgeted
 in seconds: after `probe_steps` steps the step time fixes the schedule's length; held-out
@@ -40,7 +42,7 @@ seed, hyper-parameters, versions, curves and the final held-out metrics of the s
 transformers 5.23's `Gemma4TextConfig.kv_sharing_modes` refuses a config whose layers are all
 KV-shared, i.e. every assistant's; `all_kv_shared_allowed` patches it, while a drafter is built
 or loaded, to say "reuse" for each layer (what the assistant means; tests/oracle.py does the
-same). `--toy` swaps in a 1-layer drafter, short windows and a short budget, to test the whole
+same). `--toy` swaps in a 2-layer drafter, short windows and a short budget, to test the whole
 script on a CPU.
 """
 
@@ -151,8 +153,8 @@ class HParams:
 
 
 TOY_HPARAMS = HParams(batch=2, seq_len=48, draft_steps=3, queries=16, greedy_pool=4,
-                      greedy_prompt=16, warmup_steps=8, train_seconds=15.0, probe_steps=6, eval_every=5,
-                      eval_windows=4)
+                      greedy_prompt=16, warmup_steps=8, train_seconds=15.0, probe_steps=6,
+                      eval_every=5, eval_windows=4)
 
 
 @contextlib.contextmanager

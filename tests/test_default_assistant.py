@@ -5,6 +5,9 @@ examples/train_tiny_assistant.py) beside its target (models/rv-gemma4-tiny).
   loader reads it and maps its sliding layers to the target's layer 5 and its full layer to
   layer 3; transformers' Gemma4AssistantForCausalLM loads the same tensors (its 5.23
   kv_sharing_modes patched, tests/oracle.py); it is small; its training record is beside it.
+- The training script's teacher-forced drafter steps (many query positions in one call, with
+  per-row masks) are the steps transformers' Gemma4AssistantForCausalLM.forward runs at one
+  position at a time, before and past the sliding window: the objective trains what runs.
 - The issue's correctness bar on the CPU: on xla-f32, greedy decoding with the assistant's
   drafts (and with n-gram drafts) gives plain greedy decoding's 256 tokens, token for token, and
   the trained drafter gets drafts accepted (docs/QUALITY.md has the acceptance per k).
@@ -12,7 +15,9 @@ examples/train_tiny_assistant.py) beside its target (models/rv-gemma4-tiny).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +83,46 @@ def test_transformers_loads_the_same_weights(sources):
     for name, value in ours.items():
         np.testing.assert_array_equal(value.astype(np.float32), state[hf_names[name]],
                                       err_msg=name)
+
+
+def load_training_script():
+    path = ROOT / "examples" / "train_tiny_assistant.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_assistant", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_steps_are_transformers_assisted_steps():
+    tta = load_training_script()
+    torch.manual_seed(0)
+    target = tta.load_target(MODEL_DIR)
+    with all_kv_shared_allowed():
+        drafter = Gemma4AssistantForCausalLM.from_pretrained(
+            ASSISTANT_DIR, dtype=torch.float32, attn_implementation="sdpa").eval()
+    n, steps = 200, 3  # past the sliding window 128
+    ids = torch.cat([torch.tensor([[tta.BOS_ID]]), torch.randint(4, 8192, (1, n - 1))], dim=1)
+    t = tta.teacher(target, ids)
+    queries = torch.tensor([1, 5, 100, 129, 130, 131, 150, 196])
+    with torch.no_grad():
+        pairs = tta.unrolled(drafter, t, queries, target.config.sliding_window, steps)
+    worst = 0.0
+    for i, q in enumerate(queries.tolist()):
+        state = t.hidden[:, q - 1:q]
+        kv = {k: (v[0][:, :, :q], v[1][:, :, :q]) for k, v in t.shared_kv.items()}
+        for j in range(steps):
+            x = torch.cat([t.embeds[:, q + j:q + j + 1], state], dim=-1)
+            with torch.no_grad():
+                out = drafter(inputs_embeds=x, position_ids=torch.tensor([[q]]),
+                              shared_kv_states=kv,
+                              attention_mask=torch.ones(1, q + 1, dtype=torch.long))
+            want = torch.log_softmax(out.logits[0, 0], -1)
+            worst = max(worst, float((pairs[j][0][0, i] - want).abs().max()))
+            assert torch.equal(pairs[j][1][0, i], t.log_probs[0, q + j])
+            state = out.last_hidden_state
+    print(f"\n[measured] training steps vs transformers' forward: max abs {worst:.2g}")
+    assert worst <= 1e-4
 
 
 def test_greedy_speculation_gives_greedy_tokens(tmp_path):
