@@ -175,6 +175,32 @@ def test_masks_of_decoding_sequences_come_from_the_worker(grammars, monkeypatch)
     assert len(threads) > 10 and all(t.startswith("rvrun-masks") for t in threads[1:])
 
 
+def test_a_known_grammar_s_first_mask_is_not_computed_again(grammars, monkeypatch):
+    """The engine keeps each grammar's first mask: a later request of a grammar it has seen
+    starts without one computed, and gets its reference tokens."""
+    eng = engine(grammars, MaskingExecutor())
+    seen = Request("seen", [5, 6], 6, Sampling(1.0, 0, 1.0, 1), constraint=GRAMMARS[4])
+    eng.add(seen)
+    outs = drain(eng)
+    computed: list[int] = []  # matchers per fill in the engine's thread
+    fill = Grammars.fill
+
+    def spy(self, matchers):
+        computed.append(len(matchers))
+        return fill(self, matchers)
+
+    monkeypatch.setattr(Grammars, "fill", spy)
+    again = Request("again", [7, 8], 6, Sampling(1.0, 0, 1.0, 2), constraint=GRAMMARS[4])
+    new = Request("new", [7, 9], 6, Sampling(1.0, 0, 1.0, 3), constraint=GRAMMARS[0])
+    eng.add(again)
+    eng.add(new)
+    outs.update(drain(eng))
+    assert computed == [1]  # "new"'s first mask; every later one on the worker
+    for r in (seen, again, new):
+        assert tokens_of(outs[r.id]) == reference(grammars, r), r.id
+    assert_pools_whole(eng)
+
+
 def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch):
     """A mask job that raises on the worker ends the constrained requests it was computing
     for; the free one in the same batch goes on, and a later constrained request runs."""

@@ -35,8 +35,10 @@ in one batch, on the grammars' worker thread (constraints.Grammars.start), then 
 step's outputs (detokenizing, stop strings), the caller's handling of them, the next step's
 intake and schedule and its prefill calls all run while llguidance computes, outside the GIL.
 The next step waits for the masks only where a call needs them (`_masks`: the decode call, or
-a prefill that samples a pipelined sequence). A sequence the pipeline did not cover (it
-joined since; its first token) gets its mask computed in the step, after the worker's job.
+a prefill that samples a pipelined sequence). A request's first mask is its grammar's at its
+start, the same for every request of that grammar: the engine keeps those of the last
+FIRST_MASKS grammars, so a new request of a known grammar needs none computed; otherwise a
+sequence the pipeline did not cover gets its mask computed in the step, after the worker's job.
 Ownership: while a job runs, its matchers (those of the lives whose `mask` is None) are the
 worker's; this thread waits for it (`_join_masks`) before it consumes a token or reads one of
 them; `mask_wait_s` counts the time it waited, the part of the mask time not hidden.
@@ -96,6 +98,7 @@ from rvcompile.runtime.textstream import TextStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FIRST_MASKS = 64  # grammars whose first mask the engine keeps (Engine._first_masks)
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,8 @@ class Engine:
         self.grammars = grammars
         self.mask_s, self.mask_rows, self.mask_wait_s = 0.0, 0, 0.0
         self._pending: _PendingMasks | None = None  # masks computing on the worker (docstring)
+        # grammar -> its first mask (the same for every request of it), the FIRST_MASKS newest
+        self._first_masks: dict[str, np.ndarray] = {}
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
@@ -351,10 +356,11 @@ class Engine:
             in_prompt[r.prompt_ids] = True
         matchers = [self.grammars.matcher(r.constraint) if r.constraint else None
                     for _ in seqs]  # first: the one step of _start that may fail
+        first = self._first_masks.get(r.constraint.grammar) if r.constraint else None
         for i, (seq, matcher) in enumerate(zip(seqs, matchers, strict=True)):
             counts = np.zeros(self.vocab_size, np.int32) if extras else None
             self._live[seq.id] = _Live(r, seq, TextStream(self._decode, r.stop), i, counts,
-                                       in_prompt, matcher)
+                                       in_prompt, matcher, first)
         self.scheduler.add(seqs[0])
         if len(seqs) > 1 and seqs[0].prompt:
             self._held.append(_Held(seqs[0], len(seqs[0].prompt), seqs[1:]))
@@ -394,7 +400,7 @@ class Engine:
             self.mask_wait_s += took
             self.mask_rows += len(need)
             for live, row in zip(need, rows, strict=True):
-                live.mask = row
+                self._set_mask(live, row)
         return {live.seq.id: live.matcher.error for live in lives if live.matcher.error}
 
     def _join_masks(self, outputs: list[RequestOutput]) -> None:
@@ -419,7 +425,16 @@ class Engine:
         self.mask_s += took
         self.mask_rows += len(pending.lives)
         for live, row in zip(pending.lives, rows, strict=True):
-            live.mask = row
+            self._set_mask(live, row)
+
+    def _set_mask(self, live: _Live, row: np.ndarray) -> None:
+        """live's next mask is row; a grammar's first one is kept for its later requests."""
+        live.mask = row
+        if live.matcher.consumed == 0 and not live.matcher.error:
+            grammar = live.request.constraint.grammar
+            if grammar not in self._first_masks and len(self._first_masks) >= FIRST_MASKS:
+                del self._first_masks[next(iter(self._first_masks))]  # the oldest
+            self._first_masks[grammar] = row.copy()
 
     def _consume(self, done: list[tuple[Work, Sampled]],
                  outputs: list[RequestOutput]) -> list[tuple[Work, Sampled]]:
