@@ -177,7 +177,9 @@ def test_json_schema_outputs_are_valid_100_of_100(server):
     after = server.metrics()  # the grammar counters: masks, their host time, the time waited
     tokens = sum(r.usage.completion_tokens for r in results)
     masks = after["rvrun_grammar_masks_total"] - before["rvrun_grammar_masks_total"]
-    assert tokens <= masks <= tokens + 100  # one per sampled token (+ one per request unused)
+    # one per sampled token, but a request's first (the engine keeps its grammar's), give or
+    # take one unused per request
+    assert tokens - 100 <= masks <= tokens + 100
     assert after["rvrun_grammar_mask_seconds_total"] > before["rvrun_grammar_mask_seconds_total"]
     assert "rvrun_grammar_mask_wait_seconds_total" in after
     assert after["rvrun_engine_steps_total"] > before["rvrun_engine_steps_total"]

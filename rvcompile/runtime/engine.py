@@ -462,7 +462,9 @@ class Engine:
                  and live.request.max_tokens - len(live.text.token_ids)
                  - (id(live) in new) > 0]  # a sequence ending on its length samples no more
         if lives:
+            t0 = time.perf_counter()  # start hands the GIL to the worker: a wait for masks too
             self._pending = _PendingMasks(self.grammars.start([v.matcher for v in lives]), lives)
+            self.mask_wait_s += time.perf_counter() - t0
         return kept
 
     @staticmethod
