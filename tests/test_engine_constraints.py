@@ -114,6 +114,17 @@ def reference(grammars: Grammars, r: Request) -> list[int]:
     return out
 
 
+def test_a_mask_job_gives_fill_s_rows_from_the_worker(grammars):
+    """Grammars.start: the rows fill gives for the same matchers, computed on the worker."""
+    ms = [grammars.matcher(grammars.check(c)) for c in GRAMMARS]
+    ms[1].consume(int(allowed(grammars.fill([ms[1]])[0])[0]))
+    job = grammars.start(ms)
+    rows, seconds = job.result()
+    np.testing.assert_array_equal(rows, grammars.fill(ms))
+    assert rows.shape == (len(GRAMMARS), VOCAB // 32) and seconds > 0
+    assert grammars.start([]).result()[0].shape == (0, VOCAB // 32)
+
+
 def random_request(rng: random.Random, i: int) -> Request:
     prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 20))]
     sampling = Sampling(1.0, 0, 1.0, rng.randrange(1000)) if rng.random() < 0.7 else Sampling()
