@@ -11,7 +11,8 @@ Per level: output tokens/s over the level's wall time, requests/s, and p50/p90/p
 first token (request sent -> first content chunk) and inter-token latency (gaps between content
 chunks of a request, over all requests). With `--response-format`, every request is
 constrained (structured outputs); against rvrun the report adds the host time per grammar mask
-(its /metrics counters). Prints a table, writes a JSON report.
+and, per engine step, the host time computing masks and the part the engine waited for (the
+rest was hidden behind other work; its /metrics counters). Prints a table, writes a JSON report.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080/v1 --concurrency 1,2,4,8 \\
         --requests 32 --prompt-words 64 --output-tokens 64 --json out.json
@@ -125,10 +126,12 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
 
     masks = None
     if masks_before is not None:  # rvrun's own counters: host time per grammar mask
-        after = grammar_masks(url)
-        n = after[1] - masks_before[1]
-        masks = {"masks": n, "host_s": after[0] - masks_before[0],
-                 "us_per_mask": (after[0] - masks_before[0]) / n * 1e6 if n else 0.0}
+        host_s, n, wait_s, steps = (a - b for a, b in zip(grammar_masks(url), masks_before,
+                                                          strict=True))
+        masks = {"masks": n, "host_s": host_s, "us_per_mask": host_s / n * 1e6 if n else 0.0,
+                 "wait_s": wait_s, "steps": steps,
+                 "host_ms_per_step": host_s / steps * 1e3 if steps else 0.0,
+                 "wait_ms_per_step": wait_s / steps * 1e3 if steps else 0.0}
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(ok),
             "grammar_masks": masks,
             "errors": sorted({r.error for r in results if not r.ok})[:3], "wall_s": wall,
@@ -136,8 +139,13 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
             "requests_per_s": len(ok) / wall, "ttft": pct(ttft), "itl": pct(itl)}
 
 
-def grammar_masks(url: str) -> tuple[float, float] | None:
-    """(host seconds, masks) of rvrun's grammar counters at /metrics; None for other servers."""
+GRAMMAR_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total",
+                    "rvrun_grammar_mask_wait_seconds_total", "rvrun_engine_steps_total")
+
+
+def grammar_masks(url: str) -> tuple[float, ...] | None:
+    """rvrun's grammar counters at /metrics (GRAMMAR_COUNTERS: host seconds computing masks,
+    masks, seconds the engine waited for them, engine steps); None for other servers."""
     try:
         text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -145,11 +153,11 @@ def grammar_masks(url: str) -> tuple[float, float] | None:
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total"):
+        if name in GRAMMAR_COUNTERS:
             values[name] = float(value)
-    if len(values) != 2:
+    if len(values) != len(GRAMMAR_COUNTERS):
         return None
-    return values["rvrun_grammar_mask_seconds_total"], values["rvrun_grammar_masks_total"]
+    return tuple(values[name] for name in GRAMMAR_COUNTERS)
 
 
 def main() -> None:
@@ -200,7 +208,8 @@ def main() -> None:
         if level["grammar_masks"] and level["grammar_masks"]["masks"]:
             g = level["grammar_masks"]
             print(f"     grammar masks: {g['masks']:.0f}, {g['us_per_mask']:.0f} us each on "
-                  "the host")
+                  f"the host; per engine step {g['host_ms_per_step']:.2f} ms computing, "
+                  f"{g['wait_ms_per_step']:.2f} ms waited for ({g['steps']:.0f} steps)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

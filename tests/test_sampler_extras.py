@@ -188,6 +188,38 @@ def test_grammar_constraints_through_the_engine(tiny):
     assert eng.mask_rows > masks
 
 
+def test_constrained_and_free_sequences_in_one_batch_give_their_tokens_alone(tiny):
+    """Sampled (seeded, temperature 1) requests, constrained and free, decode in one batch with
+    the grammar masks pipelined; each gets exactly the tokens it gets alone (a free one alone
+    runs in the decode loop, a constrained one alone in single steps)."""
+    prompt = tiny.encode("The answer is")
+    reqs = [Request("js", prompt, 40, Sampling(1.0, 0, 1.0, 11),
+                    constraint=Constraint.json_schema({"type": "object", "properties": {
+                        "a": {"type": "integer"}}, "required": ["a"]})),
+            Request("free", prompt, 20, Sampling(1.0, 0, 1.0, 12), ignore_eos=True),
+            Request("re", prompt, 24, Sampling(1.0, 0, 1.0, 13),
+                    constraint=Constraint.regex(r"[a-z ]{4,20}\.")),
+            Request("free2", tiny.encode("Once"), 16, Sampling(1.0, 0, 1.0, 14),
+                    ignore_eos=True)]
+    eng = tiny.engine
+    for r in reqs:
+        eng.add(r)
+    together: dict[str, list] = {}
+    while eng.has_work():
+        for o in eng.step():
+            together.setdefault(o.id, []).append(o)
+    for r in reqs:
+        alone = [t for o in run(tiny, r)[0] for t in o.token_ids]
+        assert [t for o in together[r.id] for t in o.token_ids] == alone, r.id
+    text = {rid: "".join(o.text for o in outs) for rid, outs in together.items()}
+    assert together["re"][-1].finish_reason == "stop"
+    assert re.fullmatch(r"[a-z ]{4,20}\.", text["re"])
+    if together["js"][-1].finish_reason == "stop":
+        assert isinstance(json.loads(text["js"])["a"], int)
+    else:
+        assert text["js"].startswith('{"a":')
+
+
 @pytest.mark.parametrize("constraint,needle", [
     (Constraint.json_schema({"type": "foo"}), "foo"),
     (Constraint.json_schema({"$ref": "#/definitions/missing"}), "missing"),

@@ -167,12 +167,22 @@ def test_json_schema_outputs_are_valid_100_of_100(server):
             extra_body={"response_format": {"type": "json_schema", "json_schema": {
                 "name": "person", "schema": SCHEMA, "strict": True}}})
 
+    before = server.metrics()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(100)))
     texts = [r.choices[0].text for r in results]
     assert all(r.choices[0].finish_reason == "stop" for r in results), texts
     assert all(valid(json.loads(t)) for t in texts), texts
     assert len(set(texts)) > 50  # sampled, not one answer
+    after = server.metrics()  # the grammar counters: masks, their host time, the time waited
+    tokens = sum(r.usage.completion_tokens for r in results)
+    masks = after["rvrun_grammar_masks_total"] - before["rvrun_grammar_masks_total"]
+    # one per sampled token, but a request's first (the engine keeps its grammar's), give or
+    # take one unused per request
+    assert tokens - 100 <= masks <= tokens + 100
+    assert after["rvrun_grammar_mask_seconds_total"] > before["rvrun_grammar_mask_seconds_total"]
+    assert "rvrun_grammar_mask_wait_seconds_total" in after
+    assert after["rvrun_engine_steps_total"] > before["rvrun_engine_steps_total"]
 
 
 def test_json_object_gives_an_object(server):

@@ -12,13 +12,25 @@ tokenizers JSON it ships), and applied by the device-side sampler (SampleExtras.
   grammar is complete (only EOS is allowed then). `Grammars.fill(matchers)` writes the masks of
   their next tokens at once, on llguidance's threads (int32 words, bit j of word w allows token
   32 w + j: llguidance's layout and the sampler's).
+- `Grammars.start(matchers)` runs that fill on the grammars' one worker thread and returns a
+  `MaskJob` at once (llguidance drops the GIL while it computes, so the caller's Python runs
+  meanwhile); `MaskJob.result()` waits for the masks. Ownership: from `start` until `result`
+  has returned (or raised), the job's matchers belong to the worker, and the caller must not
+  touch them (no consume, no `error`: llguidance borrows them mutably while it computes); a
+  Matcher's `done` and `consumed` are plain attributes, safe to read at any time. One job runs
+  at a time: the caller waits for a job before it fills or starts another.
 llguidance comes with the `serve` extra; without it a constraint is refused in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +74,8 @@ class Matcher:
 
     def __init__(self, matcher):
         self._m = matcher
+        self.consumed = 0  # tokens consumed so far
+        self.done = matcher.is_stopped()  # the grammar is complete: only EOS may follow
 
     @property
     def error(self) -> str:
@@ -72,11 +86,20 @@ class Matcher:
     def consume(self, token: int) -> None:
         if not self._m.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+        self.consumed += 1
+        self.done = self._m.is_stopped()
 
-    @property
-    def done(self) -> bool:
-        """The grammar is complete: only EOS may follow."""
-        return self._m.is_stopped()
+
+class MaskJob:
+    """Masks being computed on the grammars' worker thread (Grammars.start)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def result(self) -> tuple[np.ndarray, float]:
+        """(Grammars.fill's rows, the worker's seconds computing them), once computed; raises
+        what the fill raised."""
+        return self._future.result()
 
 
 class Grammars:
@@ -88,6 +111,7 @@ class Grammars:
         self.words = -(-vocab_size // 32)
         self._ll = None
         self._pool = None  # llguidance's thread pool, for masks of many sequences at once
+        self._worker: ThreadPoolExecutor | None = None  # runs `start`'s jobs, one at a time
 
     def _llg(self):
         """(llguidance, its tokenizer), built on first use (about a second for a large vocab)."""
@@ -140,17 +164,44 @@ class Grammars:
         """The allowed next tokens of each matcher's sequence: int32 [len(matchers), words],
         computed on llguidance's threads (outside the GIL) when there are several. A matcher
         that failed says so in its `error` afterwards (its row is then meaningless)."""
+        out, compute = self._fill_call(matchers)
+        compute()
+        return out
+
+    def start(self, matchers: list[Matcher]) -> MaskJob:
+        """fill(matchers) on the worker thread, started now (see the module docstring for who
+        owns the matchers until the job's result is in)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="rvrun-masks")
+        out, compute = self._fill_call(matchers)
+        started = threading.Event()
+
+        def run() -> tuple[np.ndarray, float]:
+            started.set()
+            t0 = time.perf_counter()
+            compute()
+            return out, time.perf_counter() - t0
+
+        future = self._worker.submit(run)
+        # Wait (GIL released) until the worker is in: else it would wait for the GIL until the
+        # interpreter's switch interval (5 ms) made this thread let go, which is a whole step's
+        # host work between device calls.
+        started.wait()
+        return MaskJob(future)
+
+    def _fill_call(self, matchers: list[Matcher]) -> tuple[np.ndarray, Callable[[], None]]:
+        """The rows fill returns, and llguidance's call that writes them."""
         import llguidance.numpy as lln
 
         out = np.empty((len(matchers), self.words), np.int32)
         if len(matchers) == 1:
-            lln.fill_next_token_bitmask(matchers[0]._m, out)
-        elif matchers:
-            if self._pool is None:
-                self._pool = lln.LLExecutor()
-            lln.fill_next_token_bitmask_par(self._pool, [(m._m, i) for i, m in
-                                                         enumerate(matchers)], out)
-        return out
+            return out, functools.partial(lln.fill_next_token_bitmask, matchers[0]._m, out)
+        if not matchers:
+            return out, lambda: None
+        if self._pool is None:
+            self._pool = lln.LLExecutor()
+        return out, functools.partial(lln.fill_next_token_bitmask_par, self._pool,
+                                      [(m._m, i) for i, m in enumerate(matchers)], out)
 
 
 def _line(e: object) -> str:

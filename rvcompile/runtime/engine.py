@@ -6,14 +6,13 @@ Requests come in through `add` and `abort` (thread-safe). `add` checks every fie
 cannot run is refused there, never in a step. A request of n samples runs as n sequences (its
 outputs carry their index) that share the prompt's whole KV blocks, prefilled once. Sequences
 asking for log-probabilities, penalties or a grammar constraint pass SampleExtras with their
-sampling calls (the constraint's token mask computed on the host just before the call) and run
-single decode steps. Each
-`step()` takes them in, asks the scheduler for work, runs it on the executor (prefill chunks,
-then one decode call) and turns the sampled tokens into RequestOutputs: text deltas, stop
-strings, EOS and max_tokens. When every running sequence decodes past its recomputed tokens
-and nobody waits to join, the step is one decode_many call instead (where the executor offers
-it): up to decode_loop_steps tokens per sequence, the same tokens. A finished or aborted
-request's blocks go back to the pool in the same step.
+sampling calls and run single decode steps. Each `step()` takes them in, asks the scheduler
+for work, runs it on the executor (prefill chunks, then one decode call) and turns the sampled
+tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When every running
+sequence decodes past its recomputed tokens and nobody waits to join, the step is one
+decode_many call instead (where the executor offers it): up to decode_loop_steps tokens per
+sequence, the same tokens. A finished or aborted request's blocks go back to the pool in the
+same step.
 
 Speculative decoding (a request's `speculation`, runtime/speculative.py; executor_api's
 speculative contract): a speculating sequence runs every token past its prompt through the
@@ -26,6 +25,23 @@ with and without drafting share a step, in separate calls (a decode lane and a v
 different call shapes, and a row's bits may depend on its call's shape). Speculation runs
 outside the device-side decode loop: while any speculating sequence runs, steps are single
 decode / verify calls, each of up to 1 + num_draft_tokens tokens per speculating sequence.
+
+Grammar masks (a constraint's allowed next tokens, computed on the host by llguidance and
+applied by the device sampler) are pipelined. A mask depends on every token sampled before it,
+so the mask of a sequence's next token can only start once its last token is back from the
+device. As soon as a step's calls have returned, the step advances the grammar of each
+constrained sequence by its token (`_consume`) and starts the masks of their next tokens, all
+in one batch, on the grammars' worker thread (constraints.Grammars.start), then goes on: the
+step's outputs (detokenizing, stop strings), the caller's handling of them, the next step's
+intake and schedule and its prefill calls all run while llguidance computes, outside the GIL.
+The next step waits for the masks only where a call needs them (`_masks`: the decode call, or
+a prefill that samples a pipelined sequence). A request's first mask is its grammar's at its
+start, the same for every request of that grammar: the engine keeps those of the last
+FIRST_MASKS grammars, so a new request of a known grammar needs none computed; otherwise a
+sequence the pipeline did not cover gets its mask computed in the step, after the worker's job.
+Ownership: while a job runs, its matchers (those of the lives whose `mask` is None) are the
+worker's; this thread waits for it (`_join_masks`) before it consumes a token or reads one of
+them; `mask_wait_s` counts the time it waited, the part of the mask time not hidden.
 
 Streaming: while any running request streams (Request.stream), a decode_many call runs at most
 as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
@@ -56,7 +72,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from rvcompile.runtime.constraints import Constraint, Grammars, Matcher
+from rvcompile.runtime.constraints import Constraint, Grammars, MaskJob, Matcher
 from rvcompile.runtime.executor_api import (
     DeviceError,
     DraftLane,
@@ -82,6 +98,7 @@ from rvcompile.runtime.textstream import TextStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FIRST_MASKS = 64  # grammars whose first mask the engine keeps (Engine._first_masks)
 
 
 @dataclass(frozen=True)
@@ -133,8 +150,9 @@ class EngineStats:
     drafted: int = 0  # speculative decoding: drafts verified
     accepted: int = 0  # of them, accepted
     verify_calls: int = 0  # verify calls run
-    mask_s: float = 0.0  # host seconds spent computing grammar masks
-    mask_rows: int = 0  # masks computed (one per constrained sequence per sampling step)
+    mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
+    mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
+    mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
 
 
 @dataclass(eq=False)
@@ -146,6 +164,8 @@ class _Live:
     out_counts: np.ndarray | None = None  # int32 [V]: times each token was generated (penalties)
     in_prompt: np.ndarray | None = None  # bool [V]: the prompt's tokens (repetition penalty)
     matcher: Matcher | None = None  # with a constraint: where its grammar stands
+    mask: np.ndarray | None = None  # int32 [words]: the mask of its next token, computed since
+    # the matcher last consumed; None: not yet (or being computed by the pending job)
     state: object = None  # drafting with the assistant: the last verify's state to draft from
 
     @property
@@ -153,6 +173,14 @@ class _Live:
         """Its sampling steps need the sampler's extras (and so single decode steps)."""
         r = self.request
         return r.logprobs is not None or r.penalties.active or r.constraint is not None
+
+
+@dataclass(eq=False)
+class _PendingMasks:
+    """A mask job on the grammars' worker: the masks of `lives`' next tokens, in order."""
+
+    job: MaskJob
+    lives: list[_Live]
 
 
 @dataclass(eq=False)
@@ -206,7 +234,10 @@ class Engine:
         self.stream_interval_s, self._clock = stream_interval_s, clock
         self._loop_step_s: float | None = None  # measured seconds per decode-loop step
         self.grammars = grammars
-        self.mask_s, self.mask_rows = 0.0, 0
+        self.mask_s, self.mask_rows, self.mask_wait_s = 0.0, 0, 0.0
+        self._pending: _PendingMasks | None = None  # masks computing on the worker (docstring)
+        # grammar -> its first mask (the same for every request of it), the FIRST_MASKS newest
+        self._first_masks: dict[str, np.ndarray] = {}
         self.max_num_seqs, self.max_model_len = engine_limits(
             executor.kinds, executor.block_size, executor.max_seqs, executor.max_context,
             max_num_seqs, max_model_len)
@@ -270,7 +301,7 @@ class Engine:
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
                            drafted=self.drafted, accepted=self.accepted,
                            verify_calls=self.verify_calls, mask_s=self.mask_s,
-                           mask_rows=self.mask_rows)
+                           mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s)
 
     # ------------------------------------------------------------------ the loop (one thread)
 
@@ -323,10 +354,11 @@ class Engine:
             in_prompt[r.prompt_ids] = True
         matchers = [self.grammars.matcher(r.constraint) if r.constraint else None
                     for _ in seqs]  # first: the one step of _start that may fail
+        first = self._first_masks.get(r.constraint.grammar) if r.constraint else None
         for i, (seq, matcher) in enumerate(zip(seqs, matchers, strict=True)):
             counts = np.zeros(self.vocab_size, np.int32) if extras else None
             self._live[seq.id] = _Live(r, seq, TextStream(self._decode, r.stop), i, counts,
-                                       in_prompt, matcher)
+                                       in_prompt, matcher, first)
         self.scheduler.add(seqs[0])
         if len(seqs) > 1 and seqs[0].prompt:
             self._held.append(_Held(seqs[0], len(seqs[0].prompt), seqs[1:]))
@@ -352,21 +384,116 @@ class Engine:
         token before the last)."""
         return work.chunk.start + len(work.chunk.tokens) == len(work.seq.tokens)
 
-    def _masks(self, works: list[Work]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """The grammar masks of this step's constrained sampling calls, by sequence id, all in
-        one go (llguidance's threads); and the sequences whose grammar failed, with why."""
-        lives = [self._live[w.seq.id] for w in works if self._samples(w)]
-        lives = [live for live in lives if live.matcher is not None]
-        if not lives:
-            return {}, {}
-        t0 = time.perf_counter()
-        rows = self.grammars.fill([live.matcher for live in lives])
-        self.mask_s += time.perf_counter() - t0
-        self.mask_rows += len(lives)
-        failed = {live.seq.id: live.matcher.error for live in lives if live.matcher.error}
-        return {live.seq.id: rows[i] for i, live in enumerate(lives)}, failed
+    def _masks(self, works: list[Work]) -> dict[str, str]:
+        """Give every one of `works` (constrained sequences whose calls sample, none in the
+        pending job) the mask of its next token where it has none, all in one go on
+        llguidance's threads. Returns the sequences whose grammar failed, with why."""
+        lives = [self._live[w.seq.id] for w in works]
+        need = [live for live in lives if live.mask is None]
+        if need:
+            t0 = time.perf_counter()
+            rows = self.grammars.fill([live.matcher for live in need])
+            took = time.perf_counter() - t0
+            self.mask_s += took
+            self.mask_wait_s += took
+            self.mask_rows += len(need)
+            for live, row in zip(need, rows, strict=True):
+                self._set_mask(live, row)
+        return {live.seq.id: live.matcher.error for live in lives if live.matcher.error}
 
-    def _with_extras(self, work: Work, masks: dict[str, np.ndarray]) -> Work:
+    def _join_masks(self, outputs: list[RequestOutput]) -> None:
+        """Wait for the pending mask job, if any, and hand its rows to its lives (one that
+        ended meanwhile keeps its unused row). If the job raised, its lives that still run
+        end with finish_reason "error" (in `outputs`)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            rows, took = pending.job.result()
+        except Exception as e:
+            alive = [v for v in pending.lives if self._live.get(v.seq.id) is v]
+            log.error("engine: grammar masks failed; ending request(s) %s",
+                      ", ".join(v.request.id for v in alive), exc_info=e)
+            error = f"the engine failed to run this request: {type(e).__name__}: {e}"
+            outputs += [self._fail(v, error) for v in alive]
+            return
+        finally:
+            self.mask_wait_s += time.perf_counter() - t0
+        self.mask_s += took
+        self.mask_rows += len(pending.lives)
+        for live, row in zip(pending.lives, rows, strict=True):
+            self._set_mask(live, row)
+
+    def _set_mask(self, live: _Live, row: np.ndarray) -> None:
+        """live's next mask is row; a grammar's first one is kept for its later requests."""
+        live.mask = row
+        if live.matcher.consumed == 0 and not live.matcher.error:
+            grammar = live.request.constraint.grammar
+            if grammar not in self._first_masks and len(self._first_masks) >= FIRST_MASKS:
+                del self._first_masks[next(iter(self._first_masks))]  # the oldest
+            self._first_masks[grammar] = row.copy()
+
+    def _consume(self, done: list[tuple[Work, Sampled]],
+                 outputs: list[RequestOutput]) -> list[tuple[Work, Sampled]]:
+        """Advance each constrained sequence's grammar by the new token its call sampled (every
+        token _emit will take: not EOS or a stop id), then start the masks of the next tokens
+        of every constrained sequence that will sample again and has none, on the grammars'
+        worker. A token its grammar refuses ends its request (in `outputs`); returns the rest
+        of `done`."""
+        self._join_masks(outputs)  # the worker lets go of the matchers
+        kept = []
+        for work, sampled in done:
+            live = self._live.get(work.seq.id)
+            if live is None:  # the pending job failed and ended it
+                continue
+            if (live.matcher is not None and self._samples(work)
+                    and not self._stops(live, sampled.token)):
+                live.mask = None
+                if not self._guarded("grammar", [work], outputs, self._take, live.matcher,
+                                     sampled.token):
+                    continue
+            kept.append((work, sampled))
+        new = {id(live) for live in (self._live[w.seq.id] for w, _ in kept)}
+        lives = [live for live in self._live.values()
+                 if live.matcher is not None and live.mask is None and not live.matcher.done
+                 and live.request.max_tokens - len(live.text.token_ids)
+                 - (id(live) in new) > 0]  # a sequence ending on its length samples no more
+        if lives:
+            t0 = time.perf_counter()  # start hands the GIL to the worker: a wait for masks too
+            self._pending = _PendingMasks(self.grammars.start([v.matcher for v in lives]), lives)
+            self.mask_wait_s += time.perf_counter() - t0
+        return kept
+
+    @staticmethod
+    def _take(matcher: Matcher, token: int) -> bool:
+        matcher.consume(token)
+        return True
+
+    def _stops(self, live: _Live, token: int) -> bool:
+        """token ends live's sample unseen (EOS, unless ignored, or one of its stop ids)."""
+        r = live.request
+        return (token in self.eos_ids and not r.ignore_eos) or token in r.stop_token_ids
+
+    def _ready(self, works: list[Work], outputs: list[RequestOutput]) -> list[Work]:
+        """works with their sampler extras (_with_extras), their grammar masks made first
+        (waiting for the pending job if it holds one of them); a constrained sequence whose
+        mask could not be made, or whose grammar failed, ends (in `outputs`) and is left out."""
+        need = [w for w in works
+                if self._samples(w) and self._live[w.seq.id].matcher is not None]
+        if any(self._live[w.seq.id].mask is None for w in need):
+            self._join_masks(outputs)  # it may hold them; and one llguidance job at a time
+            works = [w for w in works if w.seq.id in self._live]
+            need = [w for w in need if w.seq.id in self._live]
+        failed = self._guarded("grammar masks", need, outputs, self._masks, need) if need else {}
+        if failed is None:  # computing them raised: their requests ended
+            failed = {w.seq.id: "" for w in need}
+        else:
+            for sid, error in failed.items():
+                outputs.append(self._fail(self._live[sid], error))
+        return [self._with_extras(w) for w in works if w.seq.id not in failed]
+
+    def _with_extras(self, work: Work) -> Work:
         """work with its sequence's sampler extras when its call samples a new token."""
         live = self._live[work.seq.id]
         seq = work.seq
@@ -381,7 +508,7 @@ class Engine:
             pen_ids = np.flatnonzero(touched).astype(np.int32)
             pen_counts = live.out_counts[pen_ids]
         extras = SampleExtras(-1 if r.logprobs is None else r.logprobs, r.penalties, pen_ids,
-                              pen_counts, masks.get(seq.id))
+                              pen_counts, live.mask)
         return Work(seq, dataclasses.replace(work.chunk, extras=extras))
 
     def _prefill(self, chunk: SeqChunk) -> Sampled:
@@ -397,25 +524,17 @@ class Engine:
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
         """The schedule's prefill calls, then its decode call; each token through advance."""
         done: list[tuple[Work, Sampled]] = []
-        works = sched.prefills + sched.decodes
-        got = self._guarded("grammar masks", works, outputs, self._masks, works)
-        if got is None:  # llguidance raised: the step's requests ended
-            return
-        masks, failed = got
-        for sid, error in failed.items():
-            outputs.append(self._fail(self._live[sid], error))
-        for w in sched.prefills:
-            if w.seq.id in failed:
-                continue
-            w = self._with_extras(w, masks)
+        for w in self._ready(sched.prefills, outputs):
             token = self._guarded("prefill", [w], outputs, self._prefill, w.chunk)
             if token is not None:
                 done.append((w, token))
-        decodes = [self._with_extras(w, masks) for w in sched.decodes if w.seq.id not in failed]
+        decodes = self._ready(sched.decodes, outputs)
         if decodes:
             tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
                                    self._decode_lanes, [w.chunk for w in decodes])
             done += tokens or []
+        if self.grammars is not None:
+            done = self._consume(done, outputs)
         for work, token in done:
             out = self._guarded("output", [work], outputs, self._advance, work, token)
             if out is not None:
@@ -598,14 +717,15 @@ class Engine:
 
     def _emit(self, live: _Live, sampled: Sampled) -> RequestOutput:
         r, token = live.request, sampled.token
-        if (token in self.eos_ids and not r.ignore_eos) or token in r.stop_token_ids:
+        if self._stops(live, token):
             return self._finish(live, "stop", [])
         if live.out_counts is not None:
             live.out_counts[token] += 1
         lps = (sampled,) if r.logprobs is not None else ()
         text, hit = live.text.add(token)
-        if live.matcher is not None:
-            live.matcher.consume(token)
+        if live.matcher is not None:  # _consume gave it the token (never with a decode loop)
+            if live.matcher.consumed != len(live.text.token_ids):
+                raise RuntimeError(f"token {token} bypassed its sequence's grammar")
             hit = hit or live.matcher.done  # the grammar is complete: only EOS could follow
         if hit:
             return self._finish(live, "stop", [token], text, lps)

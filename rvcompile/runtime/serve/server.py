@@ -278,6 +278,10 @@ class _EngineCollector:
         yield CounterMetricFamily("rvrun_grammar_masks",
                                   "Grammar token masks computed (one per constrained sequence "
                                   "per sampling step)", value=s.mask_rows)
+        yield CounterMetricFamily("rvrun_grammar_mask_wait_seconds",
+                                  "Engine time spent waiting for grammar token masks (the mask "
+                                  "time not hidden behind other work)", value=s.mask_wait_s)
+        yield CounterMetricFamily("rvrun_engine_steps", "Engine steps run", value=s.steps)
 
 
 # ---------------------------------------------------------------------------------- app
