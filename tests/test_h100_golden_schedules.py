@@ -8,7 +8,7 @@ f9c3679, before the fusion passes took the lowering's pattern matching over, and
 the schedule became version 2 (named arguments), after checking that every case still made the
 same launches (module, kernel, geometry, argument kinds and values, in order) and the same
 everything else; and again for the rename slots -> max_seqs (schedule version 3), every case's
-dump differing by that rename alone; and again when the tied head over more than 4 rows (logits
+dump differing by that rename alone; and again when the tied head from 4 rows on (decode_4, logits
 entries) moved from gemv_bf16 onto the bf16 tensor-core GEMM (module gemm_fp8_tc.cu renamed
 gemm_tc.cu): every case's dump differing only in those head launches, the module's name, and the
 offsets after the constants, which grew by the GEMM's all-ones scale vector.

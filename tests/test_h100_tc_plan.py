@@ -39,7 +39,7 @@ from stub_cubins import build_h100
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100 import gemv_bf16
+from rvcompile.targets.h100 import launches
 
 GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "max_seqs": 3}
@@ -88,8 +88,8 @@ def test_tc_plan_uses_both_new_kernels(plans):
             # the tied head over more rows than the bf16 GEMV takes: the bf16 tensor-core GEMM
             heads = [k for k in kernels if k.startswith(("gemm_bf16_tc", "gemv_bf16"))]
             head_rows = 1 if name.startswith("prefill") else int(name.rsplit("_", 1)[1])
-            assert heads == (["gemm_bf16_tc_64x256"] if head_rows > gemv_bf16.MAX_ROWS
-                             else ["gemv_bf16"] * -(-head_rows // gemv_bf16.MAX_ROWS)), name
+            assert heads == (["gemm_bf16_tc_64x256"] if head_rows >= launches.BF16_GEMM_ROWS
+                             else ["gemv_bf16"]), name
             if name in wide:
                 assert not any(k.startswith("gemv_mma_fp8") for k in kernels[:-8])
                 assert gemms and all(kernels[i - 1] == "quant_fp8_rows_bf16" for i in gemms)

@@ -61,6 +61,14 @@ from rvcompile.targets.h100.layout import (
 )
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
+# The tied head from this many rows on the bf16 tensor-core GEMM (one read of the table) rather
+# than the bf16 GEMV (one read per 4 rows). 31B head, H100 (benchmarks/h100_head.py, 2026-11-24):
+# the GEMV 0.92 / 0.93 / 0.93 / 1.25 ms at 1 / 2 / 3 / 4 rows, the GEMM 0.99-1.00 ms at any of
+# them (10.2 against 1.0 ms at 32 rows).
+BF16_GEMM_ROWS = 4
+# ... and only as wide as the tiny models' vocabularies (1024 and up): an output narrower than
+# 4 tiles of 256 columns gains nothing from the tensor cores
+BF16_GEMM_MIN_N = 1024
 # One-row FP8 linears go to gemv_fp8, more rows to gemv_mma_fp8. Measured inside the 31B's
 # decode_1 CUDA graph on an H100 (benchmarks/h100_step_profile.py --one-row-gemv-fp8, 2026-11-24,
 # docs/BENCHMARKS.md): 12.80 ms with every one-row linear on gemv_fp8 against 13.65 ms on
@@ -281,8 +289,8 @@ class EntryLowering:
     def gemv(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, rows: int, n: int, k: int) -> None:
         """y[rows, n] (float32) = x[rows, k] @ W^T, by W's dtype and the row count:
         - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
-        - bf16 W (the tied head, the MoE router; x bf16): up to the bf16 GEMV's MAX_ROWS rows that
-          GEMV; more rows the bf16 tensor-core GEMM (bf16_gemm), which reads W once for all;
+        - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS
+          (linear() sends the tied head over many rows to bf16_gemm instead);
         - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
           GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
           entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
@@ -292,8 +300,6 @@ class EntryLowering:
                 r = min(gemv_f32.MAX_ROWS, rows - r0)
                 self.emit(gemv_f32.ENTRY, gemv_f32.launch_geometry(r, n, k, SM_COUNT), W=w,
                           x=x.at(r0 * k * 4), y=y.at(r0 * n * 4), M=r, N=n, K=k)
-        elif scale is None and rows > gemv_bf16.MAX_ROWS and gemm_tc.fits(rows, n, k):
-            self.bf16_gemm(x, w, y, rows, n, k)
         elif scale is None:
             for r0 in range(0, rows, gemv_bf16.MAX_ROWS):
                 r = min(gemv_bf16.MAX_ROWS, rows - r0)
@@ -377,8 +383,15 @@ class EntryLowering:
         if at.g is self.ir.head and self.kind == "prefill":
             x_ref, m = self.select_last_row(x.lin, k), 1
         y = self.buffer(m * rows_out * 4)
-        self.gemv(x_ref, Ref("weights", values[0]),
-                  Ref("weights", scales[0]) if scales else None, y, m, rows_out, k)
+        w = Ref("weights", values[0])
+        # the tied head (bf16, the vocabulary wide) over many rows: one read of the table on the
+        # tensor cores; a MoE router (bf16, 128 experts wide) stays on the GEMV, which one
+        # 256-column tile of the GEMM would leave on a single SM
+        if (self.specs[values[0]].dtype == "bfloat16" and m >= BF16_GEMM_ROWS
+                and rows_out >= BF16_GEMM_MIN_N and gemm_tc.fits(m, rows_out, k)):
+            self.bf16_gemm(x_ref, w, y, m, rows_out, k)
+        else:
+            self.gemv(x_ref, w, Ref("weights", scales[0]) if scales else None, y, m, rows_out, k)
         return _Val(rows_out, f32=y)
 
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
