@@ -95,7 +95,7 @@ def main() -> None:
           + f" | total {sum(best.values()):.3f} s ({'wall' if args.wall else 'CPU'}, best of "
           f"{args.runs})")
     if args.profile:
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(clock)
         prof.runcall(once)
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
