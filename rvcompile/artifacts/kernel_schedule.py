@@ -82,6 +82,7 @@ MAX_BYTES = 1 << 50  # any size or offset beyond a petabyte is damage, not a mod
 MAX_ROWS = 1 << 20
 MAX_ARGS = 256  # arguments of one launch
 _ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -352,15 +353,23 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
     ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
     names: set[str] = set()  # argument names already checked
-    launches = tuple(_launch(x, cubins, ranges, names, templates)
+    kernels: set[str] = set()  # kernel names already checked
+    launches = tuple(_launch(x, cubins, ranges, names, kernels, templates)
                      for x in at["launches"].items(1))
     return EntryPoint(name, rows, at["graph"].bool(), launches)
 
 
 def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple],
-            names: set[str], templates: dict[str, ParamsTemplate]) -> Launch:
-    """`ranges`: each argument kind's allowed values (pointers inside the arena); `names`: the
-    argument names known to be well formed; `templates`: the parameter blocks by name."""
+            names: set[str], kernels: set[str],
+            templates: dict[str, ParamsTemplate]) -> Launch:
+    """`ranges`: each argument kind's allowed values (pointers inside the arena); `names` and
+    `kernels`: the argument and kernel names known to be well formed; `templates`: the
+    parameter blocks by name. A schedule holds thousands of launches, so a well-formed one is
+    checked directly on the JSON values (_plain_launch); the first that is not goes through At,
+    which names what is wrong."""
+    plain = _plain_launch(at.value, cubins, kernels)
+    if plain is not None:
+        return Launch(*plain, _args(at["args"], ranges, names, templates))
     module = at["module"].str()
     if module not in cubins:
         at["module"].fail(f"launches module {module!r}, which has no cubin in the artifact")
@@ -368,8 +377,36 @@ def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple],
     block = tuple(d.int(1, hi) for d, hi in zip(at["block"].items(3, 3), MAX_BLOCK, strict=True))
     if math.prod(block) > MAX_THREADS:
         at["block"].fail(f"{math.prod(block)} threads per block; CUDA allows {MAX_THREADS}")
-    return Launch(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]*"), grid, block,
+    return Launch(module, at["kernel"].str(pattern=_KERNEL_NAME.pattern), grid, block,
                   at["smem"].int(0, MAX_SMEM), _args(at["args"], ranges, names, templates))
+
+
+def _plain_launch(x: Any, cubins: dict[str, Cubin], kernels: set[str]) -> tuple | None:
+    """(module, kernel, grid, block, smem) of launch `x` when every one of them passes the
+    checks _launch makes through At; None otherwise (At then finds what is wrong)."""
+    if type(x) is not dict:
+        return None
+    module, kernel, smem = x.get("module"), x.get("kernel"), x.get("smem")
+    grid, block = x.get("grid"), x.get("block")
+    if type(module) is not str or module not in cubins or type(kernel) is not str:
+        return None
+    if kernel not in kernels:
+        if len(kernel) > 4096 or not _KERNEL_NAME.fullmatch(kernel):
+            return None
+        kernels.add(kernel)
+    if type(smem) is not int or not 0 <= smem <= MAX_SMEM:
+        return None
+    dims = []
+    for d, limits in ((grid, MAX_GRID), (block, MAX_BLOCK)):
+        if type(d) is not list or len(d) != 3:
+            return None
+        for v, hi in zip(d, limits, strict=True):
+            if type(v) is not int or not 1 <= v <= hi:
+                return None
+        dims.append((d[0], d[1], d[2]))
+    if dims[1][0] * dims[1][1] * dims[1][2] > MAX_THREADS:
+        return None
+    return module, kernel, dims[0], dims[1], smem
 
 
 def _args(at: At, ranges: dict[str, tuple], names: set[str],
@@ -390,12 +427,19 @@ def _args(at: At, ranges: dict[str, tuple], names: set[str],
                 if not _ARG_NAME.fullmatch(name):
                     break
                 names.add(name)
-            if type(kind) is not str or kind not in ranges:
+            if type(kind) is not str:
                 break
-            lo, hi = ranges[kind]
-            plain = type(value) is int or (kind == "f32" and type(value) is float
-                                           and math.isfinite(value))
-            if not plain or not lo <= value <= hi:
+            if kind == "params":
+                value = _plain_block(value, ranges["ptr"], templates)
+                if value is None:
+                    break
+            elif kind in ranges:
+                lo, hi = ranges[kind]
+                plain = type(value) is int or (kind == "f32" and type(value) is float
+                                               and math.isfinite(value))
+                if not plain or not lo <= value <= hi:
+                    break
+            else:
                 break
             args.append(Arg(name, kind, value))
         else:
@@ -419,6 +463,25 @@ def _args(at: At, ranges: dict[str, tuple], names: set[str],
         args.append(Arg(name, kind, value.number(*ranges[kind]) if kind == "f32"
                         else value.int(*ranges[kind])))
     return tuple(args)
+
+
+def _plain_block(v: Any, ptr: tuple[int, int],
+                 templates: dict[str, ParamsTemplate]) -> ParamsBlock | None:
+    """The ParamsBlock of a "params" argument's value `v` when it passes every check _block
+    makes; None otherwise (_block then names what is wrong)."""
+    if type(v) is not dict or len(v) != 2:
+        return None
+    name, roles = v.get("template"), v.get("roles")
+    template = templates.get(name) if type(name) is str else None
+    if template is None or type(roles) is not dict or len(roles) > 64:
+        return None
+    lo, hi = ptr
+    for offset in roles.values():
+        if type(offset) is not int or not lo <= offset <= hi:
+            return None
+    if sorted(roles) != sorted(template.roles):
+        return None
+    return ParamsBlock(name, dict(roles))
 
 
 def _block(at: At, ptr: tuple[int, int], templates: dict[str, ParamsTemplate]) -> ParamsBlock:

@@ -43,11 +43,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
+# cryptography itself is imported by the functions that sign or check: an unsigned load
+# (every rvrun without --trusted-key) does not pay its import.
 
 from rvcompile.artifacts.format import ALIGN, ArtifactError, canonical_json
 
@@ -98,6 +102,8 @@ class Signable:
                          self.header_block, self.table))
 
     def is_valid(self, sig: Signature, key: TrustedKey) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
         try:
             key.public.verify(sig.ed25519, self.message(sig.key_id, sig.signer))
         except InvalidSignature:
@@ -106,12 +112,18 @@ class Signable:
 
 
 def key_id(public: Ed25519PublicKey) -> str:
+    from cryptography.hazmat.primitives import serialization
+
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()
 
 
 def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """The Ed25519 private key in PEM file `path`."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     name = str(path)
     data = _read_key_file(name)
     try:
@@ -129,6 +141,10 @@ def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
 
 def load_trusted_key(path: str | os.PathLike[str]) -> TrustedKey:
     """The Ed25519 public key in PEM file `path`."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     name = str(path)
     data = _read_key_file(name)
     try:
@@ -144,6 +160,9 @@ def load_trusted_key(path: str | os.PathLike[str]) -> TrustedKey:
 def write_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, str]:
     """Writes a new key pair as PREFIX.key (private, mode 0600) and PREFIX.pub; returns their
     paths and the key id. Refuses to replace either file; leaves neither on failure."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private_path, public_path = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
     for p in (private_path, public_path):
         if p.exists():

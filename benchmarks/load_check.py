@@ -1,0 +1,104 @@
+"""The CPU side of `runtime.load`'s check phase on a realistic manifest, without its weights
+(issue 18): a 31B artifact is 32 GB, but what `check` reads is its manifest (the kernel
+schedule: every launch of every entry), its small sections (tokenizer, generation config, chat
+template) and its cubins, all of which the build makes before it reads a weight. This script
+makes them as `rvcompile build PRESET --random-weights` would (the IR lowered without weights,
+the cubins from nvcc's cache), then times what `runtime.load` does with them before the GPU:
+the manifest's JSON parsed (Artifact.open), the manifest checked (read_manifest), the small
+sections hashed (Artifact.verify) and parsed (read_contents: tokenizer, template, the cubins
+against the schedule), each best of `--runs` in CPU seconds (`--wall`: wall seconds);
+`--profile` adds cProfile's top entries.
+
+    python benchmarks/load_check.py [--preset gemma-4-31B] [--target h100-fp8] [--runs 3]
+        [--profile 25] [--wall]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import json
+import pstats
+import time
+
+from rvcompile import __version__
+from rvcompile.artifacts.contents import parse_contents
+from rvcompile.artifacts.format import ArtifactHeader, canonical_json
+from rvcompile.artifacts.manifest import parse_manifest
+from rvcompile.build import lower_model, prepare
+from rvcompile.progress import Phases
+from rvcompile.sources.checkpoint import load_model_source
+from rvcompile.targets.api import BuildOptions
+
+
+def make(preset: str, target: str) -> tuple[ArtifactHeader, bytes, dict[str, bytes], dict]:
+    """(header, manifest JSON text, small sections, section sizes) as the build makes them."""
+    tgt, opts = prepare(BuildOptions(target))
+    source = load_model_source(preset, random_weights=True)
+    ir = lower_model(source, opts, log=lambda s: None)
+    lowered = tgt.lower(ir, opts, lambda s: None, Phases("bench", "off"))
+    header = ArtifactHeader(compiler_version=__version__, target=target,
+                            platforms=lowered.platforms, requirements=lowered.requirements)
+    sections = {
+        **lowered.sections,
+        "tokenizer": source.tokenizer_json.encode(),
+        "generation_config": json.dumps(source.generation_config, sort_keys=True).encode(),
+        "chat_template": (source.chat_template or "").encode(),
+    }
+    manifest = {
+        "model": {"name": source.config.name, "config": source.config.to_hf_dict(),
+                  "origin": source.origin},
+        "target": target, "compiler_version": __version__, "passes": list(ir.notes),
+        **lowered.manifest, "random_weights": {"seed": 0},
+    }
+    sizes = {"weights": lowered.weights_nbytes, **{n: len(d) for n, d in sections.items()}}
+    return header, canonical_json(manifest), sections, sizes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gemma-4-31B")
+    ap.add_argument("--target", default="h100-fp8")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N entries")
+    ap.add_argument("--wall", action="store_true",
+                    help="wall seconds (default: this process's CPU seconds, which other work on "
+                         "a shared machine disturbs less; the check runs on one thread)")
+    args = ap.parse_args()
+    clock = time.perf_counter if args.wall else time.process_time
+    header, text, sections, sizes = make(args.preset, args.target)
+    small = ("tokenizer", "generation_config", "chat_template", "cubins")
+
+    def once() -> dict[str, float]:
+        t = [clock()]
+        doc = json.loads(text)
+        t.append(clock())
+        manifest = parse_manifest(header, doc, sizes, "bench.rvp")
+        t.append(clock())
+        for name in small:
+            hashlib.sha256(sections[name]).digest()
+        t.append(clock())
+        parse_contents(manifest, sections, "bench.rvp")
+        t.append(clock())
+        names = ("manifest json", "read_manifest", "verify small", "read_contents")
+        return {n: b - a for n, a, b in zip(names, t[:-1], t[1:], strict=True)}
+
+    runs = [once() for _ in range(args.runs)]
+    best = {k: min(r[k] for r in runs) for k in runs[0]}
+    launches = sum(len(e.launches) for e in parse_manifest(
+        header, json.loads(text), sizes, "bench.rvp").h100.schedule.entries.values())
+    print(f"{args.preset} {args.target}: manifest {len(text) / 1e6:.1f} MB, {launches} launches, "
+          f"cubins {len(sections['cubins']) / 1e6:.1f} MB, tokenizer "
+          f"{len(sections['tokenizer']) / 1e6:.1f} MB")
+    print(" | ".join(f"{k} {v:.3f}" for k, v in best.items())
+          + f" | total {sum(best.values()):.3f} s ({'wall' if args.wall else 'CPU'}, best of "
+          f"{args.runs})")
+    if args.profile:
+        prof = cProfile.Profile(clock)
+        prof.runcall(once)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
