@@ -112,6 +112,24 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """A collective step of one rank of a tensor-parallel schedule, between launches: every rank
+    reaches the same steps in the same order. "all_reduce": the float32 [rows, cols] at `src`
+    summed over the ranks, into `dst` (the same offset: in place). "all_gather": each rank's
+    float32 [rows, cols] at `src` side by side as column blocks in rank order, into the
+    [rows, ranks * cols] at `dst` (the logits before sampling)."""
+
+    op: str  # one of COLLECTIVE_OPS
+    src: int  # arena byte offsets
+    dst: int
+    rows: int
+    cols: int
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+
+
+@dataclass(frozen=True)
 class Field:
     """A host-visible array in the arena."""
 
@@ -129,7 +147,7 @@ class EntryPoint:
     name: str
     rows: int
     graph: bool  # captured into a CUDA graph at load (decode); prefill runs eagerly
-    launches: tuple[Launch, ...]
+    launches: tuple[Launch | Collective, ...]  # collectives only in a tensor-parallel rank's
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import Graph, ModelIR, Node, readers, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.model.config import LayerSpec
@@ -55,10 +56,12 @@ from rvcompile.targets.h100.layout import (
     Constants,
     EntryPlan,
     LoweringError,
+    PlannedCollective,
     PlannedLaunch,
     Pool,
     Ref,
 )
+from rvcompile.targets.h100.tensor_parallel import RankPlan
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
 # One-row FP8 linears go to gemv_fp8, more rows to gemv_mma_fp8. Measured inside the 31B's
@@ -122,8 +125,9 @@ class EntryLowering:
     """Lowers embed, every layer, head and sampler for one entry point of `rows` token rows."""
 
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
-                 pools: dict[int, Pool]):
+                 pools: dict[int, Pool], tp: RankPlan | None = None):
         self.ir, self.kind, self.m = ir, kind, rows
+        self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
         self.specs = ir.param_map()
@@ -376,10 +380,28 @@ class EntryLowering:
         x_ref, m = x.lin, self.m
         if at.g is self.ir.head and self.kind == "prefill":
             x_ref, m = self.select_last_row(x.lin, k), 1
+        w = Ref("weights", values[0])
+        scale = Ref("weights", scales[0]) if scales else None
+        if self.tp is not None and at.g is self.ir.head:
+            return self.vocab_parallel(x_ref, w, scale, m, rows_out, k)
         y = self.buffer(m * rows_out * 4)
-        self.gemv(x_ref, Ref("weights", values[0]),
-                  Ref("weights", scales[0]) if scales else None, y, m, rows_out, k)
+        self.gemv(x_ref, w, scale, y, m, rows_out, k)
+        if self.tp is not None and values[0] in self.tp.row_parallel:
+            self.launches.append(PlannedCollective("all_reduce", y, y, m, rows_out))
         return _Val(rows_out, f32=y)
+
+    def vocab_parallel(self, x: Ref, w: Ref, scale: Ref | None, m: int, vocab: int,
+                       k: int) -> _Val:
+        """A tensor-parallel rank's head: the logits of its vocabulary rows of the whole table
+        (tensor_parallel.py), then all ranks' side by side."""
+        start, stop = self.tp.vocab
+        size = numpy_dtype(self.specs[w.key].dtype).itemsize
+        part = self.buffer(m * (stop - start) * 4)
+        self.gemv(x, w.at(start * k * size), None if scale is None else scale.at(start * 4),
+                  part, m, stop - start, k)
+        y = self.buffer(m * vocab * 4)
+        self.launches.append(PlannedCollective("all_gather", part, y, m, stop - start))
+        return _Val(vocab, f32=y)
 
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
         out = self.buffer(hdim * self.lin_size)
