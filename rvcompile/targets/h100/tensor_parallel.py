@@ -80,6 +80,8 @@ def _even(n: int, ranks: int, rank: int, what: str) -> tuple[int, int]:
 
 def shard_ir(ir: ModelIR, ranks: int, rank: int) -> RankIR:
     """Rank `rank`'s IR of `ir` (after an h100 pipeline's fusions) split over `ranks`."""
+    if not 0 <= rank < ranks:
+        raise TensorParallelError(f"rank {rank} of {ranks}")
     if ir.assistant is not None:
         raise TensorParallelError("an assistant's drafter is not split over ranks")
     specs = ir.param_map()
