@@ -152,3 +152,96 @@ def test_refusals(oracle_dir):
         shard_ir(ir, 8, 0)
     with pytest.raises(TensorParallelError, match="rank 2 of 2"):
         shard_ir(ir, 2, 2)
+
+
+# --- rvcompile build --tp N: one artifact, a schedule per rank --------------------------------
+
+@pytest.mark.parametrize(("target", "ranks"), [("h100-f32", 2), ("h100-fp8", 4)])
+def test_built_tp_artifact(plans, oracle_dir, tmp_path, target, ranks):
+    """The build writes every rank's schedule and its part of each weight (build._shard_part,
+    from the checkpoint): on the reference executor, what the in-memory split gives."""
+    _, one, tp = plans("dense", target)
+    _, ckpt = oracle_dir("dense")
+    out = tmp_path / "tp.rvp"
+    build_artifact(str(ckpt), out, BuildOptions(target, **OPTS, tp=ranks), progress=False,
+                   log=lambda s: None)
+    art = Artifact.open(out)
+    tp_ = art.manifest["h100"]["tensor_parallel"]
+    assert tp_["ranks"] == ranks and len(tp_["schedules"]) == ranks - 1
+    device = reference_device(art)
+    assert isinstance(device, TensorParallelDevice)
+    built = Model(art, ScheduledExecutor(device.schedule, device))
+    ids = random_token_ids(SEQ, seed=11).tolist()
+    np.testing.assert_array_equal(built.logits(ids), tp(ranks).logits(ids))
+    if target == "h100-f32":
+        assert np.abs(built.logits(ids) - one.logits(ids)).max() <= TP_F32_BOUND
+
+
+def test_tp_artifact_refused_by_one_gpu_runtime(oracle_dir, tmp_path):
+    """Checked like any artifact at open (the ranks' schedules, regions and collectives), then
+    refused in one line by the one-GPU runtime before any GPU is touched."""
+    from rvcompile.artifacts import ArtifactError
+    from rvcompile.runtime import load
+
+    _, ckpt = oracle_dir("dense")
+    out = tmp_path / "tp2.rvp"
+    build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS, tp=2), progress=False,
+                   log=lambda s: None)
+    with pytest.raises(ArtifactError) as e:
+        load(out)
+    assert str(e.value) == ("tp2.rvp: built with --tp 2 (one kernel schedule per GPU, with "
+                            "collectives); this runtime drives one GPU: rebuild with --tp 1")
+
+
+def test_tp_build_refusals(oracle_dir, tmp_path):
+    from rvcompile.sources.model_source import CheckpointError
+
+    _, ckpt = oracle_dir("dense")
+    with pytest.raises(CheckpointError, match="--tp 3: target h100-fp8 splits over 2, 4, 8"):
+        build_artifact(str(ckpt), tmp_path / "x.rvp", BuildOptions("h100-fp8", **OPTS, tp=3),
+                       progress=False, log=lambda s: None)
+    with pytest.raises(TensorParallelError, match="query heads 4 does not divide over 8"):
+        build_artifact(str(ckpt), tmp_path / "x.rvp", BuildOptions("h100-fp8", **OPTS, tp=8),
+                       progress=False, log=lambda s: None)
+    assert not (tmp_path / "x.rvp").exists()
+
+
+def _tampered(art: Artifact, change) -> str:
+    """The one-line error reading `art`'s manifest after `change` edits a copy of it."""
+    import copy
+
+    from rvcompile.artifacts import ArtifactError
+    from rvcompile.artifacts.manifest import parse_manifest
+
+    m = copy.deepcopy(art.manifest)
+    change(m["h100"])
+    with pytest.raises(ArtifactError) as e:
+        parse_manifest(art.header, m, {n: s.size for n, s in art.sections.items()}, "t.rvp")
+    return str(e.value)
+
+
+def test_tp_manifest_checked(oracle_dir, tmp_path):
+    _, ckpt = oracle_dir("dense")
+    out = tmp_path / "tp2.rvp"
+    build_artifact(str(ckpt), out, BuildOptions("h100-f32", **OPTS, tp=2), progress=False,
+                   log=lambda s: None)
+    art = Artifact.open(out)
+
+    def offsets(h):
+        h["tensor_parallel"]["weights"][1] += 256
+
+    def lockstep(h):  # rank 1 skips its first collective
+        steps = h["tensor_parallel"]["schedules"][0]["entries"]["decode_1"]["launches"]
+        steps.remove(next(x for x in steps if "op" in x))
+
+    def alone(h):  # rank 0's schedule as a one-GPU artifact's
+        del h["tensor_parallel"]
+
+    def gather(h):
+        steps = h["schedule"]["entries"]["decode_1"]["launches"]
+        next(x for x in steps if x.get("op") == "all_reduce")["dst"] += 4
+
+    assert "tensor_parallel.weights: expected [0, " in _tampered(art, offsets)
+    assert "rank 1's entry points or collectives differ" in _tampered(art, lockstep)
+    assert "has collective steps, which only the ranks" in _tampered(art, alone)
+    assert "an all-reduce is in place" in _tampered(art, gather)

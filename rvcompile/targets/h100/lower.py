@@ -10,9 +10,9 @@ as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
+from rvcompile.artifacts.kernel_schedule import TP_SCHEDULE_VERSION, KernelSchedule, Launch
 from rvcompile.ir.graph import ModelIR
 from rvcompile.targets.h100 import layout
 from rvcompile.targets.h100.launches import EntryLowering
@@ -54,6 +54,8 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
              for kind, name, rows in entries]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
+    if tp is not None:  # a rank's schedule has collective steps
+        schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches
                             if isinstance(x, Launch)}))
     return H100Lowering(schedule, consts.data(), {k: [v] for k, v in weights.items()}, modules)

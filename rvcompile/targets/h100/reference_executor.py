@@ -71,10 +71,19 @@ def _entry(launch: Launch) -> Entry:
     return entry
 
 
-def reference_device(art: Artifact) -> ReferenceDevice:
-    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants."""
-    schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
-    return ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
+def reference_device(art: Artifact) -> ReferenceDevice | TensorParallelDevice:
+    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants;
+    for a --tp artifact every rank's, each over its part of the sections, in lockstep."""
+    h100 = art.manifest["h100"]
+    schedule = KernelSchedule.from_json(h100["schedule"])
+    weights, constants = art.buffer("weights"), bytes(art.buffer("constants"))
+    tp = h100.get("tensor_parallel")
+    if tp is None:
+        return ReferenceDevice(schedule, weights, constants)
+    schedules = [schedule, *(KernelSchedule.from_json(x) for x in tp["schedules"])]
+    return TensorParallelDevice([
+        ReferenceDevice(x, weights[w:w + x.weights_bytes], constants[c:c + x.constants_bytes])
+        for x, w, c in zip(schedules, tp["weights"], tp["constants"], strict=True)])
 
 
 class TensorParallelDevice:

@@ -44,6 +44,16 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class RankSlot:
+    """Where a rank's copy of a weight goes in a --tp artifact's weights section, and which
+    part of the full weight it is (None: all of it)."""
+
+    offset: int
+    nbytes: int
+    shard: Shard | None
+
+
+@dataclass(frozen=True)
 class RankPlan:
     """What the lowering of one rank needs beyond its IR."""
 
