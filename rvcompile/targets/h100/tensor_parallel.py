@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.ir.graph import Graph, ModelIR, ParamSpec, resolve_param
+from rvcompile.ir.graph import Graph, ModelIR, ParamSpec, readers, resolve_param
 from rvcompile.ir.ops import Op
 
 
@@ -129,15 +129,17 @@ def shard_ir(ir: ModelIR, ranks: int, rank: int) -> RankIR:
                     if store.op == Op.KV_STORE:
                         nodes[c] = replace(store, attrs=replace(
                             store.attrs, start=(q1 - q0) * d + i * kvn * d, heads=kvn))
-                for u, r in enumerate(g.nodes):  # o: the reshape's reader
-                    if r.op == Op.RESHAPE and r.inputs[0] == idx:
-                        cols = (q1 - q0) * d
-                        nodes[u] = replace(r, shape=(*r.shape[:-1], cols),
-                                           attrs=replace(r.attrs, shape=(*r.shape[:-1], cols)))
-                        for o in _readers_of(g, u, Op.LINEAR):
-                            w = name(g.nodes[o].inputs[1])
-                            shards[w] = Shard(1, q0 * d, q1 * d)
-                            row_parallel.add(w)
+                views = _readers_of(g, idx, Op.RESHAPE)
+                outs = [o for u in views for o in _readers_of(g, u, Op.LINEAR)]
+                if len(views) != 1 or len(outs) != 1 or len(readers(g)[idx]) != 1:
+                    raise TensorParallelError(f"layer {li}: the attention output is read "
+                                              "other than by one reshape and o projection")
+                r, cols = g.nodes[views[0]], (q1 - q0) * d
+                nodes[views[0]] = replace(r, shape=(*r.shape[:-1], cols),
+                                          attrs=replace(r.attrs, shape=(*r.shape[:-1], cols)))
+                w = name(g.nodes[outs[0]].inputs[1])
+                shards[w] = Shard(1, q0 * d, q1 * d)
+                row_parallel.add(w)
             elif n.op == Op.GATED_LINEAR:
                 gate = name(n.inputs[1])
                 inter = specs[gate].shape[0]
@@ -145,10 +147,13 @@ def shard_ir(ir: ModelIR, ranks: int, rank: int) -> RankIR:
                 for w in n.inputs[1:]:
                     shards[name(w)] = Shard(0, c0, c1)
                 nodes[idx] = replace(n, shape=(*n.shape[:-1], c1 - c0))
-                for o in _readers_of(g, idx, Op.LINEAR):
-                    w = name(g.nodes[o].inputs[1])
-                    shards[w] = Shard(1, c0, c1)
-                    row_parallel.add(w)
+                downs = _readers_of(g, idx, Op.LINEAR)
+                if len(downs) != 1 or len(readers(g)[idx]) != 1:
+                    raise TensorParallelError(f"layer {li}: the gated MLP's product is read "
+                                              "other than by one down projection")
+                w = name(g.nodes[downs[0]].inputs[1])
+                shards[w] = Shard(1, c0, c1)
+                row_parallel.add(w)
         templates[t] = replace(g, nodes=tuple(nodes))
     vocab = _even(ir.config.vocab_size, ranks, rank, "vocabulary")
     params = tuple(_split_spec(p, shards.get(p.name)) for p in ir.params)
