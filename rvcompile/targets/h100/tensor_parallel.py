@@ -29,6 +29,8 @@ from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import Graph, ModelIR, ParamSpec, readers, resolve_param
 from rvcompile.ir.ops import Op
 
+K_STEP = 16  # the FP8 GEMVs' and GEMMs' K granularity: a row-parallel weight's columns a rank
+
 
 class TensorParallelError(ValueError):
     """The model cannot be split over that many ranks; the message names what does not divide."""
@@ -144,6 +146,10 @@ def shard_ir(ir: ModelIR, ranks: int, rank: int) -> RankIR:
                 gate = name(n.inputs[1])
                 inter = specs[gate].shape[0]
                 c0, c1 = _even(inter, ranks, rank, f"layer {li}: MLP width")
+                if (c1 - c0) % K_STEP:
+                    raise TensorParallelError(
+                        f"layer {li}: MLP width {inter} over {ranks} ranks is {c1 - c0} columns "
+                        f"a rank, not a multiple of {K_STEP} (the down projection's K step)")
                 for w in n.inputs[1:]:
                     shards[name(w)] = Shard(0, c0, c1)
                 nodes[idx] = replace(n, shape=(*n.shape[:-1], c1 - c0))
