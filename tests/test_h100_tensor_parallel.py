@@ -39,6 +39,8 @@ from rvcompile.targets.h100.reference_executor import (
     reference_device,
 )
 from rvcompile.targets.h100.tensor_parallel import (
+    RankSlot,
+    Shard,
     TensorParallelError,
     rank_weights,
     shard_ir,
@@ -245,3 +247,24 @@ def test_tp_manifest_checked(oracle_dir, tmp_path):
     assert "rank 1's entry points or collectives differ" in _tampered(art, lockstep)
     assert "has collective steps, which only the ranks" in _tampered(art, alone)
     assert "an all-reduce is in place" in _tampered(art, gather)
+
+
+@pytest.mark.parametrize("shard", [Shard(0, 2, 6), Shard(1, 1, 3)])
+def test_shard_part_across_row_blocks(shard):
+    """A big tensor reaches the writer in row blocks (build.ROW_BLOCK_BYTES): each block's share
+    of a rank's rows or columns lands where the whole part would."""
+    from types import SimpleNamespace
+
+    from rvcompile.build import _shard_part
+
+    full = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    want = np.ascontiguousarray(np.take(full, np.arange(shard.start, shard.stop), shard.axis))
+    slot = RankSlot(64, want.nbytes, shard)
+    ref = SimpleNamespace(origin="t", name="w")
+    out = bytearray(64 + want.nbytes)
+    for first, stop in ((0, 3), (3, 5), (5, 8)):
+        part = _shard_part(ref, 8, slot, first, stop, full[first:stop])
+        if part is not None:
+            offset, data = part
+            out[offset:offset + data.nbytes] = data.tobytes()
+    assert bytes(out[64:]) == want.tobytes()
