@@ -237,6 +237,11 @@ def _stream_weights(w: ArtifactWriter, tensors, specs_by_source, slots_by_param,
                 # a pre-quantized FP8 tensor's block stays as stored
                 for name, enc in encode_all(derives, block).items():
                     for slot in slots_by_param[name]:
+                        if getattr(slot, "shard", None) is not None:
+                            part = _shard_part(ref, rows, slot, first, stop, enc)
+                            if part is not None:
+                                w.write("weights", *part)
+                            continue
                         offset = _block_offset(ref, rows, slot, first, stop, enc.nbytes)
                         w.write("weights", offset, np.ascontiguousarray(enc))
                 del block
@@ -265,6 +270,28 @@ def _block_offset(ref, rows: int, slot, first: int, stop: int, nbytes: int) -> i
                               f"rows {first}-{stop} of {rows}, layout expects {slot.nbytes} "
                               "for all of them")
     return slot.offset + first * row_bytes
+
+
+def _shard_part(ref, rows: int, slot, first: int, stop: int, enc: np.ndarray):
+    """(offset, bytes) of a tensor-parallel rank's part of rows [first, stop) of a param, the
+    slot holding rows [start, stop) of it (shard axis 0) or those columns of every row (axis
+    1); None when the block has none of its rows."""
+    sh = slot.shard
+    if sh.axis == 0:
+        lo, hi = max(first, sh.start), min(stop, sh.stop)
+        if lo >= hi:
+            return None
+        part = enc[lo - first:hi - first]
+        row_bytes, at = slot.nbytes // (sh.stop - sh.start), lo - sh.start
+    else:
+        part = enc[:, sh.start:sh.stop]
+        row_bytes, at = slot.nbytes // max(1, rows), first
+    part = np.ascontiguousarray(part)
+    if part.nbytes != (len(part) if part.ndim else 1) * row_bytes:
+        raise CheckpointError(f"{ref.origin}: tensor {ref.name}: a rank's part of rows "
+                              f"{first}-{stop} encodes to {part.nbytes} bytes, layout expects "
+                              f"{row_bytes} a row")
+    return slot.offset + at * row_bytes, part
 
 
 def _zero_fill_gaps(w: ArtifactWriter, slots_by_param, total: int) -> None:

@@ -133,8 +133,9 @@ def build(
                                        help="TPU slice to precompile every entry point for, "
                                             "e.g. v6e:2x2 (repeatable; needs libtpu, no TPU; "
                                             "default: none)"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel devices (XLA targets): heads, MLP "
-                                           "columns, experts and KV heads split over N"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel devices: heads, MLP columns, "
+                                           "KV heads (and on XLA experts) split over N; h100: "
+                                           "2, 4 or 8, one schedule per GPU"),
     kv_cache: str = typer.Option("auto", "--kv-cache",
                                  help="KV cache: float (the target's own dtype), int8 (+ a "
                                       "scale per token and KV head, blockwise global "

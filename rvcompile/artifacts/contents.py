@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 from rvcompile.artifacts.container import Artifact
 from rvcompile.artifacts.cubin import CubinError, Kernel, kernels
 from rvcompile.artifacts.format import ArtifactError
-from rvcompile.artifacts.kernel_schedule import KernelSchedule
+from rvcompile.artifacts.kernel_schedule import Collective, KernelSchedule
 from rvcompile.artifacts.manifest import (
     TEXT_SECTIONS,
     Manifest,
@@ -72,7 +72,9 @@ def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview
     try:
         contents = _contents(manifest, sections)
         if manifest.h100:
-            _check_cubins(manifest.h100.schedule, sections["cubins"])
+            tp = manifest.h100.tensor_parallel
+            for schedule in tp.schedules if tp else (manifest.h100.schedule,):
+                _check_cubins(schedule, sections["cubins"])
         return contents
     except SchemaError as e:
         raise ArtifactError(f"{fname}: {e}") from None
@@ -156,6 +158,8 @@ def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
             raise SchemaError(f"{where}.cubins.{module}: not a readable cubin: {e}") from None
     for entry in schedule.entries.values():
         for i, x in enumerate(entry.launches):
+            if isinstance(x, Collective):  # no kernel: checked with the manifest
+                continue
             at = f"{where}.entries.{entry.name}.launches[{i}]"
             kernel = found[x.module].get(x.kernel)
             if kernel is None:

@@ -88,10 +88,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # Older files are refused, not read serially: they are rebuilt in minutes, and one way to verify
 # and one schema keep the reader and the section digest (a cache key) single-meaning.
-MIN_READABLE_FORMAT = 6
+MIN_READABLE_FORMAT = 7
 
 # (date, version, change); newest last.
 CHANGELOG: tuple[tuple[str, int, str], ...] = (
@@ -154,6 +154,13 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "at temperature > 0 with probability min(1, p/q) on the device "
                       "(targets/xla/rejection.py); v5 files are refused (rebuild them), since "
                       "the programs' signatures changed"),
+    ("2026-11-24", 7, "h100 artifacts may be tensor parallel (rvcompile build --tp N, issue 20): "
+                      "manifest h100.tensor_parallel {ranks, schedules of ranks 1..N-1, each "
+                      "rank's weights and constants offsets}, the ranks' regions one after "
+                      "another in sections weights and constants, and collective steps in the "
+                      "ranks' schedules (kernel schedule version 5); header arena_bytes is the "
+                      "largest rank's. One-GPU h100 artifacts are as in v6; v6 files are "
+                      "refused (rebuild them), one way to read as before"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

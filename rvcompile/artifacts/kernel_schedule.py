@@ -50,8 +50,13 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "names it); version 2 is no longer read"),
     ("2026-11-24", 4, "parameter blocks: argument kind 'params' ({template, roles}) and "
                       "`params_templates` (the FP8 tensor-core GEMM); version 3 reads the same"),
+    ("2026-11-24", 5, "collective steps among a tensor-parallel rank's launches ({op, src, "
+                      "dst, rows, cols}: kernel_schedule.Collective); only the ranks' "
+                      "schedules of a --tp build carry version 5, a one-GPU schedule stays at "
+                      "version 4 (and reads as before)"),
 )
-SCHEDULE_VERSION = 4
+SCHEDULE_VERSION = 4  # what a one-GPU build writes
+TP_SCHEDULE_VERSION = 5  # what the ranks of a --tp build write: the newest readers take
 MIN_SCHEDULE_VERSION = 3
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params")
@@ -113,6 +118,24 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """A collective step of one rank of a tensor-parallel schedule, between launches: every rank
+    reaches the same steps in the same order. "all_reduce": the float32 [rows, cols] at `src`
+    summed over the ranks, into `dst` (the same offset: in place). "all_gather": each rank's
+    float32 [rows, cols] at `src` side by side as column blocks in rank order, into the
+    [rows, ranks * cols] at `dst` (the logits before sampling)."""
+
+    op: str  # one of COLLECTIVE_OPS
+    src: int  # arena byte offsets
+    dst: int
+    rows: int
+    cols: int
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+
+
+@dataclass(frozen=True)
 class Field:
     """A host-visible array in the arena."""
 
@@ -130,7 +153,7 @@ class EntryPoint:
     name: str
     rows: int
     graph: bool  # captured into a CUDA graph at load (decode); prefill runs eagerly
-    launches: tuple[Launch, ...]
+    launches: tuple[Launch | Collective, ...]  # collectives only in a tensor-parallel rank's
 
 
 @dataclass(frozen=True)
@@ -210,9 +233,9 @@ def _parse(s: At) -> KernelSchedule:
     if version is None:
         s.fail("has no version: built before schedules were versioned; rebuild the artifact")
     v = version.int()
-    if not MIN_SCHEDULE_VERSION <= v <= SCHEDULE_VERSION:
+    if not MIN_SCHEDULE_VERSION <= v <= TP_SCHEDULE_VERSION:
         version.fail(f"kernel schedule version {v}; this runtime reads versions "
-                     f"{MIN_SCHEDULE_VERSION}..{SCHEDULE_VERSION} (rebuild the artifact, or "
+                     f"{MIN_SCHEDULE_VERSION}..{TP_SCHEDULE_VERSION} (rebuild the artifact, or "
                      "upgrade rvcompile)")
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
         "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
@@ -243,7 +266,7 @@ def _parse(s: At) -> KernelSchedule:
         cubins[name] = Cubin(c["offset"].int(0, MAX_BYTES), c["size"].int(1, MAX_BYTES),
                              c["sha256"].sha256())
     templates = _templates(s.get("params_templates"))
-    entries = {name: _entry(e, name, cubins, n["arena_bytes"], templates)
+    entries = {name: _entry(e, name, cubins, n["arena_bytes"], templates, v)
                for name, e in s["entries"].members().items()}
     rows = {kind: sorted(e.rows for e in entries.values() if e.name.startswith(kind + "_"))
             for kind in ENTRY_KINDS}
@@ -342,7 +365,7 @@ def _field(at: At, region: tuple[int, int]) -> Field:
 
 
 def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
-           templates: dict[str, ParamsTemplate]) -> EntryPoint:
+           templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
     m = re.fullmatch(r"(decode|prefill|logits)_([1-9][0-9]{0,6})", key)
     if not m:
         at.fail("an entry point is named decode_N, prefill_N or logits_N")
@@ -354,9 +377,25 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
     names: set[str] = set()  # argument names already checked
     kernels: set[str] = set()  # kernel names already checked
-    launches = tuple(_launch(x, cubins, ranges, names, kernels, templates)
+    launches = tuple(_collective(x, arena_bytes) if version >= TP_SCHEDULE_VERSION
+                     and isinstance(x.value, dict) and "op" in x.value
+                     else _launch(x, cubins, ranges, names, kernels, templates)
                      for x in at["launches"].items(1))
     return EntryPoint(name, rows, at["graph"].bool(), launches)
+
+
+def _collective(at: At, arena_bytes: int) -> Collective:
+    """A collective step: its float32 [rows, cols] source inside the arena, and its destination
+    at least as large (an all-gather's holds every rank's; the manifest checks the rank count)."""
+    op = at["op"].str()
+    if op not in COLLECTIVE_OPS:
+        at["op"].fail(f"expected one of {', '.join(COLLECTIVE_OPS)}")
+    rows, cols = at["rows"].int(1, MAX_ROWS), at["cols"].int(1, INT32_MAX)
+    nbytes = 4 * rows * cols
+    src, dst = at["src"].int(0, arena_bytes - nbytes), at["dst"].int(0, arena_bytes - nbytes)
+    if op == "all_reduce" and src != dst:
+        at["dst"].fail("an all-reduce is in place: dst == src")
+    return Collective(op, src, dst, rows, cols)
 
 
 def _launch(at: At, cubins: dict[str, Cubin], ranges: dict[str, tuple],

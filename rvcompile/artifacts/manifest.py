@@ -39,7 +39,13 @@ Fields (format v3; required unless marked optional):
                       model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
                       `_assistant` checks what `inspect` shows and that it drafts for this model
     h100              (runtime "h100") {"schedule": kernel_schedule.KernelSchedule (its own
-                      version and schema), "nvcc": str, "arch": str}
+                      version and schema), "nvcc": str, "arch": str, optional (v7)
+                      "tensor_parallel": {"ranks": N (2..8), "schedules": [the schedules of
+                      ranks 1..N-1; "schedule" is rank 0's], "weights": [N byte offsets: each
+                      rank's weights region in section weights, one after another],
+                      "constants": [N, the same in section constants]}: one schedule per GPU
+                      (rvcompile build --tp N), each with collective steps (schedule version
+                      5); absent: one GPU}
     provenance        optional (v4, 2026-11-24) how the artifact was built (rvcompile/
                       provenance.py): {"recipe": the build recipe (rvcompile/recipe.py: model,
                       assistant, chat_template, target (the header's), options; its fields are
@@ -52,7 +58,8 @@ Fields (format v3; required unless marked optional):
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
-                      schedule's), optional kernel_launch str (h100_executor refuses others)
+                      schedule's; the largest rank's with tensor_parallel), optional
+                      kernel_launch str (h100_executor refuses others)
 
 Sections a model artifact holds: weights, tokenizer, generation_config, chat_template, and
 programs (xla), optional executables (xla), cubins and constants (h100). Their contents are
@@ -68,7 +75,13 @@ from typing import Any
 
 from rvcompile.artifacts.container import Artifact
 from rvcompile.artifacts.format import ArtifactError, ArtifactHeader
-from rvcompile.artifacts.kernel_schedule import MAX_BYTES, KernelSchedule, min_table_width
+from rvcompile.artifacts.kernel_schedule import (
+    MAX_BYTES,
+    TP_SCHEDULE_VERSION,
+    Collective,
+    KernelSchedule,
+    min_table_width,
+)
 from rvcompile.artifacts.schema import INT32_MAX, At, SchemaError
 
 RUNTIMES = ("xla", "h100")
@@ -191,10 +204,25 @@ class XlaManifest:
 
 
 @dataclass(frozen=True)
+class H100TensorParallel:
+    """A --tp build's ranks: rank r runs schedules[r] over its weights region (section weights
+    from weights[r], schedules[r].weights_bytes long) and constants likewise."""
+
+    schedules: tuple[KernelSchedule, ...]  # every rank's, rank 0's first (= H100Manifest's)
+    weights: tuple[int, ...]
+    constants: tuple[int, ...]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.schedules)
+
+
+@dataclass(frozen=True)
 class H100Manifest:
-    schedule: KernelSchedule
+    schedule: KernelSchedule  # rank 0's with tensor_parallel
     nvcc: str
     arch: str
+    tensor_parallel: H100TensorParallel | None = None  # None: one GPU
 
 
 @dataclass(frozen=True)
@@ -650,15 +678,21 @@ def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,
         req["kernel_launch"].str()
     where = h["schedule"]
     schedule = KernelSchedule.from_json(where.value, where.path)
-    if req["arena_bytes"].int(1, MAX_BYTES) != schedule.arena_bytes:
+    tp = None if h.get("tensor_parallel") is None else _tensor_parallel(
+        h["tensor_parallel"], schedule, model, sections)
+    schedules = tp.schedules if tp else (schedule,)
+    if tp is None and _has_collectives(schedule):
+        where.fail("has collective steps, which only the ranks of tensor_parallel take")
+    arena = max(x.arena_bytes for x in schedules)
+    if req["arena_bytes"].int(1, MAX_BYTES) != arena:
         req["arena_bytes"].fail(f"{req['arena_bytes'].value} differs from the schedule's "
-                                f"arena_bytes {schedule.arena_bytes}")
+                                f"arena_bytes {arena}")
     if schedule.vocab_size != model.vocab_size:
         where["vocab_size"].fail(f"{schedule.vocab_size} differs from the model's "
                                  f"{model.vocab_size}")
     for region, size in (("weights", schedule.weights_bytes),
                          ("constants", schedule.constants_bytes)):
-        if sections[region] != size:
+        if tp is None and sections[region] != size:
             where[f"{region}_bytes"].fail(f"{size}, but section {region!r} holds "
                                           f"{sections[region]} bytes")
     for module, c in schedule.cubins.items():
@@ -667,5 +701,57 @@ def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,
                 f"bytes [{c.offset}, {c.offset + c.size}) fall outside section 'cubins' of "
                 f"{sections['cubins']} bytes")
     return H100Manifest(schedule, h["nvcc"].str(max_len=200, printable=True),
-                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"))
+                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"), tp)
+
+
+MAX_TP_RANKS = 8  # the GPUs of one host
+
+
+def _has_collectives(schedule: KernelSchedule) -> bool:
+    return any(isinstance(x, Collective) for e in schedule.entries.values() for x in e.launches)
+
+
+def _tensor_parallel(t: At, first: KernelSchedule, model: ModelInfo,
+                     sections: dict[str, int]) -> H100TensorParallel:
+    """The ranks' schedules: each a version-5 schedule of the model, the same entry points and
+    cubins as rank 0's, the same collectives in the same order (the ranks run in lockstep), an
+    all-gather's destination holding every rank's part; the ranks' weights and constants
+    regions one after another, filling their sections."""
+    ranks = t["ranks"].int(2, MAX_TP_RANKS)
+    peers = t["schedules"].items(ranks - 1, ranks - 1)
+    schedules = (first, *(KernelSchedule.from_json(p.value, p.path) for p in peers))
+    steps = _collective_steps(first)
+    for r, (x, at) in enumerate(zip(schedules, [t, *peers], strict=True)):
+        if x.version != TP_SCHEDULE_VERSION:
+            at.fail(f"rank {r}'s schedule has version {x.version}; a rank's is version "
+                    f"{TP_SCHEDULE_VERSION}")
+        if x.vocab_size != model.vocab_size or x.cubins != first.cubins:
+            at.fail(f"rank {r}'s schedule differs from rank 0's in vocab_size or cubins")
+        if x.entries.keys() != first.entries.keys() or _collective_steps(x) != steps:
+            at.fail(f"rank {r}'s entry points or collectives differ from rank 0's (the ranks "
+                    "run in lockstep)")
+        for e in x.entries.values():
+            for c in e.launches:
+                if isinstance(c, Collective) and c.op == "all_gather" \
+                        and c.dst + 4 * c.rows * c.cols * ranks > x.arena_bytes:
+                    at.fail(f"rank {r}, {e.name}: an all-gather's destination runs past the "
+                            "arena")
+    offsets = {}
+    for region, size in (("weights", "weights_bytes"), ("constants", "constants_bytes")):
+        at = t[region]
+        got = tuple(v.int(0, MAX_BYTES) for v in at.items(ranks, ranks))
+        want, end = [], 0
+        for x in schedules:
+            want.append(end)
+            end += getattr(x, size)
+        if got != tuple(want) or end != sections[region]:
+            at.fail(f"expected {want} (the ranks' {region} one after another), with section "
+                    f"{region!r} of {end} bytes; got {list(got)} and {sections[region]}")
+        offsets[region] = got
+    return H100TensorParallel(schedules, offsets["weights"], offsets["constants"])
+
+
+def _collective_steps(x: KernelSchedule) -> dict[str, list[tuple[str, int, int]]]:
+    return {name: [(c.op, c.rows, c.cols) for c in e.launches if isinstance(c, Collective)]
+            for name, e in x.entries.items()}
 

@@ -124,7 +124,9 @@ class Lowered:
     manifest: dict  # the target's part of the manifest, merged at the top level
     sections: dict[str, bytes]  # besides "weights" and the text sections
     weights_nbytes: int
-    slots_by_param: dict  # param name -> [slot with .offset, .nbytes] in "weights"
+    # param name -> [slot with .offset, .nbytes] in "weights"; a slot with a .shard (h100 --tp:
+    # tensor_parallel.Shard) holds that part of the param (rows or columns), else all of it
+    slots_by_param: dict
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,11 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     the weights re-hashed; then the executor, which hashes the weights as it uploads them
     (when opts.verify has them) and runs nothing before they checked out."""
     schedule = manifest.h100.schedule
+    tp = manifest.h100.tensor_parallel
+    if tp is not None:
+        raise ArtifactError(f"{art.path.name}: built with --tp {tp.ranks} (one kernel schedule "
+                            f"per GPU, with collectives); this runtime drives one GPU: rebuild "
+                            "with --tp 1")
     if opts.kv_blocks:
         raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
                             "build; kv_blocks applies to XLA artifacts")

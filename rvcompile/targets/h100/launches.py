@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import Graph, ModelIR, Node, readers, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.model.config import LayerSpec
@@ -55,10 +56,12 @@ from rvcompile.targets.h100.layout import (
     Constants,
     EntryPlan,
     LoweringError,
+    PlannedCollective,
     PlannedLaunch,
     Pool,
     Ref,
 )
+from rvcompile.targets.h100.tensor_parallel import RankPlan
 
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
 # The tied head from this many rows on the bf16 tensor-core GEMM (one read of the table) rather
@@ -130,8 +133,9 @@ class EntryLowering:
     """Lowers embed, every layer, head and sampler for one entry point of `rows` token rows."""
 
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
-                 pools: dict[int, Pool]):
+                 pools: dict[int, Pool], tp: RankPlan | None = None):
         self.ir, self.kind, self.m = ir, kind, rows
+        self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
         self.specs = ir.param_map()
@@ -382,17 +386,39 @@ class EntryLowering:
         x_ref, m = x.lin, self.m
         if at.g is self.ir.head and self.kind == "prefill":
             x_ref, m = self.select_last_row(x.lin, k), 1
-        y = self.buffer(m * rows_out * 4)
         w = Ref("weights", values[0])
-        # the tied head (bf16, the vocabulary wide) over many rows: one read of the table on the
-        # tensor cores; a MoE router (bf16, 128 experts wide) stays on the GEMV, which one
-        # 256-column tile of the GEMM would leave on a single SM
-        if (self.specs[values[0]].dtype == "bfloat16" and m >= BF16_GEMM_ROWS
-                and rows_out >= BF16_GEMM_MIN_N and gemm_tc.fits(m, rows_out, k)):
-            self.bf16_gemm(x_ref, w, y, m, rows_out, k)
-        else:
-            self.gemv(x_ref, w, Ref("weights", scales[0]) if scales else None, y, m, rows_out, k)
+        scale = Ref("weights", scales[0]) if scales else None
+        if self.tp is not None and at.g is self.ir.head:
+            return self.vocab_parallel(x_ref, w, scale, m, rows_out, k)
+        y = self.buffer(m * rows_out * 4)
+        self.product(x_ref, w, scale, y, m, rows_out, k)
+        if self.tp is not None and values[0] in self.tp.row_parallel:
+            self.launches.append(PlannedCollective("all_reduce", y, y, m, rows_out))
         return _Val(rows_out, f32=y)
+
+    def vocab_parallel(self, x: Ref, w: Ref, scale: Ref | None, m: int, vocab: int,
+                       k: int) -> _Val:
+        """A tensor-parallel rank's head: the logits of its vocabulary rows of the whole table
+        (tensor_parallel.py), then all ranks' side by side."""
+        start, stop = self.tp.vocab
+        size = numpy_dtype(self.specs[w.key].dtype).itemsize
+        part = self.buffer(m * (stop - start) * 4)
+        self.product(x, w.at(start * k * size), None if scale is None else scale.at(start * 4),
+                     part, m, stop - start, k)
+        y = self.buffer(m * vocab * 4)
+        self.launches.append(PlannedCollective("all_gather", part, y, m, stop - start))
+        return _Val(vocab, f32=y)
+
+    def product(self, x: Ref, w: Ref, scale: Ref | None, y: Ref, m: int, n: int, k: int) -> None:
+        """y = x @ W^T for a LINEAR: the tied head (bf16, the vocabulary wide) from
+        BF16_GEMM_ROWS rows on the bf16 tensor-core GEMM, one read of the table; everything else
+        by gemv(). (A MoE router, bf16 but 128 experts wide, calls gemv() itself: one
+        256-column tile of the GEMM would leave it on a single SM.)"""
+        if (scale is None and self.specs[w.key].dtype == "bfloat16" and m >= BF16_GEMM_ROWS
+                and n >= BF16_GEMM_MIN_N and gemm_tc.fits(m, n, k)):
+            self.bf16_gemm(x, w, y, m, n, k)
+        else:
+            self.gemv(x, w, scale, y, m, n, k)
 
     def select_last_row(self, x: Ref, hdim: int) -> Ref:
         out = self.buffer(hdim * self.lin_size)

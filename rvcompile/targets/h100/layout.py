@@ -26,6 +26,7 @@ import numpy as np
 from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import (
     Arg,
+    Collective,
     EntryPoint,
     Field,
     KernelSchedule,
@@ -81,13 +82,28 @@ class PlannedLaunch:
 
 
 @dataclass(frozen=True)
+class PlannedCollective:
+    """A collective step of a tensor-parallel rank (kernel_schedule.Collective) over symbolic
+    pointers."""
+
+    op: str
+    src: Ref
+    dst: Ref
+    rows: int
+    cols: int
+
+    def refs(self) -> list[Ref]:
+        return [self.src, self.dst]
+
+
+@dataclass(frozen=True)
 class EntryPlan:
     """One entry point's launches before layout."""
 
     name: str
     rows: int
     graph: bool  # captured into a CUDA graph (decode)
-    launches: tuple[PlannedLaunch, ...]
+    launches: tuple[PlannedLaunch | PlannedCollective, ...]
     sizes: dict[int, int]  # activation buffer -> bytes
     outputs: dict[str, tuple[Ref, str, tuple[int, ...]]]  # host-read results: ref, dtype, shape
 
@@ -286,9 +302,14 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                 return Arg(a.param.name, "null", 0)
             return Arg(a.param.name, "ptr", address(a.value))
 
-        resolved[e.name] = EntryPoint(e.name, e.rows, e.graph, tuple(
-            Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
-                   x.geometry.smem, tuple(arg(a) for a in x.args)) for x in e.launches))
+        def step(x, address=address, arg=arg) -> Launch | Collective:
+            if isinstance(x, PlannedCollective):
+                return Collective(x.op, address(x.src), address(x.dst), x.rows, x.cols)
+            return Launch(x.module, x.kernel, tuple(x.geometry.grid), tuple(x.geometry.block),
+                          x.geometry.smem, tuple(arg(a) for a in x.args))
+
+        resolved[e.name] = EntryPoint(e.name, e.rows, e.graph,
+                                      tuple(step(x) for x in e.launches))
         for out_name, (ref, dtype, shape) in e.outputs.items():
             outputs[f"{e.name}.{out_name}"] = Field(address(ref), dtype, shape)
     pools = kv.pools.values()

@@ -10,15 +10,17 @@ as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rvcompile.artifacts.kernel_schedule import KernelSchedule
+from rvcompile.artifacts.kernel_schedule import TP_SCHEDULE_VERSION, KernelSchedule, Launch
 from rvcompile.ir.graph import ModelIR
 from rvcompile.targets.h100 import layout
 from rvcompile.targets.h100.launches import EntryLowering
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
+from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
 
-__all__ = ["H100Lowering", "LoweringError", "decode_buckets", "layout_weights", "lower_to_h100"]
+__all__ = ["H100Lowering", "LoweringError", "RankLowering", "decode_buckets", "layout_weights",
+           "lower_to_h100", "lower_to_h100_tp"]
 
 
 @dataclass(frozen=True)
@@ -38,16 +40,40 @@ def decode_buckets(max_seqs: int) -> tuple[int, ...]:
     return (*out, max_seqs)
 
 
-def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]) -> H100Lowering:
+def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
+                  tp: RankPlan | None = None) -> H100Lowering:
+    """The schedule of `ir`; with `tp`, of one tensor-parallel rank (ir: the rank's IR,
+    tensor_parallel.shard_ir), its collectives in place."""
     weights, weights_bytes = layout_weights(ir)
     consts = layout.Constants()
     kv = layout.kv_pools(ir)
     entries = [("decode", f"decode_{b}", b) for b in decode_buckets(max_seqs)]
     entries += [("prefill", f"prefill_{t}", t) for t in sorted(set(prefill_buckets))]
     entries += [("logits", f"logits_{ir.max_chunk}", ir.max_chunk)]
-    plans = [EntryLowering(ir, kind, rows, consts, kv.pools).run(name)
+    plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp).run(name)
              for kind, name, rows in entries]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
-    modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches}))
+    if tp is not None:  # a rank's schedule has collective steps
+        schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
+    modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches
+                            if isinstance(x, Launch)}))
     return H100Lowering(schedule, consts.data(), {k: [v] for k, v in weights.items()}, modules)
+
+
+@dataclass(frozen=True)
+class RankLowering:
+    lowering: H100Lowering  # slots_by_param: where the rank's part of each weight goes
+    shards: dict[str, Shard]  # which part of the full weight a split weight's slot holds
+
+
+def lower_to_h100_tp(ir: ModelIR, ranks: int, *, max_seqs: int,
+                     prefill_buckets: tuple[int, ...]) -> tuple[RankLowering, ...]:
+    """One schedule per rank of `ranks` (tensor_parallel.py: the split and its collectives)."""
+    out = []
+    for rank in range(ranks):
+        r = shard_ir(ir, ranks, rank)
+        out.append(RankLowering(lower_to_h100(r.ir, max_seqs=max_seqs,
+                                              prefill_buckets=prefill_buckets, tp=r.plan),
+                                r.shards))
+    return tuple(out)

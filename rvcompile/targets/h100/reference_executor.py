@@ -15,10 +15,12 @@ schedule's template by its name, and the roles' arena offsets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from rvcompile.artifacts import Artifact
-from rvcompile.artifacts.kernel_schedule import KernelSchedule, Launch
+from rvcompile.artifacts.kernel_schedule import Collective, KernelSchedule, Launch
 from rvcompile.targets.h100.contract import Call, ContractError, Entry, ParamsValue
 from rvcompile.targets.h100.registry import ENTRIES
 
@@ -27,7 +29,7 @@ class ReferenceDevice:
     def __init__(self, schedule: KernelSchedule, weights: memoryview, constants: bytes):
         self.schedule = schedule
         self.entries = {x.kernel: _entry(x) for e in schedule.entries.values()
-                        for x in e.launches}
+                        for x in e.launches if isinstance(x, Launch)}
         self.mem = np.zeros(schedule.arena_bytes, np.uint8)
         self.mem[:schedule.weights_bytes] = np.frombuffer(weights, np.uint8)
         c = schedule.constants_offset
@@ -41,6 +43,9 @@ class ReferenceDevice:
 
     def run(self, entry: str) -> None:
         for launch in self.schedule.entries[entry].launches:
+            if isinstance(launch, Collective):
+                raise ContractError(f"{entry} has collectives: a tensor-parallel rank's "
+                                    "schedule runs beside its peers (TensorParallelDevice)")
             self.launch(launch)
 
     def launch(self, launch: Launch) -> None:
@@ -66,7 +71,82 @@ def _entry(launch: Launch) -> Entry:
     return entry
 
 
-def reference_device(art: Artifact) -> ReferenceDevice:
-    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants."""
-    schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
-    return ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
+def reference_device(art: Artifact) -> ReferenceDevice | TensorParallelDevice:
+    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants;
+    for a --tp artifact every rank's, each over its part of the sections, in lockstep."""
+    h100 = art.manifest["h100"]
+    schedule = KernelSchedule.from_json(h100["schedule"])
+    weights, constants = art.buffer("weights"), bytes(art.buffer("constants"))
+    tp = h100.get("tensor_parallel")
+    if tp is None:
+        return ReferenceDevice(schedule, weights, constants)
+    schedules = [schedule, *(KernelSchedule.from_json(x) for x in tp["schedules"])]
+    return TensorParallelDevice([
+        ReferenceDevice(x, weights[w:w + x.weights_bytes], constants[c:c + x.constants_bytes])
+        for x, w, c in zip(schedules, tp["weights"], tp["constants"], strict=True)])
+
+
+class TensorParallelDevice:
+    """The ranks of a tensor-parallel plan on the CPU, in lockstep: each step's launch on every
+    rank, each collective over the ranks' arenas with numpy (float32 sums in rank order, the
+    gathered column blocks side by side). The host's view is rank 0's schedule: an io write
+    goes to every rank's io region (each rank's io region has the same fields at the same
+    offsets inside it), results are read from rank 0 (the sampler runs replicated)."""
+
+    def __init__(self, ranks: list[ReferenceDevice]):
+        self.ranks = ranks
+        self.schedule = ranks[0].schedule
+        for d in ranks[1:]:
+            if d.schedule.io != _shifted(self.schedule, d.schedule.io_offset) \
+                    or d.schedule.entries.keys() != self.schedule.entries.keys():
+                raise ContractError("the ranks' schedules differ in io fields or entry points")
+
+    def write(self, offset: int, data: bytes) -> None:
+        base = self.schedule.io_offset
+        if not (base <= offset and offset + len(data) <= base + self.schedule.io_bytes):
+            raise ContractError("a tensor-parallel host writes only the io region")
+        for d in self.ranks:
+            d.write(d.schedule.io_offset + offset - base, data)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.ranks[0].read(offset, nbytes)
+
+    def run(self, entry: str) -> None:
+        steps = [d.schedule.entries[entry].launches for d in self.ranks]
+        if len({len(s) for s in steps}) != 1:
+            raise ContractError(f"{entry}: the ranks' schedules have different step counts")
+        for i, first in enumerate(steps[0]):
+            at = [s[i] for s in steps]
+            if isinstance(first, Collective):
+                if not all(isinstance(x, Collective) and (x.op, x.rows, x.cols)
+                           == (first.op, first.rows, first.cols) for x in at):
+                    raise ContractError(f"{entry} step {i}: the ranks reach different steps")
+                self.collective(at)
+            else:
+                for d, x in zip(self.ranks, at, strict=True):
+                    if not isinstance(x, Launch):
+                        raise ContractError(f"{entry} step {i}: the ranks reach different "
+                                            "steps")
+                    d.launch(x)
+
+    def collective(self, steps: list[Collective]) -> None:
+        c = steps[0]
+        n = c.rows * c.cols
+        parts = [d.mem[x.src:x.src + 4 * n].view(np.float32).reshape(c.rows, c.cols)
+                 for d, x in zip(self.ranks, steps, strict=True)]
+        if c.op == "all_reduce":
+            out = parts[0].copy()
+            for p in parts[1:]:
+                out += p
+        elif c.op == "all_gather":
+            out = np.concatenate(parts, axis=1)
+        else:
+            raise ContractError(f"collective {c.op!r}")
+        for d, x in zip(self.ranks, steps, strict=True):
+            d.write(x.dst, out.tobytes())
+
+
+def _shifted(schedule: KernelSchedule, io_offset: int) -> dict:
+    """`schedule`'s io fields moved to an io region at `io_offset`."""
+    return {k: replace(f, offset=f.offset - schedule.io_offset + io_offset)
+            for k, f in schedule.io.items()}

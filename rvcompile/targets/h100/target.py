@@ -2,8 +2,10 @@
 kernel schedule in one arena) and nvcc, one sm_90a cubin per kernel module. Their artifacts run
 on rvrun's "h100" runtime (cuda-python, no jax).
 
-Options: one GPU (--tp 1), no device-side decode loop, no precompiled topologies, platform cuda
-(the default platform list means cuda here). --kv-cache: "fp8" (passes/kv_fp8: e4m3, unit
+Options: one GPU (--tp 1) or tensor parallel over 2, 4 or 8 (--tp N: one schedule per rank,
+tensor_parallel.py; the one-GPU runtime refuses those, the CPU reference runs them), no
+device-side decode loop, no precompiled topologies, platform cuda (the default platform list
+means cuda here). --kv-cache: "fp8" (passes/kv_fp8: e4m3, unit
 scale) on h100-fp8; "auto" is the target's own dtype.
 """
 
@@ -16,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Cubin
+from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Collective, Cubin, Launch
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import (
@@ -46,8 +48,10 @@ from rvcompile.targets.api import (
 )
 from rvcompile.targets.h100.layout import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError, compile_cubin, min_driver, nvcc_version
+from rvcompile.targets.h100.tensor_parallel import RankSlot, TensorParallelError
 
 ARCH = "sm_90a"
+TP_RANKS = (1, 2, 4, 8)  # --tp: GPUs of one host
 # What the H100 kernels run as one unit, made IR ops after the fusions above; the lowering then
 # maps each op to its launches (launches.py).
 BLOCKS: tuple[Pass, ...] = (
@@ -71,15 +75,16 @@ class H100Target:
     passes: tuple[Pass, ...]
     kv: KvRules
     runtime: str = "h100"
-    input_errors: tuple[type[Exception], ...] = (LoweringError, NvccError)
+    input_errors: tuple[type[Exception], ...] = (LoweringError, NvccError, TensorParallelError)
 
     def check_options(self, opts: BuildOptions) -> BuildOptions:
         if opts.topologies:
             raise CheckpointError(f"--topology {opts.topologies[0]}: target {self.name} has "
                                   "no precompiled executables (XLA targets exported for tpu)")
-        if opts.tp != 1:
-            raise CheckpointError(f"target {self.name} runs on one GPU; --tp {opts.tp} is for "
-                                  "the XLA targets")
+        if opts.tp not in TP_RANKS:
+            raise CheckpointError(f"--tp {opts.tp}: target {self.name} splits over "
+                                  f"{', '.join(map(str, TP_RANKS[1:]))} GPUs of one host, or "
+                                  "runs on one (--tp 1)")
         if opts.draft_tokens:
             raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: target {self.name} "
                                   "has no speculative entry points yet (the XLA targets have)")
@@ -93,35 +98,70 @@ class H100Target:
         return replace(opts, decode_loop_steps=0, platforms=("cuda",))
 
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
-        from rvcompile.targets.h100.lower import lower_to_h100
+        from rvcompile.targets.h100.lower import lower_to_h100, lower_to_h100_tp
 
         with phases.phase("lower for h100"):
-            lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
-                                     prefill_buckets=opts.prefill_buckets)
+            if opts.tp == 1:
+                ranks = None
+                lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
+                                         prefill_buckets=opts.prefill_buckets)
+                modules = lowering.modules
+            else:
+                ranks = lower_to_h100_tp(ir, opts.tp, max_seqs=opts.max_seqs,
+                                         prefill_buckets=opts.prefill_buckets)
+                modules = tuple(sorted({m for r in ranks for m in r.lowering.modules}))
         # one nvcc a module; cached modules come back at once
-        with phases.phase("nvcc", total=len(lowering.modules)) as bar, \
+        with phases.phase("nvcc", total=len(modules)) as bar, \
                 ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {m: pool.submit(compile_cubin, m) for m in lowering.modules}
+            futures = {m: pool.submit(compile_cubin, m) for m in modules}
             for done in as_completed(futures.values()):
                 done.result()
                 bar.advance()
             cubins = {m: f.result() for m, f in futures.items()}
         blob, index = concat(cubins)
-        schedule = replace(lowering.schedule, cubins={
-            name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())
-            for name, loc in index.items()})
-        return Lowered(
-            ("cuda",),
-            {"runtime": self.runtime, "compute_capability": "9.0", "min_driver": min_driver(),
-             "arena_bytes": schedule.arena_bytes, "kernel_launch": KERNEL_LAUNCH},
-            {"h100": {"schedule": schedule.to_json(), "nvcc": nvcc_version(), "arch": ARCH}},
-            {"cubins": blob, "constants": lowering.constants},
-            schedule.weights_bytes, lowering.slots_by_param)
+        placed = {name: Cubin(loc["offset"], loc["size"], hashlib.sha256(cubins[name]).hexdigest())
+                  for name, loc in index.items()}
+        if ranks is None:
+            schedule = replace(lowering.schedule, cubins=placed)
+            return Lowered(("cuda",), self.requirements(schedule.arena_bytes),
+                           {"h100": {"schedule": schedule.to_json(), "nvcc": nvcc_version(),
+                                     "arch": ARCH}},
+                           {"cubins": blob, "constants": lowering.constants},
+                           schedule.weights_bytes, lowering.slots_by_param)
+        return self.lowered_tp(ranks, placed, blob)
+
+    def requirements(self, arena_bytes: int) -> dict:
+        return {"runtime": self.runtime, "compute_capability": "9.0", "min_driver": min_driver(),
+                "arena_bytes": arena_bytes, "kernel_launch": KERNEL_LAUNCH}
+
+    def lowered_tp(self, ranks, cubins: dict[str, Cubin], blob: bytes) -> Lowered:
+        """A --tp build: every rank's schedule, its weights and constants regions one after
+        another in their sections; a split weight's slot says which part of the weight it
+        holds (build._stream_weights writes that part)."""
+        schedules = [replace(r.lowering.schedule, cubins=cubins) for r in ranks]
+        slots: dict[str, list[RankSlot]] = {}
+        weights, constants, w_end = [], [], 0
+        for r, x in zip(ranks, schedules, strict=True):
+            weights.append(w_end)
+            constants.append(sum(len(q.lowering.constants) for q in ranks[:len(constants)]))
+            for name, (slot,) in r.lowering.slots_by_param.items():
+                slots.setdefault(name, []).append(
+                    RankSlot(w_end + slot.offset, slot.nbytes, r.shards.get(name)))
+            w_end += x.weights_bytes
+        h100 = {"schedule": schedules[0].to_json(), "nvcc": nvcc_version(), "arch": ARCH,
+                "tensor_parallel": {"ranks": len(ranks),
+                                    "schedules": [x.to_json() for x in schedules[1:]],
+                                    "weights": weights, "constants": constants}}
+        return Lowered(("cuda",), self.requirements(max(x.arena_bytes for x in schedules)),
+                       {"h100": h100},
+                       {"cubins": blob,
+                        "constants": b"".join(r.lowering.constants for r in ranks)},
+                       w_end, slots)
 
     def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
         h100 = manifest.h100
         s = h100.schedule
-        launches = [x for e in s.entries.values() for x in e.launches]
+        launches = [x for e in s.entries.values() for x in e.launches if isinstance(x, Launch)]
         schedule = {
             "version": s.version, "arena_bytes": s.arena_bytes,
             "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
@@ -138,8 +178,16 @@ class H100Target:
         }
         info = {"nvcc": h100.nvcc, "arch": h100.arch, "entry_points": sorted(s.entries),
                 "max_seqs": s.max_seqs, "max_context": s.max_context, "schedule": schedule}
-        lines = [field_line(k, info[k])
-                 for k in ("nvcc", "arch", "entry_points", "max_seqs", "max_context")]
+        keys = ["nvcc", "arch", "entry_points", "max_seqs", "max_context"]
+        tp = h100.tensor_parallel
+        if tp is not None:  # the schedule shown is rank 0's
+            steps = [x for e in s.entries.values() for x in e.launches
+                     if isinstance(x, Collective)]
+            info["tensor_parallel"] = {
+                "ranks": tp.ranks, "weights_bytes": [x.weights_bytes for x in tp.schedules],
+                "collectives": len(steps)}
+            keys.append("tensor_parallel")
+        lines = [field_line(k, info[k]) for k in keys]
         return Summary(info, (*lines, *_schedule_lines(schedule)))
 
 
