@@ -74,6 +74,34 @@ def test_a_scan_is_scaled_by_its_trip_count():
     assert abs(t.total(scaled=False) - _xla_bytes(compiled)) <= TOLERANCE * _xla_bytes(compiled)
 
 
+def test_a_pool_carried_through_the_layer_scan_stays_kv():
+    """Decode's shape: a scan over layers writes one row of the layer's cache in place and
+    reads the layer's whole cache; each layer's slice is read once a step and one row written.
+    (f32: the CPU backend widens a bf16 pool whole to update it, which the table would count.)"""
+    layers, slots, dim = 4, 32, 16
+
+    def f(weights, pools, x, pos):
+        def body(carry, i):
+            h, pool = carry
+            k = h @ weights["w"][i]
+            pool = jax.lax.dynamic_update_slice(pool, k[None], (i, pos, 0))
+            return (h + jnp.tanh(pool[i] @ h[0]).sum(), pool), None
+        (h, pool), _ = jax.lax.scan(body, (x, pools["kv"]), jnp.arange(layers))
+        return {"kv": pool}, h
+
+    compiled = jax.jit(f, donate_argnums=(1,)).lower(
+        {"w": sds((layers, dim, dim), jnp.float32)},
+        {"kv": sds((layers, slots, dim), jnp.float32)}, sds((1, dim), jnp.float32),
+        sds((), jnp.int32)).compile()
+    t = traffic(compiled.as_text(), ROOTS)
+    cls = t.by_class()
+    assert list(t.trips.values()) == [layers]
+    assert cls["kv"]["read"] == layers * slots * dim * 4
+    assert cls["kv"]["written"] == layers * dim * 4
+    assert cls["weights"]["read"] == layers * dim * dim * 4
+    assert cls["temps"]["read"] == cls["temps"]["written"] == 0
+
+
 def test_a_loop_without_a_readable_trip_count_is_counted_once_and_named():
     def f(weights, n):
         return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1])),

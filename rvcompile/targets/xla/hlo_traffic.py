@@ -304,7 +304,9 @@ class _Program:
                 if cls == "kv":
                     return cls, src
         out = shape_bytes(ins.shape)
-        if op in ("fusion", "dynamic-update-slice", "scatter") and not index:
+        if op in ("fusion", "dynamic-update-slice", "scatter") and len(index) <= 1:
+            if index:  # one output of a multi-output fusion
+                out = shape_bytes(_tuple_element(ins.shape, index[0]))
             for o in ins.operands:  # a pool updated in place stays the pool
                 cls, src = self.origin(comp_name, o)
                 if cls == "kv" and src == out:
