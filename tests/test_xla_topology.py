@@ -638,3 +638,11 @@ def test_build_for_a_tpu_topology(tmp_path):
     assert rec["libtpu"] and rec["jaxlib"] == jax.__version__
     assert sorted(rec["entries"]) == ["decode_1", "logits_16", "prefill_16"]
     assert rec["cost"]["chip"]["generation"] == "v6e" and rec["cost"]["fits_at_max_seqs"]
+    # the traffic table reads the TPU program: its layer scan's trips, every weight byte a step
+    traffic, dev = rec["cost"]["traffic"], rec["cost"]["per_device"]
+    assert traffic["trips"] and not traffic["unknown_trips"]
+    read = {c: v["read"] for c, v in traffic["classes"].items()}
+    assert read["weights"] + read["embeddings"] >= dev["weight_bytes"] and read["kv"] > 0
+    r = subprocess.run([RVCOMPILE, "inspect", str(out), "--cost"], capture_output=True,
+                       text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "v6e:1x1: traffic, bytes per decode step" in r.stdout
