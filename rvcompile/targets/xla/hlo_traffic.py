@@ -6,14 +6,15 @@ Input: the text of a compiled executable's optimized HLO module (`compiled.as_te
 they are, and the bytes it writes, and the number of times it runs in one call of the program.
 
 Counting, per instruction, as XLA's HloCostAnalysis counts bytes accessed: each operand's bytes
-read plus the output's bytes written, with these refinements (the ones XLA makes for fusions):
-an operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads the slices'
-bytes; an operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and
-the write is the update's bytes. Nothing is counted for parameter, constant, tuple,
-get-tuple-element, bitcast, while, conditional, call and copy-done (the computations they call are
-walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in an on-chip
-memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also summed apart
-as `on_chip`, since they are not HBM traffic.
+read plus the output's bytes written, with these refinements (the ones XLA makes for fusions): an
+operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads the slices' bytes; an
+operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and the write is
+the update's bytes; an async op (`*-start`) writes its output, not the operands its tuple shape
+repeats, and `slice-start` reads its slice. Nothing is counted for parameter, constant, tuple,
+get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations they
+call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in an
+on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also summed
+apart as `on_chip`, since they are not HBM traffic.
 
 Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
 own runs (the trip count read from the condition: `counter < N` with the counter's initial value
@@ -56,8 +57,9 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "whil
          "conditional", "call", "copy-done", "after-all", "partition-id", "replica-id",
          "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done",
          "recv-done", "opt-barrier"}
+# ops whose output holds operand 0's values (or a part of them): their output keeps its class
 _PASS = {"get-tuple-element", "bitcast", "copy", "copy-start", "copy-done", "reshape",
-         "transpose"}  # ops whose output holds the same values as operand 0 (for classing)
+         "transpose", "slice-start", "slice-done", "all-gather-start", "all-gather-done"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
 _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
 
@@ -404,7 +406,7 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED) -> Traffic:
                     if c is ins:
                         walk(prog.comps[callee], runs)
                 continue
-            if ins.opcode in _FREE:
+            if ins.opcode in _FREE or ins.opcode.endswith("-done"):
                 continue
             rows.append(_row(prog, comp, ins, runs))
 
@@ -427,9 +429,13 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     elif ins.opcode == "dynamic-update-slice":
         reads = {0: 0.0, **{k: nbytes[k] for k in range(1, len(shapes))}}
         written = nbytes.get(1, 0.0)
-    elif ins.opcode == "copy-start":
+    elif ins.opcode == "copy-start":  # (destination, source, context)
         written = shape_bytes(_tuple_element(ins.shape, 0))
         reads = nbytes
+    elif ins.opcode.endswith("-start") and ins.shape.startswith("("):
+        # an async op's shape is (operands, output, context...): it writes the output
+        written = shape_bytes(_tuple_element(ins.shape, 1))
+        reads = {0: written} if ins.opcode == "slice-start" else nbytes
     else:
         reads = nbytes
     read = {c: 0.0 for c in CLASSES}
