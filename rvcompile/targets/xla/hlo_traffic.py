@@ -11,10 +11,10 @@ operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads th
 operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and the write is
 the update's bytes; an async op (`*-start`) writes its output, not the operands its tuple shape
 repeats, and `slice-start` reads its slice. Nothing is counted for parameter, constant, tuple,
-get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations they
-call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in an
-on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also summed
-apart as `on_chip`, since they are not HBM traffic.
+get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations
+they call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in
+an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also
+summed apart as `on_chip`, since they are not HBM traffic.
 
 Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
 own runs (the trip count read from the condition: `counter < N` with the counter's initial value
