@@ -659,8 +659,8 @@ def _traffic(t: At) -> None:
         for key in ("name", "op", "calls", "written_class"):
             r[key].str()
         r["runs"].int(0)
-        r["written"].number(0.0)
-        r["step_bytes"].number(0.0)
+        for key in ("written", "on_chip", "step_bytes"):
+            r[key].number(0.0)
         for b in r["read"].members(16).values():
             b.number(0.0)
 

@@ -42,6 +42,7 @@ are widened to bf16 before they meet the activations.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import jax
@@ -247,8 +248,14 @@ def traffic_record(table: Traffic, roofline_bytes: float, top: int = TRAFFIC_TOP
         "classes": table.by_class(),
         "top": [{"name": r.name, "op": r.opcode, "calls": r.calls, "runs": r.runs,
                  "read": r.read, "written": r.written, "written_class": r.written_class,
-                 "step_bytes": r.bytes * r.runs} for r in rows],
+                 "on_chip": r.on_chip, "step_bytes": r.bytes * r.runs} for r in rows],
     }
+
+
+def _trips(trips: dict[str, int]) -> str:
+    """'1 x 10 trips, 60 x 8 trips': how many loops run how many times."""
+    counts = Counter(trips.values())
+    return ", ".join(f"{n} x {k} trips" for k, n in sorted(counts.items())) or "none"
 
 
 def format_traffic(name: str, t: dict) -> list[str]:
@@ -256,7 +263,7 @@ def format_traffic(name: str, t: dict) -> list[str]:
     lines = [f"  {name}: traffic, {t['label']}",
              f"    total {t['total_bytes'] / GiB:.3f} GiB a step ({t['amplification']:.2f}x the "
              f"roofline's bytes; {t['on_chip_bytes'] / GiB:.3f} GiB of it on chip), each "
-             f"instruction once {t['once_bytes'] / GiB:.3f} GiB; loop trips {t['trips']}"
+             f"instruction once {t['once_bytes'] / GiB:.3f} GiB; loops: {_trips(t['trips'])}"
              + (f"; UNKNOWN trip counts (counted once): {t['unknown_trips']}"
                 if t["unknown_trips"] else ""),
              f"    {'class':12} {'read GiB':>10} {'written GiB':>12}"]
@@ -269,7 +276,8 @@ def format_traffic(name: str, t: dict) -> list[str]:
         reads = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in sorted(r["read"].items()))
         lines.append(f"    {r['name'][:40]:40} {r['op'][:14]:14} {r['runs']:5} "
                      f"{r['step_bytes'] / GiB:9.3f}  read MiB/run: {reads}; wrote "
-                     f"{r['written'] / 2**20:.1f} MiB {r['written_class']}")
+                     f"{r['written'] / 2**20:.1f} MiB {r['written_class']}; on chip "
+                     f"{r['on_chip'] / 2**20:.1f} MiB")
     return lines
 
 

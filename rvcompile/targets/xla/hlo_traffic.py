@@ -313,13 +313,14 @@ class _Program:
                 cls, src = self.origin(comp_name, o)
                 if cls == "kv" and src == out:
                     return cls, src
-        # a computed value: a temp if it is a large copy of weights/embeddings/KV
-        best = ("activations", 0.0)
-        for o in ins.operands:
-            cls, src = self.origin(comp_name, o)
-            if cls in ("weights", "embeddings", "kv", "temps") and src > best[1]:
-                best = (cls, src)
-        if best[1] and out >= best[1] / 2:
+        # a computed value: a temp if it is a large copy of the weights/embeddings/KV it reads
+        # (a widened, relaid or sliced copy: at least half the bytes read from that source)
+        reads = _access(self.comps, comp, ins)[0]
+        best = 0.0
+        for k, o in enumerate(ins.operands):
+            if self.origin(comp_name, o)[0] in ("weights", "embeddings", "kv"):
+                best = max(best, reads.get(k, 0.0))
+        if best and out >= best / 2:
             return "temps", out
         return "activations", out
 
@@ -414,30 +415,31 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED) -> Traffic:
     return Traffic(tuple(rows), tuple(unknown), trips)
 
 
+def _access(comps: dict[str, Computation], comp: Computation,
+            ins: Instr) -> tuple[dict[int, float], float]:
+    """(bytes read of each operand, bytes written) of one instruction."""
+    nbytes = {k: shape_bytes(_operand_shape(comp, o)) for k, o in enumerate(ins.operands)}
+    written = shape_bytes(ins.shape)
+    if ins.opcode == "fusion":
+        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes)
+        return reads, (in_place if in_place is not None else written)
+    if ins.opcode in _SLICERS:
+        return {**nbytes, 0: written}, written
+    if ins.opcode == "dynamic-update-slice":
+        return {**nbytes, 0: 0.0}, nbytes.get(1, 0.0)
+    if ins.opcode == "copy-start":  # (destination, source, context)
+        return nbytes, shape_bytes(_tuple_element(ins.shape, 0))
+    if ins.opcode.endswith("-start") and ins.shape.startswith("("):
+        # an async op's shape is (operands, output, context...): it writes the output
+        out = shape_bytes(_tuple_element(ins.shape, 1))
+        return ({0: out} if ins.opcode == "slice-start" else nbytes), out
+    return nbytes, written
+
+
 def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     shapes = [_operand_shape(comp, o) for o in ins.operands]
-    nbytes = {k: shape_bytes(s) for k, s in enumerate(shapes)}
-    written = shape_bytes(ins.shape)
-    calls = ""
-    if ins.opcode == "fusion":
-        calls = ins.attr("calls") or ""
-        reads, in_place = _fused_reads(prog.comps[calls], nbytes)
-        if in_place is not None:
-            written = in_place
-    elif ins.opcode in _SLICERS:
-        reads = {0: written, **{k: nbytes[k] for k in range(1, len(shapes))}}
-    elif ins.opcode == "dynamic-update-slice":
-        reads = {0: 0.0, **{k: nbytes[k] for k in range(1, len(shapes))}}
-        written = nbytes.get(1, 0.0)
-    elif ins.opcode == "copy-start":  # (destination, source, context)
-        written = shape_bytes(_tuple_element(ins.shape, 0))
-        reads = nbytes
-    elif ins.opcode.endswith("-start") and ins.shape.startswith("("):
-        # an async op's shape is (operands, output, context...): it writes the output
-        written = shape_bytes(_tuple_element(ins.shape, 1))
-        reads = {0: written} if ins.opcode == "slice-start" else nbytes
-    else:
-        reads = nbytes
+    reads, written = _access(prog.comps, comp, ins)
+    calls = (ins.attr("calls") or "") if ins.opcode == "fusion" else ""
     read = {c: 0.0 for c in CLASSES}
     on_chip = 0.0
     for k, b in reads.items():
@@ -448,7 +450,7 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
         on_chip += written
     out_class = prog.origin(comp.name, ins.name)[0]
     if out_class in ("weights", "embeddings"):
-        out_class = "temps"  # a copy of a weight array, written whole
+        out_class = "temps"  # a copy of (part of) a weight array
     elif out_class not in ("kv", "temps"):
         out_class = "activations"
     kind = ins.attr("kind") if ins.opcode == "fusion" else None
