@@ -7,7 +7,8 @@ libtpu (targets/xla/precompile.py) and the cost report of that executable
     PYTHONPATH=.venv/tpu-aot .venv/bin/python benchmarks/tpu_cost_report.py \\
         gemma-4-31B:512 gemma-4-31B:2048 gemma-4-E4B:2048 --tp 4 --topology v6e:2x2
 
-Prints one markdown table row per model and batch, and the JSON reports to --json.
+Prints one markdown table row per model and batch, the traffic table of each decode program (as
+`rvcompile inspect --cost` shows it), and the JSON reports to --json.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from types import SimpleNamespace
 
 from rvcompile.build import BuildOptions, lower_model
 from rvcompile.model.presets import get_preset
-from rvcompile.targets.xla.cost_report import CHIPS, GiB, cost_report, query_per_kv, read_model
+from rvcompile.targets.xla.cost_report import (
+    CHIPS,
+    GiB,
+    cost_report,
+    format_traffic,
+    query_per_kv,
+    read_model,
+)
 from rvcompile.targets.xla.export import lower_to_xla
 from rvcompile.targets.xla.precompile import (
     check_topology,
@@ -81,6 +89,8 @@ def main() -> None:
               f"{dev['peak_bytes'] / GiB:.2f} GiB; XLA cost analysis {dev['xla_flops']:.3g} "
               f"flops, {dev['xla_bytes_accessed']:.3g} bytes, amplification "
               f"{dev['xla_amplification']:.2f}; times {rep['seconds']} -->")
+        print("\n".join(["<!-- traffic table (rvcompile inspect --cost):",
+                         *format_traffic(f"{model}:{context}", rep["traffic"]), "-->"]))
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

@@ -284,7 +284,10 @@ TRUSTED_KEY_HELP = ("PEM Ed25519 public key to check signatures with (repeatable
 def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
             as_json: bool = typer.Option(False, "--json", help="one JSON object instead of "
                                                                  "text (default: text)"),
-            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP)
+            trusted_key: list[Path] = typer.Option([], "--trusted-key", help=TRUSTED_KEY_HELP),
+            cost: bool = typer.Option(False, "--cost", help="also print each precompiled "
+                                      "topology's traffic table: the bytes its decode step "
+                                      "reads and writes, per HLO instruction and by class")
             ) -> None:
     """Show an artifact's model, target, platforms, sizes, hashes, versions and signers (each
     signature valid, INVALID, or not checked without its --trusted-key), then what its target
@@ -329,6 +332,9 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
         f"{'summary':17} none: this rvcompile has no target {h.target!r}",)
     for line in lines:
         typer.echo(line)
+    if cost:
+        for line in _traffic_lines(info.get("precompiled") or {}):
+            typer.echo(line)
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
         typer.echo(f"  {n:18} {s['size']:>14,} B  {s['pieces']:>4} pieces  "
@@ -336,6 +342,20 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
     typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
     for sig, st in signed:
         typer.echo(f"  signed by {sig.who()}, {st}")
+
+
+def _traffic_lines(sets: dict) -> list[str]:
+    """`inspect --cost`: each precompiled topology's traffic table, or why there is none."""
+    from rvcompile.targets.xla.cost_report import format_traffic
+
+    if not sets:
+        return ["traffic:          none (no precompiled topology: build with --topology)"]
+    lines = ["traffic:"]
+    for name, rec in sets.items():
+        t = (rec.get("cost") or {}).get("traffic")
+        lines += (format_traffic(name, t) if t is not None else
+                  [f"  {name}: no traffic table (built before rvcompile recorded one)"])
+    return lines
 
 
 def _provenance_lines(provenance: Provenance | None) -> list[str]:

@@ -571,7 +571,7 @@ def test_inspect_lists_sets_and_cost_estimate(artifacts):
 
     from rvcompile.cli import app
 
-    _, with_set, _ = artifacts
+    plain, with_set, _ = artifacts
     r = CliRunner().invoke(app, ["inspect", str(with_set)])
     assert r.exit_code == 0, r.output
     assert "precompiled:" in r.stdout and "cpu:1: cpu x1, jax" in r.stdout
@@ -580,6 +580,34 @@ def test_inspect_lists_sets_and_cost_estimate(artifacts):
     info = json.loads(r.stdout)
     cost = info["precompiled"]["cpu:1"]["cost"]
     assert cost["label"].startswith("estimate") and cost["decode"][0]["batch"] == 1
+    assert "traffic:" not in r.stdout
+    r = CliRunner().invoke(app, ["inspect", str(with_set), "--cost"])
+    assert r.exit_code == 0, r.output
+    assert "cpu:1: traffic, bytes per decode step" in r.stdout
+    assert all(f"    {c:12}" in r.stdout for c in ("weights", "embeddings", "kv", "temps"))
+    r = CliRunner().invoke(app, ["inspect", str(plain), "--cost"])
+    assert "traffic:          none (no precompiled topology" in r.stdout
+
+
+def test_traffic_table_of_the_decode_program(artifacts):
+    """The decode program's own traffic: every weight byte read at least once a step (the
+    layers' stacks through the scan, each iteration a layer), the layer scan's trips equal to
+    the manifest's layer group, KV read and written, and the table's total over the roofline's
+    bytes as the report's amplification."""
+    _, with_set, record = artifacts
+    with Artifact.open(with_set) as art:
+        groups = art.manifest["xla"]["layer_groups"]
+    cost = record["cost"]
+    t, dev = cost["traffic"], cost["per_device"]
+    assert not t["unknown_trips"]
+    assert sorted(t["trips"].values()) == sorted(g["count"] for g in groups)
+    read = {c: v["read"] for c, v in t["classes"].items()}
+    assert read["weights"] + read["embeddings"] >= dev["weight_bytes"]
+    assert read["kv"] > 0 and t["classes"]["kv"]["written"] > 0
+    built = next(r for r in cost["decode"] if r["batch"] == dev["max_seqs"])
+    assert t["amplification"] == pytest.approx(t["total_bytes"] / built["bytes"])
+    assert t["total_bytes"] >= t["once_bytes"]
+    assert sum(r["step_bytes"] for r in t["top"]) <= t["total_bytes"]
 
 
 # ---- a real TPU topology build (needs libtpu) ---------------------------------------------
@@ -610,3 +638,11 @@ def test_build_for_a_tpu_topology(tmp_path):
     assert rec["libtpu"] and rec["jaxlib"] == jax.__version__
     assert sorted(rec["entries"]) == ["decode_1", "logits_16", "prefill_16"]
     assert rec["cost"]["chip"]["generation"] == "v6e" and rec["cost"]["fits_at_max_seqs"]
+    # the traffic table reads the TPU program: its layer scan's trips, every weight byte a step
+    traffic, dev = rec["cost"]["traffic"], rec["cost"]["per_device"]
+    assert traffic["trips"] and not traffic["unknown_trips"]
+    read = {c: v["read"] for c, v in traffic["classes"].items()}
+    assert read["weights"] + read["embeddings"] >= dev["weight_bytes"] and read["kv"] > 0
+    r = subprocess.run([RVCOMPILE, "inspect", str(out), "--cost"], capture_output=True,
+                       text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "v6e:1x1: traffic, bytes per decode step" in r.stdout

@@ -154,6 +154,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "at temperature > 0 with probability min(1, p/q) on the device "
                       "(targets/xla/rejection.py); v5 files are refused (rebuild them), since "
                       "the programs' signatures changed"),
+    ("2026-11-24", 6, "an xla.precompiled record's cost may carry traffic: the decode program's "
+                      "bytes read and written a step from its optimized HLO, by class "
+                      "(weights, embeddings, kv, io, temps, activations) and for the top "
+                      "instructions, loops scaled by trip count (issue 19; "
+                      "targets/xla/hlo_traffic.py, `rvcompile inspect --cost`); absent: built "
+                      "before it. Earlier readers ignore it"),
     ("2026-11-24", 7, "h100 artifacts may be tensor parallel (rvcompile build --tp N, issue 20): "
                       "manifest h100.tensor_parallel {ranks, schedules of ranks 1..N-1, each "
                       "rank's weights and constants offsets}, the ranks' regions one after "

@@ -666,6 +666,31 @@ def _cost(c: At) -> None:
             r[key].number(0.0)
         r["bound"].str()
         r["fits"].bool()
+    t = c.get("traffic")  # added with the traffic table (issue 19); older files lack it
+    if t is not None:
+        _traffic(t)
+
+
+def _traffic(t: At) -> None:
+    """The fields of a traffic table that `inspect --cost` prints (targets/xla/hlo_traffic.py)."""
+    t["label"].str()
+    for key in ("total_bytes", "once_bytes", "on_chip_bytes", "amplification"):
+        t[key].number(0.0)
+    for loop in t["trips"].members(1 << 12).values():
+        loop.int(0)
+    for loop in t["unknown_trips"].items(0, 1 << 12):
+        loop.str()
+    for cls in ("weights", "embeddings", "kv", "io", "temps", "activations"):
+        t["classes"][cls]["read"].number(0.0)
+        t["classes"][cls]["written"].number(0.0)
+    for r in t["top"].items(0, 1 << 8):
+        for key in ("name", "op", "calls", "written_class"):
+            r[key].str()
+        r["runs"].int(0)
+        for key in ("written", "on_chip", "step_bytes"):
+            r[key].number(0.0)
+        for b in r["read"].members(16).values():
+            b.number(0.0)
 
 
 def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,

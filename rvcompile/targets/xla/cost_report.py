@@ -26,6 +26,13 @@ once, not `count` times). It says how many bytes XLA's program moves per byte th
 reads (dequantized copies, gathered KV, activations); step_xla(B) scales bytes(B) by it, taking
 the ratio as the same in every layer and at every batch (a heuristic).
 
+The traffic table (`traffic`, targets/xla/hlo_traffic.py): from the compiled program's optimized
+HLO, the bytes each top-level instruction reads (by class: weights, embeddings, kv, io, temps,
+activations) and writes, scaled by loop trip counts; kept compact: per-class totals and the
+TRAFFIC_TOP instructions that move the most bytes a step. Its `amplification` is its scaled total
+over the roofline's bytes at the built batch: the program's own answer to "how many bytes per byte
+needed", where `xla_amplification` above counts scan bodies once.
+
 Chip figures (per chip), from Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e and
 .../v6e): v5e 819 GB/s HBM, 197 bf16 TFLOP/s, 394 int8 TOP/s, 16 GiB; v6e 1640 GB/s (the page
 lists 1638), 918 bf16 TFLOP/s, 1836 int8 TOP/s, 32 GiB. Compute uses the bf16 peak: int8 weights
@@ -35,13 +42,17 @@ are widened to bf16 before they meet the activations.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
 
+from rvcompile.targets.xla.hlo_traffic import CLASSES, Traffic, traffic
+
 GiB = 2**30
 REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built max_seqs
+TRAFFIC_TOP = 12  # instructions the manifest keeps of the traffic table (the most bytes a step)
 
 
 @dataclass(frozen=True)
@@ -208,6 +219,8 @@ def cost_report(compiled_decode, max_seqs: int, chip: TpuChip, query_per_kv: int
                 group_counts: tuple[int, ...] = ()) -> dict:
     """The manifest's cost report of one topology."""
     fp = decode_footprint(compiled_decode, max_seqs, reads, group_counts)
+    rows = estimate(fp, chip, query_per_kv, reads)
+    built = next(r for r in rows if r["batch"] == max_seqs)
     return {
         "label": "estimate (roofline from the compiled program; not a measurement)",
         "chip": asdict(chip), "context": context, "query_per_kv": query_per_kv,
@@ -216,8 +229,56 @@ def cost_report(compiled_decode, max_seqs: int, chip: TpuChip, query_per_kv: int
         "per_device": {**asdict(fp), "peak_bytes": fp.peak_bytes,
                        "xla_amplification": fp.xla_amplification},
         "fits_at_max_seqs": fp.peak_bytes <= chip.hbm_bytes,
-        "decode": estimate(fp, chip, query_per_kv, reads),
+        "decode": rows,
+        "traffic": traffic_record(traffic(compiled_decode.as_text()), built["bytes"]),
     }
+
+
+def traffic_record(table: Traffic, roofline_bytes: float, top: int = TRAFFIC_TOP) -> dict:
+    """The manifest's compact traffic table: per-class totals and the top instructions, bytes
+    per call of the program (one decode step)."""
+    total = table.total()
+    rows = sorted(table.rows, key=lambda r: -r.bytes * r.runs)[:top]
+    return {
+        "label": "bytes per decode step from the compiled HLO, loops scaled by trip count",
+        "total_bytes": total, "once_bytes": table.total(scaled=False),
+        "on_chip_bytes": table.on_chip(),
+        "amplification": total / roofline_bytes if roofline_bytes else 0.0,
+        "trips": dict(table.trips), "unknown_trips": list(table.unknown_trips),
+        "classes": table.by_class(),
+        "top": [{"name": r.name, "op": r.opcode, "calls": r.calls, "runs": r.runs,
+                 "read": r.read, "written": r.written, "written_class": r.written_class,
+                 "on_chip": r.on_chip, "step_bytes": r.bytes * r.runs} for r in rows],
+    }
+
+
+def _trips(trips: dict[str, int]) -> str:
+    """'1 x 10 trips, 60 x 8 trips': how many loops run how many times."""
+    counts = Counter(trips.values())
+    return ", ".join(f"{n} x {k} trips" for k, n in sorted(counts.items())) or "none"
+
+
+def format_traffic(name: str, t: dict) -> list[str]:
+    """Lines of `rvcompile inspect --cost`: the traffic table of one topology."""
+    lines = [f"  {name}: traffic, {t['label']}",
+             f"    total {t['total_bytes'] / GiB:.3f} GiB a step ({t['amplification']:.2f}x the "
+             f"roofline's bytes; {t['on_chip_bytes'] / GiB:.3f} GiB of it on chip), each "
+             f"instruction once {t['once_bytes'] / GiB:.3f} GiB; loops: {_trips(t['trips'])}"
+             + (f"; UNKNOWN trip counts (counted once): {t['unknown_trips']}"
+                if t["unknown_trips"] else ""),
+             f"    {'class':12} {'read GiB':>10} {'written GiB':>12}"]
+    for c in CLASSES:
+        v = t["classes"][c]
+        lines.append(f"    {c:12} {v['read'] / GiB:10.3f} {v['written'] / GiB:12.3f}")
+    lines.append(f"    top instructions (GiB a step = runs x bytes a run): {'runs':>5} "
+                 f"{'GiB/step':>9}  reads by class")
+    for r in t["top"]:
+        reads = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in sorted(r["read"].items()))
+        lines.append(f"    {r['name'][:40]:40} {r['op'][:14]:14} {r['runs']:5} "
+                     f"{r['step_bytes'] / GiB:9.3f}  read MiB/run: {reads}; wrote "
+                     f"{r['written'] / 2**20:.1f} MiB {r['written_class']}; on chip "
+                     f"{r['on_chip'] / 2**20:.1f} MiB")
+    return lines
 
 
 def format_report(name: str, report: dict) -> list[str]:

@@ -1,0 +1,463 @@
+"""Where a compiled program's bytes go: a per-instruction traffic table from its optimized HLO.
+
+Input: the text of a compiled executable's optimized HLO module (`compiled.as_text()`). Output:
+`Traffic`, one row per top-level instruction that moves bytes (fusions, dots, copies, collectives
+...; never the fused instructions inside a fusion), each with the bytes it reads, split by what
+they are, and the bytes it writes, and the number of times it runs in one call of the program.
+
+Counting, per instruction, as XLA's HloCostAnalysis counts bytes accessed: each operand's bytes
+read plus the output's bytes written, with these refinements (the ones XLA makes for fusions): an
+operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads the slices' bytes; an
+operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and the write is
+the update's bytes; an async op (`*-start`) writes its output, not the operands its tuple shape
+repeats, and `slice-start` reads its slice. Nothing is counted for parameter, constant, tuple,
+get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations
+they call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in
+an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also
+summed apart as `on_chip`, since they are not HBM traffic.
+
+Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
+own runs (the trip count read from the condition: `counter < N` with the counter's initial value
+a constant in the loop's operand tuple, or XLA's `known_trip_count`); each branch of a
+conditional is counted as if it ran (an upper bound). A loop whose trip count cannot be read is
+counted once and listed in `unknown_trips`. XLA's TPU cost analysis counts a scan body once; the
+table's `once` totals count every instruction once, for comparison with it.
+
+Classes of bytes, by tracing an operand through get-tuple-element, bitcast, copies and loop
+carries to the program's parameters, as `jax.export` names them in the HLO metadata
+(`args[0]['name']`: the weights; `args[1][...]`: the KV pools; other args: io; a jitted
+function's HLO names them by its parameters, given as `roots`):
+  weights     weight arrays other than embedding tables
+  embeddings  weight arrays named `*embed*` (token and per-layer-input tables)
+  kv          KV pools
+  io          the program's other arguments (tokens, positions, block tables, ...)
+  temps       values computed from weights, embeddings or KV and at least half as large as the
+              source they come from (widened or relaid copies, gathered KV): materialized and
+              read again
+  activations every other computed value (and constants)
+A write is classed as kv when the output aliases a KV operand, as temps or activations otherwise
+by the rule above.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+CLASSES = ("weights", "embeddings", "kv", "io", "temps", "activations")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                 "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2,
+                 "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                 "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True))
+                    + r")\[([\d,]*)\](\{[^}]*\})?")
+_MEMSPACE = re.compile(r"S\((\d+)\)")
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
+         "conditional", "call", "copy-done", "after-all", "partition-id", "replica-id",
+         "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done",
+         "recv-done", "opt-barrier"}
+# ops whose output holds operand 0's values (or a part of them): their output keeps its class
+_PASS = {"get-tuple-element", "bitcast", "copy", "copy-start", "copy-done", "reshape",
+         "transpose", "slice-start", "slice-done", "all-gather-start", "all-gather-done"}
+_SLICERS = {"dynamic-slice", "slice", "gather"}
+_ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
+
+
+@dataclass(frozen=True)
+class Instr:
+    name: str
+    shape: str  # the HLO shape text, layout included
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str  # everything after the operand list
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{key}=(%?[\w.\-]+)", self.attrs)
+        return m.group(1).lstrip("%") if m else None
+
+
+@dataclass(frozen=True)
+class Computation:
+    name: str
+    instrs: dict[str, Instr]  # in program order
+    root: str
+    is_entry: bool
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at `start`."""
+    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    closing = set(pairs.values())
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in pairs:
+            depth += 1
+        elif c in closing:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced HLO text: {text[start:start + 80]!r}")
+
+
+def _parse_instr(line: str) -> tuple[bool, Instr]:
+    body = line.strip()
+    root = body.startswith("ROOT ")
+    body = body.removeprefix("ROOT ")
+    name, rest = body.split(" = ", 1)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.index(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op_end = rest.index("(")
+    opcode = rest[:op_end]
+    close = _balanced(rest, op_end)
+    args = rest[op_end + 1:close - 1]
+    operands = tuple(m.group(1) for m in re.finditer(r"%([\w.\-]+)", args))
+    if opcode in ("constant", "parameter", "iota"):
+        operands = ()
+    return root, Instr(name.lstrip("%"), shape, opcode, operands, args + rest[close:])
+
+
+def parse_module(text: str) -> dict[str, Computation]:
+    """Computations of an HLO module's text, by name."""
+    comps, current, instrs, root, entry = {}, None, {}, "", False
+    for line in text.splitlines():
+        if current is None:
+            m = re.match(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$", line)
+            if m:
+                current, instrs, root, entry = m.group(2), {}, "", bool(m.group(1))
+            continue
+        if line.startswith("}"):
+            comps[current] = Computation(current, instrs, root, entry)
+            current = None
+            continue
+        if " = " not in line:
+            continue
+        is_root, ins = _parse_instr(line)
+        instrs[ins.name] = ins
+        if is_root:
+            root = ins.name
+    return comps
+
+
+def shape_bytes(shape: str, on_chip_only: bool = False) -> float:
+    """Logical bytes of every array in an HLO shape (a tuple's elements summed)."""
+    total = 0.0
+    for m in _ARRAY.finditer(shape):
+        space = _MEMSPACE.search(m.group(3) or "")
+        if on_chip_only and not (space and int(space.group(1)) > 0):
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        total += math.prod(dims) * _DTYPE_BYTES[m.group(1)]
+    return total
+
+
+def _tuple_element(shape: str, index: int) -> str:
+    """The shape text of element `index` of a tuple shape."""
+    inner, parts, depth, cur = shape[1:-1], [], 0, ""
+    for c in inner:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += c
+    parts.append(cur)
+    parts = [re.sub(r"/\*index=\d+\*/", "", p).strip() for p in parts]
+    return parts[index]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One instruction that moves bytes; bytes per run, `runs` times per call of the program."""
+
+    computation: str
+    name: str
+    opcode: str  # "fusion:kLoop", "convolution", ...
+    calls: str  # the fused computation, for fusions
+    runs: int
+    read: dict[str, float]  # class -> bytes read per run
+    written: float
+    written_class: str
+    on_chip: float  # of read + written, bytes in an on-chip memory space
+
+    @property
+    def bytes(self) -> float:
+        return sum(self.read.values()) + self.written
+
+
+@dataclass(frozen=True)
+class Traffic:
+    rows: tuple[Row, ...]
+    unknown_trips: tuple[str, ...]  # while loops counted once: trip count not readable
+    trips: dict[str, int] = field(default_factory=dict)  # while instruction -> trip count
+
+    def total(self, scaled: bool = True) -> float:
+        return sum(r.bytes * (r.runs if scaled else 1) for r in self.rows)
+
+    def by_class(self, scaled: bool = True) -> dict[str, dict[str, float]]:
+        """class -> {"read": bytes, "written": bytes}, per call of the program."""
+        out = {c: {"read": 0.0, "written": 0.0} for c in CLASSES}
+        for r in self.rows:
+            k = r.runs if scaled else 1
+            for c, b in r.read.items():
+                out[c]["read"] += b * k
+            out[r.written_class]["written"] += r.written * k
+        return out
+
+    def on_chip(self, scaled: bool = True) -> float:
+        return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows)
+
+
+class _Program:
+    """The parsed module with what tracing needs: who calls each computation, and how."""
+
+    def __init__(self, comps: dict[str, Computation], roots: tuple[str, str]):
+        self.comps, self.roots = comps, roots
+        self.entry = next(c for c in comps.values() if c.is_entry)
+        self.caller: dict[str, tuple[str, Instr]] = {}  # body/branch -> (computation, instr)
+        for c in comps.values():
+            for ins in c.instrs.values():
+                if ins.opcode == "while":
+                    self.caller[ins.attr("body")] = (c.name, ins)
+                elif ins.opcode == "conditional":
+                    m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+                    for b in (m.group(1).split(",") if m else ()):
+                        self.caller[b.strip().lstrip("%")] = (c.name, ins)
+                    for key in ("true_computation", "false_computation"):
+                        if ins.attr(key):
+                            self.caller[ins.attr(key)] = (c.name, ins)
+                elif ins.opcode == "call":
+                    self.caller[ins.attr("to_apply")] = (c.name, ins)
+        self._origin: dict[tuple[str, str, tuple[int, ...]], tuple[str, float]] = {}
+
+    def trip_count(self, comp: Computation, loop: Instr) -> int | None:
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
+        if m:
+            return int(m.group(1))
+        cond = self.comps.get(loop.attr("condition"))
+        if cond is None:
+            return None
+        root = cond.instrs[cond.root]
+        if root.opcode != "compare" or "direction=LT" not in root.attrs:
+            return None
+        counter, bound = (cond.instrs.get(o) for o in root.operands)
+        if not (counter and bound and bound.opcode == "constant"
+                and counter.opcode == "get-tuple-element"):
+            return None
+        index = int(counter.attr("index"))
+        init = self._tuple_operand(comp, loop.operands[0], index)
+        while init is not None and init.opcode in ("copy", "bitcast"):
+            init = comp.instrs.get(init.operands[0])
+        if init is None or init.opcode != "constant":
+            return None
+        return int(_constant(bound)) - int(_constant(init))
+
+    def _tuple_operand(self, comp: Computation, name: str, index: int) -> Instr | None:
+        ins = comp.instrs.get(name)
+        if ins is None or ins.opcode != "tuple":
+            return None
+        return comp.instrs.get(ins.operands[index])
+
+    def origin(self, comp: str, name: str, index: tuple[int, ...] = ()) -> tuple[str, float]:
+        """(class, source bytes) of value `name` (element `index` of a tuple) in `comp`."""
+        key = (comp, name, index)
+        if key not in self._origin:
+            self._origin[key] = ("activations", 0.0)  # a cycle is never a source
+            self._origin[key] = self._trace(comp, name, index)
+        return self._origin[key]
+
+    def _trace(self, comp_name: str, name: str, index: tuple[int, ...]) -> tuple[str, float]:
+        comp = self.comps[comp_name]
+        ins = comp.instrs[name]
+        op = ins.opcode
+        if op == "parameter":
+            if comp.is_entry:
+                return _param_class(ins, self.roots), shape_bytes(ins.shape)
+            if comp_name in self.caller:
+                parent, call = self.caller[comp_name]
+                if call.opcode == "while":
+                    return self.origin(parent, call.operands[0], index)
+                if call.opcode == "conditional":
+                    branch = _branch_index(call, comp_name)
+                    if branch is not None and branch + 1 < len(call.operands):
+                        return self.origin(parent, call.operands[branch + 1], index)
+                if call.opcode == "call":
+                    k = int(re.match(r"\s*(\d+)", ins.attrs).group(1))
+                    return self.origin(parent, call.operands[k], index)
+            return "activations", shape_bytes(ins.shape)
+        if op == "get-tuple-element":
+            return self.origin(comp_name, ins.operands[0], (int(ins.attr("index")), *index))
+        if op == "tuple" and index:
+            return self.origin(comp_name, ins.operands[index[0]], index[1:])
+        if op == "while" and index:
+            return self.origin(comp_name, ins.operands[0], index)
+        if op in _PASS and ins.operands:
+            return self.origin(comp_name, ins.operands[0], ())
+        if op == "fusion" and "output_to_operand_aliasing" in ins.attrs:
+            m = re.search(r"output_to_operand_aliasing=\{\{[^}]*\}: \((\d+),", ins.attrs)
+            if m:
+                cls, src = self.origin(comp_name, ins.operands[int(m.group(1))])
+                if cls == "kv":
+                    return cls, src
+        out = shape_bytes(ins.shape)
+        if op in ("fusion", "dynamic-update-slice", "scatter") and len(index) <= 1:
+            if index:  # one output of a multi-output fusion
+                out = shape_bytes(_tuple_element(ins.shape, index[0]))
+            for o in ins.operands:  # a pool updated in place stays the pool
+                cls, src = self.origin(comp_name, o)
+                if cls == "kv" and src == out:
+                    return cls, src
+        # a computed value: a temp if it is a large copy of the weights/embeddings/KV it reads
+        # (a widened, relaid or sliced copy: at least half the bytes read from that source)
+        reads = _access(self.comps, comp, ins)[0]
+        best = 0.0
+        for k, o in enumerate(ins.operands):
+            if self.origin(comp_name, o)[0] in ("weights", "embeddings", "kv"):
+                best = max(best, reads.get(k, 0.0))
+        if best and out >= best / 2:
+            return "temps", out
+        return "activations", out
+
+
+def _constant(ins: Instr) -> float:
+    m = re.match(r"\s*\(?\s*(-?[\d.e+]+)", ins.attrs)
+    return float(m.group(1)) if m else float("nan")
+
+
+def _branch_index(call: Instr, branch: str) -> int | None:
+    m = re.search(r"branch_computations=\{([^}]*)\}", call.attrs)
+    if m:
+        names = [b.strip().lstrip("%") for b in m.group(1).split(",")]
+        return names.index(branch) if branch in names else None
+    return 0 if call.attr("true_computation") == branch else 1
+
+
+def _param_class(ins: Instr, roots: tuple[str, str]) -> str:
+    m = _ARG.search(ins.attrs)
+    if not m:
+        return "io"
+    if m.group(1) == roots[0]:
+        return "embeddings" if "embed" in (m.group(2) or "") else "weights"
+    return "kv" if m.group(1) == roots[1] else "io"
+
+
+def _fused_reads(fused: Computation, param_bytes: dict[int, float]) -> tuple[dict, float | None]:
+    """Bytes a fusion reads of each operand (slices only where only sliced; nothing where only
+    updated in place), and the bytes it writes when its root updates in place (else None)."""
+    params = {int(re.match(r"\s*(\d+)", i.attrs).group(1)): i.name
+              for i in fused.instrs.values() if i.opcode == "parameter"}
+    users: dict[str, list[tuple[Instr, int]]] = {}
+    for i in fused.instrs.values():
+        for k, o in enumerate(i.operands):
+            users.setdefault(o, []).append((i, k))
+    def uses(name: str) -> list[tuple[Instr, int]]:
+        """Users of `name`, looking through ops that only relayout it (copies, bitcasts, nested
+        copy fusions): an element a slice does not take is never read."""
+        out = []
+        for u, k in users.get(name, []):
+            same = shape_bytes(u.shape) == shape_bytes(fused.instrs[name].shape)
+            if same and len(u.operands) == 1 and u.opcode in ("copy", "bitcast", "fusion"):
+                out += uses(u.name)
+            else:
+                out.append((u, k))
+        return out
+
+    reads = {}
+    for n, pname in params.items():
+        us = uses(pname)
+        if us and all(k == 0 and (u.opcode in _SLICERS or u.opcode == "dynamic-update-slice")
+                      for u, k in us):
+            reads[n] = sum(shape_bytes(u.shape) for u, _ in us if u.opcode in _SLICERS)
+        else:
+            reads[n] = param_bytes.get(n, 0.0)
+    root = fused.instrs[fused.root]
+    roots = ([fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root])
+    if all(r.opcode == "dynamic-update-slice" for r in roots):
+        return reads, sum(shape_bytes(fused.instrs[r.operands[1]].shape) for r in roots)
+    return reads, None
+
+
+EXPORTED = ("args[0]", "args[1]")  # the weights' and the pools' argument, as jax.export names them
+
+
+def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED) -> Traffic:
+    """The traffic table of an optimized HLO module (see the module docstring); `roots`: the
+    names of the weights' and the KV pools' arguments in the HLO metadata (a jitted function's
+    own parameter names, e.g. ("weights", "pools"))."""
+    prog = _Program(parse_module(hlo_text), roots)
+    rows, unknown, trips = [], [], {}
+
+    def walk(comp: Computation, runs: int) -> None:
+        for ins in comp.instrs.values():
+            if ins.opcode == "while":
+                n = prog.trip_count(comp, ins)
+                if n is None:
+                    unknown.append(ins.name)
+                trips[ins.name] = n if n is not None else 1
+                walk(prog.comps[ins.attr("body")], runs * trips[ins.name])
+                continue
+            if ins.opcode in ("conditional", "call"):
+                for callee, (_, c) in prog.caller.items():
+                    if c is ins:
+                        walk(prog.comps[callee], runs)
+                continue
+            if ins.opcode in _FREE or ins.opcode.endswith("-done"):
+                continue
+            rows.append(_row(prog, comp, ins, runs))
+
+    walk(prog.entry, 1)
+    return Traffic(tuple(rows), tuple(unknown), trips)
+
+
+def _access(comps: dict[str, Computation], comp: Computation,
+            ins: Instr) -> tuple[dict[int, float], float]:
+    """(bytes read of each operand, bytes written) of one instruction."""
+    nbytes = {k: shape_bytes(_operand_shape(comp, o)) for k, o in enumerate(ins.operands)}
+    written = shape_bytes(ins.shape)
+    if ins.opcode == "fusion":
+        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes)
+        return reads, (in_place if in_place is not None else written)
+    if ins.opcode in _SLICERS:
+        return {**nbytes, 0: written}, written
+    if ins.opcode == "dynamic-update-slice":
+        return {**nbytes, 0: 0.0}, nbytes.get(1, 0.0)
+    if ins.opcode == "copy-start":  # (destination, source, context)
+        return nbytes, shape_bytes(_tuple_element(ins.shape, 0))
+    if ins.opcode.endswith("-start") and ins.shape.startswith("("):
+        # an async op's shape is (operands, output, context...): it writes the output
+        out = shape_bytes(_tuple_element(ins.shape, 1))
+        return ({0: out} if ins.opcode == "slice-start" else nbytes), out
+    return nbytes, written
+
+
+def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
+    shapes = [_operand_shape(comp, o) for o in ins.operands]
+    reads, written = _access(prog.comps, comp, ins)
+    calls = (ins.attr("calls") or "") if ins.opcode == "fusion" else ""
+    read = {c: 0.0 for c in CLASSES}
+    on_chip = 0.0
+    for k, b in reads.items():
+        read[prog.origin(comp.name, ins.operands[k])[0]] += b
+        if b and shape_bytes(shapes[k], on_chip_only=True):
+            on_chip += b
+    if shape_bytes(ins.shape, on_chip_only=True):
+        on_chip += written
+    out_class = prog.origin(comp.name, ins.name)[0]
+    if out_class in ("weights", "embeddings"):
+        out_class = "temps"  # a copy of (part of) a weight array
+    elif out_class not in ("kv", "temps"):
+        out_class = "activations"
+    kind = ins.attr("kind") if ins.opcode == "fusion" else None
+    return Row(comp.name, ins.name, f"fusion:{kind}" if kind else ins.opcode, calls, runs,
+               {c: b for c, b in read.items() if b}, written, out_class, on_chip)
+
+
+def _operand_shape(comp: Computation, name: str) -> str:
+    ins = comp.instrs.get(name)
+    return ins.shape if ins is not None else ""
