@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# libtpu takes a one-process lockfile (/tmp/libtpu_lockfile) when it loads, even only to compile
+# for a topology; the TPU-topology tests run in several pytest workers (and the rvcompile
+# processes they start inherit this), so they would fail on each other's lock.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from cli_output import without_progress
 from test_serve import KV_BLOCKS, NAME, POOLS, Server
 
 from rvcompile import runtime
@@ -126,7 +127,7 @@ def test_rvrun_and_the_python_api_refuse_the_same_values(artifact, model, capsys
 
     def rvrun(*args: str) -> tuple[int, list[str]]:
         rc = cli.main([str(artifact), "--prompt", "hi", "--max-tokens", "4", *args])
-        return rc, capsys.readouterr().err.strip().splitlines()
+        return rc, without_progress(capsys.readouterr().err)
 
     for args, needle in ((["--top-k", str(2**31)], "--top-k: "),  # before the load
                          (["--temperature", "nan"], "--temperature: must be finite"),
