@@ -333,7 +333,8 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
     for line in lines:
         typer.echo(line)
     if cost:
-        for line in _traffic_lines(info.get("precompiled") or {}):
+        for line in (summary.cost_lines if summary is not None and summary.cost_lines else
+                     (f"{'traffic':17} none (target {h.target} records no traffic table)",)):
             typer.echo(line)
     typer.echo(f"sections: (sha256 per {info['piece_size']:,}-byte piece)")
     for n, s in info["sections"].items():
@@ -342,20 +343,6 @@ def inspect(artifact: Path = typer.Argument(..., help="the artifact (.rvp)"),
     typer.echo("signatures:" if signed else "signatures:      none (unsigned)")
     for sig, st in signed:
         typer.echo(f"  signed by {sig.who()}, {st}")
-
-
-def _traffic_lines(sets: dict) -> list[str]:
-    """`inspect --cost`: each precompiled topology's traffic table, or why there is none."""
-    from rvcompile.targets.xla.cost_report import format_traffic
-
-    if not sets:
-        return ["traffic:          none (no precompiled topology: build with --topology)"]
-    lines = ["traffic:"]
-    for name, rec in sets.items():
-        t = (rec.get("cost") or {}).get("traffic")
-        lines += (format_traffic(name, t) if t is not None else
-                  [f"  {name}: no traffic table (built before rvcompile recorded one)"])
-    return lines
 
 
 def _provenance_lines(provenance: Provenance | None) -> list[str]:

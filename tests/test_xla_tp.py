@@ -258,7 +258,7 @@ def test_too_few_devices_refused(tp2_artifact, tmp_path):
 
 def test_cli_refuses_tp_it_cannot_do(tmp_path):
     out = tmp_path / "x.rvp"
-    for target, tp, needle in [("h100-fp8", 2, "runs on one GPU; --tp 2 is for the XLA"),
+    for target, tp, needle in [("h100-fp8", 3, "--tp 3: target h100-fp8 splits over 2, 4, 8"),
                                ("xla-f32", 3, "num_attention_heads 4 does not split over --tp 3")]:
         p = _rvcompile("build", "gemma-4-tiny", "--target", target, "--random-weights",
                        "--tp", str(tp), "-o", str(out), "--max-context", "128",

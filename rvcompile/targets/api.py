@@ -135,6 +135,7 @@ class Summary:
 
     info: dict[str, Any]  # merged into `inspect --json`
     lines: tuple[str, ...]  # printed by `inspect`, after the header's fields
+    cost_lines: tuple[str, ...] = ()  # what `inspect --cost` adds; () if the target has none
 
 
 def field_line(key: str, value: object) -> str:

@@ -102,7 +102,7 @@ class XlaTarget:
             lines += _mesh_lines(info["mesh"])
         if info["precompiled"]:
             lines += _precompiled_lines(info["precompiled"])
-        return Summary(info, tuple(lines))
+        return Summary(info, tuple(lines), tuple(_traffic_lines(info["precompiled"])))
 
 
 def _precompile(ir: ModelIR, opts: BuildOptions, lowering, log: Log) -> tuple[bytes, dict]:
@@ -188,3 +188,17 @@ TARGETS = (
                   ("quantize_fp8", quantize_fp8.run),  # the same FP8 model as h100-fp8
               ), LONG_CONTEXT_INT8),
 )
+
+
+def _traffic_lines(sets: dict) -> list[str]:
+    """`inspect --cost`: each precompiled topology's traffic table, or why there is none."""
+    from rvcompile.targets.xla.cost_report import format_traffic
+
+    if not sets:
+        return ["traffic:          none (no precompiled topology: build with --topology)"]
+    lines = ["traffic:"]
+    for name, rec in sets.items():
+        t = (rec.get("cost") or {}).get("traffic")
+        lines += (format_traffic(name, t) if t is not None else
+                  [f"  {name}: no traffic table (built before rvcompile recorded one)"])
+    return lines
