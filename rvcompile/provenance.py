@@ -71,13 +71,13 @@ def digest_directory(directory: Path, *, weights: bool, phases: Phases | None = 
     in."""
     paths = input_files(directory, weights=weights)
     phases = phases or Phases("rvcompile", "off")
-    total = sum(p.stat().st_size for p in paths)
-    with phases.phase(f"digest {directory.name}", total=total, unit="B") as bar, \
+    sizes = {p: p.stat().st_size for p in paths}
+    with phases.phase(f"digest {directory.name}", total=sum(sizes.values()), unit="B") as bar, \
             ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
         futures = {pool.submit(file_sha256, p): p for p in paths}
         for done in as_completed(futures):
             done.result()
-            bar.advance(futures[done].stat().st_size)
+            bar.advance(sizes[futures[done]])
         hexes = [f.result() for f in futures]
     files = {p.name: h for p, h in zip(futures.values(), hexes, strict=True)}
     return Inputs(files, combined_digest(files))

@@ -67,3 +67,15 @@ def test_cubins_do_not_depend_on_where_rvcompile_is_installed(tmp_path, monkeypa
     shutil.copytree(nvcc.KERNEL_DIR, elsewhere)
     monkeypatch.setattr(nvcc, "KERNEL_DIR", elsewhere)
     assert nvcc.compile_cubin("sample.cu", tmp_path / "b") == here
+
+
+def test_a_stage_that_cannot_be_made_is_one_line(tmp_path, monkeypatch) -> None:
+    """Where the sources cannot be staged (here: under a file), nvcc is not run and the error
+    is one line naming the stage."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(nvcc, "STAGE", blocker / "stage")
+    with pytest.raises(nvcc.NvccError) as e:
+        nvcc._staged(KERNEL_DIR, [KERNEL_DIR / "sample.cu"], "sample-test")
+    assert str(e.value).startswith(f"cannot stage the kernel sources in {blocker / 'stage'}: ")
+    assert "\n" not in str(e.value)
