@@ -12,7 +12,9 @@ first token (request sent -> first content chunk) and inter-token latency (gaps 
 chunks of a request, over all requests). With `--response-format`, every request is
 constrained (structured outputs); against rvrun the report adds the host time per grammar mask
 and, per engine step, the host time computing masks and the part the engine waited for (the
-rest was hidden behind other work; its /metrics counters). Prints a table, writes a JSON report.
+rest was hidden behind other work). Against rvrun every level also reports where the engine's
+time went: the share of the wall time inside executor calls and the share the engine spent on
+its own host work between them (its /metrics counters). Prints a table, writes a JSON report.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080/v1 --concurrency 1,2,4,8 \\
         --requests 32 --prompt-words 64 --output-tokens 64 --json out.json
@@ -99,7 +101,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     if args.response_format:
         for b in bodies:
             b["response_format"] = args.response_format
-    masks_before = grammar_masks(url)
+    before = engine_counters(url)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         await one_request(client, url, bodies.pop())  # warm-up, excluded
@@ -124,28 +126,39 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
             return {}
         return {f"p{p}_ms": float(np.percentile(a, p) * 1e3) for p in (50, 90, 99)}
 
-    masks = None
-    if masks_before is not None:  # rvrun's own counters: host time per grammar mask
-        host_s, n, wait_s, steps = (a - b for a, b in zip(grammar_masks(url), masks_before,
-                                                          strict=True))
+    masks = engine = None
+    if before is not None:  # rvrun's own counters (the warm-up request included)
+        after = engine_counters(url)
+        d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+        host_s, n, wait_s = (d[f"rvrun_grammar_mask{x}_total"]
+                                    for x in ("_seconds", "s", "_wait_seconds"))
+        steps = d["rvrun_engine_steps_total"]
+        step_s, executor_s = (d["rvrun_engine_step_seconds_total"],
+                              d["rvrun_engine_executor_seconds_total"])
+        engine = {"steps": steps, "step_s": step_s, "executor_s": executor_s,
+                  "executor_share": executor_s / wall, "engine_host_share":
+                  (step_s - executor_s) / wall, "ms_per_step": step_s / steps * 1e3
+                  if steps else 0.0}
         masks = {"masks": n, "host_s": host_s, "us_per_mask": host_s / n * 1e6 if n else 0.0,
                  "wait_s": wait_s, "steps": steps,
                  "host_ms_per_step": host_s / steps * 1e3 if steps else 0.0,
                  "wait_ms_per_step": wait_s / steps * 1e3 if steps else 0.0}
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(ok),
-            "grammar_masks": masks,
+            "grammar_masks": masks, "engine": engine,
             "errors": sorted({r.error for r in results if not r.ok})[:3], "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall,
             "requests_per_s": len(ok) / wall, "ttft": pct(ttft), "itl": pct(itl)}
 
 
-GRAMMAR_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total",
-                    "rvrun_grammar_mask_wait_seconds_total", "rvrun_engine_steps_total")
+ENGINE_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total",
+                   "rvrun_grammar_mask_wait_seconds_total", "rvrun_engine_steps_total",
+                   "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total")
 
 
-def grammar_masks(url: str) -> tuple[float, ...] | None:
-    """rvrun's grammar counters at /metrics (GRAMMAR_COUNTERS: host seconds computing masks,
-    masks, seconds the engine waited for them, engine steps); None for other servers."""
+def engine_counters(url: str) -> dict[str, float] | None:
+    """rvrun's engine counters at /metrics (ENGINE_COUNTERS: host seconds computing grammar
+    masks, masks, seconds the engine waited for them, engine steps, seconds inside steps and,
+    of them, inside executor calls); None for other servers."""
     try:
         text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -153,11 +166,11 @@ def grammar_masks(url: str) -> tuple[float, ...] | None:
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in GRAMMAR_COUNTERS:
+        if name in ENGINE_COUNTERS:
             values[name] = float(value)
-    if len(values) != len(GRAMMAR_COUNTERS):
+    if len(values) != len(ENGINE_COUNTERS):
         return None
-    return tuple(values[name] for name in GRAMMAR_COUNTERS)
+    return values
 
 
 def main() -> None:
@@ -205,6 +218,11 @@ def main() -> None:
               f"{level['requests_per_s']:>7.2f} {fmt(t):>22} {fmt(itl):>22}", flush=True)
         if level["errors"]:
             print(f"     errors: {level['errors']}")
+        if level["engine"]:
+            e = level["engine"]
+            print(f"     engine: {e['steps']:.0f} steps, {e['ms_per_step']:.1f} ms each; of the "
+                  f"wall time {100 * e['executor_share']:.0f}% in executor calls, "
+                  f"{100 * e['engine_host_share']:.0f}% the engine's host work")
         if level["grammar_masks"] and level["grammar_masks"]["masks"]:
             g = level["grammar_masks"]
             print(f"     grammar masks: {g['masks']:.0f}, {g['us_per_mask']:.0f} us each on "

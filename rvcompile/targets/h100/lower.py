@@ -4,8 +4,8 @@ every entry point (launches.py: one table from IR op to launches) placed in one 
 
 Input: the IR after an h100 pipeline (target.py): quantized (cast_bf16 + quantize_fp8:
 h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only ops the kernels run
-as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs at load),
-`prefill_{T}` per bucket, `logits_{max_chunk}`.
+as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs and `prefill_{T}` per bucket
+(both CUDA graphs at load), `logits_{max_chunk}` (launched kernel by kernel).
 """
 
 from __future__ import annotations
