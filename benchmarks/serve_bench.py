@@ -5,7 +5,9 @@ For each concurrency C of the sweep, C clients each send streaming /v1/completio
 to back until `--requests` have finished at that level. Each request asks for `--output-tokens`
 tokens with `ignore_eos` (peers that lack it may stop early; the report counts what came back,
 from the usage chunk when the server sends one). Prompts are synthetic text of about
-`--prompt-words` words, different per request. A warm-up request per level is excluded.
+`--prompt-words` words, different per request (how many tokens that is depends on the tokenizer:
+the synthetic one of a `--random-weights` build makes about 4.7 per word), or with
+`--prompt-tokens` exactly that many random token ids. A warm-up request per level is excluded.
 
 Per level: output tokens/s over the level's wall time, requests/s, and p50/p90/p99 of time to
 first token (request sent -> first content chunk) and inter-token latency (gaps between content
@@ -43,6 +45,9 @@ WORDS = ("the of and to in is that for it as with was on be by at this from or a
          "last might us great old year off come since against go came right used take three")
 
 
+PROMPT_IDS = (100, 8000)  # within every Gemma 4 vocabulary and the embedded default's (8,192)
+
+
 @dataclass
 class RequestResult:
     ok: bool
@@ -50,6 +55,12 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+
+
+def prompt_ids(rng: random.Random, tokens: int) -> list[int]:
+    """A prompt of exactly `tokens` token ids (PROMPT_IDS: ids every vocabulary here has),
+    as the OpenAI API's token-array prompt: the same length whatever the tokenizer."""
+    return [rng.randrange(*PROMPT_IDS) for _ in range(tokens)]
 
 
 def prompt_text(rng: random.Random, words: int) -> str:
@@ -94,17 +105,18 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 async def run_level(url: str, model: str, concurrency: int, n_requests: int, args,
                     seed: int) -> dict:
     rng = random.Random(seed)
-    bodies = [{"model": model, "prompt": prompt_text(rng, args.prompt_words),
+    bodies = [{"model": model, "prompt": prompt_ids(rng, args.prompt_tokens)
+               if args.prompt_tokens else prompt_text(rng, args.prompt_words),
                "max_tokens": args.output_tokens, "temperature": args.temperature,
                "stream": True, "stream_options": {"include_usage": True},
                "ignore_eos": True} for _ in range(n_requests + 1)]
     if args.response_format:
         for b in bodies:
             b["response_format"] = args.response_format
-    before = engine_counters(url)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         await one_request(client, url, bodies.pop())  # warm-up, excluded
+        before = engine_counters(url)
         queue = list(range(n_requests))
         results: list[RequestResult] = []
 
@@ -127,7 +139,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         return {f"p{p}_ms": float(np.percentile(a, p) * 1e3) for p in (50, 90, 99)}
 
     masks = engine = None
-    if before is not None:  # rvrun's own counters (the warm-up request included)
+    if before is not None:  # rvrun's own counters
         after = engine_counters(url)
         d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
         host_s, n, wait_s = (d[f"rvrun_grammar_mask{x}_total"]
@@ -180,6 +192,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated sweep")
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="send prompts of exactly this many random token ids instead of text "
+                        "(the length peers' batched benchmarks fix; any tokenizer)")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600)
@@ -202,7 +217,9 @@ def main() -> None:
                                           capture_output=True, text=True).stdout.strip()
     except OSError:
         report["commit"] = ""
-    print(f"{model} at {url}: {a.requests} requests per level, ~{a.prompt_words} prompt words, "
+    prompts = (f"{a.prompt_tokens} prompt tokens" if a.prompt_tokens
+               else f"~{a.prompt_words} prompt words")
+    print(f"{model} at {url}: {a.requests} requests per level, {prompts}, "
           f"{a.output_tokens} output tokens")
     print(f"{'conc':>4} {'ok':>4} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p90/p99 ms':>22} "
           f"{'ITL p50/p90/p99 ms':>22}")
