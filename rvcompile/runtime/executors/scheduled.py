@@ -7,6 +7,15 @@ and reads the results back. The device it drives only offers `write(offset, byte
 
 The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
+
+The decode loop (`decode_many`, executor_api's "Decode loop") is driven from here: the io is
+built once, then each step replays the decode entry of the call's width, reads the tokens back
+and moves each lane on in the io (its token, position, length and RNG step) with a few numpy
+writes, so a step costs the device one io copy, one graph launch and one token read on top of
+the kernels, not an engine step. A lane that samples a stop id or reaches its budget turns
+into a padding row (position -1) for the rest of the call, which ends when every lane has.
+Each step is a decode call of the call's lanes at the call's width: a finished lane's row
+stays, as padding, so the others keep the width they started with.
 """
 
 from __future__ import annotations
@@ -17,7 +26,10 @@ from typing import Protocol
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
-from rvcompile.runtime.executor_api import KvKind, SeqChunk
+from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
+
+DECODE_LOOP_STEPS = 32  # most steps of one decode_many call (the XLA targets' default too)
+DECODE_LOOP_STOPS = 64  # most stop ids per lane (a host-side check: any number would do)
 
 
 def schedule_kinds(schedule: KernelSchedule) -> dict[str, KvKind]:
@@ -49,6 +61,9 @@ class ScheduledExecutor:
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
         self.max_seqs = self.decode_buckets[-1]
+        # a call never runs more than max_chunk steps (the sliding rings' room ahead)
+        self.decode_loop_steps = min(DECODE_LOOP_STEPS, self.max_chunk)
+        self.decode_loop_stops = DECODE_LOOP_STOPS
 
     # -- io
 
@@ -122,7 +137,8 @@ class ScheduledExecutor:
         io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
-    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+    def _decode_io(self, lanes: Sequence[SeqChunk]) -> tuple[int, bytes]:
+        """(the width, the io) of a decode call of these lanes."""
         if not 0 < len(lanes) <= self.max_seqs:
             raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
                              f"{self.max_seqs}")
@@ -134,9 +150,50 @@ class ScheduledExecutor:
                 raise ValueError("a decode lane runs exactly one token")
             toks[i], pos[i] = lane.tokens[0], lane.start
         chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
-        io = self._io(b, lanes, toks, pos, chunk_of_row)
+        return b, self._io(b, lanes, toks, pos, chunk_of_row)
+
+    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+        b, io = self._decode_io(lanes)
         got = self._call(f"decode_{b}", io, "out_tokens", b, np.int32)
         return [int(x) for x in got[:len(lanes)]]
+
+    def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+        for lane in lanes:
+            if not 1 <= lane.budget <= self.decode_loop_steps:
+                raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
+                                 f"{self.decode_loop_steps} steps")
+            if len(lane.stop_ids) > self.decode_loop_stops:
+                raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
+                                 f"most {self.decode_loop_stops}")
+        b, io_bytes = self._decode_io([lane.chunk for lane in lanes])
+        io = np.frombuffer(bytearray(io_bytes), np.uint8)
+        s = self.schedule
+
+        def field(name: str) -> np.ndarray:  # the first b values of an io field, in place
+            f = s.io[name]
+            start = f.offset - s.io_offset
+            return io[start:start + 4 * b].view(np.dtype(f.dtype))
+
+        tokens, positions, seq_len, step = (field(n) for n in ("tokens", "positions",
+                                                               "seq_len", "step"))
+        out: list[list[int]] = [[] for _ in lanes]
+        live = list(range(len(lanes)))
+        while live:
+            got = self._call(f"decode_{b}", io.tobytes(), "out_tokens", b, np.int32)
+            going = []
+            for i in live:
+                token = int(got[i])
+                out[i].append(token)
+                if token in lanes[i].stop_ids or len(out[i]) == lanes[i].budget:
+                    positions[i], seq_len[i] = -1, 1  # a padding row from now on
+                else:
+                    tokens[i] = token
+                    positions[i] += 1
+                    seq_len[i] += 1
+                    step[i] += 1
+                    going.append(i)
+            live = going
+        return out
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         t = self.max_chunk
