@@ -36,7 +36,11 @@ from h100_helpers import h100_context, own_tables, reference_executor
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
-from rvcompile.artifacts.kernel_schedule import SPECULATIVE_SCHEDULE_VERSION, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import (
+    SCHEDULE_VERSION,
+    SPECULATIVE_SCHEDULE_VERSION,
+    KernelSchedule,
+)
 from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Request
@@ -206,7 +210,9 @@ def test_batched_plain_and_speculating_requests_give_solo_tokens(built):
 
 def test_tensor_parallel_verify(built):
     m = reference_model(built("h100-f32", tp=2))
-    assert m.executor.schedule.version == SPECULATIVE_SCHEDULE_VERSION
+    ranks = [m.manifest["h100"]["schedule"], *m.manifest["h100"]["tensor_parallel"]["schedules"]]
+    assert [(r["version"], r["draft_tokens"]) for r in ranks] == \
+        [(SPECULATIVE_SCHEDULE_VERSION, K)] * 2
     prompt = prompt_ids(m)
     plain = m.generate(prompt, max_tokens=48, ignore_eos=True)
     spec = m.generate(prompt, max_tokens=48, ignore_eos=True, speculative="ngram")
@@ -219,6 +225,9 @@ def test_refusals(built):
         m.generate([2, 5, 6], max_tokens=4, speculative="assistant")
     plain = reference_model(built("h100-f32", draft_tokens=0))
     assert max_draft_tokens(plain.executor) == 0
+    # a schedule without drafts is written as before: version 4, no draft_tokens key
+    assert plain.executor.schedule.version == SCHEDULE_VERSION
+    assert "draft_tokens" not in plain.manifest["h100"]["schedule"]
     assert not any(n.startswith("verify_") for n in plain.executor.schedule.entries)
     with pytest.raises(RequestError, match="ngram: the artifact has no verify entry"):
         plain.generate([2, 5, 6], max_tokens=4, speculative="ngram")
