@@ -21,7 +21,9 @@ from then to the last), the drafts made and accepted, tokens per verify lane, an
 two runs gave the same tokens. Prompts: B different blocks of --period random tokens, each
 repeated to --prompt tokens (so n-gram lookup finds the pattern; what the model then generates
 decides what is accepted), or with --text FILE B consecutive --prompt-token pieces of that
-text (through the artifact's tokenizer).
+text (through the artifact's tokenizer). Then, on the bare executor, the verify step's cost per
+B for k = 0 .. the artifact's K drafts a lane (k = 0 is a decode step; median of 5 calls after
+a warm-up, B lanes of k + 1 rows at position --prompt).
 """
 
 from __future__ import annotations
@@ -149,6 +151,26 @@ def spec_row(m, prompts: list[list[int]], gen: int, k: int) -> dict:
     return row
 
 
+def verify_cost(ex, rng, vocab: int, b: int, at: int) -> dict:
+    """ms of one verify call of b lanes of k + 1 rows each, for k = 0 .. K."""
+    tables = [own_tables(ex, i) for i in range(b)]
+    out = {}
+    for k in range(ex.max_draft_tokens + 1):
+        lanes = [SeqChunk(rng.integers(4, vocab, k + 1).tolist(), at, tables[i])
+                 for i in range(b)]
+        ex.verify(lanes)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            ex.verify(lanes)
+            times.append(time.perf_counter() - t)
+        out[k] = float(np.median(times)) * 1e3
+    print(f"verify ms at B={b}, k = 0..{ex.max_draft_tokens} drafts a lane: "
+          + ", ".join(f"{ms:.2f}" for ms in out.values())
+          + f" (k/0: {', '.join(f'{ms / out[0]:.2f}' for ms in out.values())})", flush=True)
+    return {"batch": b, "ms": out}
+
+
 def spec_prompts(m, rng, vocab: int, b: int, n: int, period: int,
                  text: str | None) -> list[list[int]]:
     if text is None:
@@ -190,6 +212,7 @@ def main() -> None:
         result["speculative"] = [
             spec_row(m, spec_prompts(m, rng, vocab, b, args.prompt, args.period, text),
                      args.gen, args.speculative) for b in batches]
+        result["verify_ms"] = [verify_cost(ex, rng, vocab, b, args.prompt) for b in batches]
     else:
         print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}",
               flush=True)
