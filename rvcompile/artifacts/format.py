@@ -167,6 +167,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "ranks' schedules (kernel schedule version 5); header arena_bytes is the "
                       "largest rank's. One-GPU h100 artifacts are as in v6; v6 files are "
                       "refused (rebuild them), one way to read as before"),
+    ("2026-11-25", 7, "h100 kernel schedules may carry draft_tokens K and verify_{R} entry "
+                      "points (rvcompile build --num-draft-tokens K on an h100 target: "
+                      "speculative decoding with n-gram drafts, issue 15), as kernel schedule "
+                      "version 6; absent: no verify entries, and the schedule's version as "
+                      "before. Readers before this entry refuse such files (a schedule version "
+                      "outside their range), never misread them"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -21,12 +21,13 @@ stays, as padding, so the others keep the width they started with.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
-from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk
+from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk, Verified
 
 DECODE_LOOP_STEPS = 32  # most steps of one decode_many call (the XLA targets' default too)
 DECODE_LOOP_STOPS = 64  # most stop ids per lane (a host-side check: any number would do)
@@ -201,3 +202,60 @@ class ScheduledExecutor:
         io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64))
         n, v = len(chunk.tokens), self.schedule.vocab_size
         return self._call(f"logits_{t}", io, "logits", n * v, np.float32).reshape(n, v)
+
+    # -- speculative decoding (executor_api, "Speculative decoding"): n-gram drafts only
+    #
+    # A verify call is a decode call: a decode entry runs each row at its own position with its
+    # own block-table row and sampling step, writing every row's KV before any attention reads
+    # the cache (targets/h100/lower.py), so a lane's token and drafts at positions p..p+k are
+    # k + 1 rows of it, row i sampled at step + i as `decode` would sample it. The rows of all
+    # lanes, padded to the narrowest entry holding them: decode_{B}, or beyond the widest one
+    # the schedule's verify_{R} (built with --num-draft-tokens K). No drafter: `draft` is not
+    # offered and Verified.states is empty.
+
+    has_drafter = False
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """K: most drafts one verify lane takes (the schedule's draft_tokens; 0: no verify)."""
+        return self.schedule.draft_tokens
+
+    def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
+        k = self.max_draft_tokens
+        if not k:
+            raise ValueError("the artifact was built without speculative entry points "
+                             "(rvcompile build --num-draft-tokens K)")
+        if not 0 < len(lanes) <= self.max_seqs:
+            raise ValueError(f"{len(lanes)} verify lanes; the schedule takes 1..{self.max_seqs}")
+        rows: list[SeqChunk] = []  # one per row: its lane, its own sampling step
+        toks, pos = [], []
+        for lane in lanes:
+            n = len(lane.tokens)
+            if not 1 <= n <= k + 1:
+                raise ValueError(f"verify lane of {n} tokens: a token and 0 to {k} drafts")
+            if lane.draft_probs is not None:
+                raise ValueError("draft_probs come from an assistant's draft; this artifact "
+                                 "has no drafter")
+            if lane.start + n > self.max_context:
+                raise ValueError(f"positions up to {lane.start + n} exceed the context "
+                                 f"{self.max_context}")
+            rows += [replace(lane, step=lane.step + i) for i in range(n)]
+            toks += list(lane.tokens)
+            pos += range(lane.start, lane.start + n)
+        width = next(b for b in self._verify_widths() if b >= len(rows))
+        pad = width - len(rows)
+        io = self._io(width, rows, np.asarray(toks + [0] * pad, np.int32),
+                      np.asarray(pos + [-1] * pad, np.int32),
+                      np.minimum(np.arange(width), len(rows) - 1))
+        entry = f"decode_{width}" if width in self.decode_buckets else f"verify_{width}"
+        got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
+        out, at = [], 0
+        for lane in lanes:
+            out.append(Verified(got[at:at + len(lane.tokens)], ()))
+            at += len(lane.tokens)
+        return out
+
+    def _verify_widths(self) -> tuple[int, ...]:
+        """Row counts a verify call may run in: the decode entries', then the verify entries'."""
+        verify = (e.rows for e in self.schedule.entries.values() if e.name.startswith("verify_"))
+        return tuple(sorted({*self.decode_buckets, *verify}))
