@@ -1,8 +1,9 @@
-"""The h100 executor's decode loop (ScheduledExecutor.decode_many) on the CPU reference device:
-each step must be bit for bit the decode call of the same lanes (tokens and the whole arena,
-KV pools included), greedy and seeded; a lane ends at its budget or a stop id and the others
-go on unchanged; and the engine, which runs it when nobody waits to join, gives the same
-generations as with single decode steps. On an H100, the CUDA executor's loop against its own
+"""The h100 executor's decode loop (ScheduledExecutor.decode_many: decode graphs replayed back
+to back, each ending with decode_advance) on the CPU reference device: each step must be bit for
+bit the decode call of the same lanes (tokens and the KV pools), greedy and seeded; a lane ends
+at its budget or a stop id and the others go on unchanged; decode_advance against its rule; and
+the engine, which runs the loop when nobody waits to join, gives the same generations as with
+single decode steps. On an H100, the CUDA executor's loop against its own
 single decode calls.
 """
 
@@ -71,7 +72,8 @@ def test_loop_equals_single_decode_calls(art, sampling):
     got = a.decode_many([LoopLane(c, steps, frozenset()) for c in lanes])
     want = stepped(b, lanes, steps)
     assert got == want
-    assert np.array_equal(a.device.mem, b.device.mem)  # the KV pools (and the rest) too
+    kv = slice(a.schedule.kv_offset, a.schedule.kv_offset + a.schedule.kv.pool_bytes)
+    assert np.array_equal(a.device.mem[kv], b.device.mem[kv])  # the KV pools too
 
 
 @pytest.mark.gpu
@@ -99,6 +101,37 @@ def test_lanes_end_at_budget_and_stop_ids_alone(art):
     assert got[0] == free[0][:3]
     assert got[1] == free[1][:free[1].index(stop) + 1]
     assert got[2] == free[2]  # the rows that ended early did not change it
+
+
+def test_decode_advance_moves_live_lanes_and_logs_the_step():
+    from rvcompile.targets.h100.rows import advance
+
+    sampled = np.array([11, 12, 13, 14], np.int32)
+    tokens = np.array([1, 2, 3, 4], np.int32)
+    positions = np.array([5, 6, -1, 8], np.int32)
+    seq_len, step = positions + 1, np.array([0, 1, 2, 3], np.int32)
+    budget = np.array([2, 1, 3, 0], np.int32)
+    loop_step, history = np.array([1], np.int32), np.full((3, 4), 7, np.int32)
+    advance(sampled, tokens, positions, seq_len, step, budget, loop_step, history)
+    assert history[1].tolist() == [11, 12, -1, -1] and (history[[0, 2]] == 7).all()
+    assert tokens.tolist() == [11, 2, 3, 4]  # lane 0 goes on; lane 1 spent its budget
+    assert positions.tolist() == [6, -1, -1, 8] and seq_len.tolist() == [7, 1, 0, 9]
+    assert step.tolist() == [1, 1, 2, 3] and budget.tolist() == [1, 0, 3, 0]
+    assert loop_step.tolist() == [2]
+    advance(sampled, tokens, positions, seq_len, step, budget, np.array([3], np.int32),
+            history)  # past the history's rows: nothing logged
+    assert (history[[0, 2]] == 7).all()
+
+
+def test_artifacts_without_decode_advance_offer_no_loop(art):
+    from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+
+    ex = reference_executor(art)
+    io = {k: v for k, v in ex.schedule.io.items() if not k.startswith("loop_")}
+    old = ScheduledExecutor(dataclasses.replace(ex.schedule, io=io), ex.device)
+    assert decode_loop_steps(old) == 0 and decode_loop_steps(ex) > 0
+    with pytest.raises(ValueError, match="built before the decode loop"):
+        old.decode_many([])
 
 
 def test_bad_loop_lanes_are_refused(art):

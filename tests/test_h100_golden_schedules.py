@@ -13,7 +13,9 @@ entries) moved from gemv_bf16 onto the bf16 tensor-core GEMM (module gemm_fp8_tc
 gemm_tc.cu): every case's dump differing only in those head launches, the module's name, and the
 offsets after the constants, which grew by the GEMM's all-ones scale vector; and again when the
 prefill entries became CUDA graphs too: every case's dump differing only in its prefill entries'
-"graph" flags, false -> true.
+"graph" flags, false -> true; and again when every decode entry gained a last launch,
+decode_advance (the decode loop), over three new io fields (loop_budget, loop_step, loop_tokens),
+every offset after the io moving by their size.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

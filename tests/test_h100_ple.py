@@ -159,7 +159,7 @@ def test_ple_presets_lower(preset, layers):
     decode = [_generic(x.kernel) for x in s.entries["decode_1"].launches]
     assert decode[:5] == ["embed_rows_bf16", "to_bf16", "fp8_gemv", "ple_combine",
                           "rmsnorm_bf16"]
-    assert len(decode) == 5 + 13 * layers + 4
+    assert len(decode) == 5 + 13 * layers + 5  # head, sampling, decode_advance
     for li in range(layers):
         assert decode[5 + 13 * li:5 + 13 * (li + 1)] == LAYER_KERNELS
     assert s.arena_bytes < 75e9

@@ -157,8 +157,9 @@ def test_released_models_lower(preset, layers):
     n = len(source.config.layers)
     assert layers in (None, n)
     decode = s.entries["decode_1"].launches
-    # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels
-    assert len(decode) == 2 + 10 * n + 4
+    # embed + first norm, 10 per layer, head GEMV, 3 sampling kernels, decode_advance
+    assert len(decode) == 2 + 10 * n + 5
+    assert decode[-1].kernel == "decode_advance"
     assert s.arena_bytes < 75e9
     layer = [x.kernel for x in decode[2:12]]
     assert {"qkv_post", "gelu_mul"} <= set(layer)

@@ -8,14 +8,17 @@ and reads the results back. The device it drives only offers `write(offset, byte
 The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
 
-The decode loop (`decode_many`, executor_api's "Decode loop") is driven from here: the io is
-built once, then each step replays the decode entry of the call's width, reads the tokens back
-and moves each lane on in the io (its token, position, length and RNG step) with a few numpy
-writes, so a step costs the device one io copy, one graph launch and one token read on top of
-the kernels, not an engine step. A lane that samples a stop id or reaches its budget turns
-into a padding row (position -1) for the rest of the call, which ends when every lane has.
-Each step is a decode call of the call's lanes at the call's width: a finished lane's row
-stays, as padding, so the others keep the width they started with.
+The decode loop (`decode_many`, executor_api's "Decode loop"): every decode entry ends with
+decode_advance (targets/h100/rows.py), which moves each lane with budget left on to its next
+step in the io fields (its sampled token as input, position, length and RNG step one on) and
+logs the step's tokens in io `loop_tokens` ([L, B] for B rows). So the io is written once with each
+lane's budget, and the entry replays back to back, LOOP_GROUP steps between token reads (all
+of them when no lane has a stop id): no host work between steps. A lane that reaches its
+budget turns into a padding row (position -1); one that samples a stop id runs on to its
+budget (its later tokens are dropped here; it writes KV only into the blocks its budget
+owns), and the call ends at the first read where every lane has ended. Each step is a decode
+call of the call's lanes at the call's width (an ended lane's row stays, as padding).
+Artifacts built before decode_advance (no `loop_tokens` io field) offer no decode loop.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import numpy as np
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk, Verified
 
-DECODE_LOOP_STEPS = 32  # most steps of one decode_many call (the XLA targets' default too)
-DECODE_LOOP_STOPS = 64  # most stop ids per lane (a host-side check: any number would do)
+DECODE_LOOP_STOPS = 64  # most stop ids per lane (checked on the host: any number would do)
+LOOP_GROUP = 8  # decode_many's steps between token reads while a lane may stop early
 
 
 def schedule_kinds(schedule: KernelSchedule) -> dict[str, KvKind]:
@@ -62,8 +65,10 @@ class ScheduledExecutor:
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
         self.max_seqs = self.decode_buckets[-1]
-        # a call never runs more than max_chunk steps (the sliding rings' room ahead)
-        self.decode_loop_steps = min(DECODE_LOOP_STEPS, self.max_chunk)
+        # steps decode_advance can log; a call never runs more than max_chunk steps (the
+        # sliding rings' room ahead)
+        history = s.io.get("loop_tokens")
+        self.decode_loop_steps = 0 if history is None else min(history.shape[0], self.max_chunk)
         self.decode_loop_stops = DECODE_LOOP_STOPS
 
     # -- io
@@ -159,6 +164,9 @@ class ScheduledExecutor:
         return [int(x) for x in got[:len(lanes)]]
 
     def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+        if not self.decode_loop_steps:
+            raise ValueError("this artifact was built before the decode loop (its decode "
+                             "entries lack decode_advance): rebuild it")
         for lane in lanes:
             if not 1 <= lane.budget <= self.decode_loop_steps:
                 raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
@@ -166,35 +174,27 @@ class ScheduledExecutor:
             if len(lane.stop_ids) > self.decode_loop_stops:
                 raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
                                  f"most {self.decode_loop_stops}")
-        b, io_bytes = self._decode_io([lane.chunk for lane in lanes])
-        io = np.frombuffer(bytearray(io_bytes), np.uint8)
+        b, io = self._decode_io([lane.chunk for lane in lanes])
         s = self.schedule
-
-        def field(name: str) -> np.ndarray:  # the first b values of an io field, in place
-            f = s.io[name]
-            start = f.offset - s.io_offset
-            return io[start:start + 4 * b].view(np.dtype(f.dtype))
-
-        tokens, positions, seq_len, step = (field(n) for n in ("tokens", "positions",
-                                                               "seq_len", "step"))
-        out: list[list[int]] = [[] for _ in lanes]
-        live = list(range(len(lanes)))
-        while live:
-            got = self._call(f"decode_{b}", io.tobytes(), "out_tokens", b, np.int32)
-            going = []
-            for i in live:
-                token = int(got[i])
-                out[i].append(token)
-                if token in lanes[i].stop_ids or len(out[i]) == lanes[i].budget:
-                    positions[i], seq_len[i] = -1, 1  # a padding row from now on
-                else:
-                    tokens[i] = token
-                    positions[i] += 1
-                    seq_len[i] += 1
-                    step[i] += 1
-                    going.append(i)
-            live = going
-        return out
+        io = bytearray(io)
+        budget = s.io["loop_budget"].offset - s.io_offset
+        io[budget:budget + 4 * len(lanes)] = np.asarray([x.budget for x in lanes],
+                                                        np.int32).tobytes()
+        self.device.write(s.io_offset, bytes(io))
+        entry, history = f"decode_{b}", s.io["loop_tokens"]
+        steps = max(x.budget for x in lanes)
+        group = LOOP_GROUP if any(x.stop_ids for x in lanes) else steps
+        ran = 0
+        while True:
+            for _ in range(min(group, steps - ran)):
+                self.device.run(entry)
+            ran = min(ran + group, steps)
+            log = np.frombuffer(self.device.read(history.offset, ran * b * 4),
+                                np.int32).reshape(ran, b)
+            out = [_lane_tokens(log[:, i], lane) for i, lane in enumerate(lanes)]
+            if ran == steps or all(len(t) == x.budget or t[-1] in x.stop_ids
+                                   for t, x in zip(out, lanes, strict=True)):
+                return out
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         t = self.max_chunk
@@ -259,3 +259,16 @@ class ScheduledExecutor:
         """Row counts a verify call may run in: the decode entries', then the verify entries'."""
         verify = (e.rows for e in self.schedule.entries.values() if e.name.startswith("verify_"))
         return tuple(sorted({*self.decode_buckets, *verify}))
+
+
+def _lane_tokens(column: np.ndarray, lane: LoopLane) -> list[int]:
+    """A lane's tokens from its column of decode_advance's history: up to its budget (the
+    first -1) and its first stop id, included."""
+    out = []
+    for token in column[:lane.budget].tolist():
+        if token < 0:
+            break
+        out.append(token)
+        if token in lane.stop_ids:
+            break
+    return out

@@ -133,8 +133,12 @@ class EntryLowering:
     """Lowers embed, every layer, head and sampler for one entry point of `rows` token rows."""
 
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
-                 pools: dict[int, Pool], tp: RankPlan | None = None):
+                 pools: dict[int, Pool], tp: RankPlan | None = None, *,
+                 decode_loop_steps: int = 0):
+        """`decode_loop_steps` L > 0 (decode entries): end with decode_advance, which logs up to
+        L steps' tokens in io "loop_tokens" as [L, rows] (rows.py)."""
         self.ir, self.kind, self.m = ir, kind, rows
+        self.decode_loop_steps = decode_loop_steps
         self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
         self.cfg = ir.config
@@ -738,6 +742,12 @@ class EntryLowering:
                   temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
         self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
         self.outputs["out_tokens"] = (out, "int32", (m,))
+        if self.decode_loop_steps:  # in io: the next replay's kernels must not reuse it
+            self.emit(rows.ADVANCE_ENTRY, rows.advance_geometry(m), sampled=out,
+                      tokens=Ref("io", "tokens"), positions=Ref("io", "positions"),
+                      seq_len=Ref("io", "seq_len"), step=io["step"],
+                      budget=Ref("io", "loop_budget"), loop_step=Ref("io", "loop_step"),
+                      history=Ref("io", "loop_tokens"), B=m, L=self.decode_loop_steps)
         return None
 
 

@@ -216,7 +216,13 @@ def kv_pools(ir: ModelIR) -> KvPools:
     return KvPools(pools, full, ring)
 
 
-def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+# Steps one series of decode replays can log in io "loop_tokens" (rows.decode_advance; the
+# runtime's decode loop runs at most this many, and at most max_chunk).
+DECODE_LOOP_STEPS = 32
+
+
+def _io_fields(max_rows: int, full: int, ring: int,
+               max_seqs: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {
         "tokens": ("int32", (max_rows,)),
         "positions": ("int32", (max_rows,)),
@@ -229,6 +235,11 @@ def _io_fields(max_rows: int, full: int, ring: int) -> dict[str, tuple[str, tupl
         "top_p": ("float32", (max_rows,)),
         "seed": ("int32", (max_rows,)),
         "step": ("int32", (max_rows,)),
+        # the decode loop's (rows.decode_advance): budgets, the step, the steps' tokens (a
+        # decode entry of B rows uses the first DECODE_LOOP_STEPS * B)
+        "loop_budget": ("int32", (max_rows,)),
+        "loop_step": ("int32", (1,)),
+        "loop_tokens": ("int32", (DECODE_LOOP_STEPS, max_seqs)),
     }
 
 
@@ -264,7 +275,7 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     pool_bytes = offset - kv_offset
     io_offset = offset
     io: dict[str, Field] = {}
-    for name, (dtype, shape) in _io_fields(max_rows, kv.full, kv.ring).items():
+    for name, (dtype, shape) in _io_fields(max_rows, kv.full, kv.ring, max_seqs).items():
         io[name] = Field(offset, dtype, shape)
         offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
     io_bytes = offset - io_offset

@@ -83,7 +83,10 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     # launched as decode entries (EntryLowering kind "decode": a graph, every row sampled)
     verify = verify_buckets(max_seqs, draft_tokens)
     entries += [("decode", f"verify_{r}", r) for r in verify]
-    plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp).run(name)
+    plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp,
+                           decode_loop_steps=layout.DECODE_LOOP_STEPS
+                           if name.startswith("decode_")
+                           else 0).run(name)
              for kind, name, rows in entries]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
