@@ -14,10 +14,14 @@ bytes as that parameter.
 
 An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
 token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
-`logits_{T}` (same, keeping every row's softcapped logits). Before a call the host fills the io
-fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
-block-table row per token row and KV kind, the prefill's last real row, the sampling
-parameters; afterwards it reads `out_tokens` (and `logits`).
+`logits_{T}` (same, keeping every row's softcapped logits). From version 6 a one-GPU schedule
+also has `sampled_decode_{B}` and `sampled_prefill_{T}` beside every decode and prefill entry:
+the same model, with the sampler's extras (penalties, a token mask, log-probabilities) read
+from the `sampler` region (SamplerIo) and the log-probabilities among the outputs. Before a
+call the host fills the io fields for the entry's rows: tokens, positions (-1 = padding),
+seq_len (keys a row sees), one block-table row per token row and KV kind, the prefill's last
+real row, the sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the
+log-probabilities).
 
 `version` is the schedule's own schema version (what the arguments, io fields and entry names
 mean to the runtime): readers take MIN_SCHEDULE_VERSION..SCHEDULE_VERSION, independently of the
@@ -54,9 +58,16 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "dst, rows, cols}: kernel_schedule.Collective); only the ranks' "
                       "schedules of a --tp build carry version 5, a one-GPU schedule stays at "
                       "version 4 (and reads as before)"),
+    ("2026-11-25", 6, "the sampler's extras (issue 16): `sampler` (SamplerIo: the sample_io "
+                      "region right after io, its fields and shapes) and the entries "
+                      "sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} / "
+                      "prefill_{T}, with outputs logprob, top_ids and top_logprobs after "
+                      "out_tokens; what a one-GPU build writes (a --tp build's ranks stay at "
+                      "version 5); versions 3 to 5 read as before, without them"),
 )
-SCHEDULE_VERSION = 4  # what a one-GPU build writes
-TP_SCHEDULE_VERSION = 5  # what the ranks of a --tp build write: the newest readers take
+SCHEDULE_VERSION = 6  # what a one-GPU build writes: the newest readers take
+TP_SCHEDULE_VERSION = 5  # what the ranks of a --tp build write
+SAMPLER_SCHEDULE_VERSION = 6  # from this version a one-GPU schedule has the sampler's extras
 MIN_SCHEDULE_VERSION = 3
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params")
@@ -77,6 +88,16 @@ IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
 ENTRY_KINDS = ("decode", "prefill", "logits")
+SAMPLED = "sampled_"  # the sampled entries' prefix: sampled_decode_{B}, sampled_prefill_{T}
+# The sample_io fields in their order, each one value per decode lane (max_seqs) but the pool
+# (int32 [max_seqs * (mask_words + 2 * penalty_ids)]), which comes last: the host writes io,
+# these and the used prefix of the pool with one copy.
+SAMPLE_IO_FIELDS = {"presence": "float32", "frequency": "float32", "repetition": "float32",
+                    "n_top": "int32", "mask_at": "int32", "pen_at": "int32", "pen_n": "int32",
+                    "pool": "int32"}
+# the sampled entries' outputs after out_tokens, side by side in this order (one read)
+SAMPLED_OUTPUTS = ("out_tokens", "logprob", "top_ids", "top_logprobs")
+MAX_TOP_LOGPROBS = 32  # what the sample_logprobs kernel returns at most
 # CUDA's limits (compute capability 9.0): grid x, y, z; block x, y, z and threads; dynamic
 # shared memory a block may opt into.
 MAX_GRID = (INT32_MAX, 65535, 65535)
@@ -149,6 +170,24 @@ class Field:
 
 
 @dataclass(frozen=True)
+class SamplerIo:
+    """The inputs of the sampled entries (version 6): a region right after io (one copy writes
+    both), the fields of SAMPLE_IO_FIELDS in that order. Per decode lane: presence, frequency
+    and repetition (float32; neutral 0, 0, 1), n_top (-1: no log-probabilities; 0..K: the
+    token's and the K likeliest), mask_at (the pool word where the lane's mask of mask_words
+    words starts, bit j of word w allowing token 32 w + j; -1: no mask), pen_at and pen_n (the
+    pool word where its (id, count) penalty pairs start, each id once, and how many: at most
+    penalty_ids)."""
+
+    offset: int  # = io_offset + io_bytes
+    nbytes: int
+    top_logprobs: int  # K: the top log-probabilities the sampled entries return per row
+    penalty_ids: int  # P: most penalty pairs per lane, min(max_context, vocab_size)
+    mask_words: int  # W: int32 words of a lane's token mask, vocab_size / 32
+    fields: dict[str, Field]
+
+
+@dataclass(frozen=True)
 class EntryPoint:
     name: str
     rows: int
@@ -207,10 +246,13 @@ class KernelSchedule:
     version: int = field(default=SCHEDULE_VERSION)
     # the parameter blocks "params" arguments name, by name (absent from the JSON when none)
     params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
+    sampler: SamplerIo | None = None  # the sampled entries' inputs (version 6, one GPU)
 
     def to_json(self) -> dict:
         d = asdict(self)
         del d["params_templates"]
+        if self.sampler is None:
+            del d["sampler"]
         if self.params_templates:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
@@ -233,9 +275,9 @@ def _parse(s: At) -> KernelSchedule:
     if version is None:
         s.fail("has no version: built before schedules were versioned; rebuild the artifact")
     v = version.int()
-    if not MIN_SCHEDULE_VERSION <= v <= TP_SCHEDULE_VERSION:
+    if not MIN_SCHEDULE_VERSION <= v <= SCHEDULE_VERSION:
         version.fail(f"kernel schedule version {v}; this runtime reads versions "
-                     f"{MIN_SCHEDULE_VERSION}..{TP_SCHEDULE_VERSION} (rebuild the artifact, or "
+                     f"{MIN_SCHEDULE_VERSION}..{SCHEDULE_VERSION} (rebuild the artifact, or "
                      "upgrade rvcompile)")
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
         "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
@@ -258,6 +300,7 @@ def _parse(s: At) -> KernelSchedule:
     if end > n["arena_bytes"]:
         s.fail(f"arena regions end at byte {end}, past arena_bytes {n['arena_bytes']}")
     io_region = (n["io_offset"], n["io_offset"] + n["io_bytes"])
+    sampler = _sampler(s, v, io_region[1], n["arena_bytes"], max_seqs, max_context, vocab)
     arena = (0, n["arena_bytes"])
     cubins = {}
     for name, c in s["cubins"].members(256).items():
@@ -286,25 +329,105 @@ def _parse(s: At) -> KernelSchedule:
         if f.dtype != dtype or f.shape[0] < rows_needed or f.shape[1:] != per_row:
             io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
                              f"rows), got {f.dtype} {list(f.shape)}")
+    _sampled_entries(s["entries"], entries, sampler is not None)
     outputs_at = s["outputs"]
     outputs = {name: _field(f, arena) for name, f in outputs_at.members().items()}
     for e in entries.values():
-        kind = e.name.split("_")[0]
-        name, dtype, shape = ((f"{e.name}.logits", "float32", (e.rows, vocab)) if kind == "logits"
-                              else (f"{e.name}.out_tokens", "int32",
-                                    (e.rows if kind == "decode" else 1,)))
-        if name not in outputs:
-            outputs_at.fail(f"missing output {name!r} of entry {e.name}")
-        if outputs[name].dtype != dtype or outputs[name].shape != shape:
-            outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
-                                  f"{outputs[name].dtype} {list(outputs[name].shape)}")
+        sampled = e.name.startswith(SAMPLED)
+        kind = e.name.removeprefix(SAMPLED).split("_")[0]
+        m = e.rows if kind == "decode" else 1
+        want = ([("logits", "float32", (e.rows, vocab))] if kind == "logits"
+                else [("out_tokens", "int32", (m,))])
+        if sampled:
+            k = sampler.top_logprobs
+            want += [("logprob", "float32", (m,)), ("top_ids", "int32", (m, k)),
+                     ("top_logprobs", "float32", (m, k))]
+        end = None
+        for out, dtype, shape in want:
+            name = f"{e.name}.{out}"
+            if name not in outputs:
+                outputs_at.fail(f"missing output {name!r} of entry {e.name}")
+            f = outputs[name]
+            if f.dtype != dtype or f.shape != shape:
+                outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
+                                      f"{f.dtype} {list(f.shape)}")
+            if end is not None and f.offset != end:
+                outputs_at[name].fail(f"must follow {e.name}'s previous output at byte {end} "
+                                      f"({', '.join(SAMPLED_OUTPUTS)} side by side)")
+            end = f.offset + f.nbytes
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
         constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
         kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
-        params_templates=templates)
+        params_templates=templates, sampler=sampler)
+
+
+def _sampler(s: At, version: int, io_end: int, arena_bytes: int, max_seqs: int,
+             max_context: int, vocab: int) -> SamplerIo | None:
+    """The sampled entries' inputs: required from version 6 (a one-GPU schedule: a tensor-
+    parallel rank's has collectives and no sampler), absent before."""
+    at = s.get("sampler")
+    if version < SAMPLER_SCHEDULE_VERSION:
+        if at is not None:
+            at.fail(f"a version {version} schedule has no sampler (it came with version "
+                    f"{SAMPLER_SCHEDULE_VERSION})")
+        return None
+    if at is None:
+        s.fail(f"a version {version} schedule has a sampler (the sampled entries' inputs)")
+    offset = at["offset"].int(0, MAX_BYTES)
+    nbytes = at["nbytes"].int(1, MAX_BYTES)
+    if offset != io_end or offset + nbytes > arena_bytes:
+        at.fail(f"the region [{offset}, {offset + nbytes}) must start where io ends ({io_end}) "
+                f"and end inside the arena ({arena_bytes})")
+    top = at["top_logprobs"].int(1, MAX_TOP_LOGPROBS)
+    pen = at["penalty_ids"].int(1, INT32_MAX)
+    if pen != min(max_context, vocab):
+        at["penalty_ids"].fail(f"{pen}, not min(max_context, vocab_size) = "
+                               f"{min(max_context, vocab)}")
+    words = at["mask_words"].int(1, INT32_MAX)
+    if vocab % 32 or words != vocab // 32:
+        at["mask_words"].fail(f"{words}, not vocab_size / 32 ({vocab} / 32)")
+    fields_at = at["fields"]
+    fields = {name: _field(f, (offset, offset + nbytes))
+              for name, f in fields_at.members().items()}
+    if sorted(fields) != sorted(SAMPLE_IO_FIELDS):
+        fields_at.fail(f"expected the fields {', '.join(SAMPLE_IO_FIELDS)}, got "
+                       f"{', '.join(fields)}")
+    end = offset
+    for name, dtype in SAMPLE_IO_FIELDS.items():
+        f = fields[name]
+        shape = (max_seqs * (words + 2 * pen),) if name == "pool" else (max_seqs,)
+        if f.dtype != dtype or f.shape != shape:
+            fields_at[name].fail(f"expected {dtype} of shape {list(shape)}, got {f.dtype} "
+                                 f"{list(f.shape)}")
+        if f.offset < end:
+            fields_at[name].fail(f"starts at byte {f.offset}, inside the field before it "
+                                 f"({', '.join(SAMPLE_IO_FIELDS)} in that order)")
+        end = f.offset + f.nbytes
+    if end != offset + nbytes:
+        fields_at["pool"].fail("the pool must end the region (the host writes a prefix)")
+    return SamplerIo(offset, nbytes, top, pen, words, fields)
+
+
+def _sampled_entries(at: At, entries: dict[str, EntryPoint], sampler: bool) -> None:
+    """With a sampler, a sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} /
+    prefill_{T} (and no other); without, none."""
+    names = set(entries)
+    sampled = {n for n in names if n.startswith(SAMPLED)}
+    want = {SAMPLED + n for n in names if n.startswith(("decode_", "prefill_"))} if sampler \
+        else set()
+    for name in sorted(sampled ^ want):
+        if name not in sampled:
+            at.fail(f"lacks entry {name!r} (a sampled entry beside each decode and prefill "
+                    "entry)")
+        at.fail(f"has entry {name!r} " + ("without its plain entry" if sampler else
+                                           "but no sampler (version 6 has both)"))
+    for name in sorted(sampled):
+        plain = entries[name.removeprefix(SAMPLED)]
+        if entries[name].rows != plain.rows or entries[name].graph != plain.graph:
+            at[name].fail(f"must have the rows and graph flag of {plain.name}")
 
 
 def _templates(at: At | None) -> dict[str, ParamsTemplate]:
@@ -366,9 +489,11 @@ def _field(at: At, region: tuple[int, int]) -> Field:
 
 def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
-    m = re.fullmatch(r"(decode|prefill|logits)_([1-9][0-9]{0,6})", key)
+    m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits)_([1-9][0-9]{0,6})",
+                     key)
     if not m:
-        at.fail("an entry point is named decode_N, prefill_N or logits_N")
+        at.fail("an entry point is named decode_N, prefill_N, logits_N, sampled_decode_N or "
+                "sampled_prefill_N")
     name = at["name"].str()
     rows = at["rows"].int(1, MAX_ROWS)
     if name != key or rows != int(m[2]):

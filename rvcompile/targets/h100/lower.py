@@ -5,7 +5,10 @@ every entry point (launches.py: one table from IR op to launches) placed in one 
 Input: the IR after an h100 pipeline (target.py): quantized (cast_bf16 + quantize_fp8:
 h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only ops the kernels run
 as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs at load),
-`prefill_{T}` per bucket, `logits_{max_chunk}`.
+`prefill_{T}` per bucket, `logits_{max_chunk}`; on one GPU also `sampled_decode_{B}` and
+`sampled_prefill_{T}`: the same launches with the sampler's extras around the sampling
+(penalties, a token mask, log-probabilities: sample.py), so the plain entries keep their launch
+lists (the fast path) and a request with extras runs through these.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from rvcompile.artifacts.kernel_schedule import TP_SCHEDULE_VERSION, KernelSchedule, Launch
 from rvcompile.ir.graph import ModelIR
-from rvcompile.targets.h100 import layout
+from rvcompile.targets.h100 import layout, sample
 from rvcompile.targets.h100.launches import EntryLowering
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
@@ -52,8 +55,14 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     entries += [("logits", f"logits_{ir.max_chunk}", ir.max_chunk)]
     plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp).run(name)
              for kind, name, rows in entries]
+    # a tensor-parallel rank's schedule (version 5) has no sampled entries
+    top = 0 if tp is not None else sample.TOP_LOGPROBS
+    if top:
+        plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True).run(
+            f"sampled_{name}") for kind, name, rows in entries if kind != "logits"]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs)
-    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
+    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows,
+                            top)
     if tp is not None:  # a rank's schedule has collective steps
         schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches

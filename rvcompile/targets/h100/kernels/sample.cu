@@ -580,3 +580,162 @@ sample_pick(int M, int V, const float* __restrict__ temperature, const int* __re
     const Found f = p.find(MASS_ABOVE, t);
     if (threadIdx.x == 0) out[row] = composite_index(f.c);
 }
+
+// ---------------------------------------------------------------- the sampler's extras
+// Sampled entry points (issue 16; sample.py) run sample_penalize and sample_mask between
+// sample_prepare and sample_filter, and sample_logprobs after sample_pick:
+//   sample_penalize grid (M): the ids listed for the row (pairs (id, count) at pool + pen_at[row],
+//                   pen_n[row] of them, each id once) penalized in y as ops.ref_penalize: a
+//                   positive y divided by the repetition penalty, another multiplied, then
+//                   frequency * count and presence * (count > 0) subtracted, each step rounded
+//                   (no fused multiply-add), -0 made +0.
+//   sample_mask     grid (V / 4096, M): on a row with a mask (mask_at[row] >= 0: V / 32 words at
+//                   pool + mask_at[row], bit j of word w allows token 32 w + j) every token whose
+//                   bit is 0 gets y = -inf; on a row with a mask or penalties the group maxima are
+//                   recomputed. Other rows keep what sample_prepare wrote.
+//   sample_logprobs grid (M): the model's own distribution, log_softmax(softcap(logits)) (before
+//                   penalties, mask and temperature): the sampled token's log-probability and the
+//                   K likeliest (id, log-probability), most likely first (ties: the lower index),
+//                   on rows with n_top >= 0 (the top ones where n_top > 0; zeros otherwise).
+//                   The K likeliest lie in the K groups of 128 with the largest maxima.
+// A row must allow at least one token (the host refuses an empty mask).
+constexpr int MAX_TOP = 32;  // K <= MAX_TOP: the top groups' elements fit the group-key array
+static_assert(MAX_TOP * GROUP <= MAX_GROUPS, "the top groups' elements reuse the key array");
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_penalize(int M, int V, const int* __restrict__ pool, const int* __restrict__ pen_at,
+                const int* __restrict__ pen_n, const float* __restrict__ presence,
+                const float* __restrict__ frequency, const float* __restrict__ repetition,
+                void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int row = blockIdx.x;
+    const int n = pen_n[row];
+    if (n <= 0) return;
+    const Workspace ws = carve(workspace, M, V);
+    float* y = ws.y + (size_t)row * V;
+    const int* pairs = pool + pen_at[row];
+    const float p = presence[row], f = frequency[row], r = repetition[row];
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const int t = pairs[2 * i], c = pairs[2 * i + 1];
+        if (t < 0 || t >= V) continue;
+        float x = y[t];
+        x = x > 0.0f ? __fdiv_rn(x, r) : __fmul_rn(x, r);
+        x = __fsub_rn(__fsub_rn(x, __fmul_rn(f, (float)c)), __fmul_rn(p, c > 0 ? 1.0f : 0.0f));
+        y[t] = x == 0.0f ? 0.0f : x;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_mask(int M, int V, const int* __restrict__ pool, const int* __restrict__ mask_at,
+            const int* __restrict__ pen_n, void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int row = blockIdx.y;
+    const int at = mask_at[row];
+    if (at < 0 && pen_n[row] <= 0) return;  // y and its group maxima as sample_prepare left them
+    const Workspace ws = carve(workspace, M, V);
+    const int c4 = blockIdx.x * THREADS + threadIdx.x;  // float4 index in the row
+    if (c4 >= V / 4) return;                             // whole warps: V % 128 == 0
+    float4* y4 = reinterpret_cast<float4*>(ws.y + (size_t)row * V) + c4;
+    float4 y = *y4;
+    if (at >= 0) {
+        const u32 bits = (u32)pool[at + c4 / 8] >> ((4 * c4) & 31);
+        const float ninf = __int_as_float(0xff800000);
+        if (!(bits & 1u)) y.x = ninf;
+        if (!(bits & 2u)) y.y = ninf;
+        if (!(bits & 4u)) y.z = ninf;
+        if (!(bits & 8u)) y.w = ninf;
+        *y4 = y;
+    }
+    u64 best = max_u64(max_u64(composite(y.x, 4 * c4), composite(y.y, 4 * c4 + 1)),
+                       max_u64(composite(y.z, 4 * c4 + 2), composite(y.w, 4 * c4 + 3)));
+    best = warp_max(best);
+    if ((threadIdx.x & 31) == 0) ws.gmax[(size_t)row * (V / GROUP) + c4 / 32] = best;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_logprobs(const float* __restrict__ logits, int M, int V, float cap,
+                const int* __restrict__ tokens, const int* __restrict__ n_top, int K,
+                float* __restrict__ logprob, int* __restrict__ top_ids,
+                float* __restrict__ top_logprobs) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ u64 keys[MAX_GROUPS];  // group maxima; then the top groups' elements
+    __shared__ u64 red[WARPS + 1];
+    __shared__ double dred[WARPS];
+    __shared__ int chosen[MAX_TOP];
+    const int row = blockIdx.x, want = n_top[row];
+    if (want <= 0) {
+        for (int j = threadIdx.x; j < K; j += THREADS) {
+            top_ids[(size_t)row * K + j] = 0;
+            top_logprobs[(size_t)row * K + j] = 0.0f;
+        }
+        if (want < 0) {
+            if (threadIdx.x == 0) logprob[row] = 0.0f;
+            return;
+        }
+    }
+    const float* x = logits + (size_t)row * V;
+    // one pass: every group's maximum, and per thread a running maximum and sum of exp(y - max)
+    float m = __int_as_float(0xff800000), s = 0.0f;
+    u64 best = 0;
+    for (int i4 = threadIdx.x; i4 < V / 4; i4 += THREADS) {  // whole warps: V % 128 == 0
+        const float4 v = __ldg(reinterpret_cast<const float4*>(x) + i4);
+        const float e[4] = {softcapped(v.x, cap), softcapped(v.y, cap), softcapped(v.z, cap),
+                            softcapped(v.w, cap)};
+        u64 g = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            g = max_u64(g, composite(e[k], 4 * i4 + k));
+            if (e[k] > m) {
+                s = s * expf(m - e[k]) + 1.0f;
+                m = e[k];
+            } else {
+                s += expf(e[k] - m);
+            }
+        }
+        g = warp_max(g);  // a warp's 32 float4 are one group of 128
+        if ((threadIdx.x & 31) == 0) keys[i4 / 32] = g;
+        best = max_u64(best, g);
+    }
+    const u64 top = block_max(best, red);
+    const float ymax = composite_value(top);
+    double part = s > 0.0f ? (double)s * exp((double)m - (double)ymax) : 0.0;
+    part = warp_sum_f64(part);
+    if ((threadIdx.x & 31) == 0) dred[threadIdx.x >> 5] = part;
+    __syncthreads();
+    const float lse = (float)log(warp_sum_f64(dred[threadIdx.x & 31]));
+    if (threadIdx.x == 0) {
+        const float yt = softcapped(x[tokens[row]], cap);
+        logprob[row] = __fsub_rn(__fsub_rn(yt, ymax), lse);
+    }
+    if (want <= 0) return;
+    const int groups = V / GROUP, n2 = ceil_pow2(groups);
+    for (int g = groups + threadIdx.x; g < n2; g += THREADS) keys[g] = 0;
+    sort_descending(keys, n2);  // opens and ends with __syncthreads
+    const int kg = K < groups ? K : groups;
+    if (threadIdx.x < kg) chosen[threadIdx.x] = composite_index(keys[threadIdx.x]) / GROUP;
+    __syncthreads();
+    const int n = kg * GROUP, m2 = ceil_pow2(n);
+    for (int i = threadIdx.x; i < m2; i += THREADS) {
+        u64 c = 0;
+        if (i < n) {
+            const int t = chosen[i / GROUP] * GROUP + i % GROUP;
+            c = composite(softcapped(x[t], cap), t);
+        }
+        keys[i] = c;
+    }
+    sort_descending(keys, m2);
+    for (int j = threadIdx.x; j < K; j += THREADS) {
+        top_ids[(size_t)row * K + j] = composite_index(keys[j]);
+        top_logprobs[(size_t)row * K + j] =
+            __fsub_rn(__fsub_rn(composite_value(keys[j]), ymax), lse);
+    }
+}
