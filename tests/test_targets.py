@@ -104,8 +104,9 @@ def test_inspect_asks_the_h100_target(h100_artifact):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert "target            h100-fp8" in lines
-    assert "entry_points      ['decode_1', 'decode_2', 'logits_16', 'prefill_16', 'prefill_8']" \
-        in lines
+    assert ("entry_points      ['decode_1', 'decode_2', 'logits_16', 'prefill_16', 'prefill_8', "
+            "'sampled_decode_1', 'sampled_decode_2', 'sampled_prefill_16', 'sampled_prefill_8']"
+            in lines)
     schedule = next(line for line in lines if line.startswith("schedule"))
     assert f"version {SCHEDULE_VERSION}: arena" in schedule and "launches of" in schedule
     assert any(line.startswith("  decode_2") and line.endswith("(CUDA graph)") for line in lines)

@@ -292,10 +292,12 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     if top_logprobs:
         k, p, w = sampler_shape(ir, top_logprobs)
         start = offset
+        end = start
         for name, (dtype, shape) in _sample_io_fields(max_seqs, max_seqs * (w + 2 * p)).items():
             sample_io[name] = Field(offset, dtype, shape)
-            offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
-        sampler = SamplerIo(start, offset - start, k, p, w, sample_io)
+            end = offset + int(np.prod(shape)) * 4
+            offset = memory_plan.align(end)
+        sampler = SamplerIo(start, end - start, k, p, w, sample_io)  # ends with the pool
     act_offset = offset
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
