@@ -114,17 +114,22 @@ def test_logprobs_reference_equals_xla():
 # ---------------------------------------------------------------- the engine, h100 against xla
 
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory):
-    """(the default model's h100-f32 artifact on the reference executor, its xla-f32 twin)."""
-    pytest.importorskip("llguidance")
-    d = tmp_path_factory.mktemp("sampler-extras")
-    build_artifact(str(MODEL_DIR), d / "h.rvp", BuildOptions("h100-f32", **OPTS),
-                   progress=False, log=lambda *a: None)
-    build_artifact(str(MODEL_DIR), d / "x.rvp",
-                   BuildOptions("xla-f32", platforms=("cpu",), **OPTS), progress=False,
+def h100_tiny(tmp_path_factory) -> Model:
+    """The default model's h100-f32 artifact on the reference executor."""
+    out = tmp_path_factory.mktemp("sampler-extras") / "h.rvp"
+    build_artifact(str(MODEL_DIR), out, BuildOptions("h100-f32", **OPTS), progress=False,
                    log=lambda *a: None)
-    art = Artifact.open(d / "h.rvp")
-    return Model(art, reference_executor(art)), runtime.load(d / "x.rvp")
+    art = Artifact.open(out)
+    return Model(art, reference_executor(art))
+
+
+@pytest.fixture(scope="module")
+def twins(h100_tiny, tmp_path_factory):
+    """(h100_tiny, its xla-f32 twin)."""
+    out = tmp_path_factory.mktemp("sampler-extras-xla") / "x.rvp"
+    build_artifact(str(MODEL_DIR), out, BuildOptions("xla-f32", platforms=("cpu",), **OPTS),
+                   progress=False, log=lambda *a: None)
+    return h100_tiny, runtime.load(out)
 
 
 def generate(m, request: Request) -> tuple[list[int], list]:
@@ -148,6 +153,8 @@ REQUESTS = {
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_extras_through_the_engine_equal_xla(twins, name):
+    if "constraint" in REQUESTS[name]:
+        pytest.importorskip("llguidance")  # the serve extra's grammar engine
     h100, xla = twins
     prompt = xla.encode("In the beginning God created")
     request = Request(name, prompt, 24, **REQUESTS[name])
@@ -163,8 +170,8 @@ def test_extras_through_the_engine_equal_xla(twins, name):
         assert set(json.loads(h100.decode(got))) == {"a"}  # the grammar ended the sample
 
 
-def test_neutral_extras_sample_the_plain_tokens(twins):
-    ex = twins[0].executor
+def test_neutral_extras_sample_the_plain_tokens(h100_tiny):
+    ex = h100_tiny.executor
     rng = np.random.default_rng(5)
     neutral = SampleExtras(top_logprobs=4)  # log-probabilities asked for, nothing applied
     prompts = [rng.integers(3, 8000, n).tolist() for n in (9, 14, 5)]
@@ -185,9 +192,9 @@ def test_neutral_extras_sample_the_plain_tokens(twins):
     assert got[1].logprob is None and got[2].logprob is None and len(got[0].top) == 4
 
 
-def test_a_mask_and_penalties_decide_the_token(twins):
+def test_a_mask_and_penalties_decide_the_token(h100_tiny):
     """Greedy: the mask's one allowed token wins; a penalty pushes the argmax down."""
-    ex = twins[0].executor
+    ex = h100_tiny.executor
     chunk = SeqChunk([2, 345, 17, 99], 0, own_tables(ex, 0))
     top = ex.prefill(chunk)
     mask = np.zeros(ex.schedule.sampler.mask_words, np.int32)
@@ -208,18 +215,18 @@ def test_a_mask_and_penalties_decide_the_token(twins):
      "distinct ids in [0, 8192)"),
     (SampleExtras(top_logprobs=21), "-1 to 20"),
 ])
-def test_bad_extras_are_refused_in_one_line(twins, extras, needle):
-    ex = twins[0].executor
+def test_bad_extras_are_refused_in_one_line(h100_tiny, extras, needle):
+    ex = h100_tiny.executor
     with pytest.raises(ValueError, match=None) as e:
         ex.prefill_sampled(SeqChunk([2, 3], 0, own_tables(ex, 0), extras=extras))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_schedule_without_sampled_entries_keeps_the_refusal(twins):
-    ex = twins[0].executor
+def test_a_schedule_without_sampled_entries_keeps_the_refusal(h100_tiny):
+    ex = h100_tiny.executor
     old = dataclasses.replace(ex.schedule, sampler=None, version=4, entries={
         k: v for k, v in ex.schedule.entries.items() if not k.startswith("sampled_")})
-    m = Model(twins[0].art, ScheduledExecutor(old, ex.device))
+    m = Model(h100_tiny.art, ScheduledExecutor(old, ex.device))
     assert m.executor.top_logprobs == 0
     for kw, param in (({"logprobs": 0}, "logprobs"),
                       ({"penalties": Penalties(presence=0.5)}, "presence_penalty"),
@@ -231,34 +238,34 @@ def test_a_schedule_without_sampled_entries_keeps_the_refusal(twins):
 
 # ---------------------------------------------------------------- the schedule's records
 
-def _mutated(twins, change) -> str:
-    d = json.loads(json.dumps(twins[0].executor.schedule.to_json()))
+def _mutated(m: Model, change) -> str:
+    d = json.loads(json.dumps(m.executor.schedule.to_json()))
     change(d)
     with pytest.raises(SchemaError) as e:
         KernelSchedule.from_json(d)
     return str(e.value)
 
 
-def test_schedule_records_are_checked(twins):
-    assert "has a sampler" in _mutated(twins, lambda d: d.pop("sampler"))
-    assert "has no sampler" in _mutated(twins, lambda d: d.update(version=5))
+def test_schedule_records_are_checked(h100_tiny):
+    assert "has a sampler" in _mutated(h100_tiny, lambda d: d.pop("sampler"))
+    assert "has no sampler" in _mutated(h100_tiny, lambda d: d.update(version=5))
     assert "lacks entry 'sampled_decode_2'" in _mutated(
-        twins, lambda d: d["entries"].pop("sampled_decode_2"))
+        h100_tiny, lambda d: d["entries"].pop("sampled_decode_2"))
     assert "must start where io ends" in _mutated(
-        twins, lambda d: d["sampler"].update(offset=d["sampler"]["offset"] + 256))
-    assert "penalty_ids" in _mutated(twins, lambda d: d["sampler"].update(penalty_ids=7))
-    assert "pool" in _mutated(twins, lambda d: d["sampler"]["fields"]["pool"].update(
+        h100_tiny, lambda d: d["sampler"].update(offset=d["sampler"]["offset"] + 256))
+    assert "penalty_ids" in _mutated(h100_tiny, lambda d: d["sampler"].update(penalty_ids=7))
+    assert "pool" in _mutated(h100_tiny, lambda d: d["sampler"]["fields"]["pool"].update(
         shape=[4]))
 
     def swap(d):
         f = d["sampler"]["fields"]
         f["presence"]["offset"], f["frequency"]["offset"] = (f["frequency"]["offset"],
                                                              f["presence"]["offset"])
-    assert "in that order" in _mutated(twins, swap)
+    assert "in that order" in _mutated(h100_tiny, swap)
 
     def apart(d):
         d["outputs"]["sampled_decode_4.logprob"]["offset"] += 256
-    assert "side by side" in _mutated(twins, apart)
+    assert "side by side" in _mutated(h100_tiny, apart)
 
 
 # ---------------------------------------------------------------- GPU
@@ -415,19 +422,67 @@ def test_logprobs_kernel(v):
             ctx.free(b)
 
 
-@pytest.mark.gpu
-def test_engine_on_the_device_equals_the_reference(twins):
-    """The tiny h100-f32 artifact on the GPU and on the reference executor: the same tokens for
-    the engine requests above, log-probabilities within 2e-5."""
+@pytest.fixture(scope="module")
+def on_device(h100_tiny) -> Model:
+    """h100_tiny's artifact on the GPU."""
     h100_context()
-    ref = twins[0]
-    gpu = runtime.load(ref.art.path)
+    return runtime.load(h100_tiny.art.path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grammar", [False, True])
+def test_engine_on_the_device_equals_the_reference(h100_tiny, on_device, grammar):
+    """The tiny h100-f32 artifact on the GPU and on the reference executor: the same tokens for
+    the engine requests above (the grammar's with llguidance), log-probabilities within 2e-5."""
+    if grammar:
+        pytest.importorskip("llguidance")
+    ref, gpu = h100_tiny, on_device
     prompt = ref.encode("In the beginning God created")
     for name, kw in sorted(REQUESTS.items()):
-        request = Request(name, prompt, 12, **kw)
+        if ("constraint" in kw) != grammar:
+            continue
+        request = Request(name, prompt, 24, **kw)
         got, got_lps = generate(gpu, request)
         want, want_lps = generate(ref, request)
         assert got == want, name
         for a, b in zip(got_lps, want_lps, strict=True):
             assert abs(a.logprob - b.logprob) < 2e-5, name
             assert [t for t, _ in a.top] == [t for t, _ in b.top], name
+
+
+@pytest.mark.gpu
+def test_sampled_decode_on_the_device_equals_the_reference(h100_tiny, on_device):
+    """Three lanes, one masked (5% of the tokens allowed), one penalized, one free, six steps of
+    sampled_decode_4 on the GPU and on the reference executor: the same tokens, every masked
+    token allowed, log-probabilities within 2e-5."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 8000, n).tolist() for n in (7, 12, 20)]
+    words = h100_tiny.executor.schedule.sampler.mask_words
+    mask = np.packbits(rng.random(32 * words) < 0.05, bitorder="little").view(np.int32)
+    samplings = [Sampling(1.0, 0, 1.0, 21), Sampling(), Sampling(0.8, 50, 0.9, 22)]
+    runs = []
+    for ex in (h100_tiny.executor, on_device.executor):
+        seqs = [[ex.prefill(SeqChunk(p, 0, own_tables(ex, i), s))]
+                for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))]
+        got = []
+        for step in range(6):
+            counts = np.bincount(seqs[1], minlength=8192)
+            ids = np.flatnonzero(counts).astype(np.int32)
+            extras = [SampleExtras(3, mask=mask),
+                      SampleExtras(1, Penalties(0.5, 0.8, 1.2), ids, counts[ids].astype(np.int32)),
+                      None]
+            lanes = [SeqChunk([seq[-1]], len(p) + step, own_tables(ex, i), s, step + 1, extras=e)
+                     for i, (p, seq, s, e) in enumerate(zip(prompts, seqs, samplings, extras,
+                                                           strict=True))]
+            out = ex.decode_sampled(lanes)
+            for seq, o in zip(seqs, out, strict=True):
+                seq.append(o.token)
+            got.append(out)
+        runs.append(got)
+    allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")))
+    for want, got in zip(*runs, strict=True):
+        assert [s.token for s in got] == [s.token for s in want]
+        assert got[0].token in allowed
+        for a, b in zip(got[:2], want[:2], strict=True):
+            assert abs(a.logprob - b.logprob) < 2e-5
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
