@@ -1,10 +1,11 @@
 """The sampler's extras on the GPU at Gemma 4's vocabulary (V = 262144): the sampled entries' tail
-(prepare, penalize, mask, filter, pick, logprobs) against the plain one (prepare, filter, pick),
-for M rows. Cases: neutral extras (what a free lane in a constrained batch costs), log-
-probabilities (top 20), penalties (300 ids per row), a grammar's mask allowing 2% of the tokens,
-and all of them; greedy and temperature 1.0 (top_k 0, the slower path when a mask leaves most
-tokens at -inf). Each figure is the median of 50 CUDA-event-timed calls after 10 warm-up
-calls, a new step each call.
+(prepare, logprob stats, penalize, mask, filter, pick, logprobs) against the plain one
+(prepare, filter, pick), for M rows. Cases: neutral extras (what a free lane in a constrained
+batch costs), log-probabilities (top 20), penalties (300 ids per row), a grammar's mask allowing
+2% of the tokens, and all of them; greedy and temperature 1.0 (top_k 0, the slower path when a
+mask leaves most tokens at -inf). Each case's launches are one CUDA graph, as in a decode
+entry; each figure is the median of 50 CUDA-event-timed replays after 10 warm-up ones, a new
+step each replay.
 
     python benchmarks/h100_sampler_extras.py [--rows 1,8,32]
 """
@@ -38,16 +39,18 @@ class Tail:
         self.ctx, (self.m, v) = ctx, logits.shape
         self.fn = {e: ctx.load_function(cubin, e) for e in (
             sample.PREPARE_ENTRY, sample.PENALIZE_ENTRY, sample.MASK_ENTRY, sample.FILTER_ENTRY,
-            sample.PICK_ENTRY, sample.LOGPROBS_ENTRY)}
+            sample.PICK_ENTRY, sample.LOGPROB_STATS_ENTRY, sample.LOGPROBS_ENTRY)}
         self.plan, self.ext = sample.plan(self.m, v, ctx.sm_count), sample.extras_plan(self.m, v)
         ctx.set_max_dynamic_smem(self.fn[sample.FILTER_ENTRY], self.plan.filter.smem)
         ctx.set_max_dynamic_smem(self.fn[sample.PICK_ENTRY], self.plan.pick.smem)
         m, k = self.m, sample.TOP_LOGPROBS
         self.ws, self.out = ctx.alloc(self.plan.workspace), ctx.alloc(4 * m * (2 + 2 * k))
+        self.scratch = ctx.alloc(self.ext.scratch)
         self.fixed = [ctx.upload(np.ascontiguousarray(a)) for a in (
             logits, np.full(m, temperature, np.float32), np.zeros(m, np.int32),
             np.ones(m, np.float32), np.arange(m, dtype=np.int32))]
         self.step = ctx.upload(np.zeros(m, np.int32))
+        self.stream = ctx.stream()
         self.extras: list = []
 
     def set_case(self, case: str, rng) -> None:
@@ -84,9 +87,16 @@ class Tail:
         x = [ctypes.c_uint64(b.ptr) for b in self.extras]
         ws, out, step = (ctypes.c_uint64(b.ptr) for b in (self.ws, self.out, self.step))
         m, v = ctypes.c_int(self.m), ctypes.c_int(V)
-        plan, ext, fn, go = self.plan, self.ext, self.fn, self.ctx.launch
+        plan, ext, fn = self.plan, self.ext, self.fn
+
+        def go(f, grid, block, smem, a):
+            self.ctx.launch(f, grid, block, smem, a, self.stream)
+
         go(fn[sample.PREPARE_ENTRY], *_g(plan.prepare), [p[0], m, v, ctypes.c_float(30.0), ws])
+        scratch = ctypes.c_uint64(self.scratch.ptr)
         if self.case != "plain":
+            go(fn[sample.LOGPROB_STATS_ENTRY], *_g(ext.stats),
+               [p[0], m, v, ctypes.c_float(30.0), x[7], scratch])
             go(fn[sample.PENALIZE_ENTRY], *_g(ext.penalize),
                [m, v, x[0], x[2], x[3], x[4], x[5], x[6], ws])
             go(fn[sample.MASK_ENTRY], *_g(ext.mask), [m, v, x[0], x[1], x[3], ws])
@@ -96,7 +106,7 @@ class Tail:
         if self.case != "plain":
             k = sample.TOP_LOGPROBS
             go(fn[sample.LOGPROBS_ENTRY], *_g(ext.logprobs),
-               [p[0], m, v, ctypes.c_float(30.0), out, x[7], ctypes.c_int(k),
+               [p[0], m, v, ctypes.c_float(30.0), out, x[7], ctypes.c_int(k), scratch,
                 ctypes.c_uint64(self.out.ptr + 4 * self.m),
                 ctypes.c_uint64(self.out.ptr + 8 * self.m),
                 ctypes.c_uint64(self.out.ptr + 8 * self.m + 4 * self.m * k)])
@@ -126,7 +136,9 @@ def main() -> None:
             us = []
             for case in CASES:
                 tail.set_case(case, rng)
-                us.append(median_us(ctx, tail.set_step, tail.launch))
+                graph = ctx.capture(tail.stream, tail.launch)
+                us.append(median_us(ctx, tail.set_step,
+                                    lambda g=graph, s=tail.stream: ctx.graph_launch(g, s)))
             print(f"{m:>3} {t:>4} " + " ".join(f"{x:>10.1f}" for x in us), flush=True)
 
 

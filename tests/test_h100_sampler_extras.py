@@ -1,6 +1,6 @@
 """The sampler's extras on h100 artifacts (issue 16; targets/h100/sample.py, kernels/sample.cu:
-sample_penalize, sample_mask, sample_logprobs; the sampled_decode_{B} / sampled_prefill_{T}
-entries; ScheduledExecutor.prefill_sampled / decode_sampled).
+sample_logprob_stats, sample_penalize, sample_mask, sample_logprobs; the sampled_decode_{B} /
+sampled_prefill_{T} entries; ScheduledExecutor.prefill_sampled / decode_sampled).
 
 CPU:
 - each kernel's numpy reference against the XLA sampler (targets/xla/sampler.py) on the same
@@ -280,7 +280,7 @@ class Kernels:
         self.ctx = ctx
         self.fn = {e: ctx.load_function(cubin, e) for e in (
             sample.PREPARE_ENTRY, sample.PENALIZE_ENTRY, sample.MASK_ENTRY, sample.FILTER_ENTRY,
-            sample.PICK_ENTRY, sample.LOGPROBS_ENTRY)}
+            sample.PICK_ENTRY, sample.LOGPROB_STATS_ENTRY, sample.LOGPROBS_ENTRY)}
 
     def launch(self, entry: str, geometry, args) -> None:
         self.ctx.launch(self.fn[entry], geometry.grid, geometry.block, geometry.smem, args)
@@ -401,14 +401,19 @@ def test_logprobs_kernel(v):
     tokens = rng.integers(0, v, m).astype(np.int32)
     n_top = np.array([20, 5, 20, 0, -1, 1], np.int32)
     want = sample.logprobs(logits, 30.0, tokens, n_top, top)
+    ext = sample.extras_plan(m, v)
     outs = [ctx.alloc(4 * m), ctx.alloc(4 * m * top), ctx.alloc(4 * m * top)]
+    scratch = ctx.alloc(ext.scratch)
     bufs = [ctx.upload(np.ascontiguousarray(a)) for a in (logits, tokens, n_top)]
     try:
-        for b in outs:
+        for b in (*outs, scratch):
             ctx.memset(b, 0xFF)
-        k.launch(sample.LOGPROBS_ENTRY, sample.extras_plan(m, v).logprobs,
-                 [_p(bufs[0]), ctypes.c_int(m), ctypes.c_int(v), ctypes.c_float(30.0),
-                  _p(bufs[1]), _p(bufs[2]), ctypes.c_int(top), *(_p(b) for b in outs)])
+        mvc = [ctypes.c_int(m), ctypes.c_int(v), ctypes.c_float(30.0)]
+        k.launch(sample.LOGPROB_STATS_ENTRY, ext.stats, [_p(bufs[0]), *mvc, _p(bufs[2]),
+                                                          _p(scratch)])
+        k.launch(sample.LOGPROBS_ENTRY, ext.logprobs,
+                 [_p(bufs[0]), *mvc, _p(bufs[1]), _p(bufs[2]), ctypes.c_int(top), _p(scratch),
+                  *(_p(b) for b in outs)])
         ctx.synchronize()
         lp = ctx.download(outs[0], np.float32, (m,))
         ids = ctx.download(outs[1], np.int32, (m, top))
@@ -418,7 +423,7 @@ def test_logprobs_kernel(v):
         np.testing.assert_allclose(vals, want[2], atol=2e-5, rtol=0)
         assert list(ids[2, :3]) == [3, 1000, v - 1]
     finally:
-        for b in (*outs, *bufs):
+        for b in (*outs, scratch, *bufs):
             ctx.free(b)
 
 

@@ -743,6 +743,9 @@ class EntryLowering:
         if self.sampled:
             extras = sample.extras_plan(m, v)
             x = {name: Ref("sample_io", name) for name in SAMPLE_IO_ARGS}
+            lp_scratch = self.buffer(extras.scratch)
+            self.emit(sample.LOGPROB_STATS_ENTRY, extras.stats, logits=logits.f32, M=m, V=v,
+                      cap=cap, n_top=x["n_top"], scratch=lp_scratch)
             self.emit(sample.PENALIZE_ENTRY, extras.penalize, M=m, V=v, pool=x["pool"],
                       pen_at=x["pen_at"], pen_n=x["pen_n"], presence=x["presence"],
                       frequency=x["frequency"], repetition=x["repetition"], workspace=ws)
@@ -755,8 +758,8 @@ class EntryLowering:
         if self.sampled:
             lp, ids, vals = out.at(4 * m), out.at(8 * m), out.at(8 * m + 4 * m * k)
             self.emit(sample.LOGPROBS_ENTRY, extras.logprobs, logits=logits.f32, M=m, V=v,
-                      cap=cap, tokens=out, n_top=x["n_top"], K=k, logprob=lp, top_ids=ids,
-                      top_logprobs=vals)
+                      cap=cap, tokens=out, n_top=x["n_top"], K=k, scratch=lp_scratch,
+                      logprob=lp, top_ids=ids, top_logprobs=vals)
             self.outputs.update(logprob=(lp, "float32", (m,)), top_ids=(ids, "int32", (m, k)),
                                 top_logprobs=(vals, "float32", (m, k)))
         return None

@@ -30,16 +30,21 @@ The sampler's extras (issue 16: the sampled entry points), around those three:
                     const float* repetition [M], void* ws)                       after prepare
     sample_mask(int M, int V, const int* pool, const int* mask_at [M], const int* pen_n [M],
                 void* ws)                                                        then this
+    sample_logprob_stats(const float* logits [M, V], int M, int V, float cap,
+                         const int* n_top [M], void* scratch)                   after prepare
     sample_logprobs(const float* logits [M, V], int M, int V, float cap, const int* tokens [M],
-                    const int* n_top [M], int K, float* logprob [M], int* top_ids [M, K],
-                    float* top_logprobs [M, K])                                  after pick
+                    const int* n_top [M], int K, const void* scratch, float* logprob [M],
+                    int* top_ids [M, K], float* top_logprobs [M, K])            after pick
 `pool` holds each row's penalty pairs (id, count) from word pen_at[row] (pen_n[row] pairs, ids
 distinct and in the vocabulary) and its token mask from word mask_at[row] (V / 32 words; -1: no
-mask). References: `penalize` (ops.ref_penalize), `token_mask` (ops.ref_token_mask) and
+mask); `scratch` (logprob_scratch_bytes(M, V), no state between calls) carries the stats of
+the unpenalized row, per 4096 elements and per group, from the first logprobs kernel to the
+second. References: `penalize` (ops.ref_penalize), `token_mask` (ops.ref_token_mask) and
 `logprobs` (log_softmax of softcap(logits), as targets/xla/sampler.py: the model's own
-distribution, before penalties, mask and temperature). Neutral extras (no pairs, no mask) leave
-the workspace as sample_prepare wrote it, so the pick is the plain entry's, bit for bit. Masked
-tokens are -inf, which the filter and pick weigh 0; a row must allow some token.
+distribution, before penalties, mask and temperature; the stats kernel's work is part of it).
+Neutral extras (no pairs, no mask) leave the workspace as sample_prepare wrote it, so the pick
+is the plain entry's, bit for bit. Masked tokens are -inf, which the filter and pick weigh 0; a
+row must allow some token.
 
 Cost: greedy rows cost the prepare pass and a max. Sampling rows gather the elements at or above
 a threshold that at least min(top_k', CAND_RANK) elements reach (top_k' = top_k, or V when top_k
@@ -66,6 +71,7 @@ FILTER_ENTRY = "sample_filter"
 PICK_ENTRY = "sample_pick"
 PENALIZE_ENTRY = "sample_penalize"
 MASK_ENTRY = "sample_mask"
+LOGPROB_STATS_ENTRY = "sample_logprob_stats"
 LOGPROBS_ENTRY = "sample_logprobs"
 
 # must match the kernel (tests/test_h100_sample.py reads them from the source)
@@ -154,21 +160,28 @@ def mask_words(v: int) -> int:
     return -(-v // 32)
 
 
+def logprob_scratch_bytes(m: int, v: int) -> int:
+    """Bytes of the logprobs kernels' scratch (layout: lp_carve() in the kernel)."""
+    return m * (8 * -(-v // PREPARE_CHUNK) + 8 * (v // GROUP))
+
+
 @dataclass(frozen=True)
 class Extras:
     """The launches of the sampler's extras for [M, V] rows."""
 
+    stats: Launch
     penalize: Launch
     mask: Launch
     logprobs: Launch
+    scratch: int  # bytes
 
 
 def extras_plan(m: int, v: int) -> Extras:
     check_limits(m, v)
     block = (THREADS, 1, 1)
-    return Extras(penalize=Launch((m, 1, 1), block, 0),
-                  mask=Launch((-(-v // PREPARE_CHUNK), m, 1), block, 0),
-                  logprobs=Launch((m, 1, 1), block, 0))
+    per_chunk = Launch((-(-v // PREPARE_CHUNK), m, 1), block, 0)
+    return Extras(stats=per_chunk, penalize=Launch((m, 1, 1), block, 0), mask=per_chunk,
+                  logprobs=Launch((m, 1, 1), block, 0), scratch=logprob_scratch_bytes(m, v))
 
 
 @dataclass(frozen=True)
@@ -245,6 +258,10 @@ def _mask_call(c: Call) -> None:
             y[row] = token_mask(y[row], c.array("pool", (at + mask_words(v),))[at:])
 
 
+def _logprob_stats_call(c: Call) -> None:
+    """Nothing: the stats are part of the logprobs' reference."""
+
+
 def _logprobs_call(c: Call) -> None:
     m, v, k = c["M"], c["V"], c["K"]
     lp, ids, vals = logprobs(c.array("logits", (m, v)), c["cap"], c.array("tokens", (m,)),
@@ -273,9 +290,12 @@ ENTRIES = (
     Entry(MASK_ENTRY, SOURCE, (i32("M"), i32("V"), ptr("pool", "int32"), ptr("mask_at", "int32"),
                                ptr("pen_n", "int32"), ptr("workspace", "bytes", "inout")),
           _mask_call),
+    Entry(LOGPROB_STATS_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"),
+                                        f32("cap"), ptr("n_top", "int32"),
+                                        ptr("scratch", "bytes", "out")), _logprob_stats_call),
     Entry(LOGPROBS_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"), f32("cap"),
                                    ptr("tokens", "int32"), ptr("n_top", "int32"), i32("K"),
-                                   ptr("logprob", "float32", "out"),
+                                   ptr("scratch", "bytes"), ptr("logprob", "float32", "out"),
                                    ptr("top_ids", "int32", "out"),
                                    ptr("top_logprobs", "float32", "out")), _logprobs_call),
 )
