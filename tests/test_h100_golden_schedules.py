@@ -11,7 +11,12 @@ everything else; and again for the rename slots -> max_seqs (schedule version 3)
 dump differing by that rename alone; and again when the tied head from 4 rows on (decode_4, logits
 entries) moved from gemv_bf16 onto the bf16 tensor-core GEMM (module gemm_fp8_tc.cu renamed
 gemm_tc.cu): every case's dump differing only in those head launches, the module's name, and the
-offsets after the constants, which grew by the GEMM's all-ones scale vector.
+offsets after the constants, which grew by the GEMM's all-ones scale vector; and again for the
+sampler's extras (schedule version 6: the sampled_decode_{B} / sampled_prefill_{T} entries and
+the sample_io region before the activations), after checking in every case that the plain
+entries keep the same launches (module, kernel, geometry, argument names, kinds and values,
+activation pointers and parameter-block roles taken relative to the activations' start), io
+fields, KV layout and constants.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
