@@ -193,7 +193,7 @@ class ScheduledExecutor:
         if sampler is None:
             raise ValueError("this artifact's schedule has no sampled entry points (built "
                              "before them); rebuild it")
-        extras = self.sample_io(lanes)
+        extras = self._sample_io(lanes)
         self.device.write(self.schedule.io_offset, io + extras)
         self.device.run(entry)
         outs = self.schedule.outputs
@@ -213,7 +213,7 @@ class ScheduledExecutor:
                         tuple(zip(ids[i, :n].tolist(), vals[i, :n].tolist(), strict=True)))
                 for i, n in enumerate(want)]
 
-    def sample_io(self, lanes: Sequence[SeqChunk]) -> bytes:
+    def _sample_io(self, lanes: Sequence[SeqChunk]) -> bytes:
         """The sample_io region's bytes up to the pool's used words, for decode rows 0..: each
         lane's extras (lanes without, and rows past the lanes, neutral). ValueError for
         extras the kernels cannot take (kernel_schedule.SamplerIo)."""
