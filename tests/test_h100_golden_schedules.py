@@ -15,7 +15,12 @@ offsets after the constants, which grew by the GEMM's all-ones scale vector; and
 prefill entries became CUDA graphs too: every case's dump differing only in its prefill entries'
 "graph" flags, false -> true; and again when every decode entry gained a last launch,
 decode_advance (the decode loop), over three new io fields (loop_budget, loop_step, loop_tokens),
-every offset after the io moving by their size.
+every offset after the io moving by their size; and again for the sampler's extras (the
+sampled_decode_{B} / sampled_prefill_{T} entries and the sample_io region before the
+activations), after checking in every case that the plain entries keep the same launches
+(module, kernel, geometry, argument names, kinds and values, activation pointers and
+parameter-block roles taken relative to the activations' start), io fields, KV layout and
+constants.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -164,10 +164,15 @@ def test_constants_match_the_source() -> None:
 
     src = (KERNEL_DIR / sample.SOURCE).read_text()
     consts = {k: int(v) for k, v in re.findall(r"constexpr int (\w+) = (\d+);", src)}
-    for name in ("THREADS", "GROUP", "CAND_RANK", "CAP", "BUCKETS", "MAX_GROUPS"):
+    for name in ("THREADS", "GROUP", "CAND_RANK", "CAP", "BUCKETS", "MAX_GROUPS", "MAX_TOP"):
         assert consts[name] == getattr(sample, name), name
-    for entry in (sample.PREPARE_ENTRY, sample.FILTER_ENTRY, sample.PICK_ENTRY):
+    for entry in (sample.PREPARE_ENTRY, sample.FILTER_ENTRY, sample.PICK_ENTRY,
+                  sample.PENALIZE_ENTRY, sample.MASK_ENTRY, sample.LOGPROB_STATS_ENTRY,
+                  sample.LOGPROBS_ENTRY):
         assert f"__global__ void __launch_bounds__(THREADS)\n{entry}(" in src
+    from rvcompile.artifacts.kernel_schedule import MAX_TOP_LOGPROBS
+
+    assert MAX_TOP_LOGPROBS == sample.MAX_TOP and sample.TOP_LOGPROBS <= sample.MAX_TOP
 
 
 def test_reference_is_ref_sample_after_softcap() -> None:
@@ -248,7 +253,9 @@ def test_kernel_compiles(tmp_path) -> None:
 
     cubin = compile_cubin(sample.SOURCE, cache_dir=tmp_path)
     assert cubin[:4] == b"\x7fELF"
-    for entry in (sample.PREPARE_ENTRY, sample.FILTER_ENTRY, sample.PICK_ENTRY):
+    for entry in (sample.PREPARE_ENTRY, sample.FILTER_ENTRY, sample.PICK_ENTRY,
+                  sample.PENALIZE_ENTRY, sample.MASK_ENTRY, sample.LOGPROB_STATS_ENTRY,
+                  sample.LOGPROBS_ENTRY):
         assert entry.encode() + b"\x00" in cubin
 
 

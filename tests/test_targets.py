@@ -104,8 +104,9 @@ def test_inspect_asks_the_h100_target(h100_artifact):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert "target            h100-fp8" in lines
-    assert "entry_points      ['decode_1', 'decode_2', 'logits_16', 'prefill_16', 'prefill_8']" \
-        in lines
+    assert ("entry_points      ['decode_1', 'decode_2', 'logits_16', 'prefill_16', 'prefill_8', "
+            "'sampled_decode_1', 'sampled_decode_2', 'sampled_prefill_16', 'sampled_prefill_8']"
+            in lines)
     schedule = next(line for line in lines if line.startswith("schedule"))
     assert f"version {SCHEDULE_VERSION}: arena" in schedule and "launches of" in schedule
     assert any(line.startswith("  decode_2") and line.endswith("(CUDA graph)") for line in lines)
@@ -116,6 +117,7 @@ def test_inspect_asks_the_h100_target(h100_artifact):
     assert info["requirements"]["runtime"] == "h100" and info["arch"] == "sm_90a"
     assert info["max_seqs"] == 2 and info["max_context"] == 64
     s = info["schedule"]
-    assert s["entries"]["decode_2"]["graph"] and not s["entries"]["prefill_8"]["graph"]
+    assert s["entries"]["decode_2"]["graph"] and s["entries"]["prefill_8"]["graph"]
+    assert not s["entries"]["logits_16"]["graph"]
     assert sum(e["launches"] for e in s["entries"].values()) == s["launches"]
     assert set(s["kv"]["kinds"]) == {"full", "sliding"}

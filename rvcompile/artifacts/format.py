@@ -173,6 +173,11 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "version 6; absent: no verify entries, and the schedule's version as "
                       "before. Readers before this entry refuse such files (a schedule version "
                       "outside their range), never misread them"),
+    ("2026-11-25", 7, "one-GPU h100 kernel schedules are version 7: the sampler's extras "
+                      "(sampled_decode_{B} / sampled_prefill_{T}, the sample_io region) and, in "
+                      "every decode entry, decode_advance over io fields loop_budget, loop_step "
+                      "and loop_tokens (the device side of the decode loop); the container's "
+                      "format is unchanged, readers before this entry refuse schedule version 7"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

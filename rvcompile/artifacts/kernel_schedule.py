@@ -18,10 +18,13 @@ token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence
 decoding (`draft_tokens` K > 0) adds `verify_{R}`: R rows launched exactly as a decode entry's
 (each row its own position, block-table row and sampling step, so several rows may be one
 sequence's consecutive tokens; a CUDA graph) for verify calls wider than the widest decode
-entry, the widest max_seqs * (K + 1). Before a call the host fills the io fields for the
-entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one block-table row
-per token row and KV kind, the prefill's last real row, the sampling parameters; afterwards it
-reads `out_tokens` (and `logits`).
+entry, the widest max_seqs * (K + 1). From version 7 a one-GPU schedule also has
+`sampled_decode_{B}` and `sampled_prefill_{T}` beside every decode and prefill entry: the same
+model, with the sampler's extras (penalties, a token mask, log-probabilities) read from the
+`sampler` region (SamplerIo) and the log-probabilities among the outputs. Before a call the
+host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
+row sees), one block-table row per token row and KV kind, the prefill's last real row, the
+sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the log-probabilities).
 
 `version` is the schedule's own schema version (what the arguments, io fields and entry names
 mean to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, independently of
@@ -60,15 +63,21 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "version 4 (and reads as before)"),
     ("2026-11-25", 6, "speculative decoding (issue 15): `draft_tokens` K (1..max_chunk - 1; "
                       "rvcompile build --num-draft-tokens) and `verify_{R}` entries, launched as "
-                      "decode entries, the widest max_seqs * (K + 1) rows; only schedules built "
-                      "with K > 0 carry version 6 (one-GPU or a --tp rank's), the others stay at "
-                      "4 or 5 (and read as before)"),
+                      "decode entries, the widest max_seqs * (K + 1) rows; what the ranks of a "
+                      "--tp build with K > 0 write (without K they stay at 5)"),
+    ("2026-11-25", 7, "the sampler's extras (issue 16): `sampler` (SamplerIo: the sample_io "
+                      "region right after io, its fields and shapes) and the entries "
+                      "sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} / "
+                      "prefill_{T}, with outputs logprob, top_ids and top_logprobs after "
+                      "out_tokens; what a one-GPU build writes (with or without draft_tokens); "
+                      "versions 3 to 6 read as before, without them"),
 )
-SCHEDULE_VERSION = 4  # what a one-GPU build writes
+SCHEDULE_VERSION = 7  # what a one-GPU build writes: the newest readers take
 TP_SCHEDULE_VERSION = 5  # what the ranks of a --tp build write
-SPECULATIVE_SCHEDULE_VERSION = 6  # what a build with --num-draft-tokens K > 0 writes
+SPECULATIVE_SCHEDULE_VERSION = 6  # draft_tokens from here (a --tp build with K > 0 writes it)
+SAMPLER_SCHEDULE_VERSION = 7  # from this version a one-GPU schedule has the sampler's extras
 MIN_SCHEDULE_VERSION = 3
-MAX_SCHEDULE_VERSION = SPECULATIVE_SCHEDULE_VERSION  # the newest this reader takes
+MAX_SCHEDULE_VERSION = SCHEDULE_VERSION  # the newest this reader takes
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params")
 # as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes)
@@ -88,6 +97,16 @@ IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
 ENTRY_KINDS = ("decode", "prefill", "logits", "verify")
+SAMPLED = "sampled_"  # the sampled entries' prefix: sampled_decode_{B}, sampled_prefill_{T}
+# The sample_io fields in their order, each one value per decode lane (max_seqs) but the pool
+# (int32 [max_seqs * (mask_words + 2 * penalty_ids)]), which comes last: the host writes io,
+# these and the used prefix of the pool with one copy.
+SAMPLE_IO_FIELDS = {"presence": "float32", "frequency": "float32", "repetition": "float32",
+                    "n_top": "int32", "mask_at": "int32", "pen_at": "int32", "pen_n": "int32",
+                    "pool": "int32"}
+# the sampled entries' outputs after out_tokens, side by side in this order (one read)
+SAMPLED_OUTPUTS = ("out_tokens", "logprob", "top_ids", "top_logprobs")
+MAX_TOP_LOGPROBS = 32  # what the sample_logprobs kernel returns at most
 # CUDA's limits (compute capability 9.0): grid x, y, z; block x, y, z and threads; dynamic
 # shared memory a block may opt into.
 MAX_GRID = (INT32_MAX, 65535, 65535)
@@ -160,6 +179,24 @@ class Field:
 
 
 @dataclass(frozen=True)
+class SamplerIo:
+    """The inputs of the sampled entries (version 7): a region right after io (one copy writes
+    both), the fields of SAMPLE_IO_FIELDS in that order. Per decode lane: presence, frequency
+    and repetition (float32; neutral 0, 0, 1), n_top (-1: no log-probabilities; 0..K: the
+    token's and the K likeliest), mask_at (the pool word where the lane's mask of mask_words
+    words starts, bit j of word w allowing token 32 w + j; -1: no mask), pen_at and pen_n (the
+    pool word where its (id, count) penalty pairs start, each id once, and how many: at most
+    penalty_ids)."""
+
+    offset: int  # = io_offset + io_bytes
+    nbytes: int
+    top_logprobs: int  # K: the top log-probabilities the sampled entries return per row
+    penalty_ids: int  # P: most penalty pairs per lane, min(max_context, vocab_size)
+    mask_words: int  # W: int32 words of a lane's token mask, vocab_size / 32
+    fields: dict[str, Field]
+
+
+@dataclass(frozen=True)
 class EntryPoint:
     name: str
     rows: int
@@ -221,12 +258,15 @@ class KernelSchedule:
     # most drafts one verify call checks (verify_{R} entries; version 6); 0: none, absent from
     # the JSON
     draft_tokens: int = 0
+    sampler: SamplerIo | None = None  # the sampled entries' inputs (version 7, one GPU)
 
     def to_json(self) -> dict:
         d = asdict(self)
         del d["params_templates"]
         if not self.draft_tokens:
             del d["draft_tokens"]
+        if self.sampler is None:
+            del d["sampler"]
         if self.params_templates:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
@@ -274,6 +314,8 @@ def _parse(s: At) -> KernelSchedule:
     if end > n["arena_bytes"]:
         s.fail(f"arena regions end at byte {end}, past arena_bytes {n['arena_bytes']}")
     io_region = (n["io_offset"], n["io_offset"] + n["io_bytes"])
+    drafts = _draft_tokens(s, v, max_chunk)
+    sampler = _sampler(s, v, io_region[1], n["arena_bytes"], max_seqs, max_context, vocab)
     arena = (0, n["arena_bytes"])
     cubins = {}
     for name, c in s["cubins"].members(256).items():
@@ -289,7 +331,6 @@ def _parse(s: At) -> KernelSchedule:
     _need(s["entries"], rows["decode"], max_seqs, "decode", "the widest decode entry")
     _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
     _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
-    drafts = _draft_tokens(s, v, max_chunk)
     if drafts:
         _need(s["entries"], rows["verify"], max_seqs * (drafts + 1), "verify",
               f"the widest verify entry (max_seqs x {drafts + 1} rows)")
@@ -308,25 +349,39 @@ def _parse(s: At) -> KernelSchedule:
         if f.dtype != dtype or f.shape[0] < rows_needed or f.shape[1:] != per_row:
             io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
                              f"rows), got {f.dtype} {list(f.shape)}")
+    _sampled_entries(s["entries"], entries, sampler is not None)
     outputs_at = s["outputs"]
     outputs = {name: _field(f, arena) for name, f in outputs_at.members().items()}
     for e in entries.values():
-        kind = e.name.split("_")[0]
-        name, dtype, shape = ((f"{e.name}.logits", "float32", (e.rows, vocab)) if kind == "logits"
-                              else (f"{e.name}.out_tokens", "int32",
-                                    (e.rows if kind in ("decode", "verify") else 1,)))
-        if name not in outputs:
-            outputs_at.fail(f"missing output {name!r} of entry {e.name}")
-        if outputs[name].dtype != dtype or outputs[name].shape != shape:
-            outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
-                                  f"{outputs[name].dtype} {list(outputs[name].shape)}")
+        sampled = e.name.startswith(SAMPLED)
+        kind = e.name.removeprefix(SAMPLED).split("_")[0]
+        m = e.rows if kind in ("decode", "verify") else 1
+        want = ([("logits", "float32", (e.rows, vocab))] if kind == "logits"
+                else [("out_tokens", "int32", (m,))])
+        if sampled:
+            k = sampler.top_logprobs
+            want += [("logprob", "float32", (m,)), ("top_ids", "int32", (m, k)),
+                     ("top_logprobs", "float32", (m, k))]
+        end = None
+        for out, dtype, shape in want:
+            name = f"{e.name}.{out}"
+            if name not in outputs:
+                outputs_at.fail(f"missing output {name!r} of entry {e.name}")
+            f = outputs[name]
+            if f.dtype != dtype or f.shape != shape:
+                outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
+                                      f"{f.dtype} {list(f.shape)}")
+            if end is not None and f.offset != end:
+                outputs_at[name].fail(f"must follow {e.name}'s previous output at byte {end} "
+                                      f"({', '.join(SAMPLED_OUTPUTS)} side by side)")
+            end = f.offset + f.nbytes
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
         constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
         kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
-        params_templates=templates, draft_tokens=drafts)
+        params_templates=templates, draft_tokens=drafts, sampler=sampler)
 
 
 def _draft_tokens(s: At, version: int, max_chunk: int) -> int:
@@ -339,6 +394,72 @@ def _draft_tokens(s: At, version: int, max_chunk: int) -> int:
         at.fail(f"speculative entry points need schedule version "
                 f"{SPECULATIVE_SCHEDULE_VERSION}; this one is version {version}")
     return at.int(1, max_chunk - 1)
+
+
+def _sampler(s: At, version: int, io_end: int, arena_bytes: int, max_seqs: int,
+             max_context: int, vocab: int) -> SamplerIo | None:
+    """The sampled entries' inputs: required from version 7 (a one-GPU schedule: a tensor-
+    parallel rank's has collectives and no sampler), absent before."""
+    at = s.get("sampler")
+    if version < SAMPLER_SCHEDULE_VERSION:
+        if at is not None:
+            at.fail(f"a version {version} schedule has no sampler (it came with version "
+                    f"{SAMPLER_SCHEDULE_VERSION})")
+        return None
+    if at is None:
+        s.fail(f"a version {version} schedule has a sampler (the sampled entries' inputs)")
+    offset = at["offset"].int(0, MAX_BYTES)
+    nbytes = at["nbytes"].int(1, MAX_BYTES)
+    if offset != io_end or offset + nbytes > arena_bytes:
+        at.fail(f"the region [{offset}, {offset + nbytes}) must start where io ends ({io_end}) "
+                f"and end inside the arena ({arena_bytes})")
+    top = at["top_logprobs"].int(1, MAX_TOP_LOGPROBS)
+    pen = at["penalty_ids"].int(1, INT32_MAX)
+    if pen != min(max_context, vocab):
+        at["penalty_ids"].fail(f"{pen}, not min(max_context, vocab_size) = "
+                               f"{min(max_context, vocab)}")
+    words = at["mask_words"].int(1, INT32_MAX)
+    if vocab % 32 or words != vocab // 32:
+        at["mask_words"].fail(f"{words}, not vocab_size / 32 ({vocab} / 32)")
+    fields_at = at["fields"]
+    fields = {name: _field(f, (offset, offset + nbytes))
+              for name, f in fields_at.members().items()}
+    if sorted(fields) != sorted(SAMPLE_IO_FIELDS):
+        fields_at.fail(f"expected the fields {', '.join(SAMPLE_IO_FIELDS)}, got "
+                       f"{', '.join(fields)}")
+    end = offset
+    for name, dtype in SAMPLE_IO_FIELDS.items():
+        f = fields[name]
+        shape = (max_seqs * (words + 2 * pen),) if name == "pool" else (max_seqs,)
+        if f.dtype != dtype or f.shape != shape:
+            fields_at[name].fail(f"expected {dtype} of shape {list(shape)}, got {f.dtype} "
+                                 f"{list(f.shape)}")
+        if f.offset < end:
+            fields_at[name].fail(f"starts at byte {f.offset}, inside the field before it "
+                                 f"({', '.join(SAMPLE_IO_FIELDS)} in that order)")
+        end = f.offset + f.nbytes
+    if end != offset + nbytes:
+        fields_at["pool"].fail("the pool must end the region (the host writes a prefix)")
+    return SamplerIo(offset, nbytes, top, pen, words, fields)
+
+
+def _sampled_entries(at: At, entries: dict[str, EntryPoint], sampler: bool) -> None:
+    """With a sampler, a sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} /
+    prefill_{T} (and no other); without, none."""
+    names = set(entries)
+    sampled = {n for n in names if n.startswith(SAMPLED)}
+    want = {SAMPLED + n for n in names if n.startswith(("decode_", "prefill_"))} if sampler \
+        else set()
+    for name in sorted(sampled ^ want):
+        if name not in sampled:
+            at.fail(f"lacks entry {name!r} (a sampled entry beside each decode and prefill "
+                    "entry)")
+        at.fail(f"has entry {name!r} " + ("without its plain entry" if sampler else
+                                           "but no sampler (version 7 has both)"))
+    for name in sorted(sampled):
+        plain = entries[name.removeprefix(SAMPLED)]
+        if entries[name].rows != plain.rows or entries[name].graph != plain.graph:
+            at[name].fail(f"must have the rows and graph flag of {plain.name}")
 
 
 def _templates(at: At | None) -> dict[str, ParamsTemplate]:
@@ -400,9 +521,11 @@ def _field(at: At, region: tuple[int, int]) -> Field:
 
 def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
-    m = re.fullmatch(r"(decode|prefill|logits|verify)_([1-9][0-9]{0,6})", key)
+    m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits|verify)_"
+                     r"([1-9][0-9]{0,6})", key)
     if not m:
-        at.fail("an entry point is named decode_N, prefill_N, logits_N or verify_N")
+        at.fail("an entry point is named decode_N, prefill_N, logits_N, verify_N, "
+                "sampled_decode_N or sampled_prefill_N")
     name = at["name"].str()
     rows = at["rows"].int(1, MAX_ROWS)
     if name != key or rows != int(m[2]):

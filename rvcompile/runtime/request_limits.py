@@ -17,8 +17,9 @@ The limits are what the device takes, so nothing a request holds can fail a step
   characters each (the text is searched for each of them after every token);
 - ignore_eos: a bool;
 - n: an int, 1 to MAX_N samples;
-- logprobs: None, or an int 0 to the executor's top log-probabilities (20 on XLA artifacts);
-  refused where the sampler returns none (h100 artifacts: their sample kernels return a token);
+- logprobs: None, or an int 0 to the executor's top log-probabilities (20 on XLA artifacts and
+  h100 ones with sampled entry points); refused where the sampler returns none (h100 artifacts
+  built before those: their sample kernels return a token);
 - penalties: presence and frequency in [-2, 2] (OpenAI's range), repetition in (0, 100]; any
   but neutral refused where the sampler takes no extras, as logprobs;
 - stop_token_ids: at most MAX_STOP_STRINGS token ids in the vocabulary.
@@ -56,8 +57,8 @@ MAX_STOP_CHARS = 256
 MAX_N = 16  # samples per request
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
 MAX_REPETITION = 100.0
-NO_EXTRAS = ("this artifact's sampler returns a token only (h100 artifacts: the sample kernels "
-             "take no penalties and return no log-probabilities yet); use an XLA artifact")
+NO_EXTRAS = ("this artifact's sampler returns a token only (an h100 artifact built before its "
+             "sampled entry points, kernel schedule version 7); rebuild it")
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the OpenAI error code
 
 

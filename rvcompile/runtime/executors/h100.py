@@ -43,6 +43,7 @@ from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_ki
 MAX_STREAM_WORKERS = 16  # threads reading and hashing the weights: enough for PCIe Gen5
 DEFAULT_SMEM = 48 << 10
 HEADROOM = 256 << 20  # driver and module memory beyond the arena
+PINNED_STEP = 1 << 20  # the io copy's pinned buffer grows in these steps (sampled calls)
 
 
 def check_fits(art: Artifact, ctx: CudaContext) -> None:
@@ -227,6 +228,11 @@ class CudaScheduleDevice:
 
     def write(self, offset: int, data: bytes) -> None:
         n = len(data)
+        if n > self.io_host.nbytes:  # a sampled call's extras: the pinned buffer grows once
+            self.ctx.stream_synchronize(self.stream)  # no copy still reads the old one
+            self.ctx.free_pinned(self.io_host)
+            self.io_host = None
+            self.io_host = self.ctx.alloc_pinned(-(-n // PINNED_STEP) * PINNED_STEP)
         self.io_host[:n] = np.frombuffer(data, np.uint8)
         self.ctx.copy_to_device(self.arena.ptr + offset, self.io_host[:n], self.stream)
 

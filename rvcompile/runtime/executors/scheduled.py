@@ -19,6 +19,12 @@ budget (its later tokens are dropped here; it writes KV only into the blocks its
 owns), and the call ends at the first read where every lane has ended. Each step is a decode
 call of the call's lanes at the call's width (an ended lane's row stays, as padding).
 Artifacts built before decode_advance (no `loop_tokens` io field) offer no decode loop.
+
+The sampler's extras (schedule version 7, `top_logprobs` > 0): prefill_sampled and
+decode_sampled run the sampled entries, writing the lanes' SampleExtras into the sample_io
+region (kernel_schedule.SamplerIo) with the io in one copy, and read the token, its
+log-probability and the top ones back in one read. An older schedule has none (top_logprobs
+0: the engine refuses requests that need them, request_limits.NO_EXTRAS).
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from typing import Protocol
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
-from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk, Verified
+from rvcompile.runtime.executor_api import (
+    KvKind,
+    LoopLane,
+    Sampled,
+    SampleExtras,
+    SeqChunk,
+    Verified,
+)
 
 DECODE_LOOP_STOPS = 64  # most stop ids per lane (checked on the host: any number would do)
 LOOP_GROUP = 8  # decode_many's steps between token reads while a lane may stop early
@@ -259,6 +272,137 @@ class ScheduledExecutor:
         """Row counts a verify call may run in: the decode entries', then the verify entries'."""
         verify = (e.rows for e in self.schedule.entries.values() if e.name.startswith("verify_"))
         return tuple(sorted({*self.decode_buckets, *verify}))
+
+    # -- the sampler's extras (sampled entries; module docstring)
+
+    @property
+    def top_logprobs(self) -> int:
+        """K (executor_api.top_logprobs): 0 when the schedule has no sampled entries."""
+        return self.schedule.sampler.top_logprobs if self.schedule.sampler else 0
+
+    def prefill_sampled(self, chunk: SeqChunk) -> Sampled:
+        """prefill, with chunk.extras applied (sampled_prefill_{T})."""
+        n = len(chunk.tokens)
+        t = chunk.rows or next((b for b in self.prefill_buckets if b >= n), None)
+        if t is None or t not in self.prefill_buckets:
+            raise ValueError(f"no prefill entry of {t or n} rows (buckets: "
+                             f"{', '.join(map(str, self.prefill_buckets))})")
+        toks, pos = self._chunk_rows(chunk, t)
+        io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
+        return self._call_sampled(f"sampled_prefill_{t}", io, [chunk], 1)[0]
+
+    def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
+        """decode, with each lane's extras applied (sampled_decode_{B}); padding rows neutral."""
+        if not 0 < len(lanes) <= self.max_seqs:
+            raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
+                             f"{self.max_seqs}")
+        b = next(x for x in self.decode_buckets if x >= len(lanes))
+        toks = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        for i, lane in enumerate(lanes):
+            if len(lane.tokens) != 1:
+                raise ValueError("a decode lane runs exactly one token")
+            toks[i], pos[i] = lane.tokens[0], lane.start
+        chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
+        io = self._io(b, lanes, toks, pos, chunk_of_row)
+        return self._call_sampled(f"sampled_decode_{b}", io, lanes, b)[:len(lanes)]
+
+    def _call_sampled(self, entry: str, io: bytes, lanes: Sequence[SeqChunk],
+                      rows: int) -> list[Sampled]:
+        """Write io and the lanes' extras with one copy, run `entry`, read its `rows` results
+        (out_tokens, logprob, top_ids, top_logprobs lie side by side: one read)."""
+        sampler = self.schedule.sampler
+        if sampler is None:
+            raise ValueError("this artifact's schedule has no sampled entry points (built "
+                             "before them); rebuild it")
+        extras = self._sample_io(lanes)
+        self.device.write(self.schedule.io_offset, io + extras)
+        self.device.run(entry)
+        outs = self.schedule.outputs
+        first, last = outs[f"{entry}.out_tokens"], outs[f"{entry}.top_logprobs"]
+        want = [c.extras.top_logprobs if c.extras else -1 for c in lanes]
+        if max(want) < 0:  # tokens only
+            raw = self.device.read(first.offset, 4 * rows)
+            return [Sampled(int(t)) for t in np.frombuffer(raw, np.int32)]
+        raw = self.device.read(first.offset, last.offset + last.nbytes - first.offset)
+        k = sampler.top_logprobs
+        tok = np.frombuffer(raw, np.int32, rows)
+        lp = np.frombuffer(raw, np.float32, rows, 4 * rows)
+        ids = np.frombuffer(raw, np.int32, rows * k, 8 * rows).reshape(rows, k)
+        vals = np.frombuffer(raw, np.float32, rows * k, 8 * rows + 4 * rows * k).reshape(rows, k)
+        return [Sampled(int(tok[i])) if n < 0 else
+                Sampled(int(tok[i]), float(lp[i]),
+                        tuple(zip(ids[i, :n].tolist(), vals[i, :n].tolist(), strict=True)))
+                for i, n in enumerate(want)]
+
+    def _sample_io(self, lanes: Sequence[SeqChunk]) -> bytes:
+        """The sample_io region's bytes up to the pool's used words, for decode rows 0..: each
+        lane's extras (lanes without, and rows past the lanes, neutral). ValueError for
+        extras the kernels cannot take (kernel_schedule.SamplerIo)."""
+        s = self.schedule.sampler
+        n = self.max_seqs
+        values = {"presence": np.zeros(n, np.float32), "frequency": np.zeros(n, np.float32),
+                  "repetition": np.ones(n, np.float32), "n_top": np.full(n, -1, np.int32),
+                  "mask_at": np.full(n, -1, np.int32), "pen_at": np.zeros(n, np.int32),
+                  "pen_n": np.zeros(n, np.int32)}
+        pool: list[np.ndarray] = []
+        used = 0
+        for i, c in enumerate(lanes):
+            e = c.extras
+            if e is None:
+                continue
+            for part in self._lane_extras(e):
+                if part[0] == "mask":
+                    values["mask_at"][i] = used
+                else:
+                    values["pen_at"][i], values["pen_n"][i] = used, part[1].size // 2
+                pool.append(part[1])
+                used += part[1].size
+            p = e.penalties
+            values["presence"][i], values["frequency"][i] = p.presence, p.frequency
+            values["repetition"][i] = p.repetition
+            values["n_top"][i] = e.top_logprobs
+        pool_at = s.fields["pool"].offset - s.offset
+        region = bytearray(pool_at + 4 * used)
+        for name, arr in values.items():
+            start = s.fields[name].offset - s.offset
+            region[start:start + arr.nbytes] = arr.tobytes()
+        if pool:
+            region[pool_at:] = np.concatenate(pool).astype(np.int32).tobytes()
+        return bytes(region)
+
+    def _lane_extras(self, e: SampleExtras) -> list[tuple[str, np.ndarray]]:
+        """A lane's pool parts: ("mask", its words) and ("pairs", (id, count) interleaved),
+        each checked."""
+        s, v = self.schedule.sampler, self.schedule.vocab_size
+        if not -1 <= e.top_logprobs <= s.top_logprobs:
+            raise ValueError(f"top_logprobs must be -1 to {s.top_logprobs}, not "
+                             f"{e.top_logprobs}")
+        p = e.penalties
+        if not (np.isfinite([p.presence, p.frequency, p.repetition]).all()
+                and p.repetition > 0):
+            raise ValueError(f"penalties must be finite with repetition > 0, not {p}")
+        parts = []
+        if e.mask is not None:
+            mask = np.asarray(e.mask)
+            if mask.dtype != np.int32 or mask.shape != (s.mask_words,):
+                raise ValueError(f"a token mask is int32 [{s.mask_words}], not {mask.dtype} "
+                                 f"{list(mask.shape)}")
+            if not mask.any():
+                raise ValueError("the token mask allows no token")
+            parts.append(("mask", mask))
+        if e.pen_ids is not None:
+            ids, counts = np.asarray(e.pen_ids), np.asarray(e.pen_counts)
+            if ids.ndim != 1 or ids.shape != counts.shape or ids.size > s.penalty_ids:
+                raise ValueError(f"penalty ids and counts are two [n <= {s.penalty_ids}] "
+                                 f"arrays, not {list(ids.shape)} and {list(counts.shape)}")
+            if ids.size:
+                if ids.min() < 0 or ids.max() >= v or np.unique(ids).size != ids.size \
+                        or counts.min() < 0 or counts.max() > np.iinfo(np.int32).max:
+                    raise ValueError(f"penalty ids must be distinct ids in [0, {v}) with "
+                                     "counts >= 0")
+                parts.append(("pairs", np.stack([ids, counts], 1).astype(np.int32).ravel()))
+        return parts
 
 
 def _lane_tokens(column: np.ndarray, lane: LoopLane) -> list[int]:

@@ -63,6 +63,9 @@ from rvcompile.targets.h100.layout import (
 )
 from rvcompile.targets.h100.tensor_parallel import RankPlan
 
+# the sampled entries' inputs the kernels read (layout.py's sample_io region)
+SAMPLE_IO_ARGS = ("presence", "frequency", "repetition", "n_top", "mask_at", "pen_at", "pen_n",
+                  "pool")
 SM_COUNT = 132  # H100 SXM; split counts and persistent grids are sized for it
 # The tied head from this many rows on the bf16 tensor-core GEMM (one read of the table) rather
 # than the bf16 GEMV (one read per 4 rows). 31B head, H100 (benchmarks/h100_head.py, 2026-11-24):
@@ -134,10 +137,12 @@ class EntryLowering:
 
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
                  pools: dict[int, Pool], tp: RankPlan | None = None, *,
-                 decode_loop_steps: int = 0):
-        """`decode_loop_steps` L > 0 (decode entries): end with decode_advance, which logs up to
-        L steps' tokens in io "loop_tokens" as [L, rows] (rows.py)."""
+                 sampled: bool = False, decode_loop_steps: int = 0):
+        """`sampled`: the sampler's extras around the sampling (sample.py); `decode_loop_steps`
+        L > 0 (decode entries): end with decode_advance, which logs up to L steps' tokens in io
+        "loop_tokens" as [L, rows] (rows.py)."""
         self.ir, self.kind, self.m = ir, kind, rows
+        self.sampled = sampled
         self.decode_loop_steps = decode_loop_steps
         self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
@@ -734,14 +739,36 @@ class EntryLowering:
         logits = at.input(0)
         m, v = (1 if self.kind == "prefill" else self.m), logits.cols
         plan = sample.plan(m, v, SM_COUNT)
-        ws, out = self.buffer(plan.workspace), self.buffer(m * 4)
+        k = sample.TOP_LOGPROBS
+        # sampled: the token, its log-probability and the top ones, side by side (one read)
+        ws, out = self.buffer(plan.workspace), self.buffer(m * 4 * (2 + 2 * k if self.sampled
+                                                                     else 1))
         io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
-        self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v,
-                  cap=self.softcap or 0.0, workspace=ws)
+        cap = self.softcap or 0.0
+        self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v, cap=cap,
+                  workspace=ws)
+        if self.sampled:
+            extras = sample.extras_plan(m, v)
+            x = {name: Ref("sample_io", name) for name in SAMPLE_IO_ARGS}
+            lp_scratch = self.buffer(extras.scratch)
+            self.emit(sample.LOGPROB_STATS_ENTRY, extras.stats, logits=logits.f32, M=m, V=v,
+                      cap=cap, n_top=x["n_top"], scratch=lp_scratch)
+            self.emit(sample.PENALIZE_ENTRY, extras.penalize, M=m, V=v, pool=x["pool"],
+                      pen_at=x["pen_at"], pen_n=x["pen_n"], presence=x["presence"],
+                      frequency=x["frequency"], repetition=x["repetition"], workspace=ws)
+            self.emit(sample.MASK_ENTRY, extras.mask, M=m, V=v, pool=x["pool"],
+                      mask_at=x["mask_at"], pen_n=x["pen_n"], workspace=ws)
         self.emit(sample.FILTER_ENTRY, plan.filter, M=m, V=v, chunk=plan.chunk,
                   temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
         self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
         self.outputs["out_tokens"] = (out, "int32", (m,))
+        if self.sampled:
+            lp, ids, vals = out.at(4 * m), out.at(8 * m), out.at(8 * m + 4 * m * k)
+            self.emit(sample.LOGPROBS_ENTRY, extras.logprobs, logits=logits.f32, M=m, V=v,
+                      cap=cap, tokens=out, n_top=x["n_top"], K=k, scratch=lp_scratch,
+                      logprob=lp, top_ids=ids, top_logprobs=vals)
+            self.outputs.update(logprob=(lp, "float32", (m,)), top_ids=(ids, "int32", (m, k)),
+                                top_logprobs=(vals, "float32", (m, k)))
         if self.decode_loop_steps:  # in io: the next replay's kernels must not reuse it
             self.emit(rows.ADVANCE_ENTRY, rows.advance_geometry(m), sampled=out,
                       tokens=Ref("io", "tokens"), positions=Ref("io", "positions"),

@@ -13,6 +13,8 @@ region, a key in it, a byte offset); `place` turns each into an arena offset.
   normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches are;
 - io: tokens, positions, seq_len, the prefill's last row, one block-table row per token row
   and KV kind, the sampling parameters;
+- sample_io (with sampled entry points): right after io, the sampler's extras per decode lane
+  and the pool of their masks and penalty pairs (kernel_schedule.SamplerIo);
 - activations: per entry point, each temporary buffer lives from its first launch to its last,
   and buffers whose lives overlap never share bytes (memory_plan).
 """
@@ -25,6 +27,7 @@ import numpy as np
 
 from rvcompile.artifacts.kernel_params import ParamsTemplate
 from rvcompile.artifacts.kernel_schedule import (
+    SAMPLE_IO_FIELDS,
     Arg,
     Collective,
     EntryPoint,
@@ -34,6 +37,7 @@ from rvcompile.artifacts.kernel_schedule import (
     KvLayout,
     Launch,
     ParamsBlock,
+    SamplerIo,
 )
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import ModelIR, resolve_param
@@ -53,7 +57,7 @@ class LoweringError(ValueError):
 class Ref:
     """A pointer before layout: a region, a key inside it, a byte offset from there."""
 
-    region: str  # "weights", "const", "kv", "io", "act"
+    region: str  # "weights", "const", "kv", "io", "sample_io", "act"
     key: object
     offset: int = 0
 
@@ -243,6 +247,20 @@ def _io_fields(max_rows: int, full: int, ring: int,
     }
 
 
+def _sample_io_fields(max_seqs: int, pool_words: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The sample_io region's fields in their order (the pool last: the host writes a prefix)."""
+    per_lane = {name: (dtype, (max_seqs,)) for name, dtype in SAMPLE_IO_FIELDS.items()
+                if name != "pool"}
+    return {**per_lane, "pool": ("int32", (pool_words,))}
+
+
+def sampler_shape(ir: ModelIR, top_logprobs: int) -> tuple[int, int, int]:
+    """(top_logprobs K, penalty pairs per lane P, mask words per lane W): P = min(max_context,
+    vocab), the most distinct tokens a sequence holds."""
+    v = ir.config.vocab_size
+    return top_logprobs, min(ir.max_context, v), -(-v // 32)
+
+
 def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ...]:
     pools = kv.pools.values()
     kinds = []
@@ -259,8 +277,9 @@ def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ..
 
 def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
           weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
-          max_rows: int) -> KernelSchedule:
-    """The schedule: regions placed one after another, every pointer an arena offset."""
+          max_rows: int, top_logprobs: int = 0) -> KernelSchedule:
+    """The schedule: regions placed one after another, every pointer an arena offset;
+    top_logprobs > 0: with the sample_io region of the sampled entry points."""
     offset = weights_bytes
     const_offset = offset
     offset = memory_plan.align(offset + consts.size)
@@ -279,6 +298,17 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         io[name] = Field(offset, dtype, shape)
         offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
     io_bytes = offset - io_offset
+    sampler = None
+    sample_io: dict[str, Field] = {}
+    if top_logprobs:
+        k, p, w = sampler_shape(ir, top_logprobs)
+        start = offset
+        end = start
+        for name, (dtype, shape) in _sample_io_fields(max_seqs, max_seqs * (w + 2 * p)).items():
+            sample_io[name] = Field(offset, dtype, shape)
+            end = offset + int(np.prod(shape)) * 4
+            offset = memory_plan.align(end)
+        sampler = SamplerIo(start, end - start, k, p, w, sample_io)  # ends with the pool
     act_offset = offset
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
@@ -298,6 +328,7 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
             return ref.offset + {"const": lambda: const_offset,
                                  "kv": lambda: pool_offsets[ref.key],
                                  "io": lambda: io[ref.key].offset,
+                                 "sample_io": lambda: sample_io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
         def arg(a: Bound, address=address) -> Arg:
@@ -331,4 +362,5 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
         kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
                     _kv_kinds(ir, kv, max_seqs)),
-        io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates)
+        io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates,
+        sampler=sampler)

@@ -7,7 +7,11 @@ h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only op
 as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs and `prefill_{T}` per bucket
 (both CUDA graphs at load), `logits_{max_chunk}` (launched kernel by kernel); with `draft_tokens`
 K > 0 (speculative decoding) `verify_{R}` for R = 2, 4, ... times max_seqs below
-max_seqs * (K + 1), and that (CUDA graphs too).
+max_seqs * (K + 1), and that (CUDA graphs too); on one GPU also `sampled_decode_{B}` and
+`sampled_prefill_{T}`: the same launches with the sampler's extras around the sampling
+(penalties, a token mask, log-probabilities: sample.py), so the plain entries keep their launch
+lists (the fast path) and a request with extras runs through these. Every `decode_{B}` ends with
+decode_advance (rows.py), the device side of the runtime's decode loop.
 
 Verify needs no kernels of its own: a decode entry already runs each row at its own position
 with its own block-table row, seq_len and sampling step, and every launch covers all rows
@@ -28,7 +32,7 @@ from rvcompile.artifacts.kernel_schedule import (
     Launch,
 )
 from rvcompile.ir.graph import ModelIR
-from rvcompile.targets.h100 import layout
+from rvcompile.targets.h100 import layout, sample
 from rvcompile.targets.h100.launches import EntryLowering
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
@@ -88,13 +92,20 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                            if name.startswith("decode_")
                            else 0).run(name)
              for kind, name, rows in entries]
+    # a tensor-parallel rank's schedule (version 5, or 6 with drafts) has no sampled entries
+    top = 0 if tp is not None else sample.TOP_LOGPROBS
+    if top:
+        plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True).run(
+            f"sampled_{name}") for kind, name, rows in entries
+            if name.startswith(("decode_", "prefill_"))]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
-    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
+    schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows,
+                            top)
     if draft_tokens:
-        schedule = replace(schedule, version=SPECULATIVE_SCHEDULE_VERSION,
-                           draft_tokens=draft_tokens)
-    elif tp is not None:  # a rank's schedule has collective steps
-        schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
+        schedule = replace(schedule, draft_tokens=draft_tokens)
+    if tp is not None:  # a rank's schedule has collective steps
+        schedule = replace(schedule, version=SPECULATIVE_SCHEDULE_VERSION if draft_tokens
+                           else TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches
                             if isinstance(x, Launch)}))
     return H100Lowering(schedule, consts.data(), {k: [v] for k, v in weights.items()}, modules)

@@ -24,6 +24,28 @@ boundary can differ from the reference's token; every other draw is the same tok
 top_p <= 0 keeps the first token; the reference instead clamps its empty kept set to the last
 token of the sorted row (a degenerate setting the runtime should reject).
 
+The sampler's extras (issue 16: the sampled entry points), around those three:
+    sample_penalize(int M, int V, const int* pool, const int* pen_at [M], const int* pen_n [M],
+                    const float* presence [M], const float* frequency [M],
+                    const float* repetition [M], void* ws)                       after prepare
+    sample_mask(int M, int V, const int* pool, const int* mask_at [M], const int* pen_n [M],
+                void* ws)                                                        then this
+    sample_logprob_stats(const float* logits [M, V], int M, int V, float cap,
+                         const int* n_top [M], void* scratch)                   after prepare
+    sample_logprobs(const float* logits [M, V], int M, int V, float cap, const int* tokens [M],
+                    const int* n_top [M], int K, const void* scratch, float* logprob [M],
+                    int* top_ids [M, K], float* top_logprobs [M, K])            after pick
+`pool` holds each row's penalty pairs (id, count) from word pen_at[row] (pen_n[row] pairs, ids
+distinct and in the vocabulary) and its token mask from word mask_at[row] (V / 32 words; -1: no
+mask); `scratch` (logprob_scratch_bytes(M, V), no state between calls) carries the stats of
+the unpenalized row, per 4096 elements and per group, from the first logprobs kernel to the
+second. References: `penalize` (ops.ref_penalize), `token_mask` (ops.ref_token_mask) and
+`logprobs` (log_softmax of softcap(logits), as targets/xla/sampler.py: the model's own
+distribution, before penalties, mask and temperature; the stats kernel's work is part of it).
+Neutral extras (no pairs, no mask) leave the workspace as sample_prepare wrote it, so the pick
+is the plain entry's, bit for bit. Masked tokens are -inf, which the filter and pick weigh 0; a
+row must allow some token.
+
 Cost: greedy rows cost the prepare pass and a max. Sampling rows gather the elements at or above
 a threshold that at least min(top_k', CAND_RANK) elements reach (top_k' = top_k, or V when top_k
 <= 0 or >= V) as candidates, and sort them in shared memory (at most CAP). What lies past the
@@ -47,6 +69,10 @@ SOURCE = "sample.cu"
 PREPARE_ENTRY = "sample_prepare"
 FILTER_ENTRY = "sample_filter"
 PICK_ENTRY = "sample_pick"
+PENALIZE_ENTRY = "sample_penalize"
+MASK_ENTRY = "sample_mask"
+LOGPROB_STATS_ENTRY = "sample_logprob_stats"
+LOGPROBS_ENTRY = "sample_logprobs"
 
 # must match the kernel (tests/test_h100_sample.py reads them from the source)
 THREADS = 1024
@@ -55,6 +81,8 @@ CAND_RANK = 1024
 CAP = 2048
 BUCKETS = 4096
 MAX_GROUPS = 4096
+MAX_TOP = 32  # most top log-probabilities sample_logprobs returns per row
+TOP_LOGPROBS = 20  # what the sampled entries return: OpenAI's largest top_logprobs, as XLA's
 
 PREPARE_CHUNK = 4 * THREADS  # elements per sample_prepare CTA: one float4 per thread
 MAX_VOCAB = MAX_GROUPS * GROUP
@@ -78,6 +106,37 @@ def reference(logits, cap: float, temperature, top_k, top_p, seed, step) -> np.n
                           np.asarray(seed, np.int32), np.asarray(step, np.int32))
 
 
+def penalize(y, ids, counts, presence: float, frequency: float, repetition: float) -> np.ndarray:
+    """float32 [V]: row y with the listed ids penalized (ops.ref_penalize; -0 as +0)."""
+    out = ops.ref_penalize(np.asarray(y, np.float32)[None], np.asarray(ids, np.int32)[None],
+                           np.asarray(counts, np.int32)[None], [presence], [frequency],
+                           [repetition])[0]
+    return out + np.float32(0)  # -0 -> +0, as the kernel stores it
+
+
+def token_mask(y, mask) -> np.ndarray:
+    """float32 [V]: row y with the tokens whose bit in mask [V / 32] is 0 set to -inf."""
+    return ops.ref_token_mask(np.asarray(y, np.float32)[None], np.asarray(mask)[None])[0]
+
+
+def logprobs(logits, cap: float, tokens, n_top, k: int):
+    """(logprob [M], top_ids [M, k], top_logprobs [M, k]) under log_softmax(softcap(logits)) in
+    float32 (jax.nn.log_softmax's steps): the token's where n_top >= 0, the k likeliest (ties:
+    the lower index) where n_top > 0, zeros elsewhere."""
+    y = softcap(logits, cap)
+    shifted = y - y.max(-1, keepdims=True)
+    lp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True, dtype=np.float32))
+    m = y.shape[0]
+    n_top = np.asarray(n_top, np.int32)
+    chosen = lp[np.arange(m), np.asarray(tokens, np.int64)]
+    logprob = np.where(n_top >= 0, chosen, 0).astype(np.float32)
+    ids = np.argsort(-lp, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    vals = np.take_along_axis(lp, ids, -1)
+    on = (n_top > 0)[:, None]
+    return logprob, np.where(on, ids, 0).astype(np.int32), np.where(on, vals, 0).astype(
+        np.float32)
+
+
 def workspace_bytes(m: int, v: int) -> int:
     """Bytes of the kernels' workspace (layout: carve() in the kernel)."""
     per_row = (4 * v + 8 * (v // GROUP) + 8 * CAP + 8 * BUCKETS + 8 + 8 + 4 * BUCKETS + 4)
@@ -90,6 +149,39 @@ def filter_chunk(m: int, v: int, sm_count: int) -> int:
     tiles = -(-v // PREPARE_CHUNK)
     ctas_per_row = max(1, min(tiles, -(-2 * sm_count // m)))
     return PREPARE_CHUNK * -(-tiles // ctas_per_row)
+
+
+def check_top(k: int) -> None:
+    if not 1 <= k <= MAX_TOP:
+        raise ValueError(f"top log-probabilities per row must be 1 to {MAX_TOP}, not {k}")
+
+
+def mask_words(v: int) -> int:
+    return -(-v // 32)
+
+
+def logprob_scratch_bytes(m: int, v: int) -> int:
+    """Bytes of the logprobs kernels' scratch (layout: lp_carve() in the kernel)."""
+    return m * (8 * -(-v // PREPARE_CHUNK) + 8 * (v // GROUP))
+
+
+@dataclass(frozen=True)
+class Extras:
+    """The launches of the sampler's extras for [M, V] rows."""
+
+    stats: Launch
+    penalize: Launch
+    mask: Launch
+    logprobs: Launch
+    scratch: int  # bytes
+
+
+def extras_plan(m: int, v: int) -> Extras:
+    check_limits(m, v)
+    block = (THREADS, 1, 1)
+    per_chunk = Launch((-(-v // PREPARE_CHUNK), m, 1), block, 0)
+    return Extras(stats=per_chunk, penalize=Launch((m, 1, 1), block, 0), mask=per_chunk,
+                  logprobs=Launch((m, 1, 1), block, 0), scratch=logprob_scratch_bytes(m, v))
 
 
 @dataclass(frozen=True)
@@ -141,6 +233,44 @@ def _pick_call(c: Call) -> None:
         c.array("top_p", (m,)), c.array("seed", (m,)), c.array("step", (m,)))
 
 
+def _penalize_call(c: Call) -> None:
+    m = c["M"]
+    y = _logits_scratch(c)
+    pen_at, pen_n = c.array("pen_at", (m,)), c.array("pen_n", (m,))
+    presence, frequency = c.array("presence", (m,)), c.array("frequency", (m,))
+    repetition = c.array("repetition", (m,))
+    for row in range(m):
+        n = int(pen_n[row])
+        if n <= 0:
+            continue
+        pairs = c.array("pool", (int(pen_at[row]) + 2 * n,))[int(pen_at[row]):].reshape(n, 2)
+        y[row] = penalize(y[row], pairs[:, 0], pairs[:, 1], presence[row], frequency[row],
+                          repetition[row])
+
+
+def _mask_call(c: Call) -> None:
+    m, v = c["M"], c["V"]
+    y = _logits_scratch(c)
+    mask_at = c.array("mask_at", (m,))
+    for row in range(m):
+        at = int(mask_at[row])
+        if at >= 0:
+            y[row] = token_mask(y[row], c.array("pool", (at + mask_words(v),))[at:])
+
+
+def _logprob_stats_call(c: Call) -> None:
+    """Nothing: the stats are part of the logprobs' reference."""
+
+
+def _logprobs_call(c: Call) -> None:
+    m, v, k = c["M"], c["V"], c["K"]
+    lp, ids, vals = logprobs(c.array("logits", (m, v)), c["cap"], c.array("tokens", (m,)),
+                             c.array("n_top", (m,)), k)
+    c.array("logprob", (m,))[:] = lp
+    c.array("top_ids", (m, k))[:] = ids
+    c.array("top_logprobs", (m, k))[:] = vals
+
+
 ENTRIES = (
     Entry(PREPARE_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"), f32("cap"),
                                   ptr("workspace", "bytes", "out")), _prepare_call),
@@ -152,4 +282,20 @@ ENTRIES = (
                                ptr("seed", "int32"), ptr("step", "int32"),
                                ptr("workspace", "bytes", "inout"), ptr("out", "int32", "out")),
           _pick_call),
+    Entry(PENALIZE_ENTRY, SOURCE, (i32("M"), i32("V"), ptr("pool", "int32"),
+                                   ptr("pen_at", "int32"), ptr("pen_n", "int32"),
+                                   ptr("presence", "float32"), ptr("frequency", "float32"),
+                                   ptr("repetition", "float32"),
+                                   ptr("workspace", "bytes", "inout")), _penalize_call),
+    Entry(MASK_ENTRY, SOURCE, (i32("M"), i32("V"), ptr("pool", "int32"), ptr("mask_at", "int32"),
+                               ptr("pen_n", "int32"), ptr("workspace", "bytes", "inout")),
+          _mask_call),
+    Entry(LOGPROB_STATS_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"),
+                                        f32("cap"), ptr("n_top", "int32"),
+                                        ptr("scratch", "bytes", "out")), _logprob_stats_call),
+    Entry(LOGPROBS_ENTRY, SOURCE, (ptr("logits", "float32"), i32("M"), i32("V"), f32("cap"),
+                                   ptr("tokens", "int32"), ptr("n_top", "int32"), i32("K"),
+                                   ptr("scratch", "bytes"), ptr("logprob", "float32", "out"),
+                                   ptr("top_ids", "int32", "out"),
+                                   ptr("top_logprobs", "float32", "out")), _logprobs_call),
 )

@@ -171,7 +171,9 @@ class H100Target:
             "version": s.version, "arena_bytes": s.arena_bytes,
             "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
                         "kv": s.kv.pool_bytes, "io": s.io_bytes,
-                        "activations": s.arena_bytes - s.io_offset - s.io_bytes},
+                        "sample_io": s.sampler.nbytes if s.sampler else 0,
+                        "activations": s.arena_bytes - s.io_offset - s.io_bytes
+                        - (s.sampler.nbytes if s.sampler else 0)},
             "kv": {"block_size": s.kv.block_size, "dtype": s.kv.kv_dtype,
                    "kinds": {k.name: {"table_width": k.table_width, "num_blocks": k.num_blocks,
                                       "window": k.window} for k in s.kv.kinds}},

@@ -580,3 +580,234 @@ sample_pick(int M, int V, const float* __restrict__ temperature, const int* __re
     const Found f = p.find(MASS_ABOVE, t);
     if (threadIdx.x == 0) out[row] = composite_index(f.c);
 }
+
+// ---------------------------------------------------------------- the sampler's extras
+// Sampled entry points (issue 16; sample.py) run sample_logprob_stats, sample_penalize and
+// sample_mask between sample_prepare and sample_filter, and sample_logprobs after sample_pick:
+//   sample_logprob_stats grid (V / 4096, M), rows with n_top >= 0: per 4096 elements of
+//                   y = softcap(logits) (the model's own, unpenalized) the maximum and the sum of
+//                   exp(y - that maximum), and every group's maximum, into the logprobs scratch
+//                   (layout: lp_carve() and sample.py's logprob_scratch_bytes).
+//   sample_penalize grid (M): the ids listed for the row (pairs (id, count) at pool + pen_at[row],
+//                   pen_n[row] of them, each id once) penalized in y as ops.ref_penalize: a
+//                   positive y divided by the repetition penalty, another multiplied, then
+//                   frequency * count and presence * (count > 0) subtracted, each step rounded
+//                   (no fused multiply-add), -0 made +0.
+//   sample_mask     grid (V / 4096, M): on a row with a mask (mask_at[row] >= 0: V / 32 words at
+//                   pool + mask_at[row], bit j of word w allows token 32 w + j) every token whose
+//                   bit is 0 gets y = -inf; on a row with a mask or penalties the group maxima are
+//                   recomputed. Other rows keep what sample_prepare wrote.
+//   sample_logprobs grid (M): log_softmax(y) (before penalties, mask and temperature) from the
+//                   stats: the sampled token's log-probability and the K likeliest (id,
+//                   log-probability), most likely first (ties: the lower index), on rows with
+//                   n_top >= 0 (the top ones where n_top > 0; zeros otherwise). The K likeliest
+//                   lie in the K groups of 128 with the largest maxima, at or above the K-th of
+//                   those maxima: only those elements are gathered and sorted.
+// A row must allow at least one token (the host refuses an empty mask).
+constexpr int MAX_TOP = 32;  // K <= MAX_TOP: the top groups' elements fit the group-key array
+constexpr int LP_CHUNK = 4 * THREADS;  // elements per sample_logprob_stats CTA
+static_assert(MAX_TOP * GROUP <= MAX_GROUPS, "the top groups' elements reuse the key array");
+
+struct LpScratch {
+    float2* part;  // [M, V / LP_CHUNK (rounded up)]: (maximum, sum of exp(y - maximum))
+    u64* gmax;     // [M, V / GROUP] group maxima (composite keys) of the unpenalized y
+};
+
+__device__ LpScratch lp_carve(void* base, int M, int V) {
+    const int chunks = (V + LP_CHUNK - 1) / LP_CHUNK;
+    LpScratch s;
+    s.part = static_cast<float2*>(base);
+    const size_t parts = (size_t)M * chunks * sizeof(float2);
+    s.gmax = reinterpret_cast<u64*>(static_cast<char*>(base) + parts);
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_penalize(int M, int V, const int* __restrict__ pool, const int* __restrict__ pen_at,
+                const int* __restrict__ pen_n, const float* __restrict__ presence,
+                const float* __restrict__ frequency, const float* __restrict__ repetition,
+                void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int row = blockIdx.x;
+    const int n = pen_n[row];
+    if (n <= 0) return;
+    const Workspace ws = carve(workspace, M, V);
+    float* y = ws.y + (size_t)row * V;
+    const int* pairs = pool + pen_at[row];
+    const float p = presence[row], f = frequency[row], r = repetition[row];
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const int t = pairs[2 * i], c = pairs[2 * i + 1];
+        if (t < 0 || t >= V) continue;
+        float x = y[t];
+        x = x > 0.0f ? __fdiv_rn(x, r) : __fmul_rn(x, r);
+        x = __fsub_rn(__fsub_rn(x, __fmul_rn(f, (float)c)), __fmul_rn(p, c > 0 ? 1.0f : 0.0f));
+        y[t] = x == 0.0f ? 0.0f : x;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_mask(int M, int V, const int* __restrict__ pool, const int* __restrict__ mask_at,
+            const int* __restrict__ pen_n, void* workspace) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int row = blockIdx.y;
+    const int at = mask_at[row];
+    if (at < 0 && pen_n[row] <= 0) return;  // y and its group maxima as sample_prepare left them
+    const Workspace ws = carve(workspace, M, V);
+    const int c4 = blockIdx.x * THREADS + threadIdx.x;  // float4 index in the row
+    if (c4 >= V / 4) return;                             // whole warps: V % 128 == 0
+    float4* y4 = reinterpret_cast<float4*>(ws.y + (size_t)row * V) + c4;
+    float4 y = *y4;
+    if (at >= 0) {
+        const u32 bits = (u32)pool[at + c4 / 8] >> ((4 * c4) & 31);
+        const float ninf = __int_as_float(0xff800000);
+        if (!(bits & 1u)) y.x = ninf;
+        if (!(bits & 2u)) y.y = ninf;
+        if (!(bits & 4u)) y.z = ninf;
+        if (!(bits & 8u)) y.w = ninf;
+        *y4 = y;
+    }
+    u64 best = max_u64(max_u64(composite(y.x, 4 * c4), composite(y.y, 4 * c4 + 1)),
+                       max_u64(composite(y.z, 4 * c4 + 2), composite(y.w, 4 * c4 + 3)));
+    best = warp_max(best);
+    if ((threadIdx.x & 31) == 0) ws.gmax[(size_t)row * (V / GROUP) + c4 / 32] = best;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max_f32(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_logprob_stats(const float* __restrict__ logits, int M, int V, float cap,
+                     const int* __restrict__ n_top, void* scratch) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int row = blockIdx.y;
+    if (n_top[row] < 0) return;
+    __shared__ float fred[WARPS];
+    __shared__ double dred[WARPS];
+    const LpScratch sc = lp_carve(scratch, M, V);
+    const int chunks = (V + LP_CHUNK - 1) / LP_CHUNK;
+    const int i4 = blockIdx.x * THREADS + threadIdx.x;  // float4 index in the row
+    const bool in = i4 < V / 4;                          // whole warps: V % 128 == 0
+    const float ninf = __int_as_float(0xff800000);
+    float e[4] = {ninf, ninf, ninf, ninf};
+    if (in) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(logits + (size_t)row * V) + i4);
+        e[0] = softcapped(v.x, cap);
+        e[1] = softcapped(v.y, cap);
+        e[2] = softcapped(v.z, cap);
+        e[3] = softcapped(v.w, cap);
+        u64 g = max_u64(max_u64(composite(e[0], 4 * i4), composite(e[1], 4 * i4 + 1)),
+                        max_u64(composite(e[2], 4 * i4 + 2), composite(e[3], 4 * i4 + 3)));
+        g = warp_max(g);  // a warp's 32 float4 are one group of 128
+        if ((threadIdx.x & 31) == 0) sc.gmax[(size_t)row * (V / GROUP) + i4 / 32] = g;
+    }
+    float m = warp_max_f32(fmaxf(fmaxf(e[0], e[1]), fmaxf(e[2], e[3])));
+    if ((threadIdx.x & 31) == 0) fred[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = warp_max_f32(fred[threadIdx.x & 31]);  // the CTA's maximum (finite: one warp is in)
+    double sum = 0.0;
+    if (in) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sum += (double)expf(e[k] - m);
+    }
+    sum = warp_sum_f64(sum);
+    if ((threadIdx.x & 31) == 0) dred[threadIdx.x >> 5] = sum;
+    __syncthreads();
+    sum = warp_sum_f64(dred[threadIdx.x & 31]);
+    if (threadIdx.x == 0) sc.part[(size_t)row * chunks + blockIdx.x] = make_float2(m, (float)sum);
+}
+
+// Appends c to list[*fill] for the lanes with `take` (at most `cap` kept); one atomic per warp.
+__device__ __forceinline__ void warp_append_cap(bool take, u64 c, u32* fill, u64* list,
+                                                u32 cap) {
+    const u32 mask = __ballot_sync(FULL, take);
+    if (mask == 0) return;
+    const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
+    u32 base = 0;
+    if (lane == leader) base = atomicAdd(fill, (u32)__popc(mask));
+    base = __shfl_sync(FULL, base, leader);
+    const u32 slot = base + __popc(mask & ((1u << lane) - 1u));
+    if (take && slot < cap) list[slot] = c;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_logprobs(const float* __restrict__ logits, int M, int V, float cap,
+                const int* __restrict__ tokens, const int* __restrict__ n_top, int K,
+                const void* scratch, float* __restrict__ logprob, int* __restrict__ top_ids,
+                float* __restrict__ top_logprobs) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ u64 keys[MAX_GROUPS];  // group maxima; then the gathered elements
+    __shared__ float fred[WARPS];
+    __shared__ double dred[WARPS];
+    __shared__ int chosen[MAX_TOP];
+    __shared__ u32 fill;
+    const int row = blockIdx.x, want = n_top[row];
+    if (want <= 0) {
+        for (int j = threadIdx.x; j < K; j += THREADS) {
+            top_ids[(size_t)row * K + j] = 0;
+            top_logprobs[(size_t)row * K + j] = 0.0f;
+        }
+        if (want < 0) {
+            if (threadIdx.x == 0) logprob[row] = 0.0f;
+            return;
+        }
+    }
+    const LpScratch sc = lp_carve(const_cast<void*>(scratch), M, V);
+    const int chunks = (V + LP_CHUNK - 1) / LP_CHUNK;
+    const float ninf = __int_as_float(0xff800000);
+    // chunks <= MAX_GROUPS / 32 = 128 < THREADS: one partial per thread
+    const float2 part = threadIdx.x < chunks ? sc.part[(size_t)row * chunks + threadIdx.x]
+                                             : make_float2(ninf, 0.0f);
+    float ymax = warp_max_f32(part.x);
+    if ((threadIdx.x & 31) == 0) fred[threadIdx.x >> 5] = ymax;
+    __syncthreads();
+    ymax = warp_max_f32(fred[threadIdx.x & 31]);
+    double sum = threadIdx.x < chunks ? (double)part.y * exp((double)part.x - (double)ymax) : 0.0;
+    sum = warp_sum_f64(sum);
+    if ((threadIdx.x & 31) == 0) dred[threadIdx.x >> 5] = sum;
+    __syncthreads();
+    const float lse = (float)log(warp_sum_f64(dred[threadIdx.x & 31]));
+    const float* x = logits + (size_t)row * V;
+    if (threadIdx.x == 0) {
+        const float yt = softcapped(x[tokens[row]], cap);
+        logprob[row] = __fsub_rn(__fsub_rn(yt, ymax), lse);
+    }
+    if (want <= 0) return;
+    const int groups = V / GROUP, n2 = ceil_pow2(groups);
+    for (int g = threadIdx.x; g < n2; g += THREADS)
+        keys[g] = g < groups ? sc.gmax[(size_t)row * groups + g] : 0;
+    sort_descending(keys, n2);  // opens and ends with __syncthreads
+    const int kg = K < groups ? K : groups;
+    // every one of the K likeliest is >= the K-th largest group maximum (with fewer groups
+    // than K, take every element)
+    const u64 beta = K < groups ? keys[K - 1] : 0;
+    if (threadIdx.x < kg) chosen[threadIdx.x] = composite_index(keys[threadIdx.x]) / GROUP;
+    if (threadIdx.x == 0) fill = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < kg * GROUP; i += THREADS) {  // whole warps: 128 per group
+        const int t = chosen[i / GROUP] * GROUP + i % GROUP;
+        const u64 c = composite(softcapped(x[t], cap), t);
+        warp_append_cap(c >= beta, c, &fill, keys, MAX_TOP * GROUP);
+    }
+    __syncthreads();
+    const int n = (int)fill, m2 = ceil_pow2(n);  // K <= n <= kg * GROUP
+    for (int i = n + threadIdx.x; i < m2; i += THREADS) keys[i] = 0;
+    sort_descending(keys, m2);
+    for (int j = threadIdx.x; j < K; j += THREADS) {
+        top_ids[(size_t)row * K + j] = composite_index(keys[j]);
+        top_logprobs[(size_t)row * K + j] =
+            __fsub_rn(__fsub_rn(composite_value(keys[j]), ymax), lse);
+    }
+}
