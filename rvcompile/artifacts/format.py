@@ -167,6 +167,11 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "ranks' schedules (kernel schedule version 5); header arena_bytes is the "
                       "largest rank's. One-GPU h100 artifacts are as in v6; v6 files are "
                       "refused (rebuild them), one way to read as before"),
+    ("2026-11-25", 7, "h100 KV pools sized at load (issue 14, kernel schedule versions 6 and "
+                      "7): header arena_bytes is the arena's fixed part (weights, constants, io, "
+                      "activations); the pools follow it with the block counts the runtime "
+                      "picks (rvrun serve --gpu-memory-utilization, --kv-blocks). Readers of "
+                      "schedule versions up to 5 refuse such files by the schedule's version"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -58,7 +58,8 @@ Fields (format v3; required unless marked optional):
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
-                      schedule's; the largest rank's with tensor_parallel), optional
+                      schedule's fixed part, the KV pools not included: they are sized at
+                      load; the largest rank's with tensor_parallel), optional
                       kernel_launch str (h100_executor refuses others)
 
 Sections a model artifact holds: weights, tokenizer, generation_config, chat_template, and
