@@ -48,6 +48,10 @@ class FakeContext:
         self.lock = threading.Lock()
         self.cu = None
 
+    def mem_info(self):
+        """(free, total): room for a tiny arena, HEADROOM and its pools at the default share."""
+        return 320 << 20, 320 << 20
+
     def stream(self, non_blocking=False):
         return object()
 
@@ -165,6 +169,11 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert t.overlapped == ("cubin load", "graph capture", "warm-up")
     assert len(fake.pinned) == 2  # the io buffers the executor keeps; staging freed
     assert "sha256 checked while streaming" in ex.load_note
+    # the default share of the fake's memory holds more than every decode row's whole context:
+    # each kind gets max_seqs tables of blocks, the pools after the fixed part
+    assert {k.name: k.num_blocks for k in ex.kinds.values()} == {
+        k.name: schedule.max_seqs * k.table_width for k in schedule.kv.kinds}
+    assert len(mem) == schedule.pool_offsets(ex.device.kv_blocks)[1] > schedule.arena_bytes
 
 
 def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fake, tmp_path):

@@ -25,7 +25,7 @@ HEADROOM = 256 << 20  # driver and module memory beyond the arena
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def choose_blocks(schedule: KernelSchedule, *, free: int, total: int, name: str,
