@@ -216,6 +216,8 @@ def test_unchecked_stream_loads_a_corrupt_file(artifact, fake, tmp_path):
     (LoadOptions(gpu_memory_utilization=0.5), "tiny.rvp: 160.0 MiB of GPU memory (utilization "
                                                "0.5 of 320.0 MiB, 320.0 MiB free) cannot hold"),
     (LoadOptions(max_num_seqs=2), "tiny.rvp: max_num_seqs 2: the artifact decodes 1 to 1"),
+    (LoadOptions(kv_blocks={"full": 1}), "tiny.rvp: 1 full KV blocks cannot hold one sequence "
+                                         "of 64 tokens; need 4"),
 ])
 def test_open_executor_refuses_pools_that_do_not_fit_before_allocating(artifact, fake,
                                                                        monkeypatch, opts,
