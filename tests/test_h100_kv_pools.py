@@ -85,6 +85,9 @@ def test_default_share_caps_each_kind_at_every_decode_row_whole(schedule):
     """An 80 GiB GPU and a tiny model: both kinds get max_seqs whole tables, no more."""
     got = choose_blocks(schedule, free=80 * GIB, total=80 * GIB, name="a.rvp")
     assert got == {k.name: schedule.max_seqs * k.table_width for k in schedule.kv.kinds}
+    # an engine capped at 2 running sequences: 2 tables of each kind
+    got = choose_blocks(schedule, free=80 * GIB, total=80 * GIB, name="a.rvp", max_num_seqs=2)
+    assert got == {k.name: 2 * k.table_width for k in schedule.kv.kinds}
 
 
 def test_default_share_splits_evenly_within_the_fraction(schedule):

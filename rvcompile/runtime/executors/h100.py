@@ -275,7 +275,7 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     blocks = kv_budget.choose_blocks(
         schedule, free=free, total=total, name=art.path.name,
         utilization=opts.gpu_memory_utilization, kv_blocks=opts.kv_blocks,
-        max_model_len=opts.max_model_len)
+        max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len)
     check_limits(art, schedule_kinds(schedule, blocks), schedule.kv.block_size,
                  schedule.max_seqs, schedule.max_context, opts)
     before = tuple(n for n in opts.verify if n != "weights")

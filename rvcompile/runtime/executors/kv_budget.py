@@ -4,13 +4,13 @@ is the build's; the pools after it take what is left of a share of the GPU's mem
 
 The budget is `utilization` (default DEFAULT_UTILIZATION) of the GPU's total memory, or its free
 memory when that is less (another process holds some), less the fixed part, HEADROOM (driver,
-modules, graphs) and each pool's alignment. Kinds given explicitly (`kv_blocks`, rvrun serve's
---kv-blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory;
-the other kinds share the rest of the budget evenly in block count (a sequence shorter than the
-window holds as many blocks of each kind), none more than `max_seqs` whole tables (the most the
-decoding sequences can hold at once): a capped kind's share goes to the others, and what none
-can use stays free. Every kind must get at least one longest sequence's blocks (the context, or
-`max_model_len`), else the load fails with one line naming the numbers.
+modules, graphs) and each pool's alignment. Kinds given explicitly (`kv_blocks`, rvrun serve's --kv-
+blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory; the
+other kinds share the rest of the budget evenly in block count (a sequence shorter than the window
+holds as many blocks of each kind), none more than `max_num_seqs` (default: the artifact's max_seqs)
+whole tables, the most the running sequences can hold at once: a capped kind's share goes to the
+others, and what none can use stays free. Every kind must get at least one longest sequence's blocks
+(the context, or `max_model_len`), else the load fails with one line naming the numbers.
 
 Pure arithmetic over the schedule and the memory figures: tests run it on the CPU.
 """
@@ -30,6 +30,7 @@ def _gib(n: float) -> str:
 
 def choose_blocks(schedule: KernelSchedule, *, free: int, total: int, name: str,
                   utilization: float | None = None, kv_blocks: dict[str, int] | None = None,
+                  max_num_seqs: int | None = None,
                   max_model_len: int | None = None) -> dict[str, int]:
     """Blocks per KV kind of `schedule` on a GPU with `free` of `total` bytes free (module
     docstring); `name`: the artifact's file name, for the errors (ArtifactError, one line)."""
@@ -56,7 +57,8 @@ def choose_blocks(schedule: KernelSchedule, *, free: int, total: int, name: str,
     budget = min(int(u * total), free) - fixed - asked_bytes
     blocks = dict(asked) | _share(max(budget, 0), {k: per_block[k] for k in kinds
                                                    if k not in asked},
-                                  {k: schedule.max_seqs * kinds[k].table_width for k in kinds})
+                                  {k: (max_num_seqs or schedule.max_seqs) * kinds[k].table_width
+                                   for k in kinds})
     length = max_model_len or schedule.max_context
     need = {k: min(kinds[k].table_width, -(-length // schedule.kv.block_size)) for k in kinds}
     if any(blocks[k] < need[k] for k in kinds if k not in asked):
