@@ -4,13 +4,14 @@ is the build's; the pools after it take what is left of a share of the GPU's mem
 
 The budget is `utilization` (default DEFAULT_UTILIZATION) of the GPU's total memory, or its free
 memory when that is less (another process holds some), less the fixed part, HEADROOM (driver,
-modules, graphs) and each pool's alignment. Kinds given explicitly (`kv_blocks`, rvrun serve's --kv-
-blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory; the
-other kinds share the rest of the budget evenly in block count (a sequence shorter than the window
-holds as many blocks of each kind), none more than `max_num_seqs` (default: the artifact's max_seqs)
-whole tables, the most the running sequences can hold at once: a capped kind's share goes to the
-others, and what none can use stays free. Every kind must get at least one longest sequence's blocks
-(the context, or `max_model_len`), else the load fails with one line naming the numbers.
+modules, graphs) and each pool's alignment. Kinds given explicitly (`kv_blocks`, rvrun serve's
+--kv- blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory;
+the other kinds share the rest of the budget evenly in block count (a sequence shorter than the
+window holds as many blocks of each kind), none more than `max_num_seqs` (default: the artifact's
+max_seqs) whole tables, the most the running sequences can hold at once: a capped kind's share goes
+to the others, and what none can use stays free. Every kind must get at least one longest
+sequence's blocks (the context, or `max_model_len`), else the load fails with one line naming the
+numbers.
 
 Pure arithmetic over the schedule and the memory figures: tests run it on the CPU.
 """
