@@ -5,7 +5,7 @@ is the build's; the pools after it take what is left of a share of the GPU's mem
 The budget is `utilization` (default DEFAULT_UTILIZATION) of the GPU's total memory, or its free
 memory when that is less (another process holds some), less the fixed part, HEADROOM (driver,
 modules, graphs) and each pool's alignment. Kinds given explicitly (`kv_blocks`, rvrun serve's
---kv- blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory;
+--kv-blocks / --kv-sliding-blocks) take exactly that many blocks, which must fit in free memory;
 the other kinds share the rest of the budget evenly in block count (a sequence shorter than the
 window holds as many blocks of each kind), none more than `max_num_seqs` (default: the artifact's
 max_seqs) whole tables, the most the running sequences can hold at once: a capped kind's share goes
