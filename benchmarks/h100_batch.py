@@ -20,18 +20,34 @@ tok/s (B x gen over the decode calls' time) and the step time. --chunk also time
 prefill chunk of that many rows (median of 5 calls after one warm-up), --ttft the time to the
 first token of a prompt of that many tokens at B = 1 on the bare executor (its chunks) and
 through Model.generate (the engine), median of 3.
+
+--speculative K (an artifact built with --num-draft-tokens K or more): instead,
+per B, B greedy requests through the engine twice, plain and with n-gram speculation (K
+drafts a round): decode tok/s of each (new tokens after every request's first over the time
+from then to the last), the drafts made and accepted, tokens per verify lane, and whether the
+two runs gave the same tokens. Prompts: B different blocks of --period random tokens, each
+repeated to --prompt tokens (so n-gram lookup finds the pattern; what the model then generates
+decides what is accepted), or with --text FILE B consecutive --prompt-token pieces of that
+text (through the artifact's tokenizer). Then, on the bare executor, the verify step's cost per
+B for k = 0 .. the artifact's K drafts a lane (k = 0 is a decode step; median of 5 calls after
+a warm-up, B lanes of k + 1 rows at position --prompt).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
 import numpy as np
 
 from rvcompile import runtime
-from rvcompile.runtime.executor_api import SeqChunk
+from rvcompile.runtime.engine import Request
+from rvcompile.runtime.executor_api import Sampling, SeqChunk
+from rvcompile.runtime.speculative import Speculation
+
+_IDS = itertools.count()
 
 
 def blocks_needed(ex, tokens: int) -> dict[str, int]:
@@ -114,6 +130,88 @@ def ttft_row(m, rng, vocab: int, n: int) -> dict:
     return {"prompt": n, "bare_s": float(np.median(bare)), "generate_s": float(np.median(engine))}
 
 
+def engine_run(m, prompts: list[list[int]], gen: int, k: int) -> dict:
+    """The prompts as greedy requests of `gen` tokens through m's engine at once, with n-gram
+    speculation of k drafts (0: plain). Timed from the step after which every request has its
+    first token (the prefills) to the end."""
+    eng = m.engine
+    spec = Speculation("ngram", k) if k else None
+    ids = [f"bench-{next(_IDS)}" for _ in prompts]
+    for rid, p in zip(ids, prompts, strict=True):
+        eng.add(Request(rid, p, gen, Sampling(), (), True, speculation=spec))
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+
+    def step() -> None:
+        for o in eng.step():
+            if o.finish_reason == "error":
+                raise RuntimeError(f"request {o.id} failed: {o.error}")
+            got[o.id] += o.token_ids
+
+    while not all(got.values()):
+        step()
+    before, t = eng.stats(), time.perf_counter()
+    timed_from = sum(map(len, got.values()))
+    while eng.has_work():
+        step()
+    s = time.perf_counter() - t
+    after = eng.stats()
+    new = sum(map(len, got.values())) - timed_from
+    lanes = after.verify_calls - before.verify_calls
+    drafted, acc = after.drafted - before.drafted, after.accepted - before.accepted
+    return {"tok_s": new / s, "tokens": [got[rid] for rid in ids], "drafted": drafted,
+            "accepted": acc, "verify_calls": lanes,
+            # a verify call has a lane per request until requests finish: about
+            "tokens_per_lane": new / (lanes * len(prompts)) if lanes else 0.0}
+
+
+def spec_row(m, prompts: list[list[int]], gen: int, k: int) -> dict:
+    """Plain against n-gram speculation on the same prompts; prints the row."""
+    plain, spec = engine_run(m, prompts, gen, 0), engine_run(m, prompts, gen, k)
+    row = {"batch": len(prompts), "prompt": len(prompts[0]), "gen": gen, "k": k,
+           "plain_tok_s": plain["tok_s"], "ngram_tok_s": spec["tok_s"],
+           "speedup": spec["tok_s"] / plain["tok_s"], "drafted": spec["drafted"],
+           "accepted": spec["accepted"],
+           "accept_rate": spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0,
+           "verify_calls": spec["verify_calls"], "tokens_per_lane": spec["tokens_per_lane"],
+           "same_tokens": plain["tokens"] == spec["tokens"]}
+    print(f"B={row['batch']} K={k}: plain {row['plain_tok_s']:.1f} tok/s, n-gram "
+          f"{row['ngram_tok_s']:.1f} tok/s ({row['speedup']:.2f}x); accepted "
+          f"{row['accepted']}/{row['drafted']} drafts ({row['accept_rate']:.0%}), "
+          f"{row['tokens_per_lane']:.2f} tokens per verify lane; same tokens: "
+          f"{'yes' if row['same_tokens'] else 'NO'}", flush=True)
+    return row
+
+
+def verify_cost(ex, rng, vocab: int, b: int, at: int) -> dict:
+    """ms of one verify call of b lanes of k + 1 rows each, for k = 0 .. K."""
+    tables = [seq_tables(ex, i, at + ex.max_draft_tokens + 1) for i in range(b)]
+    out = {}
+    for k in range(ex.max_draft_tokens + 1):
+        lanes = [SeqChunk(rng.integers(4, vocab, k + 1).tolist(), at, tables[i])
+                 for i in range(b)]
+        ex.verify(lanes)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            ex.verify(lanes)
+            times.append(time.perf_counter() - t)
+        out[k] = float(np.median(times)) * 1e3
+    print(f"verify ms at B={b}, k = 0..{ex.max_draft_tokens} drafts a lane: "
+          + ", ".join(f"{ms:.2f}" for ms in out.values())
+          + f" (k/0: {', '.join(f'{ms / out[0]:.2f}' for ms in out.values())})", flush=True)
+    return {"batch": b, "ms": out}
+
+
+def spec_prompts(m, rng, vocab: int, b: int, n: int, period: int,
+                 text: str | None) -> list[list[int]]:
+    if text is None:
+        return [np.resize(rng.integers(4, vocab, period), n).tolist() for _ in range(b)]
+    ids = m.encode(text)
+    if len(ids) < b * n:
+        raise SystemExit(f"--text: {len(ids)} tokens, fewer than {b} prompts of {n}")
+    return [ids[i * n:(i + 1) * n] for i in range(b)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
@@ -122,6 +220,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=0, help="also time one chunk of this many rows")
     ap.add_argument("--ttft", type=int, default=0, help="also time a prompt of this many tokens")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="plain against n-gram speculation of K drafts, through the engine")
+    ap.add_argument("--period", type=int, default=16,
+                    help="--speculative: the repeated block of the random prompts")
+    ap.add_argument("--text", help="--speculative: prompts from this text file instead")
     ap.add_argument("--json")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="the GPU memory share of the model and its KV pools (default 0.90)")
@@ -139,17 +242,26 @@ def main() -> None:
     print(f"load {result['load_s']:.1f} s; decode buckets {ex.decode_buckets}, prefill buckets "
           f"{ex.prefill_buckets}; KV blocks "
           + ", ".join(f"{n} {k}" for k, n in result["kv_blocks"].items()))
-    print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}", flush=True)
-    for b in (int(x) for x in args.batch.split(",")):
-        why = fits(ex, b, args.prompt + args.gen + 1)
-        if why:
-            print(f"{b:>4} skipped: {why}", flush=True)
-            result["batches"].append({"batch": b, "skipped": why})
-            continue
-        row = batch_row(ex, rng, vocab, b, args.prompt, args.gen)
-        result["batches"].append(row)
-        print(f"{b:>4} {row['prefill_tok_s']:14.0f} {row['decode_tok_s']:13.1f} "
-              f"{row['step_ms']:8.2f}", flush=True)
+    batches = [int(x) for x in args.batch.split(",")]
+    if args.speculative:
+        text = None if args.text is None else open(args.text).read()
+        result["speculative"] = [
+            spec_row(m, spec_prompts(m, rng, vocab, b, args.prompt, args.period, text),
+                     args.gen, args.speculative) for b in batches]
+        result["verify_ms"] = [verify_cost(ex, rng, vocab, b, args.prompt) for b in batches]
+    else:
+        print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}",
+              flush=True)
+        for b in batches:
+            why = fits(ex, b, args.prompt + args.gen + 1)
+            if why:
+                print(f"{b:>4} skipped: {why}", flush=True)
+                result["batches"].append({"batch": b, "skipped": why})
+                continue
+            row = batch_row(ex, rng, vocab, b, args.prompt, args.gen)
+            result["batches"].append(row)
+            print(f"{b:>4} {row['prefill_tok_s']:14.0f} {row['decode_tok_s']:13.1f} "
+                  f"{row['step_ms']:8.2f}", flush=True)
     if args.chunk:
         result["chunk"] = row = chunk_row(ex, rng, vocab, args.chunk)
         print(f"prefill chunk of {row['rows']} rows: {row['ms']:.2f} ms = {row['tok_s']:.0f} "

@@ -12,7 +12,11 @@ optional but, where present, must hold a list of series:
                     bandwidth_gbps}: the weight-read bound B * bandwidth / weights
                                                                     -> decode_batch.png
     serving         levels [{concurrency, output_tok_s, ttft_ms {p50, p90, p99},
-                    itl_ms {p50, p90, p99}}]                        -> serving.png
+                    itl_ms {p50, p90, p99}}]; optional bare [{batch,
+                    tok_s}] (the bare decode step rate at that width)
+                    and bound {weights_gb, bandwidth_gbps} (the
+                    weight-read roofline), drawn beside the served rate
+                                                                    -> serving.png
     perplexity      builds [{target, perplexity (or null), vs_xla_f32_pct}]
                                                                     -> perplexity.png
 
@@ -141,8 +145,31 @@ def serving(doc: dict, out: Path) -> Path | None:
         conc = [_number(lv.get("concurrency"), f"{where}.concurrency") for lv in levels]
         tput = [_number(lv.get("output_tok_s"), f"{where}.output_tok_s") for lv in levels]
         left, right = axes[i]
-        left.plot(conc, tput, "o-")
-        left.set(xscale="log", xlabel="concurrent requests", ylabel="output tok/s",
+        left.plot(conc, tput, "o-", label="served (output tok/s)")
+        for c, t in zip(conc, tput, strict=True):
+            left.annotate(f"{t:.0f}", (c, t), textcoords="offset points", xytext=(4, -10),
+                          fontsize=7)
+        ticks = list(conc)
+        if "bare" in s:
+            bare = s["bare"]
+            if not isinstance(bare, list) or not bare:
+                raise FiguresError(f"{where}.bare: expected a non-empty list of points")
+            batch = [_number(p.get("batch"), f"{where}.bare.batch") for p in bare]
+            left.plot(batch, [_number(p.get("tok_s"), f"{where}.bare.tok_s") for p in bare],
+                      "s--", label="bare decode step, same width")
+            ticks = sorted(set(ticks) | set(batch))
+        if "bound" in s:
+            bound = s["bound"]
+            if not isinstance(bound, dict):
+                raise FiguresError(f"{where}.bound: expected an object")
+            gb = _number(bound.get("weights_gb"), f"{where}.bound.weights_gb")
+            bw = _number(bound.get("bandwidth_gbps"), f"{where}.bound.bandwidth_gbps")
+            left.plot(ticks, [c * bw / gb for c in ticks], ":", color="gray",
+                      label=f"weight-read roofline: B x {bw:.0f} GB/s / {gb:.2f} GB")
+        left.legend(fontsize=7)
+        # log tok/s only beside the bare rate and the roofline (a decade or more apart)
+        left.set(xscale="log", yscale="log" if "bare" in s or "bound" in s else "linear",
+                 xlabel="concurrent requests (bare: batch width)", ylabel="tok/s",
                  title=s["label"])
         for metric, style in (("ttft_ms", "o-"), ("itl_ms", "s--")):
             for pct in PERCENTILES:
@@ -156,10 +183,10 @@ def serving(doc: dict, out: Path) -> Path | None:
         right.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms",
                   title="latency percentiles")
         right.legend(fontsize=7, ncol=2)
-        for ax in (left, right):
+        for ax, xs in ((left, ticks), (right, conc)):
             ax.grid(True, which="both", alpha=0.3)
             _plain(ax)
-            ax.set_xticks(conc, [f"{c:g}" for c in conc])
+            ax.set_xticks(xs, [f"{c:g}" for c in xs])
     fig.tight_layout()
     return _save(fig, out / "serving.png")
 

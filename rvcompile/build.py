@@ -14,7 +14,8 @@ With an assistant (`--assistant DIR | PRESET`, checkpoint.load_assistant_source)
 joins the IR at the front end (draft_frontend.add_assistant), so the target's pipeline casts and
 quantizes it alike, and its tensors stream beside the target's. `opts.draft_tokens` K (the
 CLI's `--num-draft-tokens`) sizes the speculative entry points of the targets that have them
-(the XLA targets: verify_{max_seqs}x{K+1}, and draft_{max_seqs} with an assistant).
+(the XLA targets: verify_{max_seqs}x{K+1}, and draft_{max_seqs} with an assistant; the h100
+targets: verify_{R} entries, no assistant).
 """
 
 from __future__ import annotations

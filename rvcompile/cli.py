@@ -154,8 +154,9 @@ def build(
              "compiled into the artifact beside the target (XLA targets; default: none)"),
     draft_tokens: int | None = typer.Option(
         None, "--num-draft-tokens",
-        help="XLA targets: most drafts one verify call checks (verify_{B}x{K+1}, draft_{B}); "
-             "default 3 with --assistant, else 0 (no speculative entry points)"),
+        help="most drafts one verify call checks (XLA: verify_{B}x{K+1}, draft_{B}; h100: "
+             "verify_{R} up to max-seqs x (K+1) rows, n-gram drafts only); default 3 with "
+             "--assistant, else 0 (no speculative entry points)"),
     chat_template: Path | None = typer.Option(
         None, "--chat-template",
         help="a Jinja chat template file: sets or replaces the model's (checked to render a "

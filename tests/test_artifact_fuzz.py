@@ -51,9 +51,9 @@ from rvcompile.artifacts.format import (
     piece_count,
 )
 from rvcompile.artifacts.kernel_schedule import (
+    MAX_SCHEDULE_VERSION,
     MIN_SCHEDULE_VERSION,
     SCHEDULE_VERSION,
-    TP_SCHEDULE_VERSION,
 )
 from rvcompile.artifacts.verify import verify_artifact
 from rvcompile.build import BuildOptions, build_artifact
@@ -874,7 +874,7 @@ def test_schedule_version_names_the_range(h100_artifact, tmp_path):
     bad = crafted(h100_artifact, tmp_path / "v.rvp",
                   lambda p: put(p.manifest, ("h100", "schedule", "version"), 99))
     refused_by_all(bad, "manifest.h100.schedule.version: kernel schedule version 99; this "
-                        f"runtime reads versions {MIN_SCHEDULE_VERSION}..{TP_SCHEDULE_VERSION}")
+                        f"runtime reads versions {MIN_SCHEDULE_VERSION}..{MAX_SCHEDULE_VERSION}")
 
 
 def test_newline_in_a_key_stays_on_one_line(h100_artifact, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 
 import numpy as np
 import pytest
@@ -172,6 +173,25 @@ def test_shared_prefix_is_prefilled_once():
     prefilled = sum(n for entry, _, n in ex.calls if entry == "prefill")
     assert outs["b"][-1].cached_tokens == 24 and prefilled == 3
     assert tokens_of(outs["b"]) == reference(system + [7, 8, 9], 3)
+
+
+def test_step_time_splits_into_executor_calls_and_host_work(monkeypatch):
+    ex = FakeExecutor()
+    slow_decode = ex.decode
+
+    def decode(lanes):
+        time.sleep(0.02)
+        return slow_decode(lanes)
+
+    monkeypatch.setattr(ex, "decode", decode)
+    eng = engine(ex)
+    eng.add(Request("a", [5, 6, 7], 4, ignore_eos=True))
+    drain(eng)
+    s = eng.stats()
+    decodes = sum(entry == "decode" for entry, _, _ in ex.calls)
+    assert decodes == 3  # the prefill samples the first token
+    assert 0.02 * decodes <= s.executor_s <= s.step_s
+    assert s.step_s - s.executor_s < 0.02 * decodes  # the engine's own work is small here
 
 
 def test_long_prompt_does_not_stall_running_streams():

@@ -12,11 +12,12 @@ dump differing by that rename alone; and again when the tied head from 4 rows on
 entries) moved from gemv_bf16 onto the bf16 tensor-core GEMM (module gemm_fp8_tc.cu renamed
 gemm_tc.cu): every case's dump differing only in those head launches, the module's name, and the
 offsets after the constants, which grew by the GEMM's all-ones scale vector; and again when the
-KV pools moved out of the arena's fixed part to be sized at load (schedule version 6): in every
-case each pointer into the old KV region became a "pool" argument naming the pool at that
-offset, every offset past the region moved down by its size, the kinds lost num_blocks and
-kv.pools was added, and nothing else changed (checked case by case against dumps at the base
-commit).
+prefill entries became CUDA graphs too: every case's dump differing only in its prefill entries'
+"graph" flags, false -> true; and again when the KV pools moved out of the arena's fixed part
+to be sized at load (schedule version 7): in every case each pointer into the old KV region
+became a "pool" argument naming the pool at that offset, every offset past the region moved
+down by its size, the kinds lost num_blocks and kv.pools was added, and nothing else changed
+(checked case by case against dumps at the base commit).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

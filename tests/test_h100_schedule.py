@@ -176,7 +176,8 @@ def test_released_models_lower(preset, layers):
         block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
         assert set(block.roles) == set(s.params_templates[block.template].roles)
         assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
-    assert s.entries["decode_1"].graph and not s.entries["prefill_64"].graph
+    assert s.entries["decode_1"].graph and s.entries["prefill_64"].graph
+    assert not any(e.graph for name, e in s.entries.items() if name.startswith("logits_"))
 
 
 # ---------------------------------------------------------------- FP8 KV cache (--kv-cache fp8)

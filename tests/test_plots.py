@@ -26,7 +26,9 @@ FIXTURE = {
     "serving": [{"label": "c", "levels": [
         {"concurrency": c, "output_tok_s": 30.0 * c,
          "ttft_ms": {"p50": 10.0 * c, "p90": 20.0 * c, "p99": 30.0 * c},
-         "itl_ms": {"p50": 1.0 * c, "p90": 2.0 * c, "p99": 3.0 * c}} for c in (1, 2, 4)]}],
+         "itl_ms": {"p50": 1.0 * c, "p90": 2.0 * c, "p99": 3.0 * c}} for c in (1, 2, 4)],
+        "bare": [{"batch": 1, "tok_s": 40.0}, {"batch": 8, "tok_s": 300.0}],
+        "bound": {"weights_gb": 32.0, "bandwidth_gbps": 3000.0}}],
     "perplexity": [{"label": "d", "builds": [
         {"target": "xla-f32", "perplexity": 45.0, "vs_xla_f32_pct": 0.0},
         {"target": "tpu-int8", "perplexity": None, "vs_xla_f32_pct": 0.1}]}],
@@ -69,6 +71,9 @@ def test_committed_figures_draw(tmp_path: Path) -> None:
      "decode_batch[0] (b): \"points\" must be a non-empty list"),
     (lambda d: d["serving"][0]["levels"][2]["itl_ms"].pop("p99"),
      "serving[0] (c).itl_ms.p99: expected a number, got null"),
+    (lambda d: d["serving"][0]["bare"][1].update(tok_s=None),
+     "serving[0] (c).bare.tok_s: expected a number, got null"),
+    (lambda d: d["serving"][0].update(bound=[]), "serving[0] (c).bound: expected an object"),
     (lambda d: d["perplexity"][0]["builds"][0].update(perplexity=True),
      "perplexity[0] (d).xla-f32.perplexity: expected a number, got true"),
 ])

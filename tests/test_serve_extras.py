@@ -183,6 +183,9 @@ def test_json_schema_outputs_are_valid_100_of_100(server):
     assert after["rvrun_grammar_mask_seconds_total"] > before["rvrun_grammar_mask_seconds_total"]
     assert "rvrun_grammar_mask_wait_seconds_total" in after
     assert after["rvrun_engine_steps_total"] > before["rvrun_engine_steps_total"]
+    step_s, executor_s = (after[f"rvrun_engine_{x}_seconds_total"]
+                          - before[f"rvrun_engine_{x}_seconds_total"] for x in ("step", "executor"))
+    assert 0 < executor_s <= step_s
 
 
 def test_json_object_gives_an_object(server):

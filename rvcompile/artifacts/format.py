@@ -167,11 +167,17 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "ranks' schedules (kernel schedule version 5); header arena_bytes is the "
                       "largest rank's. One-GPU h100 artifacts are as in v6; v6 files are "
                       "refused (rebuild them), one way to read as before"),
-    ("2026-11-25", 7, "h100 KV pools sized at load (issue 14, kernel schedule versions 6 and "
-                      "7): header arena_bytes is the arena's fixed part (weights, constants, io, "
-                      "activations); the pools follow it with the block counts the runtime "
+    ("2026-11-25", 7, "h100 kernel schedules may carry draft_tokens K and verify_{R} entry "
+                      "points (rvcompile build --num-draft-tokens K on an h100 target: "
+                      "speculative decoding with n-gram drafts, issue 15), as kernel schedule "
+                      "version 6; absent: no verify entries, and the schedule's version as "
+                      "before. Readers before this entry refuse such files (a schedule version "
+                      "outside their range), never misread them"),
+    ("2026-11-25", 7, "h100 KV pools sized at load (issue 14, kernel schedule versions 7, 8 "
+                      "and 9): header arena_bytes is the arena's fixed part (weights, constants, "
+                      "io, activations); the pools follow it with the block counts the runtime "
                       "picks (rvrun serve --gpu-memory-utilization, --kv-blocks). Readers of "
-                      "schedule versions up to 5 refuse such files by the schedule's version"),
+                      "schedule versions up to 6 refuse such files by the schedule's version"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

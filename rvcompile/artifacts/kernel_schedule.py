@@ -17,14 +17,18 @@ passes the bytes as that parameter.
 
 An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
 token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
-`logits_{T}` (same, keeping every row's softcapped logits). Before a call the host fills the io
-fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
-block-table row per token row and KV kind, the prefill's last real row, the sampling
-parameters; afterwards it reads `out_tokens` (and `logits`).
+`logits_{T}` (same, keeping every row's softcapped logits); a schedule built for speculative
+decoding (`draft_tokens` K > 0) adds `verify_{R}`: R rows launched exactly as a decode entry's
+(each row its own position, block-table row and sampling step, so several rows may be one
+sequence's consecutive tokens; a CUDA graph) for verify calls wider than the widest decode
+entry, the widest max_seqs * (K + 1). Before a call the host fills the io fields for the
+entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one block-table row
+per token row and KV kind, the prefill's last real row, the sampling parameters; afterwards it
+reads `out_tokens` (and `logits`).
 
-`version` is the schedule's own schema version (what the arguments, io fields and entry names mean
-to the runtime): readers take MIN_SCHEDULE_VERSION..SCHEDULE_VERSION, independently of the
-container's format version. `from_json` checks every field before anything uses it: types and
+`version` is the schedule's own schema version (what the arguments, io fields and entry names
+mean to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, independently of
+the container's format version. `from_json` checks every field before anything uses it: types and
 ranges, arena regions in order and inside the arena, every io field, output and pointer argument
 inside its region, grid and block dimensions within CUDA's limits, every launched module in
 `cubins`, the KV tables wide enough for the context and window, every pool of a declared kind with a
@@ -58,18 +62,25 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "dst, rows, cols}: kernel_schedule.Collective); only the ranks' "
                       "schedules of a --tp build carry version 5, a one-GPU schedule stays at "
                       "version 4 (and reads as before)"),
-    ("2026-11-25", 6, "KV pools sized at load (issue 14): the arena's fixed part "
+    ("2026-11-25", 6, "speculative decoding (issue 15): `draft_tokens` K (1..max_chunk - 1; "
+                      "rvcompile build --num-draft-tokens) and `verify_{R}` entries, launched as "
+                      "decode entries, the widest max_seqs * (K + 1) rows; only schedules built "
+                      "with K > 0 carry version 6 (one-GPU or a --tp rank's), the others stay at "
+                      "4 or 5 (and read as before)"),
+    ("2026-11-25", 7, "KV pools sized at load (issue 14): the arena's fixed part "
                       "(arena_bytes) no longer holds them; kv.pools lists each pool's {kind, "
                       "layer, block_bytes}, placed after the fixed part in that order "
                       "(KernelSchedule.pool_offsets) with the block counts the runtime picks; a "
                       "launch names a pool's base by argument kind 'pool' (its index); kv_offset, "
-                      "kv.pool_bytes and each kind's num_blocks are gone. Version 7 is the same "
-                      "for the ranks of a --tp build (version 5's collectives). Versions 3..5 are "
-                      "no longer read (rebuild the artifact)"),
+                      "kv.pool_bytes and each kind's num_blocks are gone. A --tp rank's schedule "
+                      "is version 8 (as 5 was), a speculative build's 9 (as 6 was); versions "
+                      "3..6 are no longer read (rebuild the artifact)"),
 )
-SCHEDULE_VERSION = 6  # what a one-GPU build writes
-TP_SCHEDULE_VERSION = 7  # what the ranks of a --tp build write: the newest readers take
-MIN_SCHEDULE_VERSION = 6
+SCHEDULE_VERSION = 7  # what a one-GPU build writes
+TP_SCHEDULE_VERSION = 8  # what the ranks of a --tp build write
+SPECULATIVE_SCHEDULE_VERSION = 9  # what a build with --num-draft-tokens K > 0 writes
+MIN_SCHEDULE_VERSION = 7
+MAX_SCHEDULE_VERSION = SPECULATIVE_SCHEDULE_VERSION  # the newest this reader takes
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params", "pool")
 # as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes); "pool":
@@ -92,7 +103,7 @@ IO_DTYPES = ("int32", "float32")
 IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_row": "int32",
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
-ENTRY_KINDS = ("decode", "prefill", "logits")
+ENTRY_KINDS = ("decode", "prefill", "logits", "verify")
 # CUDA's limits (compute capability 9.0): grid x, y, z; block x, y, z and threads; dynamic
 # shared memory a block may opt into.
 MAX_GRID = (INT32_MAX, 65535, 65535)
@@ -235,10 +246,15 @@ class KernelSchedule:
     version: int = field(default=SCHEDULE_VERSION)
     # the parameter blocks "params" arguments name, by name (absent from the JSON when none)
     params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
+    # most drafts one verify call checks (verify_{R} entries; version 9); 0: none, absent from
+    # the JSON
+    draft_tokens: int = 0
 
     def to_json(self) -> dict:
         d = asdict(self)
         del d["params_templates"]
+        if not self.draft_tokens:
+            del d["draft_tokens"]
         if self.params_templates:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
@@ -278,9 +294,9 @@ def _parse(s: At) -> KernelSchedule:
     if version is None:
         s.fail("has no version: built before schedules were versioned; rebuild the artifact")
     v = version.int()
-    if not MIN_SCHEDULE_VERSION <= v <= TP_SCHEDULE_VERSION:
+    if not MIN_SCHEDULE_VERSION <= v <= MAX_SCHEDULE_VERSION:
         version.fail(f"kernel schedule version {v}; this runtime reads versions "
-                     f"{MIN_SCHEDULE_VERSION}..{TP_SCHEDULE_VERSION} (rebuild the artifact, or "
+                     f"{MIN_SCHEDULE_VERSION}..{MAX_SCHEDULE_VERSION} (rebuild the artifact, or "
                      "upgrade rvcompile)")
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
         "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "io_offset",
@@ -318,6 +334,12 @@ def _parse(s: At) -> KernelSchedule:
     _need(s["entries"], rows["decode"], max_seqs, "decode", "the widest decode entry")
     _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
     _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
+    drafts = _draft_tokens(s, v, max_chunk)
+    if drafts:
+        _need(s["entries"], rows["verify"], max_seqs * (drafts + 1), "verify",
+              f"the widest verify entry (max_seqs x {drafts + 1} rows)")
+    elif rows["verify"]:
+        s["entries"].fail(f"has verify entries (rows {rows['verify']}) but no draft_tokens")
     max_rows = max(e.rows for e in entries.values())
     tables = {k.io_field: k.table_width for k in kv.kinds}
     io_at = s["io"]
@@ -337,7 +359,7 @@ def _parse(s: At) -> KernelSchedule:
         kind = e.name.split("_")[0]
         name, dtype, shape = ((f"{e.name}.logits", "float32", (e.rows, vocab)) if kind == "logits"
                               else (f"{e.name}.out_tokens", "int32",
-                                    (e.rows if kind == "decode" else 1,)))
+                                    (e.rows if kind in ("decode", "verify") else 1,)))
         if name not in outputs:
             outputs_at.fail(f"missing output {name!r} of entry {e.name}")
         if outputs[name].dtype != dtype or outputs[name].shape != shape:
@@ -349,7 +371,19 @@ def _parse(s: At) -> KernelSchedule:
         io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
-        params_templates=templates)
+        params_templates=templates, draft_tokens=drafts)
+
+
+def _draft_tokens(s: At, version: int, max_chunk: int) -> int:
+    """The schedule's draft_tokens: absent (0), or 1..max_chunk - 1 from version 9 on (a token
+    and its drafts are one verify lane's rows, at most a prefill chunk's)."""
+    at = s.get("draft_tokens")
+    if at is None:
+        return 0
+    if version < SPECULATIVE_SCHEDULE_VERSION:
+        at.fail(f"speculative entry points need schedule version "
+                f"{SPECULATIVE_SCHEDULE_VERSION}; this one is version {version}")
+    return at.int(1, max_chunk - 1)
 
 
 def _templates(at: At | None) -> dict[str, ParamsTemplate]:
@@ -423,9 +457,9 @@ def _field(at: At, region: tuple[int, int]) -> Field:
 
 def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int, pools: int,
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
-    m = re.fullmatch(r"(decode|prefill|logits)_([1-9][0-9]{0,6})", key)
+    m = re.fullmatch(r"(decode|prefill|logits|verify)_([1-9][0-9]{0,6})", key)
     if not m:
-        at.fail("an entry point is named decode_N, prefill_N or logits_N")
+        at.fail("an entry point is named decode_N, prefill_N, logits_N or verify_N")
     name = at["name"].str()
     rows = at["rows"].int(1, MAX_ROWS)
     if name != key or rows != int(m[2]):

@@ -739,20 +739,22 @@ def _has_collectives(schedule: KernelSchedule) -> bool:
 
 def _tensor_parallel(t: At, first: KernelSchedule, model: ModelInfo,
                      sections: dict[str, int]) -> H100TensorParallel:
-    """The ranks' schedules: each a version-5 schedule of the model, the same entry points and
-    cubins as rank 0's, the same collectives in the same order (the ranks run in lockstep), an
-    all-gather's destination holding every rank's part; the ranks' weights and constants
-    regions one after another, filling their sections."""
+    """The ranks' schedules: each a version-8 schedule of the model (9 with verify entries), the
+    same entry points, draft_tokens and cubins as rank 0's, the same collectives in the same
+    order (the ranks run in lockstep), an all-gather's destination holding every rank's part;
+    the ranks' weights and constants regions one after another, filling their sections."""
     ranks = t["ranks"].int(2, MAX_TP_RANKS)
     peers = t["schedules"].items(ranks - 1, ranks - 1)
     schedules = (first, *(KernelSchedule.from_json(p.value, p.path) for p in peers))
     steps = _collective_steps(first)
     for r, (x, at) in enumerate(zip(schedules, [t, *peers], strict=True)):
-        if x.version != TP_SCHEDULE_VERSION:
+        if x.version < TP_SCHEDULE_VERSION or x.version != first.version:
             at.fail(f"rank {r}'s schedule has version {x.version}; a rank's is version "
-                    f"{TP_SCHEDULE_VERSION}")
-        if x.vocab_size != model.vocab_size or x.cubins != first.cubins:
-            at.fail(f"rank {r}'s schedule differs from rank 0's in vocab_size or cubins")
+                    f"{TP_SCHEDULE_VERSION} or later, rank 0's ({first.version})")
+        if x.vocab_size != model.vocab_size or x.cubins != first.cubins \
+                or x.draft_tokens != first.draft_tokens:
+            at.fail(f"rank {r}'s schedule differs from rank 0's in vocab_size, cubins or "
+                    "draft_tokens")
         if x.entries.keys() != first.entries.keys() or _collective_steps(x) != steps:
             at.fail(f"rank {r}'s entry points or collectives differ from rank 0's (the ranks "
                     "run in lockstep)")

@@ -153,6 +153,8 @@ class EngineStats:
     mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
     mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
     mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
+    step_s: float = 0.0  # wall seconds inside step()
+    executor_s: float = 0.0  # of them, inside executor calls (the device's share, host included)
 
 
 @dataclass(eq=False)
@@ -256,6 +258,9 @@ class Engine:
         self._order = itertools.count()
         self.steps = self.preemptions = 0
         self.drafted = self.accepted = self.verify_calls = 0
+        # Where a step's time goes (EngineStats): step_s - executor_s is the engine's own host
+        # work, which keeps the device idle unless the executor call is still running.
+        self.step_s = self.executor_s = 0.0
 
     # ------------------------------------------------------------------ requests (any thread)
 
@@ -301,11 +306,19 @@ class Engine:
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
                            drafted=self.drafted, accepted=self.accepted,
                            verify_calls=self.verify_calls, mask_s=self.mask_s,
-                           mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s)
+                           mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s,
+                           step_s=self.step_s, executor_s=self.executor_s)
 
     # ------------------------------------------------------------------ the loop (one thread)
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         with self._lock:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
@@ -525,13 +538,13 @@ class Engine:
         """The schedule's prefill calls, then its decode call; each token through advance."""
         done: list[tuple[Work, Sampled]] = []
         for w in self._ready(sched.prefills, outputs):
-            token = self._guarded("prefill", [w], outputs, self._prefill, w.chunk)
+            token = self._guarded("prefill", [w], outputs, self._timed(self._prefill), w.chunk)
             if token is not None:
                 done.append((w, token))
         decodes = self._ready(sched.decodes, outputs)
         if decodes:
             tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
-                                   self._decode_lanes, [w.chunk for w in decodes])
+                                   self._timed(self._decode_lanes), [w.chunk for w in decodes])
             done += tokens or []
         if self.grammars is not None:
             done = self._consume(done, outputs)
@@ -560,7 +573,7 @@ class Engine:
             lanes = [DraftLane(w.chunk, self._live[w.seq.id].state) for w, _ in assisted]
             n = max(room for _, room in assisted)
             made = self._guarded("draft", [w for w, _ in assisted], outputs, _pairs, assisted,
-                                 lambda ls: self.executor.draft(ls, n), lanes)
+                                 self._timed(lambda ls: self.executor.draft(ls, n)), lanes)
             for (w, room), d in made or []:
                 drafts[w.seq.id] = list(d.tokens[:room])
                 probs[w.seq.id] = d.draft_probs
@@ -571,8 +584,8 @@ class Engine:
         lanes = [dataclasses.replace(w.chunk, tokens=[*w.chunk.tokens, *d],
                                      draft_probs=probs.get(w.seq.id)) for w, d in plan]
         self.verify_calls += 1
-        results = self._guarded("verify", works, outputs, _pairs, plan, self.executor.verify,
-                                lanes)
+        results = self._guarded("verify", works, outputs, _pairs, plan,
+                                self._timed(self.executor.verify), lanes)
         for (w, d), verified in results or []:
             out = self._guarded("output", [w], outputs, self._advance_verified, w, d, verified)
             if out is not None:
@@ -610,6 +623,16 @@ class Engine:
     def _advance(self, work: Work, sampled: Sampled) -> RequestOutput | None:
         new = self.scheduler.advance(work, sampled.token)
         return None if new is None else self._emit(self._live[work.seq.id], sampled)
+
+    def _timed(self, call: Callable[..., T]) -> Callable[..., T]:
+        """`call` (an executor call), its wall time added to executor_s."""
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.executor_s += time.perf_counter() - t0
+        return timed
 
     def _guarded(self, what: str, works: Sequence[Work], outputs: list[RequestOutput],
                  fn: Callable[..., T], *args) -> T | None:
@@ -673,7 +696,7 @@ class Engine:
         t0 = self._clock()
         results = self._guarded("decode_many", decodes, outputs, _pairs,
                                 list(zip(decodes, lanes, strict=True)),
-                                self.executor.decode_many, lanes)
+                                self._timed(self.executor.decode_many), lanes)
         ran = max((len(tokens) for _, tokens in results or []), default=0)
         if ran:  # the loop ends when its longest lane does
             per_step = (self._clock() - t0) / ran

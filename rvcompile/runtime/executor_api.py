@@ -27,10 +27,12 @@ return the token's log-probability and the top ones; neutral extras sample what 
 `decode` do, bit for bit.
 
 Decode loop (optional, `decode_loop_steps` > 0): `decode_many` runs up to that many decode
-steps in one call, each bit for bit a `decode` call of the same lanes, so the host is not in the
-per-token path. Every lane must own the blocks of the positions its budget can reach; a call
-never runs more than max_chunk steps, so the sliding ring holds them. Engines check the capability
-with `decode_loop_steps(executor)`, never the executor's type.
+steps in one call, each bit for bit a `decode` call of the same lanes, so the engine is not in
+the per-token path (the XLA targets run the loop as one device program; the h100 executor
+replays its decode graph once per step, moving the lanes on in the io between replays). Every
+lane must own the blocks of the positions its budget can reach; a call never runs more than
+max_chunk steps, so the sliding ring holds them. Engines check the capability with
+`decode_loop_steps(executor)`, never the executor's type.
 
 Speculative decoding (optional, `max_draft_tokens(executor)` > 0; issue 15). One round of a
 sequence whose target has cached positions [0, p) and whose last accepted token x sits at p:

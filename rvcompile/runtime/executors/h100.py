@@ -13,11 +13,12 @@ cubins (their sha256 and every launch's kernel, argument sizes and block checked
 artifacts/contents.py before), builds every launch's argument block and launch configuration
 (programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
 arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
-bytes, and the arena never moves), captures each decode entry into a CUDA graph (consecutive kernels
-joined by programmatic edges) and uploads the graphs. Nothing runs on the device before every weight
-piece checked out; a mismatch fails the load with the container's one-line error, the arena and
-buffers freed. A call writes the io fields with one copy, replays the entry and copies back only
-token ids (or the logits the logits entry asks for).
+bytes, and the arena never moves), captures each decode, prefill and verify entry into a CUDA
+graph (consecutive kernels joined by programmatic edges) and uploads the graphs. Nothing runs
+on the device before every weight piece checked out; a mismatch fails the load with the
+container's one-line error, the arena and buffers freed. A call writes the io fields
+with one copy, replays the entry and copies back only token ids (or the logits the logits entry
+asks for).
 """
 
 from __future__ import annotations

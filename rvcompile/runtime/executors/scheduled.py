@@ -8,17 +8,30 @@ and reads the results back. The device it drives only offers `write(offset, byte
 The engine owns the block ids; the pools hold the device's `kv_blocks[kind]` blocks per kind,
 chosen when the device was made (h100.py: at load, from free memory or as asked).
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
+
+The decode loop (`decode_many`, executor_api's "Decode loop") is driven from here: the io is
+built once, then each step replays the decode entry of the call's width, reads the tokens back
+and moves each lane on in the io (its token, position, length and RNG step) with a few numpy
+writes, so a step costs the device one io copy, one graph launch and one token read on top of
+the kernels, not an engine step. A lane that samples a stop id or reaches its budget turns
+into a padding row (position -1) for the rest of the call, which ends when every lane has.
+Each step is a decode call of the call's lanes at the call's width: a finished lane's row
+stays, as padding, so the others keep the width they started with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
-from rvcompile.runtime.executor_api import KvKind, SeqChunk
+from rvcompile.runtime.executor_api import KvKind, LoopLane, SeqChunk, Verified
+
+DECODE_LOOP_STEPS = 32  # most steps of one decode_many call (the XLA targets' default too)
+DECODE_LOOP_STOPS = 64  # most stop ids per lane (a host-side check: any number would do)
 
 
 def schedule_kinds(schedule: KernelSchedule, blocks: dict[str, int]) -> dict[str, KvKind]:
@@ -52,6 +65,9 @@ class ScheduledExecutor:
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
         self.max_seqs = self.decode_buckets[-1]
+        # a call never runs more than max_chunk steps (the sliding rings' room ahead)
+        self.decode_loop_steps = min(DECODE_LOOP_STEPS, self.max_chunk)
+        self.decode_loop_stops = DECODE_LOOP_STOPS
 
     # -- io
 
@@ -125,7 +141,8 @@ class ScheduledExecutor:
         io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
-    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+    def _decode_io(self, lanes: Sequence[SeqChunk]) -> tuple[int, bytes]:
+        """(the width, the io) of a decode call of these lanes."""
         if not 0 < len(lanes) <= self.max_seqs:
             raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
                              f"{self.max_seqs}")
@@ -137,9 +154,50 @@ class ScheduledExecutor:
                 raise ValueError("a decode lane runs exactly one token")
             toks[i], pos[i] = lane.tokens[0], lane.start
         chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
-        io = self._io(b, lanes, toks, pos, chunk_of_row)
+        return b, self._io(b, lanes, toks, pos, chunk_of_row)
+
+    def decode(self, lanes: Sequence[SeqChunk]) -> list[int]:
+        b, io = self._decode_io(lanes)
         got = self._call(f"decode_{b}", io, "out_tokens", b, np.int32)
         return [int(x) for x in got[:len(lanes)]]
+
+    def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+        for lane in lanes:
+            if not 1 <= lane.budget <= self.decode_loop_steps:
+                raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
+                                 f"{self.decode_loop_steps} steps")
+            if len(lane.stop_ids) > self.decode_loop_stops:
+                raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
+                                 f"most {self.decode_loop_stops}")
+        b, io_bytes = self._decode_io([lane.chunk for lane in lanes])
+        io = np.frombuffer(bytearray(io_bytes), np.uint8)
+        s = self.schedule
+
+        def field(name: str) -> np.ndarray:  # the first b values of an io field, in place
+            f = s.io[name]
+            start = f.offset - s.io_offset
+            return io[start:start + 4 * b].view(np.dtype(f.dtype))
+
+        tokens, positions, seq_len, step = (field(n) for n in ("tokens", "positions",
+                                                               "seq_len", "step"))
+        out: list[list[int]] = [[] for _ in lanes]
+        live = list(range(len(lanes)))
+        while live:
+            got = self._call(f"decode_{b}", io.tobytes(), "out_tokens", b, np.int32)
+            going = []
+            for i in live:
+                token = int(got[i])
+                out[i].append(token)
+                if token in lanes[i].stop_ids or len(out[i]) == lanes[i].budget:
+                    positions[i], seq_len[i] = -1, 1  # a padding row from now on
+                else:
+                    tokens[i] = token
+                    positions[i] += 1
+                    seq_len[i] += 1
+                    step[i] += 1
+                    going.append(i)
+            live = going
+        return out
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         t = self.max_chunk
@@ -147,3 +205,60 @@ class ScheduledExecutor:
         io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64))
         n, v = len(chunk.tokens), self.schedule.vocab_size
         return self._call(f"logits_{t}", io, "logits", n * v, np.float32).reshape(n, v)
+
+    # -- speculative decoding (executor_api, "Speculative decoding"): n-gram drafts only
+    #
+    # A verify call is a decode call: a decode entry runs each row at its own position with its
+    # own block-table row and sampling step, writing every row's KV before any attention reads
+    # the cache (targets/h100/lower.py), so a lane's token and drafts at positions p..p+k are
+    # k + 1 rows of it, row i sampled at step + i as `decode` would sample it. The rows of all
+    # lanes, padded to the narrowest entry holding them: decode_{B}, or beyond the widest one
+    # the schedule's verify_{R} (built with --num-draft-tokens K). No drafter: `draft` is not
+    # offered and Verified.states is empty.
+
+    has_drafter = False
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """K: most drafts one verify lane takes (the schedule's draft_tokens; 0: no verify)."""
+        return self.schedule.draft_tokens
+
+    def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
+        k = self.max_draft_tokens
+        if not k:
+            raise ValueError("the artifact was built without speculative entry points "
+                             "(rvcompile build --num-draft-tokens K)")
+        if not 0 < len(lanes) <= self.max_seqs:
+            raise ValueError(f"{len(lanes)} verify lanes; the schedule takes 1..{self.max_seqs}")
+        rows: list[SeqChunk] = []  # one per row: its lane, its own sampling step
+        toks, pos = [], []
+        for lane in lanes:
+            n = len(lane.tokens)
+            if not 1 <= n <= k + 1:
+                raise ValueError(f"verify lane of {n} tokens: a token and 0 to {k} drafts")
+            if lane.draft_probs is not None:
+                raise ValueError("draft_probs come from an assistant's draft; this artifact "
+                                 "has no drafter")
+            if lane.start + n > self.max_context:
+                raise ValueError(f"positions up to {lane.start + n} exceed the context "
+                                 f"{self.max_context}")
+            rows += [replace(lane, step=lane.step + i) for i in range(n)]
+            toks += list(lane.tokens)
+            pos += range(lane.start, lane.start + n)
+        width = next(b for b in self._verify_widths() if b >= len(rows))
+        pad = width - len(rows)
+        io = self._io(width, rows, np.asarray(toks + [0] * pad, np.int32),
+                      np.asarray(pos + [-1] * pad, np.int32),
+                      np.minimum(np.arange(width), len(rows) - 1))
+        entry = f"decode_{width}" if width in self.decode_buckets else f"verify_{width}"
+        got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
+        out, at = [], 0
+        for lane in lanes:
+            out.append(Verified(got[at:at + len(lane.tokens)], ()))
+            at += len(lane.tokens)
+        return out
+
+    def _verify_widths(self) -> tuple[int, ...]:
+        """Row counts a verify call may run in: the decode entries', then the verify entries'."""
+        verify = (e.rows for e in self.schedule.entries.values() if e.name.startswith("verify_"))
+        return tuple(sorted({*self.decode_buckets, *verify}))

@@ -282,6 +282,12 @@ class _EngineCollector:
                                   "Engine time spent waiting for grammar token masks (the mask "
                                   "time not hidden behind other work)", value=s.mask_wait_s)
         yield CounterMetricFamily("rvrun_engine_steps", "Engine steps run", value=s.steps)
+        yield CounterMetricFamily("rvrun_engine_step_seconds", "Wall time inside engine steps",
+                                  value=s.step_s)
+        yield CounterMetricFamily("rvrun_engine_executor_seconds",
+                                  "Of the engine steps' time, time inside executor calls "
+                                  "(the rest is the engine's own host work)",
+                                  value=s.executor_s)
 
 
 # ---------------------------------------------------------------------------------- app

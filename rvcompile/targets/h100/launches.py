@@ -176,8 +176,10 @@ class EntryLowering:
             out = self.walk(self.ir.layers[self.ir.layer_template[li]], spec, _handed(out))
         logits = self.walk(self.ir.head, None, _handed(out))["logits"]
         self.walk(self.ir.sampler, None, {"logits": logits})
-        return EntryPlan(name, self.m, self.kind == "decode", tuple(self.launches), self.sizes,
-                         self.outputs)
+        # Decode and prefill replay as CUDA graphs (hundreds of launches each, every step or
+        # prompt chunk); the logits entry (perplexity, rare) launches its kernels one by one.
+        return EntryPlan(name, self.m, self.kind in ("decode", "prefill"), tuple(self.launches),
+                         self.sizes, self.outputs)
 
     def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict) -> dict:
         """Lower g, its ARGs named in `inputs` bound to those values; its outputs' values."""

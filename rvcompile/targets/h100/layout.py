@@ -106,7 +106,7 @@ class EntryPlan:
 
     name: str
     rows: int
-    graph: bool  # captured into a CUDA graph (decode)
+    graph: bool  # captured into a CUDA graph at load (decode and prefill)
     launches: tuple[PlannedLaunch | PlannedCollective, ...]
     sizes: dict[int, int]  # activation buffer -> bytes
     outputs: dict[str, tuple[Ref, str, tuple[int, ...]]]  # host-read results: ref, dtype, shape

@@ -4,15 +4,29 @@ every entry point (launches.py: one table from IR op to launches) placed in one 
 
 Input: the IR after an h100 pipeline (target.py): quantized (cast_bf16 + quantize_fp8:
 h100-fp8) or all float32 (h100-f32), then the fusion passes, which leave only ops the kernels run
-as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs (CUDA graphs at load),
-`prefill_{T}` per bucket, `logits_{max_chunk}`.
+as units. Entry points: `decode_{B}` for B = 1, 2, 4, ... max_seqs and `prefill_{T}` per bucket
+(both CUDA graphs at load), `logits_{max_chunk}` (launched kernel by kernel); with `draft_tokens`
+K > 0 (speculative decoding) `verify_{R}` for R = 2, 4, ... times max_seqs below
+max_seqs * (K + 1), and that (CUDA graphs too).
+
+Verify needs no kernels of its own: a decode entry already runs each row at its own position
+with its own block-table row, seq_len and sampling step, and every launch covers all rows
+before the next starts, so rows p..p+k of one sequence work as k + 1 lanes of it: qkv_post
+writes every row's K and V before the attention launch reads the cache, where row i sees keys
+[0, p + i] (its window's part of them; attn_decode.visible_tokens). A verify call as wide as a
+decode entry runs that entry; `verify_{R}` are the same launches over more rows than the widest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rvcompile.artifacts.kernel_schedule import TP_SCHEDULE_VERSION, KernelSchedule, Launch
+from rvcompile.artifacts.kernel_schedule import (
+    SPECULATIVE_SCHEDULE_VERSION,
+    TP_SCHEDULE_VERSION,
+    KernelSchedule,
+    Launch,
+)
 from rvcompile.ir.graph import ModelIR
 from rvcompile.targets.h100 import layout
 from rvcompile.targets.h100.launches import EntryLowering
@@ -20,7 +34,7 @@ from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weig
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
 
 __all__ = ["H100Lowering", "LoweringError", "RankLowering", "decode_buckets", "layout_weights",
-           "lower_to_h100", "lower_to_h100_tp"]
+           "lower_to_h100", "lower_to_h100_tp", "verify_buckets"]
 
 
 @dataclass(frozen=True)
@@ -40,21 +54,43 @@ def decode_buckets(max_seqs: int) -> tuple[int, ...]:
     return (*out, max_seqs)
 
 
+def verify_buckets(max_seqs: int, draft_tokens: int) -> tuple[int, ...]:
+    """Rows of the verify entries beyond the decode entries: max_seqs times 2, 4, ... below
+    K + 1, and max_seqs * (K + 1); () without drafts."""
+    if not draft_tokens:
+        return ()
+    out, r = [], 2 * max_seqs
+    while r < max_seqs * (draft_tokens + 1):
+        out.append(r)
+        r *= 2
+    return (*out, max_seqs * (draft_tokens + 1))
+
+
 def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
-                  tp: RankPlan | None = None) -> H100Lowering:
+                  tp: RankPlan | None = None, draft_tokens: int = 0) -> H100Lowering:
     """The schedule of `ir`; with `tp`, of one tensor-parallel rank (ir: the rank's IR,
-    tensor_parallel.shard_ir), its collectives in place."""
+    tensor_parallel.shard_ir), its collectives in place; `draft_tokens` K > 0 adds the verify
+    entries (module docstring)."""
+    if not 0 <= draft_tokens < ir.max_chunk:
+        raise LoweringError(f"{draft_tokens} draft tokens: a token and its drafts must fit a "
+                            f"prefill chunk of {ir.max_chunk}")
     weights, weights_bytes = layout_weights(ir)
     consts = layout.Constants()
     kv = layout.kv_pools(ir)
     entries = [("decode", f"decode_{b}", b) for b in decode_buckets(max_seqs)]
     entries += [("prefill", f"prefill_{t}", t) for t in sorted(set(prefill_buckets))]
     entries += [("logits", f"logits_{ir.max_chunk}", ir.max_chunk)]
+    # launched as decode entries (EntryLowering kind "decode": a graph, every row sampled)
+    verify = verify_buckets(max_seqs, draft_tokens)
+    entries += [("decode", f"verify_{r}", r) for r in verify]
     plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp).run(name)
              for kind, name, rows in entries]
-    max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs)
+    max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows)
-    if tp is not None:  # a rank's schedule has collective steps
+    if draft_tokens:
+        schedule = replace(schedule, version=SPECULATIVE_SCHEDULE_VERSION,
+                           draft_tokens=draft_tokens)
+    elif tp is not None:  # a rank's schedule has collective steps
         schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches
                             if isinstance(x, Launch)}))
@@ -68,12 +104,14 @@ class RankLowering:
 
 
 def lower_to_h100_tp(ir: ModelIR, ranks: int, *, max_seqs: int,
-                     prefill_buckets: tuple[int, ...]) -> tuple[RankLowering, ...]:
+                     prefill_buckets: tuple[int, ...],
+                     draft_tokens: int = 0) -> tuple[RankLowering, ...]:
     """One schedule per rank of `ranks` (tensor_parallel.py: the split and its collectives)."""
     out = []
     for rank in range(ranks):
         r = shard_ir(ir, ranks, rank)
         out.append(RankLowering(lower_to_h100(r.ir, max_seqs=max_seqs,
-                                              prefill_buckets=prefill_buckets, tp=r.plan),
+                                              prefill_buckets=prefill_buckets, tp=r.plan,
+                                              draft_tokens=draft_tokens),
                                 r.shards))
     return tuple(out)

@@ -6,7 +6,9 @@ Options: one GPU (--tp 1) or tensor parallel over 2, 4 or 8 (--tp N: one schedul
 tensor_parallel.py; the one-GPU runtime refuses those, the CPU reference runs them), no
 device-side decode loop, no precompiled topologies, platform cuda (the default platform list
 means cuda here). --kv-cache: "fp8" (passes/kv_fp8: e4m3, unit
-scale) on h100-fp8; "auto" is the target's own dtype.
+scale) on h100-fp8; "auto" is the target's own dtype. --num-draft-tokens K: verify entries for
+speculative decoding with n-gram drafts (lower.py); no assistant drafter (--assistant is
+refused).
 """
 
 from __future__ import annotations
@@ -85,9 +87,6 @@ class H100Target:
             raise CheckpointError(f"--tp {opts.tp}: target {self.name} splits over "
                                   f"{', '.join(map(str, TP_RANKS[1:]))} GPUs of one host, or "
                                   "runs on one (--tp 1)")
-        if opts.draft_tokens:
-            raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: target {self.name} "
-                                  "has no speculative entry points yet (the XLA targets have)")
         if opts.decode_loop_steps:
             raise CheckpointError(f"--decode-loop-steps {opts.decode_loop_steps}: target "
                                   f"{self.name} has no device-side decode loop (XLA targets "
@@ -100,15 +99,21 @@ class H100Target:
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
         from rvcompile.targets.h100.lower import lower_to_h100, lower_to_h100_tp
 
+        if ir.assistant is not None:
+            raise LoweringError(f"--assistant: target {self.name} has no assistant drafter yet "
+                                "(the XLA targets have); --num-draft-tokens K alone builds "
+                                "its verify entries for n-gram speculation")
         with phases.phase("lower for h100"):
             if opts.tp == 1:
                 ranks = None
                 lowering = lower_to_h100(ir, max_seqs=opts.max_seqs,
-                                         prefill_buckets=opts.prefill_buckets)
+                                         prefill_buckets=opts.prefill_buckets,
+                                         draft_tokens=opts.draft_tokens)
                 modules = lowering.modules
             else:
                 ranks = lower_to_h100_tp(ir, opts.tp, max_seqs=opts.max_seqs,
-                                         prefill_buckets=opts.prefill_buckets)
+                                         prefill_buckets=opts.prefill_buckets,
+                                         draft_tokens=opts.draft_tokens)
                 modules = tuple(sorted({m for r in ranks for m in r.lowering.modules}))
         # one nvcc a module; cached modules come back at once
         with phases.phase("nvcc", total=len(modules)) as bar, \
@@ -180,6 +185,9 @@ class H100Target:
         info = {"nvcc": h100.nvcc, "arch": h100.arch, "entry_points": sorted(s.entries),
                 "max_seqs": s.max_seqs, "max_context": s.max_context, "schedule": schedule}
         keys = ["nvcc", "arch", "entry_points", "max_seqs", "max_context"]
+        if s.draft_tokens:
+            info["draft_tokens"] = s.draft_tokens
+            keys.append("draft_tokens")
         tp = h100.tensor_parallel
         if tp is not None:  # the schedule shown is rank 0's
             steps = [x for e in s.entries.values() for x in e.launches

@@ -1,0 +1,132 @@
+"""The h100 executor's decode loop (ScheduledExecutor.decode_many) on the CPU reference device:
+each step must be bit for bit the decode call of the same lanes (tokens and the whole arena,
+KV pools included), greedy and seeded; a lane ends at its budget or a stop id and the others
+go on unchanged; and the engine, which runs it when nobody waits to join, gives the same
+generations as with single decode steps. On an H100, the CUDA executor's loop against its own
+single decode calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from h100_helpers import h100_context, own_tables, reference_executor
+from oracle import random_token_ids
+
+from rvcompile import runtime
+from rvcompile.artifacts import Artifact
+from rvcompile.build import BuildOptions, build_artifact
+from rvcompile.runtime.engine import Request
+from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk, decode_loop_steps
+from rvcompile.runtime.model import Model
+
+OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
+SAMPLED = Sampling(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def art(oracle_dir, tmp_path_factory):
+    _, ckpt = oracle_dir("k_eq_v")
+    out = tmp_path_factory.mktemp("h100-loop") / "k_eq_v.rvp"
+    build_artifact(str(ckpt), out, BuildOptions("h100-fp8", **OPTS), progress=False,
+                   log=lambda s: None)
+    return Artifact.open(out)
+
+
+def prefilled(art, prompts, sampling, ex=None):
+    """An executor (default: the reference one) with each prompt prefilled into its own
+    blocks, and each lane's first decode chunk (its sampled token at the prompt's end)."""
+    ex = ex or reference_executor(art)
+    lanes = []
+    for i, p in enumerate(prompts):
+        for s in range(0, len(p), ex.max_chunk):
+            chunk = SeqChunk(p[s:s + ex.max_chunk], s, own_tables(ex, i), sampling,
+                             step=max(0, s + ex.max_chunk - len(p)))
+            token = ex.prefill(chunk)
+        lanes.append(SeqChunk([token], len(p), own_tables(ex, i), sampling, step=1))
+    return ex, lanes
+
+
+def stepped(ex, lanes, steps):
+    """`steps` single decode calls of all the lanes, each fed its last token."""
+    out = [[] for _ in lanes]
+    for k in range(steps):
+        chunks = [dataclasses.replace(c, tokens=[out[i][-1] if out[i] else c.tokens[0]],
+                                      start=c.start + k, step=c.step + k)
+                  for i, c in enumerate(lanes)]
+        for i, token in enumerate(ex.decode(chunks)):
+            out[i].append(token)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "seeded"])
+def test_loop_equals_single_decode_calls(art, sampling):
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2))]
+    a, lanes = prefilled(art, prompts, sampling)
+    b, _ = prefilled(art, prompts, sampling)
+    steps = 6
+    assert decode_loop_steps(a) >= steps
+    got = a.decode_many([LoopLane(c, steps, frozenset()) for c in lanes])
+    want = stepped(b, lanes, steps)
+    assert got == want
+    assert np.array_equal(a.device.mem, b.device.mem)  # the KV pools (and the rest) too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "seeded"])
+def test_gpu_loop_equals_single_decode_calls(art, sampling):
+    h100_context()
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (30, 3))]
+    a, lanes = prefilled(art, prompts, sampling, runtime.load(art.path).executor)
+    b, _ = prefilled(art, prompts, sampling, runtime.load(art.path).executor)
+    budgets = (9, 4, 9)
+    got = a.decode_many([LoopLane(c, n, frozenset()) for c, n in zip(lanes, budgets, strict=True)])
+    want = stepped(b, lanes, max(budgets))
+    assert got == [w[:n] for w, n in zip(want, budgets, strict=True)]
+
+
+def test_lanes_end_at_budget_and_stop_ids_alone(art):
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((7, 3), (12, 4), (9, 5))]
+    ex, lanes = prefilled(art, prompts, SAMPLED)
+    free = ex.decode_many([LoopLane(c, 8, frozenset()) for c in lanes])
+    ex, lanes = prefilled(art, prompts, SAMPLED)
+    stop = free[1][2]
+    got = ex.decode_many([LoopLane(lanes[0], 3, frozenset()),
+                          LoopLane(lanes[1], 8, frozenset({stop, 5000})),
+                          LoopLane(lanes[2], 8, frozenset())])
+    assert got[0] == free[0][:3]
+    assert got[1] == free[1][:free[1].index(stop) + 1]
+    assert got[2] == free[2]  # the rows that ended early did not change it
+
+
+def test_bad_loop_lanes_are_refused(art):
+    ex, lanes = prefilled(art, [[1, 2, 3]], Sampling())
+    with pytest.raises(ValueError, match="lane budget 0"):
+        ex.decode_many([LoopLane(lanes[0], 0, frozenset())])
+    with pytest.raises(ValueError, match="stop token ids"):
+        ex.decode_many([LoopLane(lanes[0], 2, frozenset(range(ex.decode_loop_stops + 1)))])
+
+
+def test_engine_with_the_loop_gives_what_single_steps_give(art):
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((6, 8), (21, 9), (13, 10))]
+    samplings = [Sampling(), SAMPLED, dataclasses.replace(SAMPLED, seed=11)]
+
+    def run(loop: bool):
+        ex = reference_executor(art)
+        if not loop:
+            ex.decode_loop_steps = 0
+        eng = Model(art, ex).engine
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+            eng.add(Request(f"r{i}", p, 12, s, ignore_eos=True))
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while eng.has_work():
+            for out in eng.step():
+                assert out.finish_reason != "error", out.error
+                tokens[out.id] += out.token_ids
+        return list(tokens.values()), eng.steps
+
+    (looped, loop_steps), (single, single_steps) = run(True), run(False)
+    assert looped == single
+    assert loop_steps < single_steps  # the loop ran
