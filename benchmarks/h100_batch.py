@@ -5,6 +5,13 @@ step: the decode_{bucket} CUDA graph, host io and the token read-back included).
 
     python benchmarks/h100_batch.py ART [--batch 1,2,4,8,16,32] [--prompt 128] [--gen 128]
                                     [--chunk 256] [--ttft 1200] [--json OUT]
+                                    [--gpu-memory-utilization 0.9]
+
+B goes up to the artifact's max_seqs (`rvcompile build --max-seqs 256`: decode entries 1, 2, 4,
+..., 256). The KV pools are sized at load (runtime/executors/kv_budget.py: by default 0.90 of
+the GPU's memory holds the model and its pools); each sequence gets only the blocks its prompt
+and generation fill (`seq_tables`), so 256 sequences of 256 tokens fit where 256 whole contexts
+would not, and a B whose blocks the pools cannot hold is skipped with a line saying so.
 
 Prompts run as the engine runs them (runtime/scheduler.py): chunks of max_chunk tokens, each in
 the smallest prefill entry that holds it (a 128-token prompt in a 256-row entry when the buckets
@@ -43,10 +50,34 @@ from rvcompile.runtime.speculative import Speculation
 _IDS = itertools.count()
 
 
-def own_tables(ex, i: int) -> dict[str, list[int]]:
-    """Sequence i's block tables: [i * width, (i + 1) * width) of each kind (its own blocks)."""
-    return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
-            for k in ex.kinds.values()}
+def blocks_needed(ex, tokens: int) -> dict[str, int]:
+    """Blocks of each kind a sequence of `tokens` tokens fills (a ring at most its width)."""
+    n = -(-tokens // ex.block_size)
+    return {k.name: min(n, k.table_width) for k in ex.kinds.values()}
+
+
+def seq_tables(ex, i: int, tokens: int) -> dict[str, list[int]]:
+    """Sequence i's block tables when every sequence holds `tokens` tokens: blocks
+    [i * need, (i + 1) * need) of each kind, the table's unused tail repeating its first block
+    (entries past the sequence's length are never read or written)."""
+    out = {}
+    for k in ex.kinds.values():
+        need = blocks_needed(ex, tokens)[k.name]
+        own = list(range(i * need, (i + 1) * need))
+        out[k.name] = own + [own[0]] * (k.table_width - need)
+    return out
+
+
+def fits(ex, b: int, tokens: int) -> str | None:
+    """None when b sequences of `tokens` tokens fit the pools; else why not."""
+    for k in ex.kinds.values():
+        need = b * blocks_needed(ex, tokens)[k.name]
+        if need > k.num_blocks:
+            return f"{b} x {tokens} tokens need {need} {k.name} KV blocks; the pool has " \
+                   f"{k.num_blocks}"
+    if b > ex.max_seqs:
+        return f"the artifact decodes at most {ex.max_seqs} sequences a step"
+    return None
 
 
 def prefill(ex, prompt: list[int], tables) -> int:
@@ -58,7 +89,7 @@ def prefill(ex, prompt: list[int], tables) -> int:
 
 def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
     prompts = [rng.integers(4, vocab, prompt_len).tolist() for _ in range(b)]
-    tables = [own_tables(ex, i) for i in range(b)]
+    tables = [seq_tables(ex, i, prompt_len + gen + 1) for i in range(b)]
     t = time.perf_counter()
     last = [prefill(ex, p, tables[i]) for i, p in enumerate(prompts)]
     prefill_s = time.perf_counter() - t
@@ -74,7 +105,7 @@ def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
 
 
 def chunk_row(ex, rng, vocab: int, rows: int) -> dict:
-    tables = own_tables(ex, 0)
+    tables = seq_tables(ex, 0, rows)
     chunk = SeqChunk(rng.integers(4, vocab, rows).tolist(), 0, tables, rows=rows)
     ex.prefill(chunk)
     times = []
@@ -92,7 +123,7 @@ def ttft_row(m, rng, vocab: int, n: int) -> dict:
     bare, engine = [], []
     for _ in range(3):
         t = time.perf_counter()
-        prefill(ex, rng.integers(4, vocab, n).tolist(), own_tables(ex, 0))
+        prefill(ex, rng.integers(4, vocab, n).tolist(), seq_tables(ex, 0, n))
         bare.append(time.perf_counter() - t)
         prompt = rng.integers(4, vocab, n).tolist()
         engine.append(m.generate(prompt, max_tokens=1, ignore_eos=True).ttft_s)
@@ -153,7 +184,7 @@ def spec_row(m, prompts: list[list[int]], gen: int, k: int) -> dict:
 
 def verify_cost(ex, rng, vocab: int, b: int, at: int) -> dict:
     """ms of one verify call of b lanes of k + 1 rows each, for k = 0 .. K."""
-    tables = [own_tables(ex, i) for i in range(b)]
+    tables = [seq_tables(ex, i, at + ex.max_draft_tokens + 1) for i in range(b)]
     out = {}
     for k in range(ex.max_draft_tokens + 1):
         lanes = [SeqChunk(rng.integers(4, vocab, k + 1).tolist(), at, tables[i])
@@ -195,17 +226,22 @@ def main() -> None:
                     help="--speculative: the repeated block of the random prompts")
     ap.add_argument("--text", help="--speculative: prompts from this text file instead")
     ap.add_argument("--json")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="the GPU memory share of the model and its KV pools (default 0.90)")
     args = ap.parse_args()
     t = time.perf_counter()
-    m = runtime.load(args.artifact, verify=False)
+    m = runtime.load(args.artifact, verify=False,
+                     gpu_memory_utilization=args.gpu_memory_utilization)
     ex = m.executor
     vocab = m.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(0)
     result = {"artifact": args.artifact, "load_s": time.perf_counter() - t,
               "decode_buckets": list(ex.decode_buckets),
-              "prefill_buckets": list(ex.prefill_buckets), "batches": []}
+              "prefill_buckets": list(ex.prefill_buckets),
+              "kv_blocks": {k.name: k.num_blocks for k in ex.kinds.values()}, "batches": []}
     print(f"load {result['load_s']:.1f} s; decode buckets {ex.decode_buckets}, prefill buckets "
-          f"{ex.prefill_buckets}")
+          f"{ex.prefill_buckets}; KV blocks "
+          + ", ".join(f"{n} {k}" for k, n in result["kv_blocks"].items()))
     batches = [int(x) for x in args.batch.split(",")]
     if args.speculative:
         text = None if args.text is None else open(args.text).read()
@@ -217,6 +253,11 @@ def main() -> None:
         print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}",
               flush=True)
         for b in batches:
+            why = fits(ex, b, args.prompt + args.gen + 1)
+            if why:
+                print(f"{b:>4} skipped: {why}", flush=True)
+                result["batches"].append({"batch": b, "skipped": why})
+                continue
             row = batch_row(ex, rng, vocab, b, args.prompt, args.gen)
             result["batches"].append(row)
             print(f"{b:>4} {row['prefill_tok_s']:14.0f} {row['decode_tok_s']:13.1f} "

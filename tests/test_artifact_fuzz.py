@@ -436,6 +436,9 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
         module = sched["entries"][decode]["launches"][0]["module"]
         launch = (*s, "entries", decode, "launches", 0)
         names = [a["name"] for a in sched["entries"][decode]["launches"][0]["args"]]
+        pool_arg = next((i, j) for i, x in enumerate(sched["entries"][decode]["launches"])
+                        for j, a in enumerate(x["args"]) if a["kind"] == "pool")
+        pools = sched["kv"]["pools"]
         edits |= {
             "schedule version missing": _del((*s, "version")),
             "schedule version newer": _set((*s, "version"), 99),
@@ -445,7 +448,7 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
                                                     sched["io_offset"] + 4),
             "weights_bytes not the section": _set((*s, "weights_bytes"), 4096),
             "constants overlapping the weights": _set((*s, "constants_offset"), 0),
-            "io overlapping the pools": _set((*s, "io_offset"), sched["kv_offset"]),
+            "io overlapping the constants": _set((*s, "io_offset"), sched["constants_offset"]),
             "max_seqs zero": _set((*s, "max_seqs"), 0),
             "max_seqs with no decode entry": _set((*s, "max_seqs"), 3),
             "max_chunk zero": _set((*s, "max_chunk"), 0),
@@ -454,7 +457,22 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "block_size a string": _set((*s, "kv", "block_size"), "16"),
             "table_width zero": _set((*s, "kv", "kinds", 0, "table_width"), 0),
             "table too narrow for the context": _set((*s, "kv", "kinds", 0, "table_width"), 1),
-            "num_blocks zero": _set((*s, "kv", "kinds", 0, "num_blocks"), 0),
+            "KV pools missing": _del((*s, "kv", "pools")),
+            "KV pools empty": _set((*s, "kv", "pools"), []),
+            "KV pool of an unknown kind": _set((*s, "kv", "pools", 0, "kind"), "global"),
+            "KV pool block_bytes zero": _set((*s, "kv", "pools", 0, "block_bytes"), 0),
+            "KV pool block_bytes not whole rows": _set((*s, "kv", "pools", 0, "block_bytes"),
+                                                       pools[0]["block_bytes"] + 1),
+            "KV pool layer negative": _set((*s, "kv", "pools", 0, "layer"), -1),
+            "KV kind without a pool": _set((*s, "kv", "pools"),
+                                           [p for p in pools if p["kind"] == pools[0]["kind"]]
+                                           if len({p["kind"] for p in pools}) > 1 else []),
+            "pool argument naming no pool": _set(
+                (*s, "entries", decode, "launches", pool_arg[0], "args", pool_arg[1], "value"),
+                len(pools)),
+            "pool argument negative": _set(
+                (*s, "entries", decode, "launches", pool_arg[0], "args", pool_arg[1], "value"),
+                -1),
             "KV io field missing": _set((*s, "kv", "kinds", 0, "io_field"), "table_none"),
             "KV dtype unknown": _set((*s, "kv", "kv_dtype"), "float64"),
             "io field outside the io region": _set((*s, "io", "tokens", "offset"), 0),

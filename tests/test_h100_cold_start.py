@@ -6,8 +6,10 @@ the container's one-line error and frees what was allocated.
 On the CPU the whole of CudaScheduleDevice runs against a fake driver context that keeps device
 memory as bytes (stub cubins: tests/stub_cubins.py; TMA descriptors zeroed): the device image must
 be the artifact's weights and constants, zeros elsewhere, every launch only ever recorded into a
-graph. On an H100 (marked gpu) the same with the real driver: the image read back, a corrupt
-file refused with nothing leaked, and the load report's stream figures.
+graph; open_executor sizes the KV pools from the fake's free memory (or as asked) and refuses,
+in one line and before allocating, pools that do not fit. On an H100 (marked gpu) the same with
+the real driver: the image read back, a corrupt file refused with nothing leaked, and the load
+report's stream figures.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
+from rvcompile.runtime.executor_api import LoadOptions
 from rvcompile.runtime.executors import cuda_upload, h100, tma
 from rvcompile.runtime.executors.cuda_driver import DeviceBuffer
 
@@ -47,6 +50,18 @@ class FakeContext:
         self.graphs = 0  # instantiated, not destroyed
         self.lock = threading.Lock()
         self.cu = None
+
+    compute_capability = (9, 0)
+
+    def driver_version(self):
+        return 13000
+
+    def device_name(self):
+        return "Fake GPU"
+
+    def mem_info(self):
+        """(free, total): room for a tiny arena, HEADROOM and its pools at the default share."""
+        return 320 << 20, 320 << 20
 
     def stream(self, non_blocking=False):
         return object()
@@ -165,6 +180,11 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert t.overlapped == ("cubin load", "graph capture", "warm-up")
     assert len(fake.pinned) == 2  # the io buffers the executor keeps; staging freed
     assert "sha256 checked while streaming" in ex.load_note
+    # the default share of the fake's memory holds more than every decode row's whole context:
+    # each kind gets max_seqs tables of blocks, the pools after the fixed part
+    assert {k.name: k.num_blocks for k in ex.kinds.values()} == {
+        k.name: schedule.max_seqs * k.table_width for k in schedule.kv.kinds}
+    assert len(mem) == schedule.pool_offsets(ex.device.kv_blocks)[1] > schedule.arena_bytes
 
 
 def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fake, tmp_path):
@@ -188,6 +208,37 @@ def test_unchecked_stream_loads_a_corrupt_file(artifact, fake, tmp_path):
         ex = h100.h100_executor(art, schedule, fake, check_weights=False)
         assert fake.memory[:schedule.weights_bytes] == bytes(art.buffer("weights"))
     assert not ex.load_times.checked
+
+
+@pytest.mark.parametrize("opts,message", [
+    (LoadOptions(kv_blocks={"full": 1 << 24}), "tiny.rvp: the KV blocks asked for (16777216 "
+                                                "full: "),
+    (LoadOptions(gpu_memory_utilization=0.5), "tiny.rvp: 160.0 MiB of GPU memory (utilization "
+                                               "0.5 of 320.0 MiB, 320.0 MiB free) cannot hold"),
+    (LoadOptions(max_num_seqs=2), "tiny.rvp: max_num_seqs 2: the artifact decodes 1 to 1"),
+    (LoadOptions(kv_blocks={"full": 1}), "tiny.rvp: 1 full KV blocks cannot hold one sequence "
+                                         "of 64 tokens; need 4"),
+])
+def test_open_executor_refuses_pools_that_do_not_fit_before_allocating(artifact, fake,
+                                                                       monkeypatch, opts,
+                                                                       message):
+    monkeypatch.setattr(h100, "CudaContext", lambda: fake)
+    with Artifact.open(artifact) as art:
+        with pytest.raises(ArtifactError) as e:
+            h100.open_executor(art, read_manifest(art), opts)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert fake.live == set() and not fake.memory
+
+
+def test_open_executor_takes_explicit_blocks_and_shares_the_rest(artifact, fake, monkeypatch):
+    monkeypatch.setattr(h100, "CudaContext", lambda: fake)
+    with Artifact.open(artifact) as art:
+        schedule = read_manifest(art).h100.schedule
+        ex = h100.open_executor(art, read_manifest(art), LoadOptions(kv_blocks={"full": 6}))
+    ring = next(k.table_width for k in schedule.kv.kinds if k.ring)
+    assert {k.name: k.num_blocks for k in ex.kinds.values()} == {"full": 6, "sliding": ring}
+    assert len(fake.memory) == schedule.pool_offsets({"full": 6, "sliding": ring})[1]
+    assert "KV pools 6 full, " in ex.load_note
 
 
 # ---- on an H100 ------------------------------------------------------------------------------

@@ -320,9 +320,9 @@ ARENA = Y + ROWS * H * 2
 
 def _schedule(*launches: Launch) -> KernelSchedule:
     return KernelSchedule(
-        arena_bytes=ARENA, weights_bytes=0, constants_offset=0, constants_bytes=0, kv_offset=0,
+        arena_bytes=ARENA, weights_bytes=0, constants_offset=0, constants_bytes=0,
         io_offset=0, io_bytes=0, max_seqs=1, max_context=16, max_chunk=1, vocab_size=128,
-        kv=KvLayout(16, 0, "bfloat16", ()), io={}, outputs={},
+        kv=KvLayout(16, "bfloat16", (), ()), io={}, outputs={},
         entries={"decode_1": EntryPoint("decode_1", 1, True, launches)}, cubins={})
 
 

@@ -122,7 +122,7 @@ class _LaunchByLaunch:
 
         self.ref = ReferenceDevice(schedule, art.buffer("weights"),
                                    bytes(art.buffer("constants")))
-        self.gpu = CudaScheduleDevice(art, schedule, ctx)
+        self.gpu = CudaScheduleDevice(art, schedule, ctx, kv_blocks=self.ref.kv_blocks)
         self.ctx, self.schedule = ctx, schedule
         self.worst: dict[str, float] = {}
 

@@ -20,7 +20,11 @@ sampled_decode_{B} / sampled_prefill_{T} entries and the sample_io region before
 activations), after checking in every case that the plain entries keep the same launches
 (module, kernel, geometry, argument names, kinds and values, activation pointers and
 parameter-block roles taken relative to the activations' start), io fields, KV layout and
-constants.
+constants; and again when the KV pools moved out of the arena's fixed part
+to be sized at load (schedule version 7): in every case each pointer into the old KV region
+became a "pool" argument naming the pool at that offset, every offset past the region moved
+down by its size, the kinds lost num_blocks and kv.pools was added, and nothing else changed
+(checked case by case against dumps at the base commit).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

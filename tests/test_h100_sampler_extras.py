@@ -265,7 +265,7 @@ def _mutated(m: Model, change) -> str:
 
 def test_schedule_records_are_checked(h100_tiny):
     assert "has a sampler" in _mutated(h100_tiny, lambda d: d.pop("sampler"))
-    assert "has no sampler" in _mutated(h100_tiny, lambda d: d.update(version=5))
+    assert "has no sampler" in _mutated(h100_tiny, lambda d: d.update(version=8))  # a TP rank
     assert "lacks entry 'sampled_decode_2'" in _mutated(
         h100_tiny, lambda d: d["entries"].pop("sampled_decode_2"))
     assert "must start where io ends" in _mutated(

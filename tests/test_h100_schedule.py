@@ -226,7 +226,7 @@ def test_fp8_kv_schedule_halves_the_pools_and_matches_its_ir(h100_model, oracle_
     _, m16 = h100_model("k_eq_v")
     s8, s16 = m8.executor.schedule, m16.executor.schedule
     assert (s8.kv.kv_dtype, s16.kv.kv_dtype) == ("float8_e4m3fn", "bfloat16")
-    assert 2 * s8.kv.pool_bytes <= s16.kv.pool_bytes
+    assert [2 * p.block_bytes for p in s8.kv.pools] == [p.block_bytes for p in s16.kv.pools]
     attn = [x.kernel for e in s8.entries.values() for x in e.launches
             if x.kernel.startswith(("attn_decode_d", "attn_decode_keqv", "attn_prefill",
                                     "qkv_post"))]

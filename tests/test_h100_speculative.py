@@ -38,7 +38,7 @@ from rvcompile import runtime
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import (
     SCHEDULE_VERSION,
-    SPECULATIVE_SCHEDULE_VERSION,
+    TP_SCHEDULE_VERSION,
     KernelSchedule,
 )
 from rvcompile.artifacts.schema import SchemaError
@@ -212,7 +212,7 @@ def test_tensor_parallel_verify(built):
     m = reference_model(built("h100-f32", tp=2))
     ranks = [m.manifest["h100"]["schedule"], *m.manifest["h100"]["tensor_parallel"]["schedules"]]
     assert [(r["version"], r["draft_tokens"]) for r in ranks] == \
-        [(SPECULATIVE_SCHEDULE_VERSION, K)] * 2
+        [(TP_SCHEDULE_VERSION, K)] * 2
     prompt = prompt_ids(m)
     plain = m.generate(prompt, max_tokens=48, ignore_eos=True)
     spec = m.generate(prompt, max_tokens=48, ignore_eos=True, speculative="ngram")
@@ -246,12 +246,11 @@ def _set(**kv):
 
 @pytest.mark.parametrize("change,needle", [
     (lambda s: s.pop("draft_tokens"), "has verify entries (rows [4, 8]) but no draft_tokens"),
-    (_set(version=4), "draft_tokens: speculative entry points need schedule version 6; this "
-                      "one is version 4"),
+    (_set(version=6), "kernel schedule version 6; this runtime reads versions 7..8"),
     (_set(draft_tokens=2), "the widest verify entry (max_seqs x 3 rows) must be verify_6 (has "
                            "verify rows [4, 8])"),
     (_set(draft_tokens=16), "draft_tokens: expected an int in [1, 15], got 16"),
-], ids=["no-draft-tokens", "version-4", "widest-verify", "too-many-drafts"])
+], ids=["no-draft-tokens", "old-version", "widest-verify", "too-many-drafts"])
 def test_schedule_refuses_mismatched_verify_entries(built, change, needle):
     art = Artifact.open(built("h100-f32"))
     s = copy.deepcopy(art.manifest["h100"]["schedule"])

@@ -147,7 +147,7 @@ class _LaunchByLaunch:
 
         self.ref = reference_device(art)
         self.schedule = self.ref.schedule
-        self.gpu = CudaScheduleDevice(art, self.schedule, ctx)
+        self.gpu = CudaScheduleDevice(art, self.schedule, ctx, kv_blocks=self.ref.kv_blocks)
         self.ctx = ctx
         self.checked = {"quant": 0, "gemm": 0}
         self.worst_row_error = 0.0

@@ -30,6 +30,7 @@ max_num_seqs: 8
 max_model_len: 4096
 kv_blocks: 1024
 kv_sliding_blocks: 256
+gpu_memory_utilization: 0.85
 max_waiting: 64
 max_body_bytes: 1048576
 body_timeout: 12.5
@@ -53,7 +54,8 @@ def test_every_key_is_read(tmp_path):
     cfg = load(tmp_path, FULL, {"MY_KEY": "sk-local-123"})
     assert cfg == ServeConfig(
         artifact="g31.rvp", host="0.0.0.0", port=8081, model_name="gemma-4-31b", max_num_seqs=8,
-        max_model_len=4096, kv_blocks=1024, kv_sliding_blocks=256, max_waiting=64,
+        max_model_len=4096, kv_blocks=1024, kv_sliding_blocks=256, gpu_memory_utilization=0.85,
+        max_waiting=64,
         max_body_bytes=1 << 20, body_timeout=12.5, drain_timeout=5.0, api_key="sk-local-123",
         trusted_key=("release.pub",), trust_executables=True, no_verify=False,
         speculative="ngram", num_draft_tokens=3)
@@ -69,6 +71,9 @@ BAD = [
     ("port: '80'\n", "port: expected an int in [0, 65535], got '80'"),
     ("max_num_seqs: 0\n", "max_num_seqs: expected an int in [1, 2147483647], got 0"),
     ("kv_blocks: 2.5\n", "kv_blocks: expected an int"),
+    ("gpu_memory_utilization: 0\n", "gpu_memory_utilization: expected a fraction in (0, 1], "
+                                      "got 0"),
+    ("gpu_memory_utilization: 1.5\n", "gpu_memory_utilization: expected a finite number in"),
     ("body_timeout: 0\n", "body_timeout: expected a positive number of seconds, got 0"),
     ("drain_timeout: .nan\n", "drain_timeout: expected a finite number"),
     ("no_verify: maybe\n", "no_verify: expected true or false"),
@@ -130,6 +135,8 @@ def test_rvrun_serve_reads_the_file_and_the_flags_override_it(tmp_path, capsys, 
     cfg.write_text("port: 0\nmax_waiting: 0\n")
     assert serve(capsys, "x.rvp", "--config", str(cfg)) == (
         f"rvrun: error: {cfg}: max_waiting: expected an int in [1, 2147483647], got 0")
+    assert serve(capsys, "x.rvp", "--port", "0", "--gpu-memory-utilization", "1.5") == (
+        "rvrun: error: --gpu-memory-utilization must be a fraction in (0, 1], got 1.5")
     cfg.write_text("port: 0\n")
     assert serve(capsys, "--config", str(cfg)) == (
         "rvrun: error: missing ARTIFACT: give it, or artifact: in the --config file")

@@ -34,6 +34,7 @@ from cli_output import without_progress
 from test_serve import BIN, KV_BLOCKS, NAME, POOLS, Server
 
 from rvcompile import runtime
+from rvcompile.artifacts import ArtifactError
 from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app
 
 KEY = "sk-test-0123456789"
@@ -530,3 +531,18 @@ def test_ctrl_c_while_loading(artifact):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and out == b"", err  # nothing generated: stopped in the load
     assert [line for line in err.decode().splitlines() if line] == ["rvrun: interrupted"], err
+
+
+def test_gpu_memory_utilization_refused_for_an_xla_artifact(artifact, capsys):
+    """The fraction sizes h100 artifacts' pools; an XLA artifact's take --kv-blocks: one line,
+    exit 2, from `rvrun serve` as from runtime.load."""
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(artifact, verify=False, gpu_memory_utilization=0.5)
+    assert str(e.value) == (f"{artifact.name}: gpu_memory_utilization sizes the KV pools of h100 "
+                            "artifacts; an XLA artifact's take kv_blocks")
+    from rvcompile.runtime.cli import main
+
+    assert main(["serve", str(artifact), "--port", "0", "--no-verify",
+                 "--gpu-memory-utilization", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"rvrun: error: {e.value}"

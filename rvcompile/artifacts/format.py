@@ -173,7 +173,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "version 6; absent: no verify entries, and the schedule's version as "
                       "before. Readers before this entry refuse such files (a schedule version "
                       "outside their range), never misread them"),
-    ("2026-11-25", 7, "one-GPU h100 kernel schedules are version 7: the sampler's extras "
+    ("2026-11-25", 7, "h100 KV pools sized at load (issue 14, kernel schedule versions 7, 8 "
+                      "and 9): header arena_bytes is the arena's fixed part (weights, constants, "
+                      "io, activations); the pools follow it with the block counts the runtime "
+                      "picks (rvrun serve --gpu-memory-utilization, --kv-blocks). Readers of "
+                      "schedule versions up to 6 refuse such files by the schedule's version"),
+    ("2026-11-25", 7, "one-GPU h100 kernel schedules (version 7) also carry the sampler's extras "
                       "(sampled_decode_{B} / sampled_prefill_{T}, the sample_io region) and, in "
                       "every decode entry, decode_advance over io fields loop_budget, loop_step "
                       "and loop_tokens (the device side of the decode loop); the container's "

@@ -1,16 +1,19 @@
 """The kernel schedule of an H100 artifact, as stored in its manifest: written by the build
 (targets/h100), read by the runtime, so it imports nothing from the compiler.
 
-Everything lives in ONE device allocation, the arena. Regions, in order: the packed weights
-(byte for byte the artifact's "weights" section, uploaded with one copy), constants (section
-"constants"), the paged KV pools, the host-written inputs ("io": one copy per call) and the
-activations (reused by liveness). A launch's arguments are named after the kernel's parameters
-and listed in their order (the H100 target declares each kernel's: targets/h100/contract.py);
-pointer arguments are arena byte offsets. A kernel that takes one large struct by value (CUTLASS's
-GEMM) has one argument of kind "params": the name of one of the schedule's `params_templates`
-(artifacts/kernel_params.py) and the arena byte offset of each of the template's roles; the
-runtime completes the template once per arena address (runtime/executors/tma.py) and passes the
-bytes as that parameter.
+Everything lives in ONE device allocation, the arena. Its fixed part, `arena_bytes` laid out at
+build, holds in order: the packed weights (byte for byte the artifact's "weights" section, uploaded
+with one copy), constants (section "constants"), the host-written inputs ("io": one copy per call)
+and the activations (reused by liveness). The paged KV pools follow it, sized at LOAD: the runtime
+picks each KV kind's block count (from free memory, or as asked) and `pool_offsets` places the
+pools, in `kv.pools` order, after the fixed part. A launch's arguments are named after the kernel's
+parameters and listed in their order (the H100 target declares each kernel's:
+targets/h100/contract.py); pointer arguments are arena byte offsets into the fixed part, but a
+pool's base (kind "pool"), which is its index in `kv.pools`. A kernel that takes one large struct by
+value (CUTLASS's GEMM) has one argument of kind "params": the name of one of the schedule's
+`params_templates` (artifacts/kernel_params.py) and the arena byte offset of each of the template's
+roles; the runtime completes the template once per arena address (runtime/executors/tma.py) and
+passes the bytes as that parameter.
 
 An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
 token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
@@ -31,9 +34,10 @@ mean to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, i
 the container's format version. `from_json` checks every field before anything uses it: types and
 ranges, arena regions in order and inside the arena, every io field, output and pointer argument
 inside its region, grid and block dimensions within CUDA's limits, every launched module in
-`cubins`, the KV tables wide enough for the context and window, and the entry points the runtime
-calls. That a launch's kernel exists in its cubin with matching parameters is checked against
-the cubin bytes (artifacts/cubin.py, artifacts/contents.py).
+`cubins`, the KV tables wide enough for the context and window, every pool of a declared kind with a
+whole number of its dtype's rows per block, every pool argument naming a pool, and the entry points
+the runtime calls. That a launch's kernel exists in its cubin with matching parameters is checked
+against the cubin bytes (artifacts/cubin.py, artifacts/contents.py).
 """
 
 from __future__ import annotations
@@ -63,25 +67,35 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "version 4 (and reads as before)"),
     ("2026-11-25", 6, "speculative decoding (issue 15): `draft_tokens` K (1..max_chunk - 1; "
                       "rvcompile build --num-draft-tokens) and `verify_{R}` entries, launched as "
-                      "decode entries, the widest max_seqs * (K + 1) rows; what the ranks of a "
-                      "--tp build with K > 0 write (without K they stay at 5)"),
-    ("2026-11-25", 7, "the sampler's extras (issue 16): `sampler` (SamplerIo: the sample_io "
-                      "region right after io, its fields and shapes) and the entries "
-                      "sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} / "
+                      "decode entries, the widest max_seqs * (K + 1) rows; only schedules built "
+                      "with K > 0 carry version 6 (one-GPU or a --tp rank's), the others stay at "
+                      "4 or 5 (and read as before)"),
+    ("2026-11-25", 7, "KV pools sized at load (issue 14): the arena's fixed part "
+                      "(arena_bytes) no longer holds them; kv.pools lists each pool's {kind, "
+                      "layer, block_bytes}, placed after the fixed part in that order "
+                      "(KernelSchedule.pool_offsets) with the block counts the runtime picks; a "
+                      "launch names a pool's base by argument kind 'pool' (its index); kv_offset, "
+                      "kv.pool_bytes and each kind's num_blocks are gone. Also the sampler's "
+                      "extras (issue 16): `sampler` (SamplerIo: the sample_io region right after "
+                      "io) and sampled_decode_{B} / sampled_prefill_{T} beside every decode_{B} / "
                       "prefill_{T}, with outputs logprob, top_ids and top_logprobs after "
-                      "out_tokens; what a one-GPU build writes (with or without draft_tokens); "
-                      "versions 3 to 6 read as before, without them"),
+                      "out_tokens; and decode_advance ending every decode_{B} over io fields "
+                      "loop_budget, loop_step and loop_tokens (the decode loop). What a one-GPU "
+                      "build writes, with or without draft_tokens; versions 3..6 are no longer "
+                      "read (rebuild the artifact)"),
+    ("2026-11-25", 8, "a --tp rank's schedule: version 7 with collective steps (as 5 was) and "
+                      "no sampler, with or without draft_tokens"),
 )
-SCHEDULE_VERSION = 7  # what a one-GPU build writes: the newest readers take
-TP_SCHEDULE_VERSION = 5  # what the ranks of a --tp build write
-SPECULATIVE_SCHEDULE_VERSION = 6  # draft_tokens from here (a --tp build with K > 0 writes it)
-SAMPLER_SCHEDULE_VERSION = 7  # from this version a one-GPU schedule has the sampler's extras
-MIN_SCHEDULE_VERSION = 3
-MAX_SCHEDULE_VERSION = SCHEDULE_VERSION  # the newest this reader takes
+SCHEDULE_VERSION = 7  # what a one-GPU build writes (a sampler; no collectives)
+TP_SCHEDULE_VERSION = 8  # what the ranks of a --tp build write (collectives; no sampler)
+MIN_SCHEDULE_VERSION = 7
+MAX_SCHEDULE_VERSION = TP_SCHEDULE_VERSION  # the newest this reader takes
 
-ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params")
-# as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes)
-ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}
+ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params", "pool")
+# as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes); "pool":
+# a pointer, the pool's base
+ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4, "pool": 8}
+POOL_ALIGN = 256  # each pool's base, as the activations' buffers (targets/h100/memory_plan)
 # Header requirement "kernel_launch": how the runtime may launch the artifact's kernels.
 # "programmatic": every kernel opens with griddepcontrol.wait, so each may be launched with
 # programmatic stream serialization (start while its predecessor runs). Artifacts without it
@@ -89,6 +103,8 @@ ARG_BYTES = {"ptr": 8, "null": 8, "i32": 4, "i64": 8, "f32": 4}
 KERNEL_LAUNCH = "programmatic"
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+KV_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+MAX_POOLS = 1024  # two per layer at most
 IO_DTYPES = ("int32", "float32")
 # The io fields the host writes -> dtype; each holds a value per token row of the widest entry
 # but last_row (one value). The KV kinds' table fields (int32, a table row per token row) come on
@@ -133,7 +149,8 @@ class Arg:
     """One kernel argument; a launch lists them in the kernel's parameter order."""
 
     name: str  # the kernel's parameter name (a C identifier), unique in its launch
-    kind: str  # one of ARG_KINDS; "ptr": value is an arena byte offset; "null": a null pointer
+    kind: str  # one of ARG_KINDS; "ptr": value is an arena byte offset; "null": a null pointer;
+    #            "pool": value is an index into kv.pools, the argument that pool's base address
     value: int | float | ParamsBlock = 0
 
 
@@ -213,16 +230,28 @@ class KvKindLayout:
     table_width: int
     ring: bool  # sliding: entry j % table_width holds logical block j
     window: int  # tokens; 0 for full attention
-    num_blocks: int  # blocks in each pool of this kind
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """One cache-owning layer's K, V or K=V pool: as many blocks as its kind gets at load."""
+
+    kind: str  # the KvKindLayout whose block ids index it
+    layer: int  # the layer that owns it (for people reading the schedule; kernels get the base)
+    block_bytes: int  # one block: block_size tokens x KV heads x head dim x the dtype's bytes
 
 
 @dataclass(frozen=True)
 class KvLayout:
     block_size: int  # tokens per block
-    pool_bytes: int  # all layers' pools together
     kv_dtype: str  # "bfloat16", "float8_e4m3fn" (build --kv-cache fp8: e4m3, no scale) or
     #                "float32" (h100-f32)
     kinds: tuple[KvKindLayout, ...]
+    pools: tuple[KvPool, ...]  # in arena order after the fixed part; "pool" arguments index it
+
+    def block_bytes(self, kind: str) -> int:
+        """Bytes one block id of `kind` stands for: its block in every pool of that kind."""
+        return sum(p.block_bytes for p in self.pools if p.kind == kind)
 
 
 @dataclass(frozen=True)
@@ -236,14 +265,13 @@ class Cubin:
 
 @dataclass(frozen=True)
 class KernelSchedule:
-    arena_bytes: int
+    arena_bytes: int  # the fixed part: weights, constants, io, activations (the pools follow)
     weights_bytes: int  # [0, weights_bytes): the weights section
     constants_offset: int
     constants_bytes: int
-    kv_offset: int
     io_offset: int
     io_bytes: int
-    max_seqs: int  # rows of the widest decode entry; the pools hold this many full sequences
+    max_seqs: int  # rows of the widest decode entry
     max_context: int
     max_chunk: int
     vocab_size: int
@@ -255,7 +283,7 @@ class KernelSchedule:
     version: int = field(default=SCHEDULE_VERSION)
     # the parameter blocks "params" arguments name, by name (absent from the JSON when none)
     params_templates: dict[str, ParamsTemplate] = field(default_factory=dict)
-    # most drafts one verify call checks (verify_{R} entries; version 6); 0: none, absent from
+    # most drafts one verify call checks (verify_{R} entries); 0: none, absent from
     # the JSON
     draft_tokens: int = 0
     sampler: SamplerIo | None = None  # the sampled entries' inputs (version 7, one GPU)
@@ -271,6 +299,19 @@ class KernelSchedule:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
 
+    def pool_offsets(self, blocks: dict[str, int]) -> tuple[tuple[int, ...], int]:
+        """(each pool's arena byte offset, in kv.pools order; the whole arena's bytes) when each
+        pool holds blocks[its kind] blocks: the pools one after another after the fixed part,
+        each POOL_ALIGN-aligned. ValueError for a kind without a count of at least 1."""
+        offsets, end = [], _align(self.arena_bytes)
+        for p in self.kv.pools:
+            n = blocks.get(p.kind, 0)
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{n!r} {p.kind} KV blocks; need at least 1")
+            offsets.append(end)
+            end = _align(end + n * p.block_bytes)
+        return tuple(offsets), end
+
     def arg_bytes(self, a: Arg) -> int:
         """The bytes the kernel receives for argument `a`."""
         if a.kind == "params":
@@ -284,6 +325,10 @@ class KernelSchedule:
         return _parse(At(d, path))
 
 
+def _align(n: int) -> int:
+    return -(-n // POOL_ALIGN) * POOL_ALIGN
+
+
 def _parse(s: At) -> KernelSchedule:
     version = s.get("version")
     if version is None:
@@ -294,17 +339,17 @@ def _parse(s: At) -> KernelSchedule:
                      f"{MIN_SCHEDULE_VERSION}..{MAX_SCHEDULE_VERSION} (rebuild the artifact, or "
                      "upgrade rvcompile)")
     n = {k: s[k].int(1 if k == "arena_bytes" else 0, MAX_BYTES) for k in (
-        "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "kv_offset",
-        "io_offset", "io_bytes")}
+        "arena_bytes", "weights_bytes", "constants_offset", "constants_bytes", "io_offset",
+        "io_bytes")}
     max_seqs = s["max_seqs"].int(1, MAX_ROWS)
     max_context = s["max_context"].int(1, MAX_ROWS * 64)
     max_chunk = s["max_chunk"].int(1, max_context)
     vocab = s["vocab_size"].int(1, INT32_MAX)
     kv = _kv(s["kv"], max_context, max_chunk)
-    # The regions in order, each inside the arena (the pools are kv.pool_bytes long).
+    # The fixed part's regions in order, each inside it (the activations after io).
     regions = [("weights", 0, n["weights_bytes"]),
                ("constants", n["constants_offset"], n["constants_bytes"]),
-               ("kv", n["kv_offset"], kv.pool_bytes), ("io", n["io_offset"], n["io_bytes"])]
+               ("io", n["io_offset"], n["io_bytes"])]
     end = 0
     for name, offset, size in regions:
         if offset < end:
@@ -314,7 +359,7 @@ def _parse(s: At) -> KernelSchedule:
     if end > n["arena_bytes"]:
         s.fail(f"arena regions end at byte {end}, past arena_bytes {n['arena_bytes']}")
     io_region = (n["io_offset"], n["io_offset"] + n["io_bytes"])
-    drafts = _draft_tokens(s, v, max_chunk)
+    drafts = _draft_tokens(s, max_chunk)
     sampler = _sampler(s, v, io_region[1], n["arena_bytes"], max_seqs, max_context, vocab)
     arena = (0, n["arena_bytes"])
     cubins = {}
@@ -324,7 +369,7 @@ def _parse(s: At) -> KernelSchedule:
         cubins[name] = Cubin(c["offset"].int(0, MAX_BYTES), c["size"].int(1, MAX_BYTES),
                              c["sha256"].sha256())
     templates = _templates(s.get("params_templates"))
-    entries = {name: _entry(e, name, cubins, n["arena_bytes"], templates, v)
+    entries = {name: _entry(e, name, cubins, n["arena_bytes"], len(kv.pools), templates, v)
                for name, e in s["entries"].members().items()}
     rows = {kind: sorted(e.rows for e in entries.values() if e.name.startswith(kind + "_"))
             for kind in ENTRY_KINDS}
@@ -378,33 +423,27 @@ def _parse(s: At) -> KernelSchedule:
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
         constants_offset=n["constants_offset"], constants_bytes=n["constants_bytes"],
-        kv_offset=n["kv_offset"], io_offset=n["io_offset"], io_bytes=n["io_bytes"],
+        io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
         params_templates=templates, draft_tokens=drafts, sampler=sampler)
 
 
-def _draft_tokens(s: At, version: int, max_chunk: int) -> int:
-    """The schedule's draft_tokens: absent (0), or 1..max_chunk - 1 from version 6 on (a token
-    and its drafts are one verify lane's rows, at most a prefill chunk's)."""
+def _draft_tokens(s: At, max_chunk: int) -> int:
+    """The schedule's draft_tokens: absent (0), or 1..max_chunk - 1 (a token and its drafts are
+    one verify lane's rows, at most a prefill chunk's)."""
     at = s.get("draft_tokens")
-    if at is None:
-        return 0
-    if version < SPECULATIVE_SCHEDULE_VERSION:
-        at.fail(f"speculative entry points need schedule version "
-                f"{SPECULATIVE_SCHEDULE_VERSION}; this one is version {version}")
-    return at.int(1, max_chunk - 1)
+    return 0 if at is None else at.int(1, max_chunk - 1)
 
 
 def _sampler(s: At, version: int, io_end: int, arena_bytes: int, max_seqs: int,
              max_context: int, vocab: int) -> SamplerIo | None:
-    """The sampled entries' inputs: required from version 7 (a one-GPU schedule: a tensor-
-    parallel rank's has collectives and no sampler), absent before."""
+    """The sampled entries' inputs: required in a one-GPU schedule (SCHEDULE_VERSION), absent
+    from a tensor-parallel rank's (TP_SCHEDULE_VERSION: collectives, no sampler)."""
     at = s.get("sampler")
-    if version < SAMPLER_SCHEDULE_VERSION:
+    if version == TP_SCHEDULE_VERSION:
         if at is not None:
-            at.fail(f"a version {version} schedule has no sampler (it came with version "
-                    f"{SAMPLER_SCHEDULE_VERSION})")
+            at.fail(f"a version {version} schedule (a tensor-parallel rank's) has no sampler")
         return None
     if at is None:
         s.fail(f"a version {version} schedule has a sampler (the sampled entries' inputs)")
@@ -503,11 +542,23 @@ def _kv(at: At, max_context: int, max_chunk: int) -> KvLayout:
             k["table_width"].fail(f"{width} blocks of {block} tokens cannot hold the "
                                   f"{'window and a chunk' if ring else 'context'}; need {need}")
         kinds.append(KvKindLayout(name, k["io_field"].str(pattern=r"table_\w+"), width, ring,
-                                  window, k["num_blocks"].int(width, INT32_MAX)))
+                                  window))
     if len({k.name for k in kinds}) != len(kinds) or len({k.io_field for k in kinds}) != len(kinds):
         at["kinds"].fail("names a KV kind or io field twice")
-    return KvLayout(block, at["pool_bytes"].int(0, MAX_BYTES), at["kv_dtype"].str(KV_DTYPES),
-                    tuple(kinds))
+    dtype = at["kv_dtype"].str(KV_DTYPES)
+    row = block * KV_BYTES[dtype]  # a block holds whole rows of its tokens' values
+    names = tuple(k.name for k in kinds)
+    pools = []
+    for p in at["pools"].items(1, MAX_POOLS):
+        nbytes = p["block_bytes"].int(row, MAX_BYTES >> 20)
+        if nbytes % row:
+            p["block_bytes"].fail(f"{nbytes} is not a whole number of rows of {block} "
+                                  f"{dtype} tokens ({row} bytes each)")
+        pools.append(KvPool(p["kind"].str(names), p["layer"].int(0, MAX_ROWS), nbytes))
+    unused = [k for k in names if not any(p.kind == k for p in pools)]
+    if unused:
+        at["pools"].fail(f"no pool of KV kind {unused[0]!r}")
+    return KvLayout(block, dtype, tuple(kinds), tuple(pools))
 
 
 def _field(at: At, region: tuple[int, int]) -> Field:
@@ -519,7 +570,7 @@ def _field(at: At, region: tuple[int, int]) -> Field:
     return f
 
 
-def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
+def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int, pools: int,
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
     m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits|verify)_"
                      r"([1-9][0-9]{0,6})", key)
@@ -530,7 +581,8 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int,
     rows = at["rows"].int(1, MAX_ROWS)
     if name != key or rows != int(m[2]):
         at.fail(f"entry {key} must be named {key} with {m[2]} rows, not {name!r} with {rows}")
-    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "i32": (INT32_MIN, INT32_MAX),
+    ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "pool": (0, pools - 1),
+              "i32": (INT32_MIN, INT32_MAX),
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
     names: set[str] = set()  # argument names already checked
     kernels: set[str] = set()  # kernel names already checked

@@ -58,7 +58,8 @@ Fields (format v3; required unless marked optional):
 Header requirements, by runtime:
     xla               runtime "xla", jax ">=X.Y[.Z]", optional min_devices (the mesh size)
     h100              runtime "h100", compute_capability "M.N", min_driver int, arena_bytes (the
-                      schedule's; the largest rank's with tensor_parallel), optional
+                      schedule's fixed part, the KV pools not included: they are sized at
+                      load; the largest rank's with tensor_parallel), optional
                       kernel_launch str (h100_executor refuses others)
 
 Sections a model artifact holds: weights, tokenizer, generation_config, chat_template, and
@@ -738,7 +739,7 @@ def _has_collectives(schedule: KernelSchedule) -> bool:
 
 def _tensor_parallel(t: At, first: KernelSchedule, model: ModelInfo,
                      sections: dict[str, int]) -> H100TensorParallel:
-    """The ranks' schedules: each a version-5 schedule of the model (6 with verify entries), the
+    """The ranks' schedules: each a version-8 schedule of the model (9 with verify entries), the
     same entry points, draft_tokens and cubins as rank 0's, the same collectives in the same
     order (the ranks run in lockstep), an all-gather's destination holding every rank's part;
     the ranks' weights and constants regions one after another, filling their sections."""

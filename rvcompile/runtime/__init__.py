@@ -35,7 +35,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
          kv_blocks: dict[str, int] | None = None, max_num_seqs: int | None = None,
          max_model_len: int | None = None,
          trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None,
-         trust_executables: bool = False, phases: Phases | None = None) -> Model:
+         trust_executables: bool = False, phases: Phases | None = None,
+         gpu_memory_utilization: float | None = None) -> Model:
     """Open `path` and check it, then load it on this machine. Raises ArtifactError with a
     one-line message when the file is damaged or does not fit.
 
@@ -48,8 +49,11 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     schedule: artifacts/contents.py); then this machine (platform, devices, memory: refused
     before any weight is read); then, with `verify`, the sha256 of every other section; then
     the executor.
-    `kv_blocks` sizes the KV pools by kind (XLA artifacts; default: a whole sequence per decode
-    slot); `max_num_seqs` and `max_model_len` cap the engine (default: the artifact's).
+    `kv_blocks` sizes the KV pools by kind (default: for XLA artifacts a whole sequence per
+    decode slot; for h100 artifacts `gpu_memory_utilization`, a fraction of the GPU's total
+    memory, default 0.90, holds the arena and the pools: runtime/executors/kv_budget.py; XLA
+    artifacts refuse it); `max_num_seqs` and `max_model_len` cap the engine (default: the
+    artifact's).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs
     unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
     `trusted_keys` signed; by default the StableHLO is compiled. `phases` (progress.py): what
@@ -81,7 +85,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         module = runtime_module(art, manifest)
         t3 = time.perf_counter()
         executor = module.open_executor(art, manifest, LoadOptions(
-            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables, phases))
+            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables,
+            gpu_memory_utilization, phases))
         report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t1, t3 - t2,
                             executor.load_times, time.perf_counter() - t0,
                             time.process_time() - cpu0)

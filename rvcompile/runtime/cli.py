@@ -299,10 +299,16 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + generated tokens of a request (default: the artifact's)")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks of the full-attention layers, 16 tokens each (default: a "
-                        "whole context per decode slot)")
+                   help="KV blocks of the full-attention layers, 16 tokens each (default: XLA "
+                        "artifacts a whole context per decode slot; h100 artifacts what "
+                        "--gpu-memory-utilization leaves)")
     p.add_argument("--kv-sliding-blocks", type=int, default=None,
-                   help="KV blocks of the sliding-window layers (default: a window per slot)")
+                   help="KV blocks of the sliding-window layers (default: XLA artifacts a "
+                        "window per slot; h100 artifacts what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="h100 artifacts: the fraction of the GPU's memory the model and its KV "
+                        "pools may take, the pools getting what the model leaves (default: "
+                        "0.90)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this are refused with 503")
     p.add_argument("--model-name", default=None,
@@ -346,6 +352,9 @@ def serve_main(argv: list[str]) -> int:
     for flag, value in numbers.items():
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    utilization = a.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        return _fail(f"--gpu-memory-utilization must be a fraction in (0, 1], got {utilization}")
     from rvcompile.runtime.request_limits import RequestError
 
     try:
@@ -371,7 +380,7 @@ def serve_main(argv: list[str]) -> int:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                          trusted_keys=keys, trust_executables=a.trust_executables,
-                         phases=_phases())
+                         phases=_phases(), gpu_memory_utilization=utilization)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))

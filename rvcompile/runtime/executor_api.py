@@ -167,9 +167,13 @@ class LoadOptions:
 
     verify: tuple[str, ...] = ()  # sections to re-hash once the machine fits, before upload
     kv_blocks: dict[str, int] | None = None  # KV pool blocks by kind; None: the artifact's
+    # (XLA), or a share of the GPU's memory (h100)
     max_num_seqs: int | None = None  # the engine's caps, refused before any upload or compile
     max_model_len: int | None = None  # when the artifact cannot meet them (check_limits)
     trust_executables: bool = False  # load precompiled XLA executables (signed artifacts only)
+    # h100: the share of the GPU's total memory the arena and the KV pools its kinds without
+    # kv_blocks may take (None: executors/kv_budget.DEFAULT_UTILIZATION)
+    gpu_memory_utilization: float | None = None
     # the load's phases as the person running it sees them (verify, upload, compile, ...)
     phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
 

@@ -4,10 +4,12 @@ NVRTC or Triton). Nothing compiles at load.
 `check_fits` refuses, before any allocation, an artifact built before its kernels opened with
 griddepcontrol.wait (header requirement kernel_launch), and a machine whose GPU is not compute
 capability 9.0, whose driver is older than the cubins need, or whose free memory is short of the
-arena. Then: one arena allocation; constants uploaded, the rest zeroed; the weights read from
-the file once, each piece hashed as it is copied through pinned staging buffers on several
-streams (artifacts/stream.py, cuda_upload.py), on a background thread, while this one loads
-the cubins (their sha256 and every launch's kernel, argument sizes and block checked by
+arena's fixed part. The KV pools' block counts are chosen then (kv_budget.py: a share of the GPU's
+memory, or as asked), before any weight is read. Then: one allocation, the arena's fixed part and
+the pools after it (the schedule's pool_offsets); constants uploaded, the rest zeroed; the weights
+read from the file once, each piece hashed as it is copied through pinned staging buffers on several
+streams (artifacts/stream.py, cuda_upload.py), on a background thread, while this one loads the
+cubins (their sha256 and every launch's kernel, argument sizes and block checked by
 artifacts/contents.py before), builds every launch's argument block and launch configuration
 (programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
 arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
@@ -35,14 +37,14 @@ from rvcompile.artifacts.manifest import Manifest
 from rvcompile.artifacts.stream import stream_section
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import LoadOptions, LoadTimes
-from rvcompile.runtime.executors import check_limits, tma
+from rvcompile.runtime.executors import check_limits, kv_budget, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
 from rvcompile.runtime.executors.cuda_upload import CudaUploadSink
+from rvcompile.runtime.executors.kv_budget import HEADROOM
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 
 MAX_STREAM_WORKERS = 16  # threads reading and hashing the weights: enough for PCIe Gen5
 DEFAULT_SMEM = 48 << 10
-HEADROOM = 256 << 20  # driver and module memory beyond the arena
 PINNED_STEP = 1 << 20  # the io copy's pinned buffer grows in these steps (sampled calls)
 
 
@@ -66,8 +68,8 @@ def check_fits(art: Artifact, ctx: CudaContext) -> None:
     free, _ = ctx.mem_info()
     need = int(req["arena_bytes"]) + HEADROOM
     if need > free:
-        raise ArtifactError(f"{name}: needs {need / 2**30:.1f} GiB of GPU memory (weights, KV "
-                            f"cache, activations); {ctx.device_name()} has "
+        raise ArtifactError(f"{name}: needs {need / 2**30:.1f} GiB of GPU memory (weights, "
+                            f"activations) before its KV cache; {ctx.device_name()} has "
                             f"{free / 2**30:.1f} GiB free")
 
 
@@ -78,20 +80,33 @@ def stream_workers() -> int:
     return max(1, min(cores or 1, MAX_STREAM_WORKERS))
 
 
+def default_blocks(schedule: KernelSchedule, ctx: CudaContext, name: str) -> dict[str, int]:
+    """Each KV kind's blocks by kv_budget's default share of this GPU's memory."""
+    free, total = ctx.mem_info()
+    return kv_budget.choose_blocks(schedule, free=free, total=total, name=name)
+
+
 class CudaScheduleDevice:
     def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
-                 phases: Phases | None = None, *, check_weights: bool = False):
+                 phases: Phases | None = None, *, check_weights: bool = False,
+                 kv_blocks: dict[str, int] | None = None):
         """Allocates, uploads and prepares everything; `check_weights`: hash every piece of
-        the weights as it streams (runtime.load's verify), failing before anything runs. On
-        any failure what was allocated is freed before the error propagates."""
+        the weights as it streams (runtime.load's verify), failing before anything runs;
+        `kv_blocks`: each KV kind's pool blocks (default: default_blocks). On any failure what
+        was allocated is freed before the error propagates."""
         phases = phases or Phases("rvrun", "off")
         self.ctx, self.schedule = ctx, schedule
+        self.kv_blocks = dict(kv_blocks or default_blocks(schedule, ctx, art.path.name))
+        try:
+            self.pool_offsets, self.nbytes = schedule.pool_offsets(self.kv_blocks)
+        except ValueError as e:
+            raise ArtifactError(f"{art.path.name}: {e}") from None
         self.stream = ctx.stream()
         self.arena = self.io_host = self.out_host = None
         self.modules: list = []  # loaded cubins, unloaded again if the load fails
         self.graphs: dict[str, object] = {}
         try:
-            self.arena = ctx.alloc(schedule.arena_bytes)
+            self.arena = ctx.alloc(self.nbytes)
             self._load(art, phases, check_weights)
         except BaseException:
             self._free()
@@ -107,8 +122,8 @@ class CudaScheduleDevice:
         t_start = clock()
         base = self.arena.ptr
         weights = art.sections["weights"].size
-        ctx.memset_range(base + schedule.weights_bytes,
-                         schedule.arena_bytes - schedule.weights_bytes, self.stream)
+        ctx.memset_range(base + schedule.weights_bytes, self.nbytes - schedule.weights_bytes,
+                         self.stream)
         consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
         if consts.size:
             ctx.copy_to_device(base + schedule.constants_offset, consts.copy(), self.stream)
@@ -203,6 +218,8 @@ class CudaScheduleDevice:
             for a in x.args:
                 if a.kind == "ptr":
                     args.append(ctypes.c_uint64(base + int(a.value)))
+                elif a.kind == "pool":
+                    args.append(ctypes.c_uint64(base + self.pool_offsets[a.value]))
                 elif a.kind == "null":
                     args.append(ctypes.c_uint64(0))
                 elif a.kind == "i32":
@@ -260,12 +277,14 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
         raise ArtifactError(f"{art.path.name}: built with --tp {tp.ranks} (one kernel schedule "
                             f"per GPU, with collectives); this runtime drives one GPU: rebuild "
                             "with --tp 1")
-    if opts.kv_blocks:
-        raise ArtifactError(f"{art.path.name}: the KV pools of h100 artifacts are sized at "
-                            "build; kv_blocks applies to XLA artifacts")
-    check_limits(art, schedule_kinds(schedule), schedule.kv.block_size, schedule.max_seqs,
-                 schedule.max_context, opts)
     ctx = open_context(art)
+    free, total = ctx.mem_info()
+    blocks = kv_budget.choose_blocks(
+        schedule, free=free, total=total, name=art.path.name,
+        utilization=opts.gpu_memory_utilization, kv_blocks=opts.kv_blocks,
+        max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len)
+    check_limits(art, schedule_kinds(schedule, blocks), schedule.kv.block_size,
+                 schedule.max_seqs, schedule.max_context, opts)
     before = tuple(n for n in opts.verify if n != "weights")
     t0 = time.perf_counter()
     if before:
@@ -273,7 +292,8 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
                                unit="B"):
             art.verify(before)
     verify_s = time.perf_counter() - t0
-    ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify)
+    ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify,
+                       kv_blocks=blocks)
     ex.load_times = replace(ex.load_times, verify_s=verify_s)
     return ex
 
@@ -289,13 +309,15 @@ def open_context(art: Artifact) -> CudaContext:
 
 
 def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
-                  phases: Phases | None = None, *,
-                  check_weights: bool = False) -> ScheduledExecutor:
+                  phases: Phases | None = None, *, check_weights: bool = False,
+                  kv_blocks: dict[str, int] | None = None) -> ScheduledExecutor:
     """`schedule`: the artifact's, as artifacts/manifest.py checked it (and contents.py its
     cubins); `phases`: where the upload and graph capture show (default: nowhere);
-    `check_weights`: hash the weights' pieces as they stream (CudaScheduleDevice)."""
+    `check_weights`: hash the weights' pieces as they stream; `kv_blocks`: the pools' blocks
+    by kind (CudaScheduleDevice)."""
     t0 = time.perf_counter()
-    device = CudaScheduleDevice(art, schedule, ctx, phases, check_weights=check_weights)
+    device = CudaScheduleDevice(art, schedule, ctx, phases, check_weights=check_weights,
+                                kv_blocks=kv_blocks)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
     ex.load_times = device.load_times
@@ -303,5 +325,7 @@ def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
     ex.load_note = (f"weights {stats.bytes / 1e9:.2f} GB uploaded in {stats.wall_s:.2f} s "
                     f"({stats.gb_s:.1f} GB/s"
                     + (", sha256 checked while streaming" if stats.checked else "")
-                    + "); nothing compiled")
+                    + "); nothing compiled; KV pools "
+                    + ", ".join(f"{n} {k}" for k, n in device.kv_blocks.items())
+                    + f" blocks ({(device.nbytes - schedule.arena_bytes) / 2**30:.2f} GiB)")
     return ex

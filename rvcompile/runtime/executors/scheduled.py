@@ -5,7 +5,8 @@ and reads the results back. The device it drives only offers `write(offset, byte
 `read(offset, nbytes)` and `run(entry)`: the CUDA device (h100.py) or the CPU reference
 (targets/h100/reference_executor.py; tests compose the two).
 
-The engine owns the block ids; the pools hold `num_blocks` blocks per kind, fixed at build.
+The engine owns the block ids; the pools hold the device's `kv_blocks[kind]` blocks per kind,
+chosen when the device was made (h100.py: at load, from free memory or as asked).
 Padding rows get position -1 (no cache write) and see one key, so they stay finite.
 
 The decode loop (`decode_many`, executor_api's "Decode loop"): every decode entry ends with
@@ -49,13 +50,15 @@ DECODE_LOOP_STOPS = 64  # most stop ids per lane (checked on the host: any numbe
 LOOP_GROUP = 8  # decode_many's steps between token reads while a lane may stop early
 
 
-def schedule_kinds(schedule: KernelSchedule) -> dict[str, KvKind]:
-    """The schedule's KV kinds as the engine sees them."""
-    return {k.name: KvKind(k.name, k.table_width, k.ring, k.window or None, k.num_blocks)
+def schedule_kinds(schedule: KernelSchedule, blocks: dict[str, int]) -> dict[str, KvKind]:
+    """The schedule's KV kinds as the engine sees them, with blocks[kind] blocks each."""
+    return {k.name: KvKind(k.name, k.table_width, k.ring, k.window or None, blocks[k.name])
             for k in schedule.kv.kinds}
 
 
 class ScheduleDevice(Protocol):
+    kv_blocks: dict[str, int]  # each KV kind's pool blocks, as the device was made
+
     def write(self, offset: int, data: bytes) -> None: ...
 
     def read(self, offset: int, nbytes: int) -> bytes: ...
@@ -71,7 +74,7 @@ class ScheduledExecutor:
         s = schedule
         self.max_context, self.max_chunk = s.max_context, s.max_chunk
         self.block_size = s.kv.block_size
-        self.kinds = schedule_kinds(s)
+        self.kinds = schedule_kinds(s, device.kv_blocks)
         self._io_field = {k.name: k.io_field for k in s.kv.kinds}
         self.prefill_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                             if e.name.startswith("prefill_")))

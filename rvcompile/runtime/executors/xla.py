@@ -148,6 +148,9 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     devices, memory and the engine's limits refused before anything compiles; then
     opts.verify's sections re-hashed; then the executor."""
     xla = manifest.xla
+    if opts.gpu_memory_utilization is not None:
+        raise ArtifactError(f"{art.path.name}: gpu_memory_utilization sizes the KV pools of h100 "
+                            "artifacts; an XLA artifact's take kv_blocks")
     check_fits(art, xla, opts.kv_blocks)
     check_limits(art, kv_kinds(xla, opts.kv_blocks, art.path.name), xla.block_size, xla.max_seqs,
                  xla.max_context, opts)

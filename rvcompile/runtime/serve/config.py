@@ -12,6 +12,7 @@ and means what the flag means (`rvrun serve --help`); every key is optional:
     max_model_len: 4096             # --max-model-len
     kv_blocks: 1024                 # --kv-blocks
     kv_sliding_blocks: 256          # --kv-sliding-blocks
+    gpu_memory_utilization: 0.9     # --gpu-memory-utilization, in (0, 1] (h100 artifacts)
     max_waiting: 256                # --max-waiting
     max_body_bytes: 8388608         # --max-body-bytes
     body_timeout: 30                # --body-timeout (seconds)
@@ -64,6 +65,7 @@ class ServeConfig:
     max_model_len: int | None = None
     kv_blocks: int | None = None
     kv_sliding_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
     max_waiting: int | None = None
     max_body_bytes: int | None = None
     body_timeout: float | None = None
@@ -85,8 +87,8 @@ _COUNTS = ("max_num_seqs", "max_model_len", "kv_blocks", "kv_sliding_blocks", "m
            "max_body_bytes")
 _SECONDS = ("body_timeout", "drain_timeout")
 _FLAGS = ("trust_executables", "no_verify")
-KEYS = ("artifact", "host", "port", "model_name", *_COUNTS, *_SECONDS, "api_key_env",
-        "trusted_key", *_FLAGS, "speculative", "num_draft_tokens")
+KEYS = ("artifact", "host", "port", "model_name", *_COUNTS, "gpu_memory_utilization",
+        *_SECONDS, "api_key_env", "trusted_key", *_FLAGS, "speculative", "num_draft_tokens")
 SPECULATIVE = ("assistant", "ngram")  # runtime/speculative.METHODS
 
 
@@ -123,6 +125,11 @@ def _config(doc: Any, environ: Mapping[str, str]) -> ServeConfig:
             got[key] = at.int(0, 65535)
         elif key in _COUNTS:
             got[key] = at.int(1, INT32_MAX)
+        elif key == "gpu_memory_utilization":
+            fraction = at.number(0.0, 1.0)
+            if fraction <= 0:
+                at.expected("a fraction in (0, 1]")
+            got[key] = fraction
         elif key in _SECONDS:
             seconds = at.number(0.0, 86400.0)
             if seconds <= 0:

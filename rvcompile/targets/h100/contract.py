@@ -126,9 +126,9 @@ class Entry:
 
     def check_stored(self, args: tuple[tuple[str, str], ...]) -> None:
         """That a stored launch's (name, kind) arguments are this entry's, in order; a null
-        pointer has kind "null"."""
+        pointer has kind "null", a KV pool's base kind "pool"."""
         want = [(p.name, p.kind) for p in self.params]
-        got = [(name, "ptr" if kind == "null" else kind) for name, kind in args]
+        got = [(name, "ptr" if kind in ("null", "pool") else kind) for name, kind in args]
         if got != want:
             raise ContractError(f"kernel {self.name}: arguments {got}, the entry takes {want}")
         for p, (_, kind) in zip(self.params, args, strict=True):

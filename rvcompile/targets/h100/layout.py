@@ -1,16 +1,19 @@
-"""Where everything of an H100 schedule lives: ONE arena whose regions are, in order, the packed
-weights (the artifact's weights section), constants, the paged KV pools, the io fields the host
-writes per call, and the activations. Launches are planned over symbolic pointers (`Ref`: a
-region, a key in it, a byte offset); `place` turns each into an arena offset.
+"""Where everything of an H100 schedule lives: ONE arena whose fixed part holds, in order, the
+packed weights (the artifact's weights section), constants, the io fields the host writes per
+call, and the activations; the paged KV pools follow it, their block counts chosen at load (the
+schedule records each pool's kind and bytes per block). Launches are planned over symbolic
+pointers (`Ref`: a region, a key in it, a byte offset); `place` turns each into an arena offset,
+or for a pool's base into the pool's index (argument kind "pool").
 
 - weights: every stored weight 256-byte aligned in ParamSpec order, except that the members of a
   fused GEMV (a MULTI_LINEAR's or GATED_LINEAR's weights) come first and adjacent, values then
   scales, so one launch reads them as one matrix;
 - constants: float32 arrays the launches need (RoPE frequencies, ones), each stored once;
-- KV pools, per cache-owning layer (KV-shared layers read their producer's): `max_seqs * width`
-  blocks of 16 tokens, width the blocks a sequence spans: the whole context for full layers, a
-  ring of window + chunk - 1 tokens plus a block for sliding ones; K=V layers one pool of
-  normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches are;
+- KV pools, per cache-owning layer (KV-shared layers read their producer's), after the fixed
+  part: blocks of 16 tokens, a sequence's table `width` blocks: the whole context for full
+  layers, a ring of window + chunk - 1 tokens plus a block for sliding ones; K=V layers one pool
+  of normalised bases; bf16, e4m3 (an FP8-KV build) or float32 (h100-f32) as the IR's caches
+  are;
 - io: tokens, positions, seq_len, the prefill's last row, one block-table row per token row
   and KV kind, the sampling parameters;
 - sample_io (with sampled entry points): right after io, the sampler's extras per decode lane
@@ -35,6 +38,7 @@ from rvcompile.artifacts.kernel_schedule import (
     KernelSchedule,
     KvKindLayout,
     KvLayout,
+    KvPool,
     Launch,
     ParamsBlock,
     SamplerIo,
@@ -261,16 +265,27 @@ def sampler_shape(ir: ModelIR, top_logprobs: int) -> tuple[int, int, int]:
     return top_logprobs, min(ir.max_context, v), -(-v // 32)
 
 
-def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ...]:
+def _kv_kinds(ir: ModelIR, kv: KvPools) -> tuple[KvKindLayout, ...]:
     pools = kv.pools.values()
     kinds = []
     if any(not p.ring for p in pools):
-        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0, max_seqs * kv.full))
+        kinds.append(KvKindLayout("full", "table_full", kv.full, False, 0))
     if any(p.ring for p in pools):
         window = max(ir.config.layers[p.layer].window for p in pools if p.ring)
-        kinds.append(KvKindLayout("sliding", "table_ring", kv.ring, True, window,
-                                  max_seqs * kv.ring))
+        kinds.append(KvKindLayout("sliding", "table_ring", kv.ring, True, window))
     return tuple(kinds)
+
+
+def _kv_layout(ir: ModelIR, kv: KvPools) -> tuple[KvLayout, dict[tuple[int, int], int]]:
+    """The schedule's KV layout, and each (layer, tensor)'s index in its pools."""
+    pools, index = [], {}
+    for layer, pool in sorted(kv.pools.items()):
+        nbytes = BLOCK * pool.kv_heads * pool.head_dim * numpy_dtype(pool.dtype).itemsize
+        for t in range(len(pool.names)):
+            index[(layer, t)] = len(pools)
+            pools.append(KvPool("sliding" if pool.ring else "full", layer, nbytes))
+    dtype = next(iter(kv.pools.values())).dtype if kv.pools else "bfloat16"
+    return KvLayout(BLOCK, dtype, _kv_kinds(ir, kv), tuple(pools)), index
 
 
 # ---------------------------------------------------------------- the arena
@@ -278,20 +293,13 @@ def _kv_kinds(ir: ModelIR, kv: KvPools, max_seqs: int) -> tuple[KvKindLayout, ..
 def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
           weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
           max_rows: int, top_logprobs: int = 0) -> KernelSchedule:
-    """The schedule: regions placed one after another, every pointer an arena offset;
+    """The schedule: the fixed part's regions placed one after another, every pointer an arena
+    offset but a pool's base, its index in the KV layout's pools (placed at load);
     top_logprobs > 0: with the sample_io region of the sampled entry points."""
+    kv_layout, pool_index = _kv_layout(ir, kv)
     offset = weights_bytes
     const_offset = offset
     offset = memory_plan.align(offset + consts.size)
-    kv_offset = offset
-    pool_offsets: dict[tuple[int, int], int] = {}
-    for layer, pool in sorted(kv.pools.items()):
-        nbytes = (max_seqs * pool.table_width * BLOCK * pool.kv_heads * pool.head_dim
-                  * numpy_dtype(pool.dtype).itemsize)
-        for t in range(len(pool.names)):
-            pool_offsets[(layer, t)] = offset
-            offset = memory_plan.align(offset + nbytes)
-    pool_bytes = offset - kv_offset
     io_offset = offset
     io: dict[str, Field] = {}
     for name, (dtype, shape) in _io_fields(max_rows, kv.full, kv.ring, max_seqs).items():
@@ -325,8 +333,9 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         def address(ref: Ref, act: dict[int, int] = offsets) -> int:
             if ref.region == "weights":
                 return weights[ref.key].offset + ref.offset
+            if ref.region == "kv":  # pools move at load: only "pool" arguments name them
+                raise LoweringError(f"a KV pool ({ref}) where an arena offset is needed")
             return ref.offset + {"const": lambda: const_offset,
-                                 "kv": lambda: pool_offsets[ref.key],
                                  "io": lambda: io[ref.key].offset,
                                  "sample_io": lambda: sample_io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
@@ -342,6 +351,11 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                 return Arg(a.param.name, a.param.kind, a.value)
             if a.value is None:
                 return Arg(a.param.name, "null", 0)
+            if a.value.region == "kv":
+                if a.value.offset:
+                    raise LoweringError(f"{a.param.name}: a pointer inside a KV pool; the "
+                                        "kernels take pool bases")
+                return Arg(a.param.name, "pool", pool_index[a.value.key])
             return Arg(a.param.name, "ptr", address(a.value))
 
         def step(x, address=address, arg=arg) -> Launch | Collective:
@@ -354,13 +368,10 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
                                       tuple(step(x) for x in e.launches))
         for out_name, (ref, dtype, shape) in e.outputs.items():
             outputs[f"{e.name}.{out_name}"] = Field(address(ref), dtype, shape)
-    pools = kv.pools.values()
     return KernelSchedule(
         arena_bytes=memory_plan.align(act_offset + act_bytes), weights_bytes=weights_bytes,
-        constants_offset=const_offset, constants_bytes=consts.size, kv_offset=kv_offset,
-        io_offset=io_offset, io_bytes=io_bytes, max_seqs=max_seqs, max_context=ir.max_context,
-        max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size,
-        kv=KvLayout(BLOCK, pool_bytes, next(iter(pools)).dtype if pools else "bfloat16",
-                    _kv_kinds(ir, kv, max_seqs)),
+        constants_offset=const_offset, constants_bytes=consts.size, io_offset=io_offset,
+        io_bytes=io_bytes, max_seqs=max_seqs, max_context=ir.max_context,
+        max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size, kv=kv_layout,
         io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates,
         sampler=sampler)

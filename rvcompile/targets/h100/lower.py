@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rvcompile.artifacts.kernel_schedule import (
-    SPECULATIVE_SCHEDULE_VERSION,
     TP_SCHEDULE_VERSION,
     KernelSchedule,
     Launch,
@@ -92,7 +91,7 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                            if name.startswith("decode_")
                            else 0).run(name)
              for kind, name, rows in entries]
-    # a tensor-parallel rank's schedule (version 5, or 6 with drafts) has no sampled entries
+    # a tensor-parallel rank's schedule (TP_SCHEDULE_VERSION) has no sampled entries
     top = 0 if tp is not None else sample.TOP_LOGPROBS
     if top:
         plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True).run(
@@ -104,8 +103,7 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     if draft_tokens:
         schedule = replace(schedule, draft_tokens=draft_tokens)
     if tp is not None:  # a rank's schedule has collective steps
-        schedule = replace(schedule, version=SPECULATIVE_SCHEDULE_VERSION if draft_tokens
-                           else TP_SCHEDULE_VERSION)
+        schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches
                             if isinstance(x, Launch)}))
     return H100Lowering(schedule, consts.data(), {k: [v] for k, v in weights.items()}, modules)

@@ -7,6 +7,11 @@ layout, memory plan, KV paging, io) against the oracle with it, no GPU needed.
     ex = ScheduledExecutor(dev.schedule, dev)   # the runtime's executor over it (tests compose
     m = Model(artifact, ex)                     # the two: targets never import the runtime)
 
+The KV pools follow the arena's fixed part with the block counts the device is made with
+(`kv_blocks`, by kind, as the runtime picks them at load; default: a whole context per decode
+row, `default_blocks`), placed by the schedule's pool_offsets; a launch's pool argument reaches
+the reference as that pool's arena offset.
+
 Every launch is checked against its entry when the device is made: the kernel declared, in the
 module that defines it, with the entry's arguments in its order (ContractError otherwise). A
 parameter block's argument (kind "params") reaches the reference as a contract.ParamsValue: the
@@ -25,12 +30,25 @@ from rvcompile.targets.h100.contract import Call, ContractError, Entry, ParamsVa
 from rvcompile.targets.h100.registry import ENTRIES
 
 
+def default_blocks(schedule: KernelSchedule) -> dict[str, int]:
+    """A whole context per decode row: max_seqs tables' worth of blocks of every kind."""
+    return {k.name: schedule.max_seqs * k.table_width for k in schedule.kv.kinds}
+
+
 class ReferenceDevice:
-    def __init__(self, schedule: KernelSchedule, weights: memoryview, constants: bytes):
+    def __init__(self, schedule: KernelSchedule, weights: memoryview, constants: bytes,
+                 kv_blocks: dict[str, int] | None = None):
+        """`kv_blocks`: each KV kind's block count (default_blocks by default); a kind the
+        schedule lacks, or a count below 1, is a ValueError."""
         self.schedule = schedule
+        self.kv_blocks = dict(kv_blocks or default_blocks(schedule))
+        unknown = set(self.kv_blocks) - {k.name for k in schedule.kv.kinds}
+        if unknown:
+            raise ValueError(f"no KV kind {sorted(unknown)[0]!r} in the schedule")
+        self.pool_offsets, arena_bytes = schedule.pool_offsets(self.kv_blocks)
         self.entries = {x.kernel: _entry(x) for e in schedule.entries.values()
                         for x in e.launches if isinstance(x, Launch)}
-        self.mem = np.zeros(schedule.arena_bytes, np.uint8)
+        self.mem = np.zeros(arena_bytes, np.uint8)
         self.mem[:schedule.weights_bytes] = np.frombuffer(weights, np.uint8)
         c = schedule.constants_offset
         self.mem[c:c + len(constants)] = np.frombuffer(constants, np.uint8)
@@ -52,7 +70,8 @@ class ReferenceDevice:
         """One launch's reference over the arena."""
         entry = self.entries[launch.kernel]
         args = {a.name: None if a.kind == "null" else self._params(a.value) if a.kind == "params"
-                else a.value for a in launch.args}
+                else self.pool_offsets[a.value] if a.kind == "pool" else a.value
+                for a in launch.args}
         entry.reference(Call(entry, launch.grid, args, self.mem))
 
     def _params(self, block) -> ParamsValue:
@@ -71,18 +90,21 @@ def _entry(launch: Launch) -> Entry:
     return entry
 
 
-def reference_device(art: Artifact) -> ReferenceDevice | TensorParallelDevice:
-    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants;
-    for a --tp artifact every rank's, each over its part of the sections, in lockstep."""
+def reference_device(art: Artifact, kv_blocks: dict[str, int] | None = None
+                     ) -> ReferenceDevice | TensorParallelDevice:
+    """The CPU device for `art`'s kernel schedule, its arena holding the weights and constants
+    and `kv_blocks` blocks of each KV kind (ReferenceDevice); for a --tp artifact every rank's,
+    each over its part of the sections, in lockstep."""
     h100 = art.manifest["h100"]
     schedule = KernelSchedule.from_json(h100["schedule"])
     weights, constants = art.buffer("weights"), bytes(art.buffer("constants"))
     tp = h100.get("tensor_parallel")
     if tp is None:
-        return ReferenceDevice(schedule, weights, constants)
+        return ReferenceDevice(schedule, weights, constants, kv_blocks)
     schedules = [schedule, *(KernelSchedule.from_json(x) for x in tp["schedules"])]
     return TensorParallelDevice([
-        ReferenceDevice(x, weights[w:w + x.weights_bytes], constants[c:c + x.constants_bytes])
+        ReferenceDevice(x, weights[w:w + x.weights_bytes], constants[c:c + x.constants_bytes],
+                        kv_blocks)
         for x, w, c in zip(schedules, tp["weights"], tp["constants"], strict=True)])
 
 
@@ -96,6 +118,7 @@ class TensorParallelDevice:
     def __init__(self, ranks: list[ReferenceDevice]):
         self.ranks = ranks
         self.schedule = ranks[0].schedule
+        self.kv_blocks = ranks[0].kv_blocks
         for d in ranks[1:]:
             if d.schedule.io != _shifted(self.schedule, d.schedule.io_offset) \
                     or d.schedule.entries.keys() != self.schedule.entries.keys():

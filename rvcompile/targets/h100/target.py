@@ -170,12 +170,13 @@ class H100Target:
         schedule = {
             "version": s.version, "arena_bytes": s.arena_bytes,
             "regions": {"weights": s.weights_bytes, "constants": s.constants_bytes,
-                        "kv": s.kv.pool_bytes, "io": s.io_bytes,
+                        "io": s.io_bytes,
                         "sample_io": s.sampler.nbytes if s.sampler else 0,
                         "activations": s.arena_bytes - s.io_offset - s.io_bytes
                         - (s.sampler.nbytes if s.sampler else 0)},
             "kv": {"block_size": s.kv.block_size, "dtype": s.kv.kv_dtype,
-                   "kinds": {k.name: {"table_width": k.table_width, "num_blocks": k.num_blocks,
+                   "kinds": {k.name: {"table_width": k.table_width,
+                                      "block_bytes": s.kv.block_bytes(k.name),
                                       "window": k.window} for k in s.kv.kinds}},
             "entries": {name: {"rows": e.rows, "graph": e.graph, "launches": len(e.launches)}
                         for name, e in s.entries.items()},
@@ -204,14 +205,15 @@ class H100Target:
 def _schedule_lines(s: dict) -> list[str]:
     """The kernel schedule: arena regions, KV pools, and each entry's launch count."""
     regions = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s["regions"].items())
-    kinds = ", ".join(f"{n} {k['num_blocks']} x {k['table_width']}-wide"
-                      + (f" (window {k['window']})" if k["window"] else "")
+    kinds = ", ".join(f"{n} {k['table_width']}-wide tables, {k['block_bytes'] / 2**10:.0f} KiB "
+                      "a block" + (f" (window {k['window']})" if k["window"] else "")
                       for n, k in s["kv"]["kinds"].items())
     lines = [field_line("schedule", f"version {s['version']}: arena "
                                     f"{s['arena_bytes'] / 2**20:.1f} MiB ({regions} MiB); "
                                     f"{s['launches']} launches of {s['kernels']} kernels from "
                                     f"{s['modules']} cubins"),
-             f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens: {kinds}"]
+             f"  KV {s['kv']['dtype']}, blocks of {s['kv']['block_size']} tokens (pools sized "
+             f"at load, after the arena): {kinds}"]
     for name, e in s["entries"].items():
         lines.append(f"  {name:16} {e['rows']:>5} rows  {e['launches']:>5} launches"
                      f"{'  (CUDA graph)' if e['graph'] else ''}")
