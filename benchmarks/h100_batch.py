@@ -4,7 +4,8 @@ are prefilled one after another, then decoded together for --gen steps (one `dec
 step: the decode_{bucket} CUDA graph, host io and the token read-back included).
 
     python benchmarks/h100_batch.py ART [--batch 1,2,4,8,16,32] [--prompt 128] [--gen 128]
-                                    [--chunk 256] [--ttft 1200] [--json OUT]
+                                    [--chunk 256] [--ttft 1200] [--decode-at 32768,131000]
+                                    [--json OUT]
                                     [--gpu-memory-utilization 0.9]
 
 B goes up to the artifact's max_seqs (`rvcompile build --max-seqs 256`: decode entries 1, 2, 4,
@@ -19,7 +20,8 @@ are 16 / 64 / 256). Per B: prefill tok/s (B x prompt tokens over the prefill cal
 tok/s (B x gen over the decode calls' time) and the step time. --chunk also times one full
 prefill chunk of that many rows (median of 5 calls after one warm-up), --ttft the time to the
 first token of a prompt of that many tokens at B = 1 on the bare executor (its chunks) and
-through Model.generate (the engine), median of 3.
+through Model.generate (the engine), median of 3. --decode-at times B = 1 decode steps at
+those contexts (positions before them not filled: a step reads the same keys' bytes).
 
 --speculative K (an artifact built with --num-draft-tokens K or more): instead,
 per B, B greedy requests through the engine twice, plain and with n-gram speculation (K
@@ -102,6 +104,20 @@ def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
     return {"batch": b, "prompt": prompt_len, "gen": gen,
             "prefill_tok_s": b * prompt_len / prefill_s, "decode_tok_s": b * gen / decode_s,
             "step_ms": decode_s / gen * 1e3}
+
+
+def context_row(ex, rng, vocab: int, at: int, gen: int) -> dict:
+    """B = 1 decode steps from position `at` on, the KV positions before it not filled: a step
+    reads the same `at` keys' bytes whatever they hold (a prefill of them would take minutes at
+    128K), so the time is the step's at that context."""
+    tables = seq_tables(ex, 0, at + gen + 1)
+    token = int(rng.integers(4, vocab))
+    ex.decode([SeqChunk([token], at, tables)])  # warm-up
+    t = time.perf_counter()
+    for step in range(gen):
+        token = ex.decode([SeqChunk([token], at + 1 + step, tables)])[0]
+    s = (time.perf_counter() - t) / gen
+    return {"context": at, "gen": gen, "step_ms": s * 1e3, "tok_s": 1 / s}
 
 
 def chunk_row(ex, rng, vocab: int, rows: int) -> dict:
@@ -220,6 +236,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=0, help="also time one chunk of this many rows")
     ap.add_argument("--ttft", type=int, default=0, help="also time a prompt of this many tokens")
+    ap.add_argument("--decode-at", default="",
+                    help="also time B = 1 decode steps at these contexts (comma-separated; the "
+                         "KV before them not filled, the same reads)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="plain against n-gram speculation of K drafts, through the engine")
     ap.add_argument("--period", type=int, default=16,
@@ -270,6 +289,13 @@ def main() -> None:
         result["ttft"] = row = ttft_row(m, rng, vocab, args.ttft)
         print(f"TTFT of {row['prompt']} tokens at B = 1: bare executor {row['bare_s'] * 1e3:.1f} "
               f"ms, Model.generate {row['generate_s'] * 1e3:.1f} ms", flush=True)
+    if args.decode_at:
+        result["decode_at"] = []
+        for at in (int(x) for x in args.decode_at.split(",")):
+            row = context_row(ex, rng, vocab, at, args.gen)
+            result["decode_at"].append(row)
+            print(f"decode at context {at}: {row['step_ms']:.2f} ms a step = "
+                  f"{row['tok_s']:.1f} tok/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
