@@ -175,6 +175,23 @@ def test_shared_prefix_is_prefilled_once():
     assert tokens_of(outs["b"]) == reference(system + [7, 8, 9], 3)
 
 
+@pytest.mark.parametrize("budget,per_step", [(None, 1), (24, 3)])
+def test_prefill_budget_sets_the_prompts_admitted_per_step(budget, per_step):
+    ex = FakeExecutor()
+    eng = engine(ex, prefill_budget=budget)
+    prompts = [[10 + i] * 8 for i in range(3)]  # one 8-token chunk each (max_chunk 8)
+    for i, p in enumerate(prompts):
+        eng.add(Request(f"r{i}", p, 2, ignore_eos=True))
+    outs: dict[str, list] = {}
+    for o in eng.step():
+        outs.setdefault(o.id, []).append(o)
+    assert sum(entry == "prefill" for entry, _, _ in ex.calls) == per_step
+    for rid, more in drain(eng).items():
+        outs.setdefault(rid, []).extend(more)
+    for i, p in enumerate(prompts):  # the same tokens whatever the budget
+        assert tokens_of(outs[f"r{i}"]) == reference(p, 2)
+
+
 def test_step_time_splits_into_executor_calls_and_host_work(monkeypatch):
     ex = FakeExecutor()
     slow_decode = ex.decode

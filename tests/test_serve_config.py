@@ -31,6 +31,7 @@ max_model_len: 4096
 kv_blocks: 1024
 kv_sliding_blocks: 256
 gpu_memory_utilization: 0.85
+prefill_budget: 1024
 max_waiting: 64
 max_body_bytes: 1048576
 body_timeout: 12.5
@@ -55,7 +56,7 @@ def test_every_key_is_read(tmp_path):
     assert cfg == ServeConfig(
         artifact="g31.rvp", host="0.0.0.0", port=8081, model_name="gemma-4-31b", max_num_seqs=8,
         max_model_len=4096, kv_blocks=1024, kv_sliding_blocks=256, gpu_memory_utilization=0.85,
-        max_waiting=64,
+        prefill_budget=1024, max_waiting=64,
         max_body_bytes=1 << 20, body_timeout=12.5, drain_timeout=5.0, api_key="sk-local-123",
         trusted_key=("release.pub",), trust_executables=True, no_verify=False,
         speculative="ngram", num_draft_tokens=3)
@@ -71,6 +72,7 @@ BAD = [
     ("port: '80'\n", "port: expected an int in [0, 65535], got '80'"),
     ("max_num_seqs: 0\n", "max_num_seqs: expected an int in [1, 2147483647], got 0"),
     ("kv_blocks: 2.5\n", "kv_blocks: expected an int"),
+    ("prefill_budget: 0\n", "prefill_budget: expected an int in [1, 2147483647], got 0"),
     ("gpu_memory_utilization: 0\n", "gpu_memory_utilization: expected a fraction in (0, 1], "
                                       "got 0"),
     ("gpu_memory_utilization: 1.5\n", "gpu_memory_utilization: expected a finite number in"),

@@ -465,7 +465,8 @@ def test_bad_serve_flags_one_line(artifact):
                          (["--api-key", "a key "], "--api-key"),
                          (["--max-body-bytes", "0"], "--max-body-bytes"),
                          (["--body-timeout", "nan"], "--body-timeout"),
-                         (["--drain-timeout", "-1"], "--drain-timeout")):
+                         (["--drain-timeout", "-1"], "--drain-timeout"),
+                         (["--prefill-budget", "0"], "--prefill-budget must be at least 1, got 0")):
         _one_error_line(_run("serve", str(artifact), *args), needle)
 
 

@@ -36,7 +36,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
          max_model_len: int | None = None,
          trusted_keys: Sequence[TrustedKey | str | os.PathLike[str]] | None = None,
          trust_executables: bool = False, phases: Phases | None = None,
-         gpu_memory_utilization: float | None = None) -> Model:
+         gpu_memory_utilization: float | None = None,
+         prefill_budget: int | None = None) -> Model:
     """Open `path` and check it, then load it on this machine. Raises ArtifactError with a
     one-line message when the file is damaged or does not fit.
 
@@ -53,7 +54,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     decode slot; for h100 artifacts `gpu_memory_utilization`, a fraction of the GPU's total
     memory, default 0.90, holds the arena and the pools: runtime/executors/kv_budget.py; XLA
     artifacts refuse it); `max_num_seqs` and `max_model_len` cap the engine (default: the
-    artifact's).
+    artifact's); `prefill_budget`: prompt tokens the engine prefills per step (default: one
+    chunk, the artifact's max_chunk; runtime/scheduler.py).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs
     unchecked like a program (runtime/executors/precompiled.py), so only from a file one of
     `trusted_keys` signed; by default the StableHLO is compiled. `phases` (progress.py): what
@@ -91,7 +93,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
                             executor.load_times, time.perf_counter() - t0,
                             time.process_time() - cpu0)
         return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
-                     max_model_len=max_model_len, load_report=report)
+                     max_model_len=max_model_len, load_report=report,
+                     prefill_budget=prefill_budget)
     except BaseException:
         art.close()
         raise

@@ -309,6 +309,10 @@ def serve_main(argv: list[str]) -> int:
                    help="h100 artifacts: the fraction of the GPU's memory the model and its KV "
                         "pools may take, the pools getting what the model leaves (default: "
                         "0.90)")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, in chunks, besides the decode "
+                        "lanes: more admits waiting requests faster, each such step taking "
+                        "longer (default: one chunk, the artifact's largest prefill bucket)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this are refused with 503")
     p.add_argument("--model-name", default=None,
@@ -348,7 +352,7 @@ def serve_main(argv: list[str]) -> int:
         return _fail(problem)
     numbers = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len,
                "--kv-blocks": a.kv_blocks, "--kv-sliding-blocks": a.kv_sliding_blocks,
-               "--max-waiting": a.max_waiting}
+               "--max-waiting": a.max_waiting, "--prefill-budget": a.prefill_budget}
     for flag, value in numbers.items():
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
@@ -380,7 +384,8 @@ def serve_main(argv: list[str]) -> int:
         m = runtime.load(a.artifact, verify=not a.no_verify, kv_blocks=kv_blocks or None,
                          max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                          trusted_keys=keys, trust_executables=a.trust_executables,
-                         phases=_phases(), gpu_memory_utilization=utilization)
+                         phases=_phases(), gpu_memory_utilization=utilization,
+                         prefill_budget=a.prefill_budget)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))

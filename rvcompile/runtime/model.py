@@ -98,7 +98,7 @@ def text_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
 class Model:
     def __init__(self, art, executor: Executor, *, contents: Contents | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 load_report: LoadReport | None = None):
+                 load_report: LoadReport | None = None, prefill_budget: int | None = None):
         """`contents`: the artifact's checked tokenizer, ids and template (what `load` read
         before it asked the machine anything); read and checked here when not given.
         `load_report`: what `runtime.load` spent, phase by phase (None for a Model built
@@ -115,6 +115,7 @@ class Model:
         self._decode = text_decoder(self.tokenizer)
         self.engine = Engine(executor, self.decode, self.eos_ids, vocab_size=self.vocab_size,
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             prefill_budget=prefill_budget,
                              grammars=Grammars(self.tokenizer, self.vocab_size, self.eos_ids))
         self.max_context = self.engine.max_model_len
         self._ids = itertools.count()

@@ -13,6 +13,7 @@ and means what the flag means (`rvrun serve --help`); every key is optional:
     kv_blocks: 1024                 # --kv-blocks
     kv_sliding_blocks: 256          # --kv-sliding-blocks
     gpu_memory_utilization: 0.9     # --gpu-memory-utilization, in (0, 1] (h100 artifacts)
+    prefill_budget: 1024            # --prefill-budget (prompt tokens per engine step)
     max_waiting: 256                # --max-waiting
     max_body_bytes: 8388608         # --max-body-bytes
     body_timeout: 30                # --body-timeout (seconds)
@@ -66,6 +67,7 @@ class ServeConfig:
     kv_blocks: int | None = None
     kv_sliding_blocks: int | None = None
     gpu_memory_utilization: float | None = None
+    prefill_budget: int | None = None
     max_waiting: int | None = None
     max_body_bytes: int | None = None
     body_timeout: float | None = None
@@ -84,7 +86,7 @@ class ServeConfig:
 
 
 _COUNTS = ("max_num_seqs", "max_model_len", "kv_blocks", "kv_sliding_blocks", "max_waiting",
-           "max_body_bytes")
+           "max_body_bytes", "prefill_budget")
 _SECONDS = ("body_timeout", "drain_timeout")
 _FLAGS = ("trust_executables", "no_verify")
 KEYS = ("artifact", "host", "port", "model_name", *_COUNTS, "gpu_memory_utilization",
