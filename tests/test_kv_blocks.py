@@ -166,6 +166,35 @@ def test_sliding_kind_keeps_only_the_window_and_the_ring_table() -> None:
     assert kv.num_used("full") == kv.num_used("sliding") == 0
 
 
+def test_tables_are_kept_until_the_blocks_change() -> None:
+    kv = paged()
+    tokens = list(range(100, 130))
+    seq = kv.empty()
+
+    def fresh() -> dict:
+        kept, seq.tables = seq.tables, None
+        out = kv.tables(seq)
+        seq.tables = kept
+        return out
+
+    for pos in range(len(tokens)):
+        before, held = kv.tables(seq), {k: dict(v) for k, v in seq.held.items()}
+        grow(kv, seq, tokens, pos, pos + 1)  # a new block, or a sliding one given back, or none
+        after = kv.tables(seq)
+        assert after == fresh()
+        assert (after is before) == (seq.held == held)  # recomputed exactly when blocks changed
+    kv.free(seq)
+    assert kv.tables(seq) == fresh() and set(kv.tables(seq)["full"]) == {0}
+    # blocks given ahead (a decode loop's budget), then commits alone give sliding ones back
+    seq = kv.empty()
+    for pos in range(len(tokens)):
+        if pos % 8 == 0:  # 8 positions ahead at a time, as much as the ring holds
+            assert kv.ensure(seq, pos, pos + 8)
+        kv.tables(seq)
+        kv.commit(seq, tokens, pos + 1, same_recipe)
+        assert kv.tables(seq) == fresh()
+
+
 def test_hit_needs_every_kind_and_leaves_a_token_to_run() -> None:
     kv = paged()
     prompt = list(range(1, 18))  # 4 full blocks + 1 token

@@ -136,6 +136,9 @@ class SeqBlocks:
 
     held: dict[str, dict[int, int]]  # kind -> logical block index -> block id
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each complete block
+    # PagedKv.tables' result while `held` is unchanged (every step asks for it; PagedKv drops
+    # it wherever it changes `held`)
+    tables: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def count(self) -> int:
         return sum(len(h) for h in self.held.values())
@@ -194,6 +197,7 @@ class PagedKv:
         for name, js in missing.items():
             for j, bid in zip(js, self.pools[name].allocate(len(js)), strict=True):
                 seq.held[name][j] = bid
+                seq.tables = None
         return True
 
     def commit(self, seq: SeqBlocks, tokens: Sequence[int], cached: int,
@@ -214,10 +218,15 @@ class PagedKv:
             if k.window is not None:
                 keep = self._needed(k, cached, cached).start
                 gone = sorted(j for j in seq.held[k.name] if j < keep)
-                self.pools[k.name].free([seq.held[k.name].pop(j) for j in gone])
+                if gone:
+                    self.pools[k.name].free([seq.held[k.name].pop(j) for j in gone])
+                    seq.tables = None
 
     def tables(self, seq: SeqBlocks) -> dict[str, list[int]]:
-        """The executor's block tables of `seq` (see executor_api); unused entries are 0."""
+        """The executor's block tables of `seq` (see executor_api); unused entries are 0. The
+        same object until `seq`'s blocks change: callers read it, never modify it."""
+        if seq.tables is not None:
+            return seq.tables
         out = {}
         for k in self.kinds.values():
             table = [0] * k.table_width
@@ -228,6 +237,7 @@ class PagedKv:
             for i, bid in entries.items():
                 table[i] = bid
             out[k.name] = table
+        seq.tables = out
         return out
 
     def free(self, seq: SeqBlocks) -> None:
@@ -235,3 +245,4 @@ class PagedKv:
         for name, held in seq.held.items():
             self.pools[name].free([held[j] for j in sorted(held)])
             held.clear()
+        seq.tables = None
