@@ -81,6 +81,9 @@ class ScheduledExecutor:
         self.decode_buckets = tuple(sorted(e.rows for e in s.entries.values()
                                            if e.name.startswith("decode_")))
         self.max_seqs = self.decode_buckets[-1]
+        # row counts a verify call may run in: the decode entries', then the verify entries'
+        self._verify_widths = tuple(sorted({*self.decode_buckets, *(
+            e.rows for e in s.entries.values() if e.name.startswith("verify_"))}))
         # steps decode_advance can log; a call never runs more than max_chunk steps (the
         # sliding rings' room ahead)
         history = s.io.get("loop_tokens")
@@ -149,14 +152,18 @@ class ScheduledExecutor:
 
     # -- entry points
 
-    def prefill(self, chunk: SeqChunk) -> int:
+    def _prefill_io(self, chunk: SeqChunk) -> tuple[int, bytes]:
+        """(the rows, the io) of a prefill call of this chunk."""
         n = len(chunk.tokens)
         t = chunk.rows or next((b for b in self.prefill_buckets if b >= n), None)
         if t is None or t not in self.prefill_buckets:
             raise ValueError(f"no prefill entry of {t or n} rows (buckets: "
                              f"{', '.join(map(str, self.prefill_buckets))})")
         toks, pos = self._chunk_rows(chunk, t)
-        io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
+        return t, self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
+
+    def prefill(self, chunk: SeqChunk) -> int:
+        t, io = self._prefill_io(chunk)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
 
     def _decode_io(self, lanes: Sequence[SeqChunk]) -> tuple[int, bytes]:
@@ -258,7 +265,7 @@ class ScheduledExecutor:
             rows += [replace(lane, step=lane.step + i) for i in range(n)]
             toks += list(lane.tokens)
             pos += range(lane.start, lane.start + n)
-        width = next(b for b in self._verify_widths() if b >= len(rows))
+        width = next(b for b in self._verify_widths if b >= len(rows))
         pad = width - len(rows)
         io = self._io(width, rows, np.asarray(toks + [0] * pad, np.int32),
                       np.asarray(pos + [-1] * pad, np.int32),
@@ -271,11 +278,6 @@ class ScheduledExecutor:
             at += len(lane.tokens)
         return out
 
-    def _verify_widths(self) -> tuple[int, ...]:
-        """Row counts a verify call may run in: the decode entries', then the verify entries'."""
-        verify = (e.rows for e in self.schedule.entries.values() if e.name.startswith("verify_"))
-        return tuple(sorted({*self.decode_buckets, *verify}))
-
     # -- the sampler's extras (sampled entries; module docstring)
 
     @property
@@ -285,29 +287,12 @@ class ScheduledExecutor:
 
     def prefill_sampled(self, chunk: SeqChunk) -> Sampled:
         """prefill, with chunk.extras applied (sampled_prefill_{T})."""
-        n = len(chunk.tokens)
-        t = chunk.rows or next((b for b in self.prefill_buckets if b >= n), None)
-        if t is None or t not in self.prefill_buckets:
-            raise ValueError(f"no prefill entry of {t or n} rows (buckets: "
-                             f"{', '.join(map(str, self.prefill_buckets))})")
-        toks, pos = self._chunk_rows(chunk, t)
-        io = self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
+        t, io = self._prefill_io(chunk)
         return self._call_sampled(f"sampled_prefill_{t}", io, [chunk], 1)[0]
 
     def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
         """decode, with each lane's extras applied (sampled_decode_{B}); padding rows neutral."""
-        if not 0 < len(lanes) <= self.max_seqs:
-            raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
-                             f"{self.max_seqs}")
-        b = next(x for x in self.decode_buckets if x >= len(lanes))
-        toks = np.zeros(b, np.int32)
-        pos = np.full(b, -1, np.int32)
-        for i, lane in enumerate(lanes):
-            if len(lane.tokens) != 1:
-                raise ValueError("a decode lane runs exactly one token")
-            toks[i], pos[i] = lane.tokens[0], lane.start
-        chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
-        io = self._io(b, lanes, toks, pos, chunk_of_row)
+        b, io = self._decode_io(lanes)
         return self._call_sampled(f"sampled_decode_{b}", io, lanes, b)[:len(lanes)]
 
     def _call_sampled(self, entry: str, io: bytes, lanes: Sequence[SeqChunk],
