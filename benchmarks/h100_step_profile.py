@@ -33,8 +33,11 @@ def family(kernel: str) -> str:
     return next((f for f in FAMILIES if kernel.startswith(f)), kernel)
 
 
-def own_tables(ex, i: int) -> dict[str, list[int]]:
-    return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))
+def own_tables(ex, i: int, tokens: int) -> dict[str, list[int]]:
+    """Sequence i's block tables: its own blocks for its first `tokens` positions (the rest of
+    the table points at block 0, never read or written), so 256 sequences fit the pools."""
+    need = -(-tokens // ex.block_size)
+    return {k.name: [i * need + j if j < need else 0 for j in range(k.table_width)]
             for k in ex.kinds.values()}
 
 
@@ -44,11 +47,12 @@ def prepare(ex, entry: str, rng, vocab: int) -> None:
     if entry.startswith("decode_"):
         lanes = []
         for i in range(rows):
-            tok = ex.prefill(SeqChunk(rng.integers(4, vocab, 128).tolist(), 0, own_tables(ex, i)))
-            lanes.append(SeqChunk([tok], 128, own_tables(ex, i)))
+            tables = own_tables(ex, i, 128 + 1)
+            tok = ex.prefill(SeqChunk(rng.integers(4, vocab, 128).tolist(), 0, tables))
+            lanes.append(SeqChunk([tok], 128, tables))
         ex.decode(lanes)
     else:
-        ex.prefill(SeqChunk(rng.integers(4, vocab, rows).tolist(), 0, own_tables(ex, 0),
+        ex.prefill(SeqChunk(rng.integers(4, vocab, rows).tolist(), 0, own_tables(ex, 0, rows),
                             rows=rows))
 
 
