@@ -1,25 +1,36 @@
-"""Paged decode attention on the GPU at 31B shapes, batch 1 and 8, 1200-token context: time of
-the split kernel + combine (median of 50, CUDA events), and GB/s of K and V bytes read.
+"""Paged decode attention on the GPU at 31B shapes: the sliding layers' kernel (head dim 256,
+group 2, window 1024) and the full layers' K=V kernel (head dim 512, group 8), bf16 or FP8
+pools, over batches and contexts; time of the split kernel + combine (median of 50, CUDA
+events), and GB/s of the K/V bytes the step must read (a K=V layer's one pool counted once).
 
-    python benchmarks/h100_attn.py
+    python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
+                                   [--cubin OTHER.cubin] [--json OUT]
+
+--cubin times the same launches from another build of attn_decode.cu (an A/B of a change: the
+artifact's cubin and the other one, in one run, on the same inputs).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_h100_attn import make_case  # noqa: E402  (one case builder for test and benchmark)
+from test_h100_attn import to_e4m3  # noqa: E402  (the tests' e4m3 rounding)
 
+from rvcompile.model.config import RopeSpec  # noqa: E402
 from rvcompile.runtime.executors.cuda_driver import CudaContext  # noqa: E402
 from rvcompile.targets.h100 import attn_decode as ad  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402
 
-CASES = [("31B sliding", 16, 2, 256, 1024), ("31B full", 4, 8, 512, 0)]
+# (name, KV heads, group, head dim, window, K=V)
+LAYERS = [("31B sliding", 16, 2, 256, 1024, False), ("31B full K=V", 4, 8, 512, 0, True)]
 
 
 def median_us(ctx: CudaContext, launch) -> float:
@@ -35,47 +46,98 @@ def median_us(ctx: CudaContext, launch) -> float:
     return float(np.median(times)) * 1e3
 
 
+def make_pools(batch: int, kh: int, g: int, d: int, context: int, window: int, fp8: bool):
+    """q, K and V pools holding only the blocks the sequences' `context` positions use (their
+    tables' other entries point at block 0, never read; a sliding ring, wrapped or not, gets
+    its own blocks), filled by
+    tiling 1024 random blocks (timing does not depend on the values; sizes to several GB would
+    take minutes to draw). Returns (q, k, v, table, ring, seq_len)."""
+    rng = np.random.default_rng(0)
+    ring = window // ad.BLOCK + 1 if window else -(-context // ad.BLOCK)
+    need = min(-(-context // ad.BLOCK), ring)
+    pool = batch * need + 1
+    table = np.zeros((batch, ring), np.int32)
+    table[:, :need] = 1 + np.arange(batch * need, dtype=np.int32).reshape(batch, need)
+    shape = (pool, ad.BLOCK, kh, d)
+    seed = rng.normal(0, 1.0, (min(pool, 1024), *shape[1:])).astype(np.float32)
+    seed = to_e4m3(seed) if fp8 else seed.astype(ml_dtypes.bfloat16)
+    k = np.resize(seed, shape)
+    v = np.resize(seed[::-1], shape)
+    q = rng.normal(0, 0.15, (batch, kh * g, d)).astype(ml_dtypes.bfloat16)
+    return q, k, v, table, ring, np.full(batch, context, np.int32)
+
+
+def time_layer(ctx, cubin: bytes, layer, batch: int, context: int, fp8: bool) -> dict:
+    name, kh, g, d, window, keqv = layer
+    q, k, v, table, ring, lens = make_pools(batch, kh, g, d, context, window, fp8)
+    kv = "float8_e4m3fn" if fp8 else "bfloat16"
+    fn = ctx.load_function(cubin, (ad.entry_keqv if keqv else ad.entry)(d, g, kv))
+    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
+    keys = len(ad.visible_tokens(context, window))
+    splits = ad.num_splits(batch, kh, min(ad_max_keys(window), 2048), ctx.sm_count)
+    nh = kh * g
+    extra = [np.random.default_rng(1).uniform(0.5, 1.5, d).astype(np.float32),
+             np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)] if keqv else []
+    pools = (k,) if keqv else (k, v)
+    bufs = [ctx.upload(x) for x in (q, *pools, table, lens, *extra)]
+    acc = ctx.alloc(batch * nh * splits * d * 4)
+    ml = ctx.alloc(batch * nh * splits * 8)
+    out = ctx.alloc(batch * nh * d * 4)
+    p = [ctypes.c_uint64(x.ptr) for x in bufs]
+    n = len(pools)
+    table_args = [p[1 + n], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[2 + n],
+                  ctypes.c_int(window), ctypes.c_int(kh)]
+    args = [p[0], *p[1:1 + n], *table_args, *p[3 + n:], ctypes.c_uint64(acc.ptr),
+            ctypes.c_uint64(ml.ptr)]
+    split = ad.split_geometry(batch, kh, splits)
+    comb = ad.combine_geometry(batch, nh, d, splits)
+    cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
+             ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]
+
+    def both():
+        ctx.launch(fn, split.grid, split.block, split.smem, args)
+        ctx.launch(combine, comb.grid, comb.block, comb.smem, cargs)
+
+    us = median_us(ctx, both)
+    kv_bytes = batch * keys * kh * d * (1 if fp8 else 2) * (1 if keqv else 2)
+    for x in (*bufs, acc, ml, out):
+        ctx.free(x)
+    return {"layer": name, "batch": batch, "context": context, "kv": kv, "splits": splits,
+            "us": us, "kv_mb": kv_bytes / 1e6, "gb_s": kv_bytes / us / 1e3}
+
+
+def ad_max_keys(window: int) -> int:
+    """The keys a launch is planned for (lower.py: the window, or the built context)."""
+    return window or 2048
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="1,8,64,256")
+    ap.add_argument("--context", default="129,1200")
+    ap.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--cubin", help="another build of attn_decode.cu to time beside it")
+    ap.add_argument("--json")
+    a = ap.parse_args()
     ctx = CudaContext()
-    cubin = compile_cubin(ad.SOURCE)
-    combine = ctx.load_function(cubin, "attn_decode_combine")
-    print(f"{'layer':12} {'B':>3} {'ctx':>5} {'splits':>6} {'us':>7} {'split':>7} "
-          f"{'combine':>7} {'KV MB':>6} {'GB/s':>6}")
-    for name, kh, g, d, window in CASES:
-        for batch in (1, 8):
-            rng = np.random.default_rng(0)
-            q, k, v, table, ring, lens = make_case(rng, batch, kh, g, d, [1200] * batch, window)
-            fn = ctx.load_function(cubin, ad.entry(d, g))
-            keys = len(ad.visible_tokens(1200, window))
-            splits = ad.num_splits(batch, kh, keys, ctx.sm_count)
-            bufs = [ctx.upload(x) for x in (q, k, v, table, lens)]
-            acc = ctx.alloc(batch * kh * g * splits * d * 4)
-            ml = ctx.alloc(batch * kh * g * splits * 8)
-            out = ctx.alloc(batch * kh * g * d * 4)
-            p = [ctypes.c_uint64(x.ptr) for x in bufs]
-            args = p[:4] + [ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[4],
-                            ctypes.c_int(window), ctypes.c_int(kh), ctypes.c_uint64(acc.ptr),
-                            ctypes.c_uint64(ml.ptr)]
-            cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                     ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]
-
-            def split_kernel(fn=fn, args=args, splits=splits, kh=kh, batch=batch):
-                ctx.launch(fn, (splits, kh, batch), (128, 1, 1), 0, args)
-
-            def combine_kernel(cargs=cargs, splits=splits, kh=kh, batch=batch, g=g, d=d):
-                ctx.launch(combine, (batch * kh * g, 1, 1), (d, 1, 1), splits * 4, cargs)
-
-            def both(a=split_kernel, b=combine_kernel):
-                a()
-                b()
-
-            t_split, t_comb, t = (median_us(ctx, f) for f in (split_kernel, combine_kernel,
-                                                              both))
-            kv_bytes = batch * keys * kh * d * 2 * 2
-            print(f"{name:12} {batch:3d} {1200:5d} {splits:6d} {t:7.1f} {t_split:7.1f} "
-                  f"{t_comb:7.1f} {kv_bytes / 1e6:6.1f} {kv_bytes / t / 1e3:6.0f}", flush=True)
-            for x in (*bufs, acc, ml, out):
-                ctx.free(x)
+    cubins = {"built": compile_cubin(ad.SOURCE)}
+    if a.cubin:
+        cubins["other"] = Path(a.cubin).read_bytes()
+    rows = []
+    print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
+          + " ".join(f"{k + ' us':>10} {'GB/s':>6}" for k in cubins), flush=True)
+    for layer in LAYERS:
+        for batch in map(int, a.batch.split(",")):
+            for context in map(int, a.context.split(",")):
+                got = {k: time_layer(ctx, c, layer, batch, context, a.kv == "fp8")
+                       for k, c in cubins.items()}
+                first = next(iter(got.values()))
+                print(f"{layer[0]:13} {batch:4d} {context:5d} {first['splits']:6d} "
+                      + " ".join(f"{r['us']:10.1f} {r['gb_s']:6.0f}" for r in got.values()),
+                      flush=True)
+                rows.append({"cubin": {k: r["us"] for k, r in got.items()}, **first})
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,18 @@ template <> struct Elem<false, true> { using type = float; };
 template <bool F32> struct Query { using type = __nv_bfloat16; };
 template <> struct Query<true> { using type = float; };
 
+// One lane's share of a K/V row, as loaded (packed), widened to f32.
+template <int VEC, bool FP8, bool F32, typename Raw>
+__device__ __forceinline__ void widen(const Raw* raw, float out[VEC]) {
+    if constexpr (FP8) {
+        load_fp8<VEC>(reinterpret_cast<const unsigned char*>(raw), out);
+    } else if constexpr (F32) {
+        load_f32<VEC>(reinterpret_cast<const float*>(raw), out);
+    } else {
+        load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(raw), out);
+    }
+}
+
 // KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
 // K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
 // at the same register index (D/2 = 16 lanes * VEC dims for every head dim).
@@ -143,24 +155,47 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
     }
-    // UNROLL keys' K and V rows are loaded (packed bf16) before any is used, so several
-    // loads per lane are in flight instead of one.
+    // UNROLL keys' K and V rows are loaded (packed) before any is used, so several loads per
+    // lane are in flight instead of one; then their scores are computed independently (UNROLL x
+    // GW warp sums in flight, not one key's after the other's) and the running softmax is
+    // updated once per UNROLL keys: one max and one rescale of acc, not one per key.
     constexpr int UNROLL = VEC == 16 ? 2 : 4;
     constexpr int CH = F32 ? (VEC >= 4 ? VEC / 4 : 1)
                            : (VEC >= 8 && !FP8) ? VEC / 8 : 1;  // loads per lane per row
     constexpr int STRIDE = F32 ? 4 : 8;  // pool elements per load when CH > 1
     using Raw = typename Pick<F32, typename F32Share<VEC>::type,
                               typename LaneShare<VEC, FP8>::type>::type;
-    float wkr[KEQV ? VEC : 1], invf[KEQV ? VEC : 1];
+    float wkr[KEQV ? VEC : 1];
     if constexpr (KEQV) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-            wkr[i] = wk[lane * VEC + i];
-            invf[i] = inv_freq[(lane * VEC + i) % (D / 2)];
-        }
+        for (int i = 0; i < VEC; ++i) wkr[i] = wk[lane * VEC + i];
     }
+    // K=V: the rope's cos and sin for the tile's TILE keys, computed once per CTA (each
+    // (key, frequency) by one thread) rather than by every warp and lane that reads the key:
+    // the warps sharing a key (HS of them) and the rope partners (lanes l, l ^ 16) share one
+    // frequency, and sincosf was most of the kernel's work.
+    constexpr int TILE = KP * UNROLL;  // keys the CTA's warps take per pass of the loop
+    constexpr int HALF = D / 2;
+    __shared__ float s_cos[KEQV ? TILE : 1][KEQV ? HALF : 1];
+    __shared__ float s_sin[KEQV ? TILE : 1][KEQV ? HALF : 1];
     const int* row_table = table + (size_t)b * max_blocks;
-    for (int t0 = s0 + kl; t0 < s1; t0 += KP * UNROLL) {
+    // The loop runs the same passes in every warp (the K=V tables' barriers need that); warp kl
+    // takes keys tile + kl + u * KP.
+    for (int tile = s0; tile < s1; tile += TILE) {
+        if constexpr (KEQV) {
+            __syncthreads();  // every warp is done with the last tile's table
+            for (int j = threadIdx.x; j < TILE * HALF; j += WARPS * 32) {
+                const int t = tile + j / HALF;
+                const float f = inv_freq[j % HALF];
+                float sn = 0.f, cs = 1.f;
+                if (t < s1 && f != 0.f) sincosf(__fmul_rn((float)t, f), &sn, &cs);
+                s_cos[j / HALF][j % HALF] = cs;
+                s_sin[j / HALF][j % HALF] = sn;
+            }
+            __syncthreads();
+        }
+        const int t0 = tile + kl;
+        if (t0 >= s1) continue;
         Raw kraw[UNROLL][CH], vraw[UNROLL][CH];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -177,47 +212,66 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
                 }
             }
         }
+        // sc[u][g]: key u's score for head g, then its softmax weight
+        float sc[UNROLL][GW];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u * KP >= s1) break;
-            float k[VEC], v[VEC];
-            if constexpr (FP8) {
-                load_fp8<VEC>(reinterpret_cast<const unsigned char*>(kraw[u]), k);
-            } else if constexpr (F32) {
-                load_f32<VEC>(reinterpret_cast<const float*>(kraw[u]), k);
-            } else {
-                load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(kraw[u]), k);
-            }
+            const bool live = t0 + u * KP < s1;  // the same for every lane of the warp
+            float k[VEC];
+            widen<VEC, FP8, F32>(kraw[u], k);
             if constexpr (KEQV) {
-                const float tpos = (float)(t0 + u * KP);
+                const float* cs = s_cos[kl + u * KP] + (lane * VEC) % HALF;
+                const float* sn = s_sin[kl + u * KP] + (lane * VEC) % HALF;
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) {
-                    v[i] = k[i];
                     const float kw = __fmul_rn(k[i], wkr[i]);
                     const float partner = __shfl_xor_sync(0xffffffffu, kw, 16);
-                    float sn = 0.f, cs = 1.f;
-                    if (invf[i] != 0.f) sincosf(__fmul_rn(tpos, invf[i]), &sn, &cs);
-                    k[i] = kw * cs + (lane < 16 ? -partner : partner) * sn;
+                    k[i] = kw * cs[i] + (lane < 16 ? -partner : partner) * sn[i];
                 }
-            } else if constexpr (FP8) {
-                load_fp8<VEC>(reinterpret_cast<const unsigned char*>(vraw[u]), v);
-            } else if constexpr (F32) {
-                load_f32<VEC>(reinterpret_cast<const float*>(vraw[u]), v);
-            } else {
-                load_bf16<VEC>(reinterpret_cast<const __nv_bfloat16*>(vraw[u]), v);
             }
 #pragma unroll
             for (int g = 0; g < GW; ++g) {
                 float s = 0.f;
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) s = fmaf(qr[g][i], k[i], s);
-                s = warp_sum(s);
-                const float mn = fmaxf(m[g], s);
-                const float alpha = __expf(m[g] - mn), p = __expf(s - mn);
-                l[g] = l[g] * alpha + p;
+                sc[u][g] = live ? s : 0.f;
+            }
+        }
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(acc[g][i], alpha, p * v[i]);
-                m[g] = mn;
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < GW; ++g) sc[u][g] = warp_sum(sc[u][g]);
+        }
+#pragma unroll
+        for (int g = 0; g < GW; ++g) {
+            float mn = m[g];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (t0 + u * KP < s1) mn = fmaxf(mn, sc[u][g]);
+            const float alpha = __expf(m[g] - mn);
+            l[g] *= alpha;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                sc[u][g] = t0 + u * KP < s1 ? __expf(sc[u][g] - mn) : 0.f;
+                l[g] += sc[u][g];
+            }
+            m[g] = mn;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (t0 + u * KP >= s1) break;
+            float v[VEC];  // K=V: V is the stored base itself
+            if constexpr (KEQV) {
+                widen<VEC, FP8, F32>(kraw[u], v);
+            } else {
+                widen<VEC, FP8, F32>(vraw[u], v);
+            }
+#pragma unroll
+            for (int g = 0; g < GW; ++g) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(sc[u][g], v[i], acc[g][i]);
             }
         }
     }
