@@ -138,7 +138,7 @@ class SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each complete block
     # PagedKv.tables' result while `held` is unchanged (every step asks for it; PagedKv drops
     # it wherever it changes `held`)
-    tables: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
+    tables: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def count(self) -> int:
         return sum(len(h) for h in self.held.values())
@@ -222,20 +222,21 @@ class PagedKv:
                     self.pools[k.name].free([seq.held[k.name].pop(j) for j in gone])
                     seq.tables = None
 
-    def tables(self, seq: SeqBlocks) -> dict[str, list[int]]:
-        """The executor's block tables of `seq` (see executor_api); unused entries are 0. The
-        same object until `seq`'s blocks change: callers read it, never modify it."""
+    def tables(self, seq: SeqBlocks) -> dict[str, np.ndarray]:
+        """The executor's block tables of `seq` (see executor_api): int32 arrays, unused entries
+        0, read-only (an executor stacks a call's tables with one copy). The same objects until
+        `seq`'s blocks change."""
         if seq.tables is not None:
             return seq.tables
         out = {}
         for k in self.kinds.values():
-            table = [0] * k.table_width
+            table = np.zeros(k.table_width, np.int32)
             entries = {j % k.table_width if k.ring else j: bid
                        for j, bid in seq.held[k.name].items()}
             if len(entries) < len(seq.held[k.name]):  # the ring is sized so this cannot be
                 raise RuntimeError(f"two held {k.name} KV blocks share a ring entry")
-            for i, bid in entries.items():
-                table[i] = bid
+            table[list(entries)] = list(entries.values())
+            table.flags.writeable = False
             out[k.name] = table
         seq.tables = out
         return out

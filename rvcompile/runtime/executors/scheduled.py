@@ -109,14 +109,15 @@ class ScheduledExecutor:
         put("seq_len", np.where(positions >= 0, positions + 1, 1))
         put("last_row", [last_row])
         for kind in self.kinds.values():
-            tables = []
-            for c in chunks:
-                t = np.asarray(c.tables[kind.name], np.int32)
-                if t.shape != (kind.table_width,) or t.min() < 0 or t.max() >= kind.num_blocks:
-                    raise ValueError(f"block table for {kind.name!r} must hold "
-                                     f"{kind.table_width} ids in [0, {kind.num_blocks})")
-                tables.append(t)
-            put(self._io_field[kind.name], np.stack(tables)[chunk_of_row])
+            try:  # one copy of every lane's table (kv_blocks keeps them as int32 arrays)
+                tables = np.asarray([c.tables[kind.name] for c in chunks], np.int32)
+            except ValueError:  # tables of different lengths
+                tables = np.zeros((0, 0), np.int32)
+            if (tables.shape != (len(chunks), kind.table_width) or tables.min() < 0
+                    or tables.max() >= kind.num_blocks):
+                raise ValueError(f"block table for {kind.name!r} must hold "
+                                 f"{kind.table_width} ids in [0, {kind.num_blocks})")
+            put(self._io_field[kind.name], tables[chunk_of_row])
         samp = [chunks[i].sampling for i in chunk_of_row]
         for x in samp:
             if not (np.isfinite(x.temperature) and x.temperature >= 0 and x.top_k >= 0
