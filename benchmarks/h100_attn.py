@@ -4,10 +4,10 @@ pools, over batches and contexts; time of the split kernel + combine (median of 
 events), and GB/s of the K/V bytes the step must read (a K=V layer's one pool counted once).
 
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
-                                   [--cubin OTHER.cubin] [--json OUT]
+                                   [--cubin OTHER.cubin ...] [--json OUT]
 
---cubin times the same launches from another build of attn_decode.cu (an A/B of a change: the
-artifact's cubin and the other one, in one run, on the same inputs).
+--cubin times the same launches from other builds of attn_decode.cu (an A/B of a change: the
+checkout's cubin and the others, in one run, on the same inputs).
 """
 
 from __future__ import annotations
@@ -116,16 +116,17 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,64,256")
     ap.add_argument("--context", default="129,1200")
     ap.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--cubin", help="another build of attn_decode.cu to time beside it")
+    ap.add_argument("--cubin", action="append", default=[],
+                    help="another build of attn_decode.cu to time beside it (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
     ctx = CudaContext()
     cubins = {"built": compile_cubin(ad.SOURCE)}
-    if a.cubin:
-        cubins["other"] = Path(a.cubin).read_bytes()
+    for path in a.cubin:
+        cubins[Path(path).stem] = Path(path).read_bytes()
     rows = []
     print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
-          + " ".join(f"{k + ' us':>10} {'GB/s':>6}" for k in cubins), flush=True)
+          + " ".join(f"{k[:12] + ' us':>15} {'GB/s':>6}" for k in cubins), flush=True)
     for layer in LAYERS:
         for batch in map(int, a.batch.split(",")):
             for context in map(int, a.context.split(",")):
@@ -133,7 +134,7 @@ def main() -> None:
                        for k, c in cubins.items()}
                 first = next(iter(got.values()))
                 print(f"{layer[0]:13} {batch:4d} {context:5d} {first['splits']:6d} "
-                      + " ".join(f"{r['us']:10.1f} {r['gb_s']:6.0f}" for r in got.values()),
+                      + " ".join(f"{r['us']:15.1f} {r['gb_s']:6.0f}" for r in got.values()),
                       flush=True)
                 rows.append({"cubin": {k: r["us"] for k, r in got.items()}, **first})
     if a.json:
