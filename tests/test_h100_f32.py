@@ -123,6 +123,7 @@ class _LaunchByLaunch:
         self.ref = ReferenceDevice(schedule, art.buffer("weights"),
                                    bytes(art.buffer("constants")))
         self.gpu = CudaScheduleDevice(art, schedule, ctx, kv_blocks=self.ref.kv_blocks)
+        self.kv_blocks = self.ref.kv_blocks  # the pools both devices hold (ScheduleDevice)
         self.ctx, self.schedule = ctx, schedule
         self.worst: dict[str, float] = {}
 
