@@ -123,8 +123,27 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + jnp.tanh(c * (x + jnp.float32(0.044715) * x**3)))
 
 
+ROW_TILE = 32  # rows of a narrow (int8, bf16) table that one TPU memory tile holds
+ROW_TILE_ALIGN = 8 * ROW_TILE  # tables whose rows split into whole tiles on up to 8 devices
+
+
+def take_rows(table, ids):
+    """table[ids] for a [V, D] table, reading only the rows' tiles. TPU stores an int8 table
+    in tiles of 32 rows (T(32,128)) and gathers single rows only from 8-row tiles, so a plain
+    `jnp.take` makes XLA relayout the WHOLE table every call (measured on v6e: 336 MiB read and
+    written a decode step for the 31B's tied table). Viewed as [V / 32, 32, D] (a bitcast of
+    that layout) the lookup gathers each id's 32-row block and picks its row from it: the same
+    values, 32 rows read per id. Tables of 4-byte elements, or whose rows do not split into
+    whole tiles, keep the plain gather."""
+    v, d = table.shape
+    if table.dtype.itemsize >= 4 or v % ROW_TILE_ALIGN:
+        return jnp.take(table, ids, axis=0)
+    blocks = jnp.take(table.reshape(v // ROW_TILE, ROW_TILE, d), ids // ROW_TILE, axis=0)
+    return jnp.take_along_axis(blocks, (ids % ROW_TILE)[..., None, None], axis=-2)[..., 0, :]
+
+
 def embed(a, table, ids, row_scale=None):
-    rows = jnp.take(table, ids, axis=0).astype(jnp.float32)
+    rows = take_rows(table, ids).astype(jnp.float32)
     if row_scale is not None:
         rows = rows * jnp.take(row_scale, ids, axis=0)[..., None]
     return rows * jnp.float32(a.multiplier)
