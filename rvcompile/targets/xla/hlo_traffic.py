@@ -37,6 +37,15 @@ function's HLO names them by its parameters, given as `roots`):
   activations every other computed value (and constants)
 A write is classed as kv when the output aliases a KV operand, as temps or activations otherwise
 by the rule above.
+
+Whole copies (`Traffic.whole_copies`): a row that writes a temp after reading at least half of
+one weight matrix or embedding table (a stacked layer array counts per layer: its bytes over its
+leading axis) and writes at least half of what it read, other than an async `copy-start` into
+on-chip memory (TPU prefetches small weights into VMEM whole: read once, for their users). Such
+an instruction materializes a widened or relaid copy of a whole weight, where a decode step
+should read each weight byte once, in the instruction that uses it (TPU: a relayout of a
+gathered-from int8 table, a layer's experts sliced out of their stack before a gather; any
+target: a convert of a weight ahead of a dot).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import re
 from dataclasses import dataclass, field
 
 CLASSES = ("weights", "embeddings", "kv", "io", "temps", "activations")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                  "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2,
                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -185,6 +195,7 @@ class Row:
     written: float
     written_class: str
     on_chip: float  # of read + written, bytes in an on-chip memory space
+    whole_copy: bool = False  # copies at least half of a weight matrix or table (not a prefetch)
 
     @property
     def bytes(self) -> float:
@@ -212,6 +223,23 @@ class Traffic:
 
     def on_chip(self, scaled: bool = True) -> float:
         return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows)
+
+    def collectives(self) -> dict[str, dict[str, float]]:
+        """op ("all-reduce", "all-gather", ...) -> {"count": runs per call, "bytes": bytes per
+        call of their outputs (an all-reduce's message)}; async ops by their `*-start`."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.rows:
+            op = r.opcode.removesuffix("-start")
+            if op in COLLECTIVES:
+                c = out.setdefault(op, {"count": 0, "bytes": 0.0})
+                c["count"] += r.runs
+                c["bytes"] += r.written * r.runs
+        return out
+
+    def whole_copies(self) -> tuple[Row, ...]:
+        """Instructions that materialize a whole weight matrix or table (see `Row.whole_copy`):
+        a decode step should meet each weight byte once, in the instruction that uses it."""
+        return tuple(r for r in self.rows if r.whole_copy)
 
 
 class _Program:
@@ -278,7 +306,10 @@ class _Program:
         op = ins.opcode
         if op == "parameter":
             if comp.is_entry:
-                return _param_class(ins, self.roots), shape_bytes(ins.shape)
+                cls = _param_class(ins, self.roots)
+                if cls in ("weights", "embeddings"):  # one matrix: a stacked array's layer
+                    return cls, _matrix_bytes(ins)
+                return cls, shape_bytes(ins.shape)
             if comp_name in self.caller:
                 parent, call = self.caller[comp_name]
                 if call.opcode == "while":
@@ -336,6 +367,23 @@ def _branch_index(call: Instr, branch: str) -> int | None:
         names = [b.strip().lstrip("%") for b in m.group(1).split(",")]
         return names.index(branch) if branch in names else None
     return 0 if call.attr("true_computation") == branch else 1
+
+
+_STACKED = re.compile(r"g\d+\.\d+\.")  # a layer group's stacked weight (program.LayoutPlan)
+
+
+def _matrix_bytes(ins: Instr) -> float:
+    """Bytes of one matrix of a weight parameter: a stacked array's (program.LayoutPlan) over its
+    layers (the leading axis); infinite for vectors and scalars (norms, per-row scales), which
+    are never counted as whole copies."""
+    m = _ARG.search(ins.attrs)
+    dims = [int(d) for d in _ARRAY.search(ins.shape).group(2).split(",") if d]
+    if m and m.group(2) and _STACKED.match(m.group(2)):
+        dims = dims[1:]
+    if len([d for d in dims if d > 1]) < 2:
+        return math.inf
+    return shape_bytes(ins.shape) * math.prod(dims) / math.prod(
+        int(d) for d in _ARRAY.search(ins.shape).group(2).split(",") if d)
 
 
 def _param_class(ins: Instr, roots: tuple[str, str]) -> str:
@@ -441,9 +489,13 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     reads, written = _access(prog.comps, comp, ins)
     calls = (ins.attr("calls") or "") if ins.opcode == "fusion" else ""
     read = {c: 0.0 for c in CLASSES}
-    on_chip = 0.0
+    on_chip, whole = 0.0, False
     for k, b in reads.items():
-        read[prog.origin(comp.name, ins.operands[k])[0]] += b
+        cls, matrix = prog.origin(comp.name, ins.operands[k])
+        read[cls] += b
+        # at least half of one weight matrix (a stacked array's layer) or table read, and at
+        # least half as many bytes written: a widened or relaid copy of the whole thing
+        whole |= cls in ("weights", "embeddings") and b >= matrix / 2 and written >= b / 2
         if b and shape_bytes(shapes[k], on_chip_only=True):
             on_chip += b
     if shape_bytes(ins.shape, on_chip_only=True):
@@ -454,8 +506,11 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     elif out_class not in ("kv", "temps"):
         out_class = "activations"
     kind = ins.attr("kind") if ins.opcode == "fusion" else None
+    # an async prefetch into on-chip memory (TPU VMEM) reads the weight once, for its users
+    prefetch = ins.opcode == "copy-start" and shape_bytes(_tuple_element(ins.shape, 0), True)
     return Row(comp.name, ins.name, f"fusion:{kind}" if kind else ins.opcode, calls, runs,
-               {c: b for c, b in read.items() if b}, written, out_class, on_chip)
+               {c: b for c, b in read.items() if b}, written, out_class, on_chip,
+               whole and not prefetch and out_class == "temps")
 
 
 def _operand_shape(comp: Computation, name: str) -> str:
