@@ -7,10 +7,11 @@ they are, and the bytes it writes, and the number of times it runs in one call o
 
 Counting, per instruction, as XLA's HloCostAnalysis counts bytes accessed: each operand's bytes
 read plus the output's bytes written, with these refinements (the ones XLA makes for fusions): an
-operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads the slices' bytes; an
-operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and the write is
-the update's bytes; an async op (`*-start`) writes its output, not the operands its tuple shape
-repeats, and `slice-start` reads its slice. Nothing is counted for parameter, constant, tuple,
+operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it, or a nested fusion that
+only slices it) reads the slices' bytes; an operand only updated in place (operand 0 of
+`dynamic-update-slice` or `scatter`) reads nothing and the write is the update's bytes; an async
+op (`*-start`) writes its output, not the operands its tuple shape repeats, and `slice-start`
+reads its slice. Nothing is counted for parameter, constant, tuple,
 get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations
 they call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in
 an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also
@@ -395,15 +396,19 @@ def _param_class(ins: Instr, roots: tuple[str, str]) -> str:
     return "kv" if m.group(1) == roots[1] else "io"
 
 
-def _fused_reads(fused: Computation, param_bytes: dict[int, float]) -> tuple[dict, float | None]:
-    """Bytes a fusion reads of each operand (slices only where only sliced; nothing where only
-    updated in place), and the bytes it writes when its root updates in place (else None)."""
+def _fused_reads(fused: Computation, param_bytes: dict[int, float],
+                 comps: dict[str, Computation]) -> tuple[dict, float | None]:
+    """Bytes a fusion reads of each operand (slices only where only sliced, also by a nested
+    fusion that only slices it; nothing where only updated in place), and the bytes it writes
+    when its root updates in place (else None): a dynamic-update-slice, or a scatter whose
+    output aliases its operand, writes its update."""
     params = {int(re.match(r"\s*(\d+)", i.attrs).group(1)): i.name
               for i in fused.instrs.values() if i.opcode == "parameter"}
     users: dict[str, list[tuple[Instr, int]]] = {}
     for i in fused.instrs.values():
         for k, o in enumerate(i.operands):
             users.setdefault(o, []).append((i, k))
+
     def uses(name: str) -> list[tuple[Instr, int]]:
         """Users of `name`, looking through ops that only relayout it (copies, bitcasts, nested
         copy fusions): an element a slice does not take is never read."""
@@ -416,18 +421,28 @@ def _fused_reads(fused: Computation, param_bytes: dict[int, float]) -> tuple[dic
                 out.append((u, k))
         return out
 
+    def sliced(u: Instr, k: int, whole: float) -> float | None:
+        """Bytes that use `u` reads of its operand `k` if it reads part of it, else None."""
+        if k == 0 and u.opcode in _SLICERS:
+            return shape_bytes(u.shape)
+        if k == 0 and u.opcode in ("dynamic-update-slice", "scatter"):
+            return 0.0
+        if u.opcode == "fusion" and u.attr("calls") in comps:
+            got = _fused_reads(comps[u.attr("calls")], {k: whole}, comps)[0].get(k, whole)
+            return got if got < whole else None
+        return None
+
     reads = {}
     for n, pname in params.items():
-        us = uses(pname)
-        if us and all(k == 0 and (u.opcode in _SLICERS or u.opcode == "dynamic-update-slice")
-                      for u, k in us):
-            reads[n] = sum(shape_bytes(u.shape) for u, _ in us if u.opcode in _SLICERS)
-        else:
-            reads[n] = param_bytes.get(n, 0.0)
+        whole = param_bytes.get(n, 0.0)
+        parts = [sliced(u, k, whole) for u, k in uses(pname)]
+        reads[n] = sum(parts) if parts and None not in parts else whole
     root = fused.instrs[fused.root]
     roots = ([fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root])
     if all(r.opcode == "dynamic-update-slice" for r in roots):
         return reads, sum(shape_bytes(fused.instrs[r.operands[1]].shape) for r in roots)
+    if all(r.opcode == "scatter" and len(r.operands) == 3 for r in roots):
+        return reads, sum(shape_bytes(fused.instrs[r.operands[2]].shape) for r in roots)
     return reads, None
 
 
@@ -469,12 +484,14 @@ def _access(comps: dict[str, Computation], comp: Computation,
     nbytes = {k: shape_bytes(_operand_shape(comp, o)) for k, o in enumerate(ins.operands)}
     written = shape_bytes(ins.shape)
     if ins.opcode == "fusion":
-        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes)
+        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes, comps)
         return reads, (in_place if in_place is not None else written)
     if ins.opcode in _SLICERS:
         return {**nbytes, 0: written}, written
     if ins.opcode == "dynamic-update-slice":
         return {**nbytes, 0: 0.0}, nbytes.get(1, 0.0)
+    if ins.opcode == "scatter" and len(ins.operands) == 3:  # in place, as XLA emits it
+        return {**nbytes, 0: 0.0}, nbytes.get(2, 0.0)
     if ins.opcode == "copy-start":  # (destination, source, context)
         return nbytes, shape_bytes(_tuple_element(ins.shape, 0))
     if ins.opcode.endswith("-start") and ins.shape.startswith("("):
