@@ -8,8 +8,10 @@ once per iteration (measured: a 10-step scan of matmuls reports the flops of one
 layer groups are scans, so its totals are not used for the estimate.
 
 Estimate for B decode lanes, a roofline per device. The weights a step reads (`ReadModel`):
-dense arrays whole; MoE expert arrays only the experts the B tokens pick (the lowering's
-ragged_dot reads each token's top-k experts: an expected fraction 1 - (1 - k/E)^B of them);
+dense arrays whole; MoE expert arrays only the experts the B tokens pick (an expected fraction
+1 - (1 - k/E)^B of them: prefill's ragged_dot reads each picked expert once; decode slices each
+token's top-k experts, and under TP every device slices k per token, counting the ones other
+devices hold as zero, so the program reads up to tp x this share: its traffic table shows it);
 gather-only tables (the per-layer-input embedding) a few rows, taken as none.
   bytes(B) = dense + expert * fraction(B) + B * KV bytes per lane (the program gathers every
              block of a lane's table: the built context, whatever the sequence's length)

@@ -375,9 +375,12 @@ _STACKED = re.compile(r"g\d+\.\d+\.")  # a layer group's stacked weight (program
 
 def _matrix_bytes(ins: Instr) -> float:
     """Bytes of one matrix of a weight parameter: a stacked array's (program.LayoutPlan) over its
-    layers (the leading axis); infinite for vectors and scalars (norms, per-row scales), which
-    are never counted as whole copies."""
+    layers (the leading axis); infinite for vectors and scalars (norms) and for per-row scales
+    (`*.scale`, experts' scales stacked by expert too), which are never counted as whole
+    copies."""
     m = _ARG.search(ins.attrs)
+    if m and (m.group(2) or "").endswith(".scale"):
+        return math.inf
     dims = [int(d) for d in _ARRAY.search(ins.shape).group(2).split(",") if d]
     if m and m.group(2) and _STACKED.match(m.group(2)):
         dims = dims[1:]
