@@ -8,8 +8,9 @@ copy where the forms they replaced have one (so the check fails on them): an int
 lookup (lower.take_rows against jnp.take, which TPU serves by relayouting the whole table) and
 the MoE decode (lower.moe's picked experts against a gather of the chosen experts from a layer
 of the stacked experts, which TPU serves by copying the layer's whole expert array). The tiny
-model's whole decode program is checked by test_xla_topology's TPU build. The same child counts
-the one all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives), and
+model's whole decode program is checked by test_xla_topology's TPU build. The same child checks
+that a layer scan of dots (B = 4) reads each layer of the stacked weight once, and counts the one
+all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives), and
 the collectives term of the cost report is checked by hand.
 """
 
@@ -115,6 +116,17 @@ def _tpu_child() -> None:
     for name, (fn, *args) in forms.items():
         compiled = jax.jit(fn, device=dev[0]).lower(*args).compile()
         out[name] = [r.name for r in traffic(compiled.as_text(), ROOTS).whole_copies()]
+    # B = 4 rows through a layer scan of bf16 dots: TPU's dot fusion slices the layer out of
+    # the stacked int8 weight in a nested fusion; the table reads each layer once a call
+    stack = {"g0.0.w": sds((layers, 2048, 2048), jnp.int8)}
+
+    def dots(weights, x):
+        def body(h, w):
+            return jnp.tanh(lower.linear(None, h, w)), None
+        return jax.lax.scan(body, x, weights["g0.0.w"])[0]
+
+    compiled = jax.jit(dots, device=dev[0]).lower(stack, sds((4, 2048), jnp.float32)).compile()
+    out["dot_weights_read"] = traffic(compiled.as_text(), ROOTS).by_class()["weights"]["read"]
     # a row-parallel projection over 4 chips: one all-reduce of its [1, 4096] float32 output
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -140,6 +152,7 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     assert got["take_rows"] == [] and got["moe_picked"] == [], got
     assert got["take"] and got["moe_gathered"], got  # the check fails on the forms replaced
     assert got["collectives"] == {"all-reduce": {"count": 1, "bytes": 4096 * 4}}
+    assert got["dot_weights_read"] == 3 * 2048 * 2048
 
 
 def test_collectives_term():

@@ -124,7 +124,7 @@ def gelu_tanh(x):
 
 
 ROW_TILE = 32  # rows of a narrow (int8, bf16) table that one TPU memory tile holds
-ROW_TILE_ALIGN = 8 * ROW_TILE  # tables whose rows split into whole tiles on up to 8 devices
+ROW_TILE_ALIGN = 8 * ROW_TILE  # rows split into whole tiles on 1, 2, 4 or 8 devices
 
 
 def take_rows(table, ids):
@@ -134,8 +134,9 @@ def take_rows(table, ids):
     written a decode step for the 31B's tied table). Viewed as [V / 32, 32, D] (a bitcast of
     that layout) the lookup gathers each id's 32-row block and keeps its row by a masked sum
     over the block (a second gather fused with the first would be a row gather again), on the
-    rows' bits, so the values are the table's exactly. Tables of 4-byte elements, or whose rows
-    do not split into whole tiles on up to 8 devices, keep the plain gather."""
+    rows' bits, so the values are the table's exactly (out-of-range ids included). Tables of
+    4-byte elements, or whose rows do not split into whole tiles on 1, 2, 4 or 8 devices (TP
+    splits tables by row), keep the plain gather."""
     v, d = table.shape
     if table.dtype.itemsize >= 4 or v % ROW_TILE_ALIGN:
         return jnp.take(table, ids, axis=0)
