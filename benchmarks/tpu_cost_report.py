@@ -53,6 +53,9 @@ def report(model: str, context: int, args) -> dict:
     compiled = compile_entries(lowering.programs, lowering.manifest, topology_devices(topo),
                                names=(decode,))[decode]
     t_compile = time.perf_counter() - t0 - t_export
+    if args.hlo_dir:
+        with open(f"{args.hlo_dir}/{model}-{context}-tp{args.tp}.hlo.txt", "w") as f:
+            f.write(compiled.as_text())
     rep = cost_report(compiled, args.max_seqs, CHIPS[topo.generation], query_per_kv(ir),
                       ir.max_context, read_model(ir),
                       tuple(g["count"] for g in lowering.manifest["layer_groups"]))
@@ -70,6 +73,8 @@ def main() -> None:
     ap.add_argument("--topology", default="v6e:2x2")
     ap.add_argument("--max-seqs", type=int, default=1, help="decode lanes of the built program")
     ap.add_argument("--json", default=None, help="write the reports here")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="write each decode program's optimized HLO text into this folder")
     args = ap.parse_args()
     reports = []
     print("| model | context | B | per-device weights GiB | KV/seq GiB | roofline step ms "

@@ -105,6 +105,23 @@ def test_a_pool_carried_through_the_layer_scan_stays_kv():
     assert cls["temps"]["read"] == cls["temps"]["written"] == slices
 
 
+def test_a_pool_scattered_in_place_writes_its_rows():
+    """Paged KV_WRITE's shape: rows scattered into a donated pool through a block table update it
+    in place: the pool is not read, the rows are written."""
+    blocks, size, dim, lanes = 64, 16, 32, 4
+
+    def f(weights, pools, rows, block, slot):
+        return {"kv": pools["kv"].at[block, slot].set(rows @ weights["w"], mode="drop")}
+
+    compiled = jax.jit(f, donate_argnums=(1,)).lower(
+        {"w": sds((dim, dim), jnp.float32)}, {"kv": sds((blocks, size, dim), jnp.float32)},
+        sds((lanes, dim), jnp.float32), sds((lanes,), jnp.int32),
+        sds((lanes,), jnp.int32)).compile()
+    assert " scatter(" in compiled.as_text()
+    cls = traffic(compiled.as_text(), ROOTS).by_class()
+    assert cls["kv"] == {"read": 0.0, "written": lanes * dim * 4}
+
+
 def test_a_loop_without_a_readable_trip_count_is_counted_once_and_named():
     def f(weights, n):
         return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1])),

@@ -643,6 +643,11 @@ def test_build_for_a_tpu_topology(tmp_path):
     assert traffic["trips"] and not traffic["unknown_trips"]
     read = {c: v["read"] for c, v in traffic["classes"].items()}
     assert read["weights"] + read["embeddings"] >= dev["weight_bytes"] and read["kv"] > 0
+    # issue 19: the TPU decode program materializes no whole weight matrix or table
+    # (hlo_traffic.Traffic.whole_copies; tests/test_xla_decode_reads.py shows the check failing
+    # on the lowerings it replaced)
+    assert traffic["whole_copies"] == [], traffic["whole_copies"]
     r = subprocess.run([RVCOMPILE, "inspect", str(out), "--cost"], capture_output=True,
                        text=True, cwd=ROOT, env=env)
     assert r.returncode == 0 and "v6e:1x1: traffic, bytes per decode step" in r.stdout
+    assert "whole weight copies: none" in r.stdout

@@ -8,8 +8,10 @@ once per iteration (measured: a 10-step scan of matmuls reports the flops of one
 layer groups are scans, so its totals are not used for the estimate.
 
 Estimate for B decode lanes, a roofline per device. The weights a step reads (`ReadModel`):
-dense arrays whole; MoE expert arrays only the experts the B tokens pick (the lowering's
-ragged_dot reads each token's top-k experts: an expected fraction 1 - (1 - k/E)^B of them);
+dense arrays whole; MoE expert arrays only the experts the B tokens pick (an expected fraction
+1 - (1 - k/E)^B of them: prefill's ragged_dot reads each picked expert once; decode slices each
+token's top-k experts, and under TP every device slices k per token, counting the ones other
+devices hold as zero, so the program reads up to tp x this share: its traffic table shows it);
 gather-only tables (the per-layer-input embedding) a few rows, taken as none.
   bytes(B) = dense + expert * fraction(B) + B * KV bytes per lane (the program gathers every
              block of a lane's table: the built context, whatever the sequence's length)
@@ -29,14 +31,21 @@ the ratio as the same in every layer and at every batch (a heuristic).
 The traffic table (`traffic`, targets/xla/hlo_traffic.py): from the compiled program's optimized
 HLO, the bytes each top-level instruction reads (by class: weights, embeddings, kv, io, temps,
 activations) and writes, scaled by loop trip counts; kept compact: per-class totals and the
-TRAFFIC_TOP instructions that move the most bytes a step. Its `amplification` is its scaled total
-over the roofline's bytes at the built batch: the program's own answer to "how many bytes per byte
-needed", where `xla_amplification` above counts scan bodies once.
+TRAFFIC_TOP instructions that move the most bytes a step, and every whole copy of a weight matrix
+or table (hlo_traffic.Traffic.whole_copies: none in a program that reads each weight byte once,
+where it is used). Its `amplification` is its scaled total over the roofline's bytes at the built
+batch: the program's own answer to "how many bytes per byte needed", where `xla_amplification`
+above counts scan bodies once.
 
 Chip figures (per chip), from Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e and
 .../v6e): v5e 819 GB/s HBM, 197 bf16 TFLOP/s, 394 int8 TOP/s, 16 GiB; v6e 1640 GB/s (the page
 lists 1638), 918 bf16 TFLOP/s, 1836 int8 TOP/s, 32 GiB. Compute uses the bf16 peak: int8 weights
-are widened to bf16 before they meet the activations.
+are widened to bf16 before they meet the activations. ICI: v5e 1600 Gbps, v6e 3584 Gbps per chip.
+
+The traffic record also gives the built batch's step at the table's bytes: HBM time (its total
+over HBM bandwidth) plus a separate collectives term (`collectives_term`): the step's all-reduces
+and other collectives, counted and sized from the HLO, as ring transfers at the ICI bandwidth plus
+an ASSUMED fixed latency each (Google's pages give no latency figure).
 """
 
 from __future__ import annotations
@@ -63,12 +72,36 @@ class TpuChip:
     bf16_flops: float
     int8_ops: float
     hbm_bytes: int
+    ici_bytes_per_s: float = 0.0  # inter-chip interconnect, all 4 ports of one chip
 
 
 CHIPS: dict[str, TpuChip] = {
-    "v5e": TpuChip("v5e", "TPU v5 lite", 819e9, 197e12, 394e12, 16 * GiB),
-    "v6e": TpuChip("v6e", "TPU v6 lite", 1640e9, 918e12, 1836e12, 32 * GiB),
+    "v5e": TpuChip("v5e", "TPU v5 lite", 819e9, 197e12, 394e12, 16 * GiB, 1600e9 / 8),
+    "v6e": TpuChip("v6e", "TPU v6 lite", 1640e9, 918e12, 1836e12, 32 * GiB, 3584e9 / 8),
 }
+# Google's pages give ICI bandwidth, not a collective's latency. This is an ASSUMED fixed cost
+# per collective (launch and synchronization across the slice), a round figure, not a
+# measurement: the collectives term reports its count alongside so it can be rescaled.
+ASSUMED_COLLECTIVE_LATENCY_S = 5e-6
+# bytes each device sends per byte of a collective's output, on a ring of n devices
+_RING_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+                "reduce-scatter": lambda n: n - 1, "collective-permute": lambda n: 1.0,
+                "all-to-all": lambda n: (n - 1) / n}
+
+
+def collectives_term(collectives: dict[str, dict[str, float]], devices: int,
+                     chip: TpuChip) -> dict:
+    """The collectives of one step as time, apart from HBM time: each collective's output bytes
+    through a ring of `devices` at the chip's ICI bandwidth (Google's figure), plus
+    ASSUMED_COLLECTIVE_LATENCY_S per collective (an assumption)."""
+    count = sum(c["count"] for c in collectives.values())
+    wire = sum(_RING_FACTOR[op](devices) * c["bytes"] for op, c in collectives.items())
+    transfer = wire / chip.ici_bytes_per_s if devices > 1 and chip.ici_bytes_per_s else 0.0
+    latency = count * ASSUMED_COLLECTIVE_LATENCY_S if devices > 1 else 0.0
+    return {"devices": devices, "count": count, "by_op": collectives,
+            "transfer_ms": transfer * 1e3, "latency_ms": latency * 1e3,
+            "assumed_latency_us": ASSUMED_COLLECTIVE_LATENCY_S * 1e6,
+            "ms": (transfer + latency) * 1e3}
 
 
 @dataclass(frozen=True)
@@ -230,22 +263,35 @@ def cost_report(compiled_decode, max_seqs: int, chip: TpuChip, query_per_kv: int
                        "xla_amplification": fp.xla_amplification},
         "fits_at_max_seqs": fp.peak_bytes <= chip.hbm_bytes,
         "decode": rows,
-        "traffic": traffic_record(traffic(compiled_decode.as_text()), built["bytes"]),
+        "traffic": traffic_record(traffic(compiled_decode.as_text()), built["bytes"], chip,
+                                  _devices(compiled_decode)),
     }
 
 
-def traffic_record(table: Traffic, roofline_bytes: float, top: int = TRAFFIC_TOP) -> dict:
+def _devices(compiled) -> int:
+    """Devices the compiled program runs on (its mesh)."""
+    return jax.tree.leaves(compiled.input_shardings[0])[0].num_devices
+
+
+def traffic_record(table: Traffic, roofline_bytes: float, chip: TpuChip, devices: int,
+                   top: int = TRAFFIC_TOP) -> dict:
     """The manifest's compact traffic table: per-class totals and the top instructions, bytes
-    per call of the program (one decode step)."""
+    per call of the program (one decode step); the step at the table's bytes (HBM time) and
+    its collectives (`collectives_term`), at the built batch: estimates."""
     total = table.total()
     rows = sorted(table.rows, key=lambda r: -r.bytes * r.runs)[:top]
+    hbm_ms = total / chip.hbm_bytes_per_s * 1e3
+    coll = collectives_term(table.collectives(), devices, chip)
     return {
+        "hbm_ms": hbm_ms, "collectives": coll, "step_ms": hbm_ms + coll["ms"],
         "label": "bytes per decode step from the compiled HLO, loops scaled by trip count",
         "total_bytes": total, "once_bytes": table.total(scaled=False),
         "on_chip_bytes": table.on_chip(),
         "amplification": total / roofline_bytes if roofline_bytes else 0.0,
         "trips": dict(table.trips), "unknown_trips": list(table.unknown_trips),
         "classes": table.by_class(),
+        "whole_copies": [{"name": r.name, "op": r.opcode, "runs": r.runs, "read": r.read,
+                          "written": r.written} for r in table.whole_copies()],
         "top": [{"name": r.name, "op": r.opcode, "calls": r.calls, "runs": r.runs,
                  "read": r.read, "written": r.written, "written_class": r.written_class,
                  "on_chip": r.on_chip, "step_bytes": r.bytes * r.runs} for r in rows],
@@ -270,6 +316,19 @@ def format_traffic(name: str, t: dict) -> list[str]:
     for c in CLASSES:
         v = t["classes"][c]
         lines.append(f"    {c:12} {v['read'] / GiB:10.3f} {v['written'] / GiB:12.3f}")
+    if "collectives" in t:  # absent from reports made before issue 19
+        c = t["collectives"]
+        ops = ", ".join(f"{v['count']} {op} ({v['bytes'] / 2**20:.2f} MiB)"
+                        for op, v in sorted(c["by_op"].items()))
+        lines.append(f"    step at these bytes {t['hbm_ms']:.3f} ms HBM + {c['ms']:.3f} ms "
+                     f"collectives = {t['step_ms']:.3f} ms; collectives over {c['devices']} "
+                     f"devices: {ops or 'none'}; {c['transfer_ms']:.3f} ms at ICI bandwidth + "
+                     f"{c['latency_ms']:.3f} ms at an assumed {c['assumed_latency_us']:.0f} us "
+                     "each")
+    copies = t.get("whole_copies", [])  # absent from reports made before issue 19
+    lines.append(f"    whole weight copies: {len(copies) or 'none'}" + "".join(
+        f"; {c['name']} ({c['op']}, {c['runs']} x {c['written'] / 2**20:.1f} MiB)"
+        for c in copies))
     lines.append(f"    top instructions (GiB a step = runs x bytes a run): {'runs':>5} "
                  f"{'GiB/step':>9}  reads by class")
     for r in t["top"]:

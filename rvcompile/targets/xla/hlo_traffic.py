@@ -7,10 +7,11 @@ they are, and the bytes it writes, and the number of times it runs in one call o
 
 Counting, per instruction, as XLA's HloCostAnalysis counts bytes accessed: each operand's bytes
 read plus the output's bytes written, with these refinements (the ones XLA makes for fusions): an
-operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it) reads the slices' bytes; an
-operand only updated in place (operand 0 of `dynamic-update-slice`) reads nothing and the write is
-the update's bytes; an async op (`*-start`) writes its output, not the operands its tuple shape
-repeats, and `slice-start` reads its slice. Nothing is counted for parameter, constant, tuple,
+operand a fusion only slices (`dynamic-slice`, `slice`, `gather` of it, or a nested fusion that
+only slices it) reads the slices' bytes; an operand only updated in place (operand 0 of
+`dynamic-update-slice` or `scatter`) reads nothing and the write is the update's bytes; an async
+op (`*-start`) writes its output, not the operands its tuple shape repeats, and `slice-start`
+reads its slice. Nothing is counted for parameter, constant, tuple,
 get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations
 they call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in
 an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also
@@ -37,6 +38,15 @@ function's HLO names them by its parameters, given as `roots`):
   activations every other computed value (and constants)
 A write is classed as kv when the output aliases a KV operand, as temps or activations otherwise
 by the rule above.
+
+Whole copies (`Traffic.whole_copies`): a row that writes a temp after reading at least half of
+one weight matrix or embedding table (a stacked layer array counts per layer: its bytes over its
+leading axis) and writes at least half of what it read, other than an async `copy-start` into
+on-chip memory (TPU prefetches small weights into VMEM whole: read once, for their users). Such
+an instruction materializes a widened or relaid copy of a whole weight, where a decode step
+should read each weight byte once, in the instruction that uses it (TPU: a relayout of a
+gathered-from int8 table, a layer's experts sliced out of their stack before a gather; any
+target: a convert of a weight ahead of a dot).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import re
 from dataclasses import dataclass, field
 
 CLASSES = ("weights", "embeddings", "kv", "io", "temps", "activations")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                  "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2,
                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -185,6 +196,7 @@ class Row:
     written: float
     written_class: str
     on_chip: float  # of read + written, bytes in an on-chip memory space
+    whole_copy: bool = False  # copies at least half of a weight matrix or table (not a prefetch)
 
     @property
     def bytes(self) -> float:
@@ -212,6 +224,23 @@ class Traffic:
 
     def on_chip(self, scaled: bool = True) -> float:
         return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows)
+
+    def collectives(self) -> dict[str, dict[str, float]]:
+        """op ("all-reduce", "all-gather", ...) -> {"count": runs per call, "bytes": bytes per
+        call of their outputs (an all-reduce's message)}; async ops by their `*-start`."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.rows:
+            op = r.opcode.removesuffix("-start")
+            if op in COLLECTIVES:
+                c = out.setdefault(op, {"count": 0, "bytes": 0.0})
+                c["count"] += r.runs
+                c["bytes"] += r.written * r.runs
+        return out
+
+    def whole_copies(self) -> tuple[Row, ...]:
+        """Instructions that materialize a whole weight matrix or table (see `Row.whole_copy`):
+        a decode step should meet each weight byte once, in the instruction that uses it."""
+        return tuple(r for r in self.rows if r.whole_copy)
 
 
 class _Program:
@@ -278,7 +307,10 @@ class _Program:
         op = ins.opcode
         if op == "parameter":
             if comp.is_entry:
-                return _param_class(ins, self.roots), shape_bytes(ins.shape)
+                cls = _param_class(ins, self.roots)
+                if cls in ("weights", "embeddings"):  # one matrix: a stacked array's layer
+                    return cls, _matrix_bytes(ins)
+                return cls, shape_bytes(ins.shape)
             if comp_name in self.caller:
                 parent, call = self.caller[comp_name]
                 if call.opcode == "while":
@@ -338,6 +370,26 @@ def _branch_index(call: Instr, branch: str) -> int | None:
     return 0 if call.attr("true_computation") == branch else 1
 
 
+_STACKED = re.compile(r"g\d+\.\d+\.")  # a layer group's stacked weight (program.LayoutPlan)
+
+
+def _matrix_bytes(ins: Instr) -> float:
+    """Bytes of one matrix of a weight parameter: a stacked array's (program.LayoutPlan) over its
+    layers (the leading axis); infinite for vectors and scalars (norms) and for per-row scales
+    (`*.scale`, experts' scales stacked by expert too), which are never counted as whole
+    copies."""
+    m = _ARG.search(ins.attrs)
+    if m and (m.group(2) or "").endswith(".scale"):
+        return math.inf
+    dims = [int(d) for d in _ARRAY.search(ins.shape).group(2).split(",") if d]
+    if m and m.group(2) and _STACKED.match(m.group(2)):
+        dims = dims[1:]
+    if len([d for d in dims if d > 1]) < 2:
+        return math.inf
+    return shape_bytes(ins.shape) * math.prod(dims) / math.prod(
+        int(d) for d in _ARRAY.search(ins.shape).group(2).split(",") if d)
+
+
 def _param_class(ins: Instr, roots: tuple[str, str]) -> str:
     m = _ARG.search(ins.attrs)
     if not m:
@@ -347,15 +399,19 @@ def _param_class(ins: Instr, roots: tuple[str, str]) -> str:
     return "kv" if m.group(1) == roots[1] else "io"
 
 
-def _fused_reads(fused: Computation, param_bytes: dict[int, float]) -> tuple[dict, float | None]:
-    """Bytes a fusion reads of each operand (slices only where only sliced; nothing where only
-    updated in place), and the bytes it writes when its root updates in place (else None)."""
+def _fused_reads(fused: Computation, param_bytes: dict[int, float],
+                 comps: dict[str, Computation]) -> tuple[dict, float | None]:
+    """Bytes a fusion reads of each operand (slices only where only sliced, also by a nested
+    fusion that only slices it; nothing where only updated in place), and the bytes it writes
+    when its root updates in place (else None): a dynamic-update-slice, or a scatter whose
+    output aliases its operand, writes its update."""
     params = {int(re.match(r"\s*(\d+)", i.attrs).group(1)): i.name
               for i in fused.instrs.values() if i.opcode == "parameter"}
     users: dict[str, list[tuple[Instr, int]]] = {}
     for i in fused.instrs.values():
         for k, o in enumerate(i.operands):
             users.setdefault(o, []).append((i, k))
+
     def uses(name: str) -> list[tuple[Instr, int]]:
         """Users of `name`, looking through ops that only relayout it (copies, bitcasts, nested
         copy fusions): an element a slice does not take is never read."""
@@ -368,18 +424,28 @@ def _fused_reads(fused: Computation, param_bytes: dict[int, float]) -> tuple[dic
                 out.append((u, k))
         return out
 
+    def sliced(u: Instr, k: int, whole: float) -> float | None:
+        """Bytes that use `u` reads of its operand `k` if it reads part of it, else None."""
+        if k == 0 and u.opcode in _SLICERS:
+            return shape_bytes(u.shape)
+        if k == 0 and u.opcode in ("dynamic-update-slice", "scatter"):
+            return 0.0
+        if u.opcode == "fusion" and u.attr("calls") in comps:
+            got = _fused_reads(comps[u.attr("calls")], {k: whole}, comps)[0].get(k, whole)
+            return got if got < whole else None
+        return None
+
     reads = {}
     for n, pname in params.items():
-        us = uses(pname)
-        if us and all(k == 0 and (u.opcode in _SLICERS or u.opcode == "dynamic-update-slice")
-                      for u, k in us):
-            reads[n] = sum(shape_bytes(u.shape) for u, _ in us if u.opcode in _SLICERS)
-        else:
-            reads[n] = param_bytes.get(n, 0.0)
+        whole = param_bytes.get(n, 0.0)
+        parts = [sliced(u, k, whole) for u, k in uses(pname)]
+        reads[n] = sum(parts) if parts and None not in parts else whole
     root = fused.instrs[fused.root]
     roots = ([fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root])
     if all(r.opcode == "dynamic-update-slice" for r in roots):
         return reads, sum(shape_bytes(fused.instrs[r.operands[1]].shape) for r in roots)
+    if all(r.opcode == "scatter" and len(r.operands) == 3 for r in roots):
+        return reads, sum(shape_bytes(fused.instrs[r.operands[2]].shape) for r in roots)
     return reads, None
 
 
@@ -421,12 +487,14 @@ def _access(comps: dict[str, Computation], comp: Computation,
     nbytes = {k: shape_bytes(_operand_shape(comp, o)) for k, o in enumerate(ins.operands)}
     written = shape_bytes(ins.shape)
     if ins.opcode == "fusion":
-        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes)
+        reads, in_place = _fused_reads(comps[ins.attr("calls")], nbytes, comps)
         return reads, (in_place if in_place is not None else written)
     if ins.opcode in _SLICERS:
         return {**nbytes, 0: written}, written
     if ins.opcode == "dynamic-update-slice":
         return {**nbytes, 0: 0.0}, nbytes.get(1, 0.0)
+    if ins.opcode == "scatter" and len(ins.operands) == 3:  # in place, as XLA emits it
+        return {**nbytes, 0: 0.0}, nbytes.get(2, 0.0)
     if ins.opcode == "copy-start":  # (destination, source, context)
         return nbytes, shape_bytes(_tuple_element(ins.shape, 0))
     if ins.opcode.endswith("-start") and ins.shape.startswith("("):
@@ -441,9 +509,13 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     reads, written = _access(prog.comps, comp, ins)
     calls = (ins.attr("calls") or "") if ins.opcode == "fusion" else ""
     read = {c: 0.0 for c in CLASSES}
-    on_chip = 0.0
+    on_chip, whole = 0.0, False
     for k, b in reads.items():
-        read[prog.origin(comp.name, ins.operands[k])[0]] += b
+        cls, matrix = prog.origin(comp.name, ins.operands[k])
+        read[cls] += b
+        # at least half of one weight matrix (a stacked array's layer) or table read, and at
+        # least half as many bytes written: a widened or relaid copy of the whole thing
+        whole |= cls in ("weights", "embeddings") and b >= matrix / 2 and written >= b / 2
         if b and shape_bytes(shapes[k], on_chip_only=True):
             on_chip += b
     if shape_bytes(ins.shape, on_chip_only=True):
@@ -454,8 +526,11 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     elif out_class not in ("kv", "temps"):
         out_class = "activations"
     kind = ins.attr("kind") if ins.opcode == "fusion" else None
+    # an async prefetch into on-chip memory (TPU VMEM) reads the weight once, for its users
+    prefetch = ins.opcode == "copy-start" and shape_bytes(_tuple_element(ins.shape, 0), True)
     return Row(comp.name, ins.name, f"fusion:{kind}" if kind else ins.opcode, calls, runs,
-               {c: b for c, b in read.items() if b}, written, out_class, on_chip)
+               {c: b for c, b in read.items() if b}, written, out_class, on_chip,
+               whole and not prefetch and out_class == "temps")
 
 
 def _operand_shape(comp: Computation, name: str) -> str:

@@ -46,6 +46,7 @@ target weights it reads come from the target's arrays (`Program.weight`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from rvcompile.targets.xla.lower import (
     PagedSlice,
     cache_positions,
     filtered_probs,
+    moe,
     run_graph,
 )
 
@@ -266,14 +268,19 @@ class Program:
 
     def _paged_lowerings(self):
         """LOWERINGS with CACHE_POSITIONS sized by the block tables: the IR's ring semantics
-        over table_width * BLOCK_SIZE slots instead of the IR's contiguous cache size."""
+        over table_width * BLOCK_SIZE slots instead of the IR's contiguous cache size; under
+        tensor parallelism MOE given the mesh its experts are split over."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
         base = BLOCKWISE_LOWERINGS if attends_blockwise(self.ir) else LOWERINGS
-        return {**base, Op.CACHE_POSITIONS: positions}
+        lowerings = {**base, Op.CACHE_POSITIONS: positions}
+        if self.pool_shardings:  # tensor parallel: each device runs the picked experts it holds
+            mesh = next(iter(self.pool_shardings.values())).mesh
+            lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
+        return lowerings
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
                    lowerings):

@@ -13,7 +13,9 @@ inserts after the row-parallel O and down projections):
   num_experts % tp == 0 (26B-A4B: 128 experts, 32 per device at tp=4). XLA partitions the
   grouped matmuls (ragged_dot) by expert group: each device multiplies the rows routed to its
   own experts and one all-reduce sums them (no expert weight moves; checked in the compiled
-  HLO of the oracle's MoE case: the only all-gathers are the [E] int32 group sizes);
+  HLO of the oracle's MoE case: the only all-gathers are the [E] int32 group sizes). Decode
+  (no more pairs than experts) runs in shard_map over this split (lower.moe): each device
+  slices the picked experts it holds and one psum adds the devices' sums;
 - embedding tables (the token table, tied to the head, and the PLE table), values and per-row
   scales, split by vocabulary row. The head reads 1/tp of the tied table per device per decode
   step (the 31B's is 1.4 GB in int8, about 1/6 of its per-device bytes at tp=4), and the PLE
