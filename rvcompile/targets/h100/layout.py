@@ -44,7 +44,7 @@ from rvcompile.artifacts.kernel_schedule import (
     SamplerIo,
 )
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.ir.graph import ModelIR, resolve_param
+from rvcompile.ir.graph import ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
 from rvcompile.targets.h100.contract import Bound, ParamsValue
@@ -125,15 +125,19 @@ class WeightSlot:
 
 
 def _fused_groups(ir: ModelIR) -> list[list[str]]:
-    """Per layer, the weight names each MULTI_LINEAR / GATED_LINEAR reads in one launch:
-    [values..., scales...] in the order the kernel expects them."""
+    """Per layer (the drafter's too), the weight names each MULTI_LINEAR / GATED_LINEAR reads
+    in one launch: [values..., scales...] in the order the kernel expects them."""
+    layers = [(ir.layers[ir.layer_template[li]], lambda rel, spec=spec: resolve_param(rel, spec))
+              for li, spec in enumerate(ir.config.layers)]
+    if ir.assistant is not None:  # the drafter's layers (draft.py)
+        d = ir.assistant
+        layers += [(d.layers[t], lambda rel, i=i, read=read: resolve_draft_param(rel, i, read))
+                   for i, (t, read) in enumerate(zip(d.layer_template, d.reads, strict=True))]
     groups = []
-    for li, spec in enumerate(ir.config.layers):
-        g = ir.layers[ir.layer_template[li]]
+    for g, resolve in layers:
         for n in g.nodes:
             if n.op in (Op.MULTI_LINEAR, Op.GATED_LINEAR):
-                names = [resolve_param(g.nodes[i].attrs.name, spec) for i in n.inputs[1:]]
-                groups.append(names)
+                groups.append([resolve(g.nodes[i].attrs.name) for i in n.inputs[1:]])
     return groups
 
 
