@@ -465,7 +465,7 @@ def _drafter(s: At, io: dict[str, Field], version: int, rows: dict[str, list[int
     if rows["draft"] != rows["decode"]:
         s["entries"].fail(f"draft entries of rows {rows['draft']}: one beside each decode "
                           f"entry (rows {rows['decode']})")
-    for name, dtype in DRAFT_IO_FIELDS.items():
+    for name in DRAFT_IO_FIELDS:
         if name not in io:
             s["io"].fail(f"missing the drafter's io field {name!r}")
     state, step = io["draft_state"], io["draft_step"]

@@ -17,7 +17,8 @@ of draft i per lane: step + i, what the verify row checking it samples at). One 
 - the drafter's final norm, post_projection (the next state, [B, H] float32) and its tied head
   (logits [B, V]), sampled like decode (greedy lanes take the argmax).
 Outputs: `tokens` int32 [K, B], `logits` float32 [K * B, V] and `states` float32 [K * B, H]
-(row i * B + b: step i of lane b). Every step at the same position q: the target has not run the drafts yet.
+(row i * B + b: step i of lane b). Every step runs at the same position q: the target has not
+run the drafts yet.
 
 A centroid-masked head (use_ordered_embeddings, the small models' drafters) has no kernel yet:
 LoweringError.
