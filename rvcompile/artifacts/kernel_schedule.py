@@ -24,7 +24,11 @@ sequence's consecutive tokens; a CUDA graph) for verify calls wider than the wid
 entry, the widest max_seqs * (K + 1). From version 7 a one-GPU schedule also has
 `sampled_decode_{B}` and `sampled_prefill_{T}` beside every decode and prefill entry: the same
 model, with the sampler's extras (penalties, a token mask, log-probabilities) read from the
-`sampler` region (SamplerIo) and the log-probabilities among the outputs. Before a call the
+`sampler` region (SamplerIo) and the log-probabilities among the outputs. A schedule with an
+assistant drafter (version 9) has `draft_{B}` beside every decode_{B}: K drafter steps of B
+lanes from io tokens, draft_state and draft_step (the last io fields, which only draft calls
+write), returning tokens [K, B], logits and states; its decode and verify entries also return
+each row's state [rows, H] (what a draft call starts from). Before a call the
 host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
 row sees), one block-table row per token row and KV kind, the prefill's last real row, the
 sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the log-probabilities).

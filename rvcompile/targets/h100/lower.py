@@ -11,7 +11,9 @@ max_seqs * (K + 1), and that (CUDA graphs too); on one GPU also `sampled_decode_
 `sampled_prefill_{T}`: the same launches with the sampler's extras around the sampling
 (penalties, a token mask, log-probabilities: sample.py), so the plain entries keep their launch
 lists (the fast path) and a request with extras runs through these. Every `decode_{B}` ends with
-decode_advance (rows.py), the device side of the runtime's decode loop.
+decode_advance (rows.py), the device side of the runtime's decode loop. With an assistant in the
+IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the decode and verify
+entries also output every row's state (schedule version 9).
 
 Verify needs no kernels of its own: a decode entry already runs each row at its own position
 with its own block-table row, seq_len and sampling step, and every launch covers all rows
