@@ -6,6 +6,8 @@ CPU (the schedule on the reference device; the embedded default model, models/rv
 with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
 - the schedule: version 9, draft_1 and draft_2 as CUDA graphs, the draft io fields, states
   outputs on decode and verify entries; artifacts without an assistant stay at version 7;
+  `rvcompile inspect` shows the drafter; the manifest's assistant record comes with the draft
+  entries and only with them;
 - h100-f32's verify states, draft tokens, logits and states equal xla-f32's (the same model and
   assistant) on two lanes: tokens exactly, values within float32 rounding;
 - greedy with the assistant gives plain greedy's tokens on h100-f32 and h100-fp8 (48 tokens),
@@ -31,9 +33,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from h100_helpers import h100_context, own_tables, reference_executor
+from test_artifact_cli import RVCOMPILE, run
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
+from rvcompile.artifacts.format import ArtifactError
+from rvcompile.artifacts.manifest import parse_manifest
 from rvcompile.artifacts.kernel_schedule import (
     DRAFTER_SCHEDULE_VERSION,
     SCHEDULE_VERSION,
@@ -103,6 +108,35 @@ def test_schedule_has_the_drafter(built):
     plain = reference_model(built("h100-f32", assistant=None)).executor
     assert plain.schedule.version == SCHEDULE_VERSION and not has_drafter(plain)
     assert not any(n.startswith("draft_") for n in plain.schedule.entries)
+
+
+def test_inspect_shows_the_drafter(built):
+    path = built("h100-fp8")
+    p = run(RVCOMPILE, "inspect", str(path), "--json")
+    assert p.returncode == 0, p.stderr
+    a = json.loads(p.stdout)["assistant"]
+    assert (a["name"], a["hidden_size"], a["draft"]) == ("rv-gemma4-tiny-assistant", 128,
+                                                        ["draft_1", "draft_2"])
+    text = run(RVCOMPILE, "inspect", str(path)).stdout
+    assert "assistant         rv-gemma4-tiny-assistant (gemma4_assistant" in text
+    assert "entries draft_1, draft_2" in text and "version 9" in text
+
+
+def test_manifest_pairs_the_assistant_with_draft_entries(built):
+    art = Artifact.open(built("h100-f32"))
+    sizes = {name: s.size for name, s in art.sections.items()}
+    m = copy.deepcopy(dict(art.manifest))
+    del m["assistant"]
+    with pytest.raises(ArtifactError, match="an assistant comes with the h100 schedule's draft "
+                                            "entries"):
+        parse_manifest(art.header, m, sizes, "x.rvp")
+    plain = Artifact.open(built("h100-f32", assistant=None))
+    m = copy.deepcopy(dict(plain.manifest))
+    m["assistant"] = art.manifest["assistant"]
+    with pytest.raises(ArtifactError, match="an assistant comes with the h100 schedule's draft "
+                                            "entries"):
+        parse_manifest(plain.header, m, {n: s.size for n, s in plain.sections.items()},
+                       "x.rvp")
 
 
 def _two_lanes(ex):

@@ -189,6 +189,13 @@ class H100Target:
         if s.draft_tokens:
             info["draft_tokens"] = s.draft_tokens
             keys.append("draft_tokens")
+        d = manifest.assistant
+        if d is not None:
+            info["assistant"] = {
+                "name": d.name, "model_type": d.model_type, "origin": d.origin,
+                "hidden_size": d.hidden_size, "layers": list(d.layer_types),
+                "heads": d.num_heads, "intermediate_size": d.intermediate_size,
+                "draft": sorted(n for n in s.entries if n.startswith("draft_"))}
         tp = h100.tensor_parallel
         if tp is not None:  # the schedule shown is rank 0's
             steps = [x for e in s.entries.values() for x in e.launches
@@ -198,6 +205,14 @@ class H100Target:
                 "collectives": len(steps)}
             keys.append("tensor_parallel")
         lines = [field_line(k, info[k]) for k in keys]
+        if d is not None:
+            a = info["assistant"]
+            kinds = ", ".join(k.split("_")[0] for k in a["layers"])
+            lines.append(field_line("assistant", f"{a['name']} ({a['model_type']}, from "
+                                    f"{a['origin']}): width {a['hidden_size']}, "
+                                    f"{len(a['layers'])} layers ({kinds}), {a['heads']} query "
+                                    f"heads, MLP {a['intermediate_size']}; entries "
+                                    f"{', '.join(a['draft'])}"))
         return Summary(info, (*lines, *_schedule_lines(schedule)))
 
 
