@@ -38,12 +38,12 @@ from test_artifact_cli import RVCOMPILE, run
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.format import ArtifactError
-from rvcompile.artifacts.manifest import parse_manifest
 from rvcompile.artifacts.kernel_schedule import (
     DRAFTER_SCHEDULE_VERSION,
     SCHEDULE_VERSION,
     KernelSchedule,
 )
+from rvcompile.artifacts.manifest import parse_manifest
 from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Request
