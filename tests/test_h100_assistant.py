@@ -15,7 +15,7 @@ with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
 - a seeded sampled assistant request gives the tokens it gives without speculation (the H100
   verify accepts by exact match: no ratio rule there);
 - plain, n-gram and assistant requests (greedy and seeded) batched in one engine give their
-  solo tokens;
+  solo tokens, also when small KV pools make them preempt each other;
 - draft checks its lanes; a draft's logits are readable until the executor's next call only;
 - refusals: --assistant with --tp 2, a centroid-masked drafter head, schedules whose drafter
   parts do not fit.
@@ -212,6 +212,46 @@ def test_mixed_batch_gives_solo_tokens(built):
             got.setdefault(o.id, []).extend(o.token_ids)
     assert got == solo
     assert eng.stats().kv_used == {k: 0 for k in eng.stats().kv_used}
+
+
+def test_mixed_batch_with_preemption_gives_solo_tokens(built):
+    """Plain, assistant and n-gram requests, greedy and seeded, two at a time in one engine whose
+    full pool holds 5 blocks of 16 tokens (a 36-token sequence needs 3): they preempt each
+    other, and a preempted assistant request keeps its state (a host array) and drafts on."""
+    from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+    from rvcompile.targets.h100.reference_executor import reference_device
+
+    path = built("h100-f32")
+    art = Artifact.open(path)
+    solo_model = reference_model(path)
+    device = reference_device(art, kv_blocks={"full": 5, "sliding": 20})
+    small = Model(art, ScheduledExecutor(device.schedule, device), max_num_seqs=2,
+                  max_model_len=64)
+    prompt = prompt_ids(solo_model)
+    cases = []
+    for i, spec in enumerate([None, "assistant", "ngram", "assistant"]):
+        sampling = {"temperature": 0.7, "top_k": 20, "seed": i} if i % 2 else {}
+        cases.append((f"r{i}", prompt[:12 + i], spec, sampling))
+    solo = {rid: solo_model.generate(p, max_tokens=24, ignore_eos=True, speculative=spec,
+                                     **s).token_ids
+            for rid, p, spec, s in cases}
+    eng = small.engine
+    for rid, p, spec, s in cases:
+        eng.add(Request(rid, p, 24, Sampling(s.get("temperature", 0.0), s.get("top_k", 0),
+                                             1.0, s.get("seed", 0)), (), True,
+                        speculation=Speculation(spec) if spec else None))
+    got: dict[str, list[int]] = {}
+    preempted: set[str] = set()
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.id, []).extend(o.token_ids)
+        preempted |= {s.id for s in eng.scheduler.waiting if s.preemptions}
+    for rid, *_ in cases:
+        assert got[rid] == solo[rid], rid
+    assert preempted & {"r1", "r3"}, preempted
+    stats = eng.stats()
+    assert stats.preemptions > 0 and stats.drafted > 0
+    assert stats.kv_used == {k: 0 for k in stats.kv_used}
 
 
 def test_draft_checks_its_lanes(built):
