@@ -15,7 +15,7 @@ with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
 - a seeded sampled assistant request gives the tokens it gives without speculation (the H100
   verify accepts by exact match: no ratio rule there);
 - plain, n-gram and assistant requests (greedy and seeded) batched in one engine give their
-  solo tokens, also when small KV pools make them preempt each other;
+  solo tokens, with KV pools small enough that they preempt each other;
 - draft checks its lanes; a draft's logits are readable until the executor's next call only;
 - refusals: --assistant with --tp 2, a centroid-masked drafter head, schedules whose drafter
   parts do not fit.
@@ -189,29 +189,6 @@ def test_seeded_sampled_assistant_keeps_its_tokens(built):
     plain = m.generate(prompt, **kw).token_ids
     spec = m.generate(prompt, speculative="assistant", num_draft_tokens=2, **kw)
     assert spec.token_ids == plain and spec.drafted_tokens > 0
-
-
-def test_mixed_batch_gives_solo_tokens(built):
-    m = reference_model(built("h100-f32"))
-    prompt = prompt_ids(m)
-    cases = [("plain", prompt[:20], None, Sampling()),
-             ("assistant", prompt[:17], Speculation("assistant"), Sampling()),
-             ("ngram", prompt[:15], Speculation("ngram", 2), Sampling()),
-             ("seeded", prompt[:22], Speculation("assistant", 2), Sampling(0.7, 20, 1.0, 3))]
-    solo = {rid: m.generate(p, max_tokens=24, ignore_eos=True, temperature=s.temperature,
-                            top_k=s.top_k, seed=s.seed,
-                            speculative=spec and spec.method,
-                            num_draft_tokens=spec and spec.num_draft_tokens).token_ids
-            for rid, p, spec, s in cases}
-    eng = m.engine
-    for rid, p, spec, s in cases:
-        eng.add(Request(rid, p, 24, s, (), True, speculation=spec))
-    got: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            got.setdefault(o.id, []).extend(o.token_ids)
-    assert got == solo
-    assert eng.stats().kv_used == {k: 0 for k in eng.stats().kv_used}
 
 
 def test_mixed_batch_with_preemption_gives_solo_tokens(built):
