@@ -140,10 +140,16 @@ def test_manifest_pairs_the_assistant_with_draft_entries(built):
 
 
 def _two_lanes(ex):
-    """Two sequences prefilled, verified alone (their states), then drafted from together."""
-    prompts = [[(i * 37 + 11) % 8000 for i in range(13)], [(i * 91 + 5) % 8000 for i in range(9)]]
+    """Two sequences prefilled, verified alone (their states), then drafted from together. The
+    first is longer than the sliding window (128): its drafter queries see a window's edge."""
+    prompts = [[(i * 37 + 11) % 8000 for i in range(150)],
+               [(i * 91 + 5) % 8000 for i in range(9)]]
     tables = [own_tables(ex, i) for i in range(2)]
-    first = [ex.prefill(SeqChunk(p, 0, t)) for p, t in zip(prompts, tables, strict=True)]
+    first = []
+    for p, t in zip(prompts, tables, strict=True):
+        for s in range(0, len(p), ex.max_chunk):
+            tok = ex.prefill(SeqChunk(p[s:s + ex.max_chunk], s, t))
+        first.append(tok)
     verified = ex.verify([SeqChunk([x], len(p), t, step=1)
                           for x, p, t in zip(first, prompts, tables, strict=True)])
     lanes = [DraftLane(SeqChunk([v.tokens[0]], len(p) + 1, t, step=2), v.states[0])
