@@ -307,8 +307,11 @@ def _io_shape(name: str, shape: list[int]):
     (_io_shape("draft_state", [1, 256]), "expected float32 of shape [2, H], got float32 [1, 256]"),
     (_io_shape("draft_step", [2, 2]), "expected int32 of shape [3, 2], got int32 [2, 2]"),
     (lambda s: s["outputs"].pop("verify_8.states"), "missing output 'verify_8.states'"),
+    (lambda s: s["outputs"]["verify_8.out_tokens"].update(
+        offset=s["outputs"]["verify_8.out_tokens"]["offset"] - 256),
+     "must follow verify_8's previous output"),
 ], ids=["no-draft-entries", "old-version", "no-draft-step", "state-shape", "step-shape",
-        "no-states"])
+        "no-states", "tokens-apart"])
 def test_schedule_refuses_mismatched_drafter(built, change, needle):
     art = Artifact.open(built("h100-f32"))
     s = copy.deepcopy(art.manifest["h100"]["schedule"])

@@ -94,7 +94,7 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "[K, B], logits [K * B, V], states [K * B, H]), io fields draft_state "
                       "float32 [max_seqs, H] and draft_step int32 [K, max_seqs] after the "
                       "others, and every decode_{B} and verify_{R} outputs states [rows, H] "
-                      "besides out_tokens; only one-GPU schedules with a drafter carry "
+                      "right before out_tokens; only one-GPU schedules with a drafter carry "
                       "version 9, the others stay at 7 or 8 (and read as before)"),
 )
 SCHEDULE_VERSION = 7  # what a one-GPU build writes (a sampler; no collectives)
@@ -428,7 +428,7 @@ def _parse(s: At) -> KernelSchedule:
                     ("logits", "float32", (drafts * e.rows, vocab)),
                     ("states", "float32", (drafts * e.rows, hidden))]
         elif hidden and kind in ("decode", "verify") and not sampled:
-            want.append(("states", "float32", (e.rows, hidden)))
+            want.insert(0, ("states", "float32", (e.rows, hidden)))  # then out_tokens
         if sampled:
             k = sampler.top_logprobs
             want += [("logprob", "float32", (m,)), ("top_ids", "int32", (m, k)),
@@ -442,9 +442,9 @@ def _parse(s: At) -> KernelSchedule:
             if f.dtype != dtype or f.shape != shape:
                 outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
                                       f"{f.dtype} {list(f.shape)}")
-            if end is not None and f.offset != end and sampled:
+            if end is not None and f.offset != end and kind != "draft":
                 outputs_at[name].fail(f"must follow {e.name}'s previous output at byte {end} "
-                                      f"({', '.join(SAMPLED_OUTPUTS)} side by side)")
+                                      f"({', '.join(x for x, _, _ in want)} side by side)")
             end = f.offset + f.nbytes
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],

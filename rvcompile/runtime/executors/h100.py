@@ -142,10 +142,12 @@ class CudaScheduleDevice:
                     self.entries = {name: self._prepare(e)
                                     for name, e in schedule.entries.items()}
                     self.io_host = ctx.alloc_pinned(schedule.io_bytes)
-                    # token ids (and with a drafter, verify's states) come back every step
-                    # through pinned memory; logits and a draft's states (rare) need not
+                    # token ids (with a drafter, verify's states and the tokens after them:
+                    # one read) come back every step through pinned memory; logits and a
+                    # draft's states (rare) need not
                     self.out_host = ctx.alloc_pinned(max(
-                        f.nbytes for name, f in schedule.outputs.items()
+                        f.nbytes + (4 * f.shape[0] if name.endswith(".states") else 0)
+                        for name, f in schedule.outputs.items()
                         if name.endswith((".out_tokens", ".tokens"))
                         or (name.endswith(".states") and not name.startswith("draft_"))))
                     t1 = clock()

@@ -298,12 +298,13 @@ class ScheduledExecutor:
                       np.asarray(pos + [-1] * pad, np.int32),
                       np.minimum(np.arange(width), len(rows) - 1))
         entry = f"decode_{width}" if width in self.decode_buckets else f"verify_{width}"
-        got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
-        states: list = [()] * width
-        if self.has_drafter:
+        if self.has_drafter:  # [states | out_tokens] side by side: one read
             h = self.schedule.io["draft_state"].shape[1]
-            values = self._read(f"{entry}.states", len(rows) * h, np.float32)
-            states = [ScheduleState(x) for x in values.reshape(len(rows), h)]
+            raw = self._call(entry, io, "states", width * (h + 1), np.float32)
+            got = raw[width * h:].view(np.int32).tolist()
+            states = [ScheduleState(x) for x in raw[:len(rows) * h].reshape(len(rows), h)]
+        else:
+            got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
         out, at = [], 0
         for lane in lanes:
             n = len(lane.tokens)

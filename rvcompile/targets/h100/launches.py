@@ -153,6 +153,7 @@ class EntryLowering:
         self.ir, self.kind, self.m = ir, kind, rows
         self.sampled = sampled
         self.states = states
+        self.tokens_out: Ref | None = None  # where the sampler writes, when not its own buffer
         self.decode_loop_steps = decode_loop_steps
         self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
@@ -210,7 +211,9 @@ class EntryLowering:
         if len(norm) != 1 or g.nodes[norm[0].inputs[1]].op != Op.PARAM:
             raise LoweringError(f"graph {g.name}: expected one RMSNORM of h by a weight")
         hdim = self.cfg.hidden_size
-        y = self.buffer(self.m * hdim * 4)
+        # the sampled tokens right after the states: the host reads both at once
+        y = self.buffer(self.m * hdim * 4 + self.m * 4)
+        self.tokens_out = y.at(self.m * hdim * 4)
         self.emit(norms.RMSNORM_F32_ENTRY, norms.launch_geometry(self.m, hdim), x=self.h,
                   w=Ref("weights", g.nodes[norm[0].inputs[1]].attrs.name), y=y, H=hdim,
                   eps=norm[0].attrs.eps)
@@ -778,8 +781,8 @@ class EntryLowering:
         plan = sample.plan(m, v, SM_COUNT)
         k = sample.TOP_LOGPROBS
         # sampled: the token, its log-probability and the top ones, side by side (one read)
-        ws, out = self.buffer(plan.workspace), self.buffer(m * 4 * (2 + 2 * k if self.sampled
-                                                                     else 1))
+        ws = self.buffer(plan.workspace)
+        out = self.tokens_out or self.buffer(m * 4 * (2 + 2 * k if self.sampled else 1))
         io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
         cap = self.softcap or 0.0
         self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v, cap=cap,
