@@ -17,8 +17,9 @@ with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
 - plain, n-gram and assistant requests (greedy and seeded) batched in one engine give their
   solo tokens, with KV pools small enough that they preempt each other;
 - draft checks its lanes; a draft's logits are readable until the executor's next call only;
-- refusals: --assistant with --tp 2, a centroid-masked drafter head, schedules whose drafter
-  parts do not fit.
+- a centroid-masked head (the trained assistant with random centroids): drafts equal
+  xla-f32's, and greedy with it is plain greedy on h100-f32 and h100-fp8;
+- refusals: --assistant with --tp 2, schedules whose drafter parts do not fit.
 GPU (marked gpu, skipped without one): greedy with the assistant = plain greedy, and the CUDA
 device's drafts = the reference device's, on h100-f32 and h100-fp8.
 """
@@ -270,13 +271,15 @@ def test_refusals(built, tmp_path):
     assert not (tmp_path / "x.rvp").exists()
 
 
-def test_centroid_head_is_refused(tmp_path):
+@pytest.fixture(scope="module")
+def centroid_assistant(tmp_path_factory) -> Path:
+    """The default model's trained assistant with a centroid-masked head (the small models'
+    kind): random centroids and token ordering, the trained table."""
     from safetensors.numpy import load_file, save_file
 
     cfg = json.loads((ASSISTANT_DIR / "config.json").read_text())
     cfg["use_ordered_embeddings"] = True
-    out = tmp_path / "centroids"
-    out.mkdir()
+    out = tmp_path_factory.mktemp("centroids")
     (out / "config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(ASSISTANT_DIR / "model.safetensors"))
     c, v, d = cfg["num_centroids"], cfg["text_config"]["vocab_size"], 128
@@ -285,9 +288,34 @@ def test_centroid_head_is_refused(tmp_path):
         next(iter(tensors.values())).dtype)
     tensors["masked_embedding.token_ordering"] = rng.permutation(v).astype(np.int64)
     save_file(tensors, str(out / "model.safetensors"))
-    with pytest.raises(LoweringError, match="centroid-masked drafter head"):
-        build_artifact(str(MODEL_DIR), tmp_path / "x.rvp", BuildOptions("h100-f32", **OPTS),
-                       assistant=str(out), progress=False, log=lambda s: None)
+    return out
+
+
+def test_centroid_head_drafts_equal_xla_f32(built, centroid_assistant, tmp_path):
+    xla = tmp_path / "xla.rvp"
+    build_artifact(str(MODEL_DIR), xla, BuildOptions("xla-f32", platforms=("cpu",), **OPTS),
+                   assistant=str(centroid_assistant), progress=False, log=lambda s: None)
+    path = built("h100-f32", assistant=centroid_assistant)
+    kernels = {x["kernel"] for x in Artifact.open(path).manifest["h100"]["schedule"]["entries"][
+        "draft_1"]["launches"]}
+    assert {"centroid_select", "centroid_score_f32", "centroid_fill"} <= kernels
+    h = _two_lanes(reference_model(path).executor)
+    x = _two_lanes(runtime.load(xla).executor)
+    assert h[:3] == x[:3]
+    for lane in range(2):
+        # the unscored tokens (the row's smallest scored logit - 1) are the same ones
+        assert np.array_equal(h[3][lane] == h[3][lane].min(-1, keepdims=True),
+                              x[3][lane] == x[3][lane].min(-1, keepdims=True))
+        np.testing.assert_allclose(h[3][lane], x[3][lane], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_centroid_head_greedy_assistant_is_plain_greedy(built, centroid_assistant, target):
+    m = reference_model(built(target, assistant=centroid_assistant))
+    prompt = prompt_ids(m)
+    plain = m.generate(prompt, max_tokens=24, ignore_eos=True)
+    spec = m.generate(prompt, max_tokens=24, ignore_eos=True, speculative="assistant")
+    assert spec.token_ids == plain.token_ids and spec.drafted_tokens > 0
 
 
 def _drop_draft_entries(s: dict) -> None:

@@ -20,14 +20,16 @@ Outputs: `tokens` int32 [K, B], `logits` float32 [K * B, V] and `states` float32
 (row i * B + b: step i of lane b). Every step runs at the same position q: the target has not
 run the drafts yet.
 
-A centroid-masked head (use_ordered_embeddings, the small models' drafters) has no kernel yet:
-LoweringError.
+A centroid-masked head (use_ordered_embeddings, the small models' drafters) scores only its top
+clusters' tokens (draft_rows.py's centroid_select, centroid_score and centroid_fill, after the
+centroid GEMV), every other token getting the smallest of those minus 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import DraftIR, Graph, ModelIR, readers, resolve_draft_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import draft_rows, norms, sample
@@ -111,10 +113,8 @@ class DraftLowering(EntryLowering):
         g = self.d.draft_out
         out = dict(g.outputs)
         post = _node(g, out["hidden"], Op.LINEAR)
-        if g.nodes[out["logits"]].op == Op.CENTROID_HEAD:
-            raise LoweringError("a centroid-masked drafter head (use_ordered_embeddings) has "
-                                "no H100 kernel yet; drafters with a dense tied head build")
-        head = _node(g, out["logits"], Op.LINEAR)
+        centroids = g.nodes[out["logits"]].op == Op.CENTROID_HEAD
+        head = _node(g, out["logits"], Op.CENTROID_HEAD if centroids else Op.LINEAR)
         norm = _node(g, post.node.inputs[0], Op.RMSNORM)
         if head.node.inputs[0] != post.node.inputs[0] or not norm.is_arg(0, "h"):
             raise LoweringError(f"graph {g.name}: expected post_projection and the head over "
@@ -127,9 +127,45 @@ class DraftLowering(EntryLowering):
         values, scales = self.linear_weights(post, 1, 1)
         self.gemv(n, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
                   state, self.m, hb, dim)
+        if centroids:
+            self.centroid_head(g, head, n, logits)
+            return
         values, scales = self.linear_weights(head, 1, 1)
         self.product(n, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
                      logits, self.m, v, dim)
+
+    def centroid_head(self, g: Graph, head: _At, n: Ref, logits: Ref) -> None:
+        """CENTROID_HEAD(n, LINEAR(n, centroids), token_ordering, table): the centroid logits
+        (a GEMV), the top clusters' tokens, their logits, the rest filled (draft_rows.py)."""
+        a, m = head.node.attrs, self.m
+        router = _node(g, head.node.inputs[1], Op.LINEAR)
+        if router.node.inputs[0] != head.node.inputs[0]:
+            raise LoweringError(f"graph {g.name}: centroid logits of another input than the "
+                                "head's")
+        values, scales = self.linear_weights(router, 1, 1)
+        if scales:
+            raise LoweringError("quantized centroid weights; the centroid GEMV takes bf16 or "
+                                "float32 (they stay unquantized, as a router)")
+        table, ordering = head.weight(3), head.weight(2)
+        dtype = self.specs[table].dtype
+        entry = {"bfloat16": draft_rows.SCORE_ENTRY,
+                 "float32": draft_rows.SCORE_F32_ENTRY}.get(dtype)
+        if entry is None or self.lin_size != numpy_dtype(dtype).itemsize:
+            raise LoweringError(f"centroid head table of dtype {dtype} beside "
+                                f"{'float32' if self.f32 else 'bf16'} activations")
+        vocab, dim = self.specs[table].shape
+        per = vocab // a.clusters
+        cl = self.buffer(m * a.clusters * 4)
+        self.gemv(n, Ref("weights", values[0]), None, cl, m, a.clusters, dim)
+        count = a.top_k * per
+        ids, sel = self.buffer(m * count * 4), self.buffer(m * count * 4)
+        self.emit(draft_rows.SELECT_ENTRY, draft_rows.select_geometry(m, a.clusters), cl=cl,
+                  ordering=Ref("weights", ordering), ids=ids, C=a.clusters, T=per,
+                  top_k=a.top_k)
+        self.emit(entry, draft_rows.score_geometry(m, count), h=n, table=Ref("weights", table),
+                  ids=ids, sel=sel, N=count, D=dim)
+        self.emit(draft_rows.FILL_ENTRY, draft_rows.fill_geometry(m), sel=sel, ids=ids,
+                  logits=logits, N=count, V=vocab)
 
     def sample_step(self, logits: Ref, out: Ref, i: int) -> None:
         """The decode sampler (no softcap) over step i's logits, at RNG step draft_step[i]."""
