@@ -20,8 +20,9 @@ with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
 - a centroid-masked head (the trained assistant with random centroids): drafts equal
   xla-f32's, and greedy with it is plain greedy on h100-f32 and h100-fp8;
 - refusals: --assistant with --tp 2, schedules whose drafter parts do not fit.
-GPU (marked gpu, skipped without one): greedy with the assistant = plain greedy, and the CUDA
-device's drafts = the reference device's, on h100-f32 and h100-fp8.
+GPU (marked gpu, skipped without one): greedy with the assistant (dense and centroid heads) =
+plain greedy over 256 tokens, the CUDA device's drafts = the reference device's, on h100-f32
+and h100-fp8; a mixed batch on h100-fp8 gives its solo tokens.
 """
 
 from __future__ import annotations
@@ -352,10 +353,12 @@ def test_schedule_refuses_mismatched_drafter(built, change, needle):
 # ---------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head", ["dense", "centroids"])
 @pytest.mark.parametrize("target", TARGETS)
-def test_gpu_greedy_assistant_is_plain_greedy(built, target):
+def test_gpu_greedy_assistant_is_plain_greedy(built, centroid_assistant, target, head):
     h100_context()
-    m = runtime.load(built(target))
+    m = runtime.load(built(target, **({"assistant": centroid_assistant} if head == "centroids"
+                                      else {})))
     prompt = prompt_ids(m)
     plain = m.generate(prompt, max_tokens=256, ignore_eos=True)
     spec = m.generate(prompt, max_tokens=256, ignore_eos=True, speculative="assistant")
@@ -364,6 +367,29 @@ def test_gpu_greedy_assistant_is_plain_greedy(built, target):
           f"{spec.decode_tok_s:.0f} tok/s")
     assert spec.token_ids == plain.token_ids
     assert spec.accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_batch_gives_solo_tokens(built):
+    h100_context()
+    m = runtime.load(built("h100-fp8"))
+    prompt = prompt_ids(m)
+    cases = [("plain", prompt[:20], None, Sampling()),
+             ("assistant", prompt[:17], Speculation("assistant"), Sampling()),
+             ("ngram", prompt[:15], Speculation("ngram", 2), Sampling()),
+             ("seeded", prompt[:22], Speculation("assistant", 2), Sampling(0.7, 20, 1.0, 3))]
+    solo = {rid: m.generate(p, max_tokens=64, ignore_eos=True, temperature=s.temperature,
+                            top_k=s.top_k, seed=s.seed, speculative=spec and spec.method,
+                            num_draft_tokens=spec and spec.num_draft_tokens).token_ids
+            for rid, p, spec, s in cases}
+    eng = m.engine
+    for rid, p, spec, s in cases:
+        eng.add(Request(rid, p, 64, s, (), True, speculation=spec))
+    got: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.id, []).extend(o.token_ids)
+    assert got == solo
 
 
 @pytest.mark.gpu
