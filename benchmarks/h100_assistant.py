@@ -15,7 +15,8 @@ prefilled:
   verify call (k + 1 rows: decode_{2,4,8} or verify_{R}); k = 0 is a decode call that also
   returns its state;
 - draft: one draft call (draft_1: always K drafter steps); per token = draft / K;
-- with --batch B (<= max_seqs): verify(k) and draft at B lanes too (the c = 8 question).
+- with --batch B (<= max_seqs): decode, verify(k) and draft at B lanes too, and the same table
+  for B lanes (the c = 8 question).
 The table: tok/s at B = 1 for accepted length a (tokens a round yields, the bonus token
 included: what random weights cannot show, so it is tabulated) and k drafts a round, a round
 costing k draft tokens (k x the per-token cost: what an artifact built with
@@ -89,15 +90,28 @@ def costs(ex, lanes, prompt: int, k_max: int, reps: int) -> dict:
     return {"verify_ms": verify, "draft_ms": draft}
 
 
-def table(decode_ms: float, draft_token_ms: float, verify_ms: dict[int, float]) -> list[dict]:
+def table(decode_ms: float, draft_token_ms: float, verify_ms: dict[int, float],
+          lanes: int = 1) -> list[dict]:
+    """Per accepted length a: tok/s of `lanes` lanes each yielding a tokens a round of k draft
+    tokens plus verify(k), for every k that can yield a; the best k, and its rate over plain
+    decoding's (lanes tokens a decode step)."""
     rows = []
     for a in ACCEPTED:
-        rates = {k: a / ((k * draft_token_ms + verify_ms[k]) / 1e3)
+        rates = {k: lanes * a / ((k * draft_token_ms + verify_ms[k]) / 1e3)
                  for k in verify_ms if k >= 1 and k + 1 >= a}
         best = max(rates, key=rates.get)
         rows.append({"accepted": a, "tok_s": rates, "best_k": best, "best_tok_s": rates[best],
-                     "vs_decode": rates[best] * decode_ms / 1e3})
+                     "vs_decode": rates[best] * decode_ms / 1e3 / lanes})
     return rows
+
+
+def print_table(rows: list[dict], k_max: int) -> None:
+    print("a     " + "".join(f"k={k:<7}" for k in range(1, k_max + 1)) + "best")
+    for r in rows:
+        cells = "".join(f"{r['tok_s'][k]:<9.1f}" if k in r["tok_s"] else f"{'-':<9}"
+                        for k in range(1, k_max + 1))
+        print(f"{r['accepted']:<5} {cells}k={r['best_k']}: {r['best_tok_s']:.1f} "
+              f"({r['vs_decode']:.2f}x decode)")
 
 
 def main() -> None:
@@ -134,12 +148,7 @@ def main() -> None:
     rows = table(decode_ms, per_token, b1["verify_ms"])
     result["table"] = rows
     print("\ntok/s at B = 1 by accepted length a (a round: k draft tokens + verify(k))")
-    print("a     " + "".join(f"k={k:<7}" for k in range(1, k_max + 1)) + "best")
-    for r in rows:
-        cells = "".join(f"{r['tok_s'][k]:<9.1f}" if k in r["tok_s"] else f"{'-':<9}"
-                        for k in range(1, k_max + 1))
-        print(f"{r['accepted']:<5} {cells}k={r['best_k']}: {r['best_tok_s']:.1f} "
-              f"({r['vs_decode']:.2f}x decode)")
+    print_table(rows, k_max)
     if args.batch and args.batch <= ex.max_seqs:
         lanes = prefilled(ex, rng, vocab, args.batch, args.prompt, k_max + 1)
         wide = [SeqChunk([tok], args.prompt, tables, step=1) for tables, tok, _ in lanes]
@@ -149,6 +158,11 @@ def main() -> None:
         print(f"\nB = {args.batch}: decode {decode_b:.2f} ms; draft call {bb['draft_ms']:.2f} ms; "
               "verify ms by k: " + ", ".join(f"{k}: {ms:.2f}" for k, ms in
                                             bb["verify_ms"].items()))
+        wide_rows = table(decode_b, bb["draft_ms"] / k_max, bb["verify_ms"], args.batch)
+        result[f"b{args.batch}"]["table"] = wide_rows
+        print(f"tok/s at B = {args.batch} (every lane the same accepted length a; plain: "
+              f"{args.batch * 1e3 / decode_b:.1f})")
+        print_table(wide_rows, k_max)
     prompt = rng.integers(0, vocab, args.prompt).tolist()
     plain = m.generate(prompt, max_tokens=args.gen, ignore_eos=True)
     spec = m.generate(prompt, max_tokens=args.gen, ignore_eos=True, speculative="assistant",
