@@ -26,6 +26,10 @@ decode_sampled run the sampled entries, writing the lanes' SampleExtras into the
 region (kernel_schedule.SamplerIo) with the io in one copy, and read the token, its
 log-probability and the top ones back in one read. An older schedule has none (top_logprobs
 0: the engine refuses requests that need them, request_limits.NO_EXTRAS).
+
+Speculative decoding (executor_api's "Speculative decoding"): `verify` runs a lane's token and
+drafts as rows of a decode-like entry; with an assistant drafter (schedule version 9) it also
+returns each row's state and `draft` runs the draft entries (the section below says how).
 """
 
 from __future__ import annotations

@@ -219,23 +219,18 @@ class EntryLowering:
                   eps=norm[0].attrs.eps)
         self.outputs["states"] = (y, "float32", (self.m, hdim))
 
-    def lowerers(self) -> dict[Op, Callable]:
-        """The table from op to its launches (LOWER; a subclass may extend it)."""
-        return LOWER
-
     def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict,
              resolve: Callable[[str], str] | None = None) -> dict:
         """Lower g, its ARGs named in `inputs` bound to those values; its outputs' values.
         `resolve`: the full name of a PARAM (default: by `spec`, or the name itself)."""
         env: dict[int, object] = {}
         users = readers(g)
-        table = self.lowerers()
         for idx, n in enumerate(g.nodes):
             if n.op == Op.ARG and n.attrs.name in inputs:
                 env[idx] = inputs[n.attrs.name]
                 continue
             try:
-                env[idx] = table.get(n.op, EntryLowering.no_kernel)(
+                env[idx] = LOWER.get(n.op, EntryLowering.no_kernel)(
                     self, _At(g, idx, spec, env, users[idx], resolve))
             except LoweringError as e:
                 raise LoweringError(f"graph {g.name}, node %{idx} ({n.op.value}): {e}") from None
