@@ -368,8 +368,9 @@ def test_int8_drafter_against_the_ir(int8_artifact):
      ("gemma-4-31B-assistant does not fit gemma-4-tiny", "backbone_hidden_size 5376")),
     (["--assistant", "gemma-4-nonesuch", "--target", "xla-f32"],
      ("--assistant gemma-4-nonesuch: not an assistant directory",)),
-    (["--assistant", "gemma-4-tiny-assistant", "--target", "h100-fp8", "--platforms", "cuda"],
-     ("--assistant: target h100-fp8 has no assistant drafter",)),
+    (["--assistant", "gemma-4-tiny-assistant", "--target", "h100-fp8", "--platforms", "cuda",
+      "--tp", "2"],
+     ("--assistant with --tp 2: target h100-fp8 drafts on one GPU only",)),
     (["--assistant", "gemma-4-tiny-assistant", "--target", "xla-f32",
       "--num-draft-tokens", "15"], ("--num-draft-tokens 15: with --assistant, expected 1 to 14",)),
 ])

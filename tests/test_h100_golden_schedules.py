@@ -24,7 +24,8 @@ constants; and again when the KV pools moved out of the arena's fixed part
 to be sized at load (schedule version 7): in every case each pointer into the old KV region
 became a "pool" argument naming the pool at that offset, every offset past the region moved
 down by its size, the kinds lost num_blocks and kv.pools was added, and nothing else changed
-(checked case by case against dumps at the base commit).
+(checked case by case against dumps at the base commit). The drafter cases (MODEL+assistant)
+were added with the H100 assistant drafter (issue 15), the other cases' hashes unchanged.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
@@ -48,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from rvcompile.build import BuildOptions, lower_model
-from rvcompile.model.presets import get_preset
+from rvcompile.model.presets import get_assistant_preset, get_preset
 from rvcompile.sources.checkpoint import read_config
 from rvcompile.sources.model_source import ModelSource
 
@@ -59,7 +60,12 @@ MODELS = ("gemma-4-tiny", "gemma-4-tiny-dense", "rv-gemma4-tiny", "gemma-4-E2B",
 TARGETS = (("h100-fp8", "float"), ("h100-f32", "float"), ("h100-fp8", "fp8"))
 PLANS = {"a": {"max_seqs": 4, "prefill_buckets": (16, 64), "max_context": 2048},
          "b": {"max_seqs": 3, "prefill_buckets": (1, 5, 40), "max_context": 512}}
-CASES = [f"{m}:{t}:{kv}:{p}" for m in MODELS for t, kv in TARGETS for p in PLANS]
+# With an assistant drafter (MODEL+assistant: the preset's, 3 draft tokens): the draft entries
+# and the decode / verify entries' states (schedule version 9); the dense and centroid heads.
+DRAFTERS = ("gemma-4-tiny", "gemma-4-tiny-dense", "gemma-4-31B")
+CASES = [f"{m}:{t}:{kv}:{p}" for m in MODELS for t, kv in TARGETS for p in PLANS] + [
+    f"{m}+assistant:{t}:float:a" for m in DRAFTERS for t in ("h100-fp8", "h100-f32")]
+DRAFT_TOKENS = 3
 
 
 def _config(model: str):
@@ -71,11 +77,15 @@ def canonical(case: str) -> dict:
     from rvcompile.targets.h100.lower import lower_to_h100
 
     model, target, kv, plan = case.split(":")
+    model, drafter = model.removesuffix("+assistant"), model.endswith("+assistant")
     cfg = _config(model)
     source = ModelSource(cfg, (), "", {}, None, model)  # shape only: no tensors are read
-    opts = BuildOptions(target, kv_cache=kv, **PLANS[plan])
-    ir = lower_model(source, opts, log=lambda s: None)
-    low = lower_to_h100(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets)
+    drafts = DRAFT_TOKENS if drafter else 0
+    opts = BuildOptions(target, kv_cache=kv, draft_tokens=drafts, **PLANS[plan])
+    assistant = get_assistant_preset(f"{model}-assistant") if drafter else None
+    ir = lower_model(source, opts, log=lambda s: None, assistant=assistant)
+    low = lower_to_h100(ir, max_seqs=opts.max_seqs, prefill_buckets=opts.prefill_buckets,
+                        draft_tokens=drafts)
     return {
         "schedule": low.schedule.to_json(),
         "constants_sha256": hashlib.sha256(low.constants).hexdigest(),

@@ -24,7 +24,11 @@ sequence's consecutive tokens; a CUDA graph) for verify calls wider than the wid
 entry, the widest max_seqs * (K + 1). From version 7 a one-GPU schedule also has
 `sampled_decode_{B}` and `sampled_prefill_{T}` beside every decode and prefill entry: the same
 model, with the sampler's extras (penalties, a token mask, log-probabilities) read from the
-`sampler` region (SamplerIo) and the log-probabilities among the outputs. Before a call the
+`sampler` region (SamplerIo) and the log-probabilities among the outputs. A schedule with an
+assistant drafter (version 9) has `draft_{B}` beside every decode_{B}: K drafter steps of B
+lanes from io tokens, draft_state and draft_step (the last io fields, which only draft calls
+write), returning tokens [K, B], logits and states; its decode and verify entries also return
+each row's state [rows, H] (what a draft call starts from). Before a call the
 host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
 row sees), one block-table row per token row and KV kind, the prefill's last real row, the
 sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the log-probabilities).
@@ -85,11 +89,19 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "read (rebuild the artifact)"),
     ("2026-11-25", 8, "a --tp rank's schedule: version 7 with collective steps (as 5 was) and "
                       "no sampler, with or without draft_tokens"),
+    ("2026-11-25", 9, "an assistant drafter (issue 15): version 7 with draft_tokens K and "
+                      "`draft_{B}` beside every decode_{B} (K drafter steps; outputs tokens "
+                      "[K, B], logits [K * B, V], states [K * B, H]), io fields draft_state "
+                      "float32 [max_seqs, H] and draft_step int32 [K, max_seqs] after the "
+                      "others, and every decode_{B} and verify_{R} outputs states [rows, H] "
+                      "right before out_tokens; only one-GPU schedules with a drafter carry "
+                      "version 9, the others stay at 7 or 8 (and read as before)"),
 )
 SCHEDULE_VERSION = 7  # what a one-GPU build writes (a sampler; no collectives)
 TP_SCHEDULE_VERSION = 8  # what the ranks of a --tp build write (collectives; no sampler)
+DRAFTER_SCHEDULE_VERSION = 9  # a one-GPU build with an assistant drafter (draft entries)
 MIN_SCHEDULE_VERSION = 7
-MAX_SCHEDULE_VERSION = TP_SCHEDULE_VERSION  # the newest this reader takes
+MAX_SCHEDULE_VERSION = DRAFTER_SCHEDULE_VERSION  # the newest this reader takes
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params", "pool")
 # as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes); "pool":
@@ -112,7 +124,9 @@ IO_DTYPES = ("int32", "float32")
 IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_row": "int32",
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
-ENTRY_KINDS = ("decode", "prefill", "logits", "verify")
+ENTRY_KINDS = ("decode", "prefill", "logits", "verify", "draft")
+# the draft entries' io fields (version 9): float32 [max_seqs, H] and int32 [K, max_seqs]
+DRAFT_IO_FIELDS = {"draft_state": "float32", "draft_step": "int32"}
 SAMPLED = "sampled_"  # the sampled entries' prefix: sampled_decode_{B}, sampled_prefill_{T}
 # The sample_io fields in their order, each one value per decode lane (max_seqs) but the pool
 # (int32 [max_seqs * (mask_words + 2 * penalty_ids)]), which comes last: the host writes io,
@@ -299,6 +313,11 @@ class KernelSchedule:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
 
+    @property
+    def has_drafter(self) -> bool:
+        """An assistant drafter's draft entries (version 9)."""
+        return self.version == DRAFTER_SCHEDULE_VERSION
+
     def pool_offsets(self, blocks: dict[str, int]) -> tuple[tuple[int, ...], int]:
         """(each pool's arena byte offset, in kv.pools order; the whole arena's bytes) when each
         pool holds blocks[its kind] blocks: the pools one after another after the fixed part,
@@ -395,6 +414,7 @@ def _parse(s: At) -> KernelSchedule:
             io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
                              f"rows), got {f.dtype} {list(f.shape)}")
     _sampled_entries(s["entries"], entries, sampler is not None)
+    hidden = _drafter(s, io, v, rows, drafts, max_seqs)
     outputs_at = s["outputs"]
     outputs = {name: _field(f, arena) for name, f in outputs_at.members().items()}
     for e in entries.values():
@@ -403,6 +423,12 @@ def _parse(s: At) -> KernelSchedule:
         m = e.rows if kind in ("decode", "verify") else 1
         want = ([("logits", "float32", (e.rows, vocab))] if kind == "logits"
                 else [("out_tokens", "int32", (m,))])
+        if kind == "draft":
+            want = [("tokens", "int32", (drafts, e.rows)),  # [step, lane]; rows step * B + lane:
+                    ("logits", "float32", (drafts * e.rows, vocab)),
+                    ("states", "float32", (drafts * e.rows, hidden))]
+        elif hidden and kind in ("decode", "verify") and not sampled:
+            want.insert(0, ("states", "float32", (e.rows, hidden)))  # then out_tokens
         if sampled:
             k = sampler.top_logprobs
             want += [("logprob", "float32", (m,)), ("top_ids", "int32", (m, k)),
@@ -416,9 +442,9 @@ def _parse(s: At) -> KernelSchedule:
             if f.dtype != dtype or f.shape != shape:
                 outputs_at[name].fail(f"expected {dtype} of shape {list(shape)}, got "
                                       f"{f.dtype} {list(f.shape)}")
-            if end is not None and f.offset != end:
+            if end is not None and f.offset != end and kind != "draft":
                 outputs_at[name].fail(f"must follow {e.name}'s previous output at byte {end} "
-                                      f"({', '.join(SAMPLED_OUTPUTS)} side by side)")
+                                      f"({', '.join(x for x, _, _ in want)} side by side)")
             end = f.offset + f.nbytes
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
@@ -427,6 +453,34 @@ def _parse(s: At) -> KernelSchedule:
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
         params_templates=templates, draft_tokens=drafts, sampler=sampler)
+
+
+def _drafter(s: At, io: dict[str, Field], version: int, rows: dict[str, list[int]],
+             drafts: int, max_seqs: int) -> int:
+    """A version 9 schedule's drafter: draft_{B} beside every decode_{B} (and none in other
+    versions), draft_tokens, and the draft io fields; returns the state width H (0: none)."""
+    if version != DRAFTER_SCHEDULE_VERSION:
+        if rows["draft"]:
+            s["entries"].fail(f"has draft entries (rows {rows['draft']}) but version {version} "
+                              f"(a drafter's schedule is version {DRAFTER_SCHEDULE_VERSION})")
+        return 0
+    if not drafts:
+        s.fail(f"a version {version} schedule (a drafter's) has draft_tokens")
+    if rows["draft"] != rows["decode"]:
+        s["entries"].fail(f"draft entries of rows {rows['draft']}: one beside each decode "
+                          f"entry (rows {rows['decode']})")
+    for name in DRAFT_IO_FIELDS:
+        if name not in io:
+            s["io"].fail(f"missing the drafter's io field {name!r}")
+    state, step = io["draft_state"], io["draft_step"]
+    hidden = state.shape[1] if len(state.shape) == 2 else 0
+    if state.dtype != "float32" or state.shape != (max_seqs, hidden) or not hidden:
+        s["io"]["draft_state"].fail(f"expected float32 of shape [{max_seqs}, H], got "
+                                    f"{state.dtype} {list(state.shape)}")
+    if step.dtype != "int32" or step.shape != (drafts, max_seqs):
+        s["io"]["draft_step"].fail(f"expected int32 of shape [{drafts}, {max_seqs}], got "
+                                   f"{step.dtype} {list(step.shape)}")
+    return hidden
 
 
 def _draft_tokens(s: At, max_chunk: int) -> int:
@@ -572,10 +626,10 @@ def _field(at: At, region: tuple[int, int]) -> Field:
 
 def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int, pools: int,
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
-    m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits|verify)_"
+    m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits|verify|draft)_"
                      r"([1-9][0-9]{0,6})", key)
     if not m:
-        at.fail("an entry point is named decode_N, prefill_N, logits_N, verify_N, "
+        at.fail("an entry point is named decode_N, prefill_N, logits_N, verify_N, draft_N, "
                 "sampled_decode_N or sampled_prefill_N")
     name = at["name"].str()
     rows = at["rows"].int(1, MAX_ROWS)
@@ -586,7 +640,7 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int, pools: 
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}
     names: set[str] = set()  # argument names already checked
     kernels: set[str] = set()  # kernel names already checked
-    launches = tuple(_collective(x, arena_bytes) if version >= TP_SCHEDULE_VERSION
+    launches = tuple(_collective(x, arena_bytes) if version == TP_SCHEDULE_VERSION
                      and isinstance(x.value, dict) and "op" in x.value
                      else _launch(x, cubins, ranges, names, kernels, templates)
                      for x in at["launches"].items(1))

@@ -34,7 +34,8 @@ Fields (format v3; required unless marked optional):
                       (ceil(vocab / 32))} (v5): prefill_T and decode_B take penalties, a token
                       mask and the top log-probabilities wanted, and return log-probabilities
                       (targets/xla/sampler.py)
-    assistant         optional (with xla.speculative.draft) the assistant drafter: {"name": str,
+    assistant         optional (with xla.speculative.draft, or an h100 schedule of version 9:
+                      its draft entries) the assistant drafter: {"name": str,
                       "origin": str, "config": its config.json as
                       model.assistant.AssistantConfig.to_hf_dict writes it}; of the config,
                       `_assistant` checks what `inspect` shows and that it drafts for this model
@@ -292,8 +293,13 @@ def _manifest(header: ArtifactHeader, m: At, sections: dict[str, int]) -> Manife
                                 "and only with it")
         assistant = _assistant(drafter, model, xla.speculative) if drafter is not None else None
         return Manifest(model, header.target, runtime, xla, None, assistant, provenance)
-    return Manifest(model, header.target, runtime, None, _h100(m["h100"], req, header, model,
-                                                                 sections), None, provenance)
+    h100 = _h100(m["h100"], req, header, model, sections)
+    drafter = m.get("assistant")
+    if (drafter is not None) != h100.schedule.has_drafter:
+        (drafter or m).fail("an assistant comes with the h100 schedule's draft entries (version "
+                            "9), and only with them")
+    assistant = _assistant(drafter, model, None) if drafter is not None else None
+    return Manifest(model, header.target, runtime, None, h100, assistant, provenance)
 
 
 TOOLS = ("rvcompile", "numpy", "ml_dtypes", "jax", "jaxlib", "libtpu", "nvcc")
@@ -526,7 +532,9 @@ def _speculative(at: At, max_seqs: int, max_chunk: int, model: ModelInfo) -> Xla
     return XlaSpeculative(k, verify, draft and draft.value, hidden, reads)
 
 
-def _assistant(at: At, model: ModelInfo, spec: XlaSpeculative) -> AssistantInfo:
+def _assistant(at: At, model: ModelInfo, spec: XlaSpeculative | None) -> AssistantInfo:
+    """The assistant record; `spec`: an XLA artifact's speculative entry points (None: an h100
+    artifact's, whose schedule records no layer reads)."""
     c = at["config"]
     c.obj()
     model_type = c["model_type"].str(("gemma4_assistant", "gemma4_unified_assistant"))
@@ -538,7 +546,7 @@ def _assistant(at: At, model: ModelInfo, spec: XlaSpeculative) -> AssistantInfo:
         t["vocab_size"].fail(f"{t['vocab_size'].value}, not the model's {model.vocab_size}")
     layers = t["num_hidden_layers"].int(1, MAX_DIM)
     kinds = tuple(k.str(LAYER_TYPES) for k in t["layer_types"].items(layers, layers))
-    if len(spec.reads) != layers:
+    if spec is not None and len(spec.reads) != layers:
         At(list(spec.reads), "manifest.xla.speculative.reads").fail(
             f"names {len(spec.reads)} layers; the assistant has {layers}")
     centroids = top_k = 0

@@ -233,10 +233,11 @@ class Drafted:
 
     tokens: list[int]  # the n drafted tokens
     logits: object  # float32 [n, vocab] as an array-like (np.asarray copies it to the host): the
-    # drafter's logits at each step, kept on the device until asked for
+    # drafter's logits at each step, kept on the device until asked for (an executor whose
+    # device memory the next call reuses, h100's, refuses to read them after that call)
     states: object  # float32 [n, H], likewise: the drafter's projected state after each step
     draft_probs: object = None  # opaque: the distribution each draft was sampled from, for
-    # verify's ratio rule (SeqChunk.draft_probs)
+    # verify's ratio rule (SeqChunk.draft_probs); None: verify checks the drafts by exact match
 
 
 class Executor(Protocol):

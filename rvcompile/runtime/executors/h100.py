@@ -142,11 +142,14 @@ class CudaScheduleDevice:
                     self.entries = {name: self._prepare(e)
                                     for name, e in schedule.entries.items()}
                     self.io_host = ctx.alloc_pinned(schedule.io_bytes)
-                    # token ids come back every step through pinned memory; logits (rare)
-                    # need not
+                    # token ids (with a drafter, verify's states and the tokens after them:
+                    # one read) come back every step through pinned memory; logits and a
+                    # draft's states (rare) need not
                     self.out_host = ctx.alloc_pinned(max(
-                        4 * f.shape[0] for name, f in schedule.outputs.items()
-                        if name.endswith(".out_tokens")))
+                        f.nbytes + (4 * f.shape[0] if name.endswith(".states") else 0)
+                        for name, f in schedule.outputs.items()
+                        if name.endswith((".out_tokens", ".tokens"))
+                        or (name.endswith(".states") and not name.startswith("draft_"))))
                     t1 = clock()
                     for name, e in schedule.entries.items():
                         if e.graph:

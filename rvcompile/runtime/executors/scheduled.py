@@ -26,18 +26,24 @@ decode_sampled run the sampled entries, writing the lanes' SampleExtras into the
 region (kernel_schedule.SamplerIo) with the io in one copy, and read the token, its
 log-probability and the top ones back in one read. An older schedule has none (top_logprobs
 0: the engine refuses requests that need them, request_limits.NO_EXTRAS).
+
+Speculative decoding (executor_api's "Speculative decoding"): `verify` runs a lane's token and
+drafts as rows of a decode-like entry; with an assistant drafter (schedule version 9) it also
+returns each row's state and `draft` runs the draft entries (the section below says how).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.runtime.executor_api import (
+    Drafted,
+    DraftLane,
     KvKind,
     LoopLane,
     Sampled,
@@ -89,13 +95,20 @@ class ScheduledExecutor:
         history = s.io.get("loop_tokens")
         self.decode_loop_steps = 0 if history is None else min(history.shape[0], self.max_chunk)
         self.decode_loop_stops = DECODE_LOOP_STOPS
+        # the io bytes every call writes: all but the draft entries' fields, which come last and
+        # only draft calls write
+        self._io_bytes = (s.io["draft_state"].offset - s.io_offset if s.has_drafter
+                          else s.io_bytes)
+        self._runs = 0  # entries run so far: a DeviceRows reads only until the next one
 
     # -- io
 
     def _io(self, rows: int, chunks: Sequence[SeqChunk], tokens, positions, chunk_of_row,
-            last_row: int = 0) -> bytes:
+            last_row: int = 0, seq_len=None, io_bytes: int | None = None) -> bytes:
+        """The io region's first `io_bytes` (default: all but the draft fields) for a call of
+        `rows` rows; seq_len defaults to each row's position + 1 (1 for padding)."""
         s = self.schedule
-        io = bytearray(s.io_bytes)
+        io = bytearray(io_bytes or self._io_bytes)
 
         def put(name: str, values) -> None:
             f = s.io[name]
@@ -106,7 +119,8 @@ class ScheduledExecutor:
         positions = np.asarray(positions, np.int32)
         put("tokens", tokens)
         put("positions", positions)
-        put("seq_len", np.where(positions >= 0, positions + 1, 1))
+        put("seq_len", np.where(positions >= 0, positions + 1, 1) if seq_len is None
+            else seq_len)
         put("last_row", [last_row])
         for kind in self.kinds.values():
             try:  # one copy of every lane's table (kv_blocks keeps them as int32 arrays)
@@ -133,8 +147,16 @@ class ScheduledExecutor:
 
     def _call(self, entry: str, io: bytes, output: str, count: int, dtype) -> np.ndarray:
         self.device.write(self.schedule.io_offset, io)
+        self._run(entry)
+        return self._read(f"{entry}.{output}", count, dtype)
+
+    def _run(self, entry: str) -> None:
+        self._runs += 1
         self.device.run(entry)
-        f = self.schedule.outputs[f"{entry}.{output}"]
+
+    def _read(self, output: str, count: int, dtype) -> np.ndarray:
+        """The first `count` values of an output of the entry just run."""
+        f = self.schedule.outputs[output]
         nbytes = count * np.dtype(dtype).itemsize
         return np.frombuffer(self.device.read(f.offset, nbytes), dtype).copy()
 
@@ -211,7 +233,7 @@ class ScheduledExecutor:
         ran = 0
         while True:
             for _ in range(min(group, steps - ran)):
-                self.device.run(entry)
+                self._run(entry)
             ran = min(ran + group, steps)
             log = np.frombuffer(self.device.read(history.offset, ran * b * 4),
                                 np.int32).reshape(ran, b)
@@ -227,22 +249,31 @@ class ScheduledExecutor:
         n, v = len(chunk.tokens), self.schedule.vocab_size
         return self._call(f"logits_{t}", io, "logits", n * v, np.float32).reshape(n, v)
 
-    # -- speculative decoding (executor_api, "Speculative decoding"): n-gram drafts only
+    # -- speculative decoding (executor_api, "Speculative decoding")
     #
     # A verify call is a decode call: a decode entry runs each row at its own position with its
     # own block-table row and sampling step, writing every row's KV before any attention reads
     # the cache (targets/h100/lower.py), so a lane's token and drafts at positions p..p+k are
     # k + 1 rows of it, row i sampled at step + i as `decode` would sample it. The rows of all
     # lanes, padded to the narrowest entry holding them: decode_{B}, or beyond the widest one
-    # the schedule's verify_{R} (built with --num-draft-tokens K). No drafter: `draft` is not
-    # offered and Verified.states is empty.
-
-    has_drafter = False
+    # the schedule's verify_{R} (built with --num-draft-tokens K). With an assistant drafter
+    # (schedule version 9) those entries also output each row's state (the target's
+    # final-normed hidden state), which verify reads back with the tokens (a ScheduleState:
+    # float32 [H] on the host), and `draft` runs draft_{B} (targets/h100/draft.py): K drafter
+    # steps from each lane's token and state, written into the io with the call's other
+    # inputs. Verify accepts every lane by exact match: `draft` returns no draft_probs (the
+    # ratio rule has no H100 kernels yet), so sampled assistant drafts are checked as the
+    # n-gram ones are, which keeps the target's tokens, at a lower acceptance than the rule.
 
     @property
     def max_draft_tokens(self) -> int:
         """K: most drafts one verify lane takes (the schedule's draft_tokens; 0: no verify)."""
         return self.schedule.draft_tokens
+
+    @property
+    def has_drafter(self) -> bool:
+        """`draft` is offered: the schedule has an assistant drafter's entries."""
+        return self.schedule.has_drafter
 
     def verify(self, lanes: Sequence[SeqChunk]) -> list[Verified]:
         k = self.max_draft_tokens
@@ -258,8 +289,8 @@ class ScheduledExecutor:
             if not 1 <= n <= k + 1:
                 raise ValueError(f"verify lane of {n} tokens: a token and 0 to {k} drafts")
             if lane.draft_probs is not None:
-                raise ValueError("draft_probs come from an assistant's draft; this artifact "
-                                 "has no drafter")
+                raise ValueError("draft_probs (the ratio rule) are not taken by this "
+                                 "executor: it accepts drafts by exact match")
             if lane.start + n > self.max_context:
                 raise ValueError(f"positions up to {lane.start + n} exceed the context "
                                  f"{self.max_context}")
@@ -272,12 +303,66 @@ class ScheduledExecutor:
                       np.asarray(pos + [-1] * pad, np.int32),
                       np.minimum(np.arange(width), len(rows) - 1))
         entry = f"decode_{width}" if width in self.decode_buckets else f"verify_{width}"
-        got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
+        if self.has_drafter:  # [states | out_tokens] side by side: one read
+            h = self.schedule.io["draft_state"].shape[1]
+            raw = self._call(entry, io, "states", width * (h + 1), np.float32)
+            got = raw[width * h:].view(np.int32).tolist()
+            states = [ScheduleState(x) for x in raw[:len(rows) * h].reshape(len(rows), h)]
+        else:
+            got = self._call(entry, io, "out_tokens", width, np.int32).tolist()
         out, at = [], 0
         for lane in lanes:
-            out.append(Verified(got[at:at + len(lane.tokens)], ()))
-            at += len(lane.tokens)
+            n = len(lane.tokens)
+            out.append(Verified(got[at:at + n], tuple(states[at:at + n])
+                                if self.has_drafter else ()))
+            at += n
         return out
+
+    def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
+        """n (1..K) drafts per lane from draft_{B} (B the narrowest decode width holding the
+        lanes), which always runs K steps; the first n are returned. Drafted.logits and
+        .states read the entry's outputs from the device when asked, until the next call."""
+        if not self.has_drafter:
+            raise ValueError("the artifact has no assistant drafter (rvcompile build "
+                             "--assistant)")
+        k = self.max_draft_tokens
+        if not 1 <= n <= k:
+            raise ValueError(f"{n} drafts: draft makes 1 to {k}")
+        if not 0 < len(lanes) <= self.max_seqs:
+            raise ValueError(f"{len(lanes)} draft lanes; the schedule takes 1..{self.max_seqs}")
+        s = self.schedule
+        state_field, h = s.io["draft_state"], s.io["draft_state"].shape[1]
+        b = next(x for x in self.decode_buckets if x >= len(lanes))
+        toks = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        states = np.zeros((s.max_seqs, h), np.float32)
+        steps = np.zeros((k, s.max_seqs), np.int32)
+        for i, lane in enumerate(lanes):
+            c = lane.chunk
+            if len(c.tokens) != 1 or not isinstance(lane.state, ScheduleState) \
+                    or lane.state.values.shape != (h,):
+                raise ValueError("a draft lane is one token and a state from this executor's "
+                                 "verify")
+            if not 1 <= c.start < self.max_context:
+                raise ValueError(f"a draft lane's position {c.start} is outside [1, "
+                                 f"{self.max_context})")
+            toks[i], pos[i] = c.tokens[0], c.start
+            states[i] = lane.state.values
+            steps[:, i] = c.step + np.arange(k)
+        chunks = [lane.chunk for lane in lanes]
+        # a drafter query at q sees the target's keys [.., q - 1]: seq_len q
+        io = bytearray(self._io(b, chunks, toks, pos, np.minimum(np.arange(b), len(lanes) - 1),
+                                seq_len=np.where(pos >= 0, pos, 1), io_bytes=s.io_bytes))
+        for f, arr in ((state_field, states), (s.io["draft_step"], steps)):
+            at = f.offset - s.io_offset
+            io[at:at + arr.nbytes] = arr.tobytes()
+        entry = f"draft_{b}"
+        got = self._call(entry, bytes(io), "tokens", k * b, np.int32).reshape(k, b)
+        runs, v = self._runs, s.vocab_size
+        return [Drafted(got[:n, i].tolist(),
+                        DeviceRows(self, runs, f"{entry}.logits", (k, b, v), i, n),
+                        DeviceRows(self, runs, f"{entry}.states", (k, b, h), i, n))
+                for i in range(len(lanes))]
 
     # -- the sampler's extras (sampled entries; module docstring)
 
@@ -305,8 +390,10 @@ class ScheduledExecutor:
             raise ValueError("this artifact's schedule has no sampled entry points (built "
                              "before them); rebuild it")
         extras = self._sample_io(lanes)
+        # sample_io starts where the whole io region ends (past the draft fields, if any)
+        io = io.ljust(self.schedule.io_bytes, b"\0")
         self.device.write(self.schedule.io_offset, io + extras)
-        self.device.run(entry)
+        self._run(entry)
         outs = self.schedule.outputs
         first, last = outs[f"{entry}.out_tokens"], outs[f"{entry}.top_logprobs"]
         want = [c.extras.top_logprobs if c.extras else -1 for c in lanes]
@@ -392,6 +479,34 @@ class ScheduledExecutor:
                                      "counts >= 0")
                 parts.append(("pairs", np.stack([ids, counts], 1).astype(np.int32).ravel()))
         return parts
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleState:
+    """A Verified.states entry: the target's final-normed hidden state after a verify row,
+    float32 [H] on the host (what draft_{B} starts from, through io draft_state)."""
+
+    values: np.ndarray
+
+
+class DeviceRows:
+    """Drafted.logits or .states: one lane's first n steps of a draft entry's output [K, B, X],
+    read from the device by np.asarray, which only works until the executor's next call
+    (the arena's activations are reused)."""
+
+    def __init__(self, ex: ScheduledExecutor, runs: int, output: str,
+                 shape: tuple[int, int, int], lane: int, n: int):
+        self._ex, self._runs, self._output = ex, runs, output
+        self._shape, self._lane, self._n = shape, lane, n
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._ex._runs != self._runs:
+            raise ValueError(f"{self._output} was overwritten by a later call: read a draft's "
+                             "logits and states before the executor's next call")
+        k, b, x = self._shape
+        rows = self._ex._read(self._output, k * b * x, np.float32).reshape(k, b, x)
+        out = rows[:self._n, self._lane]
+        return out if dtype is None else out.astype(dtype)
 
 
 def _lane_tokens(column: np.ndarray, lane: LoopLane) -> list[int]:

@@ -109,6 +109,7 @@ class _At:
     spec: LayerSpec | None  # the layer, inside a layer template
     env: dict[int, object]
     users: list[int]  # the nodes reading this one
+    resolve: Callable[[str], str] | None = None  # a PARAM's full name, when not by `spec`
 
     @property
     def node(self) -> Node:
@@ -125,6 +126,8 @@ class _At:
         n = self.g.nodes[self.g.nodes[self.idx if of is None else of].inputs[k]]
         if n.op != Op.PARAM:
             raise LoweringError("expected a weight")
+        if self.resolve is not None:
+            return self.resolve(n.attrs.name)
         return resolve_param(n.attrs.name, self.spec) if self.spec else n.attrs.name
 
     def is_arg(self, k: int, name: str) -> bool:
@@ -135,14 +138,22 @@ class _At:
 class EntryLowering:
     """Lowers embed, every layer, head and sampler for one entry point of `rows` token rows."""
 
+    # Keys an attention row sees end this many positions before its query (draft.py: a drafter's
+    # query at p reads the target's keys up to p - 1); the target's own rows see their own key.
+    key_lag = 0
+
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
                  pools: dict[int, Pool], tp: RankPlan | None = None, *,
-                 sampled: bool = False, decode_loop_steps: int = 0):
+                 sampled: bool = False, decode_loop_steps: int = 0, states: bool = False):
         """`sampled`: the sampler's extras around the sampling (sample.py); `decode_loop_steps`
         L > 0 (decode entries): end with decode_advance, which logs up to L steps' tokens in io
-        "loop_tokens" as [L, rows] (rows.py)."""
+        "loop_tokens" as [L, rows] (rows.py); `states` (decode and verify entries of a schedule
+        with an assistant drafter): also output "states", every row's final-normed hidden state
+        (float32 [rows, H], the drafter's first state: DraftIR.hidden)."""
         self.ir, self.kind, self.m = ir, kind, rows
         self.sampled = sampled
+        self.states = states
+        self.tokens_out: Ref | None = None  # where the sampler writes, when not its own buffer
         self.decode_loop_steps = decode_loop_steps
         self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
         self.consts, self.pools = consts, pools
@@ -183,6 +194,8 @@ class EntryLowering:
         self.ple = out.get("ple")
         for li, spec in enumerate(self.cfg.layers):
             out = self.walk(self.ir.layers[self.ir.layer_template[li]], spec, _handed(out))
+        if self.states:
+            self.final_states()
         logits = self.walk(self.ir.head, None, _handed(out))["logits"]
         self.walk(self.ir.sampler, None, {"logits": logits})
         # Decode and prefill replay as CUDA graphs (hundreds of launches each, every step or
@@ -190,8 +203,26 @@ class EntryLowering:
         return EntryPlan(name, self.m, self.kind in ("decode", "prefill"), tuple(self.launches),
                          self.sizes, self.outputs)
 
-    def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict) -> dict:
-        """Lower g, its ARGs named in `inputs` bound to those values; its outputs' values."""
+    def final_states(self) -> None:
+        """Output "states": the drafter's hidden graph (the target's final norm) over the
+        residual stream after the last layer, float32 in every plan (DraftIR.hidden)."""
+        g = self.ir.assistant.hidden
+        norm = [n for n in g.nodes if n.op == Op.RMSNORM]
+        if len(norm) != 1 or g.nodes[norm[0].inputs[1]].op != Op.PARAM:
+            raise LoweringError(f"graph {g.name}: expected one RMSNORM of h by a weight")
+        hdim = self.cfg.hidden_size
+        # the sampled tokens right after the states: the host reads both at once
+        y = self.buffer(self.m * hdim * 4 + self.m * 4)
+        self.tokens_out = y.at(self.m * hdim * 4)
+        self.emit(norms.RMSNORM_F32_ENTRY, norms.launch_geometry(self.m, hdim), x=self.h,
+                  w=Ref("weights", g.nodes[norm[0].inputs[1]].attrs.name), y=y, H=hdim,
+                  eps=norm[0].attrs.eps)
+        self.outputs["states"] = (y, "float32", (self.m, hdim))
+
+    def walk(self, g: Graph, spec: LayerSpec | None, inputs: dict,
+             resolve: Callable[[str], str] | None = None) -> dict:
+        """Lower g, its ARGs named in `inputs` bound to those values; its outputs' values.
+        `resolve`: the full name of a PARAM (default: by `spec`, or the name itself)."""
         env: dict[int, object] = {}
         users = readers(g)
         for idx, n in enumerate(g.nodes):
@@ -200,7 +231,7 @@ class EntryLowering:
                 continue
             try:
                 env[idx] = LOWER.get(n.op, EntryLowering.no_kernel)(
-                    self, _At(g, idx, spec, env, users[idx]))
+                    self, _At(g, idx, spec, env, users[idx], resolve))
             except LoweringError as e:
                 raise LoweringError(f"graph {g.name}, node %{idx} ({n.op.value}): {e}") from None
         return {name: env.get(i) for name, i in g.outputs}
@@ -228,22 +259,25 @@ class EntryLowering:
         table = at.weight(0)
         if not at.is_arg(1, "tokens"):
             raise LoweringError("embedding ids other than the step's tokens")
-        dtype, mult = self.specs[table].dtype, at.node.attrs.multiplier
-        hdim = self.cfg.hidden_size
-        tokens = Ref("io", "tokens")
+        self.embed_rows(table, Ref("io", "tokens"), at.node.attrs.multiplier, self.h,
+                        self.cfg.hidden_size)
+        return self.residual_stream()
+
+    def embed_rows(self, table: str, ids: Ref, mult: float, out: Ref, hdim: int) -> None:
+        """out f32 [rows, hdim] = table[ids] * mult, by the table's dtype."""
+        dtype = self.specs[table].dtype
         if dtype == "bfloat16":
             self.emit(head.EMBED_BF16_ENTRY, head.embed_geometry(self.m, hdim, False),
-                      table=Ref("weights", table), ids=tokens, mult=mult, h=self.h, H=hdim)
+                      table=Ref("weights", table), ids=ids, mult=mult, h=out, H=hdim)
         elif dtype == "float32":
             self.emit(head.EMBED_F32_ENTRY, head.embed_geometry(self.m, hdim, False, f32=True),
-                      table=Ref("weights", table), ids=tokens, mult=mult, h=self.h, H=hdim)
+                      table=Ref("weights", table), ids=ids, mult=mult, h=out, H=hdim)
         elif dtype == "float8_e4m3fn":
             self.emit(head.EMBED_FP8_ENTRY, head.embed_geometry(self.m, hdim, True),
                       table=Ref("weights", table), row_scale=Ref("weights", f"{table}.scale"),
-                      ids=tokens, mult=mult, h=self.h, H=hdim)
+                      ids=ids, mult=mult, h=out, H=hdim)
         else:
             raise LoweringError(f"embedding table dtype {dtype}")
-        return self.residual_stream()
 
     def rmsnorm(self, at: _At):
         x, n = at.input(0), at.node
@@ -500,12 +534,13 @@ class EntryLowering:
                   k_pool=k_pool if write_kv else None, v_pool=v_pool if write_kv else None,
                   table=table, max_blocks=width, ring=width)
         wkv = wk if a.k_eq_v else None
-        window = a.window or 0
+        # the kernels' window counts keys up to the last one a row sees (its seq_len - 1)
+        window = a.window - self.key_lag if a.window else 0
         out = self.buffer(self.m * nh * d * 4)
         out_bf16 = None if f32 else self.buffer(self.m * nh * d * 2)
         # One sequence's chunk: the flash-style kernel (bf16/e4m3 only); a float32 plan runs the
         # decode kernel, each row its own query (seq_len = position + 1, its own table row).
-        if self.kind != "decode" and self.m > 1 and not f32:
+        if self.kind in ("prefill", "logits") and self.m > 1 and not f32:
             geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
             if a.k_eq_v:
                 self.emit(attn_prefill.entry_keqv(d, nh // kh, kv_dtype), geometry,
@@ -741,8 +776,8 @@ class EntryLowering:
         plan = sample.plan(m, v, SM_COUNT)
         k = sample.TOP_LOGPROBS
         # sampled: the token, its log-probability and the top ones, side by side (one read)
-        ws, out = self.buffer(plan.workspace), self.buffer(m * 4 * (2 + 2 * k if self.sampled
-                                                                     else 1))
+        ws = self.buffer(plan.workspace)
+        out = self.tokens_out or self.buffer(m * 4 * (2 + 2 * k if self.sampled else 1))
         io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
         cap = self.softcap or 0.0
         self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v, cap=cap,

@@ -44,7 +44,7 @@ from rvcompile.artifacts.kernel_schedule import (
     SamplerIo,
 )
 from rvcompile.dtypes import numpy_dtype
-from rvcompile.ir.graph import ModelIR, resolve_param
+from rvcompile.ir.graph import ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import attn_decode, gemv_fp8, memory_plan
 from rvcompile.targets.h100.contract import Bound, ParamsValue
@@ -125,15 +125,19 @@ class WeightSlot:
 
 
 def _fused_groups(ir: ModelIR) -> list[list[str]]:
-    """Per layer, the weight names each MULTI_LINEAR / GATED_LINEAR reads in one launch:
-    [values..., scales...] in the order the kernel expects them."""
+    """Per layer (the drafter's too), the weight names each MULTI_LINEAR / GATED_LINEAR reads
+    in one launch: [values..., scales...] in the order the kernel expects them."""
+    layers = [(ir.layers[ir.layer_template[li]], lambda rel, spec=spec: resolve_param(rel, spec))
+              for li, spec in enumerate(ir.config.layers)]
+    if ir.assistant is not None:  # the drafter's layers (draft.py)
+        d = ir.assistant
+        layers += [(d.layers[t], lambda rel, i=i, read=read: resolve_draft_param(rel, i, read))
+                   for i, (t, read) in enumerate(zip(d.layer_template, d.reads, strict=True))]
     groups = []
-    for li, spec in enumerate(ir.config.layers):
-        g = ir.layers[ir.layer_template[li]]
+    for g, resolve in layers:
         for n in g.nodes:
             if n.op in (Op.MULTI_LINEAR, Op.GATED_LINEAR):
-                names = [resolve_param(g.nodes[i].attrs.name, spec) for i in n.inputs[1:]]
-                groups.append(names)
+                groups.append([resolve(g.nodes[i].attrs.name) for i in n.inputs[1:]])
     return groups
 
 
@@ -292,17 +296,21 @@ def _kv_layout(ir: ModelIR, kv: KvPools) -> tuple[KvLayout, dict[tuple[int, int]
 
 def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
           weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
-          max_rows: int, top_logprobs: int = 0) -> KernelSchedule:
+          max_rows: int, top_logprobs: int = 0,
+          extra_io: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> KernelSchedule:
     """The schedule: the fixed part's regions placed one after another, every pointer an arena
     offset but a pool's base, its index in the KV layout's pools (placed at load);
-    top_logprobs > 0: with the sample_io region of the sampled entry points."""
+    top_logprobs > 0: with the sample_io region of the sampled entry points; `extra_io`: io
+    fields after the others (the draft entries', draft.py), which only the calls that read them
+    write."""
     kv_layout, pool_index = _kv_layout(ir, kv)
     offset = weights_bytes
     const_offset = offset
     offset = memory_plan.align(offset + consts.size)
     io_offset = offset
     io: dict[str, Field] = {}
-    for name, (dtype, shape) in _io_fields(max_rows, kv.full, kv.ring, max_seqs).items():
+    fields = {**_io_fields(max_rows, kv.full, kv.ring, max_seqs), **(extra_io or {})}
+    for name, (dtype, shape) in fields.items():
         io[name] = Field(offset, dtype, shape)
         offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
     io_bytes = offset - io_offset
@@ -325,6 +333,8 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
     for e in entries:
         uses = [tuple(r.key for r in launch.refs() if r.region == "act")
                 for launch in e.launches]
+        # the host reads the outputs after the entry: they live to its last launch
+        uses[-1] += tuple(ref.key for ref, _, _ in e.outputs.values() if ref.region == "act")
         lives = memory_plan.lifetimes(uses, e.sizes)
         offsets, total = memory_plan.plan(lives)
         memory_plan.check(lives, offsets)

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from rvcompile.targets.h100 import (
     attn_decode,
     attn_prefill,
+    draft_rows,
     gelu_mul,
     gemm_fp8w,
     gemm_tc,
@@ -30,8 +31,8 @@ from rvcompile.targets.h100 import (
 from rvcompile.targets.h100.contract import Entry
 from rvcompile.targets.h100.layout import LoweringError
 
-MODULES = (attn_decode, attn_prefill, gelu_mul, gemm_tc, gemm_fp8w, gemv_bf16, gemv_f32,
-           gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, rows, sample)
+MODULES = (attn_decode, attn_prefill, draft_rows, gelu_mul, gemm_tc, gemm_fp8w, gemv_bf16,
+           gemv_f32, gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, rows, sample)
 
 
 def _collect() -> MappingProxyType:

@@ -7,8 +7,8 @@ tensor_parallel.py; the one-GPU runtime refuses those, the CPU reference runs th
 device-side decode loop, no precompiled topologies, platform cuda (the default platform list
 means cuda here). --kv-cache: "fp8" (passes/kv_fp8: e4m3, unit
 scale) on h100-fp8; "auto" is the target's own dtype. --num-draft-tokens K: verify entries for
-speculative decoding with n-gram drafts (lower.py); no assistant drafter (--assistant is
-refused).
+speculative decoding (lower.py); with --assistant also the drafter's draft entries (draft.py,
+one GPU only: --assistant with --tp N is refused).
 """
 
 from __future__ import annotations
@@ -99,10 +99,9 @@ class H100Target:
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
         from rvcompile.targets.h100.lower import lower_to_h100, lower_to_h100_tp
 
-        if ir.assistant is not None:
-            raise LoweringError(f"--assistant: target {self.name} has no assistant drafter yet "
-                                "(the XLA targets have); --num-draft-tokens K alone builds "
-                                "its verify entries for n-gram speculation")
+        if ir.assistant is not None and opts.tp != 1:
+            raise LoweringError(f"--assistant with --tp {opts.tp}: target {self.name} drafts "
+                                "on one GPU only (--tp 1)")
         with phases.phase("lower for h100"):
             if opts.tp == 1:
                 ranks = None
@@ -190,6 +189,13 @@ class H100Target:
         if s.draft_tokens:
             info["draft_tokens"] = s.draft_tokens
             keys.append("draft_tokens")
+        d = manifest.assistant
+        if d is not None:
+            info["assistant"] = {
+                "name": d.name, "model_type": d.model_type, "origin": d.origin,
+                "hidden_size": d.hidden_size, "layers": list(d.layer_types),
+                "heads": d.num_heads, "intermediate_size": d.intermediate_size,
+                "draft": sorted(n for n in s.entries if n.startswith("draft_"))}
         tp = h100.tensor_parallel
         if tp is not None:  # the schedule shown is rank 0's
             steps = [x for e in s.entries.values() for x in e.launches
@@ -199,6 +205,14 @@ class H100Target:
                 "collectives": len(steps)}
             keys.append("tensor_parallel")
         lines = [field_line(k, info[k]) for k in keys]
+        if d is not None:
+            a = info["assistant"]
+            kinds = ", ".join(k.split("_")[0] for k in a["layers"])
+            lines.append(field_line("assistant", f"{a['name']} ({a['model_type']}, from "
+                                    f"{a['origin']}): width {a['hidden_size']}, "
+                                    f"{len(a['layers'])} layers ({kinds}), {a['heads']} query "
+                                    f"heads, MLP {a['intermediate_size']}; entries "
+                                    f"{', '.join(a['draft'])}"))
         return Summary(info, (*lines, *_schedule_lines(schedule)))
 
 
