@@ -55,3 +55,29 @@ def decode_three_together(model) -> tuple[list[list[int]], list[list[int]]]:
         for seq, tok in zip(together, ex.decode(lanes), strict=True):
             seq.append(tok)
     return together, solo
+
+
+# How far apart two call shapes of an h100-fp8 build may put the top two logits of a position
+# and still disagree on which is first: a verify row and a decode lane (or the GPU and the numpy
+# reference) sum the same bf16-activation products in different orders, and a row's rounding to
+# bf16 between kernels can then land on either side. Measured gaps at the tiny model's
+# divergences are in docs/BENCHMARKS.md; a real error puts the tokens far further apart.
+TIE_GAP = 0.05
+
+
+def assert_greedy_equal_or_tied(model, prompt, want: list[int], got: list[int]) -> None:
+    """`got` == `want` token for token, or they part where `want`'s path has a near-tie: at the
+    first position they differ, both tokens are its top two teacher-forced logits and those are
+    within TIE_GAP (after it the paths continue different texts, so nothing more compares)."""
+    import numpy as np
+
+    i = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+    if i is None:
+        assert len(got) == len(want)
+        return
+    logits = model.logits(list(prompt) + list(want[:i]))[-1]
+    top2 = [int(t) for t in np.argsort(logits)[-2:]]
+    gap = float(logits[top2[1]] - logits[top2[0]])
+    print(f"\n[measured] greedy paths part at token {i}: {want[i]} / {got[i]}, top-2 logit gap "
+          f"{gap:.4f}")
+    assert {want[i], got[i]} == set(top2) and gap < TIE_GAP, (i, want[i], got[i], top2, gap)

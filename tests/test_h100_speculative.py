@@ -32,7 +32,12 @@ import re
 from pathlib import Path
 
 import pytest
-from h100_helpers import h100_context, own_tables, reference_executor
+from h100_helpers import (
+    assert_greedy_equal_or_tied,
+    h100_context,
+    own_tables,
+    reference_executor,
+)
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact
@@ -268,7 +273,10 @@ def test_gpu_greedy_ngram_speculation_is_plain_greedy(built, target):
     print(f"\n[measured] GPU {target}: accepted {spec.accepted_tokens} of "
           f"{spec.drafted_tokens} drafts; plain {plain.decode_tok_s:.0f} tok/s, n-gram "
           f"{spec.decode_tok_s:.0f} tok/s")
-    assert spec.token_ids == plain.token_ids
+    if target == "h100-f32":  # each row summed alone (gemv_f32): the same bits in any call
+        assert spec.token_ids == plain.token_ids
+    else:
+        assert_greedy_equal_or_tied(m, prompt, plain.token_ids, spec.token_ids)
     assert spec.accepted_tokens > 0
 
 
