@@ -473,6 +473,33 @@ def test_engine_on_the_device_equals_the_reference(h100_tiny, on_device, grammar
 
 
 @pytest.mark.gpu
+def test_extras_on_another_thread_than_the_load(h100_tiny):
+    """The server loads the model on its main thread and runs the engine on its own: the first
+    request with extras grows the device's pinned io buffer there (a host allocation, which
+    needs the CUDA context bound to that thread; it once failed with
+    CUDA_ERROR_INVALID_CONTEXT and lost the engine)."""
+    import threading
+
+    h100_context()
+    m = runtime.load(h100_tiny.art.path)  # fresh: its pinned buffer has not grown yet
+    prompt = m.encode("In the beginning God created")
+    got: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            got["tokens"] = generate(m, Request("extras", prompt, 8, **REQUESTS["logprobs"]))
+        except Exception as e:  # the assertion below names it
+            got["error"] = e
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    worker.join()
+    assert "error" not in got, got.get("error")
+    want = generate(h100_tiny, Request("extras", prompt, 8, **REQUESTS["logprobs"]))
+    assert got["tokens"][0] == want[0]
+
+
+@pytest.mark.gpu
 def test_sampled_decode_on_the_device_equals_the_reference(h100_tiny, on_device):
     """Three lanes, one masked (5% of the tokens allowed), one penalized, one free, six steps of
     sampled_decode_4 on the GPU and on the reference executor: the same tokens, every masked

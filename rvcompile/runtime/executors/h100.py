@@ -249,6 +249,9 @@ class CudaScheduleDevice:
     def write(self, offset: int, data: bytes) -> None:
         n = len(data)
         if n > self.io_host.nbytes:  # a sampled call's extras: the pinned buffer grows once
+            # on the engine's thread, not the one that loaded the model: launches and copies
+            # name their stream, but host allocations need the context bound to the thread
+            self.ctx.make_current()
             self.ctx.stream_synchronize(self.stream)  # no copy still reads the old one
             self.ctx.free_pinned(self.io_host)
             self.io_host = None
