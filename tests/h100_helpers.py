@@ -28,6 +28,24 @@ def reference_executor(art):
     return ScheduledExecutor(device.schedule, device)
 
 
+def reference_model(path):
+    """The artifact at `path` as a Model over its schedule on the CPU (reference_executor)."""
+    from rvcompile.artifacts import Artifact
+    from rvcompile.runtime.model import Model
+
+    art = Artifact.open(path)
+    return Model(art, reference_executor(art))
+
+
+def prompt_ids(m, n: int = 24) -> list[int]:
+    """The first n tokens of the default model's held-out sample, in m's tokenizer."""
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[1] / "models" / "rv-gemma4-tiny" / \
+        "heldout_sample.txt"
+    return m.encode(sample.read_text()[:400])[:n]
+
+
 def own_tables(executor, i: int) -> dict[str, list[int]]:
     """Block tables giving sequence i its own blocks: [i * width, (i + 1) * width) per kind."""
     return {k.name: list(range(i * k.table_width, (i + 1) * k.table_width))

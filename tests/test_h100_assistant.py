@@ -38,7 +38,8 @@ from h100_helpers import (
     assert_greedy_equal_or_tied,
     h100_context,
     own_tables,
-    reference_executor,
+    prompt_ids,
+    reference_model,
 )
 from test_artifact_cli import RVCOMPILE, run
 
@@ -83,15 +84,6 @@ def built(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def reference_model(path: Path) -> Model:
-    art = Artifact.open(path)
-    return Model(art, reference_executor(art))
-
-
-def prompt_ids(m: Model, n: int = 24) -> list[int]:
-    return m.encode((MODEL_DIR / "heldout_sample.txt").read_text()[:400])[:n]
 
 
 def test_schedule_has_the_drafter(built):

@@ -36,7 +36,8 @@ from h100_helpers import (
     assert_greedy_equal_or_tied,
     h100_context,
     own_tables,
-    reference_executor,
+    prompt_ids,
+    reference_model,
 )
 
 from rvcompile import runtime
@@ -50,7 +51,6 @@ from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.engine import Request
 from rvcompile.runtime.executor_api import Sampling, SeqChunk, max_draft_tokens
-from rvcompile.runtime.model import Model
 from rvcompile.runtime.request_limits import RequestError
 from rvcompile.runtime.speculative import Speculation
 from rvcompile.targets.h100.lower import verify_buckets
@@ -76,15 +76,6 @@ def built(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def reference_model(path: Path) -> Model:
-    art = Artifact.open(path)
-    return Model(art, reference_executor(art))
-
-
-def prompt_ids(m: Model, n: int = 24) -> list[int]:
-    return m.encode((MODEL_DIR / "heldout_sample.txt").read_text()[:400])[:n]
 
 
 def test_verify_buckets():
