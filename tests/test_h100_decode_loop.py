@@ -142,6 +142,24 @@ def test_bad_loop_lanes_are_refused(art):
         ex.decode_many([LoopLane(lanes[0], 2, frozenset(range(ex.decode_loop_stops + 1)))])
 
 
+def test_bad_block_tables_are_refused(art):
+    """Every lane's tables are checked in one go (stacked once a call): short, ragged, negative
+    and out-of-pool tables get the one-line refusal, not numpy's error or a device read."""
+    ex, lanes = prefilled(art, [[1, 2, 3], [4, 5]], Sampling())
+    kind = next(iter(ex.kinds.values()))
+    good = lanes[1].tables[kind.name]
+    bad = {"short": list(good)[:-1], "negative": [-1] * len(good),
+           "beyond the pool": [kind.num_blocks] * len(good)}
+    for table in bad.values():
+        lane = dataclasses.replace(lanes[1], tables={**lanes[1].tables, kind.name: table})
+        with pytest.raises(ValueError, match=f"block table for {kind.name!r} must hold"):
+            ex.decode([lanes[0], lane])
+    ragged = dataclasses.replace(lanes[1], tables={**lanes[1].tables,
+                                                   kind.name: [[0, 1]] * len(good)})
+    with pytest.raises(ValueError, match="must hold"):
+        ex.decode([lanes[0], ragged])
+
+
 def test_engine_with_the_loop_gives_what_single_steps_give(art):
     prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((6, 8), (21, 9), (13, 10))]
     samplings = [Sampling(), SAMPLED, dataclasses.replace(SAMPLED, seed=11)]
