@@ -104,22 +104,35 @@ centroid_select(const float* __restrict__ cl, const int* __restrict__ ordering,
     }
 }
 
+namespace {
+__device__ __forceinline__ float as_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float as_f32(float x) { return x; }
+
+// sel[m, n] = h[m, :] . table[ids[m, n], :], a warp per (row, candidate), 8 a CTA.
+template <typename T>
+__device__ __forceinline__ void centroid_score(const T* __restrict__ h,
+                                               const T* __restrict__ table,
+                                               const int* __restrict__ ids,
+                                               float* __restrict__ sel, int N, int D) {
+    const int m = blockIdx.y;
+    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const T* row = table + (size_t)ids[(size_t)m * N + n] * D;
+    const T* x = h + (size_t)m * D;
+    float acc = 0.f;
+    for (int k = lane; k < D; k += 32) acc = fmaf(as_f32(x[k]), as_f32(row[k]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) sel[(size_t)m * N + n] = acc;
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(256)
 centroid_score_bf16(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ table,
                     const int* __restrict__ ids, float* __restrict__ sel, int N, int D) {
     pdl_wait();
     pdl_launch_dependents();
-    const int m = blockIdx.y;
-    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (n >= N) return;
-    const __nv_bfloat16* row = table + (size_t)ids[(size_t)m * N + n] * D;
-    const __nv_bfloat16* x = h + (size_t)m * D;
-    float acc = 0.f;
-    for (int k = lane; k < D; k += 32)
-        acc = fmaf(__bfloat162float(x[k]), __bfloat162float(row[k]), acc);
-    acc = warp_sum(acc);
-    if (lane == 0) sel[(size_t)m * N + n] = acc;
+    centroid_score(h, table, ids, sel, N, D);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -127,16 +140,7 @@ centroid_score_f32(const float* __restrict__ h, const float* __restrict__ table,
                    const int* __restrict__ ids, float* __restrict__ sel, int N, int D) {
     pdl_wait();
     pdl_launch_dependents();
-    const int m = blockIdx.y;
-    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (n >= N) return;
-    const float* row = table + (size_t)ids[(size_t)m * N + n] * D;
-    const float* x = h + (size_t)m * D;
-    float acc = 0.f;
-    for (int k = lane; k < D; k += 32) acc = fmaf(x[k], row[k], acc);
-    acc = warp_sum(acc);
-    if (lane == 0) sel[(size_t)m * N + n] = acc;
+    centroid_score(h, table, ids, sel, N, D);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
