@@ -16,7 +16,9 @@ would not, and a B whose blocks the pools cannot hold is skipped with a line say
 
 Prompts run as the engine runs them (runtime/scheduler.py): chunks of max_chunk tokens, each in
 the smallest prefill entry that holds it (a 128-token prompt in a 256-row entry when the buckets
-are 16 / 64 / 256). Per B: prefill tok/s (B x prompt tokens over the prefill calls' time), decode
+are 16 / 64 / 256). Per B: prefill tok/s (B x prompt tokens over the prefill calls' time; and
+"packed", the same prompts first prefilled several to a call as the engine packs them, where the
+artifact packs: kernel_schedule.PrefillPacking), decode
 tok/s (B x gen over the decode calls' time) and the step time. --chunk also times one full
 prefill chunk of that many rows (median of 5 calls after one warm-up), --ttft the time to the
 first token of a prompt of that many tokens at B = 1 on the bare executor (its chunks) and
@@ -89,9 +91,38 @@ def prefill(ex, prompt: list[int], tables) -> int:
     return tok
 
 
+def packed_prefill(ex, prompts: list[list[int]], tables) -> float | None:
+    """Seconds to prefill the (one-chunk) prompts packed as the engine packs them (engine._packs:
+    consecutive chunks while they fit the largest prefill entry); None where the artifact or the
+    prompt length does not pack."""
+    if ex.prefill_packing is None or len(prompts[0]) > ex.max_chunk:
+        return None
+    chunks = [SeqChunk(p, 0, tables[i]) for i, p in enumerate(prompts)]
+    packs: list[list[SeqChunk]] = [[]]
+    for c in chunks:
+        try:
+            fits = ex.packed_rows([*packs[-1], c]) <= ex.prefill_buckets[-1]
+        except ValueError:
+            fits = False
+        if fits:
+            packs[-1].append(c)
+        else:
+            packs.append([c])
+    if max(len(p) for p in packs) < 2:
+        return None
+    t = time.perf_counter()
+    for p in packs:
+        if len(p) > 1:
+            ex.prefill_packed(p)
+        else:
+            ex.prefill(p[0])
+    return time.perf_counter() - t
+
+
 def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
     prompts = [rng.integers(4, vocab, prompt_len).tolist() for _ in range(b)]
     tables = [seq_tables(ex, i, prompt_len + gen + 1) for i in range(b)]
+    packed_s = packed_prefill(ex, prompts, tables) if b > 1 else None
     t = time.perf_counter()
     last = [prefill(ex, p, tables[i]) for i, p in enumerate(prompts)]
     prefill_s = time.perf_counter() - t
@@ -102,7 +133,9 @@ def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
                           for i in range(b)])
     decode_s = time.perf_counter() - t
     return {"batch": b, "prompt": prompt_len, "gen": gen,
-            "prefill_tok_s": b * prompt_len / prefill_s, "decode_tok_s": b * gen / decode_s,
+            "prefill_tok_s": b * prompt_len / prefill_s,
+            "packed_prefill_tok_s": packed_s and b * prompt_len / packed_s,
+            "decode_tok_s": b * gen / decode_s,
             "step_ms": decode_s / gen * 1e3}
 
 
@@ -269,8 +302,8 @@ def main() -> None:
                      args.gen, args.speculative) for b in batches]
         result["verify_ms"] = [verify_cost(ex, rng, vocab, b, args.prompt) for b in batches]
     else:
-        print(f"{'B':>4} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}",
-              flush=True)
+        print(f"{'B':>4} {'prefill tok/s':>14} {'packed':>8} {'decode tok/s':>13} "
+              f"{'step ms':>8}", flush=True)
         for b in batches:
             why = fits(ex, b, args.prompt + args.gen + 1)
             if why:
@@ -279,8 +312,10 @@ def main() -> None:
                 continue
             row = batch_row(ex, rng, vocab, b, args.prompt, args.gen)
             result["batches"].append(row)
-            print(f"{b:>4} {row['prefill_tok_s']:14.0f} {row['decode_tok_s']:13.1f} "
-                  f"{row['step_ms']:8.2f}", flush=True)
+            packed = row["packed_prefill_tok_s"]
+            print(f"{b:>4} {row['prefill_tok_s']:14.0f} "
+                  f"{'-' if packed is None else f'{packed:.0f}':>8} "
+                  f"{row['decode_tok_s']:13.1f} {row['step_ms']:8.2f}", flush=True)
     if args.chunk:
         result["chunk"] = row = chunk_row(ex, rng, vocab, args.chunk)
         print(f"prefill chunk of {row['rows']} rows: {row['ms']:.2f} ms = {row['tok_s']:.0f} "

@@ -25,7 +25,13 @@ to be sized at load (schedule version 7): in every case each pointer into the ol
 became a "pool" argument naming the pool at that offset, every offset past the region moved
 down by its size, the kinds lost num_blocks and kv.pools was added, and nothing else changed
 (checked case by case against dumps at the base commit). The drafter cases (MODEL+assistant)
-were added with the H100 assistant drafter (issue 15), the other cases' hashes unchanged.
+were added with the H100 assistant drafter (issue 15), the other cases' hashes unchanged. And
+again for packed prefill (issue 14, kernel_schedule.PrefillPacking): in every case the row
+select became select_rows_* (argument row -> rows, a new S), and nothing else changed where the
+schedule does not pack (float32, MoE, gemma-4-tiny); where it packs, every entry's launches are
+the same (kernel, geometry, argument kinds and non-pointer values) but the prefill entries'
+head from the select on (S rows: select, the head's product, the sampler), io last_row holds S
+values and the prefill entries' outputs S rows (checked case by case against dumps at 976a14d).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

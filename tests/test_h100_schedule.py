@@ -168,8 +168,11 @@ def test_released_models_lower(preset, layers):
     assert all(x.kernel.startswith("gemv_mma_fp8_m8_")
                for x in s.entries["decode_2"].launches[2:12] if x.kernel.startswith("gemv"))
     prefill = s.entries["prefill_64"].launches
-    gemms = [i for i, x in enumerate(prefill) if x.module == "gemm_tc.cu"]
+    gemms = [i for i, x in enumerate(prefill) if x.kernel.startswith("gemm_fp8_tc")]
     assert len(gemms) == 4 * n
+    # the head over the rows packed sequences sample (kernel_schedule.PrefillPacking: 4 here)
+    assert [x.kernel for x in prefill if x.kernel.startswith("gemm_bf16_tc")] == \
+        ["gemm_bf16_tc_64x256"]
     for i in gemms:
         assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
         (arg,) = prefill[i].args

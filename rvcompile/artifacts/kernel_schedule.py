@@ -16,7 +16,8 @@ roles; the runtime completes the template once per arena address (runtime/execut
 passes the bytes as that parameter.
 
 An entry point is an ordered launch list over `rows` token rows: `decode_{B}` (B sequences, one
-token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence) and
+token each; captured into a CUDA graph), `prefill_{T}` (T tokens of one sequence, or with
+`prefill_packing` the chunks of up to its `seqs` sequences, each sampled: PrefillPacking) and
 `logits_{T}` (same, keeping every row's softcapped logits); a schedule built for speculative
 decoding (`draft_tokens` K > 0) adds `verify_{R}`: R rows launched exactly as a decode entry's
 (each row its own position, block-table row and sampling step, so several rows may be one
@@ -28,20 +29,23 @@ model, with the sampler's extras (penalties, a token mask, log-probabilities) re
 assistant drafter (version 9) has `draft_{B}` beside every decode_{B}: K drafter steps of B
 lanes from io tokens, draft_state and draft_step (the last io fields, which only draft calls
 write), returning tokens [K, B], logits and states; its decode and verify entries also return
-each row's state [rows, H] (what a draft call starts from). Before a call the
-host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
-row sees), one block-table row per token row and KV kind, the prefill's last real row, the
-sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the log-probabilities).
+each row's state [rows, H] (what a draft call starts from). Before a call the host fills the io
+fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
+block-table row per token row and KV kind, the prefill's last real row of each sequence, the
+sampling parameters (a prefill's: row i for its i-th sequence); afterwards it reads `out_tokens`
+(and `logits`, or the log-probabilities).
 
-`version` is the schedule's own schema version (what the arguments, io fields and entry names
-mean to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, independently of
-the container's format version. `from_json` checks every field before anything uses it: types and
-ranges, arena regions in order and inside the arena, every io field, output and pointer argument
-inside its region, grid and block dimensions within CUDA's limits, every launched module in
-`cubins`, the KV tables wide enough for the context and window, every pool of a declared kind with a
-whole number of its dtype's rows per block, every pool argument naming a pool, and the entry points
-the runtime calls. That a launch's kernel exists in its cubin with matching parameters is checked
-against the cubin bytes (artifacts/cubin.py, artifacts/contents.py).
+`version` is the schedule's own schema version (what the arguments, io fields and entry names mean
+to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, independently of the
+container's format version. `prefill_packing` is optional in every version: a schedule without it is
+read and run as before, and a reader that predates it refuses a schedule with it at its prefill
+entries' out_tokens (one value per packed sequence, not one). `from_json` checks every field before
+anything uses it: types and ranges, arena regions in order and inside the arena, every io field,
+output and pointer argument inside its region, grid and block dimensions within CUDA's limits, every
+launched module in `cubins`, the KV tables wide enough for the context and window, every pool of a
+declared kind with a whole number of its dtype's rows per block, every pool argument naming a pool,
+and the entry points the runtime calls. That a launch's kernel exists in its cubin with matching
+parameters is checked against the cubin bytes (artifacts/cubin.py, artifacts/contents.py).
 """
 
 from __future__ import annotations
@@ -118,9 +122,9 @@ KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
 KV_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
 MAX_POOLS = 1024  # two per layer at most
 IO_DTYPES = ("int32", "float32")
-# The io fields the host writes -> dtype; each holds a value per token row of the widest entry
-# but last_row (one value). The KV kinds' table fields (int32, a table row per token row) come on
-# top.
+# The io fields the host writes -> dtype; each holds a value per token row of the widest entry but
+# last_row (one value per sequence a prefill call packs: KernelSchedule.prefill_seqs). The KV kinds'
+# table fields (int32, a table row per token row) come on top.
 IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_row": "int32",
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
@@ -228,6 +232,22 @@ class SamplerIo:
 
 
 @dataclass(frozen=True)
+class PrefillPacking:
+    """Prompt chunks of several sequences in one prefill call (issue 14): each prefill entry
+    samples `seqs` rows, the io "last_row" [seqs] naming each packed sequence's last row (-1:
+    none) and the sampling fields' rows 0..seqs-1 its sampling; a sequence's rows start at a
+    multiple of `align` rows (the prefill attention's tile: its rows share one block-table row)
+    and its chunk is one the scheduler would run in an entry of at least `min_rows` rows. The
+    lowering promises (and the GPU tests check) that such a chunk's rows compute bit for bit the
+    same in any prefill entry of at least min_rows rows, alone or packed, so packing changes no
+    sequence's recipe (runtime/executor_api.py, "Reproducibility")."""
+
+    seqs: int  # S >= 2
+    align: int  # rows
+    min_rows: int  # a prefill entry's rows
+
+
+@dataclass(frozen=True)
 class EntryPoint:
     name: str
     rows: int
@@ -301,10 +321,19 @@ class KernelSchedule:
     # the JSON
     draft_tokens: int = 0
     sampler: SamplerIo | None = None  # the sampled entries' inputs (version 7, one GPU)
+    # several sequences' prompt chunks per prefill call; None (absent from the JSON): one
+    prefill_packing: PrefillPacking | None = None
+
+    @property
+    def prefill_seqs(self) -> int:
+        """Rows each prefill entry samples (and io "last_row" values it reads)."""
+        return self.prefill_packing.seqs if self.prefill_packing else 1
 
     def to_json(self) -> dict:
         d = asdict(self)
         del d["params_templates"]
+        if self.prefill_packing is None:
+            del d["prefill_packing"]
         if not self.draft_tokens:
             del d["draft_tokens"]
         if self.sampler is None:
@@ -379,6 +408,8 @@ def _parse(s: At) -> KernelSchedule:
         s.fail(f"arena regions end at byte {end}, past arena_bytes {n['arena_bytes']}")
     io_region = (n["io_offset"], n["io_offset"] + n["io_bytes"])
     drafts = _draft_tokens(s, max_chunk)
+    packing = _prefill_packing(s, max_seqs, max_chunk)
+    seqs = packing.seqs if packing else 1
     sampler = _sampler(s, v, io_region[1], n["arena_bytes"], max_seqs, max_context, vocab)
     arena = (0, n["arena_bytes"])
     cubins = {}
@@ -395,6 +426,9 @@ def _parse(s: At) -> KernelSchedule:
     _need(s["entries"], rows["decode"], max_seqs, "decode", "the widest decode entry")
     _need(s["entries"], rows["prefill"], max_chunk, "prefill", "the largest prefill entry")
     _need(s["entries"], rows["logits"], max_chunk, "logits", "the logits entry")
+    if packing and packing.min_rows not in rows["prefill"]:
+        s["prefill_packing"]["min_rows"].fail(f"{packing.min_rows} is not a prefill entry's "
+                                              f"rows ({rows['prefill']})")
     if drafts:
         _need(s["entries"], rows["verify"], max_seqs * (drafts + 1), "verify",
               f"the widest verify entry (max_seqs x {drafts + 1} rows)")
@@ -408,7 +442,7 @@ def _parse(s: At) -> KernelSchedule:
         if name not in io:
             io_at.fail(f"missing required io field {name!r}")
         f = io[name]
-        rows_needed = 1 if name == "last_row" else max_rows
+        rows_needed = seqs if name == "last_row" else max_rows
         per_row = (tables[name],) if name in tables else ()
         if f.dtype != dtype or f.shape[0] < rows_needed or f.shape[1:] != per_row:
             io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
@@ -420,7 +454,7 @@ def _parse(s: At) -> KernelSchedule:
     for e in entries.values():
         sampled = e.name.startswith(SAMPLED)
         kind = e.name.removeprefix(SAMPLED).split("_")[0]
-        m = e.rows if kind in ("decode", "verify") else 1
+        m = e.rows if kind in ("decode", "verify") else seqs
         want = ([("logits", "float32", (e.rows, vocab))] if kind == "logits"
                 else [("out_tokens", "int32", (m,))])
         if kind == "draft":
@@ -452,7 +486,20 @@ def _parse(s: At) -> KernelSchedule:
         io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
-        params_templates=templates, draft_tokens=drafts, sampler=sampler)
+        params_templates=templates, draft_tokens=drafts, sampler=sampler,
+        prefill_packing=packing)
+
+
+def _prefill_packing(s: At, max_seqs: int, max_chunk: int) -> PrefillPacking | None:
+    """The schedule's prefill_packing: absent (None), or seqs 2..max_seqs, align 1..max_chunk
+    and min_rows (checked against the prefill entries by the caller)."""
+    at = s.get("prefill_packing")
+    if at is None:
+        return None
+    if max_seqs < 2:
+        at.fail("packs prefill chunks of several sequences, but max_seqs is 1")
+    return PrefillPacking(at["seqs"].int(2, max_seqs), at["align"].int(1, max_chunk),
+                          at["min_rows"].int(1, max_chunk))
 
 
 def _drafter(s: At, io: dict[str, Field], version: int, rows: dict[str, list[int]],

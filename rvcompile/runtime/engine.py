@@ -7,7 +7,8 @@ cannot run is refused there, never in a step. A request of n samples runs as n s
 outputs carry their index) that share the prompt's whole KV blocks, prefilled once. Sequences
 asking for log-probabilities, penalties or a grammar constraint pass SampleExtras with their
 sampling calls and run single decode steps. Each `step()` takes them in, asks the scheduler
-for work, runs it on the executor (prefill chunks, then one decode call) and turns the sampled
+for work, runs it on the executor (prefill chunks, several sequences' to a call where the
+executor packs them, then one decode call) and turns the sampled
 tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When every running
 sequence decodes past its recomputed tokens and nobody waits to join, the step is one
 decode_many call instead (where the executor offers it): up to decode_loop_steps tokens per
@@ -88,6 +89,7 @@ from rvcompile.runtime.executor_api import (
     decode_loop_steps,
     has_drafter,
     max_draft_tokens,
+    packs_prefill,
     top_logprobs,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
@@ -150,6 +152,7 @@ class EngineStats:
     drafted: int = 0  # speculative decoding: drafts verified
     accepted: int = 0  # of them, accepted
     verify_calls: int = 0  # verify calls run
+    packed_prefills: int = 0  # prefill calls that ran several sequences' chunks
     mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
     mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
     mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
@@ -257,7 +260,7 @@ class Engine:
         self._held: list[_Held] = []
         self._order = itertools.count()
         self.steps = self.preemptions = 0
-        self.drafted = self.accepted = self.verify_calls = 0
+        self.drafted = self.accepted = self.verify_calls = self.packed_prefills = 0
         # Where a step's time goes (EngineStats): step_s - executor_s is the engine's own host
         # work, which keeps the device idle unless the executor call is still running.
         self.step_s = self.executor_s = 0.0
@@ -305,7 +308,8 @@ class Engine:
                            {k: len(p.blocks) for k, p in self.kv.pools.items()},
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
                            drafted=self.drafted, accepted=self.accepted,
-                           verify_calls=self.verify_calls, mask_s=self.mask_s,
+                           verify_calls=self.verify_calls,
+                           packed_prefills=self.packed_prefills, mask_s=self.mask_s,
                            mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s,
                            step_s=self.step_s, executor_s=self.executor_s)
 
@@ -529,6 +533,33 @@ class Engine:
             return Sampled(self.executor.prefill(chunk))
         return self.executor.prefill_sampled(chunk)
 
+    def _prefill_packed(self, chunks: list[SeqChunk]) -> list[Sampled]:
+        self.packed_prefills += 1
+        return [Sampled(t) for t in self.executor.prefill_packed(chunks)]
+
+    def _packs(self, works: list[Work]) -> list[list[Work]]:
+        """The step's prefill works in calls, in order: consecutive chunks without extras
+        packed while they fit the largest prefill entry (executor_api, "Packed prefill");
+        every other chunk alone."""
+        if not packs_prefill(self.executor):
+            return [[w] for w in works]
+        packs: list[list[Work]] = []
+        for w in works:
+            if packs and self._packable([*packs[-1], w]):
+                packs[-1].append(w)
+            else:
+                packs.append([w])
+        return packs
+
+    def _packable(self, works: list[Work]) -> bool:
+        if any(w.chunk.extras is not None for w in works):
+            return False
+        try:
+            rows = self.executor.packed_rows([w.chunk for w in works])
+        except ValueError:  # too many, or a chunk of a small entry: it runs alone
+            return False
+        return rows <= self.executor.prefill_buckets[-1]
+
     def _decode_lanes(self, chunks: list[SeqChunk]) -> list[Sampled]:
         if all(c.extras is None for c in chunks):
             return [Sampled(t) for t in self.executor.decode(chunks)]
@@ -537,7 +568,13 @@ class Engine:
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
         """The schedule's prefill calls, then its decode call; each token through advance."""
         done: list[tuple[Work, Sampled]] = []
-        for w in self._ready(sched.prefills, outputs):
+        for pack in self._packs(self._ready(sched.prefills, outputs)):
+            if len(pack) > 1:
+                done += self._guarded("prefill", pack, outputs, _pairs, pack,
+                                      self._timed(self._prefill_packed),
+                                      [w.chunk for w in pack]) or []
+                continue
+            w = pack[0]
             token = self._guarded("prefill", [w], outputs, self._timed(self._prefill), w.chunk)
             if token is not None:
                 done.append((w, token))

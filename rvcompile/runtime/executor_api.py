@@ -21,6 +21,12 @@ Failures: a call that raises DeviceError has left the device unusable, and the e
 a call that raises anything else ends only the sequences it ran, whose blocks go back to the
 pools, and the engine goes on with the next call.
 
+Packed prefill (optional, `packs_prefill(executor)`; issue 14): `prefill_packed` runs the
+prompt chunks of several sequences in one call, so short prompts share the weight reads of one
+wide call. The executor promises that each chunk's rows compute bit for bit as in the prefill
+call `prefill` would run it in (its SeqChunk.rows), so packing changes no recipe; `packed_rows`
+says whether chunks can share a call and how many rows they need. Chunks with extras run alone.
+
 Sampler extras (optional, `top_logprobs(executor)` > 0; issue 16): `prefill_sampled` and
 `decode_sampled` apply a chunk's SampleExtras (penalties, a token mask) before sampling and
 return the token's log-probability and the top ones; neutral extras sample what `prefill` and
@@ -321,6 +327,26 @@ def max_draft_tokens(executor: Executor) -> int:
 def has_drafter(executor: Executor) -> bool:
     """Whether the executor drafts with an assistant (draft())."""
     return bool(getattr(executor, "has_drafter", False))
+
+
+class PackingExecutor(Executor, Protocol):
+    """An executor that runs several sequences' prompt chunks in one prefill call."""
+
+    prefill_packing: object | None  # None: not offered
+
+    def packed_rows(self, chunks: Sequence[SeqChunk]) -> int:
+        """Rows a prefill_packed call of these chunks needs; ValueError where they cannot share
+        a call (too many, a chunk of a small entry)."""
+        ...
+
+    def prefill_packed(self, chunks: Sequence[SeqChunk]) -> list[int]:
+        """Run the chunks (of different sequences) in one call; each one's sampled token."""
+        ...
+
+
+def packs_prefill(executor: Executor) -> bool:
+    """Whether the executor offers prefill_packed."""
+    return getattr(executor, "prefill_packing", None) is not None
 
 
 def decode_loop_steps(executor: Executor) -> int:

@@ -100,13 +100,17 @@ class ScheduledExecutor:
         self._io_bytes = (s.io["draft_state"].offset - s.io_offset if s.has_drafter
                           else s.io_bytes)
         self._runs = 0  # entries run so far: a DeviceRows reads only until the next one
+        self.prefill_packing = s.prefill_packing  # None: one sequence per prefill call
+        self.prefill_seqs = s.prefill_seqs
 
     # -- io
 
     def _io(self, rows: int, chunks: Sequence[SeqChunk], tokens, positions, chunk_of_row,
-            last_row: int = 0, seq_len=None, io_bytes: int | None = None) -> bytes:
+            last_rows=(0,), seq_len=None, io_bytes: int | None = None,
+            sample_of_row=None) -> bytes:
         """The io region's first `io_bytes` (default: all but the draft fields) for a call of
-        `rows` rows; seq_len defaults to each row's position + 1 (1 for padding)."""
+        `rows` rows; seq_len defaults to each row's position + 1 (1 for padding); the sampling
+        fields' row i is chunk sample_of_row[i]'s (default: chunk_of_row)."""
         s = self.schedule
         io = bytearray(io_bytes or self._io_bytes)
 
@@ -121,7 +125,7 @@ class ScheduledExecutor:
         put("positions", positions)
         put("seq_len", np.where(positions >= 0, positions + 1, 1) if seq_len is None
             else seq_len)
-        put("last_row", [last_row])
+        put("last_row", last_rows)
         for kind in self.kinds.values():
             try:  # one copy of every lane's table (kv_blocks keeps them as int32 arrays)
                 tables = np.asarray([c.tables[kind.name] for c in chunks], np.int32)
@@ -132,7 +136,8 @@ class ScheduledExecutor:
                 raise ValueError(f"block table for {kind.name!r} must hold "
                                  f"{kind.table_width} ids in [0, {kind.num_blocks})")
             put(self._io_field[kind.name], tables[chunk_of_row])
-        samp = [chunks[i].sampling for i in chunk_of_row]
+        sample_of_row = chunk_of_row if sample_of_row is None else sample_of_row
+        samp = [chunks[i].sampling for i in sample_of_row]
         for x in samp:
             if not (np.isfinite(x.temperature) and x.temperature >= 0 and x.top_k >= 0
                     and 0 < x.top_p <= 1):
@@ -142,7 +147,7 @@ class ScheduledExecutor:
         put("top_k", [x.top_k for x in samp])
         put("top_p", [x.top_p for x in samp])
         put("seed", [x.seed for x in samp])
-        put("step", [chunks[i].step for i in chunk_of_row])
+        put("step", [chunks[i].step for i in sample_of_row])
         return bytes(io)
 
     def _call(self, entry: str, io: bytes, output: str, count: int, dtype) -> np.ndarray:
@@ -175,19 +180,74 @@ class ScheduledExecutor:
 
     # -- entry points
 
-    def _prefill_io(self, chunk: SeqChunk) -> tuple[int, bytes]:
-        """(the rows, the io) of a prefill call of this chunk."""
+    def _entry_rows(self, chunk: SeqChunk) -> int:
+        """The prefill entry a chunk runs in alone: its SeqChunk.rows, else the smallest
+        holding it."""
         n = len(chunk.tokens)
         t = chunk.rows or next((b for b in self.prefill_buckets if b >= n), None)
         if t is None or t not in self.prefill_buckets:
             raise ValueError(f"no prefill entry of {t or n} rows (buckets: "
                              f"{', '.join(map(str, self.prefill_buckets))})")
+        return t
+
+    def _prefill_io(self, chunk: SeqChunk) -> tuple[int, bytes]:
+        """(the rows, the io) of a prefill call of this chunk."""
+        t = self._entry_rows(chunk)
         toks, pos = self._chunk_rows(chunk, t)
-        return t, self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_row=n - 1)
+        n = len(chunk.tokens)
+        last = np.full(self.prefill_seqs, -1, np.int32)
+        last[0] = n - 1
+        return t, self._io(t, [chunk], toks, pos, np.zeros(t, np.int64), last_rows=last,
+                           sample_of_row=np.zeros(t, np.int64))
 
     def prefill(self, chunk: SeqChunk) -> int:
         t, io = self._prefill_io(chunk)
         return int(self._call(f"prefill_{t}", io, "out_tokens", 1, np.int32)[0])
+
+    def packed_rows(self, chunks: Sequence[SeqChunk]) -> int:
+        """The rows a prefill_packed call of these chunks needs (each chunk from a multiple of
+        the packing's align); ValueError where they cannot share a call."""
+        p = self.prefill_packing
+        if p is None:
+            raise ValueError("this artifact's prefill entries run one sequence a call")
+        if not 0 < len(chunks) <= p.seqs:
+            raise ValueError(f"{len(chunks)} chunks; a packed prefill takes 1..{p.seqs}")
+        rows = 0
+        for c in chunks:
+            if self._entry_rows(c) < p.min_rows:
+                raise ValueError(f"a chunk of a {self._entry_rows(c)}-row prefill entry; packed "
+                                 f"chunks run in entries of at least {p.min_rows} rows")
+            rows = -(-rows // p.align) * p.align + len(c.tokens)
+        return rows
+
+    def prefill_packed(self, chunks: Sequence[SeqChunk]) -> list[int]:
+        """Several sequences' prompt chunks in one prefill call (executor_api, "Packed
+        prefill"): each chunk's rows from a multiple of the packing's align, in the smallest
+        prefill entry of at least min_rows holding them all; each chunk's sampled token."""
+        need = self.packed_rows(chunks)
+        p = self.prefill_packing
+        t = next((b for b in self.prefill_buckets if b >= max(need, p.min_rows)), None)
+        if t is None:
+            raise ValueError(f"packed chunks need {need} rows; the largest prefill entry has "
+                             f"{self.prefill_buckets[-1]}")
+        toks = np.zeros(t, np.int32)
+        pos = np.full(t, -1, np.int32)
+        chunk_of_row = np.zeros(t, np.int64)
+        last = np.full(p.seqs, -1, np.int32)
+        row = 0
+        for i, c in enumerate(chunks):
+            row = -(-row // p.align) * p.align
+            ctoks, cpos = self._chunk_rows(c, len(c.tokens))
+            n = len(c.tokens)
+            toks[row:row + n], pos[row:row + n] = ctoks, cpos
+            chunk_of_row[row:] = i
+            last[i] = row + n - 1
+            row += n
+        sample_of_row = np.minimum(np.arange(t), len(chunks) - 1)
+        io = self._io(t, chunks, toks, pos, chunk_of_row, last_rows=last,
+                      sample_of_row=sample_of_row)
+        got = self._call(f"prefill_{t}", io, "out_tokens", len(chunks), np.int32)
+        return [int(x) for x in got]
 
     def _decode_io(self, lanes: Sequence[SeqChunk]) -> tuple[int, bytes]:
         """(the width, the io) of a decode call of these lanes."""
@@ -374,7 +434,7 @@ class ScheduledExecutor:
     def prefill_sampled(self, chunk: SeqChunk) -> Sampled:
         """prefill, with chunk.extras applied (sampled_prefill_{T})."""
         t, io = self._prefill_io(chunk)
-        return self._call_sampled(f"sampled_prefill_{t}", io, [chunk], 1)[0]
+        return self._call_sampled(f"sampled_prefill_{t}", io, [chunk], self.prefill_seqs)[0]
 
     def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
         """decode, with each lane's extras applied (sampled_decode_{B}); padding rows neutral."""

@@ -1,14 +1,16 @@
 """Paged prefill attention (flash-attention style): the numpy reference of kernels/attn_prefill.cu
 and its launch geometry.
 
-Rows are token rows of ONE sequence (a prefill or logits chunk, after qkv_post wrote its K/V):
-q [M, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D] (bf16, or e4m3 in an FP8-KV build);
-block table [M, max_blocks] int32 of which row 0 serves every row (all rows share it), token t
-in block table[0, (t // BLOCK) % ring]. Row m's query sits at positions[m] and sees keys
-max(0, p - window + 1) .. p (window 0: all), scale 1.0; positions[m] < 0 (padding) gives a zero
-output row. K=V layers (`entry_keqv`) keep one pool of normalised bases: V = base,
-K = rope(base * k_norm weight, t), as in attn_decode. Output: out f32 [M, KH*G, D] and its bf16
-copy, the layout attn_decode's combine writes, so the o projection reads either.
+Rows are token rows of one or more sequences (a prefill or logits chunk, or a packed prefill's
+chunks, after qkv_post wrote their K/V): q [M, KH*G, D] bf16; K and V pools [blocks, BLOCK, KH, D]
+(bf16, or e4m3 in an FP8-KV build); block table [M, ring] int32, a row per token row: token t of row
+m's sequence in block table[m, (t // BLOCK) % ring]. The kernel reads a CTA's first token row's
+table for all its tile_tokens rows, so the rows of one tile must share their table row (one
+sequence's chunk; a packed prefill starts each chunk at a multiple of the tile). Row m's query sits
+at positions[m] and sees keys max(0, p - window + 1) .. p (window 0: all), scale 1.0; positions[m] <
+0 (padding) gives a zero output row. K=V layers (`entry_keqv`) keep one pool of normalised bases: V
+= base, K = rope(base * k_norm weight, t), as in attn_decode. Output: out f32 [M, KH*G, D] and its
+bf16 copy, the layout attn_decode's combine writes, so the o projection reads either.
 
 Geometry: a CTA owns one KV head and BM = 16 * WR query rows, a query row being one (token,
 head of the group) pair, token-major, so each 16-key K/V tile is read once for all G heads.
@@ -102,21 +104,31 @@ def reference_keqv(q, base_pool, table, ring: int, positions, window: int, wk,
 
 
 def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) -> np.ndarray:
-    """Masked softmax over the keys the chunk's real rows see, all heads at once, in float64 and
-    rounded once to float32: the key range and the einsum shapes depend on how a prompt is cut
-    into chunks (a prefix-cache hit cuts it elsewhere), and float32 sums in another order would
-    make a row's result, and a seeded sample drawn from it, depend on that cut."""
-    q = np.asarray(q).astype(np.float64)
-    m, nh, d = q.shape
+    """Each sequence's rows (those sharing a table row) attended by _attend_one."""
+    q, table = np.asarray(q), np.asarray(table)
     pos = np.asarray(positions, np.int64)
-    out = np.zeros((m, nh, d), np.float32)
-    real = pos >= 0
-    if not real.any():
+    out = np.zeros(q.shape, np.float32)
+    real = np.flatnonzero(pos >= 0)
+    if not real.size:
         return out
-    hi = int(pos[real].max())
-    lo = int(pos[real].min()) - window + 1 if window else 0
+    _, seq = np.unique(table[real], axis=0, return_inverse=True)
+    for i in range(int(seq.max()) + 1):
+        r = real[seq.reshape(-1) == i]
+        out[r] = _attend_one(q[r], kv_heads, table[r[0]], ring, pos[r], window, rows)
+    return out
+
+
+def _attend_one(q, kv_heads: int, table_row, ring: int, pos, window: int, rows) -> np.ndarray:
+    """Masked softmax over the keys one sequence's rows (all real) see, all heads at once, in
+    float64 and rounded once to float32: the key range and the einsum shapes depend on how a
+    prompt is cut into chunks (a prefix-cache hit cuts it elsewhere), and float32 sums in another
+    order would make a row's result, and a seeded sample drawn from it, depend on that cut."""
+    q = q.astype(np.float64)
+    m, nh, d = q.shape
+    hi = int(pos.max())
+    lo = int(pos.min()) - window + 1 if window else 0
     ts = np.arange(max(0, lo), hi + 1)
-    k, v = rows(np.asarray(table)[0, (ts // BLOCK) % ring], ts)  # [S, KH, D]
+    k, v = rows(table_row[(ts // BLOCK) % ring], ts)  # [S, KH, D]
     g = nh // kv_heads
     qg = q.reshape(m, kv_heads, g, d)
     s = np.einsum("mkgd,skd->kgms", qg, k.astype(np.float64))
@@ -126,16 +138,14 @@ def _attend(q, kv_heads: int, table, ring: int, positions, window: int, rows) ->
     with np.errstate(invalid="ignore"):
         p = np.where(mask[None, None], np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
     p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
-    o = np.einsum("kgms,skd->mkgd", p, v.astype(np.float64)).reshape(m, nh, d)
-    out[real] = o[real]
-    return out
+    return np.einsum("kgms,skd->mkgd", p, v.astype(np.float64)).reshape(m, nh, d)
 
 
 # ---------------------------------------------------------------- entries
 
 def _call(d: int, g: int, c: Call) -> None:
     m, kh, ring = c["rows"], c["kv_heads"], c["ring"]
-    table = np.asarray(c.array("table", (1, ring)))
+    table = np.asarray(c.array("table", (m, ring)))
     q = c.array("q", (m, kh * g, d))
     positions, window = c.array("positions", (m,)), c["window"]
     if "base" in c:  # K=V

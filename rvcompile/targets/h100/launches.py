@@ -144,13 +144,21 @@ class EntryLowering:
 
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
                  pools: dict[int, Pool], tp: RankPlan | None = None, *,
-                 sampled: bool = False, decode_loop_steps: int = 0, states: bool = False):
-        """`sampled`: the sampler's extras around the sampling (sample.py); `decode_loop_steps`
+                 sampled: bool = False, decode_loop_steps: int = 0, states: bool = False,
+                 prefill_seqs: int = 1):
+        """`sampled`: the sampler's extras around the sampling (sample.py); `prefill_seqs` S
+        (prefill entries): the head and sampler run S rows, the io "last_row" [S] of each
+        sequence the call packs (-1: none), sampled by the io sampling fields' rows 0..S-1;
+        `decode_loop_steps`
         L > 0 (decode entries): end with decode_advance, which logs up to L steps' tokens in io
         "loop_tokens" as [L, rows] (rows.py); `states` (decode and verify entries of a schedule
         with an assistant drafter): also output "states", every row's final-normed hidden state
         (float32 [rows, H], the drafter's first state: DraftIR.hidden)."""
         self.ir, self.kind, self.m = ir, kind, rows
+        self.prefill_seqs = prefill_seqs
+        # rows of a prefill attention tile (its rows share a block-table row): where a packed
+        # sequence's rows must start (kernel_schedule.PrefillPacking.align)
+        self.prefill_align = 1
         self.sampled = sampled
         self.states = states
         self.tokens_out: Ref | None = None  # where the sampler writes, when not its own buffer
@@ -419,7 +427,8 @@ class EntryLowering:
                       n=self.m * hdim)
 
     def linear(self, at: _At):
-        """LINEAR and MULTI_LINEAR; in the head of a prefill, of the last real row only."""
+        """LINEAR and MULTI_LINEAR; in the head of a prefill, of each sequence's last real row
+        only."""
         x, n = at.input(0), at.node
         self.gemv_copy(x)
         if not (isinstance(x, _Val) and x.lin is not None):
@@ -430,7 +439,7 @@ class EntryLowering:
         k = self.specs[values[0]].shape[1]
         x_ref, m = x.lin, self.m
         if at.g is self.ir.head and self.kind == "prefill":
-            x_ref, m = self.select_last_row(x.lin, k), 1
+            x_ref, m = self.select_last_rows(x.lin, k), self.prefill_seqs
         w = Ref("weights", values[0])
         scale = Ref("weights", scales[0]) if scales else None
         if self.tp is not None and at.g is self.ir.head:
@@ -465,11 +474,12 @@ class EntryLowering:
         else:
             self.gemv(x, w, scale, y, m, n, k)
 
-    def select_last_row(self, x: Ref, hdim: int) -> Ref:
-        out = self.buffer(hdim * self.lin_size)
+    def select_last_rows(self, x: Ref, hdim: int) -> Ref:
+        s = self.prefill_seqs
+        out = self.buffer(s * hdim * self.lin_size)
         entry = rows.SELECT_F32_ENTRY if self.f32 else rows.SELECT_ENTRY
-        self.emit(entry, rows.select_geometry(hdim), src=x, row=Ref("io", "last_row"), dst=out,
-                  H=hdim)
+        self.emit(entry, rows.select_geometry(s, hdim), src=x, rows=Ref("io", "last_row"),
+                  dst=out, S=s, H=hdim)
         return out
 
     def gated(self, at: _At):
@@ -542,6 +552,7 @@ class EntryLowering:
         # decode kernel, each row its own query (seq_len = position + 1, its own table row).
         if self.kind in ("prefill", "logits") and self.m > 1 and not f32:
             geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
+            self.prefill_align = max(self.prefill_align, attn_prefill.tile_tokens(d, nh // kh))
             if a.k_eq_v:
                 self.emit(attn_prefill.entry_keqv(d, nh // kh, kv_dtype), geometry,
                           q=q_out, base=k_pool, table=table, ring=width,
@@ -772,7 +783,7 @@ class EntryLowering:
         if self.kind == "logits":
             return None
         logits = at.input(0)
-        m, v = (1 if self.kind == "prefill" else self.m), logits.cols
+        m, v = (self.prefill_seqs if self.kind == "prefill" else self.m), logits.cols
         plan = sample.plan(m, v, SM_COUNT)
         k = sample.TOP_LOGPROBS
         # sampled: the token, its log-probability and the top ones, side by side (one read)
@@ -828,7 +839,7 @@ LOWER: dict[Op, Callable[[EntryLowering, _At], object]] = {
     Op.RMSNORM: EntryLowering.rmsnorm,  # rmsnorm (embed: layer 0's input norm)
     Op.RESIDUAL_RMSNORM: EntryLowering.residual,  # residual_rmsnorm[_copy]
     Op.NEXT_NORM: EntryLowering.next_norm,  # written by its residual's launch
-    Op.LINEAR: EntryLowering.linear,  # GEMV / FP8 GEMM (+ to_bf16, + select_last_row)
+    Op.LINEAR: EntryLowering.linear,  # GEMV / FP8 GEMM (+ to_bf16, + select_last_rows)
     Op.MULTI_LINEAR: EntryLowering.linear,  # one GEMV over the adjacent weights
     Op.GATED_LINEAR: EntryLowering.gated,  # GEMV + gelu_mul
     Op.KV_STORE: EntryLowering.kv_store,  # written by its ATTENTION_BLOCK's qkv_post

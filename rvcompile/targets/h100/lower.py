@@ -32,13 +32,17 @@ from rvcompile.artifacts.kernel_schedule import (
     TP_SCHEDULE_VERSION,
     KernelSchedule,
     Launch,
+    PrefillPacking,
 )
 from rvcompile.ir.graph import ModelIR
-from rvcompile.targets.h100 import layout, sample
+from rvcompile.ir.ops import Op
+from rvcompile.targets.h100 import gemv_mma_fp8, layout, sample
 from rvcompile.targets.h100.draft import DraftLowering, draft_io_fields
-from rvcompile.targets.h100.launches import EntryLowering
+from rvcompile.targets.h100.launches import EntryLowering, float32_activations
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
+
+PREFILL_SEQS = 8  # sequences one prefill call packs at most (packing_rows)
 
 __all__ = ["H100Lowering", "LoweringError", "RankLowering", "decode_buckets", "layout_weights",
            "lower_to_h100", "lower_to_h100_tp", "verify_buckets"]
@@ -59,6 +63,23 @@ def decode_buckets(max_seqs: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, max_seqs)
+
+
+def packing_rows(ir: ModelIR, max_seqs: int, prefill_buckets: tuple[int, ...],
+                 tp: RankPlan | None) -> tuple[int, int] | None:
+    """(sequences, min_rows) of the schedule's PrefillPacking, or None where packing would
+    change a row's bits. From min_rows (the smallest prefill entry past gemv_mma_fp8's rows) on,
+    every launch of a prefill entry computes a row from that row alone, the same way at any
+    row count: per-token e4m3 quantization and the tensor-core GEMM (a row's products summed in
+    the same k order by every tile shape), per-row norms and elementwise kernels, and the
+    prefill attention over a sequence's own rows (aligned to its tiles). Not so: the float32
+    plan (its GEMV's split depends on the rows), a MoE layer (rows are grouped by expert across
+    sequences), a tensor-parallel rank (no sampler), one sequence at a time."""
+    if tp is not None or max_seqs < 2 or float32_activations(ir) or any(
+            n.op in (Op.MOE, Op.MOE_BLOCK) for g in ir.layers for n in g.nodes):
+        return None
+    rows = sorted(t for t in set(prefill_buckets) if t > gemv_mma_fp8.MAX_ROWS)
+    return (min(PREFILL_SEQS, max_seqs), rows[0]) if rows else None
 
 
 def verify_buckets(max_seqs: int, draft_tokens: int) -> tuple[int, ...]:
@@ -94,12 +115,16 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     if drafter and (tp is not None or not draft_tokens):
         raise LoweringError("an assistant drafter needs --num-draft-tokens K >= 1 and one GPU "
                             "(--tp 1)")
+    packing = packing_rows(ir, max_seqs, prefill_buckets, tp)
+    seqs = packing[0] if packing else 1
     # with a drafter, decode and verify entries also output every row's state
-    plans = [EntryLowering(ir, kind, rows, consts, kv.pools, tp,
-                           decode_loop_steps=layout.DECODE_LOOP_STEPS
-                           if name.startswith("decode_")
-                           else 0, states=drafter and kind == "decode").run(name)
-             for kind, name, rows in entries]
+    lowerings = [(name, EntryLowering(ir, kind, rows, consts, kv.pools, tp,
+                                      decode_loop_steps=layout.DECODE_LOOP_STEPS
+                                      if name.startswith("decode_") else 0,
+                                      states=drafter and kind == "decode",
+                                      prefill_seqs=seqs if kind == "prefill" else 1))
+                 for kind, name, rows in entries]
+    plans = [lowering.run(name) for name, lowering in lowerings]
     extra_io = None
     if drafter:
         plans += [DraftLowering(ir, b, consts, kv.pools, steps=draft_tokens,
@@ -109,12 +134,16 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     # a tensor-parallel rank's schedule (TP_SCHEDULE_VERSION) has no sampled entries
     top = 0 if tp is not None else sample.TOP_LOGPROBS
     if top:
-        plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True).run(
+        plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True,
+                                prefill_seqs=seqs if kind == "prefill" else 1).run(
             f"sampled_{name}") for kind, name, rows in entries
             if name.startswith(("decode_", "prefill_"))]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows,
-                            top, extra_io)
+                            top, extra_io, seqs)
+    if packing:
+        align = max(lowering.prefill_align for _, lowering in lowerings)
+        schedule = replace(schedule, prefill_packing=PrefillPacking(seqs, align, packing[1]))
     if draft_tokens:
         schedule = replace(schedule, draft_tokens=draft_tokens)
     if drafter:  # draft entries, the draft io fields, verify's states

@@ -1,7 +1,8 @@
 """Row utilities (kernels/rows.cu): numpy references and launch geometry.
 
-`select_row_bf16(src bf16 [M, H], row int32 [1], dst bf16 [1, H], H)`: dst = src[row[0]].
-`select_row_f32(src f32 [M, H], row, dst f32 [1, H], H)`: the same over float32 rows.
+`select_rows_bf16(src bf16 [M, H], rows int32 [S], dst bf16 [S, H], S, H)`: dst[i] = src[rows[i]],
+zeros where rows[i] < 0 (a prefill's last real row of each sequence it packs; unused slots -1).
+`select_rows_f32(src f32 [M, H], rows, dst f32 [S, H], S, H)`: the same over float32 rows.
 `softcap_rows(x f32 [n], n, cap)`: x = cap * tanh(x / cap) in place (the IR's SOFTCAP).
 `decode_advance(sampled, tokens, positions, seq_len, step, budget, loop_step, history, B, L)`:
 the last launch of a decode entry, which moves its B lanes on to their next step in the io
@@ -23,8 +24,8 @@ from rvcompile.targets.h100.contract import Call, Entry, f32, i32, i64, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "rows.cu"
-SELECT_ENTRY = "select_row_bf16"
-SELECT_F32_ENTRY = "select_row_f32"
+SELECT_ENTRY = "select_rows_bf16"
+SELECT_F32_ENTRY = "select_rows_f32"
 SOFTCAP_ENTRY = "softcap_rows"
 ADVANCE_ENTRY = "decode_advance"
 THREADS = 256
@@ -36,8 +37,10 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 def _select_call(c: Call) -> None:
-    r, h = int(c.array("row", (1,))[0]), c["H"]
-    c.array("dst", (h,))[:] = c.array("src", (r + 1, h))[r]
+    s, h = c["S"], c["H"]
+    rows = c.array("rows", (s,)).astype(np.int64)
+    src = c.array("src", (max(int(rows.max()), 0) + 1, h))
+    c.array("dst", (s, h))[:] = np.where((rows >= 0)[:, None], src[np.maximum(rows, 0)], 0)
 
 
 def _softcap_call(c: Call) -> None:
@@ -71,8 +74,8 @@ def _advance_call(c: Call) -> None:
 
 
 ENTRIES = (
-    *(Entry(name, SOURCE, (ptr("src", dtype), ptr("row", "int32"), ptr("dst", dtype, "out"),
-                           i32("H")), _select_call)
+    *(Entry(name, SOURCE, (ptr("src", dtype), ptr("rows", "int32"), ptr("dst", dtype, "out"),
+                           i32("S"), i32("H")), _select_call)
       for name, dtype in ((SELECT_ENTRY, "bfloat16"), (SELECT_F32_ENTRY, "float32"))),
     Entry(SOFTCAP_ENTRY, SOURCE, (ptr("x", "float32", "inout"), i64("n"), f32("cap")),
           _softcap_call),
@@ -83,8 +86,11 @@ ENTRIES = (
 )
 
 
-def select_geometry(h: int) -> Launch:
-    return Launch((-(-h // THREADS), 1, 1), (THREADS, 1, 1), 0)
+def select_geometry(s: int, h: int) -> Launch:
+    """One CTA row per THREADS columns of a selected row, a grid row per selected row."""
+    if s < 1:
+        raise ValueError(f"select_rows needs at least one row (S={s})")
+    return Launch((-(-h // THREADS), s, 1), (THREADS, 1, 1), 0)
 
 
 def softcap_geometry(n: int) -> Launch:

@@ -4,9 +4,10 @@
 // cores (mma.sync m16n8k16, bf16 in, f32 out) do Q.K^T and P.V. Each K/V tile is read once for
 // all G heads of the KV head.
 //
-// q [M, KH*G, D] bf16; K/V pools [blocks, 16, KH, D], bf16 or (the _fp8 entries) e4m3; table: the
-// first row of the [M, max_blocks] block table serves every row (the rows are one sequence's
-// chunk): token t lives in block table[(t / 16) % ring]. Row m's query is at positions[m] and sees
+// q [M, KH*G, D] bf16; K/V pools [blocks, 16, KH, D], bf16 or (the _fp8 entries) e4m3; table [M,
+// ring], a row per token row: a CTA reads its first token row's for all of its rows, which must
+// therefore be one sequence's (a packed prefill starts each sequence at a multiple of the CTA's
+// tokens): token t lives in block table[(t / 16) % ring]. Row m's query is at positions[m] and sees
 // keys max(0, p - window + 1) .. p (window 0: all); positions[m] < 0 (padding) writes zeros.
 // Scale 1.0. out [M, KH*G, D] f32 and, when out_bf16 is not null, its bf16 rounding.
 // KEQV entries read one pool of normalised bases: V = base, K = rope(base * wk, t) (half-split,
@@ -207,6 +208,7 @@ __device__ __forceinline__ void attn_prefill(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wr = warp / S::WC, wc = warp % S::WC;
     const int kvh = blockIdx.y, nh = kv_heads * G, tok0 = blockIdx.x * TOK;
+    table += (size_t)tok0 * ring;  // the CTA's sequence's row
 
     if (threadIdx.x == 0) {
         key_range[0] = 0x7fffffff;

@@ -1,8 +1,9 @@
 // Small row utilities of the schedule.
 //
-// select_row_bf16(src bf16 [M, H], row int32* [1], dst bf16 [1, H], H): dst = src[*row], the
-//   prefill's last real token row (the row index is an io input, so the launch is fixed).
-// select_row_f32: the same over float32 rows (the float32 plan).
+// select_rows_bf16(src bf16 [M, H], rows int32* [S], dst bf16 [S, H], S, H): dst[i] =
+//   src[rows[i]], zeros where rows[i] < 0: the last real token row of each sequence a prefill
+//   packs (the row indices are io inputs, so the launch is fixed). Grid: (H / 256, S).
+// select_rows_f32: the same over float32 rows (the float32 plan).
 // softcap_rows(x f32 [n], n, cap): x = cap * tanh(x / cap) in place (ops.SOFTCAP), for the
 //   logits entry that returns every row's logits.
 // decode_advance(sampled, tokens, positions, seq_len, step, budget, loop_step, history, B, L):
@@ -12,22 +13,29 @@
 //   One CTA of up to 1024 threads, one lane each.
 #include "common.cuh"
 
-extern "C" __global__ void select_row_bf16(const __nv_bfloat16* __restrict__ src,
-                                           const int* __restrict__ row,
-                                           __nv_bfloat16* __restrict__ dst, int H) {
-    pdl_wait();
-    pdl_launch_dependents();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < H) dst[i] = src[(size_t)row[0] * H + i];
+template <typename T>
+__device__ __forceinline__ void select_rows(const T* __restrict__ src, const int* __restrict__ rows,
+                                            T* __restrict__ dst, int S, int H) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (i >= H || s >= S) return;
+    const int r = rows[s];
+    dst[(size_t)s * H + i] = r >= 0 ? src[(size_t)r * H + i] : T(0.f);
 }
 
-extern "C" __global__ void select_row_f32(const float* __restrict__ src,
-                                          const int* __restrict__ row, float* __restrict__ dst,
-                                          int H) {
+extern "C" __global__ void select_rows_bf16(const __nv_bfloat16* __restrict__ src,
+                                            const int* __restrict__ rows,
+                                            __nv_bfloat16* __restrict__ dst, int S, int H) {
     pdl_wait();
     pdl_launch_dependents();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < H) dst[i] = src[(size_t)row[0] * H + i];
+    select_rows(src, rows, dst, S, H);
+}
+
+extern "C" __global__ void select_rows_f32(const float* __restrict__ src,
+                                           const int* __restrict__ rows, float* __restrict__ dst,
+                                           int S, int H) {
+    pdl_wait();
+    pdl_launch_dependents();
+    select_rows(src, rows, dst, S, H);
 }
 
 extern "C" __global__ void softcap_rows(float* __restrict__ x, long long n, float cap) {
