@@ -40,7 +40,7 @@ SEQ = 40
 CASES = sorted(ORACLE_CASES)
 # Entries of the quantized plan that read or write bf16/e4m3 values; none may appear here.
 NARROW_ENTRIES = ("gemv_fp8_rowscale", "gemv_bf16", "rmsnorm_bf16", "residual_rmsnorm",
-                  "gelu_mul", "embed_rows_bf16", "embed_rows_fp8", "select_row_bf16", "to_bf16",
+                  "gelu_mul", "embed_rows_bf16", "embed_rows_fp8", "select_rows_bf16", "to_bf16",
                   "residual_rmsnorm_copy", "ple_combine", "ple_project", "ple_gelu_mul",
                   "qkv_post", "qkv_post_small", "moe_norms", "moe_gate_up", "moe_down",
                   "moe_router_rows")
@@ -310,10 +310,10 @@ def test_gpu_gelu_mul_select_embed_f32(inter):
                   head.embed_geometry(m, hdim, False, f32=True), table, ids, 11.5, h, hdim,
                   outputs=(3,), poison=(3,))
     assert np.array_equal(got, head.embed_rows(table, ids, 11.5))
-    row, dst = np.array([2], np.int32), np.zeros((1, hdim), np.float32)
-    (got,) = _run(ctx, rows.SOURCE, rows.SELECT_F32_ENTRY, rows.select_geometry(hdim), table[:m],
-                  row, dst, hdim, outputs=(2,), poison=(2,))
-    assert np.array_equal(got[0], table[2])
+    row, dst = np.array([2, -1], np.int32), np.zeros((2, hdim), np.float32)
+    (got,) = _run(ctx, rows.SOURCE, rows.SELECT_F32_ENTRY, rows.select_geometry(2, hdim),
+                  table[:m], row, dst, 2, hdim, outputs=(2,), poison=(2,))
+    assert np.array_equal(got[0], table[2]) and not got[1].any()
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The schedule's own small kernels (targets/h100): the bf16 head GEMV at the 31B head shape and
-the tiny vocab, select_row and softcap_rows, each on a GPU against its numpy reference on fresh
+the tiny vocab, select_rows and softcap_rows, each on a GPU against its numpy reference on fresh
 random inputs."""
 
 from __future__ import annotations
@@ -38,16 +38,21 @@ def test_gemv_bf16_matches_reference(m, n, k):
 
 
 @pytest.mark.gpu
-def test_select_row_and_softcap():
+def test_select_rows_and_softcap():
+    """select_rows_bf16 over S = 4 rows (one unused, -1: zeros) into a NaN-poisoned output."""
     ctx = h100_context()
     rng = np.random.default_rng(0)
     cubin = compile_cubin(rows.SOURCE)
     src = rng.normal(size=(7, 96)).astype(ml_dtypes.bfloat16)
-    dsrc, drow, ddst = ctx.upload(src), ctx.upload(np.array([5], np.int32)), ctx.alloc(96 * 2)
-    g = rows.select_geometry(96)
+    pick = np.array([5, 0, -1, 6], np.int32)
+    dst = np.full((4, 96), np.nan, ml_dtypes.bfloat16)
+    dsrc, drow, ddst = ctx.upload(src), ctx.upload(pick), ctx.upload(dst)
+    g = rows.select_geometry(4, 96)
     ctx.launch(ctx.load_function(cubin, rows.SELECT_ENTRY), g.grid, g.block, 0,
-               [P(dsrc.ptr), P(drow.ptr), P(ddst.ptr), I32(96)])
-    assert (ctx.download(ddst, ml_dtypes.bfloat16, (96,)) == src[5]).all()
+               [P(dsrc.ptr), P(drow.ptr), P(ddst.ptr), I32(4), I32(96)])
+    got = ctx.download(ddst, ml_dtypes.bfloat16, (4, 96))
+    want = np.stack([src[5], src[0], np.zeros(96, ml_dtypes.bfloat16), src[6]])
+    assert np.array_equal(got.astype(np.float32), want.astype(np.float32))
     x = rng.normal(0, 40, 5000).astype(np.float32)
     dx = ctx.upload(x)
     g = rows.softcap_geometry(x.size)
