@@ -15,6 +15,7 @@ report's stream figures.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from stub_cubins import build_h100
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.contents import read_contents, read_texts
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
 from rvcompile.runtime.executor_api import LoadOptions
@@ -50,6 +52,11 @@ class FakeContext:
         self.graphs = 0  # instantiated, not destroyed
         self.lock = threading.Lock()
         self.cu = None
+        self.weight_copies = 0  # copies into the arena's weights (the stream's deliveries)
+        self.weights_end = 0  # set by a test: the arena's weights end here
+        self.on_weight_copy = None  # a test's hook, called (with this lock not held) per copy
+        self.uploaded_when = []  # per graph upload: what a test's `ready()` said then
+        self.ready = lambda: True
 
     compute_capability = (9, 0)
 
@@ -81,6 +88,10 @@ class FakeContext:
     def copy_to_device(self, dst, host, stream=0):
         with self.lock:
             self.memory[dst - BASE:dst - BASE + host.nbytes] = host.tobytes()
+            weight = dst - BASE < self.weights_end
+            self.weight_copies += weight
+        if weight and self.on_weight_copy is not None:
+            self.on_weight_copy()
 
     def alloc_pinned(self, nbytes):
         a = np.zeros(nbytes, np.uint8)
@@ -114,6 +125,7 @@ class FakeContext:
 
     def graph_upload(self, graph_exec, stream):
         self.graph_uploads += 1
+        self.uploaded_when.append(self.ready())
 
     def load_module(self, cubin):
         self.modules += 1
@@ -177,7 +189,8 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     t = ex.load_times
     assert t.streamed and t.checked and t.weight_bytes == len(weights) and t.threads >= 1
     assert t.upload_s > 0 and t.read_s > 0 and t.hash_s > 0
-    assert t.overlapped == ("cubin load", "graph capture", "warm-up")
+    assert t.overlapped == ("cubin load", "graph capture")  # warm-up: once all passed
+    assert t.arena_s > 0 and t.finish_s > 0 and t.warm_up_s > 0
     assert len(fake.pinned) == 2  # the io buffers the executor keeps; staging freed
     assert "sha256 checked while streaming" in ex.load_note
     # the default share of the fake's memory holds more than every decode row's whole context:
@@ -239,6 +252,149 @@ def test_open_executor_takes_explicit_blocks_and_shares_the_rest(artifact, fake,
     assert {k.name: k.num_blocks for k in ex.kinds.values()} == {"full": 6, "sliding": ring}
     assert len(fake.memory) == schedule.pool_offsets({"full": 6, "sliding": ring})[1]
     assert "KV pools 6 full, " in ex.load_note
+
+
+# ---- runtime.load: the text check alongside the upload ---------------------------------------
+
+def _broken_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy whose tokenizer no longer parses (nor matches its digest: only a load with
+    verify=False reaches the parser with it, or one whose check a test replaces)."""
+    with Artifact.open(src) as art:
+        at = art.sections["tokenizer"].offset
+    data = bytearray(src.read_bytes())
+    data[at] = ord("!")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def _todays_error(path: Path) -> str:
+    """The error the contents check gives when it runs alone (as it did before the upload)."""
+    with Artifact.open(path) as art, pytest.raises(ArtifactError) as e:
+        read_contents(art, read_manifest(art))
+    return str(e.value)
+
+
+@pytest.fixture
+def loading(artifact, fake, monkeypatch):
+    """runtime.load on the fake GPU, the executor's PendingChecks kept in `seen["checks"]`, and
+    every graph upload recording whether they had passed by then."""
+    monkeypatch.setattr(h100, "CudaContext", lambda: fake)
+    with Artifact.open(artifact) as art:
+        fake.weights_end = read_manifest(art).h100.schedule.weights_bytes
+    seen = {}
+    real = h100.h100_executor
+
+    def spy(*args, **kwargs):
+        seen["checks"] = kwargs["checks"]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(h100, "h100_executor", spy)
+    fake.ready = lambda: seen["checks"].done() and not seen["checks"].failed()
+    return seen
+
+
+def _texts_once_uploading(monkeypatch, fake, then=None):
+    """The text check starts only once the weights stream (so it certainly runs alongside
+    the upload), then runs `then` (default: the real check)."""
+    uploading = threading.Event()
+    fake.on_weight_copy = uploading.set
+    then = then or runtime.read_texts
+
+    def texts(art, manifest):
+        assert uploading.wait(10), "the upload never started while the text check waited"
+        return then(art, manifest)
+
+    monkeypatch.setattr(runtime, "read_texts", texts)
+    return uploading
+
+
+def test_load_checks_the_texts_alongside_the_upload_and_reports_it(artifact, fake, loading,
+                                                                   monkeypatch):
+    def slow(art, manifest):  # outlasts the tiny upload: the load must wait for it
+        time.sleep(0.2)
+        return read_texts(art, manifest)
+
+    _texts_once_uploading(monkeypatch, fake, slow)
+    m = runtime.load(artifact)
+    checks = loading["checks"]
+    assert checks.done() and not checks.failed()
+    assert fake.uploaded_when and all(fake.uploaded_when)  # graphs uploaded once it passed
+    assert fake.launched_outside_capture == 0
+    assert m.tokenizer.encode("hello").ids  # the contents it parsed are the model's
+    r = m.load_report
+    assert 0.1 < r.text_waited_s <= r.text_check_s
+    assert r.alongside == ("text check", "cubin load", "graph capture")
+    assert [n for n, _ in r.phases()] == [
+        "open", "check", "text check", "import", "context", "verify", "arena", "upload",
+        "cubin load", "graph capture", "warm-up", "finish"]
+    counted = sum(s for n, s in r.phases() if n not in r.alongside)
+    assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
+    assert f"text check {r.text_check_s:.2f} (alongside; waited {r.text_waited_s:.2f})" in (
+        r.lines()[0])
+    data = r.as_json()
+    assert data["text_check_s"] == r.text_check_s and data["alongside"] == list(r.alongside)
+
+
+def test_a_text_check_failing_during_the_upload_stops_it_and_frees_everything(
+        artifact, fake, loading, monkeypatch, tmp_path):
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    assert today.startswith("bad.rvp: tokenizer: not a tokenizers tokenizer.json (")
+    _texts_once_uploading(monkeypatch, fake)
+    stalled = []
+
+    def hold_the_stream():  # the first weight chunk waits until the check has failed
+        if not stalled:
+            stalled.append(True)
+            deadline = time.monotonic() + 10
+            while not loading["checks"].failed():
+                assert time.monotonic() < deadline, "the text check never failed"
+                time.sleep(0.001)
+
+    first = fake.on_weight_copy
+    fake.on_weight_copy = lambda: (first(), hold_the_stream())
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, verify=False)  # the tokenizer's digest no longer matches
+    assert str(e.value) == today  # the same line as when it was checked first
+    chunks = -(-fake.weights_end // cuda_upload.CHUNK_BYTES)
+    assert 1 <= fake.weight_copies <= 2 < chunks  # the stream stopped at its next chunk
+    assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
+    assert fake.launched_outside_capture == 0 and fake.graph_uploads == 0
+
+
+@pytest.mark.parametrize("case", ["pools do not fit", "corrupt weights"])
+def test_a_failed_text_check_is_the_error_whatever_else_failed(artifact, fake, loading,
+                                                               monkeypatch, tmp_path, case):
+    """A load that fails on the machine or the weights while the text check runs still fails
+    with the text check's error, as when that check ran first."""
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    if case == "pools do not fit":  # the main thread fails before any upload
+        opts = {"kv_blocks": {"full": 1}, "verify": False}
+    else:  # the stream fails, then the text check; the tokenizer's digest is replaced
+        _corrupt_copy(bad, bad, 1234)
+        freed = threading.Event()
+        real_free = h100.CudaScheduleDevice._free
+
+        def free(self):
+            real_free(self)
+            freed.set()
+
+        monkeypatch.setattr(h100.CudaScheduleDevice, "_free", free)
+        real_verify = Artifact.verify
+        monkeypatch.setattr(Artifact, "verify", lambda art, names: real_verify(
+            art, [n for n in names if n != "tokenizer"]))
+
+        def after_the_stream_failed(art, manifest):
+            assert freed.wait(10), "the corrupt weights never failed the upload"
+            return read_texts(art, manifest)
+
+        monkeypatch.setattr(runtime, "read_texts", after_the_stream_failed)
+        opts = {}
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, **opts)
+    assert str(e.value) == today
+    assert fake.live == set() and fake.pinned == {} and fake.launched_outside_capture == 0
 
 
 # ---- on an H100 ------------------------------------------------------------------------------

@@ -61,9 +61,28 @@ def content_sections(manifest: Manifest) -> tuple[str, ...]:
 
 def read_contents(art: Artifact, manifest: Manifest) -> Contents:
     """`art`'s tokenizer, generation config and chat template (and cubins, for h100), checked
-    against `manifest` (from read_manifest); one-line ArtifactError otherwise."""
+    against `manifest` (from read_manifest); one-line ArtifactError otherwise. The same as
+    read_texts, then check_cubins (runtime.load runs them on two threads)."""
     return parse_contents(manifest, {n: art.buffer(n) for n in content_sections(manifest)},
                           art.path.name)
+
+
+def read_texts(art: Artifact, manifest: Manifest) -> Contents:
+    """read_contents but the cubins: what the runtime reads from the text sections, checked."""
+    try:
+        return _contents(manifest, {n: art.buffer(n) for n in TEXT_SECTIONS})
+    except SchemaError as e:
+        raise ArtifactError(f"{art.path.name}: {e}") from None
+
+
+def check_cubins(art: Artifact, manifest: Manifest) -> None:
+    """read_contents' check of an h100 artifact's cubins against its schedules (nothing for
+    other artifacts)."""
+    if manifest.h100:
+        try:
+            _check_all_cubins(manifest, art.buffer("cubins"))
+        except SchemaError as e:
+            raise ArtifactError(f"{art.path.name}: {e}") from None
 
 
 def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
@@ -72,12 +91,16 @@ def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview
     try:
         contents = _contents(manifest, sections)
         if manifest.h100:
-            tp = manifest.h100.tensor_parallel
-            for schedule in tp.schedules if tp else (manifest.h100.schedule,):
-                _check_cubins(schedule, sections["cubins"])
+            _check_all_cubins(manifest, sections["cubins"])
         return contents
     except SchemaError as e:
         raise ArtifactError(f"{fname}: {e}") from None
+
+
+def _check_all_cubins(manifest: Manifest, blob: bytes | memoryview) -> None:
+    tp = manifest.h100.tensor_parallel
+    for schedule in tp.schedules if tp else (manifest.h100.schedule,):
+        _check_cubins(schedule, blob)
 
 
 def _contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview]) -> Contents:

@@ -74,6 +74,7 @@ from typing import Protocol
 import numpy as np
 
 from rvcompile.progress import Phases
+from rvcompile.runtime.pending_checks import PendingChecks
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,10 @@ class LoadOptions:
     gpu_memory_utilization: float | None = None
     # the load's phases as the person running it sees them (verify, upload, compile, ...)
     phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
+    # runtime.load's checks still running on their own thread (the text sections): the executor
+    # waits for them before it runs anything on the device, and stops early once they failed
+    # (pending_checks.py); default: none pending
+    checks: PendingChecks = field(default_factory=PendingChecks)
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,9 @@ class LoadTimes:
     summed over the threads that streamed the weights, which overlap one another and the
     copies. A phase the executor does not have stays 0."""
 
+    context_s: float = 0.0  # h100: the driver's context opened, the GPU checked (check_fits)
     verify_s: float = 0.0  # sections re-hashed before the upload (all but a streamed weights)
+    arena_s: float = 0.0  # h100: the arena allocated, zeroed, its constants copied
     upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)
     weight_bytes: int = 0  # of the weights section
     streamed: bool = False  # weights read once, each piece hashed as it was uploaded (h100)
@@ -195,7 +202,9 @@ class LoadTimes:
     hash_s: float = 0.0  # streamed: thread-seconds hashing
     cubin_load_s: float = 0.0  # h100: modules loaded, launches prepared (during the upload)
     graph_capture_s: float = 0.0  # h100: CUDA graphs captured, instantiated (during the upload)
-    warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run
+    warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run,
+    # once the weights and runtime.load's checks passed
+    finish_s: float = 0.0  # h100: staging buffers freed, the device synchronized
     programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
     compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
     # loaded
