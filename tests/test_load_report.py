@@ -62,7 +62,8 @@ def test_h100_report_shows_the_stream_and_what_overlapped():
     times = LoadTimes(context_s=0.12, verify_s=0.05, arena_s=0.03, upload_s=1.6,
                       weight_bytes=32_100_000_000, streamed=True, checked=True, threads=16,
                       read_s=9.5, hash_s=20.25, cubin_load_s=0.3, graph_capture_s=0.4,
-                      warm_up_s=0.01, finish_s=0.04, overlapped=("cubin load", "graph capture"))
+                      warm_up_s=0.01, finish_s=0.04, overlapped=("cubin load", "graph capture"),
+                      checks_during_upload_s=0.2)
     r = LoadReport("31b.rvp", "h100", 0.01, 0.02, 0.01, times, 2.0, 31.5, text_check_s=0.5,
                    text_waited_s=0.03)
     assert r.upload_gb_s == pytest.approx(20.0625)
@@ -74,9 +75,9 @@ def test_h100_report_shows_the_stream_and_what_overlapped():
                                       - 0.01 - 0.04 - 0.03)
     assert r.lines() == [
         "rvrun: load 2.00 s (31.50 s CPU): open 0.01 | check 0.02 | text check 0.50 "
-        "(alongside; waited 0.03) | import 0.01 | context 0.12 | verify 0.05 | arena 0.03 "
-        "| upload 1.60 | cubin load 0.30 (during upload) | graph capture 0.40 (during upload) "
-        "| warm-up 0.01 | finish 0.04 | other 0.08",
+        "(alongside, 0.20 during upload; waited 0.03) | import 0.01 | context 0.12 | verify 0.05 "
+        "| arena 0.03 | upload 1.60 | cubin load 0.30 (during upload) | graph capture 0.40 "
+        "(during upload) | warm-up 0.01 | finish 0.04 | other 0.08",
         "rvrun: weights 32.100 GB uploaded in 1.60 s (20.06 GB/s), read once, each piece "
         "sha256-checked as it streamed; read 9.50 s, hash 20.25 s over 16 threads "
         "(thread-seconds)"]

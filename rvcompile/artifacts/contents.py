@@ -69,38 +69,42 @@ def read_contents(art: Artifact, manifest: Manifest) -> Contents:
 
 def read_texts(art: Artifact, manifest: Manifest) -> Contents:
     """read_contents but the cubins: what the runtime reads from the text sections, checked."""
-    try:
-        return _contents(manifest, {n: art.buffer(n) for n in TEXT_SECTIONS})
-    except SchemaError as e:
-        raise ArtifactError(f"{art.path.name}: {e}") from None
+    return parse_texts(manifest, {n: art.buffer(n) for n in TEXT_SECTIONS}, art.path.name)
 
 
 def check_cubins(art: Artifact, manifest: Manifest) -> None:
     """read_contents' check of an h100 artifact's cubins against its schedules (nothing for
     other artifacts)."""
     if manifest.h100:
-        try:
-            _check_all_cubins(manifest, art.buffer("cubins"))
-        except SchemaError as e:
-            raise ArtifactError(f"{art.path.name}: {e}") from None
+        parse_cubins(manifest, art.buffer("cubins"), art.path.name)
 
 
 def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
                    fname: str) -> Contents:
     """The same check on section bytes not yet written (the build)."""
+    contents = parse_texts(manifest, sections, fname)
+    if manifest.h100:
+        parse_cubins(manifest, sections["cubins"], fname)
+    return contents
+
+
+def parse_texts(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
+                fname: str) -> Contents:
+    """read_texts on the text sections' bytes."""
     try:
-        contents = _contents(manifest, sections)
-        if manifest.h100:
-            _check_all_cubins(manifest, sections["cubins"])
-        return contents
+        return _contents(manifest, sections)
     except SchemaError as e:
         raise ArtifactError(f"{fname}: {e}") from None
 
 
-def _check_all_cubins(manifest: Manifest, blob: bytes | memoryview) -> None:
+def parse_cubins(manifest: Manifest, blob: bytes | memoryview, fname: str) -> None:
+    """check_cubins on the cubins section's bytes (`manifest` an h100 one)."""
     tp = manifest.h100.tensor_parallel
-    for schedule in tp.schedules if tp else (manifest.h100.schedule,):
-        _check_cubins(schedule, blob)
+    try:
+        for schedule in tp.schedules if tp else (manifest.h100.schedule,):
+            _check_cubins(schedule, blob)
+    except SchemaError as e:
+        raise ArtifactError(f"{fname}: {e}") from None
 
 
 def _contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview]) -> Contents:

@@ -205,6 +205,8 @@ class LoadTimes:
     warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run,
     # once the weights and runtime.load's checks passed
     finish_s: float = 0.0  # h100: staging buffers freed, the device synchronized
+    checks_during_upload_s: float = 0.0  # h100: of runtime.load's checks alongside (LoadOptions
+    # .checks), the seconds that ran while the weights streamed (the rest ran before it)
     programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
     compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
     # loaded

@@ -90,7 +90,9 @@ class LoadReport:
 
         def how(name: str) -> str:
             if name == "text check":
-                return f" (alongside; waited {self.text_waited_s:.2f})"
+                during = e.checks_during_upload_s
+                return (" (alongside" + (f", {during:.2f} during upload" if during else "")
+                        + f"; waited {self.text_waited_s:.2f})")
             return " (during upload)" if name in e.overlapped else ""
 
         parts = [f"{name} {s:.2f}{how(name)}" for name, s in self.phases()]

@@ -35,6 +35,7 @@ class PendingChecks:
     def __init__(self) -> None:
         self._future: Future | None = None
         self.seconds = 0.0  # the checks' wall time on their thread
+        self.ended_at = 0.0  # time.perf_counter() when they ended (0.0: nothing pending)
         self.waited_s = 0.0  # callers' time blocked on them
 
     @classmethod
@@ -47,7 +48,8 @@ class PendingChecks:
             try:
                 return check(*args)
             finally:  # before the future completes: set once anyone sees it done
-                pending.seconds = time.perf_counter() - t0
+                pending.ended_at = time.perf_counter()
+                pending.seconds = pending.ended_at - t0
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="rvrun-check")
         pending._future = pool.submit(timed)

@@ -148,6 +148,7 @@ class CudaScheduleDevice:
         try:
             with (phases.phase("upload", total=weights, unit="B") as bar,
                   ThreadPoolExecutor(1, thread_name_prefix="rvrun-upload") as background):
+                t_stream = clock()
                 streaming = background.submit(stream_section, art, "weights", sink,
                                               workers=workers, check=check_weights, stop=stop)
                 try:
@@ -178,7 +179,10 @@ class CudaScheduleDevice:
                     raise
                 finally:
                     stats = streaming.result()  # raises a mismatch; waits on our own failure
+                t_streamed = clock()
                 self.checks.wait()  # raises their error; the stream stopped early then
+                times["checks_during_upload_s"] = max(
+                    0.0, min(self.checks.ended_at, t_streamed) - t_stream)
                 bar.advance(weights)
                 bar.info = (f"{weights / 1e9:.2f} GB at {stats.gb_s:.1f} GB/s"
                             + (", sha256 checked" if stats.checked else ""))
