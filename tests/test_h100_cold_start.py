@@ -30,7 +30,7 @@ from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
 from rvcompile.runtime.executor_api import LoadOptions
 from rvcompile.runtime.executors import cuda_upload, h100, tma
-from rvcompile.runtime.executors.cuda_driver import DeviceBuffer
+from rvcompile.runtime.executors.cuda_driver import CudaError, DeviceBuffer
 
 TINY = {"max_context": 64, "prefill_buckets": (8,), "max_seqs": 1}
 BASE = 1 << 32  # the fake device's first address (aligned as TMA wants)
@@ -398,6 +398,46 @@ def test_a_failed_text_check_is_the_error_whatever_else_failed(artifact, fake, l
         runtime.load(bad, **opts)
     assert str(e.value) == today
     assert fake.live == set() and fake.pinned == {} and fake.launched_outside_capture == 0
+
+
+def test_the_context_opens_alongside_the_checks(artifact, fake, loading, monkeypatch):
+    """runtime.load starts the GPU's context (h100.begin) on a thread of its own as soon as the
+    file is open: the manifest's check here waits until it has started opening."""
+    opening = threading.Event()
+    threads = []
+
+    def context():
+        threads.append(threading.get_ident())
+        opening.set()
+        return fake
+
+    monkeypatch.setattr(h100, "CudaContext", context)
+    real = runtime.read_manifest
+
+    def read_manifest(art):
+        assert opening.wait(10), "the context did not open while the manifest was checked"
+        return real(art)
+
+    monkeypatch.setattr(runtime, "read_manifest", read_manifest)
+    r = runtime.load(artifact).load_report
+    assert threads and threads[0] != threading.get_ident()
+    assert r.executor.context_open_s >= 0 and r.executor.context_s >= 0
+
+
+def test_no_gpu_is_refused_as_before_and_after_the_checks(artifact, fake, loading, monkeypatch,
+                                                          tmp_path):
+    def no_gpu():
+        raise CudaError("cuInit failed: CUDA_ERROR_NO_DEVICE")
+
+    monkeypatch.setattr(h100, "CudaContext", no_gpu)
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(artifact)
+    assert str(e.value) == ("tiny.rvp: needs an NVIDIA H100 (CUDA): cuInit failed: "
+                            "CUDA_ERROR_NO_DEVICE")
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    with pytest.raises(ArtifactError) as e:  # a broken file says so first, GPU or not
+        runtime.load(bad, verify=False)
+    assert str(e.value) == _todays_error(bad)
 
 
 # ---- on an H100 ------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ keeps plain sequences in decode calls, so each sequence's rows come from one cal
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -181,6 +182,9 @@ class LoadOptions:
     # waits for them before it runs anything on the device, and stops early once they failed
     # (pending_checks.py); default: none pending
     checks: PendingChecks = field(default_factory=PendingChecks)
+    # what the runtime module's `begin(art)` started when the file opened (runtime.load; h100:
+    # the GPU's context, opening on a thread of its own), or None
+    begun: Future | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,10 @@ class LoadTimes:
     summed over the threads that streamed the weights, which overlap one another and the
     copies. A phase the executor does not have stays 0."""
 
-    context_s: float = 0.0  # h100: the driver's context opened, the GPU checked (check_fits)
+    context_s: float = 0.0  # h100: the GPU's context taken (waited for, when it opened
+    # alongside the checks) and the GPU checked (check_fits)
+    context_open_s: float = 0.0  # h100: the driver's context opening (cuInit, primary context),
+    # on a thread of its own from the file's open (runtime.load), or in context_s
     verify_s: float = 0.0  # sections re-hashed before the upload (all but a streamed weights)
     arena_s: float = 0.0  # h100: the arena allocated, zeroed, its constants copied
     upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)

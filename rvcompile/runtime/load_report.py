@@ -3,22 +3,24 @@
 benchmarks/cold_start.py.
 
 The phases, in the order a load starts them: open (Artifact.open: header, tables, padding,
-manifest digest), check (manifest schema and kernel schedule; the small sections hashed; an
-h100 artifact's cubins against its schedule), text check (the tokenizer and its vocabulary, the
+manifest digest), check (manifest schema and kernel schedule; the small sections hashed; an h100
+artifact's cubins against its schedule), text check (the tokenizer and its vocabulary, the
 generation config, the chat template parsed: on a thread of its own, alongside everything after
 it, so it adds to the wall time only what the load waited for it: `text_waited_s`), import (the
-runtime's own modules: jax, or cuda-python), context (H100: the driver's context, the GPU
-checked), verify (the other sections re-hashed before any upload: on XLA all of them, on the
-H100 all but the weights), arena (H100: allocated, zeroed, constants copied), upload (the
-weights to the device; on the H100 the weights are read once and each piece hashed as it
-streams, the staging buffers allocated by the streaming threads as they start, and the read and
-hash seconds are thread-seconds summed over the streaming threads), cubin load and graph capture
-(H100: they run while the weights upload, so they add no wall time unless they outlast it),
-warm-up (H100: the graphs uploaded, once every check passed), finish (H100: staging freed,
-device synchronized), programs (XLA: the exported programs deserialized and checked), compile
-(XLA: the programs compiled, from jax's persistent cache when it has them, or prepared or
-precompiled executables loaded); `other` is the wall time no phase accounts for, and the CPU
-seconds say what the load cost on a machine busy with other work.
+runtime's own modules: jax, or cuda-python; an h100 one as soon as the file is open), context
+(H100: the driver's context, opened on a thread of its own from the file's open, alongside the
+checks, so this is what the load waited for it, and the GPU checked), verify (the other sections
+re-hashed before any upload: on XLA all of them, on the H100 all but the weights), arena (H100:
+allocated, zeroed, constants copied), upload (the weights to the device; on the H100 the weights
+are read once and each piece hashed as it streams, the staging buffers allocated by the
+streaming threads as they start, and the read and hash seconds are thread-seconds summed over
+the streaming threads), cubin load and graph capture (H100: they run while the weights upload,
+so they add no wall time unless they outlast it), warm-up (H100: the graphs uploaded, once every
+check passed), finish (H100: staging freed, device synchronized), programs (XLA: the exported
+programs deserialized and checked), compile (XLA: the programs compiled, from jax's persistent
+cache when it has them, or prepared or precompiled executables loaded); `other` is the wall time
+no phase accounts for, and the CPU seconds say what the load cost on a machine busy with other
+work.
 
 Phases that ran alongside others are shown with their own seconds and how they overlapped, and
 are not counted again in `other`. "Alongside" is not "free": the text check holds Python's GIL
@@ -93,6 +95,8 @@ class LoadReport:
                 during = e.checks_during_upload_s
                 return (" (alongside" + (f", {during:.2f} during upload" if during else "")
                         + f"; waited {self.text_waited_s:.2f})")
+            if name == "context" and e.context_open_s > e.context_s:
+                return f" (opened in {e.context_open_s:.2f}, alongside the checks)"
             return " (during upload)" if name in e.overlapped else ""
 
         parts = [f"{name} {s:.2f}{how(name)}" for name, s in self.phases()]

@@ -29,7 +29,7 @@ import ctypes
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -309,7 +309,7 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
                             f"per GPU, with collectives); this runtime drives one GPU: rebuild "
                             "with --tp 1")
     t0 = time.perf_counter()
-    ctx = open_context(art)
+    ctx = open_context(art, opts.begun)
     context_s = time.perf_counter() - t0
     free, total = ctx.mem_info()
     blocks = kv_budget.choose_blocks(
@@ -327,16 +327,37 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
     verify_s = time.perf_counter() - t0
     ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify,
                        kv_blocks=blocks, checks=opts.checks)
-    ex.load_times = replace(ex.load_times, context_s=context_s, verify_s=verify_s)
+    opened_s = opts.begun.result()[1] if opts.begun is not None else context_s
+    ex.load_times = replace(ex.load_times, context_s=context_s, context_open_s=opened_s,
+                            verify_s=verify_s)
     return ex
 
 
-def open_context(art: Artifact) -> CudaContext:
-    """The GPU's context, once check_fits has accepted this machine."""
+def begin(art: Artifact) -> Future:
+    """The GPU's context opened on a thread of its own, which runtime.load starts as soon as
+    the file is open: cuInit and the primary context take a while in the driver, which releases
+    the GIL, so the manifest and the cubins are checked meanwhile. Nothing about the artifact
+    is used, and nothing runs on the device. Its result, (context, seconds), is open_executor's
+    (opts.begun), whose open_context raises its error there, after those checks."""
+
+    def timed() -> tuple[CudaContext, float]:
+        t0 = time.perf_counter()
+        return CudaContext(), time.perf_counter() - t0
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rvrun-context")
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)  # its one thread ends with the context open
+    return future
+
+
+def open_context(art: Artifact, begun: Future | None = None) -> CudaContext:
+    """The GPU's context (`begun`'s, or opened now), once check_fits has accepted this
+    machine, current on the calling thread."""
     try:
-        ctx = CudaContext()
+        ctx = begun.result()[0] if begun is not None else CudaContext()
     except CudaError as e:
         raise ArtifactError(f"{art.path.name}: needs an NVIDIA H100 (CUDA): {e}") from None
+    ctx.make_current()  # begun's was made current on its own thread
     check_fits(art, ctx)
     return ctx
 
