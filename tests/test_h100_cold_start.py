@@ -7,9 +7,13 @@ On the CPU the whole of CudaScheduleDevice runs against a fake driver context th
 memory as bytes (stub cubins: tests/stub_cubins.py; TMA descriptors zeroed): the device image must
 be the artifact's weights and constants, zeros elsewhere, every launch only ever recorded into a
 graph; open_executor sizes the KV pools from the fake's free memory (or as asked) and refuses,
-in one line and before allocating, pools that do not fit. On an H100 (marked gpu) the same with
-the real driver: the image read back, a corrupt file refused with nothing leaked, and the load
-report's stream figures.
+in one line and before allocating, pools that do not fit. Through runtime.load on the fake: the
+GPU's context opens while the manifest is checked; the text check (tokenizer, template) runs
+alongside the upload, the graphs are uploaded only once it passed, its failure stops the upload
+at its next chunk, frees everything and is the load's error whatever else failed, as when it ran
+first; the load report's phases add up to the load's time. On an H100 (marked gpu) the same with
+the real driver: the image read back, a corrupt file or a tokenizer that does not parse refused
+with nothing leaked, and the load report's figures.
 """
 
 from __future__ import annotations
@@ -461,6 +465,9 @@ def test_gpu_streamed_weights_are_the_file(real_artifact):
     r = m.load_report
     print("\n[measured] " + "\n[measured] ".join(r.lines()))
     assert r.runtime == "h100" and r.executor.streamed and r.executor.checked
+    counted = sum(s for n, s in r.phases() if n not in r.alongside)
+    assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
+    assert r.text_check_s > 0 and r.executor.context_open_s > 0 and r.executor.arena_s > 0
     dev = m.executor.device
     with Artifact.open(real_artifact) as art:
         weights = np.frombuffer(bytes(art.buffer("weights")), np.uint8)
@@ -478,6 +485,22 @@ def test_gpu_corrupt_weights_refused_and_freed(real_artifact, tmp_path):
     free_before, _ = ctx.mem_info()
     with pytest.raises(ArtifactError, match=r"^bad.rvp: section 'weights' is corrupt: piece 0"):
         runtime.load(bad)
+    free_after, _ = ctx.mem_info()
+    assert free_after >= free_before - (8 << 20)  # the arena went back
+
+
+@pytest.mark.gpu
+def test_gpu_text_check_failure_refused_and_freed(real_artifact, tmp_path):
+    """A tokenizer that does not parse (verify off, so only the text check alongside the
+    upload finds it): the same error as when it was checked first, the arena freed."""
+    ctx = h100_context()
+    bad = _broken_tokenizer(real_artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    runtime.load(real_artifact)  # the driver's own allocations made once, before measuring
+    free_before, _ = ctx.mem_info()
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, verify=False)
+    assert str(e.value) == today
     free_after, _ = ctx.mem_info()
     assert free_after >= free_before - (8 << 20)  # the arena went back
 
