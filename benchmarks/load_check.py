@@ -11,8 +11,15 @@ tokenizer and its vocabulary, generation config, template), which `runtime.load`
 thread of its own alongside the executor's load; each best of `--runs` in CPU seconds
 (`--wall`: wall seconds); `--profile` adds cProfile's top entries.
 
+`--alongside-gib N`: what running the text check alongside costs a weight stream on this
+machine: an N GiB section (random bytes, in a temporary file, read from the page cache) streamed
+and hashed as the h100 load streams its weights (artifacts/stream.py, one worker per core, 16 MiB
+chunks, a sink that copies nothing), alone, then the text check alone, then both at once (wall
+seconds, each of `--runs`). The `tokenizers` parser holds Python's GIL, so the stream's threads
+stall while it runs: "both" near "stream + check" means no overlap.
+
     python benchmarks/load_check.py [--preset gemma-4-31B] [--target h100-fp8] [--runs 3]
-        [--profile 25] [--wall]
+        [--profile 25] [--wall] [--alongside-gib 1]
 """
 
 from __future__ import annotations
@@ -21,13 +28,21 @@ import argparse
 import cProfile
 import hashlib
 import json
+import os
 import pstats
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
 
 from rvcompile import __version__
+from rvcompile.artifacts import Artifact, ArtifactWriter
 from rvcompile.artifacts.contents import parse_cubins, parse_texts
 from rvcompile.artifacts.format import ArtifactHeader, canonical_json
 from rvcompile.artifacts.manifest import parse_manifest
+from rvcompile.artifacts.stream import stream_section
 from rvcompile.build import lower_model, prepare
 from rvcompile.progress import Phases
 from rvcompile.sources.checkpoint import load_model_source
@@ -64,6 +79,8 @@ def main() -> None:
     ap.add_argument("--target", default="h100-fp8")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N entries")
+    ap.add_argument("--alongside-gib", type=float, default=0,
+                    help="also time the text check alongside a stream of this many GiB")
     ap.add_argument("--wall", action="store_true",
                     help="wall seconds (default: this process's CPU seconds, which other work on "
                          "a shared machine disturbs less; the check runs on one thread)")
@@ -104,6 +121,66 @@ def main() -> None:
         prof = cProfile.Profile(clock)
         prof.runcall(once)
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+    if args.alongside_gib:
+        manifest = parse_manifest(header, json.loads(text), sizes, "bench.rvp")
+        alongside(manifest, sections, args.alongside_gib, args.runs)
+
+
+class _NoCopySink:
+    """artifacts/stream.py's Sink that delivers nothing: the stream is its reads and hashes."""
+
+    chunk_bytes = 16 << 20
+
+    def __init__(self, workers: int):
+        self.buffers = [[bytearray(self.chunk_bytes) for _ in range(2)] for _ in range(workers)]
+
+    def staging(self, worker: int, k: int) -> memoryview:
+        return memoryview(self.buffers[worker][k])
+
+    def reusable(self, worker: int, k: int) -> None:
+        pass
+
+    def deliver(self, worker: int, k: int, offset: int, size: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def alongside(manifest, sections: dict[str, bytes], gib: float, runs: int) -> None:
+    """--alongside-gib: the stream alone, the text check alone, both at once (wall seconds)."""
+    workers = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "stream.rvp"
+        data = np.random.default_rng(0).integers(0, 256, int(gib * 2**30), dtype=np.uint8)
+        with ArtifactWriter(path, ArtifactHeader("0", "h100", ("cuda",)),
+                            piece_size=256 << 20) as w:
+            w.add("weights", data)
+            w.commit({})
+        del data
+
+        def check() -> float:
+            t0 = time.perf_counter()
+            parse_texts(manifest, sections, "bench.rvp")
+            return time.perf_counter() - t0
+
+        with Artifact.open(path) as art:
+            stream_section(art, "weights", _NoCopySink(workers), workers=workers)  # cached
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                stream_section(art, "weights", _NoCopySink(workers), workers=workers)
+                alone = time.perf_counter() - t0
+                check_s = check()
+                with ThreadPoolExecutor(1) as pool:
+                    t0 = time.perf_counter()
+                    checking = pool.submit(check)
+                    stats = stream_section(art, "weights", _NoCopySink(workers),
+                                           workers=workers)
+                    both_check = checking.result()
+                    both = time.perf_counter() - t0
+                print(f"{gib:g} GiB stream ({workers} workers) alone {alone:.3f} s | text check "
+                      f"alone {check_s:.3f} s | sum {alone + check_s:.3f} s | both at once "
+                      f"{both:.3f} s (stream {stats.wall_s:.3f}, check {both_check:.3f})")
 
 
 if __name__ == "__main__":
