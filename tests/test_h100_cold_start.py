@@ -217,6 +217,34 @@ def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fa
     assert fake.launched_outside_capture == 0
 
 
+def test_a_failure_on_the_loading_thread_stops_the_upload(artifact, fake, monkeypatch):
+    """A cubin the driver refuses (this thread) stops the stream at its next chunk instead of
+    letting it read the rest of the file, and everything is freed."""
+    with Artifact.open(artifact) as art:
+        schedule = read_manifest(art).h100.schedule
+        fake.weights_end = schedule.weights_bytes
+        uploading, refusing = threading.Event(), threading.Event()
+
+        def slowly():  # the stream starts, then waits for the refusal and goes on slowly
+            uploading.set()
+            assert refusing.wait(10)
+            time.sleep(0.005)
+
+        fake.on_weight_copy = slowly
+
+        def refused(cubin):
+            assert uploading.wait(10)
+            refusing.set()
+            raise CudaError("cuModuleLoadData failed: CUDA_ERROR_INVALID_IMAGE")
+
+        monkeypatch.setattr(fake, "load_module", refused)
+        with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_IMAGE"):
+            h100.h100_executor(art, schedule, fake, check_weights=True)
+    chunks = -(-fake.weights_end // cuda_upload.CHUNK_BYTES)
+    assert fake.weight_copies < chunks // 2
+    assert fake.live == set() and fake.pinned == {} and fake.graph_uploads == 0
+
+
 def test_unchecked_stream_loads_a_corrupt_file(artifact, fake, tmp_path):
     """--no-verify: delivered as it is (the operator's choice), said so in the report."""
     bad = _corrupt_copy(artifact, tmp_path / "bad.rvp", 99)

@@ -103,8 +103,10 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
         module = runtime_module(art, manifest)
         t3 = time.perf_counter()
         executor = module.open_executor(art, manifest, LoadOptions(
-            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables,
-            gpu_memory_utilization, phases, checks, begun))
+            verify=rest, kv_blocks=kv_blocks, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, trust_executables=trust_executables,
+            gpu_memory_utilization=gpu_memory_utilization, phases=phases, checks=checks,
+            begun=begun))
         contents = checks.result()  # the executor waited for it before running anything
         report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t_begun,
                             t3 - t2 + t_begun - t1,

@@ -2,7 +2,7 @@
 `rvrun serve` when they start (one compact block on stderr) and written by
 benchmarks/cold_start.py.
 
-The phases, in the order a load starts them: open (Artifact.open: header, tables, padding,
+The phases, roughly in the order a load runs them: open (Artifact.open: header, tables, padding,
 manifest digest), check (manifest schema and kernel schedule; the small sections hashed; an h100
 artifact's cubins against its schedule), text check (the tokenizer and its vocabulary, the
 generation config, the chat template parsed: on a thread of its own, alongside everything after

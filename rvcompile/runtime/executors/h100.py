@@ -37,7 +37,7 @@ import numpy as np
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
-from rvcompile.artifacts.stream import stream_section
+from rvcompile.artifacts.stream import StreamStopped, stream_section
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import LoadOptions, LoadTimes
 from rvcompile.runtime.executors import check_limits, kv_budget, tma
@@ -175,10 +175,13 @@ class CudaScheduleDevice:
                                 thread_local=True)
                     times.update(cubin_load_s=t1 - t0, graph_capture_s=clock() - t1)
                 except BaseException:
-                    halt.set()
+                    halt.set()  # the stream stops at its next chunk
+                    try:
+                        streaming.result()  # a corrupt piece found meanwhile wins, as before
+                    except StreamStopped:
+                        pass  # stopped for this error
                     raise
-                finally:
-                    stats = streaming.result()  # raises a mismatch; waits on our own failure
+                stats = streaming.result()  # raises a mismatch, or StreamStopped: checks failed
                 t_streamed = clock()
                 self.checks.wait()  # raises their error; the stream stopped early then
                 times["checks_during_upload_s"] = max(
