@@ -24,8 +24,9 @@ work.
 
 Phases that ran alongside others are shown with their own seconds and how they overlapped, and
 are not counted again in `other`. "Alongside" is not "free": the text check holds Python's GIL
-while `tokenizers` parses, which stalls the streaming threads between their reads and hashes,
-so what it costs the upload shows as a lower upload rate.
+while `tokenizers` parses, which stalls the streaming threads between their reads and hashes
+(what it costs the upload shows as a lower upload rate) and any phase running Python meanwhile
+(the cubins' check, which starts just after it, waits for it there).
 """
 
 from __future__ import annotations
