@@ -2,15 +2,14 @@
 
 Each worker thread of the stream has two pinned staging buffers of CHUNK_BYTES, which it
 allocates itself when it first asks for each (`staging`): the workers pin their buffers at once,
-each while the others read and hash, instead of the loader pinning all of them (16 workers:
-512 MiB) before the first read. A delivery is an async host-to-device copy of one buffer on one
-of `streams` non-blocking streams (worker w uses stream w % streams), followed by an event on
-that stream; `reusable` waits for the event, so a buffer is refilled only once its copy has read
-it. Several streams keep the copy engines
-busy while workers wait; non-blocking streams never wait on the legacy stream, so the main
-thread may load modules and capture graphs (thread-local capture mode) while the copies run.
-`finish` synchronizes every stream. `close` (always, success or not) waits for the copies in
-flight, then frees the buffers, events and streams.
+each while the others read and hash, instead of the loader pinning all of them (16 workers: 512
+MiB) before the first read. A delivery is an async host-to-device copy of one buffer on one of
+`streams` non-blocking streams (worker w uses stream w % streams), followed by an event on that
+stream; `reusable` waits for the event, so a buffer is refilled only once its copy has read it.
+Several streams keep the copy engines busy while workers wait; non-blocking streams never wait
+on the legacy stream, so the main thread may load modules and capture graphs (thread-local
+capture mode) while the copies run. `finish` synchronizes every stream. `close` (always, success
+or not) waits for the copies in flight, then frees the buffers, events and streams.
 
 The driver wants its context bound to each calling thread; the workers bind it on first use.
 """
