@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import mmap
 import os
@@ -57,9 +58,13 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
     t2 = time.perf_counter()
     m.generate([m.bos_id], max_tokens=1, ignore_eos=True)
     t3 = time.perf_counter()
+    # whether the imports could use compiled bytecode: without it every start compiles
+    # rvcompile's modules from source (PYTHONDONTWRITEBYTECODE, a read-only tree)
+    pyc = Path(importlib.util.cache_from_source(runtime.__file__)).exists()
     print(json.dumps({"ready": True, "import_s": t1 - t0, "load_s": t2 - t1,
                       "first_request_s": t3 - t2, "report": m.load_report.as_json(),
-                      "report_lines": m.load_report.lines()}), flush=True)
+                      "report_lines": m.load_report.lines(), "pyc": pyc,
+                      "dont_write_bytecode": sys.dont_write_bytecode}), flush=True)
 
 
 def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
@@ -198,8 +203,8 @@ def main() -> None:
     result["page_cache_starts"] = [start(path, verify, tune) for _ in range(a.runs)]
     best = min(result["page_cache_starts"], key=lambda r: r["spawn_to_ready_s"])
     print(f"page cache: ready in {best['spawn_to_ready_s']:.2f} s (best of {a.runs}; imports "
-          f"{best['import_s']:.2f} s, load {best['load_s']:.2f} s, first request "
-          f"{best['first_request_s']:.2f} s)")
+          f"{best['import_s']:.2f} s ({'from' if best['pyc'] else 'without'} .pyc files), load "
+          f"{best['load_s']:.2f} s, first request {best['first_request_s']:.2f} s)")
     for line in best["report_lines"]:
         print(f"  {line}")
     if a.cold:

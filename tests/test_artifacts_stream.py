@@ -139,6 +139,33 @@ def test_a_failing_sink_stops_the_stream(artifact):
         assert not sink.finished
 
 
+def test_stop_halts_every_worker_at_its_next_chunk(artifact):
+    """The caller's load failed elsewhere (runtime.load's text check): once `stop()` says so,
+    no worker reads another chunk, `finish` is never called, and StreamStopped is raised."""
+    from rvcompile.artifacts.stream import StreamStopped
+
+    class Counting(RecordingSink):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.delivered = 0
+
+        def deliver(self, worker, k, offset, size):
+            super().deliver(worker, k, offset, size)
+            with self.lock:
+                self.delivered += 1
+
+    for workers in (1, 3):
+        with Artifact.open(artifact) as art:
+            sink = Counting(SIZE, workers, 100)  # 110 chunks
+            with pytest.raises(StreamStopped) as e:
+                stream_section(art, "weights", sink, workers=workers,
+                               stop=lambda s=sink: s.delivered >= 5)
+        assert not sink.finished
+        assert 5 <= sink.delivered < 5 + workers  # each worker stops at its next chunk
+        assert str(e.value) == "s.rvp: section 'weights': stream stopped: the load failed elsewhere"
+        assert isinstance(e.value, ArtifactError)
+
+
 def test_refusals(artifact):
     with Artifact.open(artifact) as art:
         with pytest.raises(ArtifactError, match="no section 'nope'"):

@@ -7,14 +7,19 @@ On the CPU the whole of CudaScheduleDevice runs against a fake driver context th
 memory as bytes (stub cubins: tests/stub_cubins.py; TMA descriptors zeroed): the device image must
 be the artifact's weights and constants, zeros elsewhere, every launch only ever recorded into a
 graph; open_executor sizes the KV pools from the fake's free memory (or as asked) and refuses,
-in one line and before allocating, pools that do not fit. On an H100 (marked gpu) the same with
-the real driver: the image read back, a corrupt file refused with nothing leaked, and the load
-report's stream figures.
+in one line and before allocating, pools that do not fit. Through runtime.load on the fake: the
+GPU's context opens while the manifest is checked; the text check (tokenizer, template) runs
+alongside the upload, the graphs are uploaded only once it passed, its failure stops the upload
+at its next chunk, frees everything and is the load's error whatever else failed, as when it ran
+first; the load report's phases add up to the load's time. On an H100 (marked gpu) the same with
+the real driver: the image read back, a corrupt file or a tokenizer that does not parse refused
+with nothing leaked, and the load report's figures.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +29,12 @@ from stub_cubins import build_h100
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts.contents import read_contents, read_texts
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
 from rvcompile.runtime.executor_api import LoadOptions
 from rvcompile.runtime.executors import cuda_upload, h100, tma
-from rvcompile.runtime.executors.cuda_driver import DeviceBuffer
+from rvcompile.runtime.executors.cuda_driver import CudaError, DeviceBuffer
 
 TINY = {"max_context": 64, "prefill_buckets": (8,), "max_seqs": 1}
 BASE = 1 << 32  # the fake device's first address (aligned as TMA wants)
@@ -50,6 +56,11 @@ class FakeContext:
         self.graphs = 0  # instantiated, not destroyed
         self.lock = threading.Lock()
         self.cu = None
+        self.weight_copies = 0  # copies into the arena's weights (the stream's deliveries)
+        self.weights_end = 0  # set by a test: the arena's weights end here
+        self.on_weight_copy = None  # a test's hook, called (with this lock not held) per copy
+        self.uploaded_when = []  # per graph upload: what a test's `ready()` said then
+        self.ready = lambda: True
 
     compute_capability = (9, 0)
 
@@ -81,6 +92,10 @@ class FakeContext:
     def copy_to_device(self, dst, host, stream=0):
         with self.lock:
             self.memory[dst - BASE:dst - BASE + host.nbytes] = host.tobytes()
+            weight = dst - BASE < self.weights_end
+            self.weight_copies += weight
+        if weight and self.on_weight_copy is not None:
+            self.on_weight_copy()
 
     def alloc_pinned(self, nbytes):
         a = np.zeros(nbytes, np.uint8)
@@ -114,6 +129,7 @@ class FakeContext:
 
     def graph_upload(self, graph_exec, stream):
         self.graph_uploads += 1
+        self.uploaded_when.append(self.ready())
 
     def load_module(self, cubin):
         self.modules += 1
@@ -177,7 +193,8 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     t = ex.load_times
     assert t.streamed and t.checked and t.weight_bytes == len(weights) and t.threads >= 1
     assert t.upload_s > 0 and t.read_s > 0 and t.hash_s > 0
-    assert t.overlapped == ("cubin load", "graph capture", "warm-up")
+    assert t.overlapped == ("cubin load", "graph capture")  # warm-up: once all passed
+    assert t.arena_s > 0 and t.finish_s > 0 and t.warm_up_s > 0
     assert len(fake.pinned) == 2  # the io buffers the executor keeps; staging freed
     assert "sha256 checked while streaming" in ex.load_note
     # the default share of the fake's memory holds more than every decode row's whole context:
@@ -198,6 +215,34 @@ def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fa
     assert "\n" not in str(e.value)
     assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
     assert fake.launched_outside_capture == 0
+
+
+def test_a_failure_on_the_loading_thread_stops_the_upload(artifact, fake, monkeypatch):
+    """A cubin the driver refuses (this thread) stops the stream at its next chunk instead of
+    letting it read the rest of the file, and everything is freed."""
+    with Artifact.open(artifact) as art:
+        schedule = read_manifest(art).h100.schedule
+        fake.weights_end = schedule.weights_bytes
+        uploading, refusing = threading.Event(), threading.Event()
+
+        def slowly():  # the stream starts, then waits for the refusal and goes on slowly
+            uploading.set()
+            assert refusing.wait(10)
+            time.sleep(0.005)
+
+        fake.on_weight_copy = slowly
+
+        def refused(cubin):
+            assert uploading.wait(10)
+            refusing.set()
+            raise CudaError("cuModuleLoadData failed: CUDA_ERROR_INVALID_IMAGE")
+
+        monkeypatch.setattr(fake, "load_module", refused)
+        with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_IMAGE"):
+            h100.h100_executor(art, schedule, fake, check_weights=True)
+    chunks = -(-fake.weights_end // cuda_upload.CHUNK_BYTES)
+    assert fake.weight_copies < chunks // 2
+    assert fake.live == set() and fake.pinned == {} and fake.graph_uploads == 0
 
 
 def test_unchecked_stream_loads_a_corrupt_file(artifact, fake, tmp_path):
@@ -241,6 +286,192 @@ def test_open_executor_takes_explicit_blocks_and_shares_the_rest(artifact, fake,
     assert "KV pools 6 full, " in ex.load_note
 
 
+# ---- runtime.load: the text check alongside the upload ---------------------------------------
+
+def _broken_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy whose tokenizer no longer parses (nor matches its digest: only a load with
+    verify=False reaches the parser with it, or one whose check a test replaces)."""
+    with Artifact.open(src) as art:
+        at = art.sections["tokenizer"].offset
+    data = bytearray(src.read_bytes())
+    data[at] = ord("!")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def _todays_error(path: Path) -> str:
+    """The error the contents check gives when it runs alone (as it did before the upload)."""
+    with Artifact.open(path) as art, pytest.raises(ArtifactError) as e:
+        read_contents(art, read_manifest(art))
+    return str(e.value)
+
+
+@pytest.fixture
+def loading(artifact, fake, monkeypatch):
+    """runtime.load on the fake GPU, the executor's PendingChecks kept in `seen["checks"]`, and
+    every graph upload recording whether they had passed by then."""
+    monkeypatch.setattr(h100, "CudaContext", lambda: fake)
+    with Artifact.open(artifact) as art:
+        fake.weights_end = read_manifest(art).h100.schedule.weights_bytes
+    seen = {}
+    real = h100.h100_executor
+
+    def spy(*args, **kwargs):
+        seen["checks"] = kwargs["checks"]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(h100, "h100_executor", spy)
+    fake.ready = lambda: seen["checks"].done() and not seen["checks"].failed()
+    return seen
+
+
+def _texts_once_uploading(monkeypatch, fake, then=None):
+    """The text check starts only once the weights stream (so it certainly runs alongside
+    the upload), then runs `then` (default: the real check)."""
+    uploading = threading.Event()
+    fake.on_weight_copy = uploading.set
+    then = then or runtime.read_texts
+
+    def texts(art, manifest):
+        assert uploading.wait(10), "the upload never started while the text check waited"
+        return then(art, manifest)
+
+    monkeypatch.setattr(runtime, "read_texts", texts)
+    return uploading
+
+
+def test_load_checks_the_texts_alongside_the_upload_and_reports_it(artifact, fake, loading,
+                                                                   monkeypatch):
+    def slow(art, manifest):  # outlasts the tiny upload: the load must wait for it
+        time.sleep(0.2)
+        return read_texts(art, manifest)
+
+    _texts_once_uploading(monkeypatch, fake, slow)
+    m = runtime.load(artifact)
+    checks = loading["checks"]
+    assert checks.done() and not checks.failed()
+    assert fake.uploaded_when and all(fake.uploaded_when)  # graphs uploaded once it passed
+    assert fake.launched_outside_capture == 0
+    assert m.tokenizer.encode("hello").ids  # the contents it parsed are the model's
+    r = m.load_report
+    assert 0.1 < r.text_waited_s <= r.text_check_s
+    assert r.alongside == ("text check", "cubin load", "graph capture")
+    assert [n for n, _ in r.phases()] == [
+        "open", "check", "text check", "import", "context", "verify", "arena", "upload",
+        "cubin load", "graph capture", "warm-up", "finish"]
+    counted = sum(s for n, s in r.phases() if n not in r.alongside)
+    assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
+    # it started once the weights streamed, so it all ran during the upload, which waited
+    during = r.executor.checks_during_upload_s
+    assert 0 < during <= r.text_check_s
+    assert (f"text check {r.text_check_s:.2f} (alongside, {during:.2f} during upload; waited "
+            f"{r.text_waited_s:.2f})") in r.lines()[0]
+    data = r.as_json()
+    assert data["text_check_s"] == r.text_check_s and data["alongside"] == list(r.alongside)
+
+
+def test_a_text_check_failing_during_the_upload_stops_it_and_frees_everything(
+        artifact, fake, loading, monkeypatch, tmp_path):
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    assert today.startswith("bad.rvp: tokenizer: not a tokenizers tokenizer.json (")
+    _texts_once_uploading(monkeypatch, fake)
+    stalled = []
+
+    def hold_the_stream():  # the first weight chunk waits until the check has failed
+        if not stalled:
+            stalled.append(True)
+            deadline = time.monotonic() + 10
+            while not loading["checks"].failed():
+                assert time.monotonic() < deadline, "the text check never failed"
+                time.sleep(0.001)
+
+    first = fake.on_weight_copy
+    fake.on_weight_copy = lambda: (first(), hold_the_stream())
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, verify=False)  # the tokenizer's digest no longer matches
+    assert str(e.value) == today  # the same line as when it was checked first
+    chunks = -(-fake.weights_end // cuda_upload.CHUNK_BYTES)
+    assert 1 <= fake.weight_copies <= 2 < chunks  # the stream stopped at its next chunk
+    assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
+    assert fake.launched_outside_capture == 0 and fake.graph_uploads == 0
+
+
+@pytest.mark.parametrize("case", ["pools do not fit", "corrupt weights"])
+def test_a_failed_text_check_is_the_error_whatever_else_failed(artifact, fake, loading,
+                                                               monkeypatch, tmp_path, case):
+    """A load that fails on the machine or the weights while the text check runs still fails
+    with the text check's error, as when that check ran first."""
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    if case == "pools do not fit":  # the main thread fails before any upload
+        opts = {"kv_blocks": {"full": 1}, "verify": False}
+    else:  # the stream fails, then the text check; the tokenizer's digest is replaced
+        _corrupt_copy(bad, bad, 1234)
+        freed = threading.Event()
+        real_free = h100.CudaScheduleDevice._free
+
+        def free(self):
+            real_free(self)
+            freed.set()
+
+        monkeypatch.setattr(h100.CudaScheduleDevice, "_free", free)
+        real_verify = Artifact.verify
+        monkeypatch.setattr(Artifact, "verify", lambda art, names: real_verify(
+            art, [n for n in names if n != "tokenizer"]))
+
+        def after_the_stream_failed(art, manifest):
+            assert freed.wait(10), "the corrupt weights never failed the upload"
+            return read_texts(art, manifest)
+
+        monkeypatch.setattr(runtime, "read_texts", after_the_stream_failed)
+        opts = {}
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, **opts)
+    assert str(e.value) == today
+    assert fake.live == set() and fake.pinned == {} and fake.launched_outside_capture == 0
+
+
+def test_the_context_opens_alongside_the_checks(artifact, fake, loading, monkeypatch):
+    """runtime.load starts the GPU's context (h100.begin) on a thread of its own as soon as the
+    file is open: the manifest's check here waits until it has started opening."""
+    opening = threading.Event()
+    threads = []
+
+    def context():
+        threads.append(threading.get_ident())
+        opening.set()
+        return fake
+
+    monkeypatch.setattr(h100, "CudaContext", context)
+    real = runtime.read_manifest
+
+    def read_manifest(art):
+        assert opening.wait(10), "the context did not open while the manifest was checked"
+        return real(art)
+
+    monkeypatch.setattr(runtime, "read_manifest", read_manifest)
+    r = runtime.load(artifact).load_report
+    assert threads and threads[0] != threading.get_ident()
+    assert r.executor.context_open_s >= 0 and r.executor.context_s >= 0
+
+
+def test_no_gpu_is_refused_as_before_and_after_the_checks(artifact, fake, loading, monkeypatch,
+                                                          tmp_path):
+    def no_gpu():
+        raise CudaError("cuInit failed: CUDA_ERROR_NO_DEVICE")
+
+    monkeypatch.setattr(h100, "CudaContext", no_gpu)
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(artifact)
+    assert str(e.value) == ("tiny.rvp: needs an NVIDIA H100 (CUDA): cuInit failed: "
+                            "CUDA_ERROR_NO_DEVICE")
+    bad = _broken_tokenizer(artifact, tmp_path / "bad.rvp")
+    with pytest.raises(ArtifactError) as e:  # a broken file says so first, GPU or not
+        runtime.load(bad, verify=False)
+    assert str(e.value) == _todays_error(bad)
+
+
 # ---- on an H100 ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -262,6 +493,9 @@ def test_gpu_streamed_weights_are_the_file(real_artifact):
     r = m.load_report
     print("\n[measured] " + "\n[measured] ".join(r.lines()))
     assert r.runtime == "h100" and r.executor.streamed and r.executor.checked
+    counted = sum(s for n, s in r.phases() if n not in r.alongside)
+    assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
+    assert r.text_check_s > 0 and r.executor.context_open_s > 0 and r.executor.arena_s > 0
     dev = m.executor.device
     with Artifact.open(real_artifact) as art:
         weights = np.frombuffer(bytes(art.buffer("weights")), np.uint8)
@@ -279,6 +513,22 @@ def test_gpu_corrupt_weights_refused_and_freed(real_artifact, tmp_path):
     free_before, _ = ctx.mem_info()
     with pytest.raises(ArtifactError, match=r"^bad.rvp: section 'weights' is corrupt: piece 0"):
         runtime.load(bad)
+    free_after, _ = ctx.mem_info()
+    assert free_after >= free_before - (8 << 20)  # the arena went back
+
+
+@pytest.mark.gpu
+def test_gpu_text_check_failure_refused_and_freed(real_artifact, tmp_path):
+    """A tokenizer that does not parse (verify off, so only the text check alongside the
+    upload finds it): the same error as when it was checked first, the arena freed."""
+    ctx = h100_context()
+    bad = _broken_tokenizer(real_artifact, tmp_path / "bad.rvp")
+    today = _todays_error(bad)
+    runtime.load(real_artifact)  # the driver's own allocations made once, before measuring
+    free_before, _ = ctx.mem_info()
+    with pytest.raises(ArtifactError) as e:
+        runtime.load(bad, verify=False)
+    assert str(e.value) == today
     free_after, _ = ctx.mem_info()
     assert free_after >= free_before - (8 << 20)  # the arena went back
 

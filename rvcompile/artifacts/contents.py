@@ -61,21 +61,48 @@ def content_sections(manifest: Manifest) -> tuple[str, ...]:
 
 def read_contents(art: Artifact, manifest: Manifest) -> Contents:
     """`art`'s tokenizer, generation config and chat template (and cubins, for h100), checked
-    against `manifest` (from read_manifest); one-line ArtifactError otherwise."""
+    against `manifest` (from read_manifest); one-line ArtifactError otherwise. The same as
+    read_texts, then check_cubins (runtime.load runs them on two threads)."""
     return parse_contents(manifest, {n: art.buffer(n) for n in content_sections(manifest)},
                           art.path.name)
+
+
+def read_texts(art: Artifact, manifest: Manifest) -> Contents:
+    """read_contents but the cubins: what the runtime reads from the text sections, checked."""
+    return parse_texts(manifest, {n: art.buffer(n) for n in TEXT_SECTIONS}, art.path.name)
+
+
+def check_cubins(art: Artifact, manifest: Manifest) -> None:
+    """read_contents' check of an h100 artifact's cubins against its schedules (nothing for
+    other artifacts)."""
+    if manifest.h100:
+        parse_cubins(manifest, art.buffer("cubins"), art.path.name)
 
 
 def parse_contents(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
                    fname: str) -> Contents:
     """The same check on section bytes not yet written (the build)."""
+    contents = parse_texts(manifest, sections, fname)
+    if manifest.h100:
+        parse_cubins(manifest, sections["cubins"], fname)
+    return contents
+
+
+def parse_texts(manifest: Manifest, sections: Mapping[str, bytes | memoryview],
+                fname: str) -> Contents:
+    """read_texts on the text sections' bytes."""
     try:
-        contents = _contents(manifest, sections)
-        if manifest.h100:
-            tp = manifest.h100.tensor_parallel
-            for schedule in tp.schedules if tp else (manifest.h100.schedule,):
-                _check_cubins(schedule, sections["cubins"])
-        return contents
+        return _contents(manifest, sections)
+    except SchemaError as e:
+        raise ArtifactError(f"{fname}: {e}") from None
+
+
+def parse_cubins(manifest: Manifest, blob: bytes | memoryview, fname: str) -> None:
+    """check_cubins on the cubins section's bytes (`manifest` an h100 one)."""
+    tp = manifest.h100.tensor_parallel
+    try:
+        for schedule in tp.schedules if tp else (manifest.h100.schedule,):
+            _check_cubins(schedule, blob)
     except SchemaError as e:
         raise ArtifactError(f"{fname}: {e}") from None
 

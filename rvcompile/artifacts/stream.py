@@ -16,6 +16,8 @@ piece checked out and every worker stopped: a caller runs nothing on what was de
 `stream_section` returns. A mismatch stops every worker at its next chunk, `finish` is never
 called, and the lowest corrupt piece found raises the container's one-line ArtifactError (the
 caller frees what it allocated). `check=False` (rvrun --no-verify) delivers without hashing.
+The caller's `stop` (runtime.load's checks that run alongside failed) stops the workers the
+same way at their next chunk.
 
 Reads are `os.preadv` into the staging buffer: it releases the GIL (so N workers read N chunks
 at once), copies straight from the page cache into the (pinned) buffer, and reads the file
@@ -30,6 +32,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,7 +50,8 @@ class Sink(Protocol):
     chunk_bytes: int  # bytes of each staging buffer (the most one delivery moves)
 
     def staging(self, worker: int, k: int) -> memoryview:
-        """Worker `worker`'s staging buffer `k` (0 or 1): writable, `chunk_bytes` long."""
+        """Worker `worker`'s staging buffer `k` (0 or 1): writable, `chunk_bytes` long (a sink
+        may allocate it on this first call, on the worker's thread)."""
         ...
 
     def reusable(self, worker: int, k: int) -> None:
@@ -76,6 +80,7 @@ class StreamStats:
     read_s: float  # summed over workers: in preadv
     hash_s: float  # summed over workers: in sha256
     wait_s: float  # summed over workers: waiting for a buffer to be reusable (delivery-bound)
+    # or to be allocated (a sink may allocate a buffer when it is first asked for it)
 
     @property
     def gb_s(self) -> float:
@@ -83,10 +88,17 @@ class StreamStats:
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
 
+class StreamStopped(ArtifactError):
+    """`stop()` said to stop before the section was read (its caller's load failed elsewhere:
+    the caller raises that failure instead)."""
+
+
 def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
-                   check: bool = True) -> StreamStats:
+                   check: bool = True, stop: Callable[[], bool] | None = None) -> StreamStats:
     """Reads section `name` of `art` once into `sink` on `workers` threads (the sink has two
-    staging buffers per worker), hashing every piece when `check`; see the module docstring."""
+    staging buffers per worker), hashing every piece when `check`; see the module docstring.
+    `stop`: polled before every chunk; once it returns True the workers stop there, `finish`
+    is not called and StreamStopped is raised (unless a corrupt piece was found first)."""
     fname = art.path.name
     if workers < 1:
         raise ArtifactError(f"{fname}: stream workers must be at least 1, not {workers}")
@@ -100,7 +112,10 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
     workers = max(1, min(workers, len(pieces)))
     lock = threading.Lock()
     queue = iter(enumerate(pieces))
-    stop = threading.Event()
+    halt = threading.Event()  # a corrupt piece or a failed worker: the others stop
+
+    def stopping() -> bool:
+        return halt.is_set() or (stop is not None and stop())
     failures: dict[int, ArtifactError] = {}  # piece index -> its error
     busy = [[0.0, 0.0, 0.0] for _ in range(workers)]  # read, hash, wait seconds per worker
     chunk = sink.chunk_bytes
@@ -113,20 +128,20 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
         times = busy[w]
         uses = 0  # deliveries so far: buffer k = uses % 2 was used before when uses >= 2
         clock = time.perf_counter
-        while not stop.is_set() and (item := next_piece()) is not None:
+        while not stopping() and (item := next_piece()) is not None:
             i, piece = item
             h = hashlib.sha256()
             done = 0
             while done < piece.size:
-                if stop.is_set():
+                if stopping():
                     return
                 k = uses % BUFFERS_PER_WORKER
                 t0 = clock()
                 if uses >= BUFFERS_PER_WORKER:
                     sink.reusable(w, k)
-                t1 = clock()
                 size = min(chunk, piece.size - done)
                 buf = sink.staging(w, k)[:size]
+                t1 = clock()
                 got = 0
                 while got < size:
                     try:
@@ -152,7 +167,7 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
                 with lock:
                     failures[i] = corrupt_piece_error(fname, piece, h.digest(),
                                                       section.piece_sha256[i])
-                stop.set()
+                halt.set()
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers, thread_name_prefix="rvp-stream") as pool:
@@ -162,12 +177,14 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
             try:
                 f.result()
             except BaseException as e:  # stop the others at their next chunk, then raise
-                stop.set()
+                halt.set()
                 errors.append(e)
     if failures:
         raise failures[min(failures)]
     if errors:
         raise errors[0]
+    if stop is not None and stop():
+        raise StreamStopped(f"{fname}: section '{name}': stream stopped: the load failed elsewhere")
     sink.finish()
     read_s, hash_s, wait_s = (sum(t[j] for t in busy) for j in range(3))
     return StreamStats(section.size, len(pieces), workers, check, time.perf_counter() - t0,

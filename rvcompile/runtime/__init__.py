@@ -9,16 +9,18 @@ import importlib
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.contents import content_sections, read_contents
+from rvcompile.artifacts.contents import check_cubins, content_sections, read_texts
 from rvcompile.artifacts.manifest import Manifest, read_manifest
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import Executor, LoadOptions
 from rvcompile.runtime.load_report import LoadReport
 from rvcompile.runtime.model import GenerationResult, Model
+from rvcompile.runtime.pending_checks import PendingChecks
 
 __all__ = ["load", "Model", "GenerationResult", "ArtifactError", "LoadReport", "RUNTIMES"]
 
@@ -29,6 +31,11 @@ RUNTIMES = {
     "xla": "rvcompile.runtime.executors.xla",
     "h100": "rvcompile.runtime.executors.h100",
 }
+# The runtime kinds whose module also has `begin(art) -> Future`: what its load waits on longest
+# that depends on nothing in the artifact (h100: the GPU's context), started on a thread of its
+# own as soon as the file is open, alongside the checks; open_executor takes its result
+# (LoadOptions.begun). Their modules are imported then, so keep them light (not jax).
+BEGIN = frozenset({"h100"})
 
 
 def load(path: str | os.PathLike[str], *, verify: bool = True,
@@ -46,10 +53,13 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     rvcompile.artifacts.signature; the sections are then verified against the signed digests,
     so `verify=False` is refused with it); the header and the manifest's schema
     (artifacts/manifest.py); with `verify`, the sha256 of the small sections, which are then
-    parsed (tokenizer, generation config, chat template, an h100 artifact's cubins against its
-    schedule: artifacts/contents.py); then this machine (platform, devices, memory: refused
-    before any weight is read); then, with `verify`, the sha256 of every other section; then
-    the executor.
+    parsed (artifacts/contents.py): an h100 artifact's cubins against its schedule here, the
+    tokenizer, generation config and chat template on a thread of their own (pending_checks.py)
+    alongside everything after, which decides nothing they could change; then this machine
+    (platform, devices, memory: refused before any weight is read); then, with `verify`, the
+    sha256 of every other section; then the executor, which waits for the texts' checks before
+    it runs anything on the device. Whatever fails meanwhile, a failed text check is the
+    load's error, as when it ran first; the executor frees what it allocated.
     `kv_blocks` sizes the KV pools by kind (default: for XLA artifacts a whole sequence per
     decode slot; for h100 artifacts `gpu_memory_utilization`, a fraction of the GPU's total
     memory, default 0.90, holds the arena and the pools: runtime/executors/kv_budget.py; XLA
@@ -75,29 +85,60 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     with phases.phase("open"):
         art = Artifact.open(Path(path), trusted_keys=keys)
     t1 = time.perf_counter()
+    checks = PendingChecks()
     try:
+        begun = _begin(art)
+        t_begun = time.perf_counter()
         with phases.phase("check"):
             manifest = read_manifest(art)
             small = content_sections(manifest)
             if verify:
                 art.verify(small)
-            contents = read_contents(art, manifest)
+            # the text sections parsed on a thread of their own, alongside everything after;
+            # the cubins (which the executor loads) checked here, before it
+            checks = PendingChecks.start(read_texts, art, manifest)
+            check_cubins(art, manifest)
         t2 = time.perf_counter()
         rest = tuple(name for name in art.sections if name not in small) if verify else ()
         module = runtime_module(art, manifest)
         t3 = time.perf_counter()
         executor = module.open_executor(art, manifest, LoadOptions(
-            rest, kv_blocks, max_num_seqs, max_model_len, trust_executables,
-            gpu_memory_utilization, phases))
-        report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t1, t3 - t2,
+            verify=rest, kv_blocks=kv_blocks, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, trust_executables=trust_executables,
+            gpu_memory_utilization=gpu_memory_utilization, phases=phases, checks=checks,
+            begun=begun))
+        contents = checks.result()  # the executor waited for it before running anything
+        report = LoadReport(art.path.name, manifest.runtime, t1 - t0, t2 - t_begun,
+                            t3 - t2 + t_begun - t1,
                             executor.load_times, time.perf_counter() - t0,
-                            time.process_time() - cpu0)
+                            time.process_time() - cpu0, checks.seconds, checks.waited_s)
         return Model(art, executor, contents=contents, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len, load_report=report,
                      prefill_budget=prefill_budget)
-    except BaseException:
+    except BaseException as e:
+        first = checks.error()  # waited for first: its thread reads the artifact's mapping
         art.close()
+        # the checks that ran alongside fail the load with their own error, whatever else
+        # failed meanwhile: the error a load that ran them first would have raised
+        if isinstance(e, Exception) and first is not None and first is not e:
+            raise first from None
         raise
+
+
+def _begin(art: Artifact) -> Future | None:
+    """The `begin(art)` of the runtime `art`'s header names, if it is one of BEGIN (the header is
+    checked with the manifest, after: begin uses nothing of the artifact), else None. None too
+    when that runtime's dependencies are missing: runtime_module says so after the checks."""
+    kind = art.header.requirements.get("runtime")
+    if not isinstance(kind, str) or kind not in BEGIN:
+        return None
+    try:
+        module = importlib.import_module(RUNTIMES[kind])
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "rvcompile":
+            raise
+        return None
+    return module.begin(art)
 
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Executor:

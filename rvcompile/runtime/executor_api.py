@@ -74,12 +74,14 @@ keeps plain sequences in decode calls, so each sequence's rows come from one cal
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from rvcompile.progress import Phases
+from rvcompile.runtime.pending_checks import PendingChecks
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,13 @@ class LoadOptions:
     gpu_memory_utilization: float | None = None
     # the load's phases as the person running it sees them (verify, upload, compile, ...)
     phases: Phases = field(default_factory=lambda: Phases("rvrun", "off"))
+    # runtime.load's checks still running on their own thread (the text sections): the executor
+    # waits for them before it runs anything on the device, and stops early once they failed
+    # (pending_checks.py); default: none pending
+    checks: PendingChecks = field(default_factory=PendingChecks)
+    # what the runtime module's `begin(art)` started when the file opened (runtime.load; h100:
+    # the GPU's context, opening on a thread of its own), or None
+    begun: Future | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,12 @@ class LoadTimes:
     summed over the threads that streamed the weights, which overlap one another and the
     copies. A phase the executor does not have stays 0."""
 
+    context_s: float = 0.0  # h100: the GPU's context taken (waited for, when it opened
+    # alongside the checks) and the GPU checked (check_fits)
+    context_open_s: float = 0.0  # h100: the driver's context opening (cuInit, primary context),
+    # on a thread of its own from the file's open (runtime.load), or in context_s
     verify_s: float = 0.0  # sections re-hashed before the upload (all but a streamed weights)
+    arena_s: float = 0.0  # h100: the arena allocated, zeroed, its constants copied
     upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)
     weight_bytes: int = 0  # of the weights section
     streamed: bool = False  # weights read once, each piece hashed as it was uploaded (h100)
@@ -201,7 +215,11 @@ class LoadTimes:
     hash_s: float = 0.0  # streamed: thread-seconds hashing
     cubin_load_s: float = 0.0  # h100: modules loaded, launches prepared (during the upload)
     graph_capture_s: float = 0.0  # h100: CUDA graphs captured, instantiated (during the upload)
-    warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run
+    warm_up_s: float = 0.0  # h100: graphs uploaded to the device (cuGraphUpload), not run,
+    # once the weights and runtime.load's checks passed
+    finish_s: float = 0.0  # h100: staging buffers freed, the device synchronized
+    checks_during_upload_s: float = 0.0  # h100: of runtime.load's checks alongside (LoadOptions
+    # .checks), the seconds that ran while the weights streamed (the rest ran before it)
     programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
     compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
     # loaded

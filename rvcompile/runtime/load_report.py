@@ -2,18 +2,31 @@
 `rvrun serve` when they start (one compact block on stderr) and written by
 benchmarks/cold_start.py.
 
-The phases, in the order a load runs them: open (Artifact.open: header, tables, padding,
-manifest digest), check (manifest schema; the small sections hashed and parsed), import (the
-runtime's own modules: jax, or cuda-python), verify (the
-other sections re-hashed before any upload: on XLA all of them, on the H100 all but the
-weights), upload (the weights to the device; on the H100 the weights are read once and each
-piece hashed as it streams, and the read and hash seconds are thread-seconds summed over the
-streaming threads), cubin load, graph capture and warm-up (H100: they run while the weights
-upload, so they add no wall time unless they outlast it), programs (XLA: the exported programs
-deserialized and checked), compile (XLA: the programs compiled, from jax's persistent cache
-when it has them, or prepared or precompiled executables loaded); `other` is the wall time no
-phase accounts for, and the CPU seconds say what the load cost on a machine busy with other
+The phases, roughly in the order a load runs them: open (Artifact.open: header, tables, padding,
+manifest digest), check (manifest schema and kernel schedule; the small sections hashed; an h100
+artifact's cubins against its schedule), text check (the tokenizer and its vocabulary, the
+generation config, the chat template parsed: on a thread of its own, alongside everything after
+it, so it adds to the wall time only what the load waited for it: `text_waited_s`), import (the
+runtime's own modules: jax, or cuda-python; an h100 one as soon as the file is open), context
+(H100: the driver's context, opened on a thread of its own from the file's open, alongside the
+checks, so this is what the load waited for it, and the GPU checked), verify (the other sections
+re-hashed before any upload: on XLA all of them, on the H100 all but the weights), arena (H100:
+allocated, zeroed, constants copied), upload (the weights to the device; on the H100 the weights
+are read once and each piece hashed as it streams, the staging buffers allocated by the
+streaming threads as they start, and the read and hash seconds are thread-seconds summed over
+the streaming threads), cubin load and graph capture (H100: they run while the weights upload,
+so they add no wall time unless they outlast it), warm-up (H100: the graphs uploaded, once every
+check passed), finish (H100: staging freed, device synchronized), programs (XLA: the exported
+programs deserialized and checked), compile (XLA: the programs compiled, from jax's persistent
+cache when it has them, or prepared or precompiled executables loaded); `other` is the wall time
+no phase accounts for, and the CPU seconds say what the load cost on a machine busy with other
 work.
+
+Phases that ran alongside others are shown with their own seconds and how they overlapped, and
+are not counted again in `other`. "Alongside" is not "free": the text check holds Python's GIL
+while `tokenizers` parses, which stalls the streaming threads between their reads and hashes
+(what it costs the upload shows as a lower upload rate) and any phase running Python meanwhile
+(the cubins' check, which starts just after it, waits for it there).
 """
 
 from __future__ import annotations
@@ -35,14 +48,23 @@ class LoadReport:
     total_s: float  # runtime.load from call to return
     cpu_s: float  # this process's CPU seconds over the load, all threads (on a busy
     # machine: what the load itself cost, whatever the wall time)
+    text_check_s: float = 0.0  # tokenizer, generation config, chat template parsed, on a
+    # thread of its own alongside the rest of the load (wall seconds on that thread)
+    text_waited_s: float = 0.0  # of which the load waited for it (what it added to total_s)
+
+    @property
+    def alongside(self) -> tuple[str, ...]:
+        """The phases that ran alongside others: the text check, and what the executor did
+        during its upload."""
+        return ("text check", *self.executor.overlapped)
 
     @property
     def other_s(self) -> float:
-        """Wall seconds no phase accounts for (the machine checks, KV pools allocated, ...);
-        phases that ran during the upload count once, in the upload."""
-        e = self.executor
-        counted = sum(s for name, s in self.phases() if name not in e.overlapped)
-        return max(0.0, self.total_s - counted)
+        """Wall seconds no phase accounts for (the machine checks, KV pools sized, the model
+        built, ...); phases that ran alongside others count once, in those (the text check:
+        only what the load waited for it)."""
+        counted = sum(s for name, s in self.phases() if name not in self.alongside)
+        return max(0.0, self.total_s - counted - self.text_waited_s)
 
     @property
     def upload_gb_s(self) -> float:
@@ -53,21 +75,32 @@ class LoadReport:
     def phases(self) -> tuple[tuple[str, float], ...]:
         """(name, seconds) of the phases this runtime has, in load order."""
         e = self.executor
-        rows = [("open", self.open_s), ("check", self.check_s), ("import", self.import_s),
-                ("verify", e.verify_s)]
+        rows = [("open", self.open_s), ("check", self.check_s),
+                ("text check", self.text_check_s), ("import", self.import_s)]
         if self.runtime == "h100":
-            rows += [("upload", e.upload_s), ("cubin load", e.cubin_load_s),
-                     ("graph capture", e.graph_capture_s), ("warm-up", e.warm_up_s)]
+            rows += [("context", e.context_s), ("verify", e.verify_s), ("arena", e.arena_s),
+                     ("upload", e.upload_s), ("cubin load", e.cubin_load_s),
+                     ("graph capture", e.graph_capture_s), ("warm-up", e.warm_up_s),
+                     ("finish", e.finish_s)]
         else:
-            rows += [("programs", e.programs_s), ("upload", e.upload_s),
+            rows += [("verify", e.verify_s), ("programs", e.programs_s), ("upload", e.upload_s),
                      ("compile", e.compile_s)]
         return tuple(rows)
 
     def lines(self, prefix: str = "rvrun") -> list[str]:
         """The compact block rvrun prints: the phases on one line, the weights on another."""
         e = self.executor
-        parts = [f"{name} {s:.2f}" + (" (during upload)" if name in e.overlapped else "")
-                 for name, s in self.phases()]
+
+        def how(name: str) -> str:
+            if name == "text check":
+                during = e.checks_during_upload_s
+                return (" (alongside" + (f", {during:.2f} during upload" if during else "")
+                        + f"; waited {self.text_waited_s:.2f})")
+            if name == "context" and e.context_open_s > e.context_s:
+                return f" (opened in {e.context_open_s:.2f}, alongside the checks)"
+            return " (during upload)" if name in e.overlapped else ""
+
+        parts = [f"{name} {s:.2f}{how(name)}" for name, s in self.phases()]
         parts.append(f"other {self.other_s:.2f}")
         out = [f"{prefix}: load {self.total_s:.2f} s ({self.cpu_s:.2f} s CPU): "
                + " | ".join(parts)]
@@ -88,6 +121,7 @@ class LoadReport:
         d = dataclasses.asdict(self)
         d.update(d.pop("executor"))
         d["overlapped"] = list(self.executor.overlapped)
+        d["alongside"] = list(self.alongside)
         d["upload_gb_s"] = self.upload_gb_s
         d["other_s"] = self.other_s
         return d

@@ -37,10 +37,10 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rvcompile import chat_template
 from rvcompile.artifacts.contents import Contents, read_contents
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.runtime.constraints import Grammars
@@ -53,6 +53,9 @@ from rvcompile.runtime.request_limits import (
     check_stop,
     speculation_of,
 )
+
+if TYPE_CHECKING:
+    from rvcompile.chat_template import ChatTemplate
 
 # Gemma 4's markers that end a model turn: `<turn|>` closes it, `<|tool_response>` hands it over
 # to a tool's answer (the released tokenizers have them as EOS ids 106 and 50).
@@ -162,10 +165,14 @@ class Model:
         return own + extra
 
     @functools.cached_property
-    def _chat_template(self) -> chat_template.ChatTemplate:
+    def _chat_template(self) -> ChatTemplate:
         if not self.chat_template:
             raise ValueError(f"{self.art.path.name}: the artifact has no chat template")
-        return chat_template.compile_template(self.chat_template)
+        # jinja2 and the sandbox, imported by the first chat rather than by every start (a
+        # load's own check of the template imports jinja2 alongside the upload)
+        from rvcompile.chat_template import compile_template
+
+        return compile_template(self.chat_template)
 
     def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> Sequence[int]:
         """A text prompt's token ids; token ids as they are (Engine.add checks them)."""

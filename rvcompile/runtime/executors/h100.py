@@ -14,19 +14,22 @@ artifacts/contents.py before), builds every launch's argument block and launch c
 (programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
 arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
 bytes, and the arena never moves), captures each decode, prefill and verify entry into a CUDA
-graph (consecutive kernels joined by programmatic edges) and uploads the graphs. Nothing runs
-on the device before every weight piece checked out; a mismatch fails the load with the
-container's one-line error, the arena and buffers freed. A call writes the io fields
-with one copy, replays the entry and copies back only token ids (or the logits the logits entry
-asks for).
+graph (consecutive kernels joined by programmatic edges). runtime.load's text checks run
+alongside all of this on a thread of their own (runtime/pending_checks.py). Nothing runs on the
+device, not even a graph upload, before every weight piece checked out and those checks passed;
+then the graphs are uploaded. A mismatch fails the load with the container's one-line error, a
+failed check with its own (the upload stops at its next chunk), the arena and buffers freed.
+A call writes the io fields with one copy, replays the entry and copies back only token ids (or
+the logits the logits entry asks for).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -34,7 +37,7 @@ import numpy as np
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
-from rvcompile.artifacts.stream import stream_section
+from rvcompile.artifacts.stream import StreamStopped, stream_section
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import LoadOptions, LoadTimes
 from rvcompile.runtime.executors import check_limits, kv_budget, tma
@@ -42,6 +45,7 @@ from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack
 from rvcompile.runtime.executors.cuda_upload import CudaUploadSink
 from rvcompile.runtime.executors.kv_budget import HEADROOM
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
+from rvcompile.runtime.pending_checks import PendingChecks
 
 MAX_STREAM_WORKERS = 16  # threads reading and hashing the weights: enough for PCIe Gen5
 DEFAULT_SMEM = 48 << 10
@@ -89,12 +93,16 @@ def default_blocks(schedule: KernelSchedule, ctx: CudaContext, name: str) -> dic
 class CudaScheduleDevice:
     def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
                  phases: Phases | None = None, *, check_weights: bool = False,
-                 kv_blocks: dict[str, int] | None = None):
+                 kv_blocks: dict[str, int] | None = None,
+                 checks: PendingChecks | None = None):
         """Allocates, uploads and prepares everything; `check_weights`: hash every piece of
         the weights as it streams (runtime.load's verify), failing before anything runs;
-        `kv_blocks`: each KV kind's pool blocks (default: default_blocks). On any failure what
-        was allocated is freed before the error propagates."""
+        `kv_blocks`: each KV kind's pool blocks (default: default_blocks); `checks`:
+        runtime.load's checks running alongside, waited for before anything runs (their
+        failure stops the upload at its next chunk). On any failure what was allocated is
+        freed before the error propagates."""
         phases = phases or Phases("rvrun", "off")
+        self.checks = checks or PendingChecks()
         self.ctx, self.schedule = ctx, schedule
         self.kv_blocks = dict(kv_blocks or default_blocks(schedule, ctx, art.path.name))
         try:
@@ -106,7 +114,6 @@ class CudaScheduleDevice:
         self.modules: list = []  # loaded cubins, unloaded again if the load fails
         self.graphs: dict[str, object] = {}
         try:
-            self.arena = ctx.alloc(self.nbytes)
             self._load(art, phases, check_weights)
         except BaseException:
             self._free()
@@ -116,10 +123,12 @@ class CudaScheduleDevice:
         """The weights stream to the device (artifacts/stream.py through cuda_upload.py) on a
         background thread while this one loads the cubins, prepares the launches and captures
         the graphs: capture needs the arena's addresses, not its contents. Nothing runs on the
-        device until the stream returned, i.e. every piece checked out."""
+        device (not even a graph upload) until the stream returned, i.e. every piece checked
+        out, and runtime.load's checks passed."""
         ctx, schedule = self.ctx, self.schedule
         clock = time.perf_counter
         t_start = clock()
+        self.arena = ctx.alloc(self.nbytes)
         base = self.arena.ptr
         weights = art.sections["weights"].size
         ctx.memset_range(base + schedule.weights_bytes, self.nbytes - schedule.weights_bytes,
@@ -130,12 +139,18 @@ class CudaScheduleDevice:
         ctx.stream_synchronize(self.stream)  # before the capture starts on this stream
         workers = stream_workers()
         sink = CudaUploadSink(ctx, base, workers)
-        times: dict[str, float] = {}
+        times: dict[str, float] = {"arena_s": clock() - t_start}
+        halt = threading.Event()  # this thread failed: the stream stops at its next chunk
+
+        def stop() -> bool:
+            return halt.is_set() or self.checks.failed()
+
         try:
             with (phases.phase("upload", total=weights, unit="B") as bar,
                   ThreadPoolExecutor(1, thread_name_prefix="rvrun-upload") as background):
+                t_stream = clock()
                 streaming = background.submit(stream_section, art, "weights", sink,
-                                              workers=workers, check=check_weights)
+                                              workers=workers, check=check_weights, stop=stop)
                 try:
                     t0 = clock()
                     self.functions = self._load_cubins(art)
@@ -152,30 +167,43 @@ class CudaScheduleDevice:
                         or (name.endswith(".states") and not name.startswith("draft_"))))
                     t1 = clock()
                     for name, e in schedule.entries.items():
+                        if self.checks.failed():  # the upload stops too: fail now
+                            break
                         if e.graph:
                             self.graphs[name] = ctx.capture(
                                 self.stream, lambda n=name: self._launch_all(n),
                                 thread_local=True)
-                    t2 = clock()
-                    for g in self.graphs.values():  # ready to launch; nothing runs yet
-                        ctx.graph_upload(g, self.stream)
-                    ctx.stream_synchronize(self.stream)
-                    times.update(cubin_load_s=t1 - t0, graph_capture_s=t2 - t1,
-                                 warm_up_s=clock() - t2)
-                finally:
-                    stats = streaming.result()  # raises a mismatch; waits on our own failure
+                    times.update(cubin_load_s=t1 - t0, graph_capture_s=clock() - t1)
+                except BaseException:
+                    halt.set()  # the stream stops at its next chunk
+                    try:
+                        streaming.result()  # a corrupt piece found meanwhile wins, as before
+                    except StreamStopped:
+                        pass  # stopped for this error
+                    raise
+                stats = streaming.result()  # raises a mismatch, or StreamStopped: checks failed
+                t_streamed = clock()
+                self.checks.wait()  # raises their error; the stream stopped early then
+                times["checks_during_upload_s"] = max(
+                    0.0, min(self.checks.ended_at, t_streamed) - t_stream)
                 bar.advance(weights)
                 bar.info = (f"{weights / 1e9:.2f} GB at {stats.gb_s:.1f} GB/s"
                             + (", sha256 checked" if stats.checked else ""))
+            t2 = clock()
+            for g in self.graphs.values():  # ready to launch; nothing runs yet
+                ctx.graph_upload(g, self.stream)
+            ctx.stream_synchronize(self.stream)
+            t3 = clock()
         finally:
             sink.close()
         ctx.synchronize()
+        times.update(warm_up_s=t3 - t2, finish_s=clock() - t3)
         self.upload_s = clock() - t_start
         self.stream_stats = stats
         self.load_times = LoadTimes(
             upload_s=stats.wall_s, weight_bytes=weights, streamed=True, checked=stats.checked,
             threads=stats.workers, read_s=stats.read_s, hash_s=stats.hash_s,
-            overlapped=("cubin load", "graph capture", "warm-up"), **times)
+            overlapped=("cubin load", "graph capture"), **times)
 
     def _free(self) -> None:
         """After a failed load: the graphs, modules, arena and pinned buffers go back (a failed
@@ -283,7 +311,9 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
         raise ArtifactError(f"{art.path.name}: built with --tp {tp.ranks} (one kernel schedule "
                             f"per GPU, with collectives); this runtime drives one GPU: rebuild "
                             "with --tp 1")
-    ctx = open_context(art)
+    t0 = time.perf_counter()
+    ctx = open_context(art, opts.begun)
+    context_s = time.perf_counter() - t0
     free, total = ctx.mem_info()
     blocks = kv_budget.choose_blocks(
         schedule, free=free, total=total, name=art.path.name,
@@ -299,31 +329,53 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
             art.verify(before)
     verify_s = time.perf_counter() - t0
     ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify,
-                       kv_blocks=blocks)
-    ex.load_times = replace(ex.load_times, verify_s=verify_s)
+                       kv_blocks=blocks, checks=opts.checks)
+    opened_s = opts.begun.result()[1] if opts.begun is not None else context_s
+    ex.load_times = replace(ex.load_times, context_s=context_s, context_open_s=opened_s,
+                            verify_s=verify_s)
     return ex
 
 
-def open_context(art: Artifact) -> CudaContext:
-    """The GPU's context, once check_fits has accepted this machine."""
+def begin(art: Artifact) -> Future:
+    """The GPU's context opened on a thread of its own, which runtime.load starts as soon as
+    the file is open: cuInit and the primary context take a while in the driver, which releases
+    the GIL, so the manifest and the cubins are checked meanwhile. Nothing about the artifact
+    is used, and nothing runs on the device. Its result, (context, seconds), is open_executor's
+    (opts.begun), whose open_context raises its error there, after those checks."""
+
+    def timed() -> tuple[CudaContext, float]:
+        t0 = time.perf_counter()
+        return CudaContext(), time.perf_counter() - t0
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rvrun-context")
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)  # its one thread ends with the context open
+    return future
+
+
+def open_context(art: Artifact, begun: Future | None = None) -> CudaContext:
+    """The GPU's context (`begun`'s, or opened now), once check_fits has accepted this
+    machine, current on the calling thread."""
     try:
-        ctx = CudaContext()
+        ctx = begun.result()[0] if begun is not None else CudaContext()
     except CudaError as e:
         raise ArtifactError(f"{art.path.name}: needs an NVIDIA H100 (CUDA): {e}") from None
+    ctx.make_current()  # begun's was made current on its own thread
     check_fits(art, ctx)
     return ctx
 
 
 def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
                   phases: Phases | None = None, *, check_weights: bool = False,
-                  kv_blocks: dict[str, int] | None = None) -> ScheduledExecutor:
+                  kv_blocks: dict[str, int] | None = None,
+                  checks: PendingChecks | None = None) -> ScheduledExecutor:
     """`schedule`: the artifact's, as artifacts/manifest.py checked it (and contents.py its
     cubins); `phases`: where the upload and graph capture show (default: nowhere);
     `check_weights`: hash the weights' pieces as they stream; `kv_blocks`: the pools' blocks
-    by kind (CudaScheduleDevice)."""
+    by kind; `checks`: runtime.load's checks still running (CudaScheduleDevice)."""
     t0 = time.perf_counter()
     device = CudaScheduleDevice(art, schedule, ctx, phases, check_weights=check_weights,
-                                kv_blocks=kv_blocks)
+                                kv_blocks=kv_blocks, checks=checks)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
     ex.load_times = device.load_times

@@ -146,7 +146,7 @@ def _per_device_bytes(xla: XlaManifest, kinds: dict[str, KvKind]) -> int:
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaExecutor:
     """An XLA artifact on this machine (runtime.load's entry; `manifest` checked): platform,
     devices, memory and the engine's limits refused before anything compiles; then
-    opts.verify's sections re-hashed; then the executor."""
+    opts.verify's sections re-hashed; then, once opts.checks passed, the executor."""
     xla = manifest.xla
     if opts.gpu_memory_utilization is not None:
         raise ArtifactError(f"{art.path.name}: gpu_memory_utilization sizes the KV pools of h100 "
@@ -160,6 +160,9 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
                                unit="B"):
             art.verify(opts.verify)
     verify_s = time.perf_counter() - t0
+    # runtime.load's text checks ran alongside the machine checks and the re-hash: passed
+    # before XlaExecutor uploads or runs anything
+    opts.checks.wait()
     ex = XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
                      phases=opts.phases)
     ex.load_times = replace(ex.load_times, verify_s=verify_s, checked="weights" in opts.verify)
