@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -559,3 +560,52 @@ def test_gpu_drafts_equal_the_reference(built, target):
     assert gpu[:3] == ref[:3]
     for lane in range(2):
         np.testing.assert_allclose(gpu[3][lane], ref[3][lane], rtol=0, atol=2e-2)
+
+
+def _third_tokens(m, prompt, speculation, seeds) -> Counter:
+    """The third generated token of one 4-token request per seed (with the assistant, the first
+    token decided after a round of drafts), all queued at once (the engine batches them)."""
+    eng = m.engine
+    for seed in seeds:
+        eng.add(Request(f"d{seed}", prompt, 4, Sampling(1.0, 4, 1.0, seed), (), True,
+                        speculation=speculation))
+    out: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.id, []).extend(o.token_ids)
+    return Counter(tokens[2] for tokens in out.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", TARGETS)
+def test_gpu_sampling_distribution_with_speculation_is_the_targets(built, target):
+    """test_speculative_xla's test on the H100: top_k 4 (a small effective vocabulary), 400
+    requests per arm, seeds disjoint between the arms, chi-square two-sample test."""
+    from test_speculative_xla import chi_square_p
+
+    h100_context()
+    m = runtime.load(built(target))
+    prompt = prompt_ids(m, 8)
+    n = 400
+    plain = _third_tokens(m, prompt, None, range(n))
+    spec = _third_tokens(m, prompt, Speculation("assistant", K), range(n, 2 * n))
+    p = chi_square_p(plain, spec)
+    print(f"\n[measured] GPU {target} third-token distribution, {n} samples each: "
+          f"{len(plain)} / {len(spec)} distinct tokens, chi-square p = {p:.3f}")
+    assert p > 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_verify_applies_the_ratio_rule(built):
+    """test_verify_applies_the_ratio_rule on the CUDA device: its tokens are the host rule's on
+    its own draft logits and target rows (all rounds but at most one: expf against np.exp can
+    move a decision at a boundary)."""
+    h100_context()
+    got = _ratio_rounds(runtime.load(built("h100-f32")).executor, range(32),
+                        {"temperature": 1.0, "top_k": 20, "top_p": 0.95})
+    differ = sum(by_ratio != want for _, by_ratio, _, want in got)
+    kept = sum(int(np.cumprod(np.equal(r[:K], d)).sum()) for d, r, _, _ in got)
+    plain = sum(int(np.cumprod(np.equal(e[:K], d)).sum()) for d, _, e, _ in got)
+    print(f"\n[measured] GPU: {len(got) - differ} of {len(got)} rounds the host rule's; drafts "
+          f"kept of {K} x {len(got)}: ratio rule {kept}, exact match {plain}")
+    assert differ <= 1 and kept > plain

@@ -28,7 +28,10 @@ model, with the sampler's extras (penalties, a token mask, log-probabilities) re
 assistant drafter (version 9) has `draft_{B}` beside every decode_{B}: K drafter steps of B
 lanes from io tokens, draft_state and draft_step (the last io fields, which only draft calls
 write), returning tokens [K, B], logits and states; its decode and verify entries also return
-each row's state [rows, H] (what a draft call starts from). Before a call the
+each row's state [rows, H] (what a draft call starts from). Version 10 adds the speculative
+ratio rule: the `ratio` region (RatioIo), where the draft entries leave their logits and
+sampling records, and io field ratio_lanes, naming the verify lanes whose tokens the decode and
+verify entries rewrite by the rule (targets/h100/ratio.py). Before a call the
 host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
 row sees), one block-table row per token row and KV kind, the prefill's last real row, the
 sampling parameters; afterwards it reads `out_tokens` (and `logits`, or the log-probabilities).

@@ -11,6 +11,8 @@ Three launches, in order on one stream, sharing one workspace of `workspace_byte
                   void* ws)
     sample_pick(int M, int V, const float* temperature, const int* top_k, const float* top_p [M],
                 const int* seed [M], const int* step [M], void* ws, int* out [M])
+(ratio.py declares the same source's sample_pick_dist, the pick that also writes each row's
+record for the speculative ratio rule, and spec_ratio, the rule.)
 Geometry and shared memory: `plan(M, V, sm_count)`; the filter and pick kernels need their
 dynamic shared memory opted in (CudaContext.set_max_dynamic_smem) before the first launch.
 
