@@ -343,7 +343,8 @@ class ScheduledExecutor:
             return None
         if not self.has_ratio:
             raise ValueError("draft_probs (the ratio rule) are not taken by this executor: it "
-                             "accepts drafts by exact match (a schedule before version 10)")
+                             "accepts drafts by exact match (its schedule has no ratio region: "
+                             "no drafter, or built before version 10)")
         if not isinstance(d, ScheduleDraftProbs) or d.owner is not self:
             raise ValueError("a verify lane's draft_probs come from this executor's draft")
         if d.call != self._draft_calls:
