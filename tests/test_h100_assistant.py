@@ -579,14 +579,14 @@ def _third_tokens(m, prompt, speculation, seeds) -> Counter:
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", TARGETS)
 def test_gpu_sampling_distribution_with_speculation_is_the_targets(built, target):
-    """test_speculative_xla's test on the H100: top_k 4 (a small effective vocabulary), 400
+    """test_speculative_xla's test on the H100: top_k 4 (a small effective vocabulary), 300
     requests per arm, seeds disjoint between the arms, chi-square two-sample test."""
     from test_speculative_xla import chi_square_p
 
     h100_context()
     m = runtime.load(built(target))
     prompt = prompt_ids(m, 8)
-    n = 400
+    n = 300
     plain = _third_tokens(m, prompt, None, range(n))
     spec = _third_tokens(m, prompt, Speculation("assistant", K), range(n, 2 * n))
     p = chi_square_p(plain, spec)
