@@ -18,8 +18,8 @@ GPU (marked gpu): sample_pick_dist's records over fresh random rows (V 1024 and 
 top_p, histogram paths) are the reference's (keys equal, masses within expf's rounding), and
 spec_ratio's tokens over lanes of three drafts drawn by the kernels from noisy copies of the
 target rows are the reference rule's on the kernels' own rows and records (all lanes but at
-most one of 64: expf against np.exp may move a decision at a boundary); every buffer starts
-NaN-poisoned.
+most one of the 32 per case: expf against np.exp may move a decision at a boundary); every
+buffer starts NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -314,8 +314,8 @@ def test_gpu_ratio_kernels(v: int) -> None:
         finally:
             dev.close()
         np.testing.assert_array_equal(y, target)  # no softcap: the logits themselves
-        for rows, have, tk in ((target, recs, lb), (q, q_recs, qb)):
-            for j in range(rows.shape[0]):
+        for rows, have, tk in ((target, recs, lb), (q, q_recs, qb)) if rnd < 2 else ():
+            for j in range(rows.shape[0]):  # (0.1 s a row at V = 262144: two rounds)
                 want = ratio.pick_record(rows[j], float(t_lane[tk[j]]), int(k_lane[tk[j]]),
                                          float(p_lane[tk[j]]))
                 assert have[j, 0] == want[0] and have[j, 2] == want[2], (rnd, j)
