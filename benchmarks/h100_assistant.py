@@ -15,6 +15,11 @@ prefilled:
   verify call (k + 1 rows: decode_{2,4,8} or verify_{R}); k = 0 is a decode call that also
   returns its state;
 - draft: one draft call (draft_1: always K drafter steps); per token = draft / K;
+- sampled verify(k), k = 1 .. K, at temperature 1 (no top_k or top_p cut: the sampler's
+  widest case) on drafts a sampled draft call made: by exact match (no draft_probs) and by the
+  ratio rule (the draft's draft_probs; an artifact of kernel schedule version 10): what the
+  rule's spec_ratio adds (random weights reject the first draft about always, so the rule
+  sums the residual over the whole vocabulary every call: its dearest path);
 - with --batch B (<= max_seqs): decode, verify(k) and draft at B lanes too, and the same table
   for B lanes (the c = 8 question).
 The table: tok/s at B = 1 for accepted length a (tokens a round yields, the bonus token
@@ -32,11 +37,12 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from rvcompile import runtime
-from rvcompile.runtime.executor_api import DraftLane, SeqChunk
+from rvcompile.runtime.executor_api import DraftLane, Sampling, SeqChunk
 
 ACCEPTED = (1.5, 2.0, 2.5, 3.0, 4.0)
 
@@ -87,7 +93,18 @@ def costs(ex, lanes, prompt: int, k_max: int, reps: int) -> dict:
     draft_lanes = [DraftLane(SeqChunk([tok], prompt, tables, step=1), state)
                    for tables, tok, state in lanes]
     draft = median_ms(lambda: ex.draft(draft_lanes, k_max), reps)
-    return {"verify_ms": verify, "draft_ms": draft}
+    out = {"verify_ms": verify, "draft_ms": draft}
+    if getattr(ex, "has_ratio", False):
+        sampled = [replace(d, chunk=replace(d.chunk, sampling=Sampling(1.0, 0, 1.0, i)))
+                   for i, d in enumerate(draft_lanes)]
+        made = ex.draft(sampled, k_max)  # its draft_probs hold until the next draft call
+        for rule in ("exact", "ratio"):
+            out[f"sampled_{rule}_ms"] = {k: median_ms(lambda k=k, rule=rule: ex.verify([
+                replace(d.chunk, tokens=[*d.chunk.tokens, *m.tokens[:k]],
+                        draft_probs=m.draft_probs if rule == "ratio" else None)
+                for d, m in zip(sampled, made, strict=True)]), reps)
+                for k in range(1, k_max + 1)}
+    return out
 
 
 def table(decode_ms: float, draft_token_ms: float, verify_ms: dict[int, float],
@@ -145,6 +162,10 @@ def main() -> None:
     print("k   verify ms   x decode")
     for k, ms in b1["verify_ms"].items():
         print(f"{k:<3} {ms:9.2f}   {ms / decode_ms:8.3f}")
+    if "sampled_ratio_ms" in b1:
+        print("k   sampled verify ms: exact match   ratio rule")
+        for k, ms in b1["sampled_exact_ms"].items():
+            print(f"{k:<3} {ms:30.2f} {b1['sampled_ratio_ms'][k]:12.2f}")
     rows = table(decode_ms, per_token, b1["verify_ms"])
     result["table"] = rows
     print("\ntok/s at B = 1 by accepted length a (a round: k draft tokens + verify(k))")

@@ -4,25 +4,34 @@ ScheduledExecutor offers `draft`, so the engine's assistant path runs unchanged.
 
 CPU (the schedule on the reference device; the embedded default model, models/rv-gemma4-tiny,
 with its trained assistant, models/rv-gemma4-tiny-assistant; K = 3, max_seqs 2):
-- the schedule: version 9, draft_1 and draft_2 as CUDA graphs, the draft io fields, states
-  outputs on decode and verify entries; artifacts without an assistant stay at version 7;
+- the schedule: version 10, draft_1 and draft_2 as CUDA graphs, the draft io fields, states
+  outputs on decode and verify entries, the ratio region (the draft entries' logits there) and
+  the ratio rule's launches; artifacts without an assistant stay at version 7;
   `rvcompile inspect` shows the drafter; the manifest's assistant record comes with the draft
   entries and only with them;
 - h100-f32's verify states, draft tokens, logits and states equal xla-f32's (the same model and
   assistant) on two lanes: tokens exactly, values within float32 rounding;
 - greedy with the assistant gives plain greedy's tokens on h100-f32 and h100-fp8 (48 tokens),
   with drafts accepted (the trained pair);
-- a seeded sampled assistant request gives the tokens it gives without speculation (the H100
-  verify accepts by exact match: no ratio rule there);
+- a seeded sampled assistant request goes through the ratio rule (its drafts carry
+  draft_probs) and gives the same tokens on every run; verify's tokens by the rule are the ones
+  targets/h100/ratio.py's reference gives on the host from the draft's logits and the target's
+  (the logits entry), lane by lane, with an exact-match lane beside them;
+- a version 9 schedule (this one without the ratio rule's parts) still runs as before: no
+  draft_probs, exact match, so a seeded sampled assistant request keeps its plain tokens;
 - plain, n-gram and assistant requests (greedy and seeded) batched in one engine give their
   solo tokens, with KV pools small enough that they preempt each other;
 - draft checks its lanes; a draft's logits are readable until the executor's next call only;
+  verify refuses draft_probs that are not this executor's last draft call's for these drafts
+  and this sampling;
 - a centroid-masked head (the trained assistant with random centroids): drafts equal
   xla-f32's, and greedy with it is plain greedy on h100-f32 and h100-fp8;
 - refusals: --assistant with --tp 2, schedules whose drafter parts do not fit.
 GPU (marked gpu, skipped without one): greedy with the assistant (dense and centroid heads) =
 plain greedy over 256 tokens, the CUDA device's drafts = the reference device's, on h100-f32
-and h100-fp8; a mixed batch on h100-f32 gives its solo tokens.
+and h100-fp8; a mixed batch on h100-f32 gives its solo tokens; sampling with the assistant (the
+ratio rule) is distributed as sampling without it (the third token of 4-token requests, top_k
+4, chi-square two-sample test), and verify's ratio tokens equal the host rule's.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +59,7 @@ from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.format import ArtifactError
 from rvcompile.artifacts.kernel_schedule import (
     DRAFTER_SCHEDULE_VERSION,
+    RATIO_SCHEDULE_VERSION,
     SCHEDULE_VERSION,
     KernelSchedule,
 )
@@ -89,7 +101,7 @@ def built(tmp_path_factory):
 def test_schedule_has_the_drafter(built):
     ex = reference_model(built("h100-f32")).executor
     s = ex.schedule
-    assert s.version == DRAFTER_SCHEDULE_VERSION and s.has_drafter and has_drafter(ex)
+    assert s.version == RATIO_SCHEDULE_VERSION and s.has_drafter and has_drafter(ex)
     assert sorted(n for n in s.entries if n.startswith("draft_")) == ["draft_1", "draft_2"]
     assert all(s.entries[n].graph for n in ("draft_1", "draft_2"))
     hidden = s.io["draft_state"].shape[1]
@@ -99,6 +111,18 @@ def test_schedule_has_the_drafter(built):
                                             if not n.startswith("draft_"))
     assert s.outputs["draft_2.tokens"].shape == (K, 2)
     assert s.outputs["draft_2.logits"].shape == (K * 2, s.vocab_size)
+    # the drafts' logits and records stay in the ratio region for verify's ratio rule
+    q = s.ratio.fields["draft_q"]
+    assert q.shape == (K * 2, s.vocab_size) and s.ratio.fields["draft_dist"].shape == (K * 2, 6)
+    assert s.outputs["draft_1.logits"].offset == s.outputs["draft_2.logits"].offset == q.offset
+    assert s.io["ratio_lanes"].shape == (2, 4)
+    assert s.io["ratio_lanes"].offset < s.io["draft_state"].offset
+    kernels = {n: [x.kernel for x in e.launches] for n, e in s.entries.items()}
+    for name in ("decode_2", "verify_4", "verify_8"):
+        assert kernels[name].count("spec_ratio") == 1 and "sample_pick" not in kernels[name]
+    assert "spec_ratio" not in kernels["decode_1"]  # one row: no lane to check
+    assert kernels["draft_2"].count("sample_pick_dist") == K
+    assert "spec_ratio" not in kernels["sampled_decode_2"] + kernels["prefill_16"]
     assert s.outputs["verify_8.states"].shape == (8, hidden)
     assert s.outputs["decode_1.states"].shape == (1, hidden)
     kernels = [x.kernel for x in s.entries["draft_1"].launches]
@@ -118,7 +142,7 @@ def test_inspect_shows_the_drafter(built):
                                                         ["draft_1", "draft_2"])
     text = run(RVCOMPILE, "inspect", str(path)).stdout
     assert "assistant         rv-gemma4-tiny-assistant (gemma4_assistant" in text
-    assert "entries draft_1, draft_2" in text and "version 9" in text
+    assert "entries draft_1, draft_2" in text and "version 10" in text
 
 
 def test_manifest_pairs_the_assistant_with_draft_entries(built):
@@ -189,13 +213,107 @@ def test_greedy_assistant_is_plain_greedy(built, target):
           f"{spec.accepted_tokens} of {spec.drafted_tokens} drafts")
 
 
-def test_seeded_sampled_assistant_keeps_its_tokens(built):
+def test_seeded_sampled_assistant_is_reproducible(built):
     m = reference_model(built("h100-f32"))
     prompt = prompt_ids(m)
-    kw = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
+    kw = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
+    runs = [m.generate(prompt, speculative="assistant", num_draft_tokens=2, **kw)
+            for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].drafted_tokens > 0
+    assert len(runs[0].token_ids) == 12
+
+
+def _ratio_rounds(ex, seeds: range, sampling: dict):
+    """Rounds on two sequences with the same prompt: each seed drafts K tokens for lane 0 and
+    verifies them with its draft_probs, beside lane 1 with the same drafts and none (exact
+    match); returns, per seed, (drafts, lane 0's tokens, lane 1's tokens, the rule's tokens on
+    the host from the draft's logits and the target's rows)."""
+    from rvcompile.targets.h100 import ratio
+
+    prompt = _TWO_PROMPTS[1]
+    tables = [own_tables(ex, i) for i in range(2)]
+    x = [ex.prefill(SeqChunk(prompt, 0, t)) for t in tables][0]
+    state = ex.verify([SeqChunk([x], len(prompt), tables[0], step=1)])[0]
+    ex.verify([SeqChunk([x], len(prompt), tables[1], step=1)])
+    token, q_at = state.tokens[0], len(prompt) + 1
+    out = []
+    for seed in seeds:
+        s = Sampling(**sampling, seed=seed)
+        d = ex.draft([DraftLane(SeqChunk([token], q_at, tables[0], s, step=2),
+                                state.states[0])], K)[0]
+        q = np.asarray(d.logits)
+        rows = [token, *d.tokens]
+        got = ex.verify([SeqChunk(rows, q_at, tables[0], s, step=2, draft_probs=d.draft_probs),
+                         SeqChunk(rows, q_at, tables[1], s, step=2)])
+        y = ex.logits(SeqChunk(rows, q_at, tables[0]))  # the target's rows, as verify's
+        t, k, p = s.temperature, s.top_k, s.top_p
+        want = ratio.ratio_rule(
+            y, np.stack([ratio.pick_record(r, t, k, p) for r in y]), q,
+            np.stack([ratio.pick_record(r, t, k, p) for r in q]), np.asarray(rows),
+            got[1].tokens[K], t, np.full(K + 1, seed), 2 + np.arange(K + 1))
+        out.append((d.tokens, got[0].tokens, got[1].tokens, want.tolist()))
+    return out
+
+
+def test_verify_applies_the_ratio_rule(built):
+    """h100-f32 (a row's logits the same bits in any call): lane 0's tokens are the host rule's
+    on the draft's logits and the logits entry's rows, token for token; lane 1 (no draft_probs)
+    gets the plain samples after each row; the rule keeps more drafts than exact match."""
+    ex = reference_model(built("h100-f32")).executor
+    got = _ratio_rounds(ex, range(8), {"temperature": 1.0, "top_k": 20, "top_p": 0.95})
+    for drafts, by_ratio, exact, want in got:
+        assert by_ratio == want, (drafts, by_ratio, want)
+        m = next((i for i, t in enumerate(by_ratio) if t < 0), K + 1) - 1  # drafts accepted
+        assert by_ratio[:m] == drafts[:m] and all(t == -1 for t in by_ratio[m + 1:])
+        assert all(t >= 0 for t in exact)
+    kept = [int(np.cumprod(np.equal(r[:K], d)).sum()) for d, r, _, _ in got]
+    plain = [int(np.cumprod(np.equal(e[:K], d)).sum()) for d, _, e, _ in got]
+    print(f"\n[measured] drafts kept of {K} x {len(got)}: ratio rule {sum(kept)}, exact match "
+          f"{sum(plain)}")
+    assert sum(kept) > sum(plain)
+
+
+def _version_9(s: dict) -> dict:
+    """A version 10 schedule as version 9 wrote it: sample_pick in place of sample_pick_dist,
+    no spec_ratio, no ratio region or ratio_lanes (the offsets of everything else as they
+    are)."""
+    s = copy.deepcopy(s)
+    for e in s["entries"].values():
+        launches = []
+        for x in e["launches"]:
+            if x["kernel"] == "spec_ratio":
+                continue
+            if x["kernel"] == "sample_pick_dist":
+                x["kernel"], x["args"] = "sample_pick", x["args"][:-1]
+            launches.append(x)
+        e["launches"] = launches
+    del s["ratio"], s["io"]["ratio_lanes"]
+    s["version"] = DRAFTER_SCHEDULE_VERSION
+    return s
+
+
+def test_version_9_schedules_run_as_before(built):
+    """An artifact built before the ratio rule: draft returns no draft_probs and verify checks
+    drafts by exact match, so a seeded sampled assistant request keeps its plain tokens."""
+    from rvcompile.runtime.executors.scheduled import ScheduledExecutor
+    from rvcompile.targets.h100.reference_executor import ReferenceDevice
+
+    art = Artifact.open(built("h100-f32"))
+    schedule = KernelSchedule.from_json(_version_9(art.manifest["h100"]["schedule"]))
+    device = ReferenceDevice(schedule, art.buffer("weights"), bytes(art.buffer("constants")))
+    m = Model(art, ScheduledExecutor(schedule, device))
+    assert schedule.has_drafter and schedule.ratio is None and not m.executor.has_ratio
+    prompt = prompt_ids(m)
+    kw = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.8, "top_k": 40, "seed": 11}
     plain = m.generate(prompt, **kw).token_ids
     spec = m.generate(prompt, speculative="assistant", num_draft_tokens=2, **kw)
     assert spec.token_ids == plain and spec.drafted_tokens > 0
+    ex, tables = m.executor, own_tables(m.executor, 0)
+    state = ex.verify([SeqChunk([5], 3, tables)])[0].states[0]
+    lane = DraftLane(SeqChunk([7], 4, tables, Sampling(1.0, 0, 1.0, 1)), state)
+    assert ex.draft([lane], 2)[0].draft_probs is None
+    with pytest.raises(ValueError, match="draft_probs .the ratio rule. are not taken"):
+        ex.verify([SeqChunk([5, 6], 3, tables, draft_probs=object())])
 
 
 def test_mixed_batch_with_preemption_gives_solo_tokens(built):
@@ -258,8 +376,24 @@ def test_draft_checks_its_lanes(built):
     ex.verify([SeqChunk([5], 3, tables)])
     with pytest.raises(ValueError, match="overwritten by a later call"):
         np.asarray(drafted.states)
-    with pytest.raises(ValueError, match="draft_probs"):
+    assert drafted.draft_probs is None  # greedy: exact match
+    with pytest.raises(ValueError, match="draft_probs come from this executor's draft"):
         ex.verify([SeqChunk([5, 6], 3, tables, draft_probs=object())])
+    sampled = Sampling(0.9, 10, 1.0, 5)
+    d = ex.draft([DraftLane(SeqChunk([7], 4, tables, sampled), state)], 2)[0]
+    assert d.draft_probs is not None
+    ok = SeqChunk([7, *d.tokens], 4, tables, sampled, draft_probs=d.draft_probs)
+    with pytest.raises(ValueError, match="are not the ones its draft_probs came with"):
+        ex.verify([replace(ok, tokens=[7, d.tokens[0] ^ 1])])
+    with pytest.raises(ValueError, match="sampling parameters differ from its drafts'"):
+        ex.verify([replace(ok, sampling=Sampling(0.9, 10, 1.0, 6))])
+    other = reference_model(built("h100-f32")).executor
+    with pytest.raises(ValueError, match="draft_probs come from this executor's draft"):
+        other.verify([ok])
+    assert len(ex.verify([replace(ok, tokens=[7, d.tokens[0]])])[0].tokens) == 2  # a prefix
+    ex.draft([DraftLane(SeqChunk([7], 4, tables, sampled), state)], 2)
+    with pytest.raises(ValueError, match="from an earlier draft call"):
+        ex.verify([ok])
 
 
 def test_refusals(built, tmp_path):
@@ -338,8 +472,19 @@ def _io_shape(name: str, shape: list[int]):
     (lambda s: s["outputs"]["verify_8.out_tokens"].update(
         offset=s["outputs"]["verify_8.out_tokens"]["offset"] - 256),
      "must follow verify_8's previous output"),
+    (lambda s: s.pop("ratio"), "a version 10 schedule has a ratio region"),
+    (lambda s: s.update(version=DRAFTER_SCHEDULE_VERSION),
+     "has the ratio rule's region or io field but version 9"),
+    (lambda s: s["io"].pop("ratio_lanes"), "missing the ratio rule's io field 'ratio_lanes'"),
+    (_io_shape("ratio_lanes", [2, 3]), "expected int32 of shape [2, 4], got int32 [2, 3]"),
+    (lambda s: s["ratio"]["fields"]["draft_q"].update(shape=[6, 4096]),
+     "expected float32 of shape [6, 8192], got float32 [6, 4096]"),
+    (lambda s: s["outputs"]["draft_1.logits"].update(
+        offset=s["outputs"]["draft_1.logits"]["offset"] + 4096),
+     "must be the ratio region's draft_q"),
 ], ids=["no-draft-entries", "old-version", "no-draft-step", "state-shape", "step-shape",
-        "no-states", "tokens-apart"])
+        "no-states", "tokens-apart", "no-ratio-region", "ratio-in-version-9", "no-ratio-lanes",
+        "ratio-lanes-shape", "draft-q-shape", "draft-logits-elsewhere"])
 def test_schedule_refuses_mismatched_drafter(built, change, needle):
     art = Artifact.open(built("h100-f32"))
     s = copy.deepcopy(art.manifest["h100"]["schedule"])
@@ -415,3 +560,52 @@ def test_gpu_drafts_equal_the_reference(built, target):
     assert gpu[:3] == ref[:3]
     for lane in range(2):
         np.testing.assert_allclose(gpu[3][lane], ref[3][lane], rtol=0, atol=2e-2)
+
+
+def _third_tokens(m, prompt, speculation, seeds) -> Counter:
+    """The third generated token of one 4-token request per seed (with the assistant, the first
+    token decided after a round of drafts), all queued at once (the engine batches them)."""
+    eng = m.engine
+    for seed in seeds:
+        eng.add(Request(f"d{seed}", prompt, 4, Sampling(1.0, 4, 1.0, seed), (), True,
+                        speculation=speculation))
+    out: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.id, []).extend(o.token_ids)
+    return Counter(tokens[2] for tokens in out.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", TARGETS)
+def test_gpu_sampling_distribution_with_speculation_is_the_targets(built, target):
+    """test_speculative_xla's test on the H100: top_k 4 (a small effective vocabulary), 300
+    requests per arm, seeds disjoint between the arms, chi-square two-sample test."""
+    from test_speculative_xla import chi_square_p
+
+    h100_context()
+    m = runtime.load(built(target))
+    prompt = prompt_ids(m, 8)
+    n = 300
+    plain = _third_tokens(m, prompt, None, range(n))
+    spec = _third_tokens(m, prompt, Speculation("assistant", K), range(n, 2 * n))
+    p = chi_square_p(plain, spec)
+    print(f"\n[measured] GPU {target} third-token distribution, {n} samples each: "
+          f"{len(plain)} / {len(spec)} distinct tokens, chi-square p = {p:.3f}")
+    assert p > 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_verify_applies_the_ratio_rule(built):
+    """test_verify_applies_the_ratio_rule on the CUDA device: its tokens are the host rule's on
+    its own draft logits and target rows (all rounds but at most one: expf against np.exp can
+    move a decision at a boundary)."""
+    h100_context()
+    got = _ratio_rounds(runtime.load(built("h100-f32")).executor, range(32),
+                        {"temperature": 1.0, "top_k": 20, "top_p": 0.95})
+    differ = sum(by_ratio != want for _, by_ratio, _, want in got)
+    kept = sum(int(np.cumprod(np.equal(r[:K], d)).sum()) for d, r, _, _ in got)
+    plain = sum(int(np.cumprod(np.equal(e[:K], d)).sum()) for d, _, e, _ in got)
+    print(f"\n[measured] GPU: {len(got) - differ} of {len(got)} rounds the host rule's; drafts "
+          f"kept of {K} x {len(got)}: ratio rule {kept}, exact match {plain}")
+    assert differ <= 1 and kept > plain

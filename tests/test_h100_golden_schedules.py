@@ -25,13 +25,17 @@ to be sized at load (schedule version 7): in every case each pointer into the ol
 became a "pool" argument naming the pool at that offset, every offset past the region moved
 down by its size, the kinds lost num_blocks and kv.pools was added, and nothing else changed
 (checked case by case against dumps at the base commit). The drafter cases (MODEL+assistant)
-were added with the H100 assistant drafter (issue 15), the other cases' hashes unchanged. And
-again for packed prefill (issue 14, kernel_schedule.PrefillPacking): in every case the row
-select became select_rows_* (argument row -> rows, a new S), and nothing else changed where the
-schedule does not pack (float32, MoE, gemma-4-tiny); where it packs, every entry's launches are
-the same (kernel, geometry, argument kinds and non-pointer values) but the prefill entries'
-head from the select on (S rows: select, the head's product, the sampler), io last_row holds S
-values and the prefill entries' outputs S rows (checked case by case against dumps at 976a14d).
+were added with the H100 assistant drafter (issue 15), the other cases' hashes unchanged, and
+rewritten for the ratio rule (schedule version 10), after checking that in each of them the
+launches differ only in sample_pick -> sample_pick_dist (every decode, verify and draft entry)
+and a spec_ratio after it (decode_{B >= 2} and verify_{R}), with the io field ratio_lanes and
+the ratio region added; the other cases' hashes unchanged. And again for packed prefill (issue
+14, kernel_schedule.PrefillPacking): in every case the row select became select_rows_*
+(argument row -> rows, a new S), and nothing else changed where the schedule does not pack
+(float32, MoE, gemma-4-tiny); where it packs, every entry's launches are the same (kernel,
+geometry, argument kinds and non-pointer values) but the prefill entries' head from the select
+on (S rows: select, the head's product, the sampler), io last_row holds S values and the prefill
+entries' outputs S rows (checked case by case against dumps at 976a14d).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
@@ -67,7 +71,8 @@ TARGETS = (("h100-fp8", "float"), ("h100-f32", "float"), ("h100-fp8", "fp8"))
 PLANS = {"a": {"max_seqs": 4, "prefill_buckets": (16, 64), "max_context": 2048},
          "b": {"max_seqs": 3, "prefill_buckets": (1, 5, 40), "max_context": 512}}
 # With an assistant drafter (MODEL+assistant: the preset's, 3 draft tokens): the draft entries
-# and the decode / verify entries' states (schedule version 9); the dense and centroid heads.
+# and the decode / verify entries' states and ratio rule (schedule version 10); the dense and
+# centroid heads.
 DRAFTERS = ("gemma-4-tiny", "gemma-4-tiny-dense", "gemma-4-31B")
 CASES = [f"{m}:{t}:{kv}:{p}" for m in MODELS for t, kv in TARGETS for p in PLANS] + [
     f"{m}+assistant:{t}:float:a" for m in DRAFTERS for t in ("h100-fp8", "h100-f32")]

@@ -237,7 +237,7 @@ def _set(**kv):
 
 @pytest.mark.parametrize("change,needle", [
     (lambda s: s.pop("draft_tokens"), "has verify entries (rows [4, 8]) but no draft_tokens"),
-    (_set(version=6), "kernel schedule version 6; this runtime reads versions 7..9"),
+    (_set(version=6), "kernel schedule version 6; this runtime reads versions 7..10"),
     (_set(draft_tokens=2), "the widest verify entry (max_seqs x 3 rows) must be verify_6 (has "
                            "verify rows [4, 8])"),
     (_set(draft_tokens=16), "draft_tokens: expected an int in [1, 15], got 16"),

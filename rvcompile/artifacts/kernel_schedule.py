@@ -29,11 +29,14 @@ model, with the sampler's extras (penalties, a token mask, log-probabilities) re
 assistant drafter (version 9) has `draft_{B}` beside every decode_{B}: K drafter steps of B
 lanes from io tokens, draft_state and draft_step (the last io fields, which only draft calls
 write), returning tokens [K, B], logits and states; its decode and verify entries also return
-each row's state [rows, H] (what a draft call starts from). Before a call the host fills the io
-fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a row sees), one
-block-table row per token row and KV kind, the prefill's last real row of each sequence, the
-sampling parameters (a prefill's: row i for its i-th sequence); afterwards it reads `out_tokens`
-(and `logits`, or the log-probabilities).
+each row's state [rows, H] (what a draft call starts from). Version 10 adds the speculative
+ratio rule: the `ratio` region (RatioIo), where the draft entries leave their logits and
+sampling records, and io field ratio_lanes, naming the verify lanes whose tokens the decode and
+verify entries rewrite by the rule (targets/h100/ratio.py). Before a call the
+host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
+row sees), one block-table row per token row and KV kind, the prefill's last real row of each
+sequence, the sampling parameters (a prefill's: row i for its i-th sequence); afterwards it reads
+`out_tokens` (and `logits`, or the log-probabilities).
 
 `version` is the schedule's own schema version (what the arguments, io fields and entry names mean
 to the runtime): readers take MIN_SCHEDULE_VERSION..MAX_SCHEDULE_VERSION, independently of the
@@ -100,12 +103,22 @@ SCHEDULE_CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "others, and every decode_{B} and verify_{R} outputs states [rows, H] "
                       "right before out_tokens; only one-GPU schedules with a drafter carry "
                       "version 9, the others stay at 7 or 8 (and read as before)"),
+    ("2026-11-25", 10, "the speculative ratio rule on the H100 (issue 15): version 9 with the "
+                       "`ratio` region (RatioIo: draft_q float32 [K * max_seqs, V], the draft "
+                       "entries' logits output, and draft_dist, their rows' sampling records) "
+                       "after sample_io, io field ratio_lanes int32 [max_seqs, 4] before the "
+                       "draft fields, and the kernels sample_pick_dist and spec_ratio in the "
+                       "decode, verify and draft entries; what a one-GPU build with a drafter "
+                       "writes. Version 9 still reads (and runs as before: verify accepts by "
+                       "exact match)"),
 )
 SCHEDULE_VERSION = 7  # what a one-GPU build writes (a sampler; no collectives)
 TP_SCHEDULE_VERSION = 8  # what the ranks of a --tp build write (collectives; no sampler)
 DRAFTER_SCHEDULE_VERSION = 9  # a one-GPU build with an assistant drafter (draft entries)
+RATIO_SCHEDULE_VERSION = 10  # ... whose verify entries also apply the ratio rule (RatioIo)
 MIN_SCHEDULE_VERSION = 7
-MAX_SCHEDULE_VERSION = DRAFTER_SCHEDULE_VERSION  # the newest this reader takes
+MAX_SCHEDULE_VERSION = RATIO_SCHEDULE_VERSION  # the newest this reader takes
+DRAFTER_VERSIONS = (DRAFTER_SCHEDULE_VERSION, RATIO_SCHEDULE_VERSION)
 
 ARG_KINDS = ("ptr", "null", "i32", "i64", "f32", "params", "pool")
 # as the kernel receives it; "params": its template's bytes (KernelSchedule.arg_bytes); "pool":
@@ -131,6 +144,14 @@ IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_
 ENTRY_KINDS = ("decode", "prefill", "logits", "verify", "draft")
 # the draft entries' io fields (version 9): float32 [max_seqs, H] and int32 [K, max_seqs]
 DRAFT_IO_FIELDS = {"draft_state": "float32", "draft_step": "int32"}
+# version 10: the ratio rule's lanes, int32 [max_seqs, RATIO_LANE_WORDS] ({row0, n, q_at,
+# q_stride} per verify lane: targets/h100/ratio.py), before the draft fields (every call writes
+# it: zeros, no lane by the rule, but in a verify call that asks)
+RATIO_LANES_FIELD = "ratio_lanes"
+RATIO_LANE_WORDS = 4
+# the ratio region's fields: the drafter's logits and records [K * max_seqs, ...]
+RATIO_FIELDS = {"draft_q": "float32", "draft_dist": "int32"}
+RATIO_DIST_WORDS = 6  # int32 words of a record: uint64 {cut, S, s0}
 SAMPLED = "sampled_"  # the sampled entries' prefix: sampled_decode_{B}, sampled_prefill_{T}
 # The sample_io fields in their order, each one value per decode lane (max_seqs) but the pool
 # (int32 [max_seqs * (mask_words + 2 * penalty_ids)]), which comes last: the host writes io,
@@ -248,6 +269,20 @@ class PrefillPacking:
 
 
 @dataclass(frozen=True)
+class RatioIo:
+    """What the drafter leaves for verify's ratio rule (version 10): a region after io and
+    sample_io that only the draft entries write and the decode and verify entries read, so it
+    holds the last draft call's until the next one. draft_q float32 [K * max_seqs, V]: the
+    logits draft_{B} sampled from, row i * B + b its step i of lane b (the entry's "logits"
+    output); draft_dist int32 [K * max_seqs, 6]: each row's sampling record (uint64 {cut, S,
+    s0}: targets/h100/ratio.py)."""
+
+    offset: int
+    nbytes: int
+    fields: dict[str, Field]
+
+
+@dataclass(frozen=True)
 class EntryPoint:
     name: str
     rows: int
@@ -321,6 +356,7 @@ class KernelSchedule:
     # the JSON
     draft_tokens: int = 0
     sampler: SamplerIo | None = None  # the sampled entries' inputs (version 7, one GPU)
+    ratio: RatioIo | None = None  # the drafter's distributions for the ratio rule (version 10)
     # several sequences' prompt chunks per prefill call; None (absent from the JSON): one
     prefill_packing: PrefillPacking | None = None
 
@@ -338,14 +374,16 @@ class KernelSchedule:
             del d["draft_tokens"]
         if self.sampler is None:
             del d["sampler"]
+        if self.ratio is None:
+            del d["ratio"]
         if self.params_templates:
             d["params_templates"] = {k: t.to_json() for k, t in self.params_templates.items()}
         return d
 
     @property
     def has_drafter(self) -> bool:
-        """An assistant drafter's draft entries (version 9)."""
-        return self.version == DRAFTER_SCHEDULE_VERSION
+        """An assistant drafter's draft entries (version 9 or 10)."""
+        return self.version in DRAFTER_VERSIONS
 
     def pool_offsets(self, blocks: dict[str, int]) -> tuple[tuple[int, ...], int]:
         """(each pool's arena byte offset, in kv.pools order; the whole arena's bytes) when each
@@ -449,6 +487,7 @@ def _parse(s: At) -> KernelSchedule:
                              f"rows), got {f.dtype} {list(f.shape)}")
     _sampled_entries(s["entries"], entries, sampler is not None)
     hidden = _drafter(s, io, v, rows, drafts, max_seqs)
+    ratio = _ratio(s, io, v, sampler, n["arena_bytes"], drafts, max_seqs, vocab)
     outputs_at = s["outputs"]
     outputs = {name: _field(f, arena) for name, f in outputs_at.members().items()}
     for e in entries.values():
@@ -479,6 +518,10 @@ def _parse(s: At) -> KernelSchedule:
             if end is not None and f.offset != end and kind != "draft":
                 outputs_at[name].fail(f"must follow {e.name}'s previous output at byte {end} "
                                       f"({', '.join(x for x, _, _ in want)} side by side)")
+            if ratio and kind == "draft" and out == "logits" \
+                    and f.offset != ratio.fields["draft_q"].offset:
+                outputs_at[name].fail(f"must be the ratio region's draft_q (byte "
+                                      f"{ratio.fields['draft_q'].offset}), which verify reads")
             end = f.offset + f.nbytes
     return KernelSchedule(
         arena_bytes=n["arena_bytes"], weights_bytes=n["weights_bytes"],
@@ -486,8 +529,56 @@ def _parse(s: At) -> KernelSchedule:
         io_offset=n["io_offset"], io_bytes=n["io_bytes"],
         max_seqs=max_seqs, max_context=max_context, max_chunk=max_chunk, vocab_size=vocab, kv=kv,
         io=io, outputs=outputs, entries=entries, cubins=cubins, version=v,
-        params_templates=templates, draft_tokens=drafts, sampler=sampler,
+        params_templates=templates, draft_tokens=drafts, sampler=sampler, ratio=ratio,
         prefill_packing=packing)
+
+
+def _ratio(s: At, io: dict[str, Field], version: int, sampler: SamplerIo | None,
+           arena_bytes: int, drafts: int, max_seqs: int, vocab: int) -> RatioIo | None:
+    """A version 10 schedule's ratio region and io field (none in other versions): after
+    sample_io and inside the arena, its fields inside it, ratio_lanes before the draft io
+    fields (which only draft calls write)."""
+    at = s.get("ratio")
+    if version != RATIO_SCHEDULE_VERSION:
+        if at is not None or RATIO_LANES_FIELD in io:
+            s.fail(f"has the ratio rule's region or io field but version {version} (they are "
+                   f"version {RATIO_SCHEDULE_VERSION}'s)")
+        return None
+    if at is None:
+        s.fail(f"a version {version} schedule has a ratio region (the drafter's distributions)")
+    lanes = io.get(RATIO_LANES_FIELD)
+    if lanes is None:
+        s["io"].fail(f"missing the ratio rule's io field {RATIO_LANES_FIELD!r}")
+    if lanes.dtype != "int32" or lanes.shape != (max_seqs, RATIO_LANE_WORDS):
+        s["io"][RATIO_LANES_FIELD].fail(f"expected int32 of shape [{max_seqs}, "
+                                        f"{RATIO_LANE_WORDS}], got {lanes.dtype} "
+                                        f"{list(lanes.shape)}")
+    if lanes.offset + lanes.nbytes > io["draft_state"].offset:
+        s["io"][RATIO_LANES_FIELD].fail("must come before the draft io fields (every call "
+                                        "writes it)")
+    offset = at["offset"].int(0, MAX_BYTES)
+    nbytes = at["nbytes"].int(1, MAX_BYTES)
+    start = sampler.offset + sampler.nbytes
+    if offset < start or offset + nbytes > arena_bytes:
+        at.fail(f"the region [{offset}, {offset + nbytes}) must start after sample_io "
+                f"({start}) and end inside the arena ({arena_bytes})")
+    fields_at = at["fields"]
+    fields = {name: _field(f, (offset, offset + nbytes))
+              for name, f in fields_at.members().items()}
+    if sorted(fields) != sorted(RATIO_FIELDS):
+        fields_at.fail(f"expected the fields {', '.join(RATIO_FIELDS)}, got "
+                       f"{', '.join(fields)}")
+    rows = drafts * max_seqs
+    for name, (dtype, shape) in {"draft_q": ("float32", (rows, vocab)),
+                                 "draft_dist": ("int32", (rows, RATIO_DIST_WORDS))}.items():
+        f = fields[name]
+        if f.dtype != dtype or f.shape != shape:
+            fields_at[name].fail(f"expected {dtype} of shape {list(shape)}, got {f.dtype} "
+                                 f"{list(f.shape)}")
+    q, dist = fields["draft_q"], fields["draft_dist"]
+    if q.offset < dist.offset + dist.nbytes and dist.offset < q.offset + q.nbytes:
+        fields_at.fail("draft_q and draft_dist overlap")
+    return RatioIo(offset, nbytes, fields)
 
 
 def _prefill_packing(s: At, max_seqs: int, max_chunk: int) -> PrefillPacking | None:
@@ -504,9 +595,10 @@ def _prefill_packing(s: At, max_seqs: int, max_chunk: int) -> PrefillPacking | N
 
 def _drafter(s: At, io: dict[str, Field], version: int, rows: dict[str, list[int]],
              drafts: int, max_seqs: int) -> int:
-    """A version 9 schedule's drafter: draft_{B} beside every decode_{B} (and none in other
-    versions), draft_tokens, and the draft io fields; returns the state width H (0: none)."""
-    if version != DRAFTER_SCHEDULE_VERSION:
+    """A version 9 or 10 schedule's drafter: draft_{B} beside every decode_{B} (and none in
+    other versions), draft_tokens, and the draft io fields; returns the state width H (0:
+    none)."""
+    if version not in DRAFTER_VERSIONS:
         if rows["draft"]:
             s["entries"].fail(f"has draft entries (rows {rows['draft']}) but version {version} "
                               f"(a drafter's schedule is version {DRAFTER_SCHEDULE_VERSION})")

@@ -29,7 +29,9 @@ log-probability and the top ones back in one read. An older schedule has none (t
 
 Speculative decoding (executor_api's "Speculative decoding"): `verify` runs a lane's token and
 drafts as rows of a decode-like entry; with an assistant drafter (schedule version 9) it also
-returns each row's state and `draft` runs the draft entries (the section below says how).
+returns each row's state and `draft` runs the draft entries; from version 10 sampled drafts
+carry draft_probs and verify accepts them by the ratio rule on the device (the section below
+says how).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
-from rvcompile.artifacts.kernel_schedule import KernelSchedule
+from rvcompile.artifacts.kernel_schedule import RATIO_LANES_FIELD, KernelSchedule
 from rvcompile.runtime.executor_api import (
     Drafted,
     DraftLane,
@@ -48,6 +50,7 @@ from rvcompile.runtime.executor_api import (
     LoopLane,
     Sampled,
     SampleExtras,
+    Sampling,
     SeqChunk,
     Verified,
 )
@@ -102,6 +105,10 @@ class ScheduledExecutor:
         self._runs = 0  # entries run so far: a DeviceRows reads only until the next one
         self.prefill_packing = s.prefill_packing  # None: one sequence per prefill call
         self.prefill_seqs = s.prefill_seqs
+        # the ratio region (version 10) holds the last draft call's distributions: a
+        # ScheduleDraftProbs is good until the next draft call
+        self.has_ratio = s.ratio is not None
+        self._draft_calls = 0
 
     # -- io
 
@@ -321,9 +328,13 @@ class ScheduledExecutor:
     # final-normed hidden state), which verify reads back with the tokens (a ScheduleState:
     # float32 [H] on the host), and `draft` runs draft_{B} (targets/h100/draft.py): K drafter
     # steps from each lane's token and state, written into the io with the call's other
-    # inputs. Verify accepts every lane by exact match: `draft` returns no draft_probs (the
-    # ratio rule has no H100 kernels yet), so sampled assistant drafts are checked as the
-    # n-gram ones are, which keeps the target's tokens, at a lower acceptance than the rule.
+    # inputs. From schedule version 10 a draft call also leaves, in the ratio region, the
+    # logits each draft was sampled from and its sampling record (targets/h100/ratio.py), and
+    # returns for each sampled lane a ScheduleDraftProbs naming its rows there; verify writes
+    # the lanes that bring one into io ratio_lanes ({first row, drafts, lane, draft width}),
+    # and the entry's spec_ratio rewrites their tokens by the ratio rule (the accepted drafts,
+    # the new token, -1) after the pick. Other lanes, and every lane of a version 9 schedule
+    # (draft returns no draft_probs there), are checked by exact match.
 
     @property
     def max_draft_tokens(self) -> int:
@@ -344,13 +355,14 @@ class ScheduledExecutor:
             raise ValueError(f"{len(lanes)} verify lanes; the schedule takes 1..{self.max_seqs}")
         rows: list[SeqChunk] = []  # one per row: its lane, its own sampling step
         toks, pos = [], []
+        by_ratio = []  # io ratio_lanes rows: {first row, drafts, draft lane, draft width}
         for lane in lanes:
             n = len(lane.tokens)
             if not 1 <= n <= k + 1:
                 raise ValueError(f"verify lane of {n} tokens: a token and 0 to {k} drafts")
-            if lane.draft_probs is not None:
-                raise ValueError("draft_probs (the ratio rule) are not taken by this "
-                                 "executor: it accepts drafts by exact match")
+            d = self._draft_probs(lane)
+            if d is not None and n > 1 and lane.sampling.temperature > 0:
+                by_ratio.append((len(rows), n - 1, d.lane, d.width))
             if lane.start + n > self.max_context:
                 raise ValueError(f"positions up to {lane.start + n} exceed the context "
                                  f"{self.max_context}")
@@ -362,6 +374,11 @@ class ScheduledExecutor:
         io = self._io(width, rows, np.asarray(toks + [0] * pad, np.int32),
                       np.asarray(pos + [-1] * pad, np.int32),
                       np.minimum(np.arange(width), len(rows) - 1))
+        if by_ratio:
+            f = self.schedule.io[RATIO_LANES_FIELD]
+            at = f.offset - self.schedule.io_offset
+            words = np.asarray(by_ratio, np.int32).tobytes()
+            io = io[:at] + words + io[at + len(words):]
         entry = f"decode_{width}" if width in self.decode_buckets else f"verify_{width}"
         if self.has_drafter:  # [states | out_tokens] side by side: one read
             h = self.schedule.io["draft_state"].shape[1]
@@ -377,6 +394,30 @@ class ScheduledExecutor:
                                 if self.has_drafter else ()))
             at += n
         return out
+
+    def _draft_probs(self, lane: SeqChunk) -> ScheduleDraftProbs | None:
+        """A verify lane's draft_probs, checked: from this executor's last draft call, for
+        the drafts that call made with the lane's sampling parameters."""
+        d = lane.draft_probs
+        if d is None:
+            return None
+        if not self.has_ratio:
+            raise ValueError("draft_probs (the ratio rule) are not taken by this executor: it "
+                             "accepts drafts by exact match (its schedule has no ratio region: "
+                             "no drafter, or built before version 10)")
+        if not isinstance(d, ScheduleDraftProbs) or d.owner is not self:
+            raise ValueError("a verify lane's draft_probs come from this executor's draft")
+        if d.call != self._draft_calls:
+            raise ValueError("a verify lane's draft_probs are from an earlier draft call; the "
+                             "device keeps only the last one's")
+        drafts = tuple(lane.tokens[1:])
+        if drafts != d.tokens[:len(drafts)]:
+            raise ValueError(f"a verify lane's drafts {list(drafts)} are not the ones its "
+                             f"draft_probs came with ({list(d.tokens)})")
+        if lane.sampling != d.sampling:
+            raise ValueError("a verify lane's sampling parameters differ from its drafts' "
+                             "(draft_probs)")
+        return d
 
     def draft(self, lanes: Sequence[DraftLane], n: int) -> list[Drafted]:
         """n (1..K) drafts per lane from draft_{B} (B the narrowest decode width holding the
@@ -419,10 +460,17 @@ class ScheduledExecutor:
         entry = f"draft_{b}"
         got = self._call(entry, bytes(io), "tokens", k * b, np.int32).reshape(k, b)
         runs, v = self._runs, s.vocab_size
-        return [Drafted(got[:n, i].tolist(),
-                        DeviceRows(self, runs, f"{entry}.logits", (k, b, v), i, n),
-                        DeviceRows(self, runs, f"{entry}.states", (k, b, h), i, n))
-                for i in range(len(lanes))]
+        self._draft_calls += 1
+        out = []
+        for i, c in enumerate(chunks):
+            tokens = got[:n, i].tolist()
+            probs = (ScheduleDraftProbs(self, self._draft_calls, i, b, tuple(tokens),
+                                        c.sampling)
+                     if self.has_ratio and c.sampling.temperature > 0 else None)
+            out.append(Drafted(tokens, DeviceRows(self, runs, f"{entry}.logits", (k, b, v), i, n),
+                               DeviceRows(self, runs, f"{entry}.states", (k, b, h), i, n),
+                               probs))
+        return out
 
     # -- the sampler's extras (sampled entries; module docstring)
 
@@ -547,6 +595,21 @@ class ScheduleState:
     float32 [H] on the host (what draft_{B} starts from, through io draft_state)."""
 
     values: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleDraftProbs:
+    """A Drafted.draft_probs entry (schedule version 10): lane `lane` of draft call number
+    `call` of executor `owner`, whose draft_{width} left each draft's logits and sampling
+    record in the ratio region (row i * width + lane for draft i) until the next draft call;
+    the drafts it made and the sampling they were drawn with, which verify checks."""
+
+    owner: ScheduledExecutor
+    call: int
+    lane: int
+    width: int
+    tokens: tuple[int, ...]
+    sampling: Sampling
 
 
 class DeviceRows:

@@ -29,22 +29,35 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rvcompile.artifacts.kernel_schedule import RATIO_LANE_WORDS, RATIO_LANES_FIELD
 from rvcompile.dtypes import numpy_dtype
 from rvcompile.ir.graph import DraftIR, Graph, ModelIR, readers, resolve_draft_param
 from rvcompile.ir.ops import Op
-from rvcompile.targets.h100 import draft_rows, norms, sample
+from rvcompile.targets.h100 import draft_rows, norms, ratio, sample
 from rvcompile.targets.h100.launches import SM_COUNT, EntryLowering, _At
 from rvcompile.targets.h100.layout import Constants, EntryPlan, LoweringError, Pool, Ref
 
 STATE_FIELD = "draft_state"  # io: float32 [max_seqs, H], the state draft step 0 starts from
 STEP_FIELD = "draft_step"  # io: int32 [K, max_seqs], draft i's RNG step per lane
+Q_FIELD = "draft_q"  # ratio region: float32 [K * max_seqs, V], the logits each draft came from
+DIST_FIELD = "draft_dist"  # ratio region: their sampling records (ratio.py)
 
 
 def draft_io_fields(ir: ModelIR, max_seqs: int,
                     steps: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The io fields the draft entries read beyond decode's (layout.py places them last)."""
-    return {STATE_FIELD: ("float32", (max_seqs, ir.config.hidden_size)),
+    """The io fields of a drafter's schedule beyond decode's (layout.py places them last):
+    the ratio rule's lanes (which every call writes), then the draft entries' own."""
+    return {RATIO_LANES_FIELD: ("int32", (max_seqs, RATIO_LANE_WORDS)),
+            STATE_FIELD: ("float32", (max_seqs, ir.config.hidden_size)),
             STEP_FIELD: ("int32", (steps, max_seqs))}
+
+
+def ratio_fields(ir: ModelIR, max_seqs: int,
+                 steps: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The ratio region's fields: what a draft call leaves for verify's ratio rule."""
+    rows = steps * max_seqs
+    return {DIST_FIELD: ("int32", (rows, 2 * ratio.DIST_WORDS)),
+            Q_FIELD: ("float32", (rows, ir.config.vocab_size))}
 
 
 class DraftLowering(EntryLowering):
@@ -68,7 +81,7 @@ class DraftLowering(EntryLowering):
         m, hb, v = self.m, self.target_hidden, self.ir.config.vocab_size
         tokens = self.buffer(self.steps * m * 4)
         states = self.buffer(self.steps * m * hb * 4)
-        logits = self.buffer(self.steps * m * v * 4)
+        logits = Ref("ratio", Q_FIELD)  # kept there for the ratio rule until the next draft
         for i in range(self.steps):
             tok = Ref("io", "tokens") if i == 0 else tokens.at((i - 1) * m * 4)
             state = Ref("io", STATE_FIELD) if i == 0 else states.at((i - 1) * m * hb * 4)
@@ -168,7 +181,8 @@ class DraftLowering(EntryLowering):
                   logits=logits, N=count, V=vocab)
 
     def sample_step(self, logits: Ref, out: Ref, i: int) -> None:
-        """The decode sampler (no softcap) over step i's logits, at RNG step draft_step[i]."""
+        """The decode sampler (no softcap) over step i's logits, at RNG step draft_step[i],
+        its records (ratio.py) into the ratio region beside the logits."""
         m, v = self.m, self.ir.config.vocab_size
         plan = sample.plan(m, v, SM_COUNT)
         ws = self.buffer(plan.workspace)
@@ -178,7 +192,8 @@ class DraftLowering(EntryLowering):
                   workspace=ws)
         self.emit(sample.FILTER_ENTRY, plan.filter, M=m, V=v, chunk=plan.chunk,
                   temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
-        self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
+        self.emit(ratio.PICK_DIST_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out,
+                  dist=Ref("ratio", DIST_FIELD).at(ratio.dist_bytes(i * m)))
 
 
 def _node(g: Graph, idx: int, op: Op) -> _At:

@@ -47,6 +47,7 @@ from rvcompile.targets.h100 import (
     norms,
     ple,
     qkv_post,
+    ratio,
     registry,
     rows,
     sample,
@@ -145,7 +146,7 @@ class EntryLowering:
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
                  pools: dict[int, Pool], tp: RankPlan | None = None, *,
                  sampled: bool = False, decode_loop_steps: int = 0, states: bool = False,
-                 prefill_seqs: int = 1):
+                 ratio_lanes: int = 0, prefill_seqs: int = 1):
         """`sampled`: the sampler's extras around the sampling (sample.py); `prefill_seqs` S
         (prefill entries): the head and sampler run S rows, the io "last_row" [S] of each
         sequence the call packs (-1: none), sampled by the io sampling fields' rows 0..S-1;
@@ -153,7 +154,9 @@ class EntryLowering:
         L > 0 (decode entries): end with decode_advance, which logs up to L steps' tokens in io
         "loop_tokens" as [L, rows] (rows.py); `states` (decode and verify entries of a schedule
         with an assistant drafter): also output "states", every row's final-normed hidden state
-        (float32 [rows, H], the drafter's first state: DraftIR.hidden)."""
+        (float32 [rows, H], the drafter's first state: DraftIR.hidden); `ratio_lanes` > 0 (the
+        same entries, schedule version 10): the pick also writes its records and spec_ratio
+        applies the ratio rule to the first that many lanes of io "ratio_lanes" (ratio.py)."""
         self.ir, self.kind, self.m = ir, kind, rows
         self.prefill_seqs = prefill_seqs
         # rows of a prefill attention tile (its rows share a block-table row): where a packed
@@ -161,6 +164,7 @@ class EntryLowering:
         self.prefill_align = 1
         self.sampled = sampled
         self.states = states
+        self.ratio_lanes = ratio_lanes
         self.tokens_out: Ref | None = None  # where the sampler writes, when not its own buffer
         self.decode_loop_steps = decode_loop_steps
         self.tp = tp  # a tensor-parallel rank's plan (ir: the rank's IR); None: one GPU
@@ -806,7 +810,10 @@ class EntryLowering:
                       mask_at=x["mask_at"], pen_n=x["pen_n"], workspace=ws)
         self.emit(sample.FILTER_ENTRY, plan.filter, M=m, V=v, chunk=plan.chunk,
                   temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
-        self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
+        if self.ratio_lanes:
+            self.ratio_rule(plan, ws, out, io)
+        else:
+            self.emit(sample.PICK_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out)
         self.outputs["out_tokens"] = (out, "int32", (m,))
         if self.sampled:
             lp, ids, vals = out.at(4 * m), out.at(8 * m), out.at(8 * m + 4 * m * k)
@@ -822,6 +829,20 @@ class EntryLowering:
                       budget=Ref("io", "loop_budget"), loop_step=Ref("io", "loop_step"),
                       history=Ref("io", "loop_tokens"), B=m, L=self.decode_loop_steps)
         return None
+
+
+    def ratio_rule(self, plan: sample.Plan, ws: Ref, out: Ref, io: dict[str, Ref]) -> None:
+        """The pick with its records, then spec_ratio over the rows (verify's lanes by the
+        ratio rule against the last draft call's distributions, in the ratio region)."""
+        m, v = self.m, self.ir.config.vocab_size
+        dist = self.buffer(ratio.dist_bytes(m))
+        self.emit(ratio.PICK_DIST_ENTRY, plan.pick, M=m, V=v, **io, workspace=ws, out=out,
+                  dist=dist)
+        self.emit(ratio.RATIO_ENTRY, ratio.ratio_geometry(self.ratio_lanes), M=m, V=v,
+                  workspace=ws, dist=dist, q_logits=Ref("ratio", "draft_q"),
+                  q_dist=Ref("ratio", "draft_dist"), tokens=Ref("io", "tokens"),
+                  temperature=io["temperature"], seed=io["seed"], step=io["step"],
+                  lanes=Ref("io", "ratio_lanes"), out=out)
 
 
 def _handed(outputs: dict) -> dict:

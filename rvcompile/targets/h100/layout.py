@@ -18,6 +18,8 @@ or for a pool's base into the pool's index (argument kind "pool").
   and KV kind, the sampling parameters;
 - sample_io (with sampled entry points): right after io, the sampler's extras per decode lane
   and the pool of their masks and penalty pairs (kernel_schedule.SamplerIo);
+- ratio (with an assistant drafter): the draft entries' logits and sampling records, which the
+  decode and verify entries' ratio rule reads (kernel_schedule.RatioIo; ratio.py);
 - activations: per entry point, each temporary buffer lives from its first launch to its last,
   and buffers whose lives overlap never share bytes (memory_plan).
 """
@@ -41,6 +43,7 @@ from rvcompile.artifacts.kernel_schedule import (
     KvPool,
     Launch,
     ParamsBlock,
+    RatioIo,
     SamplerIo,
 )
 from rvcompile.dtypes import numpy_dtype
@@ -61,7 +64,7 @@ class LoweringError(ValueError):
 class Ref:
     """A pointer before layout: a region, a key inside it, a byte offset from there."""
 
-    region: str  # "weights", "const", "kv", "io", "sample_io", "act"
+    region: str  # "weights", "const", "kv", "io", "sample_io", "ratio", "act"
     key: object
     offset: int = 0
 
@@ -298,12 +301,14 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
           weights_bytes: int, consts: Constants, kv: KvPools, max_seqs: int,
           max_rows: int, top_logprobs: int = 0,
           extra_io: dict[str, tuple[str, tuple[int, ...]]] | None = None,
+          ratio_fields: dict[str, tuple[str, tuple[int, ...]]] | None = None,
           prefill_seqs: int = 1) -> KernelSchedule:
     """The schedule: the fixed part's regions placed one after another, every pointer an arena
     offset but a pool's base, its index in the KV layout's pools (placed at load);
     top_logprobs > 0: with the sample_io region of the sampled entry points; `extra_io`: io
     fields after the others (the draft entries', draft.py), which only the calls that read them
-    write; `prefill_seqs`: the sequences a prefill call packs (io last_row's values)."""
+    write; `ratio_fields`: the ratio region's (draft.py), after sample_io; `prefill_seqs`: the
+    sequences a prefill call packs (io last_row's values)."""
     kv_layout, pool_index = _kv_layout(ir, kv)
     offset = weights_bytes
     const_offset = offset
@@ -327,6 +332,14 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
             end = offset + int(np.prod(shape)) * 4
             offset = memory_plan.align(end)
         sampler = SamplerIo(start, end - start, k, p, w, sample_io)  # ends with the pool
+    ratio = None
+    ratio_io: dict[str, Field] = {}
+    if ratio_fields:
+        start = offset
+        for name, (dtype, shape) in ratio_fields.items():
+            ratio_io[name] = Field(offset, dtype, shape)
+            offset = memory_plan.align(offset + int(np.prod(shape)) * 4)
+        ratio = RatioIo(start, offset - start, ratio_io)
     act_offset = offset
     act_bytes = 0
     resolved: dict[str, EntryPoint] = {}
@@ -350,6 +363,7 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
             return ref.offset + {"const": lambda: const_offset,
                                  "io": lambda: io[ref.key].offset,
                                  "sample_io": lambda: sample_io[ref.key].offset,
+                                 "ratio": lambda: ratio_io[ref.key].offset,
                                  "act": lambda: act_offset + act[ref.key]}[ref.region]()
 
         def arg(a: Bound, address=address) -> Arg:
@@ -386,4 +400,4 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
         io_bytes=io_bytes, max_seqs=max_seqs, max_context=ir.max_context,
         max_chunk=ir.max_chunk, vocab_size=ir.config.vocab_size, kv=kv_layout,
         io=io, outputs=outputs, entries=resolved, cubins={}, params_templates=templates,
-        sampler=sampler)
+        sampler=sampler, ratio=ratio)

@@ -13,7 +13,8 @@ max_seqs * (K + 1), and that (CUDA graphs too); on one GPU also `sampled_decode_
 lists (the fast path) and a request with extras runs through these. Every `decode_{B}` ends with
 decode_advance (rows.py), the device side of the runtime's decode loop. With an assistant in the
 IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the decode and verify
-entries also output every row's state (schedule version 9).
+entries also output every row's state and apply the speculative ratio rule to the lanes that
+ask for it (ratio.py; schedule version 10).
 
 Verify needs no kernels of its own: a decode entry already runs each row at its own position
 with its own block-table row, seq_len and sampling step, and every launch covers all rows
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rvcompile.artifacts.kernel_schedule import (
-    DRAFTER_SCHEDULE_VERSION,
+    RATIO_SCHEDULE_VERSION,
     TP_SCHEDULE_VERSION,
     KernelSchedule,
     Launch,
@@ -37,7 +38,7 @@ from rvcompile.artifacts.kernel_schedule import (
 from rvcompile.ir.graph import ModelIR
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import gemv_mma_fp8, layout, sample
-from rvcompile.targets.h100.draft import DraftLowering, draft_io_fields
+from rvcompile.targets.h100.draft import DraftLowering, draft_io_fields, ratio_fields
 from rvcompile.targets.h100.launches import EntryLowering, float32_activations
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
@@ -117,20 +118,24 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                             "(--tp 1)")
     packing = packing_rows(ir, max_seqs, prefill_buckets, tp)
     seqs = packing[0] if packing else 1
-    # with a drafter, decode and verify entries also output every row's state
+    # with a drafter, decode and verify entries also output every row's state and apply the
+    # ratio rule to their lanes that ask (a lane takes two rows or more)
     lowerings = [(name, EntryLowering(ir, kind, rows, consts, kv.pools, tp,
                                       decode_loop_steps=layout.DECODE_LOOP_STEPS
                                       if name.startswith("decode_") else 0,
                                       states=drafter and kind == "decode",
+                                      ratio_lanes=min(max_seqs, rows // 2)
+                                      if drafter and kind == "decode" else 0,
                                       prefill_seqs=seqs if kind == "prefill" else 1))
                  for kind, name, rows in entries]
     plans = [lowering.run(name) for name, lowering in lowerings]
-    extra_io = None
+    extra_io = ratio_io = None
     if drafter:
         plans += [DraftLowering(ir, b, consts, kv.pools, steps=draft_tokens,
                                 max_seqs=max_seqs).run(f"draft_{b}")
                   for b in decode_buckets(max_seqs)]
         extra_io = draft_io_fields(ir, max_seqs, draft_tokens)
+        ratio_io = ratio_fields(ir, max_seqs, draft_tokens)
     # a tensor-parallel rank's schedule (TP_SCHEDULE_VERSION) has no sampled entries
     top = 0 if tp is not None else sample.TOP_LOGPROBS
     if top:
@@ -140,14 +145,14 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
             if name.startswith(("decode_", "prefill_"))]
     max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows,
-                            top, extra_io, seqs)
+                            top, extra_io, ratio_io, seqs)
     if packing:
         align = max(lowering.prefill_align for _, lowering in lowerings)
         schedule = replace(schedule, prefill_packing=PrefillPacking(seqs, align, packing[1]))
     if draft_tokens:
         schedule = replace(schedule, draft_tokens=draft_tokens)
-    if drafter:  # draft entries, the draft io fields, verify's states
-        schedule = replace(schedule, version=DRAFTER_SCHEDULE_VERSION)
+    if drafter:  # draft entries, the draft io fields, verify's states and ratio rule
+        schedule = replace(schedule, version=RATIO_SCHEDULE_VERSION)
     if tp is not None:  # a rank's schedule has collective steps
         schedule = replace(schedule, version=TP_SCHEDULE_VERSION)
     modules = tuple(sorted({x.module for e in schedule.entries.values() for x in e.launches

@@ -25,6 +25,7 @@ from rvcompile.targets.h100 import (
     norms,
     ple,
     qkv_post,
+    ratio,
     rows,
     sample,
 )
@@ -32,7 +33,7 @@ from rvcompile.targets.h100.contract import Entry
 from rvcompile.targets.h100.layout import LoweringError
 
 MODULES = (attn_decode, attn_prefill, draft_rows, gelu_mul, gemm_tc, gemm_fp8w, gemv_bf16,
-           gemv_f32, gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, rows, sample)
+           gemv_f32, gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, ratio, rows, sample)
 
 
 def _collect() -> MappingProxyType:

@@ -11,6 +11,8 @@ Three launches, in order on one stream, sharing one workspace of `workspace_byte
                   void* ws)
     sample_pick(int M, int V, const float* temperature, const int* top_k, const float* top_p [M],
                 const int* seed [M], const int* step [M], void* ws, int* out [M])
+(ratio.py declares the same source's sample_pick_dist, the pick that also writes each row's
+record for the speculative ratio rule, and spec_ratio, the rule.)
 Geometry and shared memory: `plan(M, V, sm_count)`; the filter and pick kernels need their
 dynamic shared memory opted in (CudaContext.set_max_dynamic_smem) before the first launch.
 
@@ -211,7 +213,7 @@ def plan(m: int, v: int, sm_count: int) -> Plan:
 
 # ---------------------------------------------------------------- entries
 
-def _logits_scratch(c: Call) -> np.ndarray:
+def workspace_logits(c: Call) -> np.ndarray:
     """The workspace is the kernels' scratch; the references keep softcap(logits) [M, V] in it
     from the prepare to the pick."""
     m, v = c["M"], c["V"]
@@ -219,23 +221,23 @@ def _logits_scratch(c: Call) -> np.ndarray:
 
 
 def _prepare_call(c: Call) -> None:
-    _logits_scratch(c)[:] = softcap(c.array("logits", (c["M"], c["V"])), c["cap"])
+    workspace_logits(c)[:] = softcap(c.array("logits", (c["M"], c["V"])), c["cap"])
 
 
 def _filter_call(c: Call) -> None:
     """Nothing: the candidate selection is part of the pick's reference."""
 
 
-def _pick_call(c: Call) -> None:
+def pick_call(c: Call) -> None:
     m = c["M"]
     c.array("out", (m,))[:] = reference(
-        _logits_scratch(c), 0.0, c.array("temperature", (m,)), c.array("top_k", (m,)),
+        workspace_logits(c), 0.0, c.array("temperature", (m,)), c.array("top_k", (m,)),
         c.array("top_p", (m,)), c.array("seed", (m,)), c.array("step", (m,)))
 
 
 def _penalize_call(c: Call) -> None:
     m = c["M"]
-    y = _logits_scratch(c)
+    y = workspace_logits(c)
     pen_at, pen_n = c.array("pen_at", (m,)), c.array("pen_n", (m,))
     presence, frequency = c.array("presence", (m,)), c.array("frequency", (m,))
     repetition = c.array("repetition", (m,))
@@ -250,7 +252,7 @@ def _penalize_call(c: Call) -> None:
 
 def _mask_call(c: Call) -> None:
     m, v = c["M"], c["V"]
-    y = _logits_scratch(c)
+    y = workspace_logits(c)
     mask_at = c.array("mask_at", (m,))
     for row in range(m):
         at = int(mask_at[row])
@@ -281,7 +283,7 @@ ENTRIES = (
                                ptr("top_k", "int32"), ptr("top_p", "float32"),
                                ptr("seed", "int32"), ptr("step", "int32"),
                                ptr("workspace", "bytes", "inout"), ptr("out", "int32", "out")),
-          _pick_call),
+          pick_call),
     Entry(PENALIZE_ENTRY, SOURCE, (i32("M"), i32("V"), ptr("pool", "int32"),
                                    ptr("pen_at", "int32"), ptr("pen_n", "int32"),
                                    ptr("presence", "float32"), ptr("frequency", "float32"),

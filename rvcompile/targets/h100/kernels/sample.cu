@@ -526,15 +526,19 @@ sample_filter(int M, int V, int chunk, const float* __restrict__ temperature,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-sample_pick(int M, int V, const float* __restrict__ temperature, const int* __restrict__ top_k,
-            const float* __restrict__ top_p, const int* __restrict__ seed,
-            const int* __restrict__ step, void* workspace, int* __restrict__ out) {
-    pdl_wait();
-    pdl_launch_dependents();
-    extern __shared__ u64 smem[];
-    PickShared& sh = *reinterpret_cast<PickShared*>(smem);
-    const Workspace ws = carve(workspace, M, V);
+// sample_pick's row; DIST (sample_pick_dist): also the row's record for the speculative ratio
+// rule (spec_ratio, below): {cut, S, s0} where the kept tokens are those whose composite key is
+// >= cut (0: every token), S their fixed-point mass and s0 = y_max / T (bits of the float), so
+// the sampling distribution is p(x) = W(x) / S on the kept set; a greedy row's is {the argmax's
+// key, 0, 0}.
+template <bool DIST>
+__device__ __forceinline__ void pick_row(int V, const float* __restrict__ temperature,
+                                         const int* __restrict__ top_k,
+                                         const float* __restrict__ top_p,
+                                         const int* __restrict__ seed,
+                                         const int* __restrict__ step, const Workspace& ws,
+                                         int* __restrict__ out, u64* __restrict__ dist,
+                                         PickShared& sh) {
     const int row = blockIdx.x, groups = V / GROUP;
     u64 best = 0;
     for (int g = threadIdx.x; g < groups; g += THREADS)
@@ -542,7 +546,14 @@ sample_pick(int M, int V, const float* __restrict__ temperature, const int* __re
     const u64 top = block_max(best, sh.red);
     const float T = temperature[row];
     if (T <= 0.0f) {
-        if (threadIdx.x == 0) out[row] = composite_index(top);
+        if (threadIdx.x == 0) {
+            out[row] = composite_index(top);
+            if (DIST) {
+                dist[3 * row] = top;
+                dist[3 * row + 1] = 0;
+                dist[3 * row + 2] = 0;
+            }
+        }
         return;
     }
     const int keff = kept_by_top_k(top_k[row], V);
@@ -559,7 +570,8 @@ sample_pick(int M, int V, const float* __restrict__ temperature, const int* __re
              ws.hist_mass + (size_t)row * BUCKETS,
              ws.cand + (size_t)row * CAP,
              false};
-    u64 z;  // the mass of the top_k' first tokens
+    u64 z;        // the mass of the top_k' first tokens
+    u64 last = 0;  // the last kept token's key (0: every token is kept)
     if (keff == V) {
         u64 h = 0;
         if (p.histogram) {
@@ -567,18 +579,210 @@ sample_pick(int M, int V, const float* __restrict__ temperature, const int* __re
         }
         z = p.mass0 + block_sum(h, sh.red);
     } else {
-        z = p.find(RANK, (u64)(keff - 1)).mass;
+        const Found k = p.find(RANK, (u64)(keff - 1));
+        z = k.mass;
+        last = k.c;
     }
     u64 s = z;  // the kept mass
     const float tp = top_p[row];
     if (tp < 1.0f) {  // keep while the mass before a token is < top_p * Z
         const double want = ceil((double)tp * (double)z);
         const u64 cut = want <= 0.0 ? 0 : min_u64((u64)want, z);
-        s = p.find(MASS_AT_LEAST, cut).mass;
+        const Found c = p.find(MASS_AT_LEAST, cut);
+        s = c.mass;
+        last = c.c;
     }
     const u64 t = (u64)((double)sampling_uniform(seed[row], step[row]) * (double)s);
     const Found f = p.find(MASS_ABOVE, t);
-    if (threadIdx.x == 0) out[row] = composite_index(f.c);
+    if (threadIdx.x == 0) {
+        out[row] = composite_index(f.c);
+        if (DIST) {
+            dist[3 * row] = last;
+            dist[3 * row + 1] = s;
+            dist[3 * row + 2] = __float_as_uint(p.s0);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_pick(int M, int V, const float* __restrict__ temperature, const int* __restrict__ top_k,
+            const float* __restrict__ top_p, const int* __restrict__ seed,
+            const int* __restrict__ step, void* workspace, int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch_dependents();
+    extern __shared__ u64 smem[];
+    pick_row<false>(V, temperature, top_k, top_p, seed, step, carve(workspace, M, V), out,
+                    nullptr, *reinterpret_cast<PickShared*>(smem));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample_pick_dist(int M, int V, const float* __restrict__ temperature,
+                 const int* __restrict__ top_k, const float* __restrict__ top_p,
+                 const int* __restrict__ seed, const int* __restrict__ step, void* workspace,
+                 int* __restrict__ out, void* dist) {
+    pdl_wait();
+    pdl_launch_dependents();
+    extern __shared__ u64 smem[];
+    pick_row<true>(V, temperature, top_k, top_p, seed, step, carve(workspace, M, V), out,
+                   static_cast<u64*>(dist), *reinterpret_cast<PickShared*>(smem));
+}
+
+// ---------------------------------------------------------------- the speculative ratio rule
+// spec_ratio grid (lanes), after sample_pick_dist over the rows of a verify call (issue 15;
+// ratio.py). Lane l = lanes[4 l .. 4 l + 3] = {row0, n, q_at, q_stride}: its token and n drafts
+// are rows row0 .. row0 + n (draft d(i+1) = tokens[row0 + i + 1]), row i's target distribution
+// p_i is the record dist[row0 + i] over y (the sampler's workspace), and the drafter's q_i the
+// record q_dist[j] over q_logits[j] (j = q_at + i * q_stride: the draft entry's step i of its
+// lane), both at the row's temperature. n <= 0 (or a greedy row) leaves the lane's tokens as the
+// pick wrote them (exact match). Down the rows, d = d(i+1) is accepted where u q_i(d) < p_i(d),
+// u = the uniform of stream ACCEPT at (seed, step) of row i; at the first other row m the
+// residual r(x) = max(0, p_m(x) - q_m(x)) is summed over the vocabulary: no mass (p_m <= q_m
+// everywhere) accepts d too, else the token is the first x in vocabulary order whose running sum
+// of r exceeds floor(w R) (R the sum, w stream RESIDUAL's uniform at row m's (seed, step)).
+// The lane's rows then hold the accepted drafts, the new token (all n accepted: the pick's token
+// after row n, as it stands) and -1 for the rest.
+// Arithmetic, exactly as ratio.py's reference: p(x) = double(W(x)) * (1 / double(S)) on the
+// kept set (W the sampler's fixed-point weight), r(x) = floor(2^52 max(0, p(x) - q(x))) as
+// a 64-bit integer (sums exact), every double step rounded on its own (no FMA contraction).
+constexpr u32 ACCEPT = 1, RESIDUAL = 2;  // uniform streams, as targets/xla/rejection.py's
+constexpr double RESIDUAL_ONE = 4503599627370496.0;  // 2^52
+constexpr int RATIO_TILE = 4 * THREADS;  // elements per tile of the residual's sums
+constexpr int MAX_TILES = MAX_GROUPS * GROUP / RATIO_TILE;
+
+__device__ __forceinline__ float stream_uniform(int seed, int step, u32 stream) {
+    return (float)(mix32(mix32(mix32((u32)seed) ^ (u32)step) ^ stream) >> 8) *
+           5.9604644775390625e-08f;
+}
+
+struct Dist {
+    u64 cut;     // kept: composite key >= cut
+    double inv;  // 1 / S
+    float s0;
+    bool sampled;
+};
+
+__device__ __forceinline__ Dist load_dist(const u64* __restrict__ d) {
+    const u64 mass = d[1];
+    return Dist{d[0], mass ? __ddiv_rn(1.0, __ull2double_rn(mass)) : 0.0,
+                __uint_as_float((u32)d[2]), mass != 0};
+}
+
+__device__ __forceinline__ double prob(float y, int x, float T, const Dist& d) {
+    if (composite(y, x) < d.cut) return 0.0;
+    return __dmul_rn(__ull2double_rn(fixed_weight(y, T, d.s0)), d.inv);
+}
+
+__device__ __forceinline__ u64 residual_weight(double p, double q) {
+    const double r = __dsub_rn(p, q);
+    return r > 0.0 ? __double2ull_rz(__dmul_rn(r, RESIDUAL_ONE)) : 0;
+}
+
+// The residual weights of this thread's 4 elements of tile t (0 past the row), their sum.
+__device__ __forceinline__ u64 residual_four(const float* yp, const float* yq, int V, int t,
+                                             float T, const Dist& dp, const Dist& dq, u64* w) {
+    const int i4 = t * THREADS + threadIdx.x;
+    u64 sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = 0;
+    if (i4 < V / 4) {
+        const float4 a = reinterpret_cast<const float4*>(yp)[i4];
+        const float4 b = reinterpret_cast<const float4*>(yq)[i4];
+        const float ea[4] = {a.x, a.y, a.z, a.w};
+        const float eb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int x = 4 * i4 + k;
+            w[k] = residual_weight(prob(ea[k], x, T, dp), prob(softcapped(eb[k], 0.0f), x, T, dq));
+            sum += w[k];
+        }
+    }
+    return sum;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+spec_ratio(int M, int V, const void* workspace, const void* dist,
+           const float* __restrict__ q_logits, const void* q_dist, const int* __restrict__ tokens,
+           const float* __restrict__ temperature, const int* __restrict__ seed,
+           const int* __restrict__ step, const int* __restrict__ lanes, int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ u64 red[WARPS + 1];
+    __shared__ u64 tile_sum[MAX_TILES];
+    __shared__ u64 found_before;
+    __shared__ int found_tile, found;
+    const int* lane = lanes + 4 * blockIdx.x;
+    const int row0 = lane[0], n = lane[1], q_at = lane[2], q_stride = lane[3];
+    if (n <= 0 || row0 < 0 || row0 + n >= M) return;
+    const float T = temperature[row0];
+    if (T <= 0.0f) return;  // greedy: exact match
+    const Workspace ws = carve(const_cast<void*>(workspace), M, V);
+    const u64* pd_all = static_cast<const u64*>(dist);
+    const u64* qd_all = static_cast<const u64*>(q_dist);
+    const int tiles = (V + RATIO_TILE - 1) / RATIO_TILE;
+    for (int i = 0; i < n; ++i) {  // a greedy record (no mass): not this rule's lane
+        if (!pd_all[3 * (size_t)(row0 + i) + 1] || !qd_all[3 * (size_t)(q_at + i * q_stride) + 1])
+            return;
+    }
+    int m = n, next = -1;
+    for (int i = 0; i < n; ++i) {  // every thread takes the same branches
+        const int r = row0 + i, j = q_at + i * q_stride, d = tokens[r + 1];
+        const Dist dp = load_dist(pd_all + 3 * (size_t)r), dq = load_dist(qd_all + 3 * (size_t)j);
+        const float* yp = ws.y + (size_t)r * V;
+        const float* yq = q_logits + (size_t)j * V;
+        const bool in = d >= 0 && d < V;
+        const double p = in ? prob(yp[d], d, T, dp) : 0.0;
+        const double q = in ? prob(softcapped(yq[d], 0.0f), d, T, dq) : 0.0;
+        if (__dmul_rn((double)stream_uniform(seed[r], step[r], ACCEPT), q) < p) continue;
+        u64 w[4];
+        for (int t = 0; t < tiles; ++t) {
+            const u64 sum = block_sum(residual_four(yp, yq, V, t, T, dp, dq, w), red);
+            if (threadIdx.x == 0) tile_sum[t] = sum;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 total = 0;
+            for (int t = 0; t < tiles; ++t) total += tile_sum[t];
+            found_tile = -1;
+            if (total) {
+                const u64 target = __double2ull_rz(__dmul_rn(
+                    (double)stream_uniform(seed[r], step[r], RESIDUAL), __ull2double_rn(total)));
+                u64 before = 0;
+                for (int t = 0; t < tiles && found_tile < 0; ++t) {
+                    if (before + tile_sum[t] > target) {
+                        found_tile = t;
+                        found_before = target - before;  // what the tile's running sum passes
+                    }
+                    before += tile_sum[t];
+                }
+            }
+            found = -1;
+        }
+        __syncthreads();
+        if (found_tile < 0) continue;  // no residual mass: p <= q, d accepted
+        const u64 mine = residual_four(yp, yq, V, found_tile, T, dp, dq, w);
+        u64 all;
+        u64 cum = block_exclusive_scan(mine, red, &all);
+        const u64 target = found_before;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (cum <= target && cum + w[k] > target)
+                found = 4 * (found_tile * THREADS + threadIdx.x) + k;
+            cum += w[k];
+        }
+        __syncthreads();
+        m = i;
+        next = found;
+        break;
+    }
+    for (int i = threadIdx.x; i <= n; i += THREADS) {
+        if (i < m) {
+            out[row0 + i] = tokens[row0 + i + 1];
+        } else if (i == m) {
+            if (m < n) out[row0 + i] = next;  // else the pick's token after row n stays
+        } else {
+            out[row0 + i] = -1;
+        }
+    }
 }
 
 // ---------------------------------------------------------------- the sampler's extras
