@@ -851,14 +851,17 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
 
 class EngineThread:
     """Runs engine steps in a background thread while there is work, handing each output to the
-    sink its request was submitted with (sinks run on the engine thread: keep them short).
+    sink its request was submitted with (sinks run on the engine thread: keep them short), then
+    calling `after_outputs` once (a consumer that batches what its sinks were given hands it
+    over there: one wake-up of an event loop per step rather than one per output).
 
     A step that raises ends every request with an error. After a DeviceError, or when ending
     them does not give every KV block back, the engine is lost: `error` says why (and the log),
     and submit refuses new requests. After anything else (an engine bug) it keeps serving."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, after_outputs: Callable[[], None] | None = None):
         self.engine = engine
+        self._after_outputs = after_outputs
         self._cv = threading.Condition()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._left: dict[str, int] = {}  # request id -> its samples not finished yet
@@ -912,6 +915,11 @@ class EngineThread:
                     log.error("engine: the sink of request %s failed; aborting it", out.id,
                               exc_info=e)
                     self.abort(out.id)
+            if sinks and self._after_outputs is not None:
+                try:
+                    self._after_outputs()
+                except Exception as e:  # the consumer is gone (its loop closed)
+                    log.error("engine: handing over a step's outputs failed", exc_info=e)
             if self.error:
                 return
 

@@ -309,7 +309,8 @@ def create_app(model: Model, options: ServeOptions, http: HttpOptions | None = N
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        state["thread"] = thread = EngineThread(model.engine)
+        state["delivery"] = delivery = _Delivery(asyncio.get_running_loop())
+        state["thread"] = thread = EngineThread(model.engine, delivery.flush)
         state["metrics"] = Metrics(thread)
         try:
             yield
@@ -406,6 +407,30 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
+class _Delivery:
+    """The engine thread's outputs for the requests' queues on the event loop, handed over once
+    per engine step (EngineThread's after_outputs): one wake-up of the loop and one callback
+    for a step's hundreds of outputs, not one each. `put` and `flush` run on the engine thread
+    only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+
+    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        self.pending.append((queue, out))
+
+    def flush(self) -> None:
+        if self.pending:
+            batch, self.pending = self.pending, []
+            self.loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in batch:
+        queue.put_nowait(out)
+
+
 def _check_common(body: _Sampling, options: ServeOptions) -> None:
     if body.model != options.model_name:
         raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
@@ -423,13 +448,13 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
     received = time.perf_counter()
     thread: EngineThread = state["thread"]
     metrics: Metrics = state["metrics"]
+    delivery: _Delivery = state["delivery"]
     if max_tokens is None:  # what the context leaves (at least 1: a full prompt is refused)
         max_tokens = max(model.max_context - len(ids), 1)
     if stop is None:
         stop = body.stop if body.stop is not None else ()
     seed = random.getrandbits(31) if body.seed is None else body.seed
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     sampled = Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
     constraint = _constraint(body, plan)
@@ -447,7 +472,7 @@ async def _serve(model: Model, state: dict, options: ServeOptions, body: _Sampli
         if out.finished:
             metrics.finished.labels(out.finish_reason).inc()
             metrics.generation_tokens.inc(out.completion_tokens)
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        delivery.put(queue, out)
 
     try:
         thread.submit(engine_request, sink, options.max_waiting)
