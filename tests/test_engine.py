@@ -296,6 +296,35 @@ def test_requests_that_cannot_run_are_refused():
     engine(FakeExecutor(full_blocks=8), max_model_len=32)  # a shorter limit needs fewer
 
 
+def test_engine_thread_hands_over_each_steps_outputs_once():
+    """after_outputs runs once after each step that gave outputs, after that step's sinks (the
+    server hands a step's outputs to its event loop there, in one wake-up)."""
+    import threading
+
+    from rvcompile.runtime.engine import EngineThread
+
+    events: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def sink(out):
+        events.append(("out", len(out.token_ids)))
+        if out.finished and out.id == "b":
+            done.set()
+
+    thread = EngineThread(engine(FakeExecutor()), lambda: events.append(("flush", 0)))
+    try:
+        thread.submit(Request("a", [3, 4, 5], 4, ignore_eos=True), sink)
+        thread.submit(Request("b", [6, 7], 4, ignore_eos=True), sink)
+        assert done.wait(10)
+    finally:
+        thread.stop()
+    kinds = "".join("f" if k == "flush" else "o" for k, _ in events)
+    runs = kinds.split("f")[:-1]  # the outputs before each flush
+    assert kinds.startswith("o") and kinds.endswith("f") and "ff" not in kinds
+    assert len(runs) <= thread.engine.steps
+    assert max(map(len, runs)) == 2  # both requests' outputs of a step, then one flush
+
+
 def test_engine_thread_delivers_outputs_aborts_and_fails_cleanly():
     import threading
 
