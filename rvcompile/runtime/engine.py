@@ -700,7 +700,7 @@ class Engine:
                 or sched.verifies
                 or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
                 or self._held
-                or any(w.seq.cached + 1 < len(w.seq.tokens) or self._live[w.seq.id].extras
+                or any(w.seq.cached + 1 < w.seq.num_tokens or self._live[w.seq.id].extras
                        for w in sched.decodes)):
             return None
         if any(self._live[w.seq.id].request.stream for w in sched.decodes):
@@ -749,11 +749,9 @@ class Engine:
             raise RuntimeError(f"decode_many returned {len(tokens)} tokens for a lane of "
                                f"budget {lane.budget}")
         live, parts = self._live[w.seq.id], []
-        for k, token in enumerate(tokens):
-            chunk = dataclasses.replace(lane.chunk, tokens=[w.seq.tokens[-1]],
-                                        start=lane.chunk.start + k, step=lane.chunk.step + k)
+        for token in tokens:
             # A lane never recomputes (_loop_lanes), so each token is the sequence's next.
-            self.scheduler.advance(Work(w.seq, chunk), token)
+            self.scheduler.advance_by(w.seq, 1, token)
             parts.append(self._emit(live, Sampled(token)))
             if parts[-1].finished:
                 break

@@ -65,9 +65,21 @@ class Seq:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens), without building them (the engine asks every step for every lane)."""
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end], copying only those."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p:end - p]
+        return self.prompt[start:end] + (self.output[:end - p] if end > p else [])
+
+    @property
     def recomputing(self) -> bool:
         """Past its prompt with generated tokens still to run again (after a preemption)."""
-        return not self.in_prompt and self.cached + 1 < len(self.tokens)
+        return not self.in_prompt and self.cached + 1 < self.num_tokens
 
     @property
     def in_prompt(self) -> bool:
@@ -153,8 +165,8 @@ class Scheduler:
             if not seq.verify_rows:
                 return 1, 0
             if seq.recomputing:  # up to its last token, which its next round runs
-                return min(seq.verify_rows, len(seq.tokens) - 1 - seq.cached), 0
-            return max(1, min(seq.verify_rows, seq.max_len - len(seq.tokens))), 0
+                return min(seq.verify_rows, seq.num_tokens - 1 - seq.cached), 0
+            return max(1, min(seq.verify_rows, seq.max_len - seq.num_tokens)), 0
         start = seq.cached // self.max_chunk * self.max_chunk
         end = min(start + self.max_chunk, len(seq.prompt))
         return end - seq.cached, self._rows(end - start)
@@ -229,11 +241,11 @@ class Scheduler:
         n, rows = self.piece(seq)
         end = seq.cached + n
         if seq.verify_rows and not seq.in_prompt:  # known tokens only; step: row 0's sample
-            end = min(end, len(seq.tokens))
+            end = min(end, seq.num_tokens)
             step = seq.cached + 1 - len(seq.prompt)
         else:
             step = end - len(seq.prompt)
-        return Work(seq, SeqChunk(seq.tokens[seq.cached:end], seq.cached,
+        return Work(seq, SeqChunk(seq.token_slice(seq.cached, end), seq.cached,
                                   self.kv.tables(seq.blocks), seq.sampling, step, rows))
 
     # ------------------------------------------------------------------ results
@@ -241,10 +253,13 @@ class Scheduler:
     def advance(self, work: Work, token: int) -> int | None:
         """Record that work's chunk ran and sampled `token`. Returns the token if it is the
         sequence's next one (its last token ran), else None."""
-        seq = work.seq
-        seq.cached += len(work.chunk.tokens)
+        return self.advance_by(work.seq, len(work.chunk.tokens), token)
+
+    def advance_by(self, seq: Seq, n: int, token: int) -> int | None:
+        """advance, for a chunk of seq's next n tokens (a decode loop's steps, one by one)."""
+        seq.cached += n
         new = None
-        if seq.cached == len(seq.prompt) + len(seq.output):
+        if seq.cached == seq.num_tokens:
             seq.output.append(token)
             new = token
         self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
@@ -262,7 +277,7 @@ class Scheduler:
         m = accepted(drafts, target[known - 1:]) if drafts else 0
         seq.cached += known + m
         new: list[int] = []
-        if seq.cached == len(seq.tokens) + m:  # the last known token ran: new tokens follow
+        if seq.cached == seq.num_tokens + m:  # the last known token ran: new tokens follow
             new = [*drafts[:m], target[known - 1 + m]]
             seq.output += new
             seq.drafted += len(drafts)
