@@ -91,13 +91,9 @@ def prefill(ex, prompt: list[int], tables) -> int:
     return tok
 
 
-def packed_prefill(ex, prompts: list[list[int]], tables) -> float | None:
-    """Seconds to prefill the (one-chunk) prompts packed as the engine packs them (engine._packs:
-    consecutive chunks while they fit the largest prefill entry); None where the artifact or the
-    prompt length does not pack."""
-    if ex.prefill_packing is None or len(prompts[0]) > ex.max_chunk:
-        return None
-    chunks = [SeqChunk(p, 0, tables[i]) for i, p in enumerate(prompts)]
+def pack_chunks(ex, chunks: list[SeqChunk]) -> list[list[SeqChunk]]:
+    """The chunks in prefill calls as the engine packs them (engine._packs: consecutive chunks
+    while they fit the largest prefill entry)."""
     packs: list[list[SeqChunk]] = [[]]
     for c in chunks:
         try:
@@ -108,6 +104,15 @@ def packed_prefill(ex, prompts: list[list[int]], tables) -> float | None:
             packs[-1].append(c)
         else:
             packs.append([c])
+    return packs
+
+
+def packed_prefill(ex, prompts: list[list[int]], tables) -> float | None:
+    """Seconds to prefill the (one-chunk) prompts packed (pack_chunks); None where the artifact
+    or the prompt length does not pack."""
+    if ex.prefill_packing is None or len(prompts[0]) > ex.max_chunk:
+        return None
+    packs = pack_chunks(ex, [SeqChunk(p, 0, tables[i]) for i, p in enumerate(prompts)])
     if max(len(p) for p in packs) < 2:
         return None
     t = time.perf_counter()

@@ -22,6 +22,7 @@ import sys
 import time
 
 import numpy as np
+from h100_batch import pack_chunks  # benchmarks/h100_batch.py
 
 from rvcompile import runtime
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
@@ -46,20 +47,6 @@ def timed(fn) -> tuple[object, float]:
         got = fn()
         times.append(time.perf_counter() - t)
     return got, statistics.median(times)
-
-
-def packs(ex, chunks: list[SeqChunk]) -> list[list[SeqChunk]]:
-    out: list[list[SeqChunk]] = [[]]
-    for c in chunks:
-        try:
-            fits = ex.packed_rows([*out[-1], c]) <= ex.prefill_buckets[-1]
-        except ValueError:
-            fits = False
-        if fits:
-            out[-1].append(c)
-        else:
-            out.append([c])
-    return out
 
 
 def main() -> int:
@@ -95,7 +82,7 @@ def main() -> int:
     wide, wide_s = timed(lambda: [ex.prefill(dataclasses.replace(c, rows=widest))
                                   for c in chunks])
     kv_wide = blocks_bytes(ex, chunks)
-    calls = packs(ex, chunks)
+    calls = pack_chunks(ex, chunks)
     packed, packed_s = timed(lambda: [t for p in calls for t in (
         ex.prefill_packed(p) if len(p) > 1 else [ex.prefill(p[0])])])
     kv_packed = blocks_bytes(ex, chunks)
