@@ -88,6 +88,21 @@ class Seq:
 
 
 @dataclass(frozen=True)
+class TokenView:
+    """A Seq's tokens as PagedKv.commit reads them (len, and slices of whole blocks), without
+    building the list: commit runs for every lane at every token and reads a block's tokens
+    only when one completes."""
+
+    seq: Seq
+
+    def __len__(self) -> int:
+        return self.seq.num_tokens
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.seq.token_slice(s.start, s.stop)
+
+
+@dataclass(frozen=True)
 class Work:
     seq: Seq
     chunk: SeqChunk
@@ -262,7 +277,7 @@ class Scheduler:
         if seq.cached == seq.num_tokens:
             seq.output.append(token)
             new = token
-        self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
+        self.kv.commit(seq.blocks, TokenView(seq), seq.cached, self.recipe(seq))
         return new
 
     def verified(self, work: Work, drafts: list[int], target: list[int]) -> list[int]:
@@ -282,5 +297,5 @@ class Scheduler:
             seq.output += new
             seq.drafted += len(drafts)
             seq.accepted += m
-        self.kv.commit(seq.blocks, seq.tokens, seq.cached, self.recipe(seq))
+        self.kv.commit(seq.blocks, TokenView(seq), seq.cached, self.recipe(seq))
         return new
