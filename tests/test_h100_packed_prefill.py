@@ -139,9 +139,17 @@ def test_prefill_packing_is_checked_where_it_is_read(art):
     d["prefill_packing"] = {"seqs": 4, "align": 16, "min_rows": 32}
     with pytest.raises(SchemaError, match="min_rows.*not a prefill entry"):
         KernelSchedule.from_json(d)
-    d["prefill_packing"] = {"seqs": 9, "align": 16, "min_rows": 64}
-    with pytest.raises(SchemaError, match="seqs"):
-        KernelSchedule.from_json(d)
+    for bad, field in [({"seqs": 9, "align": 16, "min_rows": 64}, "seqs"),
+                       ({"seqs": 4, "align": -1, "min_rows": 64}, "align"),
+                       ({"seqs": 4, "align": 1e9, "min_rows": 64}, "align"),
+                       ({"seqs": "4", "align": 16, "min_rows": 64}, "seqs"),
+                       ({"seqs": 4, "align": float("nan"), "min_rows": 64}, "align"),
+                       ({"seqs": 4, "align": 16}, "min_rows"),
+                       ([4, 16, 64], "prefill_packing")]:
+        d["prefill_packing"] = bad
+        with pytest.raises(SchemaError, match=field) as e:
+            KernelSchedule.from_json(d)
+        assert "\n" not in str(e.value)  # one line, naming the field
 
 
 def test_without_packing_prefill_calls_take_one_sequence(art):
