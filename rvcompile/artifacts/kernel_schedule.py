@@ -159,6 +159,12 @@ SAMPLED = "sampled_"  # the sampled entries' prefix: sampled_decode_{B}, sampled
 SAMPLE_IO_FIELDS = {"presence": "float32", "frequency": "float32", "repetition": "float32",
                     "n_top": "int32", "mask_at": "int32", "pen_at": "int32", "pen_n": "int32",
                     "pool": "int32"}
+# The kernel a sampled entry's sampler starts with (targets/h100/sample.py launches it right
+# after the head's logits). What comes before it is the forward pass and head, which read no
+# sample_io: the runtime may run a sampled entry in two parts, writing sample_io in between
+# (KernelSchedule.sampler_split; the engine's late grammar masks).
+SAMPLER_KERNEL = "sample_prepare"
+ENTRY_PARTS = ("forward", "sampler")  # the two parts of a sampled entry, in the order they run
 # the sampled entries' outputs after out_tokens, side by side in this order (one read)
 SAMPLED_OUTPUTS = ("out_tokens", "logprob", "top_ids", "top_logprobs")
 MAX_TOP_LOGPROBS = 32  # what the sample_logprobs kernel returns at most
@@ -398,6 +404,34 @@ class KernelSchedule:
             end = _align(end + n * p.block_bytes)
         return tuple(offsets), end
 
+    def sampler_split(self, name: str) -> int | None:
+        """Where sampled entry `name` may be cut in two (its forward part, then its sampler):
+        the index of its first SAMPLER_KERNEL launch, when no launch before that takes an
+        address in sample_io (so sample_io may be written between the parts); None for an
+        entry without one, or that reads sample_io earlier."""
+        entry = self.entries.get(name)
+        if entry is None or self.sampler is None or not name.startswith(SAMPLED):
+            return None
+        kernels = [x.kernel if isinstance(x, Launch) else None for x in entry.launches]
+        if SAMPLER_KERNEL not in kernels:
+            return None
+        split = kernels.index(SAMPLER_KERNEL)
+        lo, hi = self.sampler.offset, self.sampler.offset + self.sampler.nbytes
+        for x in entry.launches[:split]:
+            if any(lo <= at < hi for at in _addresses(x)):
+                return None
+        return split
+
+    def part(self, name: str, part: str) -> tuple[Launch | Collective, ...]:
+        """The launches of one part of sampled entry `name` (sampler_split): "forward", those
+        before the sampler, or "sampler", the rest. ValueError where it has no split."""
+        split = self.sampler_split(name)
+        if split is None or part not in ENTRY_PARTS:
+            raise ValueError(f"entry {name!r} has no part {part!r} (a sampled entry has "
+                             f"{' and '.join(ENTRY_PARTS)})")
+        launches = self.entries[name].launches
+        return launches[:split] if part == "forward" else launches[split:]
+
     def arg_bytes(self, a: Arg) -> int:
         """The bytes the kernel receives for argument `a`."""
         if a.kind == "params":
@@ -409,6 +443,20 @@ class KernelSchedule:
         """The schedule `d` (parsed JSON) describes; SchemaError naming the first bad field,
         under `path`."""
         return _parse(At(d, path))
+
+
+def _addresses(x: Launch | Collective) -> list[int]:
+    """The arena byte offsets a launch or collective step takes (pointers, a parameter block's
+    roles, a collective's source and destination)."""
+    if isinstance(x, Collective):
+        return [x.src, x.dst]
+    out = []
+    for a in x.args:
+        if a.kind == "ptr":
+            out.append(int(a.value))
+        elif a.kind == "params":
+            out += a.value.roles.values()
+    return out
 
 
 def _align(n: int) -> int:

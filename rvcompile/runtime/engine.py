@@ -90,6 +90,7 @@ from rvcompile.runtime.executor_api import (
     has_drafter,
     max_draft_tokens,
     packs_prefill,
+    takes_late_masks,
     top_logprobs,
 )
 from rvcompile.runtime.kv_blocks import PagedKv
@@ -156,6 +157,8 @@ class EngineStats:
     mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
     mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
     mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
+    mask_late_wait_s: float = 0.0  # seconds spent waiting for masks inside decode calls, while
+    # their forward pass ran on the device (hidden as far as it lasted: "Late masks")
     step_s: float = 0.0  # wall seconds inside step()
     executor_s: float = 0.0  # of them, inside executor calls (the device's share, host included)
 
@@ -186,6 +189,15 @@ class _PendingMasks:
 
     job: MaskJob
     lives: list[_Live]
+
+
+@dataclass(eq=False)
+class _Late:
+    """What a decode call that took its masks late (Engine._late_masks) leaves to end after it."""
+
+    joined: tuple[_PendingMasks, Exception] | None = None  # the pending job, which raised
+    failed: list[tuple[_Live, str]] = field(default_factory=list)  # lanes left without a
+    # mask (their grammar failed, or computing it raised), and why
 
 
 @dataclass(eq=False)
@@ -240,6 +252,7 @@ class Engine:
         self._loop_step_s: float | None = None  # measured seconds per decode-loop step
         self.grammars = grammars
         self.mask_s, self.mask_rows, self.mask_wait_s = 0.0, 0, 0.0
+        self.mask_late_wait_s = 0.0
         self._pending: _PendingMasks | None = None  # masks computing on the worker (docstring)
         # grammar -> its first mask (the same for every request of it), the FIRST_MASKS newest
         self._first_masks: dict[str, np.ndarray] = {}
@@ -311,6 +324,7 @@ class Engine:
                            verify_calls=self.verify_calls,
                            packed_prefills=self.packed_prefills, mask_s=self.mask_s,
                            mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s,
+                           mask_late_wait_s=self.mask_late_wait_s,
                            step_s=self.step_s, executor_s=self.executor_s)
 
     # ------------------------------------------------------------------ the loop (one thread)
@@ -401,10 +415,11 @@ class Engine:
         token before the last)."""
         return work.chunk.start + len(work.chunk.tokens) == len(work.seq.tokens)
 
-    def _masks(self, works: list[Work]) -> dict[str, str]:
+    def _masks(self, works: list[Work], late: bool = False) -> dict[str, str]:
         """Give every one of `works` (constrained sequences whose calls sample, none in the
         pending job) the mask of its next token where it has none, all in one go on
-        llguidance's threads. Returns the sequences whose grammar failed, with why."""
+        llguidance's threads (`late`: while a call's forward pass runs, _late_masks). Returns
+        the sequences whose grammar failed, with why."""
         lives = [self._live[w.seq.id] for w in works]
         need = [live for live in lives if live.mask is None]
         if need:
@@ -412,7 +427,10 @@ class Engine:
             rows = self.grammars.fill([live.matcher for live in need])
             took = time.perf_counter() - t0
             self.mask_s += took
-            self.mask_wait_s += took
+            if late:
+                self.mask_late_wait_s += took
+            else:
+                self.mask_wait_s += took
             self.mask_rows += len(need)
             for live, row in zip(need, rows, strict=True):
                 self._set_mask(live, row)
@@ -422,21 +440,35 @@ class Engine:
         """Wait for the pending mask job, if any, and hand its rows to its lives (one that
         ended meanwhile keeps its unused row). If the job raised, its lives that still run
         end with finish_reason "error" (in `outputs`)."""
+        t0 = time.perf_counter()
+        joined = self._wait_masks()
+        self.mask_wait_s += time.perf_counter() - t0
+        if joined is not None:
+            self._take_masks(*joined, outputs)
+
+    def _wait_masks(self) -> tuple[_PendingMasks, tuple | Exception] | None:
+        """Wait for the pending mask job, if any: (the job, its result or what it raised);
+        none is pending afterwards."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
-        t0 = time.perf_counter()
+            return None
         try:
-            rows, took = pending.job.result()
+            return pending, pending.job.result()
         except Exception as e:
+            return pending, e
+
+    def _take_masks(self, pending: _PendingMasks, result: tuple | Exception,
+                    outputs: list[RequestOutput]) -> None:
+        """A joined job's rows to its lives; if it raised, its lives that still run end with
+        finish_reason "error" (in `outputs`)."""
+        if isinstance(result, Exception):
             alive = [v for v in pending.lives if self._live.get(v.seq.id) is v]
             log.error("engine: grammar masks failed; ending request(s) %s",
-                      ", ".join(v.request.id for v in alive), exc_info=e)
-            error = f"the engine failed to run this request: {type(e).__name__}: {e}"
+                      ", ".join(v.request.id for v in alive), exc_info=result)
+            error = f"the engine failed to run this request: {type(result).__name__}: {result}"
             outputs += [self._fail(v, error) for v in alive]
             return
-        finally:
-            self.mask_wait_s += time.perf_counter() - t0
+        rows, took = result
         self.mask_s += took
         self.mask_rows += len(pending.lives)
         for live, row in zip(pending.lives, rows, strict=True):
@@ -492,10 +524,15 @@ class Engine:
         r = live.request
         return (token in self.eos_ids and not r.ignore_eos) or token in r.stop_token_ids
 
-    def _ready(self, works: list[Work], outputs: list[RequestOutput]) -> list[Work]:
+    def _ready(self, works: list[Work], outputs: list[RequestOutput],
+               late: _Late | None = None) -> list[Work]:
         """works with their sampler extras (_with_extras), their grammar masks made first
         (waiting for the pending job if it holds one of them); a constrained sequence whose
-        mask could not be made, or whose grammar failed, ends (in `outputs`) and is left out."""
+        mask could not be made, or whose grammar failed, ends (in `outputs`) and is left out.
+        With `late` (their call takes its masks late: _late_masks) nothing is waited for:
+        a mask not made yet is None in its extras."""
+        if late is not None:
+            return [self._with_extras(w) for w in works]
         need = [w for w in works
                 if self._samples(w) and self._live[w.seq.id].matcher is not None]
         if any(self._live[w.seq.id].mask is None for w in need):
@@ -560,10 +597,66 @@ class Engine:
             return False
         return rows <= self.executor.prefill_buckets[-1]
 
-    def _decode_lanes(self, chunks: list[SeqChunk]) -> list[Sampled]:
+    def _decode_lanes(self, works: list[Work], late: _Late | None = None) -> list[Sampled]:
+        chunks = [w.chunk for w in works]
         if all(c.extras is None for c in chunks):
             return [Sampled(t) for t in self.executor.decode(chunks)]
+        if late is not None:
+            return self.executor.decode_late_masks(chunks,
+                                                   lambda: self._late_masks(works, late))
         return self.executor.decode_sampled(chunks)
+
+    def _takes_late(self, works: list[Work]) -> _Late | None:
+        """A _Late for the decode call of `works` when it takes its grammar masks late
+        (executor_api's "Late masks"): the executor offers it and some constrained lane has
+        no mask yet (the pending job is computing it); else None (masks made before)."""
+        if self.grammars is None or not takes_late_masks(self.executor):
+            return None
+        waits = any(self._samples(w) and (live := self._live[w.seq.id]).matcher is not None
+                    and live.mask is None for w in works)
+        return _Late() if waits else None
+
+    def _late_masks(self, works: list[Work], late: _Late) -> list[np.ndarray | None]:
+        """The decode call's masks, one per lane of `works` (None: unconstrained), asked for
+        by the executor once the call's forward pass runs on the device: the pending job's,
+        waited for here, and those it does not hold, computed now. A lane whose mask could not
+        be made (its job or grammar failed) samples unmasked and goes into `late`, to end
+        after the call (_end_late), not here: a call that then fails ends every lane once."""
+        t0 = time.perf_counter()
+        joined = self._wait_masks()
+        self.mask_late_wait_s += time.perf_counter() - t0
+        failed: set[int] = set()  # ids of lives without a mask
+        if joined is not None and isinstance(joined[1], Exception):
+            late.joined = joined
+            failed |= {id(v) for v in joined[0].lives}
+        elif joined is not None:
+            self._take_masks(*joined, [])  # it succeeded: no output
+        need = [w for w in works if self._samples(w) and id(self._live[w.seq.id]) not in failed
+                and self._live[w.seq.id].matcher is not None]
+        try:
+            late.failed += [(self._live[sid], error)
+                            for sid, error in self._masks(need, late=True).items()]
+        except Exception as e:
+            log.error("engine: grammar masks failed", exc_info=e)
+            error = f"the engine failed to run this request: {type(e).__name__}: {e}"
+            late.failed += [(self._live[w.seq.id], error) for w in need
+                            if self._live[w.seq.id].mask is None]
+        failed |= {id(live) for live, _ in late.failed}
+        masked = {w.seq.id for w in need}
+        masks = []
+        for w in works:
+            live = self._live[w.seq.id]
+            masks.append(live.mask if w.seq.id in masked and id(live) not in failed else None)
+        return masks
+
+    def _end_late(self, late: _Late, outputs: list[RequestOutput]) -> None:
+        """End (in `outputs`) the lanes of a late-mask call whose masks failed, unless the call
+        ended them already."""
+        if late.joined is not None:
+            self._take_masks(*late.joined, outputs)
+        for live, error in late.failed:
+            if self._live.get(live.seq.id) is live:
+                outputs.append(self._fail(live, error))
 
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
         """The schedule's prefill calls, then its decode call; each token through advance."""
@@ -578,11 +671,14 @@ class Engine:
             token = self._guarded("prefill", [w], outputs, self._timed(self._prefill), w.chunk)
             if token is not None:
                 done.append((w, token))
-        decodes = self._ready(sched.decodes, outputs)
+        late = self._takes_late(sched.decodes)
+        decodes = self._ready(sched.decodes, outputs, late)
         if decodes:
             tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
-                                   self._timed(self._decode_lanes), [w.chunk for w in decodes])
+                                   self._timed(lambda ws: self._decode_lanes(ws, late)), decodes)
             done += tokens or []
+        if late is not None:
+            self._end_late(late, outputs)
         if self.grammars is not None:
             done = self._consume(done, outputs)
         for work, token in done:

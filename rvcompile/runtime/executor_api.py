@@ -32,6 +32,15 @@ Sampler extras (optional, `top_logprobs(executor)` > 0; issue 16): `prefill_samp
 return the token's log-probability and the top ones; neutral extras sample what `prefill` and
 `decode` do, bit for bit.
 
+Late masks (optional, `takes_late_masks(executor)`; issue 16): a grammar mask needs the token
+before it, so the engine may not have a lane's mask when the call starts. `decode_late_masks`
+and `prefill_late_masks` are decode_sampled and prefill_sampled with the token masks handed
+over later: the executor starts the forward pass, then calls `masks()` on the caller's thread
+(which may wait for them meanwhile: the device runs the forward pass), then samples each lane
+under masks()[i] in place of its extras.mask (None: no mask). The tokens are decode_sampled's
+with those masks, bit for bit. If masks() raises, the call raises it (its lanes sampled
+nothing); the executor is then ready for the next call.
+
 Decode loop (optional, `decode_loop_steps` > 0): `decode_many` runs up to that many decode
 steps in one call, each bit for bit a `decode` call of the same lanes, so the engine is not in
 the per-token path (the XLA targets run the loop as one device program; the h100 executor
@@ -73,7 +82,7 @@ keeps plain sequences in decode calls, so each sequence's rows come from one cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -312,6 +321,27 @@ class SamplingExecutor(Executor, Protocol):
     def decode_sampled(self, lanes: Sequence[SeqChunk]) -> list[Sampled]:
         """decode, with each lane's extras applied."""
         ...
+
+
+class LateMaskExecutor(SamplingExecutor, Protocol):
+    """A sampling executor that takes the token masks while the forward pass runs."""
+
+    late_masks: bool  # the two calls below are offered
+
+    def decode_late_masks(self, lanes: Sequence[SeqChunk],
+                          masks: Callable[[], Sequence[np.ndarray | None]]) -> list[Sampled]:
+        """decode_sampled, each lane's mask masks()[i], asked for once the forward pass runs."""
+        ...
+
+    def prefill_late_masks(self, chunk: SeqChunk,
+                           masks: Callable[[], Sequence[np.ndarray | None]]) -> Sampled:
+        """prefill_sampled, the chunk's mask masks()[0], asked for likewise."""
+        ...
+
+
+def takes_late_masks(executor: Executor) -> bool:
+    """Whether the executor offers decode_late_masks and prefill_late_masks."""
+    return bool(getattr(executor, "late_masks", False))
 
 
 def top_logprobs(executor: Executor) -> int:

@@ -14,13 +14,16 @@ artifacts/contents.py before), builds every launch's argument block and launch c
 (programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
 arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
 bytes, and the arena never moves), captures each decode, prefill and verify entry into a CUDA
-graph (consecutive kernels joined by programmatic edges). runtime.load's text checks run
+graph (consecutive kernels joined by programmatic edges), and each sampled entry's two parts
+(before the sampler, and the sampler: kernel_schedule.KernelSchedule.part) into graphs of their
+own (run_part, for the engine's late grammar masks). runtime.load's text checks run
 alongside all of this on a thread of their own (runtime/pending_checks.py). Nothing runs on the
 device, not even a graph upload, before every weight piece checked out and those checks passed;
 then the graphs are uploaded. A mismatch fails the load with the container's one-line error, a
 failed check with its own (the upload stops at its next chunk), the arena and buffers freed.
 A call writes the io fields with one copy, replays the entry and copies back only token ids (or
-the logits the logits entry asks for).
+the logits the logits entry asks for). `write` and `run` (`run_part`) return without waiting for
+the device; `read` waits for everything before it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import replace
 import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
-from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import ENTRY_PARTS, KERNEL_LAUNCH, KernelSchedule
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.artifacts.stream import StreamStopped, stream_section
 from rvcompile.progress import Phases
@@ -112,7 +115,7 @@ class CudaScheduleDevice:
         self.stream = ctx.stream()
         self.arena = self.io_host = self.out_host = None
         self.modules: list = []  # loaded cubins, unloaded again if the load fails
-        self.graphs: dict[str, object] = {}
+        self.graphs: dict[str | tuple[str, str], object] = {}  # by entry, or (entry, part)
         try:
             self._load(art, phases, check_weights)
         except BaseException:
@@ -173,6 +176,8 @@ class CudaScheduleDevice:
                             self.graphs[name] = ctx.capture(
                                 self.stream, lambda n=name: self._launch_all(n),
                                 thread_local=True)
+                        if e.graph and schedule.sampler_split(name) is not None:
+                            self._capture_parts(name)
                     times.update(cubin_load_s=t1 - t0, graph_capture_s=clock() - t1)
                 except BaseException:
                     halt.set()  # the stream stops at its next chunk
@@ -272,20 +277,40 @@ class CudaScheduleDevice:
         for fn, config, packed in self.entries[name]:
             self.ctx.launch_configured(fn, config, packed)
 
+    def _capture_parts(self, name: str) -> None:
+        """A sampled entry's two parts (run_part) as graphs of their own, beside its whole one:
+        the whole one keeps the programmatic edge between the head and the sampler."""
+        for part in ENTRY_PARTS:
+            self.graphs[(name, part)] = self.ctx.capture(
+                self.stream, lambda p=part: self._launch_part(name, p), thread_local=True)
+
+    def _launch_part(self, name: str, part: str) -> None:
+        n = len(self.schedule.part(name, part))  # raises for an entry or part without a split
+        prepared = self.entries[name]
+        for fn, config, packed in prepared[:n] if part == "forward" else prepared[-n:]:
+            self.ctx.launch_configured(fn, config, packed)
+
     # -- ScheduleDevice
 
     def write(self, offset: int, data: bytes) -> None:
-        n = len(data)
-        if n > self.io_host.nbytes:  # a sampled call's extras: the pinned buffer grows once
+        """Copy `data` to arena `offset`, in the io region or after it (sample_io), without
+        waiting: it is staged in pinned memory at its place relative to the io region, so a
+        write between the two parts of a split entry (run_part) never overwrites bytes that
+        the copy before it may still be reading."""
+        at = offset - self.schedule.io_offset
+        if at < 0:
+            raise ValueError(f"a write at arena byte {offset}, before the io region")
+        end = at + len(data)
+        if end > self.io_host.nbytes:  # a sampled call's extras: the pinned buffer grows once
             # on the engine's thread, not the one that loaded the model: launches and copies
             # name their stream, but host allocations need the context bound to the thread
             self.ctx.make_current()
             self.ctx.stream_synchronize(self.stream)  # no copy still reads the old one
             self.ctx.free_pinned(self.io_host)
             self.io_host = None
-            self.io_host = self.ctx.alloc_pinned(-(-n // PINNED_STEP) * PINNED_STEP)
-        self.io_host[:n] = np.frombuffer(data, np.uint8)
-        self.ctx.copy_to_device(self.arena.ptr + offset, self.io_host[:n], self.stream)
+            self.io_host = self.ctx.alloc_pinned(-(-end // PINNED_STEP) * PINNED_STEP)
+        self.io_host[at:end] = np.frombuffer(data, np.uint8)
+        self.ctx.copy_to_device(self.arena.ptr + offset, self.io_host[at:end], self.stream)
 
     def read(self, offset: int, nbytes: int) -> bytes:
         host = self.out_host if nbytes <= self.out_host.nbytes else np.empty(nbytes, np.uint8)
@@ -294,10 +319,20 @@ class CudaScheduleDevice:
         return host[:nbytes].tobytes()
 
     def run(self, entry: str) -> None:
+        """Launch the entry (its graph) and return at once: the next read waits for it."""
         if entry in self.graphs:
             self.ctx.graph_launch(self.graphs[entry], self.stream)
         else:
             self._launch_all(entry)
+
+    def run_part(self, entry: str, part: str) -> None:
+        """Launch one part of a sampled entry (kernel_schedule.KernelSchedule.part), its graph
+        where the entry has one, and return at once, as run does."""
+        graph = self.graphs.get((entry, part))
+        if graph is not None:
+            self.ctx.graph_launch(graph, self.stream)
+        else:
+            self._launch_part(entry, part)
 
 
 def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> ScheduledExecutor:

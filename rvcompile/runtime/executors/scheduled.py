@@ -27,6 +27,13 @@ region (kernel_schedule.SamplerIo) with the io in one copy, and read the token, 
 log-probability and the top ones back in one read. An older schedule has none (top_logprobs
 0: the engine refuses requests that need them, request_limits.NO_EXTRAS).
 
+Late masks (executor_api's "Late masks"): decode_late_masks and prefill_late_masks run a sampled
+entry in two parts where the device offers run_part: the io written and the part before the
+sampler launched (forward pass and head, which read no sample_io: KernelSchedule.sampler_split),
+then the caller's masks() while the device runs it, then sample_io written with those masks and
+the sampler part run. The tokens are the one-part entry's, bit for bit (the same launches in the
+same order).
+
 Speculative decoding (executor_api's "Speculative decoding"): `verify` runs a lane's token and
 drafts as rows of a decode-like entry; with an assistant drafter (schedule version 9) it also
 returns each row's state and `draft` runs the draft entries; from version 10 sampled drafts
@@ -36,13 +43,14 @@ says how).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
-from rvcompile.artifacts.kernel_schedule import RATIO_LANES_FIELD, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import RATIO_LANES_FIELD, SAMPLED, KernelSchedule
 from rvcompile.runtime.executor_api import (
     Drafted,
     DraftLane,
@@ -73,6 +81,10 @@ class ScheduleDevice(Protocol):
     def read(self, offset: int, nbytes: int) -> bytes: ...
 
     def run(self, entry: str) -> None: ...
+
+    # Optional (late masks): run_part(entry, part) runs one part of a sampled entry,
+    # "forward" then "sampler" (KernelSchedule.part). run and run_part may return before the
+    # device is done; read waits for everything run before it.
 
 
 class ScheduledExecutor:
@@ -493,8 +505,7 @@ class ScheduledExecutor:
                       rows: int) -> list[Sampled]:
         """Write io and the lanes' extras with one copy, run `entry`, read its `rows` results
         (out_tokens, logprob, top_ids, top_logprobs lie side by side: one read)."""
-        sampler = self.schedule.sampler
-        if sampler is None:
+        if self.schedule.sampler is None:
             raise ValueError("this artifact's schedule has no sampled entry points (built "
                              "before them); rebuild it")
         extras = self._sample_io(lanes)
@@ -502,6 +513,11 @@ class ScheduledExecutor:
         io = io.ljust(self.schedule.io_bytes, b"\0")
         self.device.write(self.schedule.io_offset, io + extras)
         self._run(entry)
+        return self._read_sampled(entry, lanes, rows)
+
+    def _read_sampled(self, entry: str, lanes: Sequence[SeqChunk], rows: int) -> list[Sampled]:
+        """The `rows` results of sampled entry `entry` just run, as the lanes' extras ask."""
+        sampler = self.schedule.sampler
         outs = self.schedule.outputs
         first, last = outs[f"{entry}.out_tokens"], outs[f"{entry}.top_logprobs"]
         want = [c.extras.top_logprobs if c.extras else -1 for c in lanes]
@@ -518,6 +534,58 @@ class ScheduledExecutor:
                 Sampled(int(tok[i]), float(lp[i]),
                         tuple(zip(ids[i, :n].tolist(), vals[i, :n].tolist(), strict=True)))
                 for i, n in enumerate(want)]
+
+    # -- late masks (executor_api's "Late masks")
+
+    @cached_property
+    def late_masks(self) -> bool:
+        """decode_late_masks and prefill_late_masks are offered: the device runs an entry's
+        parts (run_part) and every sampled entry splits (KernelSchedule.sampler_split)."""
+        s = self.schedule
+        return (s.sampler is not None and hasattr(self.device, "run_part")
+                and all(s.sampler_split(name) is not None for name in s.entries
+                        if name.startswith(SAMPLED)))
+
+    def decode_late_masks(self, lanes: Sequence[SeqChunk],
+                          masks: Callable[[], Sequence[np.ndarray | None]]) -> list[Sampled]:
+        """decode_sampled, the lanes' token masks given by masks() while the forward part of
+        sampled_decode_{B} runs."""
+        b, io = self._decode_io(lanes)
+        return self._call_late(f"sampled_decode_{b}", io, lanes, b, masks)[:len(lanes)]
+
+    def prefill_late_masks(self, chunk: SeqChunk,
+                           masks: Callable[[], Sequence[np.ndarray | None]]) -> Sampled:
+        """prefill_sampled, the chunk's token mask given by masks() (one) while the forward
+        part of sampled_prefill_{T} runs."""
+        t, io = self._prefill_io(chunk)
+        return self._call_late(f"sampled_prefill_{t}", io, [chunk], self.prefill_seqs,
+                               masks)[0]
+
+    def _call_late(self, entry: str, io: bytes, lanes: Sequence[SeqChunk], rows: int,
+                   masks: Callable[[], Sequence[np.ndarray | None]]) -> list[Sampled]:
+        """_call_sampled in two parts: io written and the entry's forward part launched, which
+        the device runs while masks() runs here; then the lanes' extras, each with its mask
+        from masks(), written and the sampler part run."""
+        if not self.late_masks:
+            raise ValueError("this executor takes no late masks (its device runs no entry "
+                             "parts, or its schedule has no sampled entries that split)")
+        self.device.write(self.schedule.io_offset, io)
+        self._runs += 1
+        self.device.run_part(entry, "forward")
+        try:
+            got = list(masks())
+            if len(got) != len(lanes):
+                raise ValueError(f"{len(got)} late masks for {len(lanes)} lanes")
+            lanes = [_with_mask(c, m) for c, m in zip(lanes, got, strict=True)]
+            extras = self._sample_io(lanes)
+        except BaseException:
+            # a read waits for the device: the next call's io must not be staged while the
+            # copy of this one may still be pending
+            self.device.read(self.schedule.outputs[f"{entry}.out_tokens"].offset, 4)
+            raise
+        self.device.write(self.schedule.sampler.offset, extras)
+        self.device.run_part(entry, "sampler")
+        return self._read_sampled(entry, lanes, rows)
 
     def _sample_io(self, lanes: Sequence[SeqChunk]) -> bytes:
         """The sample_io region's bytes up to the pool's used words, for decode rows 0..: each
@@ -630,6 +698,13 @@ class DeviceRows:
         rows = self._ex._read(self._output, k * b * x, np.float32).reshape(k, b, x)
         out = rows[:self._n, self._lane]
         return out if dtype is None else out.astype(dtype)
+
+
+def _with_mask(chunk: SeqChunk, mask: np.ndarray | None) -> SeqChunk:
+    """chunk, its extras' token mask `mask` (None: none)."""
+    if mask is None and (chunk.extras is None or chunk.extras.mask is None):
+        return chunk
+    return replace(chunk, extras=replace(chunk.extras or SampleExtras(), mask=mask))
 
 
 def _lane_tokens(column: np.ndarray, lane: LoopLane) -> list[int]:

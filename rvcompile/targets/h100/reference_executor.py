@@ -60,7 +60,14 @@ class ReferenceDevice:
         return self.mem[offset:offset + nbytes].tobytes()
 
     def run(self, entry: str) -> None:
-        for launch in self.schedule.entries[entry].launches:
+        self._run(entry, self.schedule.entries[entry].launches)
+
+    def run_part(self, entry: str, part: str) -> None:
+        """One part of a sampled entry (KernelSchedule.part): "forward", then "sampler"."""
+        self._run(entry, self.schedule.part(entry, part))
+
+    def _run(self, entry: str, launches) -> None:
+        for launch in launches:
             if isinstance(launch, Collective):
                 raise ContractError(f"{entry} has collectives: a tensor-parallel rank's "
                                     "schedule runs beside its peers (TensorParallelDevice)")

@@ -63,12 +63,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rvcompile.artifacts.kernel_schedule import SAMPLER_KERNEL
 from rvcompile.ir import ops
 from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "sample.cu"
-PREPARE_ENTRY = "sample_prepare"
+PREPARE_ENTRY = SAMPLER_KERNEL  # the sampler's first launch: the runtime may split a sampled
+# entry there (kernel_schedule.KernelSchedule.sampler_split)
 FILTER_ENTRY = "sample_filter"
 PICK_ENTRY = "sample_pick"
 PENALIZE_ENTRY = "sample_penalize"
