@@ -141,7 +141,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     masks = engine = None
     if before is not None:  # rvrun's own counters
         after = engine_counters(url)
-        d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+        d = {k: after[k] - before[k] for k in after if k in before}
         host_s, n, wait_s = (d[f"rvrun_grammar_mask{x}_total"]
                                     for x in ("_seconds", "s", "_wait_seconds"))
         steps = d["rvrun_engine_steps_total"]
@@ -155,6 +155,10 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
                  "wait_s": wait_s, "steps": steps,
                  "host_ms_per_step": host_s / steps * 1e3 if steps else 0.0,
                  "wait_ms_per_step": wait_s / steps * 1e3 if steps else 0.0}
+        if LATE_WAIT in d:  # servers since late masks: the wait hidden behind forward passes
+            late_s = d[LATE_WAIT]
+            masks.update(late_wait_s=late_s,
+                         late_wait_ms_per_step=late_s / steps * 1e3 if steps else 0.0)
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(ok),
             "grammar_masks": masks, "engine": engine,
             "errors": sorted({r.error for r in results if not r.ok})[:3], "wall_s": wall,
@@ -167,10 +171,16 @@ ENGINE_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_tota
                    "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total")
 
 
+# seconds the engine waited for masks inside decode calls, while their forward pass ran (not in
+# rvrun_grammar_mask_wait_seconds); servers before late masks lack it
+LATE_WAIT = "rvrun_grammar_mask_late_wait_seconds_total"
+
+
 def engine_counters(url: str) -> dict[str, float] | None:
     """rvrun's engine counters at /metrics (ENGINE_COUNTERS: host seconds computing grammar
     masks, masks, seconds the engine waited for them, engine steps, seconds inside steps and,
-    of them, inside executor calls); None for other servers."""
+    of them, inside executor calls; LATE_WAIT where the server has it); None for other
+    servers."""
     try:
         text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -178,9 +188,9 @@ def engine_counters(url: str) -> dict[str, float] | None:
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ENGINE_COUNTERS:
+        if name in ENGINE_COUNTERS or name == LATE_WAIT:
             values[name] = float(value)
-    if len(values) != len(ENGINE_COUNTERS):
+    if not all(k in values for k in ENGINE_COUNTERS):
         return None
     return values
 
@@ -244,7 +254,9 @@ def main() -> None:
             g = level["grammar_masks"]
             print(f"     grammar masks: {g['masks']:.0f}, {g['us_per_mask']:.0f} us each on "
                   f"the host; per engine step {g['host_ms_per_step']:.2f} ms computing, "
-                  f"{g['wait_ms_per_step']:.2f} ms waited for ({g['steps']:.0f} steps)")
+                  f"{g['wait_ms_per_step']:.2f} ms waited for ({g['steps']:.0f} steps)"
+                  + (f", {g['late_wait_ms_per_step']:.2f} ms waited during forward passes"
+                     if "late_wait_s" in g else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -8,6 +8,7 @@ yet advanced by the last token), belongs to another lane, or is missing changes 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import threading
@@ -92,6 +93,38 @@ class MaskingExecutor(FakeExecutor):
         return [s.token for s in self.decode_sampled(lanes)]
 
 
+class LateMaskExecutor(MaskingExecutor):
+    """MaskingExecutor that also takes late masks (executor_api's "Late masks"): a decode call
+    records "forward" (its forward pass launched), then asks for the masks, then samples each
+    lane under them. `on_forward` (a test's) runs when the forward pass is launched;
+    `fail_sampler`: the call raises after the masks were given (the device's sampler failed)."""
+
+    late_masks = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.events: list[str] = []
+        self.on_forward = None
+        self.fail_sampler = False
+
+    def decode_late_masks(self, lanes, masks) -> list[Sampled]:
+        assert 0 < len(lanes) <= self.max_seqs
+        self.events.append("forward")
+        if self.on_forward is not None:
+            self.on_forward()
+        got = masks()
+        self.events.append("masks")
+        assert len(got) == len(lanes)
+        if self.fail_sampler:
+            raise RuntimeError("the sampler broke")
+        lanes = [dataclasses.replace(c, extras=dataclasses.replace(
+            c.extras or SampleExtras(), mask=m)) for c, m in zip(lanes, got, strict=True)]
+        return self.decode_sampled(lanes)
+
+
+EXECUTORS = {"masks before": MaskingExecutor, "late masks": LateMaskExecutor}
+
+
 def engine(grammars: Grammars, ex: MaskingExecutor) -> Engine:
     return Engine(ex, text_of, frozenset([EOS]), vocab_size=VOCAB, grammars=grammars)
 
@@ -132,14 +165,16 @@ def random_request(rng: random.Random, i: int) -> Request:
     return Request(f"r{i}", prompt, rng.randrange(1, 40), sampling, constraint=constraint)
 
 
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
 @pytest.mark.parametrize("full,sliding", [(64, 16), (16, 6)])
 def test_constrained_and_free_lanes_in_one_batch_give_their_reference_tokens(grammars, full,
-                                                                              sliding):
+                                                                              sliding, kind):
     """Requests join between steps, constrained (five grammars) and free side by side in the
     decode batch; tight pools preempt and recompute some. Each request's tokens are exactly
-    those it gives alone with synchronous masks, and the masks were pipelined."""
+    those it gives alone with synchronous masks, and the masks were pipelined (and, where the
+    executor takes them late, handed over in the decode calls)."""
     rng = random.Random(full)
-    ex = MaskingExecutor(full, sliding)
+    ex = EXECUTORS[kind](full, sliding)
     eng = engine(grammars, ex)
     pending = [random_request(rng, i) for i in range(24)]
     outs: dict[str, list] = {}
@@ -157,6 +192,8 @@ def test_constrained_and_free_lanes_in_one_batch_give_their_reference_tokens(gra
     assert_pools_whole(eng)
     if full == 16:
         assert eng.preemptions > 0
+    if kind == "late masks":
+        assert ex.events.count("masks") > 10 and eng.stats().mask_late_wait_s > 0
 
 
 def test_masks_of_decoding_sequences_come_from_the_worker(grammars, monkeypatch):
@@ -212,9 +249,12 @@ def test_a_known_grammar_s_first_mask_is_not_computed_again(grammars, monkeypatc
     assert_pools_whole(eng)
 
 
-def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch):
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch, kind):
     """A mask job that raises on the worker ends the constrained requests it was computing
-    for; the free one in the same batch goes on, and a later constrained request runs."""
+    for; the free one in the same batch goes on, and a later constrained request runs. With
+    late masks the job fails inside the decode call, between its forward pass and its sampler:
+    the failed lane's token is dropped and its request ends once."""
     fill_call = Grammars._fill_call
 
     def broken_on_the_worker(self, matchers):
@@ -227,13 +267,17 @@ def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch):
         return out, run
 
     monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
-    eng = engine(grammars, MaskingExecutor())
+    ex = EXECUTORS[kind]()
+    eng = engine(grammars, ex)
     free = Request("free", [7, 8, 9], 12, Sampling(1.0, 0, 1.0, 3))
     eng.add(free)
     eng.add(Request("c", [7, 8], 12, Sampling(1.0, 0, 1.0, 4), constraint=GRAMMARS[3]))
     outs = drain(eng)
     assert outs["c"][-1].finish_reason == "error" and "llguidance broke" in outs["c"][-1].error
     assert len(tokens_of(outs["c"])) == 1  # its first token's mask was made in the step
+    assert [o.finished for o in outs["c"]] == [False, True]
+    if kind == "late masks":
+        assert ex.events[:2] == ["forward", "masks"]  # it failed inside the first decode call
     assert tokens_of(outs["free"]) == reference(grammars, free)
     monkeypatch.undo()
     r = Request("after", [3, 4], 10, Sampling(1.0, 0, 1.0, 5), constraint=GRAMMARS[3])
@@ -276,4 +320,74 @@ def test_an_abort_while_its_masks_compute_leaves_the_rest_whole(grammars):
     assert outs["a1"][-1].finish_reason == "abort"
     for r in (reqs[0], reqs[2]):
         assert tokens_of(outs[r.id]) == reference(grammars, r), r.id
+    assert_pools_whole(eng)
+
+
+def test_a_decode_call_starts_before_its_masks_are_waited_for(grammars, monkeypatch):
+    """With late masks, every mask job that a decode call needs is still held back on the
+    worker (until the fake's forward pass releases it) when that call starts: an engine that
+    waited for the masks before the call would wait for nothing to release them (here: the
+    hold times out, and the test fails)."""
+    fill_call = Grammars._fill_call
+    release = threading.Event()
+    held: list[bool] = []  # per job on the worker: released by a forward pass (not timed out)
+
+    def held_back(self, matchers):
+        out, compute = fill_call(self, matchers)
+
+        def run():
+            if threading.current_thread().name.startswith("rvrun-masks"):
+                held.append(release.wait(timeout=2.0))
+                release.clear()
+            compute()
+        return out, run
+
+    monkeypatch.setattr(Grammars, "_fill_call", held_back)
+    ex = LateMaskExecutor()
+    ex.on_forward = release.set
+    eng = engine(grammars, ex)
+    reqs = [Request(f"h{i}", [6, 7 + i], 8, Sampling(1.0, 0, 1.0, 20 + i),
+                    constraint=GRAMMARS[3 + i % 2]) for i in range(3)]
+    reqs.append(Request("free", [6, 5], 8, Sampling(1.0, 0, 1.0, 30)))
+    for r in reqs:
+        eng.add(r)
+    outs = drain(eng)
+    for r in reqs:
+        assert tokens_of(outs[r.id]) == reference(grammars, r), r.id
+    assert len(held) > 3 and all(held)
+    assert ex.events[:2] == ["forward", "masks"] and "masks" not in ex.events[::2]
+    assert_pools_whole(eng)
+
+
+def test_a_decode_call_failing_after_its_masks_failed_ends_each_request_once(grammars,
+                                                                              monkeypatch):
+    """The mask job fails inside a late-mask decode call, and the call then fails too: every
+    request in the call ends with exactly one error output, and the engine serves on."""
+    fill_call = Grammars._fill_call
+
+    def broken_on_the_worker(self, matchers):
+        out, compute = fill_call(self, matchers)
+
+        def run():
+            if threading.current_thread().name.startswith("rvrun-masks"):
+                raise RuntimeError("llguidance broke")
+            compute()
+        return out, run
+
+    monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+    ex = LateMaskExecutor()
+    ex.fail_sampler = True
+    eng = engine(grammars, ex)
+    eng.add(Request("free", [7, 8, 9], 12, Sampling(1.0, 0, 1.0, 3)))
+    eng.add(Request("c", [7, 8], 12, Sampling(1.0, 0, 1.0, 4), constraint=GRAMMARS[3]))
+    outs = drain(eng)
+    for rid in ("free", "c"):
+        assert [o.finished for o in outs[rid]] == [False, True], rid
+        assert outs[rid][-1].finish_reason == "error"
+    assert "the sampler broke" in outs["free"][-1].error
+    monkeypatch.undo()
+    ex.fail_sampler = False
+    r = Request("after", [3, 4], 10, Sampling(1.0, 0, 1.0, 5), constraint=GRAMMARS[3])
+    eng.add(r)
+    assert tokens_of(drain(eng)["after"]) == reference(grammars, r)
     assert_pools_whole(eng)

@@ -36,13 +36,21 @@ in one batch, on the grammars' worker thread (constraints.Grammars.start), then 
 step's outputs (detokenizing, stop strings), the caller's handling of them, the next step's
 intake and schedule and its prefill calls all run while llguidance computes, outside the GIL.
 The next step waits for the masks only where a call needs them (`_masks`: the decode call, or
-a prefill that samples a pipelined sequence). A request's first mask is its grammar's at its
-start, the same for every request of that grammar: the engine keeps those of the last
-FIRST_MASKS grammars, so a new request of a known grammar needs none computed; otherwise a
-sequence the pipeline did not cover gets its mask computed in the step, after the worker's job.
+a prefill that samples a pipelined sequence). Where the executor takes late masks
+(executor_api's "Late masks": the H100 executor runs a sampled entry in two parts), the decode
+call does not wait before it starts: the executor launches the forward pass, then asks for the
+lanes' masks (`_late_masks`: the job joined, any it does not hold computed), so the wait
+overlaps the device's forward pass; `mask_late_wait_s` counts it. A lane whose mask failed
+there samples unmasked; its token is dropped and its request ends after the call (`_end_late`,
+which leaves alone the lanes a failed call has ended). A request's first mask is its
+grammar's at its start, the same for every request of that grammar: the engine keeps those of
+the last FIRST_MASKS grammars, so a new request of a known grammar needs none computed;
+otherwise a sequence the pipeline did not cover gets its mask computed in the step, after the
+worker's job.
 Ownership: while a job runs, its matchers (those of the lives whose `mask` is None) are the
-worker's; this thread waits for it (`_join_masks`) before it consumes a token or reads one of
-them; `mask_wait_s` counts the time it waited, the part of the mask time not hidden.
+worker's; this thread waits for it (`_join_masks`, `_late_masks`) before it consumes a token or
+reads one of them; `mask_wait_s` counts the time it waited outside the device's forward pass,
+the part of the mask time not hidden.
 
 Streaming: while any running request streams (Request.stream), a decode_many call runs at most
 as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least

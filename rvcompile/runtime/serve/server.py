@@ -281,6 +281,10 @@ class _EngineCollector:
         yield CounterMetricFamily("rvrun_grammar_mask_wait_seconds",
                                   "Engine time spent waiting for grammar token masks (the mask "
                                   "time not hidden behind other work)", value=s.mask_wait_s)
+        yield CounterMetricFamily("rvrun_grammar_mask_late_wait_seconds",
+                                  "Engine time spent waiting for grammar token masks inside "
+                                  "decode calls, while their forward pass ran on the device "
+                                  "(hidden as far as it lasted)", value=s.mask_late_wait_s)
         yield CounterMetricFamily("rvrun_engine_steps", "Engine steps run", value=s.steps)
         yield CounterMetricFamily("rvrun_engine_step_seconds", "Wall time inside engine steps",
                                   value=s.step_s)
