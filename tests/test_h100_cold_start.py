@@ -32,7 +32,7 @@ from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.contents import read_contents, read_texts
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
-from rvcompile.runtime.executor_api import LoadOptions
+from rvcompile.runtime.executor_api import LoadOptions, SampleExtras, SeqChunk
 from rvcompile.runtime.executors import cuda_upload, h100, tma
 from rvcompile.runtime.executors.cuda_driver import CudaError, DeviceBuffer
 
@@ -204,6 +204,49 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert {k.name: k.num_blocks for k in ex.kinds.values()} == {
         k.name: schedule.max_seqs * k.table_width for k in schedule.kv.kinds}
     assert len(mem) == schedule.pool_offsets(ex.device.kv_blocks)[1] > schedule.arena_bytes
+
+
+def test_late_mask_calls_replay_the_parts_and_stage_sample_io_apart(artifact, fake):
+    """A late-mask decode (executor_api's "Late masks") on the CUDA device: the io copied, the
+    forward part's graph replayed, masks() asked, sample_io copied, the sampler part's graph
+    replayed, then the read; sample_io is staged in the pinned buffer after the io, so it
+    never overwrites io bytes whose copy may still be pending."""
+    with Artifact.open(artifact) as art:
+        schedule = read_manifest(art).h100.schedule
+        ex = h100.h100_executor(art, schedule, fake)
+    dev = ex.device
+    assert ex.late_masks
+    events: list = []
+    fake.graph_launch = lambda graph, stream: events.append(
+        next(k for k, g in dev.graphs.items() if g is graph))
+    copy = fake.copy_to_device
+
+    def copy_to_device(dst, host, stream=0):
+        staged = host.ctypes.data - dev.io_host.ctypes.data  # where in the pinned buffer
+        events.append(("copy", dst - BASE - schedule.io_offset, staged, host.nbytes))
+        copy(dst, host, stream)
+
+    fake.copy_to_device = copy_to_device
+    fake.copy_to_host = lambda host, src, stream=0: host.__setitem__(
+        slice(None), np.frombuffer(fake.memory[src - BASE:src - BASE + host.nbytes], np.uint8))
+    lane = SeqChunk([5], 3, {k.name: [0] * k.table_width for k in schedule.kv.kinds},
+                    extras=SampleExtras(0))
+    mask = np.zeros(schedule.sampler.mask_words, np.int32)
+    mask[0] = 1 << 7  # token 7 alone
+
+    def given():
+        events.append("masks")
+        return [mask]
+
+    ex.decode_late_masks([lane], given)
+    io, extras = events[0], events[3]
+    assert events[1:3] == [("sampled_decode_1", "forward"), "masks"]
+    assert events[4] == ("sampled_decode_1", "sampler")
+    # ("copy", arena offset past io_offset, pinned offset, bytes)
+    assert io[1:3] == (0, 0) and extras[1:3] == (schedule.io_bytes, schedule.io_bytes)
+    assert io[3] <= schedule.io_bytes
+    at = schedule.sampler.fields["pool"].offset - schedule.io_offset
+    assert bytes(dev.io_host[at:at + mask.nbytes]) == mask.tobytes()  # staged apart
 
 
 def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fake, tmp_path):

@@ -12,6 +12,9 @@ The KV pools follow the arena's fixed part with the block counts the device is m
 row, `default_blocks`), placed by the schedule's pool_offsets; a launch's pool argument reaches
 the reference as that pool's arena offset.
 
+`run_part(entry, part)` runs one part of a sampled entry (KernelSchedule.part: the launches
+before its sampler, then the sampler), as the runtime's late masks ask (executor_api).
+
 Every launch is checked against its entry when the device is made: the kernel declared, in the
 module that defines it, with the entry's arguments in its order (ContractError otherwise). A
 parameter block's argument (kind "params") reaches the reference as a contract.ParamsValue: the
