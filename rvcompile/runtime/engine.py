@@ -165,8 +165,8 @@ class EngineStats:
     mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
     mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
     mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
-    mask_late_wait_s: float = 0.0  # seconds spent waiting for masks inside decode calls, while
-    # their forward pass ran on the device (hidden as far as it lasted: "Late masks")
+    mask_late_wait_s: float = 0.0  # seconds spent waiting for masks inside decode calls (so in
+    # executor_s), while their forward pass ran on the device (hidden as far as it lasted)
     step_s: float = 0.0  # wall seconds inside step()
     executor_s: float = 0.0  # of them, inside executor calls (the device's share, host included)
 
@@ -620,9 +620,11 @@ class Engine:
         no mask yet (the pending job is computing it); else None (masks made before)."""
         if self.grammars is None or not takes_late_masks(self.executor):
             return None
-        waits = any(self._samples(w) and (live := self._live[w.seq.id]).matcher is not None
-                    and live.mask is None for w in works)
-        return _Late() if waits else None
+        for w in works:
+            live = self._live[w.seq.id]
+            if self._samples(w) and live.matcher is not None and live.mask is None:
+                return _Late()
+        return None
 
     def _late_masks(self, works: list[Work], late: _Late) -> list[np.ndarray | None]:
         """The decode call's masks, one per lane of `works` (None: unconstrained), asked for
