@@ -11,7 +11,7 @@ CPU (the default model's tiny h100-f32 artifact on the reference executor):
   (a decode of masked, penalized and free lanes over several steps; a prefill), the forward
   part launched before masks() is asked for and the sampler part after;
 - masks() raising reaches the caller and the next call runs as before; a wrong count of masks
-  is refused;
+  is refused; the grammars' worker failing inside a late decode call ends only its request;
 - through the engine, a json_schema request decodes through late calls beside a free one and
   gives the tokens of an engine that waits for its masks first, valid JSON of the schema.
 GPU (skips without an H100): the parts on the device give the one-part entry's results bit for
@@ -233,6 +233,51 @@ def test_the_engine_decodes_json_schema_requests_through_late_calls(art, device)
     assert got["late"] == got["before"]
     forward = [e for e in events if e[0] == "forward" and e[1].startswith("sampled_decode")]
     assert len(forward) > 5
+
+
+def test_a_mask_job_failing_between_the_parts_ends_only_its_request(art, device, monkeypatch):
+    """The grammars' worker fails inside a late decode call (after its forward part ran): the
+    json_schema request ends with the error after its first token, the free one beside it gets
+    the tokens it gets alone, and the engine then serves a json_schema request whole."""
+    pytest.importorskip("llguidance")
+    import threading
+
+    from rvcompile.runtime.constraints import Grammars
+
+    fill_call = Grammars._fill_call
+
+    def broken_on_the_worker(self, matchers):
+        out, compute = fill_call(self, matchers)
+
+        def run():
+            if threading.current_thread().name.startswith("rvrun-masks"):
+                raise RuntimeError("llguidance broke")
+            compute()
+        return out, run
+
+    ex, events = recorded(device)
+    m = Model(art, ex)
+    prompt = m.encode("In the beginning God created")
+    free = Request("free", prompt, 6, Sampling(1.0, 0, 1.0, 9))
+    alone = _run(m, [free])["free"]
+    monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+    m.engine.add(Request("json", prompt, 40, Sampling(1.0, 0, 1.0, 40),
+                         constraint=Constraint.json_schema(SCHEMA)))
+    m.engine.add(free)
+    outs: dict[str, list] = {"json": [], "free": []}
+    while m.engine.has_work():
+        for o in m.engine.step():
+            outs[o.id].append(o)
+    assert [o.finished for o in outs["json"]] == [False, True]
+    assert outs["json"][-1].finish_reason == "error"
+    assert "llguidance broke" in outs["json"][-1].error
+    assert [t for o in outs["free"] for t in o.token_ids] == alone
+    assert ("forward", "sampled_decode_2") in events
+    monkeypatch.undo()
+    got = _run(m, [Request("json", prompt, 40, Sampling(1.0, 0, 1.0, 40),
+                           constraint=Constraint.json_schema(SCHEMA))])["json"]
+    assert set(json.loads(m.decode(got))) == {"a", "b"}
+    assert m.engine.stats().kv_used == {k: 0 for k in ex.kinds}
 
 
 # ---------------------------------------------------------------- GPU
