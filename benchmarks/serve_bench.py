@@ -148,6 +148,8 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         step_s, executor_s = (d["rvrun_engine_step_seconds_total"],
                               d["rvrun_engine_executor_seconds_total"])
         engine = {"steps": steps, "step_s": step_s, "executor_s": executor_s,
+                  "packed_prefills": d["rvrun_engine_packed_prefills_total"],
+                  "mixed_calls": d["rvrun_engine_mixed_calls_total"],
                   "executor_share": executor_s / wall, "engine_host_share":
                   (step_s - executor_s) / wall, "ms_per_step": step_s / steps * 1e3
                   if steps else 0.0}
@@ -164,7 +166,8 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
 
 ENGINE_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total",
                    "rvrun_grammar_mask_wait_seconds_total", "rvrun_engine_steps_total",
-                   "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total")
+                   "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total",
+                   "rvrun_engine_packed_prefills_total", "rvrun_engine_mixed_calls_total")
 
 
 def engine_counters(url: str) -> dict[str, float] | None:
