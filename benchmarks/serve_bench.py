@@ -141,24 +141,24 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     masks = engine = None
     if before is not None:  # rvrun's own counters
         after = engine_counters(url)
-        d = {k: after[k] - before[k] for k in after if k in before}
-        host_s, n, wait_s = (d[f"rvrun_grammar_mask{x}_total"]
-                                    for x in ("_seconds", "s", "_wait_seconds"))
+        d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+        host_s, n, wait_s, late_s = (d[f"rvrun_grammar_mask{x}_total"] for x in (
+            "_seconds", "s", "_wait_seconds", "_late_wait_seconds"))
         steps = d["rvrun_engine_steps_total"]
         step_s, executor_s = (d["rvrun_engine_step_seconds_total"],
                               d["rvrun_engine_executor_seconds_total"])
         engine = {"steps": steps, "step_s": step_s, "executor_s": executor_s,
+                  "packed_prefills": d["rvrun_engine_packed_prefills_total"],
+                  "mixed_calls": d["rvrun_engine_mixed_calls_total"],
                   "executor_share": executor_s / wall, "engine_host_share":
                   (step_s - executor_s) / wall, "ms_per_step": step_s / steps * 1e3
                   if steps else 0.0}
         masks = {"masks": n, "host_s": host_s, "us_per_mask": host_s / n * 1e6 if n else 0.0,
                  "wait_s": wait_s, "steps": steps,
                  "host_ms_per_step": host_s / steps * 1e3 if steps else 0.0,
-                 "wait_ms_per_step": wait_s / steps * 1e3 if steps else 0.0}
-        if LATE_WAIT in d:  # servers since late masks: the wait hidden behind forward passes
-            late_s = d[LATE_WAIT]
-            masks.update(late_wait_s=late_s,
-                         late_wait_ms_per_step=late_s / steps * 1e3 if steps else 0.0)
+                 "wait_ms_per_step": wait_s / steps * 1e3 if steps else 0.0,
+                 "late_wait_s": late_s,
+                 "late_wait_ms_per_step": late_s / steps * 1e3 if steps else 0.0}
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(ok),
             "grammar_masks": masks, "engine": engine,
             "errors": sorted({r.error for r in results if not r.ok})[:3], "wall_s": wall,
@@ -168,19 +168,16 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
 
 ENGINE_COUNTERS = ("rvrun_grammar_mask_seconds_total", "rvrun_grammar_masks_total",
                    "rvrun_grammar_mask_wait_seconds_total", "rvrun_engine_steps_total",
-                   "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total")
-
-
-# seconds the engine waited for masks inside decode calls, while their forward pass ran (not in
-# rvrun_grammar_mask_wait_seconds); servers before late masks lack it
-LATE_WAIT = "rvrun_grammar_mask_late_wait_seconds_total"
+                   "rvrun_engine_step_seconds_total", "rvrun_engine_executor_seconds_total",
+                   "rvrun_engine_packed_prefills_total", "rvrun_engine_mixed_calls_total",
+                   "rvrun_grammar_mask_late_wait_seconds_total")
 
 
 def engine_counters(url: str) -> dict[str, float] | None:
     """rvrun's engine counters at /metrics (ENGINE_COUNTERS: host seconds computing grammar
     masks, masks, seconds the engine waited for them, engine steps, seconds inside steps and,
-    of them, inside executor calls; LATE_WAIT where the server has it); None for other
-    servers."""
+    of them, inside executor calls, packed prefills, mixed calls, and seconds waited for
+    masks inside decode calls while their forward pass ran); None for other servers."""
     try:
         text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -188,9 +185,9 @@ def engine_counters(url: str) -> dict[str, float] | None:
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ENGINE_COUNTERS or name == LATE_WAIT:
+        if name in ENGINE_COUNTERS:
             values[name] = float(value)
-    if not all(k in values for k in ENGINE_COUNTERS):
+    if len(values) != len(ENGINE_COUNTERS):
         return None
     return values
 
@@ -254,9 +251,8 @@ def main() -> None:
             g = level["grammar_masks"]
             print(f"     grammar masks: {g['masks']:.0f}, {g['us_per_mask']:.0f} us each on "
                   f"the host; per engine step {g['host_ms_per_step']:.2f} ms computing, "
-                  f"{g['wait_ms_per_step']:.2f} ms waited for ({g['steps']:.0f} steps)"
-                  + (f", {g['late_wait_ms_per_step']:.2f} ms waited during forward passes"
-                     if "late_wait_s" in g else ""))
+                  f"{g['wait_ms_per_step']:.2f} ms waited for, {g['late_wait_ms_per_step']:.2f}"
+                  f" ms more while forward passes ran ({g['steps']:.0f} steps)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -32,7 +32,12 @@ write), returning tokens [K, B], logits and states; its decode and verify entrie
 each row's state [rows, H] (what a draft call starts from). Version 10 adds the speculative
 ratio rule: the `ratio` region (RatioIo), where the draft entries leave their logits and
 sampling records, and io field ratio_lanes, naming the verify lanes whose tokens the decode and
-verify entries rewrite by the rule (targets/h100/ratio.py). Before a call the
+verify entries rewrite by the rule (targets/h100/ratio.py). With `prefill_packing` a schedule
+may have `mixed_{P}_{B}` entries (any version; a reader that predates them refuses their names):
+P rows launched as prefill_{P}'s (packed chunks, their S sampled rows), then B lanes launched as
+decode_{B}'s, in one call whose linears read the weights once for both; io "last_row" holds
+S + B values (the lanes' rows P, P + 1, ... after the S sequences'), out_tokens S + B (a CUDA
+graph; no sampler extras, no decode loop). Before a call the
 host fills the io fields for the entry's rows: tokens, positions (-1 = padding), seq_len (keys a
 row sees), one block-table row per token row and KV kind, the prefill's last real row of each
 sequence, the sampling parameters (a prefill's: row i for its i-th sequence); afterwards it reads
@@ -141,7 +146,13 @@ IO_DTYPES = ("int32", "float32")
 IO_FIELDS = {"tokens": "int32", "positions": "int32", "seq_len": "int32", "last_row": "int32",
              "temperature": "float32", "top_k": "int32", "top_p": "float32", "seed": "int32",
              "step": "int32"}
-ENTRY_KINDS = ("decode", "prefill", "logits", "verify", "draft")
+ENTRY_KINDS = ("decode", "prefill", "logits", "verify", "draft", "mixed")
+
+
+def mixed_shape(name: str) -> tuple[int, int] | None:
+    """(P, B) of a mixed entry's name, mixed_P_B; None for another name."""
+    m = re.fullmatch(r"mixed_([1-9][0-9]{0,6})_([1-9][0-9]{0,6})", name)
+    return (int(m[1]), int(m[2])) if m else None
 # the draft entries' io fields (version 9): float32 [max_seqs, H] and int32 [K, max_seqs]
 DRAFT_IO_FIELDS = {"draft_state": "float32", "draft_step": "int32"}
 # version 10: the ratio rule's lanes, int32 [max_seqs, RATIO_LANE_WORDS] ({row0, n, q_at,
@@ -371,6 +382,11 @@ class KernelSchedule:
         """Rows each prefill entry samples (and io "last_row" values it reads)."""
         return self.prefill_packing.seqs if self.prefill_packing else 1
 
+    @property
+    def mixed_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(P, B) of every mixed entry, sorted."""
+        return tuple(sorted(filter(None, map(mixed_shape, self.entries))))
+
     def to_json(self) -> dict:
         d = asdict(self)
         del d["params_templates"]
@@ -520,6 +536,7 @@ def _parse(s: At) -> KernelSchedule:
               f"the widest verify entry (max_seqs x {drafts + 1} rows)")
     elif rows["verify"]:
         s["entries"].fail(f"has verify entries (rows {rows['verify']}) but no draft_tokens")
+    lanes = _mixed(s["entries"], entries, packing, rows)
     max_rows = max(e.rows for e in entries.values())
     tables = {k.io_field: k.table_width for k in kv.kinds}
     io_at = s["io"]
@@ -528,7 +545,7 @@ def _parse(s: At) -> KernelSchedule:
         if name not in io:
             io_at.fail(f"missing required io field {name!r}")
         f = io[name]
-        rows_needed = seqs if name == "last_row" else max_rows
+        rows_needed = seqs + lanes if name == "last_row" else max_rows
         per_row = (tables[name],) if name in tables else ()
         if f.dtype != dtype or f.shape[0] < rows_needed or f.shape[1:] != per_row:
             io_at[name].fail(f"expected {dtype} of shape {[rows_needed, *per_row]} (or more "
@@ -542,6 +559,8 @@ def _parse(s: At) -> KernelSchedule:
         sampled = e.name.startswith(SAMPLED)
         kind = e.name.removeprefix(SAMPLED).split("_")[0]
         m = e.rows if kind in ("decode", "verify") else seqs
+        if kind == "mixed":
+            m = seqs + mixed_shape(e.name)[1]
         want = ([("logits", "float32", (e.rows, vocab))] if kind == "logits"
                 else [("out_tokens", "int32", (m,))])
         if kind == "draft":
@@ -627,6 +646,21 @@ def _ratio(s: At, io: dict[str, Field], version: int, sampler: SamplerIo | None,
     if q.offset < dist.offset + dist.nbytes and dist.offset < q.offset + q.nbytes:
         fields_at.fail("draft_q and draft_dist overlap")
     return RatioIo(offset, nbytes, fields)
+
+
+def _mixed(at: At, entries: dict[str, EntryPoint], packing: PrefillPacking | None,
+           rows: dict[str, list[int]]) -> int:
+    """Checks the mixed entries (mixed_P_B: a packed prefill_P's rows, then decode_B's lanes;
+    only with prefill_packing, P of a prefill entry from min_rows, B of a decode entry) and
+    returns the most lanes one has (0: none)."""
+    shapes = [mixed_shape(name) for name in entries if name.startswith("mixed_")]
+    for p, b in shapes:
+        if packing is None or p not in rows["prefill"] or p < packing.min_rows \
+                or b not in rows["decode"]:
+            at[f"mixed_{p}_{b}"].fail(
+                "a mixed entry needs prefill_packing, a prefill entry of its P rows (from "
+                "min_rows on) and a decode entry of its B lanes")
+    return max((b for _, b in shapes), default=0)
 
 
 def _prefill_packing(s: At, max_seqs: int, max_chunk: int) -> PrefillPacking | None:
@@ -815,13 +849,15 @@ def _entry(at: At, key: str, cubins: dict[str, Cubin], arena_bytes: int, pools: 
            templates: dict[str, ParamsTemplate], version: int) -> EntryPoint:
     m = re.fullmatch(r"(?:sampled_(?=decode|prefill))?(decode|prefill|logits|verify|draft)_"
                      r"([1-9][0-9]{0,6})", key)
-    if not m:
+    mixed = mixed_shape(key)
+    if not (m or mixed):
         at.fail("an entry point is named decode_N, prefill_N, logits_N, verify_N, draft_N, "
-                "sampled_decode_N or sampled_prefill_N")
+                "sampled_decode_N, sampled_prefill_N or mixed_P_B")
+    want = sum(mixed) if mixed else int(m[2])
     name = at["name"].str()
     rows = at["rows"].int(1, MAX_ROWS)
-    if name != key or rows != int(m[2]):
-        at.fail(f"entry {key} must be named {key} with {m[2]} rows, not {name!r} with {rows}")
+    if name != key or rows != want:
+        at.fail(f"entry {key} must be named {key} with {want} rows, not {name!r} with {rows}")
     ranges = {"ptr": (0, arena_bytes - 1), "null": (0, 0), "pool": (0, pools - 1),
               "i32": (INT32_MIN, INT32_MAX),
               "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-FLOAT32_MAX, FLOAT32_MAX)}

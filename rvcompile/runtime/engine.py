@@ -13,7 +13,9 @@ tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When 
 sequence decodes past its recomputed tokens and nobody waits to join, the step is one
 decode_many call instead (where the executor offers it): up to decode_loop_steps tokens per
 sequence, the same tokens. A finished or aborted request's blocks go back to the pool in the
-same step.
+same step. Where the executor has mixed calls (executor_api, "Mixed calls"), a step's last
+prefill pack runs in its decode call, so prompts ride along the lanes' read of the weights;
+neither call's tokens change.
 
 Speculative decoding (a request's `speculation`, runtime/speculative.py; executor_api's
 speculative contract): a speculating sequence runs every token past its prompt through the
@@ -97,6 +99,7 @@ from rvcompile.runtime.executor_api import (
     decode_loop_steps,
     has_drafter,
     max_draft_tokens,
+    mixes_decode,
     packs_prefill,
     takes_late_masks,
     top_logprobs,
@@ -162,6 +165,7 @@ class EngineStats:
     accepted: int = 0  # of them, accepted
     verify_calls: int = 0  # verify calls run
     packed_prefills: int = 0  # prefill calls that ran several sequences' chunks
+    mixed_calls: int = 0  # calls that ran prompt chunks and decode lanes together
     mask_s: float = 0.0  # host seconds spent computing grammar masks (on the worker or not)
     mask_rows: int = 0  # masks computed (about one per constrained sequence per sampling step)
     mask_wait_s: float = 0.0  # of the steps' time, seconds spent waiting for masks (not hidden)
@@ -282,6 +286,7 @@ class Engine:
         self._order = itertools.count()
         self.steps = self.preemptions = 0
         self.drafted = self.accepted = self.verify_calls = self.packed_prefills = 0
+        self.mixed_calls = 0
         # Where a step's time goes (EngineStats): step_s - executor_s is the engine's own host
         # work, which keeps the device idle unless the executor call is still running.
         self.step_s = self.executor_s = 0.0
@@ -330,7 +335,8 @@ class Engine:
                            s.prefix.queried, s.prefix.hit, self.preemptions, self.steps,
                            drafted=self.drafted, accepted=self.accepted,
                            verify_calls=self.verify_calls,
-                           packed_prefills=self.packed_prefills, mask_s=self.mask_s,
+                           packed_prefills=self.packed_prefills,
+                           mixed_calls=self.mixed_calls, mask_s=self.mask_s,
                            mask_rows=self.mask_rows, mask_wait_s=self.mask_wait_s,
                            mask_late_wait_s=self.mask_late_wait_s,
                            step_s=self.step_s, executor_s=self.executor_s)
@@ -668,10 +674,28 @@ class Engine:
             if self._live.get(live.seq.id) is live:
                 outputs.append(self._fail(live, error))
 
+    def _mixable(self, packs: list[list[Work]], decodes: list[Work]) -> bool:
+        """Whether the last prefill pack rides along the decode call (executor_api, "Mixed
+        calls"): neither has extras and the executor has a call for them."""
+        return bool(packs and decodes and mixes_decode(self.executor)
+                    and not any(self._live[w.seq.id].extras for w in decodes)
+                    and all(w.chunk.extras is None for w in packs[-1])
+                    and self.executor.mixes([w.chunk for w in packs[-1]], len(decodes)))
+
+    def _prefill_decode(self, parts: tuple[list[Work], list[Work]]) -> list[Sampled]:
+        pack, decodes = parts
+        self.mixed_calls += 1
+        tokens = self.executor.prefill_decode([w.chunk for w in pack],
+                                              [w.chunk for w in decodes])
+        return [Sampled(t) for t in (*tokens[0], *tokens[1])]
+
     def _run(self, sched: Schedule, outputs: list[RequestOutput]) -> None:
-        """The schedule's prefill calls, then its decode call; each token through advance."""
+        """The schedule's prefill calls, then its decode call; each token through advance.
+        Where the executor mixes, the last prefill pack runs in the decode call."""
         done: list[tuple[Work, Sampled]] = []
-        for pack in self._packs(self._ready(sched.prefills, outputs)):
+        packs = self._packs(self._ready(sched.prefills, outputs))
+        mixed = packs.pop() if self._mixable(packs, sched.decodes) else None
+        for pack in packs:
             if len(pack) > 1:
                 done += self._guarded("prefill", pack, outputs, _pairs, pack,
                                       self._timed(self._prefill_packed),
@@ -683,7 +707,11 @@ class Engine:
                 done.append((w, token))
         late = self._takes_late(sched.decodes)
         decodes = self._ready(sched.decodes, outputs, late)
-        if decodes:
+        if mixed is not None:  # without extras, _ready has ended none of them (nor is late)
+            works = [*mixed, *decodes]
+            done += self._guarded("prefill and decode", works, outputs, _pairs, works,
+                                  self._timed(self._prefill_decode), (mixed, decodes)) or []
+        elif decodes:
             tokens = self._guarded("decode", decodes, outputs, _pairs, decodes,
                                    self._timed(lambda ws: self._decode_lanes(ws, late)), decodes)
             done += tokens or []

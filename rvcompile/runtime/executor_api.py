@@ -27,6 +27,13 @@ wide call. The executor promises that each chunk's rows compute bit for bit as i
 call `prefill` would run it in (its SeqChunk.rows), so packing changes no recipe; `packed_rows`
 says whether chunks can share a call and how many rows they need. Chunks with extras run alone.
 
+Mixed calls (optional, `mixes_decode(executor)`; issue 14): `prefill_decode` runs packed
+prompt chunks and a step's decode lanes in one call, so the chunks ride along the lanes' read
+of the weights. The executor promises that the chunks compute bit for bit as `prefill_packed`
+runs them and the lanes as `decode` does, so mixing changes no token; `mixes(chunks, lanes)`
+says whether a call takes them (only some decode widths have mixed calls). Neither the chunks
+nor the lanes may carry extras.
+
 Sampler extras (optional, `top_logprobs(executor)` > 0; issue 16): `prefill_sampled` and
 `decode_sampled` apply a chunk's SampleExtras (penalties, a token mask) before sampling and
 return the token's log-probability and the top ones; neutral extras sample what `prefill` and
@@ -390,6 +397,24 @@ class PackingExecutor(Executor, Protocol):
     def prefill_packed(self, chunks: Sequence[SeqChunk]) -> list[int]:
         """Run the chunks (of different sequences) in one call; each one's sampled token."""
         ...
+
+
+class MixingExecutor(PackingExecutor, Protocol):
+    """An executor that runs packed prompt chunks and decode lanes in one call."""
+
+    def mixes(self, chunks: Sequence[SeqChunk], lanes: int) -> bool:
+        """Whether one prefill_decode call takes these chunks and that many decode lanes."""
+        ...
+
+    def prefill_decode(self, chunks: Sequence[SeqChunk],
+                       lanes: Sequence[SeqChunk]) -> tuple[list[int], list[int]]:
+        """Run the chunks and the lanes in one call: each chunk's and each lane's token."""
+        ...
+
+
+def mixes_decode(executor: Executor) -> bool:
+    """Whether the executor offers prefill_decode."""
+    return callable(getattr(executor, "prefill_decode", None))
 
 
 def packs_prefill(executor: Executor) -> bool:

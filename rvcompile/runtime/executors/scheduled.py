@@ -117,6 +117,7 @@ class ScheduledExecutor:
         self._runs = 0  # entries run so far: a DeviceRows reads only until the next one
         self.prefill_packing = s.prefill_packing  # None: one sequence per prefill call
         self.prefill_seqs = s.prefill_seqs
+        self.mixed_shapes = s.mixed_shapes  # (P, B) of the mixed entries (prefill_decode)
         # the ratio region (version 10) holds the last draft call's distributions: a
         # ScheduleDraftProbs is good until the next draft call
         self.has_ratio = s.ratio is not None
@@ -249,6 +250,65 @@ class ScheduledExecutor:
         if t is None:
             raise ValueError(f"packed chunks need {need} rows; the largest prefill entry has "
                              f"{self.prefill_buckets[-1]}")
+        toks, pos, chunk_of_row, last = self._packed_rows_io(chunks, t)
+        sample_of_row = np.minimum(np.arange(t), len(chunks) - 1)
+        io = self._io(t, chunks, toks, pos, chunk_of_row, last_rows=last,
+                      sample_of_row=sample_of_row)
+        got = self._call(f"prefill_{t}", io, "out_tokens", len(chunks), np.int32)
+        return [int(x) for x in got]
+
+    def mixed_entry(self, chunks: Sequence[SeqChunk], lanes: int) -> tuple[int, int] | None:
+        """(P, B) of the smallest mixed entry taking the chunks packed and `lanes` lanes (the
+        decode width decode would run them at), or None."""
+        b = next((x for x in self.decode_buckets if x >= lanes), None)
+        try:
+            need = self.packed_rows(chunks)
+        except ValueError:  # too many chunks, or a chunk of a small entry
+            return None
+        return next(((p, w) for p, w in self.mixed_shapes
+                     if w == b and p >= need and lanes > 0), None)
+
+    def mixes(self, chunks: Sequence[SeqChunk], lanes: int) -> bool:
+        return self.mixed_entry(chunks, lanes) is not None
+
+    def prefill_decode(self, chunks: Sequence[SeqChunk],
+                       lanes: Sequence[SeqChunk]) -> tuple[list[int], list[int]]:
+        """Packed prompt chunks (rows 0..P-1, laid out as prefill_packed lays them) and decode
+        lanes (rows P..P+B-1, as decode lays them) in one mixed_{P}_{B} call (executor_api,
+        "Mixed calls")."""
+        shape = self.mixed_entry(chunks, len(lanes))
+        if shape is None:
+            raise ValueError(f"no mixed entry takes {len(chunks)} chunks of "
+                             f"{[len(c.tokens) for c in chunks]} tokens and {len(lanes)} lanes")
+        p, b = shape
+        s = self.prefill_seqs
+        toks, pos, chunk_of_row, last = self._packed_rows_io(chunks, p)
+        lane_toks, lane_pos = self._lane_rows(lanes, b)
+        n = len(chunks)
+        lane_of_row = n + np.minimum(np.arange(b), len(lanes) - 1)
+        io = self._io(p + b, [*chunks, *lanes], np.concatenate([toks, lane_toks]),
+                      np.concatenate([pos, lane_pos]),
+                      np.concatenate([chunk_of_row, lane_of_row]),
+                      last_rows=np.concatenate([last, p + np.arange(b, dtype=np.int32)]),
+                      sample_of_row=np.concatenate([np.minimum(np.arange(s), n - 1),
+                                                    lane_of_row]))
+        got = self._call(f"mixed_{p}_{b}", io, "out_tokens", s + b, np.int32)
+        return [int(x) for x in got[:n]], [int(x) for x in got[s:s + len(lanes)]]
+
+    def _lane_rows(self, lanes: Sequence[SeqChunk], b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and positions of `b` decode rows holding these lanes (padding: -1)."""
+        toks = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        for i, lane in enumerate(lanes):
+            if len(lane.tokens) != 1:
+                raise ValueError("a decode lane runs exactly one token")
+            toks[i], pos[i] = lane.tokens[0], lane.start
+        return toks, pos
+
+    def _packed_rows_io(self, chunks: Sequence[SeqChunk], t: int):
+        """Tokens, positions, chunk of each row and io last_row [S] of `t` rows holding the
+        chunks packed (each from a multiple of the packing's align)."""
+        p = self.prefill_packing
         toks = np.zeros(t, np.int32)
         pos = np.full(t, -1, np.int32)
         chunk_of_row = np.zeros(t, np.int64)
@@ -262,11 +322,7 @@ class ScheduledExecutor:
             chunk_of_row[row:] = i
             last[i] = row + n - 1
             row += n
-        sample_of_row = np.minimum(np.arange(t), len(chunks) - 1)
-        io = self._io(t, chunks, toks, pos, chunk_of_row, last_rows=last,
-                      sample_of_row=sample_of_row)
-        got = self._call(f"prefill_{t}", io, "out_tokens", len(chunks), np.int32)
-        return [int(x) for x in got]
+        return toks, pos, chunk_of_row, last
 
     def _decode_io(self, lanes: Sequence[SeqChunk]) -> tuple[int, bytes]:
         """(the width, the io) of a decode call of these lanes."""
@@ -274,12 +330,7 @@ class ScheduledExecutor:
             raise ValueError(f"{len(lanes)} decode lanes; the schedule takes 1.."
                              f"{self.max_seqs}")
         b = next(x for x in self.decode_buckets if x >= len(lanes))
-        toks = np.zeros(b, np.int32)
-        pos = np.full(b, -1, np.int32)
-        for i, lane in enumerate(lanes):
-            if len(lane.tokens) != 1:
-                raise ValueError("a decode lane runs exactly one token")
-            toks[i], pos[i] = lane.tokens[0], lane.start
+        toks, pos = self._lane_rows(lanes, b)
         chunk_of_row = np.minimum(np.arange(b), len(lanes) - 1)
         return b, self._io(b, lanes, toks, pos, chunk_of_row)
 

@@ -286,6 +286,12 @@ class _EngineCollector:
                                   "decode calls, while their forward pass ran on the device "
                                   "(hidden as far as it lasted)", value=s.mask_late_wait_s)
         yield CounterMetricFamily("rvrun_engine_steps", "Engine steps run", value=s.steps)
+        yield CounterMetricFamily("rvrun_engine_packed_prefills",
+                                  "Prefill calls that ran several sequences' prompt chunks",
+                                  value=s.packed_prefills)
+        yield CounterMetricFamily("rvrun_engine_mixed_calls",
+                                  "Calls that ran prompt chunks and decode lanes together",
+                                  value=s.mixed_calls)
         yield CounterMetricFamily("rvrun_engine_step_seconds", "Wall time inside engine steps",
                                   value=s.step_s)
         yield CounterMetricFamily("rvrun_engine_executor_seconds",

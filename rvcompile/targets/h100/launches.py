@@ -102,6 +102,33 @@ class _Val:
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """An attention's per-row buffers, addressed from a row on: q (`q_size` bytes an element),
+    the block tables (`width` int32 a row), the float32 output and its bf16 copy (None in a
+    float32 plan), `cols` = heads x head_dim elements a row."""
+
+    q_buf: Ref
+    table_buf: Ref
+    width: int
+    out_buf: Ref
+    out_bf16_buf: Ref | None
+    cols: int
+    q_size: int
+
+    def q(self, row: int) -> Ref:
+        return self.q_buf.at(row * self.cols * self.q_size)
+
+    def table(self, row: int) -> Ref:
+        return self.table_buf.at(row * self.width * 4)
+
+    def out(self, row: int) -> Ref:
+        return self.out_buf.at(row * self.cols * 4)
+
+    def out_bf16(self, row: int) -> Ref | None:
+        return None if self.out_bf16_buf is None else self.out_bf16_buf.at(row * self.cols * 2)
+
+
+@dataclass(frozen=True)
 class _At:
     """The node being lowered, in its graph and layer, with the values of the nodes before it."""
 
@@ -146,7 +173,7 @@ class EntryLowering:
     def __init__(self, ir: ModelIR, kind: str, rows: int, consts: Constants,
                  pools: dict[int, Pool], tp: RankPlan | None = None, *,
                  sampled: bool = False, decode_loop_steps: int = 0, states: bool = False,
-                 ratio_lanes: int = 0, prefill_seqs: int = 1):
+                 ratio_lanes: int = 0, prefill_seqs: int = 1, prefill_rows: int = 0):
         """`sampled`: the sampler's extras around the sampling (sample.py); `prefill_seqs` S
         (prefill entries): the head and sampler run S rows, the io "last_row" [S] of each
         sequence the call packs (-1: none), sampled by the io sampling fields' rows 0..S-1;
@@ -156,9 +183,16 @@ class EntryLowering:
         with an assistant drafter): also output "states", every row's final-normed hidden state
         (float32 [rows, H], the drafter's first state: DraftIR.hidden); `ratio_lanes` > 0 (the
         same entries, schedule version 10): the pick also writes its records and spec_ratio
-        applies the ratio rule to the first that many lanes of io "ratio_lanes" (ratio.py)."""
+        applies the ratio rule to the first that many lanes of io "ratio_lanes" (ratio.py);
+        `prefill_rows` P (kind "mixed", with prefill_seqs S): rows 0..P-1 run as a prefill entry
+        of P rows (packed chunks, its attention and its S sampled rows), rows P..rows-1 as the
+        lanes of a decode entry of rows - P rows (theirs, each sampled); io "last_row" [S + B]
+        names the head's rows, the S sequences' last rows then P, P + 1, ... (the lanes)."""
         self.ir, self.kind, self.m = ir, kind, rows
         self.prefill_seqs = prefill_seqs
+        self.prefill_rows = prefill_rows
+        if (kind == "mixed") != (0 < prefill_rows < rows):
+            raise LoweringError(f"a {kind} entry of {rows} rows with {prefill_rows} prefill rows")
         # rows of a prefill attention tile (its rows share a block-table row): where a packed
         # sequence's rows must start (kernel_schedule.PrefillPacking.align)
         self.prefill_align = 1
@@ -212,7 +246,8 @@ class EntryLowering:
         self.walk(self.ir.sampler, None, {"logits": logits})
         # Decode and prefill replay as CUDA graphs (hundreds of launches each, every step or
         # prompt chunk); the logits entry (perplexity, rare) launches its kernels one by one.
-        return EntryPlan(name, self.m, self.kind in ("decode", "prefill"), tuple(self.launches),
+        return EntryPlan(name, self.m, self.kind in ("decode", "prefill", "mixed"),
+                         tuple(self.launches),
                          self.sizes, self.outputs)
 
     def final_states(self) -> None:
@@ -442,8 +477,8 @@ class EntryLowering:
         rows_out = sum(self.specs[v].shape[0] for v in values)
         k = self.specs[values[0]].shape[1]
         x_ref, m = x.lin, self.m
-        if at.g is self.ir.head and self.kind == "prefill":
-            x_ref, m = self.select_last_rows(x.lin, k), self.prefill_seqs
+        if at.g is self.ir.head and self.kind in ("prefill", "mixed"):
+            x_ref, m = self.select_last_rows(x.lin, k), self.sample_rows
         w = Ref("weights", values[0])
         scale = Ref("weights", scales[0]) if scales else None
         if self.tp is not None and at.g is self.ir.head:
@@ -478,8 +513,18 @@ class EntryLowering:
         else:
             self.gemv(x, w, scale, y, m, n, k)
 
+    @property
+    def sample_rows(self) -> int:
+        """Rows the head and sampler run: a prefill entry's S sequences, a mixed entry's S and
+        its lanes, every row of the others."""
+        if self.kind == "prefill":
+            return self.prefill_seqs
+        if self.kind == "mixed":
+            return self.prefill_seqs + self.m - self.prefill_rows
+        return self.m
+
     def select_last_rows(self, x: Ref, hdim: int) -> Ref:
-        s = self.prefill_seqs
+        s = self.sample_rows
         out = self.buffer(s * hdim * self.lin_size)
         entry = rows.SELECT_F32_ENTRY if self.f32 else rows.SELECT_ENTRY
         self.emit(entry, rows.select_geometry(s, hdim), src=x, rows=Ref("io", "last_row"),
@@ -552,41 +597,63 @@ class EntryLowering:
         window = a.window - self.key_lag if a.window else 0
         out = self.buffer(self.m * nh * d * 4)
         out_bf16 = None if f32 else self.buffer(self.m * nh * d * 2)
-        # One sequence's chunk: the flash-style kernel (bf16/e4m3 only); a float32 plan runs the
-        # decode kernel, each row its own query (seq_len = position + 1, its own table row).
-        if self.kind in ("prefill", "logits") and self.m > 1 and not f32:
-            geometry = attn_prefill.geometry(self.m, kh, d, nh // kh, a.k_eq_v)
-            self.prefill_align = max(self.prefill_align, attn_prefill.tile_tokens(d, nh // kh))
-            if a.k_eq_v:
-                self.emit(attn_prefill.entry_keqv(d, nh // kh, kv_dtype), geometry,
-                          q=q_out, base=k_pool, table=table, ring=width,
-                          positions=Ref("io", "positions"), window=window, kv_heads=kh,
-                          rows=self.m, wk=wkv, inv_freq=inv_freq, out=out, out_bf16=out_bf16)
-            else:
-                self.emit(attn_prefill.entry(d, nh // kh, kv_dtype), geometry,
-                          q=q_out, kc=k_pool, vc=v_pool, table=table, ring=width,
-                          positions=Ref("io", "positions"), window=window, kv_heads=kh,
-                          rows=self.m, out=out, out_bf16=out_bf16)
-            return _Val(d, f32=out, lin=out_bf16)
-        keys = min(self.ir.max_context, a.window or self.ir.max_context)
-        splits = attn_decode.num_splits(self.m, kh, keys, SM_COUNT)
-        part_acc = self.buffer(self.m * nh * splits * d * 4)
-        part_ml = self.buffer(self.m * nh * splits * 2 * 4)
-        geometry = attn_decode.split_geometry(self.m, kh, splits)
-        if a.k_eq_v:
-            self.emit(attn_decode.entry_keqv(d, nh // kh, kv_dtype), geometry,
-                      q=q_out, base=k_pool, table=table, max_blocks=width, ring=width,
-                      seq_len=Ref("io", "seq_len"), window=window, kv_heads=kh, wk=wkv,
-                      inv_freq=inv_freq, part_acc=part_acc, part_ml=part_ml)
+        at_rows = _Rows(q_out, table, width, out, out_bf16, nh * d, 4 if f32 else 2)
+        args = dict(a=a, kh=kh, d=d, k_pool=k_pool, v_pool=v_pool, wkv=wkv,
+                    inv_freq=inv_freq, window=window, kv_dtype=kv_dtype)
+        # One sequence's chunk (or a packed prefill's): the flash-style kernel (bf16/e4m3
+        # only); a float32 plan runs the decode kernel, each row its own query (seq_len =
+        # position + 1, its own table row). A mixed entry: its prefill rows the first way, its
+        # decode lanes the second, each launch exactly as in the entry of those rows alone.
+        if self.kind == "mixed":
+            self.prefill_attention(at_rows, 0, self.prefill_rows, **args)
+            self.decode_attention(at_rows, self.prefill_rows, self.m - self.prefill_rows,
+                                  **args)
+        elif self.kind in ("prefill", "logits") and self.m > 1 and not f32:
+            self.prefill_attention(at_rows, 0, self.m, **args)
         else:
-            self.emit(attn_decode.entry(d, nh // kh, kv_dtype), geometry,
-                      q=q_out, kc=k_pool, vc=v_pool, table=table, max_blocks=width, ring=width,
-                      seq_len=Ref("io", "seq_len"), window=window, kv_heads=kh,
-                      part_acc=part_acc, part_ml=part_ml)
-        self.emit(attn_decode.COMBINE_ENTRY, attn_decode.combine_geometry(self.m, nh, d, splits),
-                  part_acc=part_acc, part_ml=part_ml, splits=splits, d=d, out=out,
-                  out_bf16=out_bf16)
+            self.decode_attention(at_rows, 0, self.m, **args)
         return _Val(d, f32=out, lin=out if f32 else out_bf16)
+
+    def prefill_attention(self, x: _Rows, row0: int, rows: int, *, a, kh: int, d: int,
+                          k_pool: Ref, v_pool: Ref | None, wkv: Ref | None, inv_freq: Ref,
+                          window: int, kv_dtype: str) -> None:
+        """attn_prefill over rows row0..row0+rows-1 of the entry."""
+        nh = a.heads
+        geometry = attn_prefill.geometry(rows, kh, d, nh // kh, a.k_eq_v)
+        self.prefill_align = max(self.prefill_align, attn_prefill.tile_tokens(d, nh // kh))
+        common = dict(q=x.q(row0), table=x.table(row0), ring=x.width,
+                      positions=Ref("io", "positions").at(row0 * 4), window=window,
+                      kv_heads=kh, rows=rows, out=x.out(row0), out_bf16=x.out_bf16(row0))
+        if a.k_eq_v:
+            self.emit(attn_prefill.entry_keqv(d, nh // kh, kv_dtype), geometry, base=k_pool,
+                      wk=wkv, inv_freq=inv_freq, **common)
+        else:
+            self.emit(attn_prefill.entry(d, nh // kh, kv_dtype), geometry, kc=k_pool,
+                      vc=v_pool, **common)
+
+    def decode_attention(self, x: _Rows, row0: int, rows: int, *, a, kh: int, d: int,
+                         k_pool: Ref, v_pool: Ref | None, wkv: Ref | None, inv_freq: Ref,
+                         window: int, kv_dtype: str) -> None:
+        """Split-KV attn_decode + combine over rows row0..row0+rows-1 of the entry, split as
+        for an entry of `rows` rows."""
+        nh = a.heads
+        keys = min(self.ir.max_context, a.window or self.ir.max_context)
+        splits = attn_decode.num_splits(rows, kh, keys, SM_COUNT)
+        part_acc = self.buffer(rows * nh * splits * d * 4)
+        part_ml = self.buffer(rows * nh * splits * 2 * 4)
+        geometry = attn_decode.split_geometry(rows, kh, splits)
+        common = dict(q=x.q(row0), table=x.table(row0), max_blocks=x.width, ring=x.width,
+                      seq_len=Ref("io", "seq_len").at(row0 * 4), window=window, kv_heads=kh,
+                      part_acc=part_acc, part_ml=part_ml)
+        if a.k_eq_v:
+            self.emit(attn_decode.entry_keqv(d, nh // kh, kv_dtype), geometry, base=k_pool,
+                      wk=wkv, inv_freq=inv_freq, **common)
+        else:
+            self.emit(attn_decode.entry(d, nh // kh, kv_dtype), geometry, kc=k_pool,
+                      vc=v_pool, **common)
+        self.emit(attn_decode.COMBINE_ENTRY, attn_decode.combine_geometry(rows, nh, d, splits),
+                  part_acc=part_acc, part_ml=part_ml, splits=splits, d=d, out=x.out(row0),
+                  out_bf16=x.out_bf16(row0))
 
     def checked_stores(self, at: _At, kv_heads: int) -> list[Node]:
         """The KV_STOREs an ATTENTION_BLOCK reads (none: KV-shared), checked to be what qkv_post
@@ -787,14 +854,16 @@ class EntryLowering:
         if self.kind == "logits":
             return None
         logits = at.input(0)
-        m, v = (self.prefill_seqs if self.kind == "prefill" else self.m), logits.cols
+        m, v = self.sample_rows, logits.cols
+        cap = self.softcap or 0.0
+        if self.kind == "mixed":
+            return self.sample_parts(logits.f32, m, v, cap)
         plan = sample.plan(m, v, SM_COUNT)
         k = sample.TOP_LOGPROBS
         # sampled: the token, its log-probability and the top ones, side by side (one read)
         ws = self.buffer(plan.workspace)
         out = self.tokens_out or self.buffer(m * 4 * (2 + 2 * k if self.sampled else 1))
         io = {name: Ref("io", name) for name in ("temperature", "top_k", "top_p", "seed", "step")}
-        cap = self.softcap or 0.0
         self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.f32, M=m, V=v, cap=cap,
                   workspace=ws)
         if self.sampled:
@@ -830,6 +899,24 @@ class EntryLowering:
                       history=Ref("io", "loop_tokens"), B=m, L=self.decode_loop_steps)
         return None
 
+
+    def sample_parts(self, logits: Ref, m: int, v: int, cap: float) -> None:
+        """A mixed entry's sampling: its S prefill rows, then its lanes, each part launched as
+        the entry of those rows alone launches it (the filter's chunks depend on the rows)."""
+        out = self.buffer(m * 4)
+        s = self.prefill_seqs
+        for row0, n in ((0, s), (s, m - s)):
+            plan = sample.plan(n, v, SM_COUNT)
+            ws = self.buffer(plan.workspace)
+            io = {name: Ref("io", name).at(row0 * 4)
+                  for name in ("temperature", "top_k", "top_p", "seed", "step")}
+            self.emit(sample.PREPARE_ENTRY, plan.prepare, logits=logits.at(row0 * v * 4),
+                      M=n, V=v, cap=cap, workspace=ws)
+            self.emit(sample.FILTER_ENTRY, plan.filter, M=n, V=v, chunk=plan.chunk,
+                      temperature=io["temperature"], top_k=io["top_k"], workspace=ws)
+            self.emit(sample.PICK_ENTRY, plan.pick, M=n, V=v, **io, workspace=ws,
+                      out=out.at(row0 * 4))
+        self.outputs["out_tokens"] = (out, "int32", (m,))
 
     def ratio_rule(self, plan: sample.Plan, ws: Ref, out: Ref, io: dict[str, Ref]) -> None:
         """The pick with its records, then spec_ratio over the rows (verify's lanes by the

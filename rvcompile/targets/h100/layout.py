@@ -237,12 +237,14 @@ DECODE_LOOP_STEPS = 32
 
 
 def _io_fields(max_rows: int, full: int, ring: int, max_seqs: int,
-               prefill_seqs: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+               last_rows: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {
         "tokens": ("int32", (max_rows,)),
         "positions": ("int32", (max_rows,)),
         "seq_len": ("int32", (max_rows,)),
-        "last_row": ("int32", (prefill_seqs,)),  # each packed sequence's last row, or -1
+        # the rows the head samples: each packed sequence's last row (-1: none), a mixed
+        # call's lanes after them
+        "last_row": ("int32", (last_rows,)),
         "table_full": ("int32", (max_rows, full)),
         "table_ring": ("int32", (max_rows, ring)),
         "temperature": ("float32", (max_rows,)),
@@ -302,20 +304,20 @@ def place(ir: ModelIR, entries: list[EntryPlan], weights: dict[str, WeightSlot],
           max_rows: int, top_logprobs: int = 0,
           extra_io: dict[str, tuple[str, tuple[int, ...]]] | None = None,
           ratio_fields: dict[str, tuple[str, tuple[int, ...]]] | None = None,
-          prefill_seqs: int = 1) -> KernelSchedule:
+          last_rows: int = 1) -> KernelSchedule:
     """The schedule: the fixed part's regions placed one after another, every pointer an arena
     offset but a pool's base, its index in the KV layout's pools (placed at load);
     top_logprobs > 0: with the sample_io region of the sampled entry points; `extra_io`: io
     fields after the others (the draft entries', draft.py), which only the calls that read them
-    write; `ratio_fields`: the ratio region's (draft.py), after sample_io; `prefill_seqs`: the
-    sequences a prefill call packs (io last_row's values)."""
+    write; `ratio_fields`: the ratio region's (draft.py), after sample_io; `last_rows`: the
+    rows a prefill or mixed call's head samples (io last_row's values)."""
     kv_layout, pool_index = _kv_layout(ir, kv)
     offset = weights_bytes
     const_offset = offset
     offset = memory_plan.align(offset + consts.size)
     io_offset = offset
     io: dict[str, Field] = {}
-    fields = {**_io_fields(max_rows, kv.full, kv.ring, max_seqs, prefill_seqs),
+    fields = {**_io_fields(max_rows, kv.full, kv.ring, max_seqs, last_rows),
               **(extra_io or {})}
     for name, (dtype, shape) in fields.items():
         io[name] = Field(offset, dtype, shape)

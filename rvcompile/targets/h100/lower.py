@@ -16,6 +16,10 @@ IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the dec
 entries also output every row's state and apply the speculative ratio rule to the lanes that
 ask for it (ratio.py; schedule version 10).
 
+With prefill packing, `mixed_{P}_{B}` for every packed prefill_{P} and every decode_{B} past
+gemv_mma_fp8's rows (mixed_shapes): P prefill rows and B decode lanes in one call, each part's
+attention and sampling launched as its own entry launches them (launches.py, kind "mixed").
+
 Verify needs no kernels of its own: a decode entry already runs each row at its own position
 with its own block-table row, seq_len and sampling step, and every launch covers all rows
 before the next starts, so rows p..p+k of one sequence work as k + 1 lanes of it: qkv_post
@@ -83,6 +87,20 @@ def packing_rows(ir: ModelIR, max_seqs: int, prefill_buckets: tuple[int, ...],
     return (min(PREFILL_SEQS, max_seqs), rows[0]) if rows else None
 
 
+def mixed_shapes(packing: tuple[int, int] | None, prefill_buckets: tuple[int, ...],
+                 max_seqs: int) -> tuple[tuple[int, int], ...]:
+    """(P, B) of the mixed entries: every packed prefill entry's P rows with every decode
+    width B past gemv_mma_fp8's rows. There, each of the entry's launches computes a row as the
+    prefill_{P} or decode_{B} entry does (the tensor-core GEMM's rows are independent of the
+    row count; attention and sampling run as two launches, one per part), so a step's prompt
+    chunks ride along its decode lanes' read of the weights without changing a bit of
+    either; narrower decode entries run gemv_mma_fp8, whose bits differ from the GEMM's."""
+    if packing is None:
+        return ()
+    return tuple((p, b) for p in sorted(set(prefill_buckets)) if p >= packing[1]
+                 for b in decode_buckets(max_seqs) if b > gemv_mma_fp8.MAX_ROWS)
+
+
 def verify_buckets(max_seqs: int, draft_tokens: int) -> tuple[int, ...]:
     """Rows of the verify entries beyond the decode entries: max_seqs times 2, 4, ... below
     K + 1, and max_seqs * (K + 1); () without drafts."""
@@ -118,6 +136,8 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                             "(--tp 1)")
     packing = packing_rows(ir, max_seqs, prefill_buckets, tp)
     seqs = packing[0] if packing else 1
+    # a drafter's decode entries return states and apply the ratio rule: none mixed with them
+    mixed = () if drafter else mixed_shapes(packing, prefill_buckets, max_seqs)
     # with a drafter, decode and verify entries also output every row's state and apply the
     # ratio rule to their lanes that ask (a lane takes two rows or more)
     lowerings = [(name, EntryLowering(ir, kind, rows, consts, kv.pools, tp,
@@ -128,6 +148,9 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                                       if drafter and kind == "decode" else 0,
                                       prefill_seqs=seqs if kind == "prefill" else 1))
                  for kind, name, rows in entries]
+    lowerings += [(f"mixed_{p}_{b}", EntryLowering(ir, "mixed", p + b, consts, kv.pools,
+                                                   prefill_seqs=seqs, prefill_rows=p))
+                  for p, b in mixed]
     plans = [lowering.run(name) for name, lowering in lowerings]
     extra_io = ratio_io = None
     if drafter:
@@ -143,9 +166,12 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
                                 prefill_seqs=seqs if kind == "prefill" else 1).run(
             f"sampled_{name}") for kind, name, rows in entries
             if name.startswith(("decode_", "prefill_"))]
-    max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify)
+    max_rows = max(max(prefill_buckets), ir.max_chunk, max_seqs, *verify,
+                   *(p + b for p, b in mixed))
+    # io last_row: a prefill call's S sequences, and a mixed call's lanes after them
+    last_rows = seqs + max((b for _, b in mixed), default=0)
     schedule = layout.place(ir, plans, weights, weights_bytes, consts, kv, max_seqs, max_rows,
-                            top, extra_io, ratio_io, seqs)
+                            top, extra_io, ratio_io, last_rows)
     if packing:
         align = max(lowering.prefill_align for _, lowering in lowerings)
         schedule = replace(schedule, prefill_packing=PrefillPacking(seqs, align, packing[1]))
