@@ -182,6 +182,8 @@ def test_json_schema_outputs_are_valid_100_of_100(server):
     assert tokens - 100 <= masks <= tokens + 100
     assert after["rvrun_grammar_mask_seconds_total"] > before["rvrun_grammar_mask_seconds_total"]
     assert "rvrun_grammar_mask_wait_seconds_total" in after
+    # an XLA executor waits before its calls: nothing waited inside them (late masks)
+    assert after["rvrun_grammar_mask_late_wait_seconds_total"] == 0
     assert after["rvrun_engine_steps_total"] > before["rvrun_engine_steps_total"]
     step_s, executor_s = (after[f"rvrun_engine_{x}_seconds_total"]
                           - before[f"rvrun_engine_{x}_seconds_total"] for x in ("step", "executor"))
