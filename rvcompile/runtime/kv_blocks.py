@@ -190,8 +190,12 @@ class PagedKv:
         """Give `seq` blocks for positions [start, end) in every kind, all or nothing. False
         when a pool has too few free blocks (the scheduler then preempts)."""
         bs = self.block_size
-        missing = {name: [j for j in range(start // bs, -(-end // bs)) if j not in held]
-                   for name, held in seq.held.items()}
+        needed = range(start // bs, -(-end // bs))
+        missing = {}
+        for name, held in seq.held.items():
+            js = [j for j in needed if j not in held]
+            if js:  # usually none: a decode step's blocks are held already
+                missing[name] = js
         if any(len(js) > self.pools[name].num_free for name, js in missing.items()):
             return False
         for name, js in missing.items():

@@ -297,12 +297,13 @@ class ScheduledExecutor:
 
     def _lane_rows(self, lanes: Sequence[SeqChunk], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and positions of `b` decode rows holding these lanes (padding: -1)."""
+        if any(len(lane.tokens) != 1 for lane in lanes):
+            raise ValueError("a decode lane runs exactly one token")
         toks = np.zeros(b, np.int32)
         pos = np.full(b, -1, np.int32)
-        for i, lane in enumerate(lanes):
-            if len(lane.tokens) != 1:
-                raise ValueError("a decode lane runs exactly one token")
-            toks[i], pos[i] = lane.tokens[0], lane.start
+        # one conversion each rather than an item assignment per lane (256 lanes a step)
+        toks[:len(lanes)] = [lane.tokens[0] for lane in lanes]
+        pos[:len(lanes)] = [lane.start for lane in lanes]
         return toks, pos
 
     def _packed_rows_io(self, chunks: Sequence[SeqChunk], t: int):
