@@ -325,6 +325,73 @@ def test_engine_thread_hands_over_each_steps_outputs_once():
     assert max(map(len, runs)) == 2  # both requests' outputs of a step, then one flush
 
 
+class HandoffExecutor(FakeExecutor):
+    """FakeExecutor with executor_api's "Handoff": each call calls while_running (once) right
+    after its launch; events record launches, their ends and the engine thread's flushes."""
+
+    while_running = None
+
+    def __init__(self, events: list[tuple[str, int]]):
+        super().__init__()
+        self.events = events
+
+    def _launched(self) -> None:
+        self.events.append(("launch", 0))
+        if self.while_running is not None:
+            handoff, self.while_running = self.while_running, None
+            handoff()
+
+    def prefill(self, chunk: SeqChunk) -> int:
+        self._launched()
+        token = super().prefill(chunk)
+        self.events.append(("done", 0))
+        return token
+
+    def decode(self, lanes) -> list[int]:
+        self._launched()
+        tokens = super().decode(lanes)
+        self.events.append(("done", 0))
+        return tokens
+
+
+def test_engine_thread_hands_outputs_over_while_the_next_call_runs():
+    """With an executor that offers the handoff, a step's after_outputs runs inside the next
+    step's first call, right after its launch (the event loop's work overlaps the device), and
+    after the last step at once: every output is handed over, each step's once."""
+    import threading
+
+    from rvcompile.runtime.engine import EngineThread
+
+    events: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def sink(out):
+        events.append(("out", len(out.token_ids)))
+        if out.finished and out.id == "b":
+            done.set()
+
+    thread = EngineThread(engine(HandoffExecutor(events)), lambda: events.append(("flush", 0)))
+    try:
+        thread.submit(Request("a", [3, 4, 5], 5, ignore_eos=True), sink)
+        thread.submit(Request("b", [6, 7], 5, ignore_eos=True), sink)
+        assert done.wait(10)
+        for _ in range(100):  # the last flush follows the last step's sinks
+            if events[-1][0] == "flush":
+                break
+            threading.Event().wait(0.01)
+    finally:
+        thread.stop()
+    kinds = [k for k, _ in events]
+    flushes = [i for i, k in enumerate(kinds) if k == "flush"]
+    assert kinds[-1] == "flush" and len(flushes) >= 3
+    assert all(kinds[i - 1] == "launch" for i in flushes[:-1])  # inside the next call
+    outs = [i for i, k in enumerate(kinds) if k == "out"]
+    assert all(any(f > i for f in flushes) for i in outs)  # every output handed over
+    # one flush per step that gave outputs: none twice for the same outputs
+    between = "".join("f" if k == "flush" else "o" if k == "out" else "" for k in kinds)
+    assert "ff" not in between and between.startswith("o")
+
+
 def test_engine_thread_delivers_outputs_aborts_and_fails_cleanly():
     import threading
 

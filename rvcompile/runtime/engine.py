@@ -343,11 +343,22 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop (one thread)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, handoff: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step; `handoff` (the caller's, e.g. handing the last step's outputs over) runs
+        exactly once: while the step's first device call runs where the executor offers that
+        (executor_api, "Handoff"), else before the step."""
         t0 = time.perf_counter()
+        takes = handoff is not None and hasattr(self.executor, "while_running")
+        if takes:
+            self.executor.while_running = handoff
+        elif handoff is not None:
+            handoff()
         try:
             return self._step()
         finally:
+            if takes and self.executor.while_running is handoff:  # no call launched: now
+                self.executor.while_running = None
+                handoff()
             self.step_s += time.perf_counter() - t0
 
     def _step(self) -> list[RequestOutput]:
@@ -985,7 +996,8 @@ class EngineThread:
     """Runs engine steps in a background thread while there is work, handing each output to the
     sink its request was submitted with (sinks run on the engine thread: keep them short), then
     calling `after_outputs` once (a consumer that batches what its sinks were given hands it
-    over there: one wake-up of an event loop per step rather than one per output).
+    over there: one wake-up of an event loop per step rather than one per output): while the
+    next step's first device call runs (Engine.step's handoff), or at once when no step follows.
 
     A step that raises ends every request with an error. After a DeviceError, or when ending
     them does not give every KV block back, the engine is lost: `error` says why (and the log),
@@ -1029,15 +1041,27 @@ class EngineThread:
         self._thread.join()
 
     def _run(self) -> None:
+        # after_outputs of the last step's outputs, not yet called: the next step calls it
+        # while its first device call runs (Engine.step's handoff), so the consumer's work on
+        # them (an event loop writing streams) overlaps the device rather than this thread's
+        # host work; with no step to come it is called before waiting
+        pending = False
         while True:
+            if pending and not self.engine.has_work():
+                self._hand_over()
+                pending = False
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or self.engine.has_work())
-                if self._stopped:
-                    return
+                stopped = self._stopped
+            if stopped:
+                if pending:
+                    self._hand_over()
+                return
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._hand_over if pending else None)
             except Exception as e:
                 outputs = self._recover(e)
+            pending = False
             with self._cv:
                 sinks = [(self._route(o), o) for o in outputs if o.id in self._sinks]
             for sink, out in sinks:
@@ -1047,13 +1071,17 @@ class EngineThread:
                     log.error("engine: the sink of request %s failed; aborting it", out.id,
                               exc_info=e)
                     self.abort(out.id)
-            if sinks and self._after_outputs is not None:
-                try:
-                    self._after_outputs()
-                except Exception as e:  # the consumer is gone (its loop closed)
-                    log.error("engine: handing over a step's outputs failed", exc_info=e)
+            pending = bool(sinks) and self._after_outputs is not None
             if self.error:
+                if pending:
+                    self._hand_over()
                 return
+
+    def _hand_over(self) -> None:
+        try:
+            self._after_outputs()
+        except Exception as e:  # the consumer is gone (its loop closed)
+            log.error("engine: handing over a step's outputs failed", exc_info=e)
 
     def _route(self, out: RequestOutput) -> Callable[[RequestOutput], None]:
         """out's sink (under _cv), dropped once every sample of its request has finished, or

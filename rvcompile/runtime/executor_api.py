@@ -34,6 +34,11 @@ runs them and the lanes as `decode` does, so mixing changes no token; `mixes(chu
 says whether a call takes them (only some decode widths have mixed calls). Neither the chunks
 nor the lanes may carry extras.
 
+Handoff (optional: an executor with a `while_running` attribute): the caller may set it to a
+function, which the executor calls once, right after its next device launch and before it waits
+for the device, and then clears; so host work of the caller's (handing a step's outputs to an
+event loop) runs while the device computes instead of beside the caller's own host work.
+
 Sampler extras (optional, `top_logprobs(executor)` > 0; issue 16): `prefill_sampled` and
 `decode_sampled` apply a chunk's SampleExtras (penalties, a token mask) before sampling and
 return the token's log-probability and the top ones; neutral extras sample what `prefill` and

@@ -117,6 +117,8 @@ class ScheduledExecutor:
         self._runs = 0  # entries run so far: a DeviceRows reads only until the next one
         self.prefill_packing = s.prefill_packing  # None: one sequence per prefill call
         self.prefill_seqs = s.prefill_seqs
+        # executor_api's "Handoff": called once right after the next entry is launched
+        self.while_running: Callable[[], None] | None = None
         self.mixed_shapes = s.mixed_shapes  # (P, B) of the mixed entries (prefill_decode)
         # the ratio region (version 10) holds the last draft call's distributions: a
         # ScheduleDraftProbs is good until the next draft call
@@ -178,6 +180,9 @@ class ScheduledExecutor:
     def _run(self, entry: str) -> None:
         self._runs += 1
         self.device.run(entry)
+        if self.while_running is not None:  # executor_api's "Handoff": once, then cleared
+            handoff, self.while_running = self.while_running, None
+            handoff()
 
     def _read(self, output: str, count: int, dtype) -> np.ndarray:
         """The first `count` values of an output of the entry just run."""
