@@ -14,6 +14,7 @@ part 5), on the CPU at small scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -141,6 +142,32 @@ def test_blockwise_attention_equals_direct(monkeypatch, int8):
     print(f"\nblockwise vs direct ({'int8' if int8 else 'float32'} pool): max abs {err:.2e}")
     assert not ours[2].any() and not ours[1, 4].any()  # no keys: zeros, as the reference
     assert err <= 2e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_blockwise_sliding_ring_equals_direct(monkeypatch, rows):
+    """A sliding layer's ring (8 blocks, window 40): lanes of 300 cached tokens (the ring wrapped
+    many times), 135 (rows == 1: its window in entries 5, 6, 7, 0), 21 and an idle lane, `rows`
+    query rows each. Spans start at each lane's window (rows == 1: at most 4 blocks, read in 2
+    spans of 2) and read its blocks modulo the ring, so a lane's span may wrap past the table's
+    end."""
+    monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
+    rng = np.random.default_rng(2)
+    kh, group, d, width, window = 2, 2, 32, 8, 40
+    cache = dataclasses.replace(_paged(rng, kh, d, width, 4, False), ring=True)
+    cache_len = jnp.asarray([300, 135, 21, 0], jnp.int32)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, True), cache_len)
+    last = np.asarray(cache_len)[:, None] - rows + np.arange(rows)
+    q_pos = jnp.asarray(np.where(np.asarray(cache_len)[:, None] > 0, last, -1), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, rows, kh * group, d)).astype(np.float32))
+    attrs = AttentionAttrs(window=window, scale=0.5)
+    assert lower.span_blocks(width, window) == 2
+    ours = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+        attrs, q, cache, cache, q_pos, k_pos))(q))
+    ref = np.asarray(jax.jit(lambda q: lower.attention(
+        attrs, q, cache.read(), cache.read(), q_pos, k_pos))(q))
+    assert not ours[3].any()
+    assert np.abs(ours - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 # ---------------------------------------------------------------------------------------------
