@@ -144,17 +144,18 @@ def test_blockwise_attention_equals_direct(monkeypatch, int8):
     assert err <= 2e-6 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_blockwise_sliding_ring_equals_direct(monkeypatch, rows):
+def test_blockwise_sliding_ring_equals_direct(monkeypatch, rows, int8):
     """A sliding layer's ring (8 blocks, window 40): lanes of 300 cached tokens (the ring wrapped
     many times), 135 (rows == 1: its window in entries 5, 6, 7, 0), 21 and an idle lane, `rows`
     query rows each. Spans start at each lane's window (rows == 1: at most 4 blocks, read in 2
     spans of 2) and read its blocks modulo the ring, so a lane's span may wrap past the table's
-    end."""
+    end. An int8 ring's scales are gathered once, ahead of the span loop."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
     rng = np.random.default_rng(2)
     kh, group, d, width, window = 2, 2, 32, 8, 40
-    cache = dataclasses.replace(_paged(rng, kh, d, width, 4, False), ring=True)
+    cache = dataclasses.replace(_paged(rng, kh, d, width, 4, int8), ring=True)
     cache_len = jnp.asarray([300, 135, 21, 0], jnp.int32)
     k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, True), cache_len)
     last = np.asarray(cache_len)[:, None] - rows + np.arange(rows)
