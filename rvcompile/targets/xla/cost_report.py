@@ -116,7 +116,7 @@ class ReadModel:
     experts: int = 0  # MoE experts per layer (0: dense model)
     top_k: int = 0  # experts each token reads
     # (pool key, window tokens or 0 for a full layer, layers reading each stacked slice of it)
-    kv_reads: tuple[tuple[str, int, int], ...] = ()
+    kv_reads: tuple[tuple[str, int, float], ...] = ()
 
     def kind(self, key: str) -> str:
         base = key.removesuffix(".scale")
@@ -147,7 +147,7 @@ def read_model(ir) -> ReadModel:
                      kv_reads(ir))
 
 
-def kv_reads(ir) -> tuple[tuple[str, int, int], ...]:
+def kv_reads(ir) -> tuple[tuple[str, int, float], ...]:
     """(pool key, window or 0, readers) of a ModelIR's decode program: every layer attends over
     its own cache or, KV-shared, its source's; `readers` is how many layers read each stacked
     layer slice of the pool (the program's LayoutPlan), on average."""
