@@ -112,19 +112,24 @@ def _paged(rng, kh: int, d: int, width: int, lanes: int, int8: bool) -> lower.Pa
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_blockwise_attention_equals_direct(monkeypatch, int8):
+@pytest.mark.parametrize("width, first", [(8, 65), (7, 95)])
+def test_blockwise_attention_equals_direct(monkeypatch, int8, width, first):
     """K=V as a full layer has it: k = rope(cache * k_norm, slot positions), v = cache; lanes
-    of 70 and 37 cached tokens and an idle lane, 5 query rows each (one padding row), spans of
-    2 blocks over a table of 8: 3 spans run, the 4th (no live slot) is skipped."""
+    of first + 5 and 37 cached tokens and an idle lane, 5 query rows each (one padding row),
+    spans of 2 blocks. A table of 8, 70 tokens: 3 spans run, the 4th (no live slot) is skipped.
+    A table of 7, 100 tokens: the 4th span starts a block early to stay inside the table and
+    skips the block the 3rd read."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
     rng = np.random.default_rng(1)
-    kh, group, d, width = 2, 2, 64, 8
+    kh, group, d = 2, 2, 64
+    assert lower.span_blocks(width, None) == 2
     cache = _paged(rng, kh, d, width, 3, int8)
     k_norm = jnp.asarray(rng.uniform(0.25, 0.5, d).astype(np.float32))
     rope = RopeAttrs(tuple(1e4 ** (-np.arange(d // 2) * 2.0 / d)))
-    cache_len = jnp.asarray([70, 37, 0], jnp.int32)
+    cache_len = jnp.asarray([first + 5, 37, 0], jnp.int32)
     k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, False), cache_len)
-    q_pos = jnp.asarray([[65, 66, 67, 68, 69], [33, 34, 35, 36, -1], [-1] * 5], jnp.int32)
+    q_pos = jnp.asarray([list(range(first, first + 5)), [33, 34, 35, 36, -1], [-1] * 5],
+                        jnp.int32)
     q = jnp.asarray(rng.standard_normal((3, 5, kh * group, d)).astype(np.float32))
     attrs = AttentionAttrs(window=None, scale=1.0)
 

@@ -74,8 +74,13 @@ class PagedSlice:
 
     def table_scales(self) -> jax.Array | None:
         """float32 [B, W, BLOCK_SIZE, K]: the scales of every block of the lanes' tables (None
-        for a float pool)."""
-        return None if self.scale is None else self.scale[self.index, self.table]
+        for a float pool). The layer's slice is taken first: a gather from the stacked pool
+        made TPU copy the whole stacked scale pool (tile-padded: K pads to 128) into VMEM in
+        every layer iteration, 2.5 GiB a step for the 31B's sliding layers at 128K, B = 4."""
+        if self.scale is None:
+            return None
+        return jnp.take(lax.dynamic_index_in_dim(self.scale, self.index, 0, False), self.table,
+                        axis=0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,15 @@ class CacheView:
         x = self.cache.read_blocks(jnp.take_along_axis(self.cache.table, entries, axis=1),
                                    scales)
         return self._apply(x, entry_slots(entries))
+
+    def read_span(self, start, blocks: int) -> jax.Array:
+        """The slots of table entries start .. start + blocks - 1 of every lane as [B, blocks *
+        16, K, D], through a slice of the table."""
+        b = self.cache.table.shape[0]
+        x = self.cache.read_blocks(
+            lax.dynamic_slice_in_dim(self.cache.table, start, blocks, axis=1))
+        slots = start * BLOCK_SIZE + jnp.arange(blocks * BLOCK_SIZE, dtype=jnp.int32)
+        return self._apply(x, jnp.broadcast_to(slots, (b, blocks * BLOCK_SIZE)))
 
     def _apply(self, x, slots):
         for step in self.steps:
@@ -362,18 +376,29 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
     lo, needed, trips = span_plan(q_pos, a.window, width, blocks)
     within = jnp.arange(blocks, dtype=jnp.int32)
     # A ring's int8 scales (a 1/D share of its bytes) are gathered once, ahead of the loop: read
-    # span by span, XLA on TPU prefetched the whole stacked scale pool (tile-padded 32x) into
-    # VMEM in every layer iteration, 0.37 GiB a step for the 31B at 128K.
-    ring_scales = tuple(x.cache.table_scales() if x.cache.ring else None for x in (k, v))
+    # span by span, XLA on TPU prefetched the whole stacked scale pool into VMEM in every layer
+    # iteration (0.37 GiB a step for the 31B at 128K, B = 1). A full layer's tables are read as
+    # slices (`read_span`): gathered from, TPU copied the whole table into VMEM every span.
+    ring = k.cache.ring
+    ring_scales = tuple(x.cache.table_scales() if ring else None for x in (k, v))
 
     def step(i, carry):
         m, total, acc = carry
-        rel = i * blocks + within
-        entries = (lo[:, None] + rel) % width  # [B, blocks]
-        kb, vb = f32(k.read_entries(entries, ring_scales[0])), f32(
-            v.read_entries(entries, ring_scales[1]))
-        kp = jnp.take_along_axis(k_pos, entry_slots(entries), axis=1)
-        live = jnp.repeat(rel[None, :] < needed[:, None], BLOCK_SIZE, axis=1) & (kp >= 0)
+        if ring:  # each lane from its window's first block, modulo the ring
+            rel = i * blocks + within
+            entries = (lo[:, None] + rel) % width  # [B, blocks]
+            kb, vb = f32(k.read_entries(entries, ring_scales[0])), f32(
+                v.read_entries(entries, ring_scales[1]))
+            kp = jnp.take_along_axis(k_pos, entry_slots(entries), axis=1)
+            fresh = rel[None, :] < needed[:, None]
+        else:  # every lane from block 0: one slice of the tables; the last span may start
+            # early to stay inside them, and skips the entries the span before read
+            start = jnp.minimum(i * blocks, width - blocks)
+            rel = start + within
+            kb, vb = f32(k.read_span(start, blocks)), f32(v.read_span(start, blocks))
+            kp = lax.dynamic_slice_in_dim(k_pos, start * BLOCK_SIZE, blocks * BLOCK_SIZE, axis=1)
+            fresh = (rel[None, :] < needed[:, None]) & (rel >= i * blocks)[None, :]
+        live = jnp.repeat(fresh, BLOCK_SIZE, axis=1) & (kp >= 0)
         kp = kp[:, None, None, None, :]
         s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32) * jnp.float32(a.scale)
