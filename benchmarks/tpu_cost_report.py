@@ -58,7 +58,8 @@ def report(model: str, context: int, args) -> dict:
             f.write(compiled.as_text())
     rep = cost_report(compiled, args.max_seqs, CHIPS[topo.generation], query_per_kv(ir),
                       ir.max_context, read_model(ir),
-                      tuple(g["count"] for g in lowering.manifest["layer_groups"]))
+                      tuple(g["count"] for g in lowering.manifest["layer_groups"]),
+                      at_context=args.at_context)
     rep["model"], rep["topology"], rep["tp"], rep["target"] = model, topo.name, args.tp, \
         args.target
     rep["seconds"] = {"export": round(t_export, 1), "compile_decode": round(t_compile, 1)}
@@ -72,6 +73,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--topology", default="v6e:2x2")
     ap.add_argument("--max-seqs", type=int, default=1, help="decode lanes of the built program")
+    ap.add_argument("--at-context", type=int, default=None,
+                    help="estimate with every lane holding this many tokens (default: the "
+                         "built context): the KV a step reads, and the traffic table's "
+                         "attention span loops, follow the lanes' length")
     ap.add_argument("--json", default=None, help="write the reports here")
     ap.add_argument("--hlo-dir", default=None,
                     help="write each decode program's optimized HLO text into this folder")
@@ -90,7 +95,9 @@ def main() -> None:
                   f"| {dev['kv_bytes_per_lane'] / GiB:.3f} | {r['step_ms']:.2f} "
                   f"| {r['tok_s']:.1f} | {r['tok_s_xla']:.1f} | {r['hbm_need_bytes'] / GiB:.2f} "
                   f"| {'yes' if r['fits'] else 'no'} |")
-        print(f"<!-- {model}:{context} XLA temp {dev['temp_bytes'] / GiB:.2f} GiB, peak "
+        print(f"<!-- {model}:{context} at {rep['at_context']} tokens a lane: KV read "
+              f"{rep['kv_read_per_lane'] / GiB:.3f} GiB a lane; XLA temp "
+              f"{dev['temp_bytes'] / GiB:.2f} GiB, peak "
               f"{dev['peak_bytes'] / GiB:.2f} GiB; XLA cost analysis {dev['xla_flops']:.3g} "
               f"flops, {dev['xla_bytes_accessed']:.3g} bytes, amplification "
               f"{dev['xla_amplification']:.2f}; times {rep['seconds']} -->")

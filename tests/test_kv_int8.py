@@ -14,6 +14,7 @@ part 5), on the CPU at small scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -111,19 +112,24 @@ def _paged(rng, kh: int, d: int, width: int, lanes: int, int8: bool) -> lower.Pa
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_blockwise_attention_equals_direct(monkeypatch, int8):
+@pytest.mark.parametrize("width, first", [(8, 65), (7, 95)])
+def test_blockwise_attention_equals_direct(monkeypatch, int8, width, first):
     """K=V as a full layer has it: k = rope(cache * k_norm, slot positions), v = cache; lanes
-    of 70 and 37 cached tokens and an idle lane, 5 query rows each (one padding row), spans of
-    2 blocks over a table of 8: 3 spans run, the 4th (no live slot) is skipped."""
+    of first + 5 and 37 cached tokens and an idle lane, 5 query rows each (one padding row),
+    spans of 2 blocks. A table of 8, 70 tokens: 3 spans run, the 4th (no live slot) is skipped.
+    A table of 7, 100 tokens: the 4th span starts a block early to stay inside the table and
+    skips the block the 3rd read."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
     rng = np.random.default_rng(1)
-    kh, group, d, width = 2, 2, 64, 8
+    kh, group, d = 2, 2, 64
+    assert lower.span_blocks(width, None) == 2
     cache = _paged(rng, kh, d, width, 3, int8)
     k_norm = jnp.asarray(rng.uniform(0.25, 0.5, d).astype(np.float32))
     rope = RopeAttrs(tuple(1e4 ** (-np.arange(d // 2) * 2.0 / d)))
-    cache_len = jnp.asarray([70, 37, 0], jnp.int32)
+    cache_len = jnp.asarray([first + 5, 37, 0], jnp.int32)
     k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, False), cache_len)
-    q_pos = jnp.asarray([[65, 66, 67, 68, 69], [33, 34, 35, 36, -1], [-1] * 5], jnp.int32)
+    q_pos = jnp.asarray([list(range(first, first + 5)), [33, 34, 35, 36, -1], [-1] * 5],
+                        jnp.int32)
     q = jnp.asarray(rng.standard_normal((3, 5, kh * group, d)).astype(np.float32))
     attrs = AttentionAttrs(window=None, scale=1.0)
 
@@ -141,6 +147,33 @@ def test_blockwise_attention_equals_direct(monkeypatch, int8):
     print(f"\nblockwise vs direct ({'int8' if int8 else 'float32'} pool): max abs {err:.2e}")
     assert not ours[2].any() and not ours[1, 4].any()  # no keys: zeros, as the reference
     assert err <= 2e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_blockwise_sliding_ring_equals_direct(monkeypatch, rows, int8):
+    """A sliding layer's ring (8 blocks, window 40): lanes of 300 cached tokens (the ring wrapped
+    many times), 135 (rows == 1: its window in entries 5, 6, 7, 0), 21 and an idle lane, `rows`
+    query rows each. Spans start at each lane's window (rows == 1: at most 4 blocks, read in 2
+    spans of 2) and read its blocks modulo the ring, so a lane's span may wrap past the table's
+    end. An int8 ring's scales are gathered once, ahead of the span loop."""
+    monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
+    rng = np.random.default_rng(2)
+    kh, group, d, width, window = 2, 2, 32, 8, 40
+    cache = dataclasses.replace(_paged(rng, kh, d, width, 4, int8), ring=True)
+    cache_len = jnp.asarray([300, 135, 21, 0], jnp.int32)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, True), cache_len)
+    last = np.asarray(cache_len)[:, None] - rows + np.arange(rows)
+    q_pos = jnp.asarray(np.where(np.asarray(cache_len)[:, None] > 0, last, -1), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, rows, kh * group, d)).astype(np.float32))
+    attrs = AttentionAttrs(window=window, scale=0.5)
+    assert lower.span_blocks(width, window) == 2
+    ours = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+        attrs, q, cache, cache, q_pos, k_pos))(q))
+    ref = np.asarray(jax.jit(lambda q: lower.attention(
+        attrs, q, cache.read(), cache.read(), q_pos, k_pos))(q))
+    assert not ours[3].any()
+    assert np.abs(ours - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from rvcompile.targets.xla.cost_report import (
     CHIPS,
     collectives_term,
 )
-from rvcompile.targets.xla.hlo_traffic import traffic
+from rvcompile.targets.xla.hlo_traffic import span_loop_trips, traffic
 
 ROOTS = ("weights", "pools")  # the jitted functions' own parameter names
 sds = jax.ShapeDtypeStruct
@@ -171,3 +171,97 @@ def test_collectives_term():
 
 if __name__ == "__main__":
     _tpu_child()
+
+
+# ---- KV as long as the sequence (issue 19, item 3) ------------------------------------------
+
+@pytest.mark.parametrize("window, width", [(None, 8), (None, 128), (40, 8), (1024, 81)])
+def test_span_loop_trips_are_the_lowerings(window, width):
+    """The traffic table's trip count of a span loop at a context is the one the lowering
+    computes for lanes decoding there (lower.span_plan), and a ring's loop never passes its
+    window's blocks."""
+    blocks = lower.span_blocks(width, window)
+    for context in (1, 15, 16, 17, 100, 1023, 1024, 1025, 1296, 5000, 131072):
+        if window is None and context > width * 16:
+            continue  # a full table holds at most width blocks
+        q_pos = jnp.full((3, 1), context - 1, jnp.int32).at[2].set(-1)  # lane 2 idle
+        lo, needed, trips = lower.span_plan(q_pos, window, width, blocks)
+        assert int(trips) == span_loop_trips(context, blocks, window or 0, width), context
+        assert int(needed[2]) == 0 and int(needed.max()) <= width
+    if window:  # decode reads its window's blocks, not the ring's
+        assert blocks * span_loop_trips(10**6, blocks, window, width) <= -(-window // 16) + 2
+
+
+def _attention_kv_read(fn, width: int, window: int | None, contexts) -> list[float]:
+    """KV bytes read by `fn`'s compiled attention over a paged pool (2 lanes, 2 KV heads of 16)
+    at each context, by the traffic table."""
+    lanes, kh, d = 2, 2, 16
+    pools = {"g0.0.cache_k": sds((2, lanes * width + 1, lower.BLOCK_SIZE, kh, d), jnp.float32)}
+    args = (pools, sds((lanes, 1, 2 * kh, d), jnp.float32), sds((lanes, width), jnp.int32),
+            sds((lanes,), jnp.int32))
+
+    def attend(weights, pools, q, table, cache_len):
+        cache = lower.PagedSlice(pools["g0.0.cache_k"], 1, table, window is not None)
+        k_pos = lower.cache_positions(ops.CachePositionsAttrs(width * 16, window is not None),
+                                      cache_len)
+        attrs = ops.AttentionAttrs(window=window, scale=1.0)
+        return fn(attrs, q, cache, cache, (cache_len - 1)[:, None], k_pos)
+
+    hlo = jax.jit(attend).lower({}, *args).compile().as_text()
+    return [traffic(hlo, ROOTS, context=c).by_class()["kv"]["read"] for c in contexts]
+
+
+def _whole_read(attrs, q, k, v, q_pos, k_pos):  # the lowering before item 3
+    return lower.attention(attrs, q, k.read(), v.read(), q_pos, k_pos)
+
+
+def test_attention_reads_a_lanes_live_blocks_only():
+    """Blockwise attention reads the blocks a lane's length needs: a full layer's grow with the
+    context (a span of 32 blocks a trip for each of 2 lanes; K = V here, so XLA gathers once),
+    a ring's stop at its window's blocks. The lowering it replaced read the whole table or ring
+    at any length, and fails."""
+    slot = 2 * 16 * 4  # bytes of one slot: 2 KV heads of 16 float32
+    full = _attention_kv_read(lower.attention_blockwise, 128, None, (16, 512, 513, 2048))
+    assert full == [2 * 32 * 16 * slot * n for n in (1, 1, 2, 4)]
+    ring = _attention_kv_read(lower.attention_blockwise, 81, 1024, (100, 10**6))
+    span = lower.span_blocks(81, 1024)
+    assert ring == [2 * span * 16 * slot * n for n in (1, 3)] and 3 * span < 81
+    # the check fails on a lowering that reads a lane's whole table or ring
+    whole = _attention_kv_read(_whole_read, 128, None, (16, 2048))
+    assert whole[0] == whole[1] == 2 * 128 * 16 * slot
+    whole = _attention_kv_read(_whole_read, 81, 1024, (100, 10**6))
+    assert whole[0] == whole[1] == 2 * 81 * 16 * slot
+
+
+def test_decode_program_reads_kv_as_long_as_the_sequence(monkeypatch):
+    """The exported decode program of a whole model (gemma-4-tiny-dense, 2 lanes, 512 tokens
+    of context, spans of 4 blocks), compiled here: the KV its traffic table reads a step grows
+    with the lanes' length, within 1.3x of every attending layer's live keys read once (a
+    sliding layer's window) from 256 tokens on, where the whole tables are 32 blocks a lane."""
+    from types import SimpleNamespace
+
+    from rvcompile.artifacts.xla_executables import compile_entries
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.cost_report import cost_report, read_model
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    monkeypatch.setattr(lower, "SPAN_BLOCKS", 4)
+    opts = BuildOptions(target="xla-f32", max_context=512, max_seqs=2, prefill_buckets=(16,),
+                        platforms=("cpu",))
+    ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny-dense")), opts,
+                     lambda s: None)
+    low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16,), platforms=("cpu",))
+    decode = compile_entries(low.programs, low.manifest, jax.devices("cpu")[:1],
+                             names=("decode_2",))["decode_2"]
+    kv, need = {}, {}
+    for context in (16, 128, 256, 512):
+        rep = cost_report(decode, 2, CHIPS["v6e"], 2, 512, read_model(ir), at_context=context)
+        assert rep["at_context"] == context and not rep["traffic"]["unknown_trips"]
+        kv[context] = rep["traffic"]["classes"]["kv"]["read"]
+        need[context] = 2 * rep["kv_read_per_lane"]
+    print(f"\nKV read a step (table / live keys): "
+          f"{ {c: round(kv[c] / need[c], 2) for c in kv} }")
+    assert kv[16] < kv[128] < kv[256] < kv[512]
+    assert all(kv[c] >= need[c] for c in kv)
+    assert kv[256] <= 1.3 * need[256] and kv[512] <= 1.3 * need[512]

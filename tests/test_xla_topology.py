@@ -149,6 +149,19 @@ def test_estimate_is_a_roofline_per_device():
     assert CHIPS["v5e"].hbm_bytes == 16 * GiB and CHIPS["v6e"].hbm_bytes == 32 * GiB
 
 
+def test_estimate_reads_the_live_keys_at_a_context():
+    """Each lane reads every full layer's C keys and a sliding layer's last `window` (bytes and
+    elements per token, summed by window); without those figures, its pools whole."""
+    fp = replace(FOOTPRINT, kv_token_reads=((0, 100.0, 50.0), (1024, 10.0, 5.0)))
+    assert fp.kv_read(2048) == (100 * 2048 + 10 * 1024, 50 * 2048 + 5 * 1024)
+    assert fp.kv_read(512) == (110 * 512, 55 * 512)
+    assert fp.kv_read(None) == FOOTPRINT.kv_read(512) == (GiB // 4, GiB // 8)
+    b1 = estimate(fp, CHIPS["v6e"], query_per_kv=2, batches=(1,), context=512)[0]
+    assert b1["bytes"] == 8 * GiB + 110 * 512
+    assert b1["flops"] == 2 * (8 * GiB + 2 * 55 * 512)
+    assert b1["hbm_need_bytes"] == 9 * GiB + GiB // 4 + GiB // 2  # the pools stay resident
+
+
 def test_estimate_reads_only_the_picked_experts():
     moe = replace(FOOTPRINT, expert_bytes=16 * GiB, expert_elements=16 * GiB)
     reads = ReadModel(experts=128, top_k=8)
@@ -180,6 +193,16 @@ def test_read_model_of_the_ir():
     assert reads.kind("embed_tokens.weight") == "dense"
     assert query_per_kv(ir) == max(ir.config.num_heads // s.num_kv_heads
                                    for s in ir.config.layers)
+    # every layer attends once, over its own cache or (KV-shared) its source's, at its window
+    from rvcompile.targets.xla.program import plan_layout
+
+    counts = {f"g{gi}.": g.count for gi, g in enumerate(plan_layout(ir).groups)}
+    layer_reads = sum(n * counts[key[:key.index(".") + 1]] for key, _, n in reads.kv_reads
+                      if not key.endswith(".scale"))
+    sources = [ir.cache_of(s.kv_source if s.kv_shared else s.index) for s in cfg.layers]
+    assert layer_reads == sum(len(c.names) for c in sources)
+    assert any(n > 1 for *_, n in reads.kv_reads)  # tiny shares KV: a pool read by 2 layers
+    assert {w for _, w, _ in reads.kv_reads} == {s.window or 0 for s in cfg.layers}
 
 
 def _toy_decode(weights, pools, x):
@@ -600,7 +623,11 @@ def test_traffic_table_of_the_decode_program(artifacts):
     cost = record["cost"]
     t, dev = cost["traffic"], cost["per_device"]
     assert not t["unknown_trips"]
-    assert sorted(t["trips"].values()) == sorted(g["count"] for g in groups)
+    # the layer scans, and attention's span loops counted at the built context (64 tokens: one
+    # span of the 4-block tables)
+    scans = {n: k for n, k in t["trips"].items() if n not in t["span_loops"]}
+    assert sorted(scans.values()) == sorted(g["count"] for g in groups)
+    assert t["span_loops"] and all(t["trips"][n] == 1 for n in t["span_loops"])
     read = {c: v["read"] for c, v in t["classes"].items()}
     assert read["weights"] + read["embeddings"] >= dev["weight_bytes"]
     assert read["kv"] > 0 and t["classes"]["kv"]["written"] > 0

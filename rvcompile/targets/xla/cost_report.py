@@ -13,10 +13,12 @@ dense arrays whole; MoE expert arrays only the experts the B tokens pick (an exp
 token's top-k experts, and under TP every device slices k per token, counting the ones other
 devices hold as zero, so the program reads up to tp x this share: its traffic table shows it);
 gather-only tables (the per-layer-input embedding) a few rows, taken as none.
-  bytes(B) = dense + expert * fraction(B) + B * KV bytes per lane (the program gathers every
-             block of a lane's table: the built context, whatever the sequence's length)
-  flops(B) = 2 * B * (dense elements + expert elements * k/E + query_per_kv * KV elements per
-             lane)
+  bytes(B) = dense + expert * fraction(B) + B * KV read per lane at the report's context C:
+             each attending layer reads its cache's live keys once (C of them, a sliding layer
+             min(C, window)); a KV-shared layer reads its source's (`ReadModel.kv_reads`;
+             without them, every pool whole: the built context)
+  flops(B) = 2 * B * (dense elements + expert elements * k/E + query_per_kv * KV elements read
+             per lane)
   step(B)  = max(bytes(B) / HBM bandwidth, flops(B) / bf16 peak); tok/s = B / step(B)
 This is the best the chip could do with these programs (a lower bound on step time): it leaves
 out activations, collectives and launch overhead. HBM fit at B: all weight bytes + B * KV per
@@ -28,14 +30,16 @@ once, not `count` times). It says how many bytes XLA's program moves per byte th
 reads (dequantized copies, gathered KV, activations); step_xla(B) scales bytes(B) by it, taking
 the ratio as the same in every layer and at every batch (a heuristic).
 
-The traffic table (`traffic`, targets/xla/hlo_traffic.py): from the compiled program's optimized
-HLO, the bytes each top-level instruction reads (by class: weights, embeddings, kv, io, temps,
-activations) and writes, scaled by loop trip counts; kept compact: per-class totals and the
-TRAFFIC_TOP instructions that move the most bytes a step, and every whole copy of a weight matrix
-or table (hlo_traffic.Traffic.whole_copies: none in a program that reads each weight byte once,
-where it is used). Its `amplification` is its scaled total over the roofline's bytes at the built
-batch: the program's own answer to "how many bytes per byte needed", where `xla_amplification`
-above counts scan bodies once.
+The report is made at a context C (`at_context`, the built context unless given): every lane
+holds C tokens after the step. The traffic table (`traffic`, targets/xla/hlo_traffic.py): from
+the compiled program's optimized HLO, at C (attention's span loops, whose trips depend on the
+lanes' lengths, run as many spans as C tokens need), the bytes each top-level instruction
+reads (by class: weights, embeddings, kv, io, temps, activations) and writes, scaled by loop
+trip counts; kept compact: per-class totals and the TRAFFIC_TOP instructions that move the most
+bytes a step, and every whole copy of a weight matrix or table (hlo_traffic.Traffic.whole_copies:
+none in a program that reads each weight byte once, where it is used). Its `amplification` is
+its scaled total over the roofline's bytes at the built batch: the program's own answer to "how
+many bytes per byte needed", where `xla_amplification` above counts scan bodies once.
 
 Chip figures (per chip), from Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e and
 .../v6e): v5e 819 GB/s HBM, 197 bf16 TFLOP/s, 394 int8 TOP/s, 16 GiB; v6e 1640 GB/s (the page
@@ -111,6 +115,8 @@ class ReadModel:
     gathered: frozenset[str] = frozenset()  # array keys only gathered by row (EMBED)
     experts: int = 0  # MoE experts per layer (0: dense model)
     top_k: int = 0  # experts each token reads
+    # (pool key, window tokens or 0 for a full layer, layers reading each stacked slice of it)
+    kv_reads: tuple[tuple[str, int, float], ...] = ()
 
     def kind(self, key: str) -> str:
         base = key.removesuffix(".scale")
@@ -137,7 +143,30 @@ def read_model(ir) -> ReadModel:
                 if j in names:
                     (gathered if n.op is Op.EMBED else used).add(names[j])
     cfg = ir.config
-    return ReadModel(frozenset(gathered - used), cfg.num_experts, cfg.top_k_experts)
+    return ReadModel(frozenset(gathered - used), cfg.num_experts, cfg.top_k_experts,
+                     kv_reads(ir))
+
+
+def kv_reads(ir) -> tuple[tuple[str, int, float], ...]:
+    """(pool key, window or 0, readers) of a ModelIR's decode program: every layer attends over
+    its own cache or, KV-shared, its source's; `readers` is how many layers read each stacked
+    layer slice of the pool (the program's LayoutPlan), on average."""
+    from rvcompile.targets.xla.program import SCALE_SUFFIX, _cache_owner, plan_layout
+
+    plan = plan_layout(ir)
+    reads: Counter = Counter()
+    for spec in ir.config.layers:
+        source = spec.kv_source if spec.kv_shared else spec.index
+        gi, j, _ = _cache_owner(plan, source)
+        c = ir.cache_of(source)
+        for name in c.names:
+            keys = [f"g{gi}.{j}.{name}"] + ([f"g{gi}.{j}.{name}{SCALE_SUFFIX}"]
+                                            if c.dtype == "int8" else [])
+            for key in keys:
+                reads[key, spec.window or 0] += 1
+    counts = {f"g{gi}.": g.count for gi, g in enumerate(plan.groups)}
+    return tuple((key, window, n / counts[key[:key.index(".") + 1]])
+                 for (key, window), n in sorted(reads.items()))
 
 
 def query_per_kv(ir) -> int:
@@ -164,6 +193,19 @@ class DecodeFootprint:
     xla_flops: float  # XLA cost analysis, as reported (a scan body counted once)
     xla_bytes_accessed: float
     once_bytes: int  # the roofline's bytes at `max_seqs` lanes, each layer group's counted once
+    # (window tokens or 0, bytes, elements) one lane reads per cached token, summed over the
+    # layers reading caches of that window (ReadModel.kv_reads; empty: pools read whole)
+    kv_token_reads: tuple[tuple[int, float, float], ...] = ()
+
+    def kv_read(self, context: int | None) -> tuple[float, float]:
+        """(bytes, elements) of KV one lane reads a step holding `context` tokens: each
+        attending layer's live keys once (a sliding layer's last `window`); without
+        kv_token_reads (or context), its pools whole."""
+        if not self.kv_token_reads or context is None:
+            return float(self.kv_bytes_per_lane), float(self.kv_elements_per_lane)
+        tokens = [min(context, w) if w else context for w, _, _ in self.kv_token_reads]
+        return (sum(n * b for n, (_, b, _) in zip(tokens, self.kv_token_reads, strict=True)),
+                sum(n * e for n, (_, _, e) in zip(tokens, self.kv_token_reads, strict=True)))
 
     @property
     def xla_amplification(self) -> float:
@@ -193,13 +235,22 @@ def decode_footprint(compiled, max_seqs: int, reads: ReadModel = ReadModel(),
     `group_counts`: the iterations of each layer group (manifest xla.layer_groups)."""
     (args, _kwargs) = compiled.args_info
     (shardings, _) = compiled.input_shardings
-    sizes = []
+    sizes, slots = [], {}
     for part in (0, 1):
         infos = jax.tree_util.tree_leaves_with_path(args[part])
         shards = jax.tree.leaves(shardings[part])
         sizes.append([(path[-1].key, _shard_size(i, s), np.dtype(i.dtype).itemsize)
                       for (path, i), s in zip(infos, shards, strict=True)])
+        if part == 1:  # a pool [layers, blocks, BLOCK_SIZE, ...]: a token's slot in each layer
+            slots = {path[-1].key: math.prod(i.shape[1:3]) for path, i in infos}
     weights, pools = sizes
+    per_token: dict[int, list[float]] = {}
+    pool = {k: (n, b) for k, n, b in pools}
+    for key, window, readers in reads.kv_reads:
+        n, b = pool[key]
+        got = per_token.setdefault(window, [0.0, 0.0])
+        got[0] += readers * n * b / slots[key]
+        got[1] += 0 if key.endswith(".scale") else readers * n / slots[key]
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
 
@@ -221,20 +272,23 @@ def decode_footprint(compiled, max_seqs: int, reads: ReadModel = ReadModel(),
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         xla_flops=float(cost.get("flops", 0.0)),
-        xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), once_bytes=round(once))
+        xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), once_bytes=round(once),
+        kv_token_reads=tuple((w, b, e) for w, (b, e) in sorted(per_token.items())))
 
 
 def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
              reads: ReadModel = ReadModel(),
-             batches: tuple[int, ...] = REPORT_BATCHES) -> list[dict]:
-    """One row per batch: bytes, flops, step time, tok/s, HBM need and fit (see the module)."""
+             batches: tuple[int, ...] = REPORT_BATCHES, context: int | None = None) -> list[dict]:
+    """One row per batch: bytes, flops, step time, tok/s, HBM need and fit (see the module),
+    every lane holding `context` tokens (None: its pools read whole)."""
     rows = []
     picked = reads.top_k / reads.experts if reads.experts else 0.0
+    kv_bytes, kv_elements = fp.kv_read(context)
     for b in sorted({*batches, fp.max_seqs}):
         nbytes = round(fp.dense_bytes + fp.expert_bytes * reads.expert_fraction(b)
-                       + b * fp.kv_bytes_per_lane)
+                       + b * kv_bytes)
         flops = 2 * b * (fp.dense_elements + fp.expert_elements * picked
-                         + query_per_kv * fp.kv_elements_per_lane)
+                         + query_per_kv * kv_elements)
         step = max(nbytes / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
         need = fp.weight_bytes + b * fp.kv_bytes_per_lane + fp.temp_bytes
         step_xla = max(nbytes * fp.xla_amplification / chip.hbm_bytes_per_s,
@@ -249,22 +303,27 @@ def estimate(fp: DecodeFootprint, chip: TpuChip, query_per_kv: int,
 
 def cost_report(compiled_decode, max_seqs: int, chip: TpuChip, query_per_kv: int,
                 context: int, reads: ReadModel = ReadModel(),
-                group_counts: tuple[int, ...] = ()) -> dict:
-    """The manifest's cost report of one topology."""
+                group_counts: tuple[int, ...] = (), at_context: int | None = None) -> dict:
+    """The manifest's cost report of one topology: `context` the built one; the estimates and
+    the traffic table with every lane holding `at_context` tokens (default: `context`)."""
+    at = at_context or context
     fp = decode_footprint(compiled_decode, max_seqs, reads, group_counts)
-    rows = estimate(fp, chip, query_per_kv, reads)
+    rows = estimate(fp, chip, query_per_kv, reads, context=at)
     built = next(r for r in rows if r["batch"] == max_seqs)
     return {
         "label": "estimate (roofline from the compiled program; not a measurement)",
-        "chip": asdict(chip), "context": context, "query_per_kv": query_per_kv,
+        "chip": asdict(chip), "context": context, "at_context": at,
+        "query_per_kv": query_per_kv,
         "reads": {"gathered": sorted(reads.gathered), "experts": reads.experts,
                   "top_k": reads.top_k},
         "per_device": {**asdict(fp), "peak_bytes": fp.peak_bytes,
+                       "kv_token_reads": [list(r) for r in fp.kv_token_reads],
                        "xla_amplification": fp.xla_amplification},
         "fits_at_max_seqs": fp.peak_bytes <= chip.hbm_bytes,
+        "kv_read_per_lane": fp.kv_read(at)[0],
         "decode": rows,
-        "traffic": traffic_record(traffic(compiled_decode.as_text()), built["bytes"], chip,
-                                  _devices(compiled_decode)),
+        "traffic": traffic_record(traffic(compiled_decode.as_text(), context=at),
+                                  built["bytes"], chip, _devices(compiled_decode)),
     }
 
 
@@ -289,6 +348,7 @@ def traffic_record(table: Traffic, roofline_bytes: float, chip: TpuChip, devices
         "on_chip_bytes": table.on_chip(),
         "amplification": total / roofline_bytes if roofline_bytes else 0.0,
         "trips": dict(table.trips), "unknown_trips": list(table.unknown_trips),
+        "span_loops": list(table.span_loops),
         "classes": table.by_class(),
         "whole_copies": [{"name": r.name, "op": r.opcode, "runs": r.runs, "read": r.read,
                           "written": r.written} for r in table.whole_copies()],
@@ -356,6 +416,10 @@ def format_report(name: str, report: dict) -> list[str]:
         f"{dev['xla_bytes_accessed']:.3g} bytes accessed, {dev['xla_amplification']:.2f}x "
         "the roofline's bytes counted the same way",
     ]
+    if "at_context" in report:  # absent from reports made before issue 19's item 3
+        lines.append(f"    decode with every lane at {report['at_context']} tokens: KV read "
+                     f"{report['kv_read_per_lane'] / GiB:.3f} GiB a lane (live keys; a sliding "
+                     "layer's window)")
     for r in report["decode"]:
         lines.append(f"    B={r['batch']:<4} step {r['step_ms']:8.3f} ms  {r['tok_s']:9.1f} tok/s"
                      f"  ({r['bound']}-bound); at XLA's traffic {r['tok_s_xla']:9.1f} tok/s"

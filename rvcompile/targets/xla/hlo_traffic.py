@@ -20,9 +20,13 @@ summed apart as `on_chip`, since they are not HBM traffic.
 Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
 own runs (the trip count read from the condition: `counter < N` with the counter's initial value
 a constant in the loop's operand tuple, or XLA's `known_trip_count`); each branch of a
-conditional is counted as if it ran (an upper bound). A loop whose trip count cannot be read is
-counted once and listed in `unknown_trips`. XLA's TPU cost analysis counts a scan body once; the
-table's `once` totals count every instruction once, for comparison with it.
+conditional is counted as if it ran (an upper bound). A loop whose trip count depends on the
+data: the span loop of blockwise attention (lower.attention_blockwise, named SPAN_LOOP in the
+metadata) runs `span_loop_trips` times at a stated `context` (every lane of the step decoding at
+position context - 1: one trip per `span` blocks of the keys it needs); any other such loop, or
+the span loop with no context given, is counted once and listed in `unknown_trips`. XLA's TPU
+cost analysis counts a scan body once; the table's `once` totals count every instruction once,
+for comparison with it.
 
 Classes of bytes, by tracing an operand through get-tuple-element, bitcast, copies and loop
 carries to the program's parameters, as `jax.export` names them in the HLO metadata
@@ -73,6 +77,21 @@ _PASS = {"get-tuple-element", "bitcast", "copy", "copy-start", "copy-done", "res
          "transpose", "slice-start", "slice-done", "all-gather-start", "all-gather-done"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
 _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
+# the named scope of blockwise attention's span loop: blocks a span, window tokens (0: a full
+# layer), table width in blocks (lower.attention_blockwise)
+SPAN_LOOP = "rvkv_spans_s{span}_w{window}_n{width}"
+_SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
+BLOCK_TOKENS = 16  # tokens per KV block (lower.BLOCK_SIZE)
+
+
+def span_loop_trips(context: int, span: int, window: int, width: int) -> int:
+    """Trips of a span loop when every lane decodes at position `context` - 1: its blocks from
+    the first key it needs (0, or `window` keys back) to its own, at most the table's `width`,
+    `span` blocks a trip."""
+    last = context - 1
+    lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
+    needed = min(last // BLOCK_TOKENS + 1 - lo, width)
+    return -(-needed // span)
 
 
 @dataclass(frozen=True)
@@ -208,6 +227,7 @@ class Traffic:
     rows: tuple[Row, ...]
     unknown_trips: tuple[str, ...]  # while loops counted once: trip count not readable
     trips: dict[str, int] = field(default_factory=dict)  # while instruction -> trip count
+    span_loops: tuple[str, ...] = ()  # of `trips`, the span loops counted at the given context
 
     def total(self, scaled: bool = True) -> float:
         return sum(r.bytes * (r.runs if scaled else 1) for r in self.rows)
@@ -452,17 +472,23 @@ def _fused_reads(fused: Computation, param_bytes: dict[int, float],
 EXPORTED = ("args[0]", "args[1]")  # the weights' and the pools' argument, as jax.export names them
 
 
-def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED) -> Traffic:
+def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED,
+            context: int | None = None) -> Traffic:
     """The traffic table of an optimized HLO module (see the module docstring); `roots`: the
     names of the weights' and the KV pools' arguments in the HLO metadata (a jitted function's
-    own parameter names, e.g. ("weights", "pools"))."""
+    own parameter names, e.g. ("weights", "pools")); `context`: the tokens every lane holds
+    after the step, which sets the span loops' trips (None: counted once, as unknown)."""
     prog = _Program(parse_module(hlo_text), roots)
-    rows, unknown, trips = [], [], {}
+    rows, unknown, trips, spans = [], [], {}, []
 
     def walk(comp: Computation, runs: int) -> None:
         for ins in comp.instrs.values():
             if ins.opcode == "while":
                 n = prog.trip_count(comp, ins)
+                span = _SPAN_LOOP.search(ins.attrs)
+                if n is None and span and context is not None:
+                    n = span_loop_trips(context, *map(int, span.groups()))
+                    spans.append(ins.name)
                 if n is None:
                     unknown.append(ins.name)
                 trips[ins.name] = n if n is not None else 1
@@ -478,7 +504,7 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED) -> Traffic:
             rows.append(_row(prog, comp, ins, runs))
 
     walk(prog.entry, 1)
-    return Traffic(tuple(rows), tuple(unknown), trips)
+    return Traffic(tuple(rows), tuple(unknown), trips, tuple(spans))
 
 
 def _access(comps: dict[str, Computation], comp: Computation,

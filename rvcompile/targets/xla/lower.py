@@ -2,17 +2,20 @@
 
 The programs keep KV caches paged (see program.py): inside layer scans a cache arrives as a
 `PagedSlice` (the stacked block pool, the layer's index in it, the step's block table). KV_WRITE
-scatters straight into the pool through the table (so XLA updates it in place) and every other
-op reads the sequence's blocks gathered into a contiguous [B, S, K, D] view. A plain array is a
+scatters straight into the pool through the table (so XLA updates it in place); ATTENTION of a
+paged program reads a lane's needed blocks only (`BLOCKWISE_LOWERINGS`), and any other reader
+gets the sequence's blocks gathered into a contiguous [B, S, K, D] view. A plain array is a
 contiguous cache, exactly as the IR reference has it. `run_graph` interprets one IR graph with
 these functions at trace time.
 
 An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool [n, blocks,
 BLOCK_SIZE, K] (split by KV head like its pool): KV_WRITE quantises rows as
-ir.ops.quantize_kv_rows does, reads dequantise. Long-context programs attend full layers
-blockwise (`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
-(`CacheView`) and ATTENTION walks the keys in spans of blocks with an online softmax, so neither
-a [T, S] score matrix nor a dequantised [S, K, D] cache is ever materialised.
+ir.ops.quantize_kv_rows does, reads dequantise. Paged programs attend blockwise
+(`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
+(`CacheView`) and ATTENTION walks each lane's live keys (a sliding layer's: its window's) in
+spans of blocks with an online softmax, so a step reads the KV a sequence has, not its table
+at the built context, and neither a [T, S] score matrix nor a dequantised [S, K, D] cache is
+ever materialised.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import KV_INT8_MAX, Op
+from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, SPAN_LOOP
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
               "int32": jnp.int32}
 
 
-BLOCK_SIZE = 16  # tokens per KV block, for every kind and layer
+BLOCK_SIZE = BLOCK_TOKENS  # tokens per KV block, for every kind and layer (16)
 
 
 @dataclass(frozen=True)
@@ -57,14 +61,26 @@ class PagedSlice:
         """The lanes' caches as contiguous slots [B, W * BLOCK_SIZE, K, D]."""
         return self.read_blocks(self.table)
 
-    def read_blocks(self, table: jax.Array) -> jax.Array:
-        """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised)."""
+    def read_blocks(self, table: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+        """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised,
+        by `scales` [B, w, BLOCK_SIZE, K] when the caller gathered them already)."""
         b, w = table.shape
         x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, *self.pool.shape[3:])
         if self.scale is None:
             return x
-        s = self.scale[self.index, table].reshape(b, w * BLOCK_SIZE, self.pool.shape[3])
-        return x.astype(jnp.float32) * s[..., None]
+        if scales is None:
+            scales = self.scale[self.index, table]
+        return x.astype(jnp.float32) * scales.reshape(b, w * BLOCK_SIZE, -1)[..., None]
+
+    def table_scales(self) -> jax.Array | None:
+        """float32 [B, W, BLOCK_SIZE, K]: the scales of every block of the lanes' tables (None
+        for a float pool). The layer's slice is taken first: a gather from the stacked pool
+        made TPU copy the whole stacked scale pool (tile-padded: K pads to 128) into VMEM in
+        every layer iteration, 2.5 GiB a step for the 31B's sliding layers at 128K, B = 4."""
+        if self.scale is None:
+            return None
+        return jnp.take(lax.dynamic_index_in_dim(self.scale, self.index, 0, False), self.table,
+                        axis=0)
 
 
 @dataclass(frozen=True)
@@ -74,23 +90,46 @@ class CacheView:
     read."""
 
     cache: PagedSlice
-    steps: tuple[Callable, ...] = ()  # (x [B, n, K, D], first slot) -> x
+    steps: tuple[Callable, ...] = ()  # (x [B, n, K, D], slots [B, n] read) -> x
 
     def then(self, step: Callable) -> CacheView:
         return dataclasses.replace(self, steps=(*self.steps, step))
 
     def read(self) -> jax.Array:
-        return self._apply(self.cache.read(), 0)
+        b, w = self.cache.table.shape
+        slots = jnp.broadcast_to(jnp.arange(w * BLOCK_SIZE, dtype=jnp.int32), (b, w * BLOCK_SIZE))
+        return self._apply(self.cache.read(), slots)
 
-    def read_span(self, first, blocks: int) -> jax.Array:
-        """Slots [first, first + blocks * BLOCK_SIZE); `first` a multiple of BLOCK_SIZE."""
-        table = lax.dynamic_slice_in_dim(self.cache.table, first // BLOCK_SIZE, blocks, axis=1)
-        return self._apply(self.cache.read_blocks(table), first)
+    def read_entries(self, entries: jax.Array, table_scales: jax.Array | None = None) -> jax.Array:
+        """The slots of table entries `entries` [B, w] (each lane its own) as [B, w * 16, K, D];
+        an int8 pool's scales taken from `table_scales` (PagedSlice.table_scales) if given."""
+        scales = None
+        if table_scales is not None:
+            scales = jnp.take_along_axis(table_scales, entries[:, :, None, None], axis=1)
+        x = self.cache.read_blocks(jnp.take_along_axis(self.cache.table, entries, axis=1),
+                                   scales)
+        return self._apply(x, entry_slots(entries))
 
-    def _apply(self, x, first):
+    def read_span(self, start, blocks: int) -> jax.Array:
+        """The slots of table entries start .. start + blocks - 1 of every lane as [B, blocks *
+        16, K, D], through a slice of the table."""
+        b = self.cache.table.shape[0]
+        x = self.cache.read_blocks(
+            lax.dynamic_slice_in_dim(self.cache.table, start, blocks, axis=1))
+        slots = start * BLOCK_SIZE + jnp.arange(blocks * BLOCK_SIZE, dtype=jnp.int32)
+        return self._apply(x, jnp.broadcast_to(slots, (b, blocks * BLOCK_SIZE)))
+
+    def _apply(self, x, slots):
         for step in self.steps:
-            x = step(x, first)
+            x = step(x, slots)
         return x
+
+
+def entry_slots(entries: jax.Array) -> jax.Array:
+    """The slots [B, w * BLOCK_SIZE] of table entries [B, w]."""
+    b, w = entries.shape
+    return (entries[:, :, None] * BLOCK_SIZE
+            + jnp.arange(BLOCK_SIZE, dtype=jnp.int32)).reshape(b, w * BLOCK_SIZE)
 
 
 def _val(v):
@@ -287,37 +326,85 @@ def attention(a, q, k, v, q_pos, k_pos):
 SPAN_BLOCKS = 32  # blockwise attention reads up to this many blocks (512 keys) per step
 
 
-def _span_blocks(width: int) -> int:
-    """Blocks per step: the largest divisor of the table width up to SPAN_BLOCKS."""
-    return max(n for n in range(1, SPAN_BLOCKS + 1) if width % n == 0)
+def span_blocks(width: int, window: int | None) -> int:
+    """Blocks a span loop step reads: the blocks a decode row needs (the table's width, or a
+    window's blocks) cut into the fewest spans of at most SPAN_BLOCKS, evened out so that the
+    last span reads few blocks past them."""
+    need = width if window is None else min(width, -(-(window - 1) // BLOCK_SIZE) + 1)
+    return -(-need // -(-need // SPAN_BLOCKS))
+
+
+def span_plan(q_pos, window: int | None, width: int, blocks: int):
+    """(lo [B], needed [B], trips) of a span loop over tables `width` blocks wide, `blocks` a
+    span, for query positions q_pos [B, T] (-1: padding): lane b needs logical blocks lo_b ..
+    lo_b + needed_b - 1 (from its first key, 0 or a window behind its first query, to its last
+    query's; at most the table), and the loop runs `trips` spans, the most any lane needs.
+    hlo_traffic.span_loop_trips is the same count for lanes decoding at one position."""
+    valid = q_pos >= 0
+    last = jnp.max(jnp.where(valid, q_pos, -1), axis=1)
+    lo = jnp.zeros_like(last)
+    if window is not None:
+        first = jnp.min(jnp.where(valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        lo = jnp.where(last >= 0, jnp.maximum(first - window + 1, 0) // BLOCK_SIZE, 0)
+    needed = jnp.where(last >= 0, jnp.minimum(last // BLOCK_SIZE + 1 - lo, width), 0)
+    return lo, needed, (jnp.max(needed) + blocks - 1) // blocks
 
 
 def attention_blockwise(a, q, k, v, q_pos, k_pos):
-    """ATTENTION of a full layer over paged caches, one span of blocks per loop step with an
-    online softmax (running max, sum and weighted values per query row); the loop stops after
-    the last span holding a live slot of any lane. Equal to `attention` up to float32 rounding
-    (summation order). Anything else (sliding windows, plain arrays) goes to `attention`."""
+    """ATTENTION over paged caches reading each lane's needed blocks only: a loop over spans of
+    blocks with an online softmax (running max, sum and weighted values per query row). Lane b
+    needs the logical blocks from its first key (0, or a sliding window's first key behind its
+    first query) to its last query's; span i reads entries lo_b + i * n .. of each lane's table
+    (a sliding ring's modulo its width), and the loop stops after the span holding the last
+    needed block of any lane, so a step reads a lane's live keys (its window's, for a ring) and
+    never its whole table at the built context (lanes of one call run as many spans as the
+    longest needs). Equal to `attention` up to float32 rounding (summation order). The loop is
+    named SPAN_LOOP in the HLO metadata: its trip count depends on the data, and the traffic
+    table (hlo_traffic.py) scales it at a stated context from the span, window and width.
+    Plain arrays (no paged cache) go to `attention`."""
     kv = _view(k), _view(v)
-    if a.window is not None or None in kv:
+    if None in kv:
         return attention(a, q, _val(k), _val(v), q_pos, k_pos)
     k, v = kv
     q = f32(q)
     b, t, nh, d = q.shape
     kh, dv = k.cache.pool.shape[3], v.cache.pool.shape[4]
-    blocks = _span_blocks(k.cache.table.shape[1])
-    span = blocks * BLOCK_SIZE
+    width = k.cache.table.shape[1]
+    blocks = span_blocks(width, a.window)
     qg = q.reshape(b, t, kh, nh // kh, d)
     qp = q_pos[:, None, None, :, None]
-    live = jnp.max(jnp.where(k_pos >= 0, jnp.arange(k_pos.shape[1], dtype=jnp.int32) + 1, 0))
+    lo, needed, trips = span_plan(q_pos, a.window, width, blocks)
+    within = jnp.arange(blocks, dtype=jnp.int32)
+    # A ring's int8 scales (a 1/D share of its bytes) are gathered once, ahead of the loop: read
+    # span by span, XLA on TPU prefetched the whole stacked scale pool into VMEM in every layer
+    # iteration (0.37 GiB a step for the 31B at 128K, B = 1). A full layer's tables are read as
+    # slices (`read_span`): gathered from, TPU copied the whole table into VMEM every span.
+    ring = k.cache.ring
+    ring_scales = tuple(x.cache.table_scales() if ring else None for x in (k, v))
 
     def step(i, carry):
         m, total, acc = carry
-        first = i * span
-        kb, vb = f32(k.read_span(first, blocks)), f32(v.read_span(first, blocks))
-        kp = lax.dynamic_slice_in_dim(k_pos, first, span, axis=1)[:, None, None, None, :]
+        if ring:  # each lane from its window's first block, modulo the ring
+            rel = i * blocks + within
+            entries = (lo[:, None] + rel) % width  # [B, blocks]
+            kb, vb = f32(k.read_entries(entries, ring_scales[0])), f32(
+                v.read_entries(entries, ring_scales[1]))
+            kp = jnp.take_along_axis(k_pos, entry_slots(entries), axis=1)
+            fresh = rel[None, :] < needed[:, None]
+        else:  # every lane from block 0: one slice of the tables; the last span may start
+            # early to stay inside them, and skips the entries the span before read
+            start = jnp.minimum(i * blocks, width - blocks)
+            rel = start + within
+            kb, vb = f32(k.read_span(start, blocks)), f32(v.read_span(start, blocks))
+            kp = lax.dynamic_slice_in_dim(k_pos, start * BLOCK_SIZE, blocks * BLOCK_SIZE, axis=1)
+            fresh = (rel[None, :] < needed[:, None]) & (rel >= i * blocks)[None, :]
+        live = jnp.repeat(fresh, BLOCK_SIZE, axis=1) & (kp >= 0)
+        kp = kp[:, None, None, None, :]
         s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32) * jnp.float32(a.scale)
-        mask = (kp >= 0) & (kp <= qp) & (qp >= 0)
+        mask = live[:, None, None, None, :] & (kp <= qp) & (qp >= 0)
+        if a.window is not None:
+            mask &= kp > qp - a.window
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
         base = jnp.where(jnp.isfinite(m_new), m_new, 0)
         p = jnp.where(mask, jnp.exp(s - base[..., None]), 0)
@@ -330,7 +417,9 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
     rows = (b, kh, nh // kh, t)
     init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, dv), jnp.float32))
-    _, total, acc = lax.fori_loop(0, (live + span - 1) // span, step, init)
+    scope = SPAN_LOOP.format(span=blocks, window=a.window or 0, width=width)
+    with jax.named_scope(scope):
+        _, total, acc = lax.fori_loop(0, trips, step, init)
     out = acc / jnp.where(total > 0, total, 1)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh, dv)
 
@@ -341,7 +430,7 @@ def mul_lazy(a, x, y):
     if view is None or _view(y) is not None:
         return f32(x) * f32(y)
     w = f32(y)
-    return view.then(lambda c, first: f32(c) * w)
+    return view.then(lambda c, slots: f32(c) * w)
 
 
 def rope_lazy(a, x, pos):
@@ -349,8 +438,7 @@ def rope_lazy(a, x, pos):
     view = _view(x)
     if view is None:
         return rope(a, x, pos)
-    return view.then(
-        lambda c, first: rope(a, c, lax.dynamic_slice_in_dim(pos, first, c.shape[1], axis=1)))
+    return view.then(lambda c, slots: rope(a, c, jnp.take_along_axis(pos, slots, axis=1)))
 
 
 def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None,
@@ -560,8 +648,8 @@ LOWERINGS: dict[Op, Callable] = {
     Op.CONCAT: lambda a, x, y: jnp.concatenate([f32(x), f32(y)], axis=-1),
     Op.CENTROID_HEAD: centroid_head,
 }
-# Full layers attend blockwise, reading their caches (and K=V layers' k_norm and RoPE) span by
-# span.
+# Paged programs attend blockwise, reading their caches (and K=V layers' k_norm and RoPE) span by
+# span, each lane's needed blocks only.
 BLOCKWISE_LOWERINGS: dict[Op, Callable] = {
     **LOWERINGS,
     Op.MUL: TakesPaged(mul_lazy),

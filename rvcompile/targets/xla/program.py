@@ -63,7 +63,6 @@ from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
     BLOCKWISE_LOWERINGS,
     JNP_DTYPES,
-    LOWERINGS,
     PagedSlice,
     cache_positions,
     filtered_probs,
@@ -102,7 +101,6 @@ def kind_of(ring: bool) -> str:
 
 
 SCALE_SUFFIX = ".scale"  # pool key + this: the float32 scales of an int8 pool
-BLOCKWISE_CONTEXT = 32768  # longer contexts attend blockwise even with a float cache
 
 
 @dataclass(frozen=True)
@@ -231,12 +229,6 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tupl
     return out
 
 
-def attends_blockwise(ir: ModelIR) -> bool:
-    """Full layers attend blockwise (lower.attention_blockwise) for int8 caches and for
-    contexts beyond BLOCKWISE_CONTEXT, where a [T, S] score matrix would not fit."""
-    return ir.max_context > BLOCKWISE_CONTEXT or any(c.dtype == "int8" for c in ir.caches)
-
-
 class Program:
     """Builds the traced functions of one ModelIR under one layout."""
 
@@ -267,16 +259,16 @@ class Program:
         return caches, h
 
     def _paged_lowerings(self):
-        """LOWERINGS with CACHE_POSITIONS sized by the block tables: the IR's ring semantics
-        over table_width * BLOCK_SIZE slots instead of the IR's contiguous cache size; under
-        tensor parallelism MOE given the mesh its experts are split over."""
+        """BLOCKWISE_LOWERINGS (ATTENTION reads each lane's needed blocks only) with
+        CACHE_POSITIONS sized by the block tables: the IR's ring semantics over table_width *
+        BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE
+        given the mesh its experts are split over."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
-        base = BLOCKWISE_LOWERINGS if attends_blockwise(self.ir) else LOWERINGS
-        lowerings = {**base, Op.CACHE_POSITIONS: positions}
+        lowerings = {**BLOCKWISE_LOWERINGS, Op.CACHE_POSITIONS: positions}
         if self.pool_shardings:  # tensor parallel: each device runs the picked experts it holds
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
