@@ -99,3 +99,24 @@ def assert_greedy_equal_or_tied(model, prompt, want: list[int], got: list[int]) 
     print(f"\n[measured] greedy paths part at token {i}: {want[i]} / {got[i]}, top-2 logit gap "
           f"{gap:.4f}")
     assert {want[i], got[i]} == set(top2) and gap < TIE_GAP, (i, want[i], got[i], top2, gap)
+
+
+def bare_engine(executor, **kw):
+    """An Engine over `executor` that detokenizes nothing and knows no EOS (token ids only)."""
+    from rvcompile.runtime.engine import Engine
+
+    return Engine(executor, lambda ids: "", frozenset(), vocab_size=executor.schedule.vocab_size,
+                  **kw)
+
+
+def run_requests(eng, requests, max_steps: int = 400) -> dict[str, list[int]]:
+    """Add `requests` to `eng` and step it until they all finish; each request's token ids."""
+    for r in requests:
+        eng.add(r)
+    out: dict[str, list[int]] = {r.id: [] for r in requests}
+    for _ in range(max_steps):
+        for o in eng.step():
+            out[o.id] += o.token_ids
+        if not eng.has_work():
+            return out
+    raise AssertionError("the engine did not finish")

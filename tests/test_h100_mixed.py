@@ -17,7 +17,13 @@ import json
 
 import numpy as np
 import pytest
-from h100_helpers import h100_context, own_tables, reference_executor
+from h100_helpers import (
+    bare_engine,
+    h100_context,
+    own_tables,
+    reference_executor,
+    run_requests,
+)
 from oracle import random_token_ids
 from stub_cubins import build_h100
 
@@ -25,7 +31,7 @@ from rvcompile.artifacts import Artifact
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions
-from rvcompile.runtime.engine import Engine, Request
+from rvcompile.runtime.engine import Request
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 from rvcompile.targets.h100 import lower
 
@@ -101,21 +107,6 @@ def test_calls_no_mixed_entry_takes_are_refused(art):
         ex.prefill_decode(chunks, [dataclasses.replace(lanes[0], tokens=[1, 2]), *lanes[1:]])
 
 
-def _engine(executor, **kw) -> Engine:
-    return Engine(executor, lambda ids: "", frozenset(), vocab_size=executor.schedule.vocab_size,
-                  **kw)
-
-
-def _run(eng: Engine, requests: list[Request]) -> dict[str, list[int]]:
-    for r in requests:
-        eng.add(r)
-    out: dict[str, list[int]] = {r.id: [] for r in requests}
-    for _ in range(400):
-        for o in eng.step():
-            out[o.id] += o.token_ids
-        if not eng.has_work():
-            return out
-    raise AssertionError("the engine did not finish")
 
 
 def test_the_engine_mixes_and_gives_every_request_the_same_tokens(art):
@@ -127,10 +118,10 @@ def test_the_engine_mixes_and_gives_every_request_the_same_tokens(art):
                 for i in range(48)]
     apart = reference_executor(art)
     apart.prefill_decode = None  # an executor without mixed calls (executor_api.mixes_decode)
-    eng_apart = _engine(apart)
-    want = _run(eng_apart, requests)
-    eng = _engine(reference_executor(art))
-    assert _run(eng, requests) == want
+    eng_apart = bare_engine(apart)
+    want = run_requests(eng_apart, requests)
+    eng = bare_engine(reference_executor(art))
+    assert run_requests(eng, requests) == want
     assert eng.stats().mixed_calls >= 1 and eng_apart.stats().mixed_calls == 0
     assert eng.stats().steps <= eng_apart.stats().steps
 

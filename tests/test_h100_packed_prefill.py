@@ -16,7 +16,13 @@ import dataclasses
 import json
 
 import pytest
-from h100_helpers import h100_context, own_tables, reference_executor
+from h100_helpers import (
+    bare_engine,
+    h100_context,
+    own_tables,
+    reference_executor,
+    run_requests,
+)
 from oracle import random_token_ids
 from stub_cubins import build_h100
 
@@ -25,7 +31,7 @@ from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions, lower_model
 from rvcompile.model.presets import get_preset
-from rvcompile.runtime.engine import Engine, Request
+from rvcompile.runtime.engine import Request
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 from rvcompile.sources.model_source import ModelSource
 from rvcompile.targets.h100 import attn_prefill, lower
@@ -106,21 +112,6 @@ def test_bad_packs_are_refused(art):
         ex.prefill_packed([*chunks, dataclasses.replace(chunks[1], tables=own_tables(ex, 3))])
 
 
-def _engine(executor, **kw) -> Engine:
-    return Engine(executor, lambda ids: "", frozenset(), vocab_size=executor.schedule.vocab_size,
-                  **kw)
-
-
-def _run(eng: Engine, requests: list[Request]) -> dict[str, list[int]]:
-    for r in requests:
-        eng.add(r)
-    out: dict[str, list[int]] = {r.id: [] for r in requests}
-    for _ in range(200):
-        for o in eng.step():
-            out[o.id] += o.token_ids
-        if not eng.has_work():
-            return out
-    raise AssertionError("the engine did not finish")
 
 
 def test_the_engine_packs_prompts_and_gives_every_request_its_own_tokens(art):
@@ -128,9 +119,9 @@ def test_the_engine_packs_prompts_and_gives_every_request_its_own_tokens(art):
                 for i, (n, s) in enumerate(SEQS)]
     each = {}
     for r in requests:
-        each |= _run(_engine(reference_executor(art)), [r])
-    eng = _engine(reference_executor(art), prefill_budget=256)
-    assert _run(eng, requests) == each
+        each |= run_requests(bare_engine(reference_executor(art)), [r])
+    eng = bare_engine(reference_executor(art), prefill_budget=256)
+    assert run_requests(eng, requests) == each
     assert eng.stats().packed_prefills >= 1
 
 
@@ -157,8 +148,8 @@ def test_without_packing_prefill_calls_take_one_sequence(art):
     ex.prefill_packing = None
     with pytest.raises(ValueError, match="one sequence a call"):
         ex.prefill_packed(_chunks(ex))
-    eng = _engine(ex, prefill_budget=256)
-    _run(eng, [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 2, s, ignore_eos=True)
+    eng = bare_engine(ex, prefill_budget=256)
+    run_requests(eng, [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 2, s, ignore_eos=True)
                for i, (n, s) in enumerate(SEQS)])
     assert eng.stats().packed_prefills == 0
 
