@@ -24,6 +24,7 @@ import numpy as np
 from h100_packed_check import blocks_bytes, timed  # benchmarks/h100_packed_check.py
 
 from rvcompile import runtime
+from rvcompile.artifacts import ArtifactError
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 
 
@@ -68,18 +69,25 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--json")
     args = ap.parse_args()
-    m = runtime.load(args.artifact, verify=False)
-    ex = m.executor
     try:
         lanes = [int(x) for x in args.lanes.split(",")]
     except ValueError:
-        print(f"--lanes: comma-separated integers, not {args.lanes!r}", file=sys.stderr)
+        lanes = []
+    if not lanes or min(lanes) < 1 or args.prompts < 1 or args.prompt < 1 or args.context < 1:
+        print(f"--lanes must be positive integers (comma-separated; got {args.lanes!r}) and "
+              "--prompts, --prompt and --context at least 1", file=sys.stderr)
         return 2
+    try:
+        m = runtime.load(args.artifact, verify=False)
+    except ArtifactError as e:  # unreadable, or no GPU here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ex = m.executor
     if not ex.mixed_shapes:
         print("this artifact has no mixed entries", file=sys.stderr)
         return 2
-    if not (0 < args.prompt <= ex.max_chunk and 0 < args.context < ex.max_context
-            and all(0 < b <= ex.max_seqs for b in lanes)):
+    if not (args.prompt <= ex.max_chunk and args.context < ex.max_context
+            and max(lanes) <= ex.max_seqs):
         print(f"--prompt must be 1..{ex.max_chunk}, --context 1..{ex.max_context - 1} and "
               f"--lanes 1..{ex.max_seqs}", file=sys.stderr)
         return 2

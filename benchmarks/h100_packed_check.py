@@ -25,6 +25,7 @@ import numpy as np
 from h100_batch import pack_chunks  # benchmarks/h100_batch.py
 
 from rvcompile import runtime
+from rvcompile.artifacts import ArtifactError
 from rvcompile.runtime.executor_api import Sampling, SeqChunk
 
 
@@ -57,7 +58,11 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--json")
     args = ap.parse_args()
-    m = runtime.load(args.artifact, verify=False)
+    try:
+        m = runtime.load(args.artifact, verify=False)
+    except ArtifactError as e:  # unreadable, or no GPU here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ex = m.executor
     if ex.prefill_packing is None:
         print("this artifact does not pack prefill chunks", file=sys.stderr)

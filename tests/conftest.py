@@ -32,3 +32,26 @@ def oracle_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[
         return cache[(case, seed)]
 
     return get
+
+
+@pytest.fixture
+def break_mask_jobs(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A function that, once called, makes grammar mask jobs raise on the grammars' worker
+    thread ("llguidance broke"); masks computed on any other thread (the engine's) still work.
+    `monkeypatch.undo()` mends them."""
+    import threading
+
+    from rvcompile.runtime.constraints import Grammars
+
+    fill_call = Grammars._fill_call
+
+    def broken_on_the_worker(self, matchers):
+        out, compute = fill_call(self, matchers)
+
+        def run():
+            if threading.current_thread().name.startswith("rvrun-masks"):
+                raise RuntimeError("llguidance broke")
+            compute()
+        return out, run
+
+    return lambda: monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)

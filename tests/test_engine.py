@@ -296,14 +296,14 @@ def test_requests_that_cannot_run_are_refused():
     engine(FakeExecutor(full_blocks=8), max_model_len=32)  # a shorter limit needs fewer
 
 
-def test_engine_thread_hands_over_each_steps_outputs_once():
-    """after_outputs runs once after each step that gave outputs, after that step's sinks (the
-    server hands a step's outputs to its event loop there, in one wake-up)."""
+def _two_requests_through_a_thread(ex, events: list[tuple[str, int]], max_tokens: int):
+    """Requests "a" and "b" (`max_tokens` each) through an EngineThread over `ex`, its sinks and
+    after_outputs recording ("out", tokens) and ("flush", 0) in `events`; the thread, stopped
+    once "b" finished and the last flush came."""
     import threading
 
     from rvcompile.runtime.engine import EngineThread
 
-    events: list[tuple[str, int]] = []
     done = threading.Event()
 
     def sink(out):
@@ -311,13 +311,25 @@ def test_engine_thread_hands_over_each_steps_outputs_once():
         if out.finished and out.id == "b":
             done.set()
 
-    thread = EngineThread(engine(FakeExecutor()), lambda: events.append(("flush", 0)))
+    thread = EngineThread(engine(ex), lambda: events.append(("flush", 0)))
     try:
-        thread.submit(Request("a", [3, 4, 5], 4, ignore_eos=True), sink)
-        thread.submit(Request("b", [6, 7], 4, ignore_eos=True), sink)
+        thread.submit(Request("a", [3, 4, 5], max_tokens, ignore_eos=True), sink)
+        thread.submit(Request("b", [6, 7], max_tokens, ignore_eos=True), sink)
         assert done.wait(10)
+        for _ in range(100):  # the last flush follows the last step's sinks
+            if events[-1][0] == "flush":
+                break
+            threading.Event().wait(0.01)
     finally:
         thread.stop()
+    return thread
+
+
+def test_engine_thread_hands_over_each_steps_outputs_once():
+    """after_outputs runs once after each step that gave outputs, after that step's sinks (the
+    server hands a step's outputs to its event loop there, in one wake-up)."""
+    events: list[tuple[str, int]] = []
+    thread = _two_requests_through_a_thread(FakeExecutor(), events, 4)
     kinds = "".join("f" if k == "flush" else "o" for k, _ in events)
     runs = kinds.split("f")[:-1]  # the outputs before each flush
     assert kinds.startswith("o") and kinds.endswith("f") and "ff" not in kinds
@@ -358,29 +370,8 @@ def test_engine_thread_hands_outputs_over_while_the_next_call_runs():
     """With an executor that offers the handoff, a step's after_outputs runs inside the next
     step's first call, right after its launch (the event loop's work overlaps the device), and
     after the last step at once: every output is handed over, each step's once."""
-    import threading
-
-    from rvcompile.runtime.engine import EngineThread
-
     events: list[tuple[str, int]] = []
-    done = threading.Event()
-
-    def sink(out):
-        events.append(("out", len(out.token_ids)))
-        if out.finished and out.id == "b":
-            done.set()
-
-    thread = EngineThread(engine(HandoffExecutor(events)), lambda: events.append(("flush", 0)))
-    try:
-        thread.submit(Request("a", [3, 4, 5], 5, ignore_eos=True), sink)
-        thread.submit(Request("b", [6, 7], 5, ignore_eos=True), sink)
-        assert done.wait(10)
-        for _ in range(100):  # the last flush follows the last step's sinks
-            if events[-1][0] == "flush":
-                break
-            threading.Event().wait(0.01)
-    finally:
-        thread.stop()
+    _two_requests_through_a_thread(HandoffExecutor(events), events, 5)
     kinds = [k for k, _ in events]
     flushes = [i for i, k in enumerate(kinds) if k == "flush"]
     assert kinds[-1] == "flush" and len(flushes) >= 3

@@ -250,23 +250,12 @@ def test_a_known_grammar_s_first_mask_is_not_computed_again(grammars, monkeypatc
 
 
 @pytest.mark.parametrize("kind", sorted(EXECUTORS))
-def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch, kind):
+def test_a_failed_mask_job_ends_only_its_sequences(grammars, monkeypatch, break_mask_jobs, kind):
     """A mask job that raises on the worker ends the constrained requests it was computing
     for; the free one in the same batch goes on, and a later constrained request runs. With
     late masks the job fails inside the decode call, between its forward pass and its sampler:
     the failed lane's token is dropped and its request ends once."""
-    fill_call = Grammars._fill_call
-
-    def broken_on_the_worker(self, matchers):
-        out, compute = fill_call(self, matchers)
-
-        def run():
-            if threading.current_thread().name.startswith("rvrun-masks"):
-                raise RuntimeError("llguidance broke")
-            compute()
-        return out, run
-
-    monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+    break_mask_jobs()
     ex = EXECUTORS[kind]()
     eng = engine(grammars, ex)
     free = Request("free", [7, 8, 9], 12, Sampling(1.0, 0, 1.0, 3))
@@ -359,22 +348,11 @@ def test_a_decode_call_starts_before_its_masks_are_waited_for(grammars, monkeypa
     assert_pools_whole(eng)
 
 
-def test_a_decode_call_failing_after_its_masks_failed_ends_each_request_once(grammars,
-                                                                              monkeypatch):
+def test_a_decode_call_failing_after_its_masks_failed_ends_each_request_once(
+        grammars, monkeypatch, break_mask_jobs):
     """The mask job fails inside a late-mask decode call, and the call then fails too: every
     request in the call ends with exactly one error output, and the engine serves on."""
-    fill_call = Grammars._fill_call
-
-    def broken_on_the_worker(self, matchers):
-        out, compute = fill_call(self, matchers)
-
-        def run():
-            if threading.current_thread().name.startswith("rvrun-masks"):
-                raise RuntimeError("llguidance broke")
-            compute()
-        return out, run
-
-    monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+    break_mask_jobs()
     ex = LateMaskExecutor()
     ex.fail_sampler = True
     eng = engine(grammars, ex)

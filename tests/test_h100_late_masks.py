@@ -235,32 +235,18 @@ def test_the_engine_decodes_json_schema_requests_through_late_calls(art, device)
     assert len(forward) > 5
 
 
-def test_a_mask_job_failing_between_the_parts_ends_only_its_request(art, device, monkeypatch):
+def test_a_mask_job_failing_between_the_parts_ends_only_its_request(art, device, monkeypatch,
+                                                                    break_mask_jobs):
     """The grammars' worker fails inside a late decode call (after its forward part ran): the
     json_schema request ends with the error after its first token, the free one beside it gets
     the tokens it gets alone, and the engine then serves a json_schema request whole."""
     pytest.importorskip("llguidance")
-    import threading
-
-    from rvcompile.runtime.constraints import Grammars
-
-    fill_call = Grammars._fill_call
-
-    def broken_on_the_worker(self, matchers):
-        out, compute = fill_call(self, matchers)
-
-        def run():
-            if threading.current_thread().name.startswith("rvrun-masks"):
-                raise RuntimeError("llguidance broke")
-            compute()
-        return out, run
-
     ex, events = recorded(device)
     m = Model(art, ex)
     prompt = m.encode("In the beginning God created")
     free = Request("free", prompt, 6, Sampling(1.0, 0, 1.0, 9))
     alone = _run(m, [free])["free"]
-    monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+    break_mask_jobs()
     m.engine.add(Request("json", prompt, 40, Sampling(1.0, 0, 1.0, 40),
                          constraint=Constraint.json_schema(SCHEMA)))
     m.engine.add(free)

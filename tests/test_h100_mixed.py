@@ -142,6 +142,22 @@ def test_mixed_entries_are_checked_where_they_are_read(art):
     bad["entries"]["mixed_64_64"]["rows"] = 64
     with pytest.raises(SchemaError, match="mixed_64_64 must be named mixed_64_64 with 128 rows"):
         KernelSchedule.from_json(bad)
+    for rename, says in [("mixed_0_64", "named decode_N"), ("mixed_64", "named decode_N"),
+                         ("mixed_64_64_1", "named decode_N"),
+                         ("mixed_9999999_64", "mixed_9999999_64.rows: expected an int")]:
+        bad = json.loads(json.dumps(d))
+        bad["entries"][rename] = dict(bad["entries"].pop("mixed_64_64"), name=rename)
+        if rename == "mixed_9999999_64":
+            bad["entries"][rename]["rows"] = 9999999 + 64
+        with pytest.raises(SchemaError, match=says) as err:
+            KernelSchedule.from_json(bad)
+        assert "\n" not in str(err.value)
+    for rows in ("128", -128, float("nan"), None):
+        bad = json.loads(json.dumps(d))
+        bad["entries"]["mixed_64_64"]["rows"] = rows
+        with pytest.raises(SchemaError, match="mixed_64_64.*rows") as err:
+            KernelSchedule.from_json(bad)
+        assert "\n" not in str(err.value)
     bad = json.loads(json.dumps(d))
     del bad["prefill_packing"]
     with pytest.raises(SchemaError, match="mixed entry needs prefill_packing"):
@@ -155,6 +171,25 @@ def test_which_schedules_mix():
         (64, 64), (64, 128), (64, 256), (256, 64), (256, 128), (256, 256))
     assert lower.mixed_shapes((8, 64), (16, 64), 32) == ()
     assert lower.mixed_shapes(None, (16, 64), 256) == ()
+
+
+def test_the_check_benchmark_refuses_bad_arguments_in_one_line(tmp_path):
+    """benchmarks/h100_mixed_check.py: bad flags and an unreadable artifact exit 2 with one
+    error line (after argparse's usage, for a value of the wrong type), never a traceback,
+    before any GPU is needed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "h100_mixed_check.py"
+    for args, says in [(["--lanes", "x"], "--lanes"), (["--lanes", "0,64"], "--lanes"),
+                       (["--prompts", "-1"], "--prompts"), (["--context", "nan"], "--context"),
+                       ([], "cannot open")]:
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / "none.rvp"), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert says in last and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 # ---------------------------------------------------------------- GPU
