@@ -2,12 +2,16 @@
 group 2, window 1024) and the full layers' K=V kernel (head dim 512, group 8), bf16 or FP8
 pools, over batches and contexts; time of the split kernel + combine (median of 50, CUDA
 events), and GB/s of the K/V bytes the step must read (a K=V layer's one pool counted once).
+Both split kernels are timed: attn_decode.cu's ("split") and attn_prefill.cu's tensor-core
+decode entries ("tc", what bf16/e4m3 plans launch).
 
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
-                                   [--cubin OTHER.cubin ...] [--json OUT]
+                                   [--cubin OTHER.cubin ...] [--tc-cubin OTHER.cubin ...]
+                                   [--json OUT]
 
---cubin times the same launches from other builds of attn_decode.cu (an A/B of a change: the
-checkout's cubin and the others, in one run, on the same inputs).
+--cubin / --tc-cubin time the same launches from other builds of attn_decode.cu /
+attn_prefill.cu (an A/B of a change: the checkout's cubins and the others, in one run, on the
+same inputs).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from test_h100_attn import to_e4m3  # noqa: E402  (the tests' e4m3 rounding)
 from rvcompile.model.config import RopeSpec  # noqa: E402
 from rvcompile.runtime.executors.cuda_driver import CudaContext  # noqa: E402
 from rvcompile.targets.h100 import attn_decode as ad  # noqa: E402
+from rvcompile.targets.h100 import attn_prefill as ap  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402
 
 # (name, KV heads, group, head dim, window, K=V)
@@ -67,14 +72,23 @@ def make_pools(batch: int, kh: int, g: int, d: int, context: int, window: int, f
     return q, k, v, table, ring, np.full(batch, context, np.int32)
 
 
-def time_layer(ctx, cubin: bytes, layer, batch: int, context: int, fp8: bool) -> dict:
+def time_layer(ctx, kernel: str, cubin: bytes, combine_cubin: bytes, layer, batch: int,
+               context: int, fp8: bool) -> dict:
     name, kh, g, d, window, keqv = layer
     q, k, v, table, ring, lens = make_pools(batch, kh, g, d, context, window, fp8)
     kv = "float8_e4m3fn" if fp8 else "bfloat16"
-    fn = ctx.load_function(cubin, (ad.entry_keqv if keqv else ad.entry)(d, g, kv))
-    combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
     keys = len(ad.visible_tokens(context, window))
     splits = ad.num_splits(batch, kh, min(ad_max_keys(window), 2048), ctx.sm_count)
+    if kernel == "tc":
+        name_of = ap.decode_entry_keqv if keqv else ap.decode_entry
+        fn = ctx.load_function(cubin, name_of(d, g, kv))
+        split = ap.decode_geometry(batch, kh, splits, d, keqv)
+        if split.smem > 48 << 10:
+            ctx.set_max_dynamic_smem(fn, split.smem)
+    else:
+        fn = ctx.load_function(cubin, (ad.entry_keqv if keqv else ad.entry)(d, g, kv))
+        split = ad.split_geometry(batch, kh, splits)
+    combine = ctx.load_function(combine_cubin, ad.COMBINE_ENTRY)
     nh = kh * g
     extra = [np.random.default_rng(1).uniform(0.5, 1.5, d).astype(np.float32),
              np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)] if keqv else []
@@ -89,7 +103,6 @@ def time_layer(ctx, cubin: bytes, layer, batch: int, context: int, fp8: bool) ->
                   ctypes.c_int(window), ctypes.c_int(kh)]
     args = [p[0], *p[1:1 + n], *table_args, *p[3 + n:], ctypes.c_uint64(acc.ptr),
             ctypes.c_uint64(ml.ptr)]
-    split = ad.split_geometry(batch, kh, splits)
     comb = ad.combine_geometry(batch, nh, d, splits)
     cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
              ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]
@@ -112,26 +125,32 @@ def ad_max_keys(window: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", default="1,8,64,256")
-    ap.add_argument("--context", default="129,1200")
-    ap.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--cubin", action="append", default=[],
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", default="1,8,64,256")
+    parser.add_argument("--context", default="129,1200")
+    parser.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
+    parser.add_argument("--cubin", action="append", default=[],
                     help="another build of attn_decode.cu to time beside it (repeatable)")
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    parser.add_argument("--tc-cubin", action="append", default=[],
+                    help="another build of attn_prefill.cu to time beside it (repeatable)")
+    parser.add_argument("--json")
+    a = parser.parse_args()
     ctx = CudaContext()
-    cubins = {"built": compile_cubin(ad.SOURCE)}
+    split_cubin = compile_cubin(ad.SOURCE)
+    cubins = {"split": ("split", split_cubin), "tc": ("tc", compile_cubin(ap.SOURCE))}
     for path in a.cubin:
-        cubins[Path(path).stem] = Path(path).read_bytes()
+        cubins[Path(path).stem] = ("split", Path(path).read_bytes())
+    for path in a.tc_cubin:
+        cubins[Path(path).stem] = ("tc", Path(path).read_bytes())
     rows = []
     print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
           + " ".join(f"{k[:12] + ' us':>15} {'GB/s':>6}" for k in cubins), flush=True)
     for layer in LAYERS:
         for batch in map(int, a.batch.split(",")):
             for context in map(int, a.context.split(",")):
-                got = {k: time_layer(ctx, c, layer, batch, context, a.kv == "fp8")
-                       for k, c in cubins.items()}
+                got = {k: time_layer(ctx, kind, c, split_cubin, layer, batch, context,
+                                     a.kv == "fp8")
+                       for k, (kind, c) in cubins.items()}
                 first = next(iter(got.values()))
                 print(f"{layer[0]:13} {batch:4d} {context:5d} {first['splits']:6d} "
                       + " ".join(f"{r['us']:15.1f} {r['gb_s']:6.0f}" for r in got.values()),

@@ -35,7 +35,11 @@ the ratio region added; the other cases' hashes unchanged. And again for packed 
 (float32, MoE, gemma-4-tiny); where it packs, every entry's launches are the same (kernel,
 geometry, argument kinds and non-pointer values) but the prefill entries' head from the select
 on (S rows: select, the head's product, the sampler), io last_row holds S values and the prefill
-entries' outputs S rows (checked case by case against dumps at 976a14d).
+entries' outputs S rows (checked case by case against dumps at 976a14d). And again when the
+K=V layers' decode attention moved onto tensor cores: in every case each attn_decode_keqv_*
+launch of a bf16/e4m3 plan became the attn_decode_tc_keqv_* of the same name (module
+attn_prefill.cu, 32 * D / 128 threads, attn_prefill's two-stage shared memory) with the same
+grid and arguments, and nothing else changed (checked case by case against dumps at 407a661).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

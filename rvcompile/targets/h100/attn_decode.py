@@ -126,7 +126,9 @@ def write_partials(c: Call, out: np.ndarray, splits: int) -> None:
     ml[:, :, 0] = (0.0, 1.0)
 
 
-def _split_call(d: int, g: int, c: Call) -> None:
+def split_reference(d: int, g: int, c: Call) -> None:
+    """A split launch (this file's kernel or attn_prefill.cu's tensor-core decode entries): the
+    sequences' attention as split 0 of part_acc / part_ml."""
     splits, _, m = c.grid
     kh = c["kv_heads"]
     table = np.asarray(c.array("table", (m, c["max_blocks"])))
@@ -155,21 +157,26 @@ def _combine_call(c: Call) -> None:
         out_bf16[:] = res.astype(out_bf16.dtype)
 
 
+def split_params(kv_dtype: str, keqv: bool) -> tuple:
+    """The split kernel's parameters, which attn_prefill.cu's tensor-core decode entries share."""
+    q = ptr("q", "float32" if kv_dtype == "float32" else "bfloat16")
+    table = (ptr("table", "int32"), i32("max_blocks"), i32("ring"), ptr("seq_len", "int32"),
+             i32("window"), i32("kv_heads"))
+    parts = (ptr("part_acc", "float32", "out"), ptr("part_ml", "float32", "out"))
+    if keqv:
+        return (q, ptr("base", kv_dtype), *table, ptr("wk", "float32"),
+                ptr("inv_freq", "float32"), *parts)
+    return (q, ptr("kc", kv_dtype), ptr("vc", kv_dtype), *table, *parts)
+
+
 def _entries():
     for d in HEAD_DIMS:
         for g in GROUPS:
             for kv in KV_DTYPES:
-                q = ptr("q", "float32" if kv == "float32" else "bfloat16")
-                table = (ptr("table", "int32"), i32("max_blocks"), i32("ring"),
-                         ptr("seq_len", "int32"), i32("window"), i32("kv_heads"))
-                parts = (ptr("part_acc", "float32", "out"), ptr("part_ml", "float32", "out"))
-                yield Entry(entry(d, g, kv), SOURCE,
-                            (q, ptr("kc", kv), ptr("vc", kv), *table, *parts),
-                            partial(_split_call, d, g))
-                yield Entry(entry_keqv(d, g, kv), SOURCE,
-                            (q, ptr("base", kv), *table, ptr("wk", "float32"),
-                             ptr("inv_freq", "float32"), *parts),
-                            partial(_split_call, d, g))
+                yield Entry(entry(d, g, kv), SOURCE, split_params(kv, False),
+                            partial(split_reference, d, g))
+                yield Entry(entry_keqv(d, g, kv), SOURCE, split_params(kv, True),
+                            partial(split_reference, d, g))
     yield Entry(COMBINE_ENTRY, SOURCE,
                 (ptr("part_acc", "float32"), ptr("part_ml", "float32"), i32("splits"), i32("d"),
                  ptr("out", "float32", "out"), ptr("out_bf16", "bfloat16", "out", nullable=True)),

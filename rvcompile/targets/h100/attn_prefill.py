@@ -27,7 +27,15 @@ from functools import partial
 import numpy as np
 
 from rvcompile.ir import ops
-from rvcompile.targets.h100.attn_decode import BLOCK, GROUPS, HEAD_DIMS, KV_DTYPES, pool
+from rvcompile.targets.h100.attn_decode import (
+    BLOCK,
+    GROUPS,
+    HEAD_DIMS,
+    KV_DTYPES,
+    pool,
+    split_params,
+    split_reference,
+)
 from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
@@ -48,6 +56,25 @@ def entry(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
 
 def entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
     return entry(head_dim, group, kv_dtype).replace("attn_prefill_", "attn_prefill_keqv_")
+
+
+def decode_entry(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    """The tensor-core decode entry: attn_decode's split kernel contract (its parameters, its
+    reference, its combine) on this file's tile loop."""
+    if kv_dtype == "float32":
+        raise ValueError("no tensor-core decode attention for float32 pools")
+    return entry(head_dim, group, kv_dtype).replace("attn_prefill_", "attn_decode_tc_")
+
+
+def decode_entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    return decode_entry(head_dim, group, kv_dtype).replace("_tc_", "_tc_keqv_")
+
+
+def decode_geometry(batch: int, kv_heads: int, splits: int, head_dim: int, keqv: bool) -> Launch:
+    """A CTA per (split, KV head, sequence), as attn_decode.split_geometry: one row group (the
+    group's heads of one token) of WC dim-slice warps."""
+    return Launch((splits, kv_heads, batch), (32 * warp_shape(head_dim)[1], 1, 1),
+                  smem_bytes(head_dim, keqv))
 
 
 def warp_shape(head_dim: int) -> tuple[int, int]:
@@ -161,7 +188,8 @@ def _call(d: int, g: int, c: Call) -> None:
 
 
 def _entries():
-    """bf16 and e4m3 pools (no float32 entries: the float32 plan attends through attn_decode)."""
+    """Prefill and tensor-core decode entries for bf16 and e4m3 pools (no float32 entries: the
+    float32 plan attends through attn_decode)."""
     for d in HEAD_DIMS:
         for g in GROUPS:
             for kv in ("bfloat16", "float8_e4m3fn"):
@@ -177,6 +205,10 @@ def _entries():
                              i32("ring"), *rows, ptr("wk", "float32"),
                              ptr("inv_freq", "float32"), *outs),
                             partial(_call, d, g))
+                yield Entry(decode_entry(d, g, kv), SOURCE, split_params(kv, False),
+                            partial(split_reference, d, g))
+                yield Entry(decode_entry_keqv(d, g, kv), SOURCE, split_params(kv, True),
+                            partial(split_reference, d, g))
 
 
 ENTRIES = tuple(_entries())

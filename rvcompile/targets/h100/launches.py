@@ -634,23 +634,31 @@ class EntryLowering:
     def decode_attention(self, x: _Rows, row0: int, rows: int, *, a, kh: int, d: int,
                          k_pool: Ref, v_pool: Ref | None, wkv: Ref | None, inv_freq: Ref,
                          window: int, kv_dtype: str) -> None:
-        """Split-KV attn_decode + combine over rows row0..row0+rows-1 of the entry, split as
-        for an entry of `rows` rows."""
+        """Split-KV decode attention + combine over rows row0..row0+rows-1 of the entry, split
+        as for an entry of `rows` rows. K=V layers of bf16/e4m3 plans run the split on tensor
+        cores (attn_prefill.cu's decode entries: 1.0-1.9x faster at 31B shapes, B = 1..256,
+        benchmarks/h100_attn.py); the other layers, and the float32 plan, attn_decode.cu's
+        kernel (the tensor-core one was up to 1.8x slower on the sliding layers)."""
         nh = a.heads
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(rows, kh, keys, SM_COUNT)
         part_acc = self.buffer(rows * nh * splits * d * 4)
         part_ml = self.buffer(rows * nh * splits * 2 * 4)
-        geometry = attn_decode.split_geometry(rows, kh, splits)
         common = dict(q=x.q(row0), table=x.table(row0), max_blocks=x.width, ring=x.width,
                       seq_len=Ref("io", "seq_len").at(row0 * 4), window=window, kv_heads=kh,
                       part_acc=part_acc, part_ml=part_ml)
-        if a.k_eq_v:
-            self.emit(attn_decode.entry_keqv(d, nh // kh, kv_dtype), geometry, base=k_pool,
+        if a.k_eq_v and kv_dtype != "float32":
+            self.emit(attn_prefill.decode_entry_keqv(d, nh // kh, kv_dtype),
+                      attn_prefill.decode_geometry(rows, kh, splits, d, True), base=k_pool,
                       wk=wkv, inv_freq=inv_freq, **common)
+        elif a.k_eq_v:
+            self.emit(attn_decode.entry_keqv(d, nh // kh, kv_dtype),
+                      attn_decode.split_geometry(rows, kh, splits), base=k_pool, wk=wkv,
+                      inv_freq=inv_freq, **common)
         else:
-            self.emit(attn_decode.entry(d, nh // kh, kv_dtype), geometry, kc=k_pool,
-                      vc=v_pool, **common)
+            self.emit(attn_decode.entry(d, nh // kh, kv_dtype),
+                      attn_decode.split_geometry(rows, kh, splits), kc=k_pool, vc=v_pool,
+                      **common)
         self.emit(attn_decode.COMBINE_ENTRY, attn_decode.combine_geometry(rows, nh, d, splits),
                   part_acc=part_acc, part_ml=part_ml, splits=splits, d=d, out=x.out(row0),
                   out_bf16=x.out_bf16(row0))

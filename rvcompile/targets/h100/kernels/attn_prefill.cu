@@ -26,10 +26,12 @@
 namespace {
 constexpr int BS = 16;
 
-template <int D>
+// DEC: the decode entries' CTA, one row group (16 rows: the G heads of one token, the rest
+// padding), so a K/V tile is read once for one sequence's token.
+template <int D, bool DEC = false>
 struct Shape {
     static constexpr int WC = D >= 256 ? D / 128 : 1;
-    static constexpr int WR = D == 512 ? 2 : 4;
+    static constexpr int WR = DEC ? 1 : D == 512 ? 2 : 4;
     static constexpr int DS = D / WC;  // dims per warp slice
     static constexpr int THREADS = 32 * WR * WC;
     static constexpr int BM = 16 * WR;
@@ -95,14 +97,14 @@ __device__ __forceinline__ uint32_t ldg32(const __nv_bfloat16* p) {
 
 // The raw pool chunks of the tile's items: for item (key, c), dims [8c, 8c + 8) and their rope
 // partners [D/2 + 8c, ...); zeros for keys outside [kmin, kmax].
-template <int D, bool KEQV, bool FP8>
+template <int D, bool KEQV, bool FP8, bool DEC>
 __device__ __forceinline__ void load_tile(int jb, const unsigned char* __restrict__ kc,
                                           const unsigned char* __restrict__ vc,
                                           const int* __restrict__ table, int ring, int kv_heads,
                                           int kvh, int kmin, int kmax,
-                                          typename Raw<FP8>::type (&kr)[Shape<D>::IPT][2],
-                                          typename Raw<FP8>::type (&vr)[Shape<D>::IPT][2]) {
-    using S = Shape<D>;
+                                          typename Raw<FP8>::type (&kr)[Shape<D, DEC>::IPT][2],
+                                          typename Raw<FP8>::type (&vr)[Shape<D, DEC>::IPT][2]) {
+    using S = Shape<D, DEC>;
     using R = typename Raw<FP8>::type;
     constexpr int ES = FP8 ? 1 : 2;
     const size_t block = (size_t)table[jb % ring];
@@ -126,14 +128,15 @@ __device__ __forceinline__ void load_tile(int jb, const unsigned char* __restric
 }
 
 // Loaded chunks -> the stage's bf16 tiles (K=V: V = base, K = rope(base * wk) as hi + lo).
-template <int D, bool KEQV, bool FP8>
-__device__ __forceinline__ void store_tile(int jb, const typename Raw<FP8>::type (&kr)[Shape<D>::IPT][2],
-                                           const typename Raw<FP8>::type (&vr)[Shape<D>::IPT][2],
+template <int D, bool KEQV, bool FP8, bool DEC>
+__device__ __forceinline__ void store_tile(int jb,
+                                           const typename Raw<FP8>::type (&kr)[Shape<D, DEC>::IPT][2],
+                                           const typename Raw<FP8>::type (&vr)[Shape<D, DEC>::IPT][2],
                                            const float* __restrict__ wk,
                                            const float* __restrict__ inv_freq,
                                            __nv_bfloat16* sK, __nv_bfloat16* sV,
                                            __nv_bfloat16* sKlo) {
-    using S = Shape<D>;
+    using S = Shape<D, DEC>;
 #pragma unroll
     for (int it = 0; it < S::IPT; ++it) {
         const int item = threadIdx.x + it * S::THREADS;
@@ -183,23 +186,25 @@ __device__ __forceinline__ void store_tile(int jb, const typename Raw<FP8>::type
     }
 }
 
-template <int D, int G, bool KEQV, bool FP8>
-__device__ __forceinline__ void attn_prefill(
-    const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, const int* __restrict__ table, int ring,
-    const int* __restrict__ positions, int window, int kv_heads, int rows,
-    const float* __restrict__ wk, const float* __restrict__ inv_freq, float* __restrict__ out,
-    __nv_bfloat16* __restrict__ out_bf16) {
-    using S = Shape<D>;
+// The tile loop both kinds of entry share. The warp's two fragment rows (g and g + 8 of its 16,
+// wr-th row group) hold q in qa and see keys lo[h]..hi[h] (hi < lo: none); the CTA streams the
+// tiles holding keys kmin..kmax of the table row `table` (token t in block table[(t / 16) %
+// ring]). Out: the unnormalised accumulator o, the running max m and the row sum l (summed over
+// the row's quad of lanes).
+template <int D, bool KEQV, bool FP8, bool DEC>
+__device__ __forceinline__ void attend(
+    const uint32_t (&qa)[Shape<D, DEC>::DS / 16][4], const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const int* __restrict__ table, int ring, int kv_heads,
+    int kvh, int kmin, int kmax, const int (&lo)[2], const int (&hi)[2],
+    const float* __restrict__ wk, const float* __restrict__ inv_freq,
+    float (&o)[Shape<D, DEC>::DS / 8][4], float (&m)[2], float (&l)[2]) {
+    using S = Shape<D, DEC>;
     using R = typename Raw<FP8>::type;
-    constexpr int TOK = S::BM / G;  // tokens per CTA
     constexpr int KSTEPS = S::DS / 16;
     constexpr int NT = S::DS / 8;  // output n8 tiles per warp
     constexpr int TILES = KEQV ? 3 : 2;
-    static_assert(S::BM % G == 0 && TOK <= S::THREADS, "group does not tile the CTA's rows");
     extern __shared__ __align__(16) __nv_bfloat16 stage_mem[];  // [2][TILES][BS][LD]
     __shared__ float red[S::WC > 1 ? S::WR * S::WC * 32 * 8 : 1];
-    __shared__ int key_range[2];
     {
         uint32_t dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -207,63 +212,25 @@ __device__ __forceinline__ void attn_prefill(
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wr = warp / S::WC, wc = warp % S::WC;
-    const int kvh = blockIdx.y, nh = kv_heads * G, tok0 = blockIdx.x * TOK;
-    table += (size_t)tok0 * ring;  // the CTA's sequence's row
 
-    if (threadIdx.x == 0) {
-        key_range[0] = 0x7fffffff;
-        key_range[1] = -1;
-    }
-    __syncthreads();
-    if (threadIdx.x < TOK && tok0 + (int)threadIdx.x < rows) {
-        const int p = positions[tok0 + threadIdx.x];
-        if (p >= 0) {
-            atomicMin(&key_range[0], window > 0 ? max(0, p - window + 1) : 0);
-            atomicMax(&key_range[1], p);
-        }
-    }
-    __syncthreads();
-    const int kmin = key_range[0], kmax = key_range[1];
-
-    // this thread's two fragment rows: r and r + 8 of the warp's 16
-    int tok[2], head[2], pos[2], lo[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wr + g + 8 * h;
-        tok[h] = tok0 + r / G;
-        head[h] = kvh * G + r % G;
-        pos[h] = tok[h] < rows ? positions[tok[h]] : -1;
-        lo[h] = window > 0 ? max(0, pos[h] - window + 1) : 0;
-    }
-    uint32_t qa[KSTEPS][4];
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-        const int d0 = wc * S::DS + ks * 16 + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __nv_bfloat16* qrow = q + ((size_t)tok[h] * nh + head[h]) * D + d0;
-            qa[ks][h] = pos[h] >= 0 ? ldg32(qrow) : 0u;
-            qa[ks][h + 2] = pos[h] >= 0 ? ldg32(qrow + 8) : 0u;
-        }
-    }
-
-    float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
     R kr[S::IPT][2], vr[S::IPT][2];
-    const int jb_first = kmax >= 0 ? kmin / BS : 0, jb_last = kmax >= 0 ? kmax / BS : -1;
+    const int jb_first = kmax >= kmin ? kmin / BS : 0, jb_last = kmax >= kmin ? kmax / BS : -1;
     if (jb_first <= jb_last)
-        load_tile<D, KEQV, FP8>(jb_first, kc, vc, table, ring, kv_heads, kvh, kmin, kmax, kr, vr);
+        load_tile<D, KEQV, FP8, DEC>(jb_first, kc, vc, table, ring, kv_heads, kvh, kmin, kmax, kr,
+                                     vr);
     for (int jb = jb_first, stage = 0; jb <= jb_last; ++jb, stage ^= 1) {
         __nv_bfloat16* sK = stage_mem + stage * TILES * S::TILE;
         __nv_bfloat16* sV = sK + S::TILE;
         __nv_bfloat16* sKlo = sV + S::TILE;
-        store_tile<D, KEQV, FP8>(jb, kr, vr, wk, inv_freq, sK, sV, sKlo);
+        store_tile<D, KEQV, FP8, DEC>(jb, kr, vr, wk, inv_freq, sK, sV, sKlo);
         __syncthreads();
         if (jb < jb_last)
-            load_tile<D, KEQV, FP8>(jb + 1, kc, vc, table, ring, kv_heads, kvh, kmin, kmax, kr,
-                                    vr);
+            load_tile<D, KEQV, FP8, DEC>(jb + 1, kc, vc, table, ring, kv_heads, kvh, kmin, kmax,
+                                         kr, vr);
 
         // s[n][e]: rows g (e < 2) and g + 8, keys 8n + 2t + (e & 1) of the tile
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -296,7 +263,7 @@ __device__ __forceinline__ void attn_prefill(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2, key = jb * BS + 8 * n + 2 * t + (e & 1);
-                if (!(key >= lo[h] && key <= pos[h])) s[n][e] = -INFINITY;
+                if (!(key >= lo[h] && key <= hi[h])) s[n][e] = -INFINITY;
                 mx[h] = fmaxf(mx[h], s[n][e]);
             }
         }
@@ -350,11 +317,82 @@ __device__ __forceinline__ void attn_prefill(
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
+}
+
+// q fragments of the warp's slice for the two rows (zeros for a row that is not `live`)
+template <int D, bool DEC>
+__device__ __forceinline__ void load_q(uint32_t (&qa)[Shape<D, DEC>::DS / 16][4],
+                                       const __nv_bfloat16* __restrict__ q,
+                                       const size_t (&row)[2], const bool (&live)[2]) {
+    using S = Shape<D, DEC>;
+    const int lane = threadIdx.x & 31, t = lane & 3, wc = (threadIdx.x >> 5) % S::WC;
+#pragma unroll
+    for (int ks = 0; ks < S::DS / 16; ++ks) {
+        const int d0 = wc * S::DS + ks * 16 + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __nv_bfloat16* qrow = q + row[h] * D + d0;
+            qa[ks][h] = live[h] ? ldg32(qrow) : 0u;
+            qa[ks][h + 2] = live[h] ? ldg32(qrow + 8) : 0u;
+        }
+    }
+}
+
+template <int D, int G, bool KEQV, bool FP8>
+__device__ __forceinline__ void attn_prefill(
+    const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const int* __restrict__ table, int ring,
+    const int* __restrict__ positions, int window, int kv_heads, int rows,
+    const float* __restrict__ wk, const float* __restrict__ inv_freq, float* __restrict__ out,
+    __nv_bfloat16* __restrict__ out_bf16) {
+    using S = Shape<D>;
+    constexpr int TOK = S::BM / G;  // tokens per CTA
+    constexpr int NT = S::DS / 8;
+    static_assert(S::BM % G == 0 && TOK <= S::THREADS, "group does not tile the CTA's rows");
+    __shared__ int key_range[2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wr = warp / S::WC, wc = warp % S::WC;
+    const int kvh = blockIdx.y, nh = kv_heads * G, tok0 = blockIdx.x * TOK;
+    table += (size_t)tok0 * ring;  // the CTA's sequence's row
+
+    if (threadIdx.x == 0) {
+        key_range[0] = 0x7fffffff;
+        key_range[1] = -1;
+    }
+    __syncthreads();
+    if (threadIdx.x < TOK && tok0 + (int)threadIdx.x < rows) {
+        const int p = positions[tok0 + threadIdx.x];
+        if (p >= 0) {
+            atomicMin(&key_range[0], window > 0 ? max(0, p - window + 1) : 0);
+            atomicMax(&key_range[1], p);
+        }
+    }
+    __syncthreads();
+
+    // this thread's two fragment rows: r and r + 8 of the warp's 16
+    int tok[2], head[2], pos[2], lo[2];
+    size_t qrow[2];
+    bool live[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wr + g + 8 * h;
+        tok[h] = tok0 + r / G;
+        head[h] = kvh * G + r % G;
+        pos[h] = tok[h] < rows ? positions[tok[h]] : -1;
+        lo[h] = window > 0 ? max(0, pos[h] - window + 1) : 0;
+        qrow[h] = (size_t)tok[h] * nh + head[h];
+        live[h] = pos[h] >= 0;
+    }
+    uint32_t qa[S::DS / 16][4];
+    load_q<D, false>(qa, q, qrow, live);
+    float o[NT][4], m[2], l[2];
+    attend<D, KEQV, FP8, false>(qa, kc, vc, table, ring, kv_heads, kvh, key_range[0],
+                                key_range[1], lo, pos, wk, inv_freq, o, m, l);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (tok[h] >= rows) continue;
         const float inv = pos[h] >= 0 ? 1.f / l[h] : 0.f;
-        const size_t row = ((size_t)tok[h] * nh + head[h]) * D;
+        const size_t row = qrow[h] * D;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const int col = wc * S::DS + n * 8 + 2 * t;
@@ -362,6 +400,63 @@ __device__ __forceinline__ void attn_prefill(
             *reinterpret_cast<float2*>(out + row + col) = make_float2(x, y);
             if (out_bf16)
                 *reinterpret_cast<uint32_t*>(out_bf16 + row + col) = pack_bf16x2(x, y);
+        }
+    }
+}
+
+// The decode entries (attn_decode.py's tc_entry): attn_decode's split kernel contract on tensor
+// cores. A CTA owns (split, KV head, sequence b): rows 0..G-1 of its one row group are the query
+// heads of b's token at pos = seq_len[b] - 1, split as attn_decode.cu splits the visible keys;
+// it writes that split's unnormalised acc and (m, l) for attn_decode_combine.
+template <int D, int G, bool KEQV, bool FP8>
+__device__ __forceinline__ void attn_decode_tc(
+    const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const int* __restrict__ table, int max_blocks,
+    int ring, const int* __restrict__ seq_len, int window, int kv_heads,
+    const float* __restrict__ wk, const float* __restrict__ inv_freq,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    using S = Shape<D, true>;
+    constexpr int NT = S::DS / 8;
+    static_assert(G <= S::BM, "a group fills at most one row group");
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wc = (threadIdx.x >> 5) % S::WC;
+    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int nh = kv_heads * G;
+    const int pos = seq_len[b] - 1;
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int per = (pos - first + splits) / splits;
+    const int s0 = first + split * per, s1 = min(pos + 1, s0 + per);
+
+    int head[2], lo[2], hi[2];
+    size_t qrow[2];
+    bool live[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        live[h] = r < G;
+        head[h] = kvh * G + (live[h] ? r : 0);
+        qrow[h] = (size_t)b * nh + head[h];
+        lo[h] = s0;
+        hi[h] = live[h] ? s1 - 1 : s0 - 1;  // padding rows see nothing
+    }
+    uint32_t qa[S::DS / 16][4];
+    load_q<D, true>(qa, q, qrow, live);
+    float o[NT][4], m[2], l[2];
+    attend<D, KEQV, FP8, true>(qa, kc, vc, table + (size_t)b * max_blocks, ring, kv_heads, kvh,
+                               s0, s1 - 1, lo, hi, wk, inv_freq, o, m, l);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (!live[h]) continue;
+        const size_t part = qrow[h] * splits + split;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int col = wc * S::DS + n * 8 + 2 * t;
+            *reinterpret_cast<float2*>(part_acc + part * D + col) =
+                make_float2(o[n][2 * h], o[n][2 * h + 1]);
+        }
+        if (wc == 0 && t == 0) {
+            part_ml[part * 2] = m[h];
+            part_ml[part * 2 + 1] = l[h];
         }
     }
 }
@@ -388,9 +483,32 @@ __device__ __forceinline__ void attn_prefill(
         attn_prefill<D, G, true, FP8>(q, base, nullptr, table, ring, positions, window,         \
                                       kv_heads, rows, wk, inv_freq, out, out_bf16);            \
     }
+#define DECODE_TC_ENTRIES(D, G, SUFFIX, FP8)                                                    \
+    extern "C" __global__ void __launch_bounds__(Shape<D, true>::THREADS)                      \
+        attn_decode_tc_d##D##_g##G##SUFFIX(                                                     \
+            const __nv_bfloat16* q, const unsigned char* kc, const unsigned char* vc,          \
+            const int* table, int max_blocks, int ring, const int* seq_len, int window,        \
+            int kv_heads, float* part_acc, float* part_ml) {                                    \
+        pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
+        attn_decode_tc<D, G, false, FP8>(q, kc, vc, table, max_blocks, ring, seq_len, window,  \
+                                         kv_heads, nullptr, nullptr, part_acc, part_ml);        \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(Shape<D, true>::THREADS)                      \
+        attn_decode_tc_keqv_d##D##_g##G##SUFFIX(                                                \
+            const __nv_bfloat16* q, const unsigned char* base, const int* table,               \
+            int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
+            const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {          \
+        pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
+        attn_decode_tc<D, G, true, FP8>(q, base, nullptr, table, max_blocks, ring, seq_len,    \
+                                        window, kv_heads, wk, inv_freq, part_acc, part_ml);     \
+    }
 #define PREFILL_ENTRY(D, G)              \
     PREFILL_ENTRIES(D, G, , false)       \
-    PREFILL_ENTRIES(D, G, _fp8, true)
+    PREFILL_ENTRIES(D, G, _fp8, true)    \
+    DECODE_TC_ENTRIES(D, G, , false)     \
+    DECODE_TC_ENTRIES(D, G, _fp8, true)
 PREFILL_ENTRY(32, 1)
 PREFILL_ENTRY(32, 2)
 PREFILL_ENTRY(32, 4)
