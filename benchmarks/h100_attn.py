@@ -102,7 +102,7 @@ def time_layer(ctx, kernel: str, cubin: bytes, combine_cubin: bytes, layer, batc
     table_args = [p[1 + n], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[2 + n],
                   ctypes.c_int(window), ctypes.c_int(kh)]
     args = [p[0], *p[1:1 + n], *table_args, *p[3 + n:], ctypes.c_uint64(acc.ptr),
-            ctypes.c_uint64(ml.ptr)]
+            ctypes.c_uint64(ml.ptr), ctypes.c_uint64(0), ctypes.c_uint64(0)]
     comb = ad.combine_geometry(batch, nh, d, splits)
     cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
              ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]

@@ -155,14 +155,14 @@ class Bench:
                            [P(self.q.ptr), P(L["k_pool"].ptr), P(L["table"].ptr),
                             I32(L["ring"]), I32(L["ring"]), P(self.seq_len.ptr), I32(0), I32(kh),
                             P(L["qk_norm"][1].ptr), P(L["inv_freq"].ptr),
-                            P(self.part_acc.ptr), P(self.part_ml.ptr)], stream)
+                            P(self.part_acc.ptr), P(self.part_ml.ptr), P(0), P(0)], stream)
             else:
                 ctx.launch(self.fn[attn_decode.entry(d, nh // kh)], (splits, kh, 1),
                            (128, 1, 1), 0,
                            [P(self.q.ptr), P(L["k_pool"].ptr), P(L["v_pool"].ptr),
                             P(L["table"].ptr), I32(L["ring"]), I32(L["ring"]),
                             P(self.seq_len.ptr), I32(spec.window or 0), I32(kh),
-                            P(self.part_acc.ptr), P(self.part_ml.ptr)], stream)
+                            P(self.part_acc.ptr), P(self.part_ml.ptr), P(0), P(0)], stream)
             ctx.launch(self.fn["attn_decode_combine"], (nh, 1, 1), (d, 1, 1), splits * 4,
                        [P(self.part_acc.ptr), P(self.part_ml.ptr), I32(splits), I32(d),
                         P(self.attn_out.ptr), P(self.attn_bf16.ptr)], stream)

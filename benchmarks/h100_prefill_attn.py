@@ -81,7 +81,8 @@ def main() -> None:
             dfn = ctx.load_function(dec_cubin, (ad.entry_keqv if keqv else ad.entry)(d, g))
             dargs = [p["q"], *pools, p["table"], i32(ring), i32(ring), p["seq_len"], i32(window),
                      i32(kh)] + ([p["wk"], p["inv_freq"]] if keqv else [])
-            dargs += [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr)]
+            dargs += [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_uint64(0),
+                      ctypes.c_uint64(0)]
             split, comb = ad.split_geometry(t, kh, splits), ad.combine_geometry(t, nh, d, splits)
             cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), i32(splits), i32(d), po,
                      pob]

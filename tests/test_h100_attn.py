@@ -87,7 +87,10 @@ def split_kernel(ctx, kernel: str, d: int, group: int, kv_dtype: str, keqv: bool
 SPLIT_BOUND = {"split": 1e-5, "tc": 5e-5}
 
 
-def run_kernel(ctx, q, k, v, table, ring, lens, window, kernel="split"):
+def run_kernel(ctx, q, k, v, table, ring, lens, window, kernel="split", splits=None,
+               direct=False):
+    """The split kernel then the combine; `direct` (one split): the split kernel writing out and
+    its bf16 copy itself, no combine."""
     from rvcompile.targets.h100.nvcc import compile_cubin
 
     cubin = compile_cubin(ad.SOURCE)
@@ -95,7 +98,8 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window, kernel="split"):
     kh = k.shape[2]
     combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
     keys = max(len(ad.visible_tokens(int(s), window)) for s in lens)
-    splits = ad.num_splits(b, kh, keys, ctx.sm_count)
+    splits = splits or ad.num_splits(b, kh, keys, ctx.sm_count)
+    assert splits == 1 or not direct
     fn, split = split_kernel(ctx, kernel, d, nh // kh, str(k.dtype), False, b, kh, splits)
     bufs = [ctx.upload(x) for x in (q, k, v, table, lens)]
     acc, ml = ctx.alloc(b * nh * splits * d * 4), ctx.alloc(b * nh * splits * 2 * 4)
@@ -104,13 +108,17 @@ def run_kernel(ctx, q, k, v, table, ring, lens, window, kernel="split"):
     ctx.memset(out_bf16, 0xFF)
     ptr = [ctypes.c_uint64(x.ptr) for x in bufs]
     comb = ad.combine_geometry(b, nh, d, splits)
+    outs = [ctypes.c_uint64(out.ptr), ctypes.c_uint64(out_bf16.ptr)]
+    null = ctypes.c_uint64(0)
     ctx.launch(fn, split.grid, split.block, split.smem,
                ptr[:4] + [ctypes.c_int(table.shape[1]), ctypes.c_int(ring), ptr[4],
-                          ctypes.c_int(window), ctypes.c_int(kh), ctypes.c_uint64(acc.ptr),
-                          ctypes.c_uint64(ml.ptr)])
-    ctx.launch(combine, comb.grid, comb.block, comb.smem,
-               [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(out_bf16.ptr)])
+                          ctypes.c_int(window), ctypes.c_int(kh),
+                          *([null, null, *outs] if direct else
+                            [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), null, null])])
+    if not direct:
+        ctx.launch(combine, comb.grid, comb.block, comb.smem,
+                   [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
+                    ctypes.c_int(d), *outs])
     ctx.synchronize()
     got = ctx.download(out, np.float32, (b, nh, d))
     got_bf16 = ctx.download(out_bf16, ml_dtypes.bfloat16, (b, nh, d))
@@ -180,9 +188,11 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, len
     assert rel < SPLIT_BOUND[kernel], rel
 
 
-def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="split"):
+def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="split",
+                     splits=None, direct=False):
     """(GPU output, reference) of a K=V split-KV decode kernel and its combine on one random
-    case; `fp8`: the base pool in e4m3 (the `_fp8` entry)."""
+    case; `fp8`: the base pool in e4m3 (the `_fp8` entry); `direct` (one split): the split kernel
+    writing out itself, no combine."""
     from rvcompile.model.config import RopeSpec
     from rvcompile.targets.h100.nvcc import compile_cubin
 
@@ -194,7 +204,8 @@ def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="sp
     inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
     cubin = compile_cubin(ad.SOURCE)
     combine = ctx.load_function(cubin, ad.COMBINE_ENTRY)
-    splits = ad.num_splits(batch, kv_heads, max(lens), ctx.sm_count)
+    splits = splits or ad.num_splits(batch, kv_heads, max(lens), ctx.sm_count)
+    assert splits == 1 or not direct
     fn, split = split_kernel(ctx, kernel, d, group, "float8_e4m3fn" if fp8 else "bfloat16", True,
                              batch, kv_heads, splits)
     nh = kv_heads * group
@@ -204,18 +215,54 @@ def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="sp
     ctx.memset(out, 0xFF)
     p = [ctypes.c_uint64(x.ptr) for x in bufs]
     comb = ad.combine_geometry(batch, nh, d, splits)
+    null = ctypes.c_uint64(0)
     ctx.launch(fn, split.grid, split.block, split.smem,
                [p[0], p[1], p[2], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[3],
-                ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5], ctypes.c_uint64(acc.ptr),
-                ctypes.c_uint64(ml.ptr)])
-    ctx.launch(combine, comb.grid, comb.block, comb.smem,
-               [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-                ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)])
+                ctypes.c_int(0), ctypes.c_int(kv_heads), p[4], p[5],
+                *([null, null, ctypes.c_uint64(out.ptr), null] if direct else
+                  [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), null, null])])
+    if not direct:
+        ctx.launch(combine, comb.grid, comb.block, comb.smem,
+                   [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
+                    ctypes.c_int(d), ctypes.c_uint64(out.ptr), null])
     ctx.synchronize()
     got = ctx.download(out, np.float32, (batch, nh, d))
     for x in (*bufs, acc, ml, out):
         ctx.free(x)
     return got, ad.reference_keqv(q, base, table, ring, lens_arr, 0, wk, inv_freq)
+
+
+ONE_SPLIT_CASES = [c for c in CASES if c[0] in (
+    "31B sliding, 3 sequences", "E4B full", "tiny sliding, window 16", "d128 group 16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["split", "tc"])
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", ONE_SPLIT_CASES,
+                         ids=[c[0] for c in ONE_SPLIT_CASES])
+def test_one_split_writes_the_combines_result(name, batch, kv_heads, group, d, lens, window,
+                                              kernel) -> None:
+    """With one split the lowering hands out to the split kernel and launches no combine: the
+    same bits as the split kernel's partials through the combine, bf16 copy included."""
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(f"one split {name}".encode()))
+    q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
+    combined = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=1)
+    direct = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=1,
+                        direct=True)
+    assert np.isfinite(direct).all()
+    assert np.array_equal(direct.view(np.uint32), combined.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["split", "tc"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_split_keqv_writes_the_combines_result(kernel, fp8) -> None:
+    name, batch, kv_heads, group, d, lens = KEQV_CASES[1]  # 26B-A4B, 2 sequences
+    got = [_run_keqv_decode(np.random.default_rng(7), batch, kv_heads, group, d, lens, fp8,
+                            kernel, splits=1, direct=direct)[0] for direct in (False, True)]
+    assert np.isfinite(got[1]).all()
+    assert np.array_equal(got[1].view(np.uint32), got[0].view(np.uint32))
 
 
 # ---------------------------------------------------------------- prefill attention (attn_prefill)

@@ -147,12 +147,13 @@ def test_kernel_chain_matches_ir_reference() -> None:
                            0, [P(q.ptr), P(L["k_pool"].ptr), P(L["table"].ptr), I32(L["ring"]),
                                I32(L["ring"]), P(seq_len.ptr), I32(0), I32(kh),
                                P(L["self_attn.k_norm.weight"].ptr), P(L["inv_freq"].ptr),
-                               P(part_acc.ptr), P(part_ml.ptr)])
+                               P(part_acc.ptr), P(part_ml.ptr), P(0), P(0)])
             else:
                 ctx.launch(fn[attn_decode.entry(d, nh // kh)], (splits, kh, 1), (128, 1, 1), 0,
                            [P(q.ptr), P(L["k_pool"].ptr), P(L["v_pool"].ptr), P(L["table"].ptr),
                             I32(L["ring"]), I32(L["ring"]), P(seq_len.ptr),
-                            I32(spec.window or 0), I32(kh), P(part_acc.ptr), P(part_ml.ptr)])
+                            I32(spec.window or 0), I32(kh), P(part_acc.ptr), P(part_ml.ptr),
+                            P(0), P(0)])
             ctx.launch(fn["attn_decode_combine"], (nh, 1, 1), (d, 1, 1), splits * 4,
                        [P(part_acc.ptr), P(part_ml.ptr), I32(splits), I32(d), P(attn.ptr),
                         P(attn_bf16.ptr)])

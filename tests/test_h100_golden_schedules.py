@@ -40,6 +40,11 @@ K=V layers' decode attention moved onto tensor cores: in every case each attn_de
 launch of a bf16/e4m3 plan became the attn_decode_tc_keqv_* of the same name (module
 attn_prefill.cu, 32 * D / 128 threads, attn_prefill's two-stage shared memory) with the same
 grid and arguments, and nothing else changed (checked case by case against dumps at 407a661).
+And again when a split of one (grid x = 1) began writing the combine's result itself: in every
+case each split launch gained the arguments out and out_bf16 (null where a combine follows), a
+one-split launch took the combine's out / out_bf16 with null partials and its combine was
+dropped, and every other launch kept its kernel, geometry, argument names, kinds and non-pointer
+values, all else equal (checked case by case against dumps at 8f3f372).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

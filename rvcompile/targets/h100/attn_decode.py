@@ -12,7 +12,9 @@ take q and the pools as float32; it also runs prefill chunks through them, a row
 (`split_geometry`: a CTA of 128 threads per (split, KV head, sequence), writing part_acc f32
 [B, nh, splits, D] and part_ml f32 [B, nh, splits, 2]) then `attn_decode_combine`
 (`combine_geometry`: a CTA of D threads per (sequence, head), splits f32 weights of dynamic
-shared memory) into out f32 [B, nh, D] and optionally its bf16 copy.
+shared memory) into out f32 [B, nh, D] and optionally its bf16 copy. With one split (grid x = 1)
+the lowering passes out (and out_bf16) to the split kernel instead, which then writes the
+combine's result itself, bit for bit, and no combine runs.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def write_partials(c: Call, out: np.ndarray, splits: int) -> None:
 
 def split_reference(d: int, g: int, c: Call) -> None:
     """A split launch (this file's kernel or attn_prefill.cu's tensor-core decode entries): the
-    sequences' attention as split 0 of part_acc / part_ml."""
+    sequences' attention as split 0 of part_acc / part_ml, or (one split, out given) into out and
+    its bf16 copy, as the combine would write it."""
     splits, _, m = c.grid
     kh = c["kv_heads"]
     table = np.asarray(c.array("table", (m, c["max_blocks"])))
@@ -140,7 +143,14 @@ def split_reference(d: int, g: int, c: Call) -> None:
     else:
         out = reference(q, pool(c, "kc", table, kh, d), pool(c, "vc", table, kh, d), table,
                         c["ring"], seq_len, window)
-    write_partials(c, out, splits)
+    final = c.array("out", out.shape)
+    if final is None:
+        write_partials(c, out, splits)
+        return
+    final[:] = out
+    out_bf16 = c.array("out_bf16", out.shape)
+    if out_bf16 is not None:
+        out_bf16[:] = out.astype(out_bf16.dtype)
 
 
 def _combine_call(c: Call) -> None:
@@ -162,7 +172,10 @@ def split_params(kv_dtype: str, keqv: bool) -> tuple:
     q = ptr("q", "float32" if kv_dtype == "float32" else "bfloat16")
     table = (ptr("table", "int32"), i32("max_blocks"), i32("ring"), ptr("seq_len", "int32"),
              i32("window"), i32("kv_heads"))
-    parts = (ptr("part_acc", "float32", "out"), ptr("part_ml", "float32", "out"))
+    parts = (ptr("part_acc", "float32", "out", nullable=True),
+             ptr("part_ml", "float32", "out", nullable=True),
+             ptr("out", "float32", "out", nullable=True),
+             ptr("out_bf16", "bfloat16", "out", nullable=True))
     if keqv:
         return (q, ptr("base", kv_dtype), *table, ptr("wk", "float32"),
                 ptr("inv_freq", "float32"), *parts)

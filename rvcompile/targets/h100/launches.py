@@ -642,11 +642,16 @@ class EntryLowering:
         nh = a.heads
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(rows, kh, keys, SM_COUNT)
-        part_acc = self.buffer(rows * nh * splits * d * 4)
-        part_ml = self.buffer(rows * nh * splits * 2 * 4)
+        # one split: the split kernel writes the combine's result itself (no partials, no
+        # combine launch: ~20 us a layer at 256 lanes)
+        alone = splits == 1
+        part_acc = None if alone else self.buffer(rows * nh * splits * d * 4)
+        part_ml = None if alone else self.buffer(rows * nh * splits * 2 * 4)
         common = dict(q=x.q(row0), table=x.table(row0), max_blocks=x.width, ring=x.width,
                       seq_len=Ref("io", "seq_len").at(row0 * 4), window=window, kv_heads=kh,
-                      part_acc=part_acc, part_ml=part_ml)
+                      part_acc=part_acc, part_ml=part_ml,
+                      out=x.out(row0) if alone else None,
+                      out_bf16=x.out_bf16(row0) if alone else None)
         if a.k_eq_v and kv_dtype != "float32":
             self.emit(attn_prefill.decode_entry_keqv(d, nh // kh, kv_dtype),
                       attn_prefill.decode_geometry(rows, kh, splits, d, True), base=k_pool,
@@ -659,9 +664,11 @@ class EntryLowering:
             self.emit(attn_decode.entry(d, nh // kh, kv_dtype),
                       attn_decode.split_geometry(rows, kh, splits), kc=k_pool, vc=v_pool,
                       **common)
-        self.emit(attn_decode.COMBINE_ENTRY, attn_decode.combine_geometry(rows, nh, d, splits),
-                  part_acc=part_acc, part_ml=part_ml, splits=splits, d=d, out=x.out(row0),
-                  out_bf16=x.out_bf16(row0))
+        if not alone:
+            self.emit(attn_decode.COMBINE_ENTRY,
+                      attn_decode.combine_geometry(rows, nh, d, splits), part_acc=part_acc,
+                      part_ml=part_ml, splits=splits, d=d, out=x.out(row0),
+                      out_bf16=x.out_bf16(row0))
 
     def checked_stores(self, at: _At, kv_heads: int) -> list[Node]:
         """The KV_STOREs an ATTENTION_BLOCK reads (none: KV-shared), checked to be what qkv_post

@@ -6,7 +6,8 @@
 // layers; sliding layers reuse a ring of blocks). The query sits at pos = seq_len[b] - 1 and sees
 // keys max(0, pos - window + 1) .. pos (window 0: all). Scores use scale 1.0 (Gemma 4).
 // Partial results (unnormalised acc, running max m, sum l) per split go to global memory;
-// attn_decode_combine merges the splits into out [B, KH*G, D] float32.
+// attn_decode_combine merges the splits into out [B, KH*G, D] float32. With out given (one split:
+// grid x = 1), the kernel writes what the combine would, bit for bit, and no partials.
 //
 // Registers: each lane holds VEC = D/32 dims of q and acc for GW heads. When G*VEC > 64 the G
 // heads are spread over HS warps (HS = G*VEC/64) and the remaining 4/HS warps split the keys.
@@ -126,7 +127,8 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
                              const int* __restrict__ table, int max_blocks, int ring,
                              const int* __restrict__ seq_len, int window, int kv_heads,
                              const float* __restrict__ wk, const float* __restrict__ inv_freq,
-                             float* __restrict__ part_acc, float* __restrict__ part_ml) {
+                             float* __restrict__ part_acc, float* __restrict__ part_ml,
+                             float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
     constexpr int VEC = D / 32;
     constexpr int HS = (G * VEC > 64) ? (G * VEC / 64) : 1;
     constexpr int GW = G / HS;
@@ -293,20 +295,30 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
     for (int g = 0; g < GW; ++g) {
         float mt = -INFINITY;
         for (int w = hc; w < WARPS; w += HS) mt = fmaxf(mt, s_ml[w][g][0]);
-        float lt = 0.f, out[VEC];
+        float lt = 0.f, acc_out[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) out[i] = 0.f;
+        for (int i = 0; i < VEC; ++i) acc_out[i] = 0.f;
         for (int w = hc; w < WARPS; w += HS) {
             const float f = s_ml[w][g][0] == -INFINITY ? 0.f : __expf(s_ml[w][g][0] - mt);
             lt += s_ml[w][g][1] * f;
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) out[i] += s_acc[w][g][lane * VEC + i] * f;
+            for (int i = 0; i < VEC; ++i) acc_out[i] += s_acc[w][g][lane * VEC + i] * f;
         }
         const int head = kh * G + hc * GW + g;
+        if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
+            const float inv = 1.f / lt;
+            const size_t at = ((size_t)b * nh + head) * D + lane * VEC;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                out[at + i] = acc_out[i] * inv;
+                if (out_bf16) out_bf16[at + i] = __float2bfloat16(acc_out[i] * inv);
+            }
+            continue;
+        }
         const size_t base = ((size_t)b * nh + head) * splits + split;
         float* dst = part_acc + base * D + lane * VEC;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) dst[i] = out[i];
+        for (int i = 0; i < VEC; ++i) dst[i] = acc_out[i];
         if (lane == 0) {
             part_ml[base * 2] = mt;
             part_ml[base * 2 + 1] = lt;
@@ -319,22 +331,25 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G##SUFFIX(  \
         const Query<F32>::type* q, const Elem<FP8, F32>::type* kc,                            \
         const Elem<FP8, F32>::type* vc, const int* table, int max_blocks, int ring,           \
-        const int* seq_len, int window, int kv_heads, float* part_acc, float* part_ml) {      \
+        const int* seq_len, int window, int kv_heads, float* part_acc, float* part_ml,        \
+        float* out, __nv_bfloat16* out_bf16) {                                                \
         pdl_wait();                                                                           \
         pdl_launch_dependents();                                                              \
         attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len,       \
                                             window, kv_heads, nullptr, nullptr, part_acc,      \
-                                            part_ml);                                          \
+                                            part_ml, out, out_bf16);                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         attn_decode_keqv_d##D##_g##G##SUFFIX(                                                   \
             const Query<F32>::type* q, const Elem<FP8, F32>::type* base, const int* table,     \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
-            const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {         \
+            const float* wk, const float* inv_freq, float* part_acc, float* part_ml,           \
+            float* out, __nv_bfloat16* out_bf16) {                                             \
         pdl_wait();                                                                            \
         pdl_launch_dependents();                                                               \
         attn_partial<D, G, true, FP8, F32>(q, base, nullptr, table, max_blocks, ring, seq_len,  \
-                                           window, kv_heads, wk, inv_freq, part_acc, part_ml); \
+                                           window, kv_heads, wk, inv_freq, part_acc, part_ml,  \
+                                           out, out_bf16);                                     \
     }
 #define ATTN_ENTRY(D, G)                   \
     ATTN_ENTRIES(D, G, , false, false)     \

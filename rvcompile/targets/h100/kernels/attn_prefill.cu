@@ -407,14 +407,16 @@ __device__ __forceinline__ void attn_prefill(
 // The decode entries (attn_decode.py's tc_entry): attn_decode's split kernel contract on tensor
 // cores. A CTA owns (split, KV head, sequence b): rows 0..G-1 of its one row group are the query
 // heads of b's token at pos = seq_len[b] - 1, split as attn_decode.cu splits the visible keys;
-// it writes that split's unnormalised acc and (m, l) for attn_decode_combine.
+// it writes that split's unnormalised acc and (m, l) for attn_decode_combine, or with out given
+// (one split) what the combine would, bit for bit.
 template <int D, int G, bool KEQV, bool FP8>
 __device__ __forceinline__ void attn_decode_tc(
     const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const int* __restrict__ table, int max_blocks,
     int ring, const int* __restrict__ seq_len, int window, int kv_heads,
     const float* __restrict__ wk, const float* __restrict__ inv_freq,
-    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    float* __restrict__ part_acc, float* __restrict__ part_ml, float* __restrict__ out,
+    __nv_bfloat16* __restrict__ out_bf16) {
     using S = Shape<D, true>;
     constexpr int NT = S::DS / 8;
     static_assert(G <= S::BM, "a group fills at most one row group");
@@ -447,6 +449,18 @@ __device__ __forceinline__ void attn_decode_tc(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (!live[h]) continue;
+        if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
+            const float inv = 1.f / l[h];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int col = wc * S::DS + n * 8 + 2 * t;
+                const float x = o[n][2 * h] * inv, y = o[n][2 * h + 1] * inv;
+                *reinterpret_cast<float2*>(out + qrow[h] * D + col) = make_float2(x, y);
+                if (out_bf16)
+                    *reinterpret_cast<uint32_t*>(out_bf16 + qrow[h] * D + col) = pack_bf16x2(x, y);
+            }
+            continue;
+        }
         const size_t part = qrow[h] * splits + split;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -488,21 +502,25 @@ __device__ __forceinline__ void attn_decode_tc(
         attn_decode_tc_d##D##_g##G##SUFFIX(                                                     \
             const __nv_bfloat16* q, const unsigned char* kc, const unsigned char* vc,          \
             const int* table, int max_blocks, int ring, const int* seq_len, int window,        \
-            int kv_heads, float* part_acc, float* part_ml) {                                    \
+            int kv_heads, float* part_acc, float* part_ml, float* out,                          \
+            __nv_bfloat16* out_bf16) {                                                          \
         pdl_wait();                                                                             \
         pdl_launch_dependents();                                                                \
         attn_decode_tc<D, G, false, FP8>(q, kc, vc, table, max_blocks, ring, seq_len, window,  \
-                                         kv_heads, nullptr, nullptr, part_acc, part_ml);        \
+                                         kv_heads, nullptr, nullptr, part_acc, part_ml, out,    \
+                                         out_bf16);                                             \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(Shape<D, true>::THREADS)                      \
         attn_decode_tc_keqv_d##D##_g##G##SUFFIX(                                                \
             const __nv_bfloat16* q, const unsigned char* base, const int* table,               \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
-            const float* wk, const float* inv_freq, float* part_acc, float* part_ml) {          \
+            const float* wk, const float* inv_freq, float* part_acc, float* part_ml,            \
+            float* out, __nv_bfloat16* out_bf16) {                                              \
         pdl_wait();                                                                             \
         pdl_launch_dependents();                                                                \
         attn_decode_tc<D, G, true, FP8>(q, base, nullptr, table, max_blocks, ring, seq_len,    \
-                                        window, kv_heads, wk, inv_freq, part_acc, part_ml);     \
+                                        window, kv_heads, wk, inv_freq, part_acc, part_ml,      \
+                                        out, out_bf16);                                         \
     }
 #define PREFILL_ENTRY(D, G)              \
     PREFILL_ENTRIES(D, G, , false)       \
