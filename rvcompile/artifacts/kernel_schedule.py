@@ -58,9 +58,10 @@ parameters is checked against the cubin bytes (artifacts/cubin.py, artifacts/con
 
 from __future__ import annotations
 
+import copy
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from rvcompile.artifacts.kernel_params import ParamsTemplate, ParamsTemplateError
@@ -388,8 +389,8 @@ class KernelSchedule:
         return tuple(sorted(filter(None, map(mixed_shape, self.entries))))
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        del d["params_templates"]
+        d = {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+             if f.name != "params_templates"}
         if self.prefill_packing is None:
             del d["prefill_packing"]
         if not self.draft_tokens:
@@ -459,6 +460,25 @@ class KernelSchedule:
         """The schedule `d` (parsed JSON) describes; SchemaError naming the first bad field,
         under `path`."""
         return _parse(At(d, path))
+
+
+_ATOMS = (int, float, str, bool, type(None))
+
+
+def _plain(x: Any) -> Any:
+    """dataclasses.asdict's conversion of x (dataclasses to dicts, recursively; tuples, lists
+    and dicts rebuilt of their converted items; anything else deep-copied), without asdict's
+    deepcopy of every number and string: to_json of a 31B schedule spent most of its time
+    there."""
+    if type(x) in _ATOMS:
+        return x
+    if is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
+    if type(x) in (tuple, list):
+        return type(x)(_plain(v) for v in x)
+    if type(x) is dict:
+        return {_plain(k): _plain(v) for k, v in x.items()}
+    return copy.deepcopy(x)
 
 
 def _addresses(x: Launch | Collective) -> list[int]:

@@ -20,10 +20,19 @@ ENTRY = "gemv_fp8_rowscale"
 WARPS = 16  # must match the kernel
 MAX_ROWS = 4
 MAX_SMEM = 227 * 1024  # H100: dynamic shared memory one block may opt into
+# float32 of each e4m3 bit pattern (ml_dtypes' own conversion, NaNs included): a table lookup
+# gives the same values as converting through ml_dtypes, ~6x faster, and this conversion was
+# most of the CPU reference executor's time on h100-fp8 artifacts.
+E4M3_F32 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float32 of e4m3 values (a uint8 or float8_e4m3fn array of their bit patterns)."""
+    return np.take(E4M3_F32, np.asarray(bits).view(np.uint8))
 
 
 def reference(w_fp8: np.ndarray, scale: np.ndarray, x_bf16: np.ndarray) -> np.ndarray:
-    w = w_fp8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    w = e4m3_to_f32(w_fp8)
     x = np.asarray(x_bf16).astype(np.float32)
     return (x @ w.T) * scale[None, :].astype(np.float32)
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from rvcompile.ir import ops
 from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
-from rvcompile.targets.h100.gemv_fp8 import MAX_SMEM, Launch
+from rvcompile.targets.h100.gemv_fp8 import MAX_SMEM, Launch, e4m3_to_f32
 
 SOURCE = "moe.cu"
 NORMS_ENTRY = "moe_norms"
@@ -77,7 +77,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def _fp8(w: np.ndarray) -> np.ndarray:
-    return np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return e4m3_to_f32(w)
 
 
 def norms_reference(r: np.ndarray, router_scale: np.ndarray, router_mul: float, w2: np.ndarray,
