@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_h100_attn import to_e4m3  # noqa: E402  (the tests' e4m3 rounding)
 
 from rvcompile.model.config import RopeSpec  # noqa: E402
-from rvcompile.runtime.executors.cuda_driver import CudaContext  # noqa: E402
+from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError  # noqa: E402
 from rvcompile.targets.h100 import attn_decode as ad  # noqa: E402
 from rvcompile.targets.h100 import attn_prefill as ap  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402
@@ -124,30 +124,48 @@ def ad_max_keys(window: int) -> int:
     return window or 2048
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive integers (argparse type)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated: {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", default="1,8,64,256")
-    parser.add_argument("--context", default="129,1200")
+    parser.add_argument("--batch", type=positive_ints, default="1,8,64,256")
+    parser.add_argument("--context", type=positive_ints, default="129,1200")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument("--cubin", action="append", default=[],
-                    help="another build of attn_decode.cu to time beside it (repeatable)")
+                        help="another build of attn_decode.cu to time beside it (repeatable)")
     parser.add_argument("--tc-cubin", action="append", default=[],
-                    help="another build of attn_prefill.cu to time beside it (repeatable)")
+                        help="another build of attn_prefill.cu to time beside it (repeatable)")
     parser.add_argument("--json")
     a = parser.parse_args()
-    ctx = CudaContext()
+    others = {}
+    for kind, paths in (("split", a.cubin), ("tc", a.tc_cubin)):
+        for path in paths:
+            try:
+                others[Path(path).stem] = (kind, Path(path).read_bytes())
+            except OSError as e:
+                parser.error(f"--{'cubin' if kind == 'split' else 'tc-cubin'} {path}: "
+                             f"{e.strerror or e}")
+    try:
+        ctx = CudaContext()
+    except CudaError as e:  # no GPU here
+        parser.exit(2, f"h100_attn.py: error: {e}\n")
     split_cubin = compile_cubin(ad.SOURCE)
-    cubins = {"split": ("split", split_cubin), "tc": ("tc", compile_cubin(ap.SOURCE))}
-    for path in a.cubin:
-        cubins[Path(path).stem] = ("split", Path(path).read_bytes())
-    for path in a.tc_cubin:
-        cubins[Path(path).stem] = ("tc", Path(path).read_bytes())
+    cubins = {"split": ("split", split_cubin), "tc": ("tc", compile_cubin(ap.SOURCE)), **others}
     rows = []
     print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
           + " ".join(f"{k[:12] + ' us':>15} {'GB/s':>6}" for k in cubins), flush=True)
     for layer in LAYERS:
-        for batch in map(int, a.batch.split(",")):
-            for context in map(int, a.context.split(",")):
+        for batch in a.batch:
+            for context in a.context:
                 got = {k: time_layer(ctx, kind, c, split_cubin, layer, batch, context,
                                      a.kv == "fp8")
                        for k, (kind, c) in cubins.items()}

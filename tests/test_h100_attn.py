@@ -377,6 +377,32 @@ def test_prefill_reference_equals_decode_path(case) -> None:
     assert not got[~real].any()
 
 
+def test_the_attention_benchmark_refuses_bad_arguments_in_one_line(tmp_path) -> None:
+    """benchmarks/h100_attn.py: bad flags, an unreadable cubin and (here) no GPU exit 2 with one
+    error line after argparse's usage, never a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "h100_attn.py"
+    cases = [(["--batch", "x"], "--batch"), (["--batch", "0,8"], "--batch"),
+             (["--context", "nan"], "--context"), (["--context", "-5"], "--context"),
+             (["--tc-cubin", str(tmp_path / "none.cubin")], "--tc-cubin"),
+             (["--cubin", str(tmp_path)], "--cubin")]
+    from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError
+
+    try:
+        CudaContext()
+    except CudaError:  # no GPU here: the benchmark says so in one line
+        cases.append(([], "error"))
+    for args, says in cases:
+        r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert says in last and "Traceback" not in r.stderr, (args, r.stderr)
+
+
 def test_prefill_source_instantiates_every_entry() -> None:
     from rvcompile.targets.h100 import attn_prefill as ap
     from rvcompile.targets.h100.nvcc import KERNEL_DIR

@@ -338,6 +338,24 @@ __device__ __forceinline__ void load_q(uint32_t (&qa)[Shape<D, DEC>::DS / 16][4]
     }
 }
 
+// Row h (0: g, 1: g + 8) of the warp's output fragments times `scale` into row `at` of out
+// [.., D] and, when out_bf16 is not null, its bf16 rounding.
+template <int D, bool DEC>
+__device__ __forceinline__ void store_row(float* __restrict__ out,
+                                          __nv_bfloat16* __restrict__ out_bf16, size_t at,
+                                          const float (&o)[Shape<D, DEC>::DS / 8][4], int h,
+                                          float scale) {
+    using S = Shape<D, DEC>;
+    const int t = threadIdx.x & 3, wc = (threadIdx.x >> 5) % S::WC;
+#pragma unroll
+    for (int n = 0; n < S::DS / 8; ++n) {
+        const int col = wc * S::DS + n * 8 + 2 * t;
+        const float x = o[n][2 * h] * scale, y = o[n][2 * h + 1] * scale;
+        *reinterpret_cast<float2*>(out + at * D + col) = make_float2(x, y);
+        if (out_bf16) *reinterpret_cast<uint32_t*>(out_bf16 + at * D + col) = pack_bf16x2(x, y);
+    }
+}
+
 template <int D, int G, bool KEQV, bool FP8>
 __device__ __forceinline__ void attn_prefill(
     const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kc,
@@ -350,8 +368,7 @@ __device__ __forceinline__ void attn_prefill(
     constexpr int NT = S::DS / 8;
     static_assert(S::BM % G == 0 && TOK <= S::THREADS, "group does not tile the CTA's rows");
     __shared__ int key_range[2];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wr = warp / S::WC, wc = warp % S::WC;
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, wr = warp / S::WC;
     const int kvh = blockIdx.y, nh = kv_heads * G, tok0 = blockIdx.x * TOK;
     table += (size_t)tok0 * ring;  // the CTA's sequence's row
 
@@ -390,17 +407,8 @@ __device__ __forceinline__ void attn_prefill(
                                 key_range[1], lo, pos, wk, inv_freq, o, m, l);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        if (tok[h] >= rows) continue;
-        const float inv = pos[h] >= 0 ? 1.f / l[h] : 0.f;
-        const size_t row = qrow[h] * D;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int col = wc * S::DS + n * 8 + 2 * t;
-            const float x = o[n][2 * h] * inv, y = o[n][2 * h + 1] * inv;
-            *reinterpret_cast<float2*>(out + row + col) = make_float2(x, y);
-            if (out_bf16)
-                *reinterpret_cast<uint32_t*>(out_bf16 + row + col) = pack_bf16x2(x, y);
-        }
+        if (tok[h] < rows)
+            store_row<D, false>(out, out_bf16, qrow[h], o, h, pos[h] >= 0 ? 1.f / l[h] : 0.f);
     }
 }
 
@@ -450,24 +458,11 @@ __device__ __forceinline__ void attn_decode_tc(
     for (int h = 0; h < 2; ++h) {
         if (!live[h]) continue;
         if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
-            const float inv = 1.f / l[h];
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int col = wc * S::DS + n * 8 + 2 * t;
-                const float x = o[n][2 * h] * inv, y = o[n][2 * h + 1] * inv;
-                *reinterpret_cast<float2*>(out + qrow[h] * D + col) = make_float2(x, y);
-                if (out_bf16)
-                    *reinterpret_cast<uint32_t*>(out_bf16 + qrow[h] * D + col) = pack_bf16x2(x, y);
-            }
+            store_row<D, true>(out, out_bf16, qrow[h], o, h, 1.f / l[h]);
             continue;
         }
         const size_t part = qrow[h] * splits + split;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int col = wc * S::DS + n * 8 + 2 * t;
-            *reinterpret_cast<float2*>(part_acc + part * D + col) =
-                make_float2(o[n][2 * h], o[n][2 * h + 1]);
-        }
+        store_row<D, true>(part_acc, nullptr, part, o, h, 1.f);  // x * 1 is x: unscaled
         if (wc == 0 && t == 0) {
             part_ml[part * 2] = m[h];
             part_ml[part * 2 + 1] = l[h];
