@@ -84,9 +84,12 @@ def test_gpu_loop_equals_single_decode_calls(art, sampling):
     a, lanes = prefilled(art, prompts, sampling, runtime.load(art.path).executor)
     b, _ = prefilled(art, prompts, sampling, runtime.load(art.path).executor)
     budgets = (9, 4, 9)
-    got = a.decode_many([LoopLane(c, n, frozenset()) for c, n in zip(lanes, budgets, strict=True)])
+    groups = []  # the progressive loop's groups of 2, each read while the next one runs
+    got = a.decode_many([LoopLane(c, n, frozenset()) for c, n in zip(lanes, budgets, strict=True)],
+                        lambda new: groups.append(new) or True, group=2)
     want = stepped(b, lanes, max(budgets))
     assert got == [w[:n] for w, n in zip(want, budgets, strict=True)]
+    assert [[t for g in groups for t in g[i]] for i in range(3)] == got
 
 
 def test_lanes_end_at_budget_and_stop_ids_alone(art):
@@ -101,6 +104,66 @@ def test_lanes_end_at_budget_and_stop_ids_alone(art):
     assert got[0] == free[0][:3]
     assert got[1] == free[1][:free[1].index(stop) + 1]
     assert got[2] == free[2]  # the rows that ended early did not change it
+
+
+class LaterDevice:
+    """The reference device with read_later, logging what the executor asks of it: each run,
+    each read_later (queued behind what ran) and each fetch of one."""
+
+    def __init__(self, device):
+        self.device, self.kv_blocks, self.log = device, device.kv_blocks, []
+
+    def write(self, offset, data):
+        self.device.write(offset, data)
+
+    def read(self, offset, nbytes):
+        return self.device.read(offset, nbytes)
+
+    def run(self, entry):
+        self.log.append("run")
+        self.device.run(entry)
+
+    def read_later(self, offset, nbytes):
+        data = self.device.read(offset, nbytes)  # the reference device ran it already
+        n = self.log.count("read") + 1
+        self.log.append("read")
+
+        def fetch():
+            self.log.append(f"fetch {n}")
+            return data
+        return fetch
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "seeded"])
+def test_progress_hands_each_group_over_while_the_next_one_runs(art, sampling):
+    """Groups of 2 steps: the tokens handed to progress, group by group, are the loop's; each
+    group's tokens are fetched only after the next group was launched (and queued a read)."""
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 1), (19, 2), (9, 3))]
+    a, lanes = prefilled(art, prompts, sampling)
+    b, _ = prefilled(art, prompts, sampling)
+    b.device = LaterDevice(b.device)
+    loop = [LoopLane(c, n, frozenset()) for c, n in zip(lanes, (7, 3, 7), strict=True)]
+    want = a.decode_many(loop)
+    groups = []
+    got = b.decode_many(loop, lambda new: groups.append(new) or True, group=2)
+    assert got == want
+    assert [[t for g in groups for t in g[i]] for i in range(3)] == want
+    assert [len(g[1]) for g in groups] == [2, 1, 0, 0]  # lane 1 ended at its budget of 3
+    assert b.device.log == (["run"] * 2 + ["read"]) * 2 + ["fetch 1"] + ["run"] * 2 + [
+        "read", "fetch 2"] + ["run", "read", "fetch 3", "fetch 4"]
+
+
+def test_progress_can_end_the_loop_after_the_queued_group(art):
+    prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((5, 4), (11, 5))]
+    a, lanes = prefilled(art, prompts, SAMPLED)
+    b, _ = prefilled(art, prompts, SAMPLED)
+    loop = [LoopLane(c, 8, frozenset()) for c in lanes]
+    want = a.decode_many(loop)
+    calls = []
+    got = b.decode_many(loop, lambda new: calls.append(new) and False, group=3)
+    assert len(calls) == 2 and got == [w[:6] for w in want]  # the group it was given, and one
+    with pytest.raises(ValueError, match="group -1"):
+        b.decode_many(loop, None, group=-1)
 
 
 def test_decode_advance_moves_live_lanes_and_logs_the_step():

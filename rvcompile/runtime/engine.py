@@ -54,13 +54,21 @@ worker's; this thread waits for it (`_join_masks`, `_late_masks`) before it cons
 reads one of them; `mask_wait_s` counts the time it waited outside the device's forward pass,
 the part of the mask time not hidden.
 
-Streaming: while any running request streams (Request.stream), a decode_many call runs at most
-as many steps as fit in `stream_interval_s` at the measured seconds per loop step (at least
-one), so a streamed request gets its tokens every ~stream_interval_s rather than in bursts of
-decode_loop_steps; with nobody streaming, calls run their full length. The per-step time is an
-exponential mean (weight 1/2 to the newest) over earlier calls' wall time over the steps they
-ran, host overhead included, so a streamed call lasts at most about the interval; before the
-first measurement a call runs one step.
+Streaming: while any running request streams (Request.stream), a streamed request gets its
+tokens every ~stream_interval_s rather than in bursts of decode_loop_steps. Where the executor's
+loop is progressive (executor_api's "Progressive decode loop"), a decode_many call runs each
+lane's whole budget and hands its tokens over in groups of as many steps as fit in half of
+`stream_interval_s` at the measured seconds per loop step (at least one): each group's tokens go
+through advance/_emit and out to the caller (Engine.step's `deliver`, else the step's outputs)
+while the device runs the next group, so that work keeps no device idle. The call ends early
+(after the group already queued) once a request arrives or an abort waits, so they wait at most
+about two groups: the interval, as before. A lane whose request ends during the call keeps its
+blocks until the call returns (the device may still write into them); its later tokens are
+dropped. Elsewhere a
+decode_many call runs at most as many steps as fit in the interval (with nobody streaming, its
+full length) and hands its tokens over after it. The per-step time is an exponential mean
+(weight 1/2 to the newest) over earlier calls' wall time over the steps they ran, host overhead
+included; before the first measurement a group (or a call) runs one step.
 
 Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
 freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
@@ -98,6 +106,7 @@ from rvcompile.runtime.executor_api import (
     Verified,
     decode_loop_steps,
     has_drafter,
+    loop_progress,
     max_draft_tokens,
     mixes_decode,
     packs_prefill,
@@ -290,6 +299,11 @@ class Engine:
         # Where a step's time goes (EngineStats): step_s - executor_s is the engine's own host
         # work, which keeps the device idle unless the executor call is still running.
         self.step_s = self.executor_s = 0.0
+        # the step's caller's, for outputs made while a call runs (step's `deliver`)
+        self._deliver: Callable[[list[RequestOutput]], None] | None = None
+        # while a progressive decode loop runs: sequences ended meanwhile, whose blocks go
+        # back once it returns (_remove)
+        self._held_removals: list[Seq] | None = None
 
     # ------------------------------------------------------------------ requests (any thread)
 
@@ -343,11 +357,17 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop (one thread)
 
-    def step(self, handoff: Callable[[], None] | None = None) -> list[RequestOutput]:
+    def step(self, handoff: Callable[[], None] | None = None,
+             deliver: Callable[[list[RequestOutput]], None] | None = None
+             ) -> list[RequestOutput]:
         """One step; `handoff` (the caller's, e.g. handing the last step's outputs over) runs
         exactly once: while the step's first device call runs where the executor offers that
-        (executor_api, "Handoff"), else before the step."""
+        (executor_api, "Handoff"), else before the step. `deliver` takes the outputs a
+        progressive decode loop makes while it runs (the module docstring, "Streaming"), as
+        soon as they are made; without it they join the returned outputs. Either way a
+        request's outputs come in order, the returned ones after the delivered ones."""
         t0 = time.perf_counter()
+        self._deliver = deliver
         takes = handoff is not None and hasattr(self.executor, "while_running")
         if takes:
             self.executor.while_running = handoff
@@ -356,6 +376,7 @@ class Engine:
         try:
             return self._step()
         finally:
+            self._deliver = None
             if takes and self.executor.while_running is handoff:  # no call launched: now
                 self.executor.while_running = None
                 handoff()
@@ -827,6 +848,8 @@ class Engine:
         except DeviceError:
             raise
         except Exception as e:
+            # those that ended meanwhile (a progressive loop's finished lanes) have ended
+            lives = [live for live in lives if self._live.get(live.seq.id) is live]
             error = f"the engine failed to run this request: {type(e).__name__}: {e}"
             log.error("engine: %s failed; ending request(s) %s", what,
                       ", ".join(live.request.id for live in lives), exc_info=e)
@@ -848,7 +871,8 @@ class Engine:
                 or any(w.seq.cached + 1 < w.seq.num_tokens or self._live[w.seq.id].extras
                        for w in sched.decodes)):
             return None
-        if any(self._live[w.seq.id].request.stream for w in sched.decodes):
+        if (not loop_progress(self.executor)
+                and any(self._live[w.seq.id].request.stream for w in sched.decodes)):
             steps = self._streaming_steps(steps)
         lanes = []
         for w in sched.decodes:
@@ -864,35 +888,88 @@ class Engine:
             lanes.append(LoopLane(chunk, budget, stops))
         return lanes
 
-    def _streaming_steps(self, steps: int) -> int:
-        """Loop steps that fit in stream_interval_s (1 to `steps`; 1 before any measurement)."""
+    def _streaming_steps(self, steps: int, interval: float | None = None) -> int:
+        """Loop steps that fit in `interval` (default stream_interval_s): 1 to `steps`, 1
+        before any measurement."""
         if self._loop_step_s is None:
             return 1
-        fit = int(self.stream_interval_s / self._loop_step_s + 1e-6)  # 0.03 / 0.01 is 2.99..
+        if self._loop_step_s <= 0:  # a clock too coarse to see a step: every step fits
+            return steps
+        interval = self.stream_interval_s if interval is None else interval
+        fit = int(interval / self._loop_step_s + 1e-6)  # 0.03 / 0.01 is 2.99..
         return max(1, min(steps, fit))
 
     def _decode_loop(self, decodes: list[Work], lanes: list[LoopLane],
                      outputs: list[RequestOutput]) -> None:
         """Run the lanes in one decode_many call. Their tokens go through advance/_emit one by
-        one, as if from single decode steps; each request gets one RequestOutput for the call."""
+        one, as if from single decode steps: group by group while the call runs where the loop
+        is progressive (_progressive_loop), else after it, one RequestOutput per request."""
         t0 = self._clock()
-        results = self._guarded("decode_many", decodes, outputs, _pairs,
-                                list(zip(decodes, lanes, strict=True)),
-                                self._timed(self.executor.decode_many), lanes)
+        if loop_progress(self.executor):
+            results = self._progressive_loop(decodes, lanes, outputs)
+        else:
+            results = self._guarded("decode_many", decodes, outputs, _pairs,
+                                    list(zip(decodes, lanes, strict=True)),
+                                    self._timed(self.executor.decode_many), lanes)
+            for (w, lane), tokens in results or []:
+                out = self._guarded("output", [w], outputs, self._advance_lane, w, lane, tokens)
+                if out is not None:
+                    outputs.append(out)
         ran = max((len(tokens) for _, tokens in results or []), default=0)
         if ran:  # the loop ends when its longest lane does
             per_step = (self._clock() - t0) / ran
             self._loop_step_s = per_step if self._loop_step_s is None else (
                 0.5 * self._loop_step_s + 0.5 * per_step)
-        for (w, lane), tokens in results or []:
-            out = self._guarded("output", [w], outputs, self._advance_lane, w, lane, tokens)
-            if out is not None:
-                outputs.append(out)
 
-    def _advance_lane(self, w: Work, lane: LoopLane, tokens: list[int]) -> RequestOutput:
-        if not 0 < len(tokens) <= lane.budget:
-            raise RuntimeError(f"decode_many returned {len(tokens)} tokens for a lane of "
-                               f"budget {lane.budget}")
+    def _progressive_loop(self, decodes: list[Work], lanes: list[LoopLane],
+                          outputs: list[RequestOutput]) -> list[tuple] | None:
+        """decode_many with progress: each group's tokens through advance/_emit while the next
+        group runs, their outputs delivered at once (step's `deliver`); the call stops early
+        once a request or an abort waits. Requests that end meanwhile keep their sequences'
+        blocks until the call returns (_remove). Returns decode_many's (work, lane) and
+        tokens, or None if it failed."""
+        stream = any(self._live[w.seq.id].request.stream for w in decodes)
+        # half the interval: an arrival waits for the group it was seen in and the one queued
+        group = self._streaming_steps(max(lane.budget for lane in lanes),
+                                      self.stream_interval_s / 2) if stream else 0
+        lives = [self._live[w.seq.id] for w in decodes]
+        got = [0] * len(lanes)  # tokens each lane has had
+
+        def progress(new: list[list[int]]) -> bool:
+            made: list[RequestOutput] = []
+            for i, tokens in enumerate(new):
+                w = decodes[i]
+                if not tokens or self._live.get(w.seq.id) is not lives[i]:  # ended: dropped
+                    continue
+                out = self._guarded("output", [w], made, self._advance_lane, w, lanes[i],
+                                    tokens, got[i])
+                got[i] += len(tokens)
+                if out is not None:
+                    made.append(out)
+            if self._deliver is not None:
+                self._deliver(made)
+            else:
+                outputs.extend(made)
+            with self._lock:
+                return not (self._inbox or self._aborts)
+
+        self._held_removals = []
+        try:
+            return self._guarded("decode_many", decodes, outputs, _pairs,
+                                 list(zip(decodes, lanes, strict=True)),
+                                 self._timed(lambda ls: self.executor.decode_many(
+                                     ls, progress, group)), lanes)
+        finally:
+            held, self._held_removals = self._held_removals, None
+            for seq in held:
+                self.scheduler.remove(seq)
+
+    def _advance_lane(self, w: Work, lane: LoopLane, tokens: list[int],
+                      before: int = 0) -> RequestOutput:
+        """A lane's tokens after the `before` it already had, through advance/_emit."""
+        if not 0 < len(tokens) <= lane.budget - before:
+            raise RuntimeError(f"decode_many returned {before + len(tokens)} tokens for a lane "
+                               f"of budget {lane.budget}")
         live, parts = self._live[w.seq.id], []
         for token in tokens:
             # A lane never recomputes (_loop_lanes), so each token is the sequence's next.
@@ -938,7 +1015,7 @@ class Engine:
 
     def _finish(self, live: _Live, reason: str, token_ids: list[int], text: str = "",
                 logprobs: tuple[Sampled, ...] = ()) -> RequestOutput:
-        self.scheduler.remove(live.seq)
+        self._remove(live.seq)
         del self._live[live.seq.id]
         if reason in ("stop", "length"):
             text += live.text.finish()
@@ -947,9 +1024,17 @@ class Engine:
     def _fail(self, live: _Live, error: str) -> RequestOutput:
         """End live's request with finish_reason "error", whatever state a failure left it in
         (its sequence running, waiting, or already removed)."""
-        self.scheduler.remove(live.seq)
+        self._remove(live.seq)
         self._live.pop(live.seq.id, None)
         return self._output(live, [], "", "error", error)
+
+    def _remove(self, seq: Seq) -> None:
+        """seq out of the scheduler, its blocks back to the pools: at once, or while a
+        progressive decode loop runs, once it returns (the device may still write them)."""
+        if self._held_removals is not None:
+            self._held_removals.append(seq)
+        else:
+            self.scheduler.remove(seq)
 
     @staticmethod
     def _output(live: _Live, token_ids: list[int], text: str, reason: str | None,
@@ -998,6 +1083,8 @@ class EngineThread:
     calling `after_outputs` once (a consumer that batches what its sinks were given hands it
     over there: one wake-up of an event loop per step rather than one per output): while the
     next step's first device call runs (Engine.step's handoff), or at once when no step follows.
+    Outputs a step makes while its progressive decode loop runs (Engine.step's deliver) go to
+    their sinks at once, and `after_outputs` follows each batch of them: the device is busy then.
 
     A step that raises ends every request with an error. After a DeviceError, or when ending
     them does not give every KV block back, the engine is lost: `error` says why (and the log),
@@ -1058,24 +1145,33 @@ class EngineThread:
                     self._hand_over()
                 return
             try:
-                outputs = self.engine.step(self._hand_over if pending else None)
+                outputs = self.engine.step(self._hand_over if pending else None,
+                                           self._deliver)
             except Exception as e:
                 outputs = self._recover(e)
-            pending = False
-            with self._cv:
-                sinks = [(self._route(o), o) for o in outputs if o.id in self._sinks]
-            for sink, out in sinks:
-                try:
-                    sink(out)
-                except Exception as e:  # its consumer is gone: stop generating for it
-                    log.error("engine: the sink of request %s failed; aborting it", out.id,
-                              exc_info=e)
-                    self.abort(out.id)
-            pending = bool(sinks) and self._after_outputs is not None
+            pending = self._dispatch(outputs) and self._after_outputs is not None
             if self.error:
                 if pending:
                     self._hand_over()
                 return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> bool:
+        """Each output to its request's sink; whether any went to one."""
+        with self._cv:
+            sinks = [(self._route(o), o) for o in outputs if o.id in self._sinks]
+        for sink, out in sinks:
+            try:
+                sink(out)
+            except Exception as e:  # its consumer is gone: stop generating for it
+                log.error("engine: the sink of request %s failed; aborting it", out.id,
+                          exc_info=e)
+                self.abort(out.id)
+        return bool(sinks)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Outputs made while a call runs: to their sinks, and handed over, now."""
+        if self._dispatch(outputs) and self._after_outputs is not None:
+            self._hand_over()
 
     def _hand_over(self) -> None:
         try:

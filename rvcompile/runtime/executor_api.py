@@ -61,6 +61,18 @@ lane must own the blocks of the positions its budget can reach; a call never run
 max_chunk steps, so the sliding ring holds them. Engines check the capability with
 `decode_loop_steps(executor)`, never the executor's type.
 
+Progressive decode loop (optional, `loop_progress(executor)`; issue 14): `decode_many(lanes,
+progress, group)` launches its steps in groups of `group` (>= 1) and keeps the next group
+queued on the device while the host handles the last one: it launches group g + 1, then waits
+for group g's tokens and calls `progress(new)`, new[i] being lane i's tokens of group g (up to
+its budget and first stop id, as decode_many returns them; [] once the lane has ended), so the
+caller's work on them (detokenizing, streaming) overlaps the device's next group. progress
+returns whether to go on: after False no further group is launched, but the group already
+launched runs and its tokens come through progress too. The call returns every lane's tokens
+(all that progress was given). The lanes' blocks are the call's until it returns: the device
+may write into them up to each lane's budget, also after the lane ended (a stop id, or the
+caller no longer wanting it), so the caller frees none of them before.
+
 Speculative decoding (optional, `max_draft_tokens(executor)` > 0; issue 15). One round of a
 sequence whose target has cached positions [0, p) and whose last accepted token x sits at p:
 - `verify`: one call runs x and up to max_draft_tokens drafts d1..dk as k + 1 rows at
@@ -321,6 +333,19 @@ class LoopExecutor(Executor, Protocol):
         ...
 
 
+class ProgressiveLoopExecutor(LoopExecutor, Protocol):
+    """A decode loop that hands its tokens over group by group while the next group runs."""
+
+    loop_progress: bool  # decode_many takes progress and group (the module docstring)
+
+    def decode_many(self, lanes: Sequence[LoopLane],
+                    progress: Callable[[list[list[int]]], bool] | None = None,
+                    group: int = 0) -> list[list[int]]:
+        """LoopExecutor.decode_many, each group of `group` steps' tokens given to progress
+        while the next group runs (0: the executor's own group size)."""
+        ...
+
+
 class SamplingExecutor(Executor, Protocol):
     """An executor whose sampler also applies SampleExtras and returns log-probabilities."""
 
@@ -430,3 +455,8 @@ def packs_prefill(executor: Executor) -> bool:
 def decode_loop_steps(executor: Executor) -> int:
     """Steps per decode_many call the executor offers; 0 when it has no decode loop."""
     return getattr(executor, "decode_loop_steps", 0)
+
+
+def loop_progress(executor: Executor) -> bool:
+    """Whether the executor's decode_many hands its tokens over group by group (progress)."""
+    return bool(getattr(executor, "loop_progress", False)) and decode_loop_steps(executor) > 0

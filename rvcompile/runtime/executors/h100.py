@@ -23,7 +23,9 @@ then the graphs are uploaded. A mismatch fails the load with the container's one
 failed check with its own (the upload stops at its next chunk), the arena and buffers freed.
 A call writes the io fields with one copy, replays the entry and copies back only token ids (or
 the logits the logits entry asks for). `write` and `run` (`run_part`) return without waiting for
-the device; `read` waits for everything before it.
+the device; `read` waits for everything before it; `read_later` (the progressive decode loop's
+token reads) queues its copy into one of two pinned slots behind what ran, with an event, and
+waits only for that event when its bytes are asked for.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ class CudaScheduleDevice:
             raise ArtifactError(f"{art.path.name}: {e}") from None
         self.stream = ctx.stream()
         self.arena = self.io_host = self.out_host = None
+        # read_later's two pinned slots and their events, and how many reads were made
+        self.later_host: list[np.ndarray] = []
+        self.later_events: list = []
+        self.later_made = 0
         self.modules: list = []  # loaded cubins, unloaded again if the load fails
         self.graphs: dict[str | tuple[str, str], object] = {}  # by entry, or (entry, part)
         try:
@@ -168,6 +174,10 @@ class CudaScheduleDevice:
                         for name, f in schedule.outputs.items()
                         if name.endswith((".out_tokens", ".tokens"))
                         or (name.endswith(".states") and not name.startswith("draft_"))))
+                    history = schedule.io.get("loop_tokens")
+                    if history is not None:  # the decode loop's token reads (read_later)
+                        self.later_host = [ctx.alloc_pinned(history.nbytes) for _ in range(2)]
+                        self.later_events = [ctx.event_without_timing() for _ in range(2)]
                     t1 = clock()
                     for name, e in schedule.entries.items():
                         if self.checks.failed():  # the upload stops too: fail now
@@ -218,12 +228,15 @@ class CudaScheduleDevice:
             self.ctx.destroy_graph(g)
         for mod in self.modules:
             self.ctx.unload_module(mod)
-        for host in (self.io_host, self.out_host):
+        for host in (self.io_host, self.out_host, *self.later_host):
             if host is not None:
                 self.ctx.free_pinned(host)
+        for ev in self.later_events:
+            self.ctx.destroy_event(ev)
         if self.arena is not None:
             self.ctx.free(self.arena)
         self.arena = self.io_host = self.out_host = None
+        self.later_host, self.later_events = [], []
         self.graphs, self.modules = {}, []
 
     def _load_cubins(self, art: Artifact) -> dict[tuple[str, str], object]:
@@ -317,6 +330,27 @@ class CudaScheduleDevice:
         self.ctx.copy_to_host(host[:nbytes], self.arena.ptr + offset, self.stream)
         self.ctx.stream_synchronize(self.stream)
         return host[:nbytes].tobytes()
+
+    def read_later(self, offset: int, nbytes: int):
+        """Queue a copy of `nbytes` at arena `offset` behind everything launched so far and
+        return a function that waits for that copy alone and returns the bytes (scheduled.py's
+        progressive decode loop). Two slots take turns: a read's bytes must be fetched before
+        the next read but one is made (RuntimeError otherwise)."""
+        if not self.later_host or nbytes > self.later_host[0].nbytes:
+            raise ValueError(f"read_later of {nbytes} bytes: its slots hold "
+                             f"{self.later_host[0].nbytes if self.later_host else 0}")
+        made = self.later_made
+        self.later_made += 1
+        host, ev = self.later_host[made % 2], self.later_events[made % 2]
+        self.ctx.copy_to_host(host[:nbytes], self.arena.ptr + offset, self.stream)
+        self.ctx.record(ev, self.stream)
+
+        def fetch() -> bytes:
+            if self.later_made - made > 2:
+                raise RuntimeError("read_later: a read's slot was reused before it was fetched")
+            self.ctx.event_synchronize(ev)
+            return host[:nbytes].tobytes()
+        return fetch
 
     def run(self, entry: str) -> None:
         """Launch the entry (its graph) and return at once: the next read waits for it."""

@@ -20,6 +20,11 @@ budget (its later tokens are dropped here; it writes KV only into the blocks its
 owns), and the call ends at the first read where every lane has ended. Each step is a decode
 call of the call's lanes at the call's width (an ended lane's row stays, as padding).
 Artifacts built before decode_advance (no `loop_tokens` io field) offer no decode loop.
+The loop is progressive (executor_api's "Progressive decode loop"): the steps are launched in
+groups (LOOP_GROUP, or as the caller asks), and group g's rows of `loop_tokens` are read while
+group g + 1 runs, through the device's `read_later` (an asynchronous copy and an event) where
+it has one; a device without it (the CPU reference) has run each group by the time it returns
+from run, so a plain read serves.
 
 The sampler's extras (schedule version 7, `top_logprobs` > 0): prefill_sampled and
 decode_sampled run the sampled entries, writing the lanes' SampleExtras into the sample_io
@@ -43,6 +48,7 @@ says how).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -82,6 +88,10 @@ class ScheduleDevice(Protocol):
 
     def run(self, entry: str) -> None: ...
 
+    # Optional (progressive decode loop): read_later(offset, nbytes) queues a copy of those
+    # bytes behind everything run so far and returns a function that waits for it and returns
+    # them; at most two may be outstanding, each fetched before the next but one is made.
+
     # Optional (late masks): run_part(entry, part) runs one part of a sampled entry,
     # "forward" then "sampler" (KernelSchedule.part). run and run_part may return before the
     # device is done; read waits for everything run before it.
@@ -110,6 +120,7 @@ class ScheduledExecutor:
         history = s.io.get("loop_tokens")
         self.decode_loop_steps = 0 if history is None else min(history.shape[0], self.max_chunk)
         self.decode_loop_stops = DECODE_LOOP_STOPS
+        self.loop_progress = True  # executor_api's "Progressive decode loop"
         # the io bytes every call writes: all but the draft entries' fields, which come last and
         # only draft calls write
         self._io_bytes = (s.io["draft_state"].offset - s.io_offset if s.has_drafter
@@ -345,7 +356,9 @@ class ScheduledExecutor:
         got = self._call(f"decode_{b}", io, "out_tokens", b, np.int32)
         return [int(x) for x in got[:len(lanes)]]
 
-    def decode_many(self, lanes: Sequence[LoopLane]) -> list[list[int]]:
+    def decode_many(self, lanes: Sequence[LoopLane],
+                    progress: Callable[[list[list[int]]], bool] | None = None,
+                    group: int = 0) -> list[list[int]]:
         if not self.decode_loop_steps:
             raise ValueError("this artifact was built before the decode loop (its decode "
                              "entries lack decode_advance): rebuild it")
@@ -356,6 +369,8 @@ class ScheduledExecutor:
             if len(lane.stop_ids) > self.decode_loop_stops:
                 raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
                                  f"most {self.decode_loop_stops}")
+        if group < 0:
+            raise ValueError(f"group {group}: decode_many runs groups of at least one step")
         b, io = self._decode_io([lane.chunk for lane in lanes])
         s = self.schedule
         io = bytearray(io)
@@ -365,18 +380,42 @@ class ScheduledExecutor:
         self.device.write(s.io_offset, bytes(io))
         entry, history = f"decode_{b}", s.io["loop_tokens"]
         steps = max(x.budget for x in lanes)
-        group = LOOP_GROUP if any(x.stop_ids for x in lanes) else steps
-        ran = 0
-        while True:
-            for _ in range(min(group, steps - ran)):
+        group = group or (LOOP_GROUP if any(x.stop_ids for x in lanes) else steps)
+        read_later = getattr(self.device, "read_later", None) or self._read_now
+        out: list[list[int]] = [[] for _ in lanes]
+        ended = [False] * len(lanes)
+        launched, pending = 0, deque()  # steps launched; (steps, fetch) of groups to read
+
+        def launch() -> None:
+            nonlocal launched
+            n = min(group, steps - launched)
+            for _ in range(n):
                 self._run(entry)
-            ran = min(ran + group, steps)
-            log = np.frombuffer(self.device.read(history.offset, ran * b * 4),
-                                np.int32).reshape(ran, b)
-            out = [_lane_tokens(log[:, i], lane) for i, lane in enumerate(lanes)]
-            if ran == steps or all(len(t) == x.budget or t[-1] in x.stop_ids
-                                   for t, x in zip(out, lanes, strict=True)):
-                return out
+            pending.append((n, read_later(history.offset + launched * b * 4, n * b * 4)))
+            launched += n
+
+        launch()
+        go_on = True
+        while pending:
+            if go_on and launched < steps:
+                launch()  # the next group queued before this one's tokens are waited for
+            n, fetch = pending.popleft()
+            rows = np.frombuffer(fetch(), np.int32).reshape(n, b)
+            new = [[] if ended[i] else _lane_tokens(rows[:, i], lane, len(out[i]))
+                   for i, lane in enumerate(lanes)]
+            for i, (tokens, lane) in enumerate(zip(new, lanes, strict=True)):
+                out[i] += tokens
+                ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
+                    tokens and tokens[-1] in lane.stop_ids)
+            go_on = go_on and not all(ended)
+            if progress is not None and not progress(new):
+                go_on = False
+        return out
+
+    def _read_now(self, offset: int, nbytes: int) -> Callable[[], bytes]:
+        """read_later for a device without it: read at once (what it ran has finished)."""
+        data = self.device.read(offset, nbytes)
+        return lambda: data
 
     def logits(self, chunk: SeqChunk) -> np.ndarray:
         t = self.max_chunk
@@ -764,11 +803,11 @@ def _with_mask(chunk: SeqChunk, mask: np.ndarray | None) -> SeqChunk:
     return replace(chunk, extras=replace(chunk.extras or SampleExtras(), mask=mask))
 
 
-def _lane_tokens(column: np.ndarray, lane: LoopLane) -> list[int]:
-    """A lane's tokens from its column of decode_advance's history: up to its budget (the
-    first -1) and its first stop id, included."""
+def _lane_tokens(column: np.ndarray, lane: LoopLane, before: int = 0) -> list[int]:
+    """A lane's tokens from its column of decode_advance's history (of the steps after the
+    `before` tokens it has): up to its budget (the first -1) and its first stop id, included."""
     out = []
-    for token in column[:lane.budget].tolist():
+    for token in column[:lane.budget - before].tolist():
         if token < 0:
             break
         out.append(token)
