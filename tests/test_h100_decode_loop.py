@@ -223,24 +223,48 @@ def test_bad_block_tables_are_refused(art):
         ex.decode([lanes[0], ragged])
 
 
-def test_engine_with_the_loop_gives_what_single_steps_give(art):
+def _engine_tokens(art, executor, loop: bool, stream: bool = False):
+    """Three requests through an engine over `executor` (with its decode loop or without):
+    each one's tokens, the engine's steps, and how many outputs came while a call ran."""
     prompts = [random_token_ids(n, seed=s).tolist() for n, s in ((6, 8), (21, 9), (13, 10))]
     samplings = [Sampling(), SAMPLED, dataclasses.replace(SAMPLED, seed=11)]
+    if not loop:
+        executor.decode_loop_steps = 0
+    eng = Model(art, executor).engine
+    for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+        eng.add(Request(f"r{i}", p, 40, s, ignore_eos=True, stream=stream))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    delivered = []
 
-    def run(loop: bool):
-        ex = reference_executor(art)
-        if not loop:
-            ex.decode_loop_steps = 0
-        eng = Model(art, ex).engine
-        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
-            eng.add(Request(f"r{i}", p, 12, s, ignore_eos=True))
-        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-        while eng.has_work():
-            for out in eng.step():
-                assert out.finish_reason != "error", out.error
-                tokens[out.id] += out.token_ids
-        return list(tokens.values()), eng.steps
+    def take(outs):
+        delivered.extend(outs)
+        for out in outs:
+            tokens[out.id] += out.token_ids
 
-    (looped, loop_steps), (single, single_steps) = run(True), run(False)
+    while eng.has_work():
+        for out in eng.step(deliver=take):
+            assert out.finish_reason != "error", out.error
+            tokens[out.id] += out.token_ids
+    assert all(out.finish_reason != "error" for out in delivered)
+    return list(tokens.values()), eng.steps, len(delivered)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_engine_with_the_loop_gives_what_single_steps_give(art, stream):
+    """Through the progressive loop (its outputs delivered while calls run), streamed or not:
+    the tokens of single decode steps."""
+    looped, loop_steps, delivered = _engine_tokens(art, reference_executor(art), True, stream)
+    single, single_steps, _ = _engine_tokens(art, reference_executor(art), False)
     assert looped == single
-    assert loop_steps < single_steps  # the loop ran
+    assert loop_steps < single_steps and delivered  # the loop ran, handing tokens over
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_the_loop_gives_what_single_steps_give(art):
+    """The same on the CUDA device: its read_later reads each group's tokens behind the next."""
+    h100_context()
+    looped, loop_steps, delivered = _engine_tokens(art, runtime.load(art.path).executor, True,
+                                                   stream=True)
+    single, single_steps, _ = _engine_tokens(art, runtime.load(art.path).executor, False)
+    assert looped == single
+    assert loop_steps < single_steps and delivered
