@@ -12,6 +12,7 @@
   without donating the pools it only reads; a set whose draft takes them donated is refused);
   --tp 4 compiles at load. The draft and verify programs gather only logits and all-reduce
   only hidden-state-sized vectors: no weight, KV pool or table moves between devices.
+- The released 31B with its assistant's shape exports draft and verify at --tp 4.
 - The rules: the drafter's split (q/o and MLP like the target's, a dense head's table by
   vocabulary row, a centroid head's whole, the projections whole); a drafter whose heads or MLP
   do not split is refused in one line naming the field.
@@ -20,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -242,6 +244,36 @@ def test_drafter_split_rules(model, centroids):
         assert w["assistant.masked_embedding.centroids.weight"] == whole
         assert w["assistant.masked_embedding.token_ordering"] == (None,)
     assert w["embed_tokens.weight"] == col  # the target's table, the drafter's input too
+
+
+def test_the_31b_and_its_assistant_export_with_tp4():
+    """6 layers of the 31B (one pattern period) and its assistant's published shape, tpu-int8,
+    --tp 4: draft and verify export over the mesh, the drafter's 32 query heads 8 a device over
+    the 16 sliding / 4 global KV heads the pools split (no devices needed)."""
+    from jax import export
+
+    from rvcompile.build import lower_model
+    from rvcompile.sources.checkpoint import load_assistant_source, load_model_source
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    source = load_model_source("gemma-4-31B", random_weights=True)
+    cfg = source.config
+    source = dataclasses.replace(source, config=dataclasses.replace(
+        cfg, num_layers=6, layer_kinds=cfg.layer_kinds[:6]))
+    drafter = load_assistant_source("gemma-4-31B-assistant", source.config, random_weights=True)
+    ir = lower_model(source, BuildOptions("tpu-int8", max_context=256, prefill_buckets=(16,),
+                                          draft_tokens=K), log=lambda s: None,
+                     assistant=drafter.config)
+    low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16,), platforms=("tpu",), tp=4,
+                       draft_tokens=K)
+    for name in ("draft_2", f"verify_2x{K + 1}"):
+        assert export.deserialize(bytearray(low.programs[name])).nr_devices == 4, name
+    mesh = low.manifest["mesh"]["weights"]
+    assert mesh["assistant.layers.0.self_attn.q_proj.weight"] == ["tp", None]
+    assert mesh["assistant.layers.0.mlp.down_proj.weight"] == [None, "tp"]
+    assert mesh["assistant.embed_tokens.weight"] == ["tp", None]
+    pools = low.manifest["mesh"]["pools"]
+    assert pools and all(s == [None, None, None, "tp", None] for s in pools.values())
 
 
 @pytest.mark.parametrize("field,kw", [("num_attention_heads 2", {"heads": 2, "mlp": 128}),
