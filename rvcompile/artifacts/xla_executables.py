@@ -74,16 +74,19 @@ def _without_persistent_cache():
 def compile_entries(programs: dict[str, bytes], xla_manifest: dict, devices: list,
                     names: tuple[str, ...] | None = None) -> dict[str, object]:
     """Compile the exported `programs` (all, or `names`) for `devices`, as the runtime would:
-    jit of Exported.call with the pools donated, pools at the default block counts."""
+    jit of Exported.call with the pools donated (but to draft, which only reads them and
+    returns none), pools at the default block counts."""
     mesh_info = xla_manifest.get("mesh") or {"axis": "tp", "size": 1}
     mesh = Mesh(np.array(devices[:mesh_info["size"]]), (mesh_info["axis"],))
     blocks = default_blocks(xla_manifest)
+    reads_only = (xla_manifest.get("speculative") or {}).get("draft")
     out = {}
     with _without_persistent_cache():
         for name in names or sorted(programs):
             exp = export.deserialize(bytearray(programs[name]))
             args, kwargs = _entry_args(exp, blocks, mesh)
-            out[name] = jax.jit(exp.call, donate_argnums=(1,)).lower(*args, **kwargs).compile()
+            donate = () if name == reads_only else (1,)
+            out[name] = jax.jit(exp.call, donate_argnums=donate).lower(*args, **kwargs).compile()
     return out
 
 

@@ -238,6 +238,7 @@ def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: d
     by_id = {d.id: d for d in devices}
     run_on = [by_id[i] for i in rec["device_ids"]]
     mesh = Mesh(np.array(run_on), ((xla.get("mesh") or {"axis": "tp"})["axis"],))
+    reads_only = (xla.get("speculative") or {}).get("draft")  # the entry that donates nothing
     out = {}
     for name, loc in rec["entries"].items():
         where = f"{where_set}/{name}"
@@ -258,6 +259,12 @@ def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: d
         outputs = _operands(ops.get("outputs"), f"{where}: operands.outputs")
         if any(op.donated for op in outputs):
             raise ArtifactError(f"{where}: operands.outputs: an output cannot be donated")
+        if name == reads_only and any(op.donated for op in inputs):
+            # what rvcompile compiled before it knew draft's pools are only read: the first
+            # draft call would delete them
+            raise ArtifactError(f"{where}: operands.inputs: draft only reads the KV pools but "
+                                "this executable takes them donated (an older rvcompile's: run "
+                                "rvrun prepare again, or rebuild)")
         sharded = exp.nr_devices > 1
         _check_against_program(where, inputs, exp.in_avals, exp.in_shardings_jax(mesh)
                                if sharded else [None] * len(exp.in_avals),

@@ -14,7 +14,10 @@ the pools without donating them), whose draft_probs verify then takes for the ra
 Tensor parallelism (`tp` > 1): every entry point is exported over an abstract 1-D mesh of `tp`
 devices with the weights' and pools' shardings from `sharding.plan_tp` (jax.export records them
 as HloShardings; the build needs no devices), and the manifest's "mesh" records the axis, its
-size and every array's PartitionSpec. The weight bytes stay whole, in the same layout as at
+size and every array's PartitionSpec. verify and draft too: verify like the others; draft reads
+the pools in their shardings and returns its tokens, logits, draft_probs and states whole on
+every device (the states verify returns are whole as well), so the runtime passes them from one
+call to the next without moving them. The weight bytes stay whole, in the same layout as at
 tp = 1: the runtime hands each device its slice of the memory-mapped array, so one artifact
 format serves every degree, a row-split shard is a contiguous run of the mapped file, and the
 build streams and checks weights exactly as before.
@@ -100,17 +103,19 @@ def _named(layout: TpLayout, specs: dict) -> dict[str, NamedSharding]:
     return {k: NamedSharding(mesh, partition_spec(v)) for k, v in specs.items()}
 
 
-def _sharded_jit(fn, args: tuple, layout: TpLayout):
+def _sharded_jit(fn, args: tuple, layout: TpLayout, *, reads_only: bool = False):
     """`fn` jitted with the weights and pools placed by `layout` over an abstract mesh,
-    everything else (tokens, tables, sampling parameters, the returned tokens or logits)
-    replicated; the pools are donated and come back with their own shardings."""
+    everything else (tokens, tables, sampling parameters, states, the returned tokens, logits
+    or states) replicated; the pools are donated and come back with their own shardings, or,
+    `reads_only` (draft), are only read: neither donated nor returned."""
     weights, pools = _named(layout, layout.weights), _named(layout, layout.pools)
     whole = NamedSharding(AbstractMesh((layout.size,), (TP_AXIS,)), PartitionSpec())
     rest = jax.tree.map(lambda _: whole, args[2:])
-    outs = jax.eval_shape(fn, *args)[1:]
+    outs = jax.tree.map(lambda _: whole, jax.eval_shape(fn, *args))
+    if reads_only:
+        return jax.jit(fn, in_shardings=(weights, pools, *rest), out_shardings=outs)
     return jax.jit(fn, in_shardings=(weights, pools, *rest),
-                   out_shardings=(pools, *jax.tree.map(lambda _: whole, outs)),
-                   donate_argnums=(1,))
+                   out_shardings=(pools, *outs[1:]), donate_argnums=(1,))
 
 
 def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
@@ -164,15 +169,12 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
             functools.partial(prog.draft, max_steps=draft_tokens),
             (*lane_args(b, 1), *draft_shapes(ir, b), *sampling_shapes(b), sds(())))
         reads_only.add(f"draft_{b}")
-    if layout is not None and draft_tokens:
-        raise ValueError("speculative entry points are not sharded for tensor parallelism yet")
     programs = {}
     for name, (fn, args) in entries.items():
-        if name in reads_only:
-            jitted = jax.jit(fn)
+        if layout is not None:
+            jitted = _sharded_jit(fn, args, layout, reads_only=name in reads_only)
         else:
-            jitted = (jax.jit(fn, donate_argnums=(1,)) if layout is None
-                      else _sharded_jit(fn, args, layout))
+            jitted = jax.jit(fn) if name in reads_only else jax.jit(fn, donate_argnums=(1,))
         # No source locations in the program: by default jax records the Python call stack of
         # every op (file paths, line numbers, function names of the caller, rvcompile's install
         # directory and the CLI's frames included), so the bytes would depend on where and how

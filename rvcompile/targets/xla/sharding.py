@@ -24,17 +24,36 @@ inserts after the row-parallel O and down projections):
   split by vocabulary and are all-gathered (B x T x V floats) for sampling;
 - everything else whole on every device: norms, the router, layer scalars, the per-layer-input
   projections.
+An assistant drafter (`ModelIR.assistant`, its weights "assistant.*") splits by the same rules:
+- its layers' q_proj column-parallel and o_proj row-parallel (whole query heads, the groups of
+  the KV heads each device holds: drafter heads and KV heads both divide by tp, so the
+  contiguous slices line up), and its MLPs column/row-parallel, as the target's layers: its
+  query-only attention reads the target's pools, split by KV head, locally, and each draft step
+  reads 1/tp of the drafter's layer weights per device (the 31B's: 4 layers of about 50M
+  weights) for one all-reduce of a [B, D] vector after each of o_proj and down_proj. (Left
+  whole, XLA still attends locally, slicing the whole query by the pools' split, but every
+  device reads every weight each step);
+- a dense head's table (tied to its own embedding, [V, D]) by vocabulary row with its per-row
+  scales, like the target's tied head: a step reads 1/tp of it per device (the 31B's drafter:
+  268M weights, more than its layers) and its logits are gathered for sampling as the target's;
+- a centroid-masked head's table whole: it reads only the picked clusters' rows (E2B's: 4096
+  of 262144), and split, those rows would be a masked gather plus an all-reduce of [B, 4096, D]
+  floats every step;
+- pre_projection, post_projection (the state in and out), the norms, the centroids and the
+  token ordering whole: the drafter's residual stream and state are whole on every device.
 Head and width counts that do not divide evenly are refused by `check_tp`, naming the field.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec
 
 from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
 from rvcompile.ir.ops import Op
+from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import ConfigError, Gemma4Config
 from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
 
@@ -47,6 +66,8 @@ _COLUMN_PARALLEL = ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_p
 _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 _EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+_DRAFT_LAYER = re.compile(rf"{re.escape(TENSOR_PREFIX)}layers\.\d+\.(.+)")  # drafter layer weight
+_DRAFT_TABLE = TENSOR_PREFIX + "embed_tokens.weight"  # the drafter's head (its tied table)
 
 
 @dataclass(frozen=True)
@@ -67,12 +88,20 @@ def partition_spec(spec: Spec) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def check_tp(cfg: Gemma4Config, tp: int) -> None:
-    """Refuse a model whose heads, MLP width or experts do not split evenly over `tp`."""
+def check_tp(cfg: Gemma4Config, tp: int, assistant: AssistantConfig | None = None) -> None:
+    """Refuse a model (and its assistant drafter) whose heads, MLP width or experts do not split
+    evenly over `tp`."""
     if tp < 1:
         raise ConfigError(f"--tp {tp}: need at least 1 device")
     if tp == 1:
         return
+    if assistant is not None:
+        a = assistant.text
+        for field, n in [("num_attention_heads", a.num_heads),
+                         *(("intermediate_size", s.mlp_width) for s in a.layers)]:
+            if n % tp:
+                raise ConfigError(f"assistant {assistant.name}: text_config.{field} {n} does "
+                                  f"not split over --tp {tp} devices")
     counts = [("num_attention_heads", cfg.num_heads)]
     counts += [("num_key_value_heads", s.num_kv_heads) for s in cfg.layers
                if s.num_kv_heads >= tp and not (s.k_eq_v and cfg.num_global_kv_heads)]
@@ -111,17 +140,32 @@ def _embedding_params(ir: ModelIR) -> set[str]:
     return names
 
 
+def _global_axis(ir: ModelIR, name: str, tables: set[str], tp: int) -> int | None:
+    """The axis an unstacked weight splits on: the target's embedding tables and a dense drafter
+    head's table by vocabulary row, the drafter's layer weights as the target's layers' (no k/v
+    projections: its attention reads the target's caches), None for the rest."""
+    if tp == 1:
+        return None
+    if name in tables:
+        return 0
+    if name.removesuffix(".scale") == _DRAFT_TABLE:
+        return None if ir.assistant.config.use_ordered_embeddings else 0
+    m = _DRAFT_LAYER.fullmatch(name)
+    return _param_axis(m.group(1), kv_split=False) if m else None
+
+
 def _spec(ndim: int, axis: int | None) -> Spec:
     return tuple(TP_AXIS if i == axis else None for i in range(ndim))
 
 
 def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
     """The spec of every weight array and KV pool of `plan` (`check_tp` must have passed)."""
-    check_tp(ir.config, tp)
+    check_tp(ir.config, tp, ir.assistant.config if ir.assistant else None)
     shapes = weight_shapes(ir, plan)
     tables = _embedding_params(ir) if tp > 1 else set()
-    weights: dict[str, Spec] = {name: _spec(len(shapes[name].shape), 0 if name in tables else None)
-                                for name in plan.globals_}
+    weights: dict[str, Spec] = {
+        name: _spec(len(shapes[name].shape), _global_axis(ir, name, tables, tp))
+        for name in plan.globals_}
     for sp in plan.stacked:
         spec = ir.config.layers[plan.groups[sp.group].layer(0, sp.j)]
         axis = _param_axis(sp.rel, spec.num_kv_heads >= tp) if tp > 1 else None

@@ -2,7 +2,7 @@
 programs for tpu, cuda and cpu) behind four pipelines. Their artifacts run on rvrun's "xla"
 runtime. jax loads only when one of them lowers or summarizes precompiled executables.
 
-Options: all of them (`--num-draft-tokens`: not yet with `--tp` or `--topology`);
+Options: all of them (`--num-draft-tokens` and `--assistant` with `--tp` and `--topology` too);
 `--decode-loop-steps` defaults to 32 steps (or the largest prefill
 bucket, if smaller); `--topology` needs tpu among the platforms and libtpu on this machine.
 --kv-cache: "int8" (passes/kv_int8) on each; "auto" is int8 beyond INT8_KV_CONTEXT tokens on
@@ -48,9 +48,6 @@ class XlaTarget:
     input_errors: tuple[type[Exception], ...] = ()  # precompile's PrecompileError: a ConfigError
 
     def check_options(self, opts: BuildOptions) -> BuildOptions:
-        if opts.draft_tokens and (opts.tp != 1 or opts.topologies):
-            raise CheckpointError(f"--num-draft-tokens {opts.draft_tokens}: speculative entry "
-                                  "points are not built with --tp or --topology yet")
         if opts.topologies:
             from rvcompile.targets.xla.precompile import check_topology, parse_topology
 
