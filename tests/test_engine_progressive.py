@@ -40,8 +40,9 @@ class ProgressiveLoop(LoopFake):
         self.in_call = False
 
     def decode_many(self, lanes, progress=None, group=0):
-        assert 0 < len(lanes) <= self.max_seqs and progress is not None and group >= 0
+        assert 0 < len(lanes) <= self.max_seqs and group >= 0
         self.calls.append(("loop", len(lanes), 0))
+        progress = progress or (lambda new: True)
         steps = max(lane.budget for lane in lanes)
         group = group or steps
         chunks = [lane.chunk for lane in lanes]
@@ -263,3 +264,21 @@ def test_the_engine_thread_hands_outputs_over_while_the_call_runs():
     assert fake.tokens_of([o for _, o in seen]) == fake.reference([5, 6], 20)
     assert sum(in_call for in_call, _ in seen) >= 8  # most tokens went out mid-call
     assert sum(handed) >= 8  # and were handed over then, batch by batch
+
+
+def test_without_deliver_streamed_calls_are_cut_to_the_interval():
+    """Model.generate_stream's case: outputs can only leave at the step's end, so a streamed
+    request's loop calls run the steps that fit in the interval (0.03 s / 0.01 s = 3), as
+    without a progressive loop; unstreamed ones run their whole budget in one call."""
+    ex = ProgressiveLoop(clock=Clock())
+    eng = fake.engine(ex, stream_interval_s=0.03, clock=ex.clock)
+    eng.add(Request("a", [5, 6], 20, ignore_eos=True, stream=True))
+    outs = fake.drain(eng)
+    assert fake.tokens_of(outs["a"]) == fake.reference([5, 6], 20)
+    assert [sum(g) for g in ex.groups][:3] == [1, 3, 3]
+    ex = ProgressiveLoop(clock=Clock())
+    eng = fake.engine(ex, stream_interval_s=0.03, clock=ex.clock)
+    eng.add(Request("b", [5, 6], 20, ignore_eos=True))
+    fake.drain(eng)
+    assert [sum(g) for g in ex.groups] == [8, 8, 3]
+

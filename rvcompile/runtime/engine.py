@@ -56,19 +56,21 @@ the part of the mask time not hidden.
 
 Streaming: while any running request streams (Request.stream), a streamed request gets its
 tokens every ~stream_interval_s rather than in bursts of decode_loop_steps. Where the executor's
-loop is progressive (executor_api's "Progressive decode loop"), a decode_many call runs each
-lane's whole budget and hands its tokens over in groups of as many steps as fit in half of
-`stream_interval_s` at the measured seconds per loop step (at least one): each group's tokens go
-through advance/_emit and out to the caller (Engine.step's `deliver`, else the step's outputs)
-while the device runs the next group, so that work keeps no device idle. The call ends early
-(after the group already queued) once a request arrives or an abort waits, so they wait at most
-about two groups: the interval, as before. A lane whose request ends during the call keeps its
-blocks until the call returns (the device may still write into them); its later tokens are
-dropped. Elsewhere a
-decode_many call runs at most as many steps as fit in the interval (with nobody streaming, its
-full length) and hands its tokens over after it. The per-step time is an exponential mean
-(weight 1/2 to the newest) over earlier calls' wall time over the steps they ran, host overhead
-included; before the first measurement a group (or a call) runs one step.
+loop is progressive (executor_api's "Progressive decode loop") and the caller takes outputs
+while a call runs (Engine.step's `deliver`; or nobody streams), a decode_many call runs each
+lane's whole budget and hands its tokens over in groups: of as many steps as fit in half of
+`stream_interval_s` at the measured seconds per loop step (at least one) while someone streams,
+else the executor's own. Each group's tokens go through advance/_emit and out to the caller
+(`deliver`, else the step's outputs) while the device runs the next group, so that work keeps
+no device idle. The call ends early (after the group already queued) once a request arrives or
+an abort waits, so they wait at most about two groups: the interval, as before. A lane whose
+request ends during the call keeps its blocks until the call returns (the device may still
+write into them); its later tokens are dropped. Otherwise (no progressive loop, or a streamed
+request and no `deliver`, as in Model.generate_stream) a decode_many call runs at most as many
+steps as fit in the interval (with nobody streaming, its full length) and hands its tokens over
+after it. The per-step time is an exponential mean (weight 1/2 to the newest) over earlier
+calls' wall time over the steps they ran, host overhead included; before the first measurement
+a group (or a call) runs one step.
 
 Failures: an executor call that raises ends the requests it ran (finish_reason "error", blocks
 freed) and the step goes on; so does a failure turning one sequence's token into output. Only a
@@ -871,8 +873,8 @@ class Engine:
                 or any(w.seq.cached + 1 < w.seq.num_tokens or self._live[w.seq.id].extras
                        for w in sched.decodes)):
             return None
-        if (not loop_progress(self.executor)
-                and any(self._live[w.seq.id].request.stream for w in sched.decodes)):
+        stream = any(self._live[w.seq.id].request.stream for w in sched.decodes)
+        if stream and not self._progressive(stream):
             steps = self._streaming_steps(steps)
         lanes = []
         for w in sched.decodes:
@@ -905,7 +907,7 @@ class Engine:
         one, as if from single decode steps: group by group while the call runs where the loop
         is progressive (_progressive_loop), else after it, one RequestOutput per request."""
         t0 = self._clock()
-        if loop_progress(self.executor):
+        if self._progressive(any(self._live[w.seq.id].request.stream for w in decodes)):
             results = self._progressive_loop(decodes, lanes, outputs)
         else:
             results = self._guarded("decode_many", decodes, outputs, _pairs,
@@ -920,6 +922,13 @@ class Engine:
             per_step = (self._clock() - t0) / ran
             self._loop_step_s = per_step if self._loop_step_s is None else (
                 0.5 * self._loop_step_s + 0.5 * per_step)
+
+    def _progressive(self, stream: bool) -> bool:
+        """Whether this step's decode loop runs progressively: the executor offers it, and a
+        streamed request's outputs can reach its consumer while the call runs (a `deliver`);
+        without one (Model.generate_stream) streamed calls are cut to the interval instead,
+        since their outputs could only leave at the step's end."""
+        return loop_progress(self.executor) and (self._deliver is not None or not stream)
 
     def _progressive_loop(self, decodes: list[Work], lanes: list[LoopLane],
                           outputs: list[RequestOutput]) -> list[tuple] | None:
