@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rvcompile.artifacts import Artifact
+from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import KernelSchedule
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
@@ -129,18 +129,38 @@ class SimulatedGpu:
                 f["loop_budget"][:b], f["loop_step"], history)
 
 
+def positive_ints(text: str) -> str:
+    """A comma-separated list of positive integers (argparse type), kept as text."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated: {text!r}")
+    return text
+
+
+def positive_int(text: str) -> int:
+    return int(positive_ints(text))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", help="an h100 artifact (its schedule; no GPU needed)")
-    ap.add_argument("--concurrency", default="64,256")
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=positive_ints, default="64,256")
+    ap.add_argument("--requests", type=positive_int, default=512)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=128)
+    ap.add_argument("--output-tokens", type=positive_int, default=128)
     ap.add_argument("--no-progress", action="store_true",
                     help="the decode loop without progress (the A/B's before)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    art = Artifact.open(args.artifact)
+    try:
+        art = Artifact.open(args.artifact)
+    except ArtifactError as e:
+        ap.error(str(e))
+    if "h100" not in art.manifest:
+        ap.error(f"{args.artifact}: not an h100 artifact (target {art.manifest['target']})")
     schedule = KernelSchedule.from_json(art.manifest["h100"]["schedule"])
     device = SimulatedGpu(schedule)
     executor = ScheduledExecutor(schedule, device)
