@@ -39,9 +39,11 @@ from rvcompile.runtime.model import Model
 from rvcompile.runtime.serve import server
 from rvcompile.targets.h100.rows import advance
 
-# 31B h100-fp8 on an H100 (docs/BENCHMARKS.md, twelfth session): decode graph steps by width,
-# a 256-row prefill chunk, and a mixed call's cost against its two parts
-DECODE_MS = {1: 12.8, 8: 16.4, 32: 17.6, 64: 19.1, 128: 25.0, 256: 32.9}
+# 31B h100-fp8 on an H100 (docs/BENCHMARKS.md): decode steps by width (1, 64, 256: graph steps
+# of the twelfth session's step profile at 48b5e80; 8, 32, 128: its bare sweep's tok/s, host io
+# included), a 256-row prefill chunk (eighth session), and a mixed call's cost against its two
+# parts (eleventh session: 10-22% saved)
+DECODE_MS = {1: 12.76, 8: 16.73, 32: 21.26, 64: 19.11, 128: 26.02, 256: 32.90}
 PREFILL_MS_PER_ROW = 25.74 / 256
 MIXED_SAVING = 0.85  # a mixed call costs this share of its prefill and decode calls apart
 TOKEN_IDS = (100, 8000)
