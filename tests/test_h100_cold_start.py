@@ -197,7 +197,10 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert t.upload_s > 0 and t.read_s > 0 and t.hash_s > 0
     assert t.overlapped == ("cubin load", "graph capture")  # warm-up: once all passed
     assert t.arena_s > 0 and t.finish_s > 0 and t.warm_up_s > 0
-    assert len(fake.pinned) == 2  # the io buffers the executor keeps; staging freed
+    # the io buffers and the decode loop's two read_later slots the executor keeps; staging freed
+    assert len(fake.pinned) == 4
+    sizes = [a.nbytes for a in fake.pinned.values()]
+    assert sizes.count(schedule.io["loop_tokens"].nbytes) >= 2
     assert "sha256 checked while streaming" in ex.load_note
     # the default share of the fake's memory holds more than every decode row's whole context:
     # each kind gets max_seqs tables of blocks, the pools after the fixed part
