@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -55,3 +57,22 @@ def break_mask_jobs(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         return out, run
 
     return lambda: monkeypatch.setattr(Grammars, "_fill_call", broken_on_the_worker)
+
+
+def once_across_workers(tmp_path_factory: pytest.TempPathFactory, name: str,
+                        compute: Callable[[Path], Any]) -> Any:
+    """compute(a fresh directory)'s JSON-able result, computed once per test session even under
+    pytest-xdist (the workers share their base temp's parent: the first to take the lock
+    computes, the others wait and read its result), for module fixtures too costly to run on
+    every worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            work = root / name
+            work.mkdir(exist_ok=True)
+            done.write_text(json.dumps(compute(work)))
+    return json.loads(done.read_text())
+

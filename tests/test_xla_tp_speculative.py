@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import once_across_workers
 
 from rvcompile.build import BuildOptions
 
@@ -137,16 +138,21 @@ def _child(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory) -> dict[int, dict]:
-    """The subprocess's results by degree. XLA's backend optimizations are off there, as in
-    tests/test_xla_tp.py (the SPMD partitioning under test runs either way)."""
-    tmp = tmp_path_factory.mktemp("tp-spec")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-           "RVCOMPILE_CACHE": str(tmp / "cache")}
-    p = subprocess.run([sys.executable, __file__, str(tmp)], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=Path(__file__).parent)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
+    """The subprocess's results by degree, run once however many pytest-xdist workers take
+    this module's tests (conftest.once_across_workers). XLA's backend optimizations are off
+    there, as in tests/test_xla_tp.py (the SPMD partitioning under test runs either way)."""
+
+    def run(tmp: Path) -> dict:
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+               "RVCOMPILE_CACHE": str(tmp / "cache")}
+        p = subprocess.run([sys.executable, __file__, str(tmp)], capture_output=True,
+                           text=True, env=env, timeout=600, cwd=Path(__file__).parent)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    runs = once_across_workers(tmp_path_factory, "tp-spec", run)
+    return {int(k): v for k, v in runs.items()}
 
 
 def test_greedy_speculation_at_tp_gives_tp1s_tokens(tp_runs):
