@@ -148,8 +148,12 @@ def test_split_rules(tiny_ir):
     assert spec(two, "self_attn.o_proj.weight.scale") == {(None, None)}
     assert spec(two, "mlp.gate_proj.weight") == spec(two, "mlp.up_proj.weight") == {col}
     assert spec(two, "mlp.down_proj.weight") == {row}
-    assert spec(two, "experts.gate_up_proj") == {(None, "tp", None, None)}
-    assert spec(two, "experts.down_proj.scale") == {(None, "tp", None)}
+    # experts: each one's intermediate dimension I, in the layout's [E, 2, I, H] view of
+    # gate/up; down_proj [E, H, I] on its columns, its per-output-row scale whole
+    assert spec(two, "experts.gate_up_proj") == {(None, None, None, "tp", None)}
+    assert spec(two, "experts.gate_up_proj.scale") == {(None, None, None, "tp")}
+    assert spec(two, "experts.down_proj") == {(None, None, None, "tp")}
+    assert spec(two, "experts.down_proj.scale") == {(None, None, None)}
     assert spec(two, "router.proj.weight") == {whole}
     assert spec(two, "per_layer_input_gate.weight") == {whole}
     # embedding tables (the token table is the tied head) split by vocabulary row
@@ -273,7 +277,8 @@ def test_cli_refuses_tp_it_cannot_do(tmp_path):
 def test_released_models_export_with_tp4(preset):
     """6 layers (one pattern period), tpu-int8, TP=4: every entry point exports with the mesh's
     shardings; 31B splits all its KV pools (16 sliding / 4 global KV heads), 26B-A4B keeps its
-    2 global KV heads whole and splits its 128 experts 32 per device."""
+    2 global KV heads whole and splits each of its 128 experts' 704 intermediate rows, 176 per
+    device."""
     from jax import export
 
     from rvcompile.targets.xla.export import lower_to_xla
@@ -292,7 +297,10 @@ def test_released_models_export_with_tp4(preset):
                == "sliding")
     if preset == "gemma-4-26B-A4B":
         experts = [s for k, s in mesh["weights"].items() if k.endswith("experts.gate_up_proj")]
-        assert experts and all(s == [None, "tp", None, None] for s in experts)
+        assert experts and all(s == [None, None, None, "tp", None] for s in experts)
+        shapes = {w["key"]: w["shape"] for w in low.manifest["weights"]}
+        assert {tuple(shapes[k]) for k in mesh["weights"] if k.endswith("gate_up_proj")} == {
+            (1, 128, 2, 704, 2816)}  # the layout's view of [E, 2 * 704, H]; one period
 
 
 if __name__ == "__main__":

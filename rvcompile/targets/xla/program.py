@@ -5,7 +5,8 @@ Layers are cut into periods of the (nS, F) pattern; consecutive periods with the
 form a group and run as one scan, so the program is as small at 60 layers as at 6. Weights and KV
 pools are flat dicts of arrays named by `LayoutPlan`: a stacked entry "g{group}.{j}.{rel}" holds
 that template PARAM for every period of the group ([count, ...]); pools "g{group}.{j}.cache_k"
-are [count, blocks, BLOCK_SIZE, kv_heads, head_dim].
+are [count, blocks, BLOCK_SIZE, kv_heads, head_dim]. An array's shape is its PARAM's, except
+where `layout_shape` views the same bytes otherwise: the MoE experts' fused gate/up rows.
 
 Paged KV (`KvKind`): every layer that owns a cache is of kind "full" or "sliding", and the layers
 of one kind share block ids: block b of kind k is row b of every pool of that kind. A sequence
@@ -182,6 +183,21 @@ def plan_layout(ir: ModelIR) -> LayoutPlan:
     return LayoutPlan(groups, tuple(stacked), tuple(names))
 
 
+GATE_UP = "experts.gate_up_proj"  # MoE: [E, 2 * I, H], gate rows then up rows
+
+
+def layout_shape(rel: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of template PARAM `rel` as a program argument: the PARAM's, except the experts'
+    gate/up rows [E, 2I, H] (and their per-row scales [E, 2I]), viewed as [E, 2, I, H] ([E, 2,
+    I]). The bytes, and so the weights section, stay the IR's at every TP degree; the view gives
+    each expert's intermediate dimension an axis of its own, which tensor parallelism splits
+    (sharding.py) so that a device holds matching gate and up rows."""
+    if rel.removesuffix(".scale") != GATE_UP:
+        return shape
+    e, rows, *rest = shape
+    return (e, 2, rows // 2, *rest)
+
+
 def weight_shapes(ir: ModelIR, plan: LayoutPlan) -> dict[str, jax.ShapeDtypeStruct]:
     specs = ir.param_map()
     out = {}
@@ -190,7 +206,8 @@ def weight_shapes(ir: ModelIR, plan: LayoutPlan) -> dict[str, jax.ShapeDtypeStru
     for sp in plan.stacked:
         g = plan.groups[sp.group]
         spec = specs[resolve_param(sp.rel, ir.config.layers[g.layer(0, sp.j)])]
-        out[sp.key] = jax.ShapeDtypeStruct((g.count, *spec.shape), JNP_DTYPES[spec.dtype])
+        out[sp.key] = jax.ShapeDtypeStruct((g.count, *layout_shape(sp.rel, spec.shape)),
+                                           JNP_DTYPES[spec.dtype])
     return out
 
 
@@ -262,14 +279,14 @@ class Program:
         """BLOCKWISE_LOWERINGS (ATTENTION reads each lane's needed blocks only) with
         CACHE_POSITIONS sized by the block tables: the IR's ring semantics over table_width *
         BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE
-        given the mesh its experts are split over."""
+        given the mesh its experts' intermediate dimension is split over."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
         lowerings = {**BLOCKWISE_LOWERINGS, Op.CACHE_POSITIONS: positions}
-        if self.pool_shardings:  # tensor parallel: each device runs the picked experts it holds
+        if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
         return lowerings
