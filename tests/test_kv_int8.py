@@ -105,10 +105,12 @@ def _paged(rng, kh: int, d: int, width: int, lanes: int, int8: bool) -> lower.Pa
     blocks = lanes * width + 3
     pool = rng.standard_normal((2, blocks, lower.BLOCK_SIZE, kh, d)).astype(np.float32)
     table = rng.permutation(blocks)[:lanes * width].reshape(lanes, width).astype(np.int32)
+    rows = (2, blocks, lower.BLOCK_SIZE, kh * d)  # the program's pool: a slot's heads side by side
     if not int8:
-        return lower.PagedSlice(jnp.asarray(pool), 1, jnp.asarray(table), False)
+        return lower.PagedSlice(jnp.asarray(pool.reshape(rows)), 1, jnp.asarray(table), False, kh)
     q, scale = quantize_kv_rows(pool)
-    return lower.PagedSlice(jnp.asarray(q), 1, jnp.asarray(table), False, jnp.asarray(scale))
+    return lower.PagedSlice(jnp.asarray(q.reshape(rows)), 1, jnp.asarray(table), False, kh,
+                            jnp.asarray(scale))
 
 
 @pytest.mark.parametrize("int8", [False, True])

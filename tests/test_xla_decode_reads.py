@@ -12,8 +12,9 @@ model's whole decode program is checked by test_xla_topology's TPU build. The sa
 that a layer scan of dots (B = 4) reads each layer of the stacked weight once, counts the one
 all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives), and that the
 MoE decode over that slice reads a device's share of the picked experts (within 1.3x), where
-the whole-expert split it replaced read tp times that; the collectives term of the cost report
-is checked by hand.
+the whole-expert split it replaced read tp times that, and that a whole model's decode program
+reads its live keys and writes its new rows only, copying no KV pool whole; the collectives
+term of the cost report is checked by hand.
 """
 
 from __future__ import annotations
@@ -141,7 +142,34 @@ def _tpu_child() -> None:
         w, xs).compile()
     out["collectives"] = traffic(compiled.as_text(), ROOTS).collectives()
     out["moe_tp"] = _moe_tp_reads(mesh)
+    out["pools"] = _decode_pool_traffic()
     print(json.dumps(out))
+
+
+def _decode_pool_traffic() -> dict:
+    """The KV bytes a decode step of gemma-4-tiny-dense's exported program (512 tokens of
+    context, one lane, its 6 layers in one period) reads and writes, compiled for v6e:1x1, by
+    the traffic table at 512 tokens, with the live keys the roofline reads there."""
+    from types import SimpleNamespace
+
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.cost_report import cost_report as report
+    from rvcompile.targets.xla.cost_report import query_per_kv, read_model
+    from rvcompile.targets.xla.export import lower_to_xla
+    from rvcompile.targets.xla.precompile import compile_entries, parse_topology, topology_devices
+
+    opts = BuildOptions(target="tpu-int8", max_context=512, max_seqs=1, platforms=("tpu",))
+    ir = lower_model(SimpleNamespace(config=get_preset("gemma-4-tiny-dense")), opts,
+                     log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=1, prefill_buckets=opts.prefill_buckets, platforms=("tpu",))
+    decode = compile_entries(low.programs, low.manifest,
+                             topology_devices(parse_topology("v6e:1x1")),
+                             names=("decode_1",))["decode_1"]
+    rep = report(decode, 1, CHIPS["v6e"], query_per_kv(ir), 512, read_model(ir),
+                 tuple(g["count"] for g in low.manifest["layer_groups"]))
+    kv = rep["traffic"]["classes"]["kv"]
+    return {"read": kv["read"], "written": kv["written"], "live": rep["kv_read_per_lane"]}
 
 
 def _moe_tp_reads(mesh) -> dict:
@@ -221,6 +249,12 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     moe = got["moe_tp"]
     assert moe["share"] <= moe["split_intermediate"] <= 1.3 * moe["share"], moe
     assert moe["whole_experts"] >= 3 * moe["share"], moe
+    # a whole model's decode step reads its live keys and writes only its new rows: TPU relays
+    # no pool whole (measured 165,120 bytes read, 1,280 written, 147,456 live; with blocks
+    # [16, K, D], at the commit before, 951,552 read and 787,712 written)
+    pools = got["pools"]
+    assert pools["live"] <= pools["read"] <= 1.3 * pools["live"], pools
+    assert pools["written"] <= 0.01 * pools["live"], pools
 
 
 def test_collectives_term():
@@ -264,12 +298,12 @@ def _attention_kv_read(fn, width: int, window: int | None, contexts) -> list[flo
     """KV bytes read by `fn`'s compiled attention over a paged pool (2 lanes, 2 KV heads of 16)
     at each context, by the traffic table."""
     lanes, kh, d = 2, 2, 16
-    pools = {"g0.0.cache_k": sds((2, lanes * width + 1, lower.BLOCK_SIZE, kh, d), jnp.float32)}
+    pools = {"g0.0.cache_k": sds((2, lanes * width + 1, lower.BLOCK_SIZE, kh * d), jnp.float32)}
     args = (pools, sds((lanes, 1, 2 * kh, d), jnp.float32), sds((lanes, width), jnp.int32),
             sds((lanes,), jnp.int32))
 
     def attend(weights, pools, q, table, cache_len):
-        cache = lower.PagedSlice(pools["g0.0.cache_k"], 1, table, window is not None)
+        cache = lower.PagedSlice(pools["g0.0.cache_k"], 1, table, window is not None, kh)
         k_pos = lower.cache_positions(ops.CachePositionsAttrs(width * 16, window is not None),
                                       cache_len)
         attrs = ops.AttentionAttrs(window=window, scale=1.0)

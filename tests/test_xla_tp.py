@@ -129,7 +129,7 @@ def tiny_ir():
 
 
 def test_split_rules(tiny_ir):
-    from rvcompile.targets.xla.program import cache_pools, plan_layout
+    from rvcompile.targets.xla.program import cache_pools, plan_layout, pool_heads
     from rvcompile.targets.xla.sharding import plan_tp
 
     plan = plan_layout(tiny_ir)
@@ -172,9 +172,12 @@ def test_split_rules(tiny_ir):
         heads = tiny_ir.config.layers[plan.groups[sp.group].layer(0, sp.j)].num_kv_heads
         assert tuple(two.weights[sp.key]) == (col if heads >= 2 else whole)
         assert tuple(four.weights[sp.key]) == whole
+    heads = pool_heads(tiny_ir, plan)
     for key, (_, _, block, _) in cache_pools(tiny_ir, plan).items():
-        assert tuple(two.pools[key]) == ((None, None, None, "tp", None) if block[1] >= 2
-                                         else (None,) * 5)
+        # [layers, blocks, 16, K * D] (a scale pool: K), split into whole heads' columns
+        assert len(block) == 2 and block[-1] % heads[key] == 0
+        assert tuple(two.pools[key]) == ((None, None, None, "tp") if heads[key] >= 2
+                                         else (None,) * 4)
 
 
 @pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
@@ -290,9 +293,9 @@ def test_released_models_export_with_tp4(preset):
         exp = export.deserialize(bytearray(low.programs[name]))
         assert exp.nr_devices == 4
     global_pool = next(p for p in low.manifest["kv"]["pools"] if p["kind"] == "full")
-    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp", None]
+    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp"]
     assert split == (preset == "gemma-4-31B")
-    assert all(s == [None, None, None, "tp", None] for k, s in mesh["pools"].items()
+    assert all(s == [None, None, None, "tp"] for k, s in mesh["pools"].items()
                if next(p for p in low.manifest["kv"]["pools"] if p["key"] == k)["kind"]
                == "sliding")
     if preset == "gemma-4-26B-A4B":

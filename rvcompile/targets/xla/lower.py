@@ -46,16 +46,21 @@ BLOCK_SIZE = BLOCK_TOKENS  # tokens per KV block, for every kind and layer (16)
 class PagedSlice:
     """One layer's KV cache as seen by one step: its blocks in a stacked pool."""
 
-    pool: jax.Array  # [n, blocks, BLOCK_SIZE, K, D]: n stacked layers
+    pool: jax.Array  # [n, blocks, BLOCK_SIZE, K * D]: n stacked layers (program.cache_pools)
     index: Any  # traced int: which of the n layers
     table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
+    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D ..
     scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
 
     @property
     def shape(self) -> tuple[int, ...]:
         b, w = self.table.shape
-        return (b, w * BLOCK_SIZE, *self.pool.shape[3:])
+        return (b, w * BLOCK_SIZE, self.heads, self.head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.shape[3] // self.heads
 
     def read(self) -> jax.Array:
         """The lanes' caches as contiguous slots [B, W * BLOCK_SIZE, K, D]."""
@@ -65,7 +70,7 @@ class PagedSlice:
         """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised,
         by `scales` [B, w, BLOCK_SIZE, K] when the caller gathered them already)."""
         b, w = table.shape
-        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, *self.pool.shape[3:])
+        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads, self.head_dim)
         if self.scale is None:
             return x
         if scales is None:
@@ -275,9 +280,9 @@ def quantize_kv_rows(x):
 
 
 def _paged_kv_write(cache: PagedSlice, new, pos):
-    """Store each row in block table[slot // BLOCK_SIZE] at offset slot % BLOCK_SIZE; padding
-    rows (pos < 0) get an out-of-range block and are dropped. An int8 pool gets the rows'
-    int8 values and its scale pool their scales."""
+    """Store each row `new` [B, T, K, D] in block table[slot // BLOCK_SIZE] at offset slot %
+    BLOCK_SIZE, its heads side by side; padding rows (pos < 0) get an out-of-range block and
+    are dropped. An int8 pool gets the rows' int8 values and its scale pool their scales."""
     size = cache.table.shape[1] * BLOCK_SIZE
     slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
     block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
@@ -285,10 +290,11 @@ def _paged_kv_write(cache: PagedSlice, new, pos):
     layer = jnp.broadcast_to(cache.index, pos.shape)
     at = (layer, block, slot % BLOCK_SIZE)
     if cache.scale is None:
-        pool = cache.pool.at[at].set(new.astype(cache.pool.dtype), mode="drop")
-        return dataclasses.replace(cache, pool=pool)
+        rows = new.reshape(*pos.shape, -1).astype(cache.pool.dtype)
+        return dataclasses.replace(cache, pool=cache.pool.at[at].set(rows, mode="drop"))
     q, scale = quantize_kv_rows(new)
-    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q, mode="drop"),
+    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q.reshape(*pos.shape, -1),
+                                                                 mode="drop"),
                                scale=cache.scale.at[at].set(scale, mode="drop"))
 
 
@@ -368,7 +374,7 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
     k, v = kv
     q = f32(q)
     b, t, nh, d = q.shape
-    kh, dv = k.cache.pool.shape[3], v.cache.pool.shape[4]
+    kh, dv = k.cache.heads, v.cache.head_dim
     width = k.cache.table.shape[1]
     blocks = span_blocks(width, a.window)
     qg = q.reshape(b, t, kh, nh // kh, d)

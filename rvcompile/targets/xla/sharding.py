@@ -6,7 +6,8 @@ inserts after the row-parallel O and down projections):
 - column-parallel, split by output rows with their per-row scales: q_proj (whole query heads),
   k_proj / v_proj (whole KV heads), mlp gate_proj / up_proj (MLP columns);
 - row-parallel, split by input columns (their per-row scales stay whole): o_proj, down_proj;
-- KV pools [layers, blocks, 16, K, D]: split by KV head K;
+- KV pools [layers, blocks, 16, K * D] (program.cache_pools): split by KV head, each device
+  a contiguous run of whole heads' columns (their int8 scale pools [.., 16, K] by head too);
 - a layer with fewer KV heads than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
   k/v projections and pools whole on every device: each computes every KV head;
 - MoE experts: every expert on every device, its intermediate dimension I split like the
@@ -38,7 +39,7 @@ from jax.sharding import PartitionSpec
 from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
 from rvcompile.ir.ops import Op
 from rvcompile.model.config import ConfigError, Gemma4Config
-from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
+from rvcompile.targets.xla.program import LayoutPlan, cache_pools, pool_heads, weight_shapes
 
 TP_AXIS = "tp"
 
@@ -132,8 +133,9 @@ def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
         # stacked arrays carry the layer axis first
         weights[sp.key] = _spec(len(shapes[sp.key].shape), None if axis is None else axis + 1)
     pools: dict[str, Spec] = {}
+    heads = pool_heads(ir, plan)
     for key, (_, _, block, _) in cache_pools(ir, plan).items():
-        kv_heads = block[1]
-        split = tp > 1 and kv_heads >= tp
-        pools[key] = _spec(2 + len(block), 3 if split else None)  # [layers, blocks, 16, K, D]
+        split = tp > 1 and heads[key] >= tp
+        # [layers, blocks, 16, K * D] (a scale pool's: K): whole heads per device
+        pools[key] = _spec(2 + len(block), 3 if split else None)
     return TpLayout(tp, weights, pools)
