@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from rvcompile.ir.graph import Graph
@@ -245,7 +246,21 @@ def multi_linear(a, x, *ws):
 
 
 def rope(a, x, pos):
+    """ROPE. A proportional layer's frequencies are zero past the first n (Gemma 4's full layers:
+    64 of 256), and a zero leaves its dim pair as it is: only pairs 0 .. n - 1 are rotated, the
+    rest pass through (bit for bit the reference's x * 1 + rot * 0, up to the sign of a zero).
+    Rotating all D dims made a K=V layer's RoPE of each span of cached keys produce and read
+    4x the f32 bytes it needs, which at B = 64 spill from on-chip memory to HBM."""
     x = f32(x)
+    freqs = np.asarray(a.inv_freq, np.float32)
+    n = int(np.count_nonzero(freqs))
+    if 0 < n < freqs.size and not freqs[n:].any():
+        half = x.shape[-1] // 2
+        ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs[:n])
+        cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
+        x1, x2 = x[..., :n], x[..., half:half + n]
+        return jnp.concatenate([x1 * cos - x2 * sin, x[..., n:half], x2 * cos + x1 * sin,
+                                x[..., half + n:]], -1)
     inv = jnp.asarray(a.inv_freq, jnp.float32)
     ang = pos.astype(jnp.float32)[..., None] * inv
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
