@@ -4,7 +4,8 @@ part 5), on the CPU at small scale.
 - the row quantisation: numpy (the IR) and JAX give the same bits, errors within half a step;
 - the pass makes every cache int8 and the IR reference rounds what KV_WRITE stores;
 - blockwise attention (online softmax over spans of blocks, K=V k_norm and RoPE applied per
-  span) equals the direct attention within float32 rounding, on float and int8 pools;
+  span) equals the direct attention within float32 rounding, on float and int8 pools; the
+  keys' RoPE rotates only the pairs a proportional layer gives a frequency;
 - the XLA program with int8 caches (blockwise) computes what the IR reference computes;
 - against the float cache on every oracle config: bounded logit error, same greedy tokens
   until the float model faces a near-tie (figures at INT8_BOUNDS and test_int8_greedy);
@@ -34,6 +35,7 @@ from rvcompile.ir.ops import (
     Int8Cache,
     RopeAttrs,
     quantize_kv_rows,
+    ref_rope,
 )
 from rvcompile.model.presets import get_preset
 from rvcompile.passes import cast_bf16, kv_int8, quantize_int8
@@ -105,10 +107,12 @@ def _paged(rng, kh: int, d: int, width: int, lanes: int, int8: bool) -> lower.Pa
     blocks = lanes * width + 3
     pool = rng.standard_normal((2, blocks, lower.BLOCK_SIZE, kh, d)).astype(np.float32)
     table = rng.permutation(blocks)[:lanes * width].reshape(lanes, width).astype(np.int32)
+    rows = (2, blocks, lower.BLOCK_SIZE, kh * d)  # the program's pool: a slot's heads side by side
     if not int8:
-        return lower.PagedSlice(jnp.asarray(pool), 1, jnp.asarray(table), False)
+        return lower.PagedSlice(jnp.asarray(pool.reshape(rows)), 1, jnp.asarray(table), False, kh)
     q, scale = quantize_kv_rows(pool)
-    return lower.PagedSlice(jnp.asarray(q), 1, jnp.asarray(table), False, jnp.asarray(scale))
+    return lower.PagedSlice(jnp.asarray(q.reshape(rows)), 1, jnp.asarray(table), False, kh,
+                            jnp.asarray(scale))
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -330,3 +334,25 @@ def test_kv_cache_option():
     # auto decides on the context the build keeps: the tiny model's 4096 positions at most
     ir = lower_model(source, BuildOptions("tpu-int8", max_context=65536), log=lambda s: None)
     assert ir.max_context == 4096 and {c.dtype for c in ir.caches} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("rotated", [64, 256, 0])
+def test_rope_rotates_only_pairs_with_a_frequency(rotated):
+    """lower.rope of a proportional layer (frequencies zero past the first `rotated`, as
+    Gemma 4's full layers have 64 of 256) rotates only those pairs and passes the rest through:
+    equal to the IR reference, which multiplies every dim by cos and sin, up to float32
+    rounding of the rotated dims and the sign of a zero elsewhere. All or no frequencies: the
+    plain formula."""
+    d = 512
+    freqs = np.zeros(d // 2, np.float32)
+    freqs[:rotated] = 1e6 ** (-np.arange(rotated) * 2.0 / d)
+    attrs = RopeAttrs(tuple(float(f) for f in freqs))
+    rng = np.random.default_rng(rotated)
+    x = rng.standard_normal((2, 5, 3, d)).astype(np.float32)
+    pos = rng.integers(0, 131072, (2, 5)).astype(np.int32)
+    got = np.asarray(lower.rope(attrs, jnp.asarray(x), jnp.asarray(pos)))
+    want = ref_rope(attrs, x, pos)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    if 0 < rotated < d // 2:
+        kept = np.r_[rotated:d // 2, d // 2 + rotated:d]
+        assert np.array_equal(got[..., kept], x[..., kept])

@@ -129,7 +129,7 @@ def tiny_ir():
 
 
 def test_split_rules(tiny_ir):
-    from rvcompile.targets.xla.program import cache_pools, plan_layout
+    from rvcompile.targets.xla.program import cache_pools, plan_layout, pool_heads
     from rvcompile.targets.xla.sharding import plan_tp
 
     plan = plan_layout(tiny_ir)
@@ -148,8 +148,12 @@ def test_split_rules(tiny_ir):
     assert spec(two, "self_attn.o_proj.weight.scale") == {(None, None)}
     assert spec(two, "mlp.gate_proj.weight") == spec(two, "mlp.up_proj.weight") == {col}
     assert spec(two, "mlp.down_proj.weight") == {row}
-    assert spec(two, "experts.gate_up_proj") == {(None, "tp", None, None)}
-    assert spec(two, "experts.down_proj.scale") == {(None, "tp", None)}
+    # experts: each one's intermediate dimension I, in the layout's [E, 2, I, H] view of
+    # gate/up; down_proj [E, H, I] on its columns, its per-output-row scale whole
+    assert spec(two, "experts.gate_up_proj") == {(None, None, None, "tp", None)}
+    assert spec(two, "experts.gate_up_proj.scale") == {(None, None, None, "tp")}
+    assert spec(two, "experts.down_proj") == {(None, None, None, "tp")}
+    assert spec(two, "experts.down_proj.scale") == {(None, None, None)}
     assert spec(two, "router.proj.weight") == {whole}
     assert spec(two, "per_layer_input_gate.weight") == {whole}
     # embedding tables (the token table is the tied head) split by vocabulary row
@@ -168,9 +172,12 @@ def test_split_rules(tiny_ir):
         heads = tiny_ir.config.layers[plan.groups[sp.group].layer(0, sp.j)].num_kv_heads
         assert tuple(two.weights[sp.key]) == (col if heads >= 2 else whole)
         assert tuple(four.weights[sp.key]) == whole
+    heads = pool_heads(tiny_ir, plan)
     for key, (_, _, block, _) in cache_pools(tiny_ir, plan).items():
-        assert tuple(two.pools[key]) == ((None, None, None, "tp", None) if block[1] >= 2
-                                         else (None,) * 5)
+        # [layers, blocks, 16, K * D] (a scale pool: K), split into whole heads' columns
+        assert len(block) == 2 and block[-1] % heads[key] == 0
+        assert tuple(two.pools[key]) == ((None, None, None, "tp") if heads[key] >= 2
+                                         else (None,) * 4)
 
 
 @pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
@@ -273,7 +280,8 @@ def test_cli_refuses_tp_it_cannot_do(tmp_path):
 def test_released_models_export_with_tp4(preset):
     """6 layers (one pattern period), tpu-int8, TP=4: every entry point exports with the mesh's
     shardings; 31B splits all its KV pools (16 sliding / 4 global KV heads), 26B-A4B keeps its
-    2 global KV heads whole and splits its 128 experts 32 per device."""
+    2 global KV heads whole and splits each of its 128 experts' 704 intermediate rows, 176 per
+    device."""
     from jax import export
 
     from rvcompile.targets.xla.export import lower_to_xla
@@ -285,14 +293,17 @@ def test_released_models_export_with_tp4(preset):
         exp = export.deserialize(bytearray(low.programs[name]))
         assert exp.nr_devices == 4
     global_pool = next(p for p in low.manifest["kv"]["pools"] if p["kind"] == "full")
-    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp", None]
+    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp"]
     assert split == (preset == "gemma-4-31B")
-    assert all(s == [None, None, None, "tp", None] for k, s in mesh["pools"].items()
+    assert all(s == [None, None, None, "tp"] for k, s in mesh["pools"].items()
                if next(p for p in low.manifest["kv"]["pools"] if p["key"] == k)["kind"]
                == "sliding")
     if preset == "gemma-4-26B-A4B":
         experts = [s for k, s in mesh["weights"].items() if k.endswith("experts.gate_up_proj")]
-        assert experts and all(s == [None, "tp", None, None] for s in experts)
+        assert experts and all(s == [None, None, None, "tp", None] for s in experts)
+        shapes = {w["key"]: w["shape"] for w in low.manifest["weights"]}
+        assert {tuple(shapes[k]) for k in mesh["weights"] if k.endswith("gate_up_proj")} == {
+            (1, 128, 2, 704, 2816)}  # the layout's view of [E, 2 * 704, H]; one period
 
 
 if __name__ == "__main__":

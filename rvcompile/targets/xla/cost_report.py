@@ -10,8 +10,7 @@ layer groups are scans, so its totals are not used for the estimate.
 Estimate for B decode lanes, a roofline per device. The weights a step reads (`ReadModel`):
 dense arrays whole; MoE expert arrays only the experts the B tokens pick (an expected fraction
 1 - (1 - k/E)^B of them: prefill's ragged_dot reads each picked expert once; decode slices each
-token's top-k experts, and under TP every device slices k per token, counting the ones other
-devices hold as zero, so the program reads up to tp x this share: its traffic table shows it);
+token's top-k experts, under TP each device its 1/tp share of each, sharding.py);
 gather-only tables (the per-layer-input embedding) a few rows, taken as none.
   bytes(B) = dense + expert * fraction(B) + B * KV read per lane at the report's context C:
              each attending layer reads its cache's live keys once (C of them, a sliding layer

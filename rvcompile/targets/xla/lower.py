@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from rvcompile.ir.graph import Graph
@@ -46,16 +47,21 @@ BLOCK_SIZE = BLOCK_TOKENS  # tokens per KV block, for every kind and layer (16)
 class PagedSlice:
     """One layer's KV cache as seen by one step: its blocks in a stacked pool."""
 
-    pool: jax.Array  # [n, blocks, BLOCK_SIZE, K, D]: n stacked layers
+    pool: jax.Array  # [n, blocks, BLOCK_SIZE, K * D]: n stacked layers (program.cache_pools)
     index: Any  # traced int: which of the n layers
     table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
+    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D ..
     scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
 
     @property
     def shape(self) -> tuple[int, ...]:
         b, w = self.table.shape
-        return (b, w * BLOCK_SIZE, *self.pool.shape[3:])
+        return (b, w * BLOCK_SIZE, self.heads, self.head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.shape[3] // self.heads
 
     def read(self) -> jax.Array:
         """The lanes' caches as contiguous slots [B, W * BLOCK_SIZE, K, D]."""
@@ -65,7 +71,7 @@ class PagedSlice:
         """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised,
         by `scales` [B, w, BLOCK_SIZE, K] when the caller gathered them already)."""
         b, w = table.shape
-        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, *self.pool.shape[3:])
+        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads, self.head_dim)
         if self.scale is None:
             return x
         if scales is None:
@@ -240,7 +246,21 @@ def multi_linear(a, x, *ws):
 
 
 def rope(a, x, pos):
+    """ROPE. A proportional layer's frequencies are zero past the first n (Gemma 4's full layers:
+    64 of 256), and a zero leaves its dim pair as it is: only pairs 0 .. n - 1 are rotated, the
+    rest pass through (bit for bit the reference's x * 1 + rot * 0, up to the sign of a zero).
+    Rotating all D dims made a K=V layer's RoPE of each span of cached keys produce and read
+    4x the f32 bytes it needs, which at B = 64 spill from on-chip memory to HBM."""
     x = f32(x)
+    freqs = np.asarray(a.inv_freq, np.float32)
+    n = int(np.count_nonzero(freqs))
+    if 0 < n < freqs.size and not freqs[n:].any():
+        half = x.shape[-1] // 2
+        ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs[:n])
+        cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
+        x1, x2 = x[..., :n], x[..., half:half + n]
+        return jnp.concatenate([x1 * cos - x2 * sin, x[..., n:half], x2 * cos + x1 * sin,
+                                x[..., half + n:]], -1)
     inv = jnp.asarray(a.inv_freq, jnp.float32)
     ang = pos.astype(jnp.float32)[..., None] * inv
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
@@ -275,9 +295,9 @@ def quantize_kv_rows(x):
 
 
 def _paged_kv_write(cache: PagedSlice, new, pos):
-    """Store each row in block table[slot // BLOCK_SIZE] at offset slot % BLOCK_SIZE; padding
-    rows (pos < 0) get an out-of-range block and are dropped. An int8 pool gets the rows'
-    int8 values and its scale pool their scales."""
+    """Store each row `new` [B, T, K, D] in block table[slot // BLOCK_SIZE] at offset slot %
+    BLOCK_SIZE, its heads side by side; padding rows (pos < 0) get an out-of-range block and
+    are dropped. An int8 pool gets the rows' int8 values and its scale pool their scales."""
     size = cache.table.shape[1] * BLOCK_SIZE
     slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
     block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
@@ -285,10 +305,11 @@ def _paged_kv_write(cache: PagedSlice, new, pos):
     layer = jnp.broadcast_to(cache.index, pos.shape)
     at = (layer, block, slot % BLOCK_SIZE)
     if cache.scale is None:
-        pool = cache.pool.at[at].set(new.astype(cache.pool.dtype), mode="drop")
-        return dataclasses.replace(cache, pool=pool)
+        rows = new.reshape(*pos.shape, -1).astype(cache.pool.dtype)
+        return dataclasses.replace(cache, pool=cache.pool.at[at].set(rows, mode="drop"))
     q, scale = quantize_kv_rows(new)
-    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q, mode="drop"),
+    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q.reshape(*pos.shape, -1),
+                                                                 mode="drop"),
                                scale=cache.scale.at[at].set(scale, mode="drop"))
 
 
@@ -368,7 +389,7 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
     k, v = kv
     q = f32(q)
     b, t, nh, d = q.shape
-    kh, dv = k.cache.pool.shape[3], v.cache.pool.shape[4]
+    kh, dv = k.cache.heads, v.cache.head_dim
     width = k.cache.table.shape[1]
     blocks = span_blocks(width, a.window)
     qg = q.reshape(b, t, kh, nh // kh, d)
@@ -443,98 +464,103 @@ def rope_lazy(a, x, pos):
 
 def moe(a, x, router_logits, per_expert_scale, gate_up, down, gate_up_scale=None,
         down_scale=None, *, mesh=None):
-    """Each token's top-k experts. With no more (token, expert) pairs than experts (decode) each
-    pair's expert is sliced out of the weights (`_moe_picked`), so a step reads only the
-    picked experts; with more (prefill) the pairs are sorted by expert and run as two grouped
-    matmuls (lax.ragged_dot), every expert read once. `mesh`: the experts are split over its
-    one axis (targets/xla/sharding.py), and each device runs the pairs whose expert it holds."""
+    """Each token's top-k experts. `gate_up` in the XLA layout's view of the IR's [E, 2I, H],
+    [E, 2, I, H] (the same bytes: gate rows, then up rows; program.layout_shape), with per-row
+    scales [E, 2, I]; `down` [E, H, I], per-row scales [E, H]. (The view comes from the
+    program's arguments: reshaped here from [E, 2I, H], TPU copies a layer's whole expert
+    array, as its tiled layout makes the reshape no bitcast.) With no more
+    (token, expert) pairs than experts (decode) each pair's expert is sliced out of the weights
+    (`_pairs`), so a step reads only the picked experts; with more (prefill) the pairs are
+    sorted by expert and run as grouped matmuls (lax.ragged_dot), every expert read once.
+    `mesh`: the weights come in the layout's view, each expert's intermediate dimension I split
+    over the mesh's one axis (targets/xla/sharding.py): every device runs the same routing and
+    pairs over its I / tp share of every expert (its gate and up rows, the matching columns of
+    down) and one psum adds the devices' partial outputs, as the dense MLP's row-parallel down
+    projection does. So a device reads 1 / tp of each picked expert, and no weight moves."""
     lead = x.shape[:-1]
     xf = f32(x).reshape(-1, x.shape[-1])
-    n, k = xf.shape[0], a.top_k
-    e_count = router_logits.shape[-1]
-    probs = jax.nn.softmax(router_logits.reshape(n, -1).astype(jnp.float32), axis=-1)
+    k = a.top_k
+    probs = jax.nn.softmax(router_logits.reshape(xf.shape[0], -1).astype(jnp.float32), axis=-1)
     w, idx = lax.top_k(probs, k)
     w = w / jnp.sum(w, -1, keepdims=True) * per_expert_scale.astype(jnp.float32)[idx]
+    if gate_up.ndim != 4 or gate_up.shape[1] != 2:
+        raise ValueError(f"moe: gate_up {gate_up.shape}, expected the layout's [E, 2, I, H]")
+    experts = (gate_up, down, gate_up_scale, down_scale)
+    if mesh is None:
+        return _experts(xf, w, idx, experts).reshape(*lead, -1)
+    from jax.sharding import PartitionSpec
+
+    axis = mesh.axis_names[0]
+    specs = (PartitionSpec(None, None, axis, None), PartitionSpec(None, None, axis),
+             PartitionSpec(None, None, axis), PartitionSpec())
+    held = tuple(arr for arr in experts if arr is not None)
+    held_specs = tuple(s for arr, s in zip(experts, specs, strict=True) if arr is not None)
+
+    def local(xf, w, idx, held):
+        it = iter(held)
+        mine = tuple(None if arr is None else next(it) for arr in experts)
+        return lax.psum(_experts(xf, w, idx, mine), axis)
+
+    whole = PartitionSpec()
+    return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, held_specs),
+                         out_specs=whole, check_vma=False)(xf, w, idx, held).reshape(*lead, -1)
+
+
+def _experts(xf, w, idx, experts):
+    """xf [n, H]; w, idx [n, k]: sum over k of w * expert_idx(xf), over the intermediate rows
+    that `experts` hold: gate_up [E, 2, I, H], down [E, H, I] and their per-row scales (or None;
+    gate_up's [E, 2, I], down's [E, H]). Gate and up stay apart on their own axis, never merged
+    into one [E, 2I, H] array: under TP, I is a device's share (the 26B-A4B's 704 / 4 = 176),
+    and merging it with the gate/up axis would not be a bitcast of TPU's tiled layout."""
+    gate_up, down, gate_up_scale, down_scale = experts
+    n, k = idx.shape
+    e_count = gate_up.shape[0]
     compute = jnp.float32 if gate_up.dtype == jnp.float32 else jnp.bfloat16
-    precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
     if n * k <= e_count:
-        return _moe_picked(xf, w, idx, (gate_up, down, gate_up_scale, down_scale), compute,
-                           mesh).reshape(*lead, -1)
-    im = down.shape[-1]
+        return _pairs(xf, w, idx, experts, compute)
+    precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tokens = (jnp.arange(n * k) // k)[order]
     group_sizes = jnp.bincount(flat_e, length=e_count).astype(jnp.int32)
     xs = xf[tokens].astype(compute)
-    gu = lax.ragged_dot(xs, jnp.swapaxes(gate_up.astype(compute), 1, 2), group_sizes,
-                        precision=precision, preferred_element_type=jnp.float32)
     e_sorted = flat_e[order]
-    if gate_up_scale is not None:
-        gu = gu * gate_up_scale[e_sorted]
-    hidden = (gelu_tanh(gu[:, :im]) * gu[:, im:]).astype(compute)
-    y = lax.ragged_dot(hidden, jnp.swapaxes(down.astype(compute), 1, 2), group_sizes,
-                       precision=precision, preferred_element_type=jnp.float32)
-    if down_scale is not None:
-        y = y * down_scale[e_sorted]
-    y = y * w.reshape(-1)[order][:, None]
-    out = jnp.zeros_like(xf).at[tokens].add(y)
-    return out.reshape(*lead, -1)
+
+    def grouped(rows, v, scale):  # rows [E, N, K]: v [pairs, K] @ rows[e]^T, pair by pair
+        y = lax.ragged_dot(v, jnp.swapaxes(rows.astype(compute), 1, 2), group_sizes,
+                           precision=precision, preferred_element_type=jnp.float32)
+        return y if scale is None else y * scale[e_sorted]
+
+    gate, up = (grouped(gate_up[:, i], xs, None if gate_up_scale is None
+                        else gate_up_scale[:, i]) for i in (0, 1))
+    hidden = (gelu_tanh(gate) * up).astype(compute)
+    y = grouped(down, hidden, down_scale) * w.reshape(-1)[order][:, None]
+    return jnp.zeros_like(xf).at[tokens].add(y)
 
 
-def _moe_picked(xf, w, idx, experts, compute, mesh):
-    """xf [n, H]; w, idx [n, k]: sum over k of w * expert_idx(xf). `experts`: gate_up [E, 2I, H],
-    down [E, H, I] and their per-row scales (or None). Without a mesh, `_pairs` over all the
-    experts; with one, inside shard_map over the expert split: each device runs `_pairs` over its
-    own E / tp experts (the pairs of other devices' experts count zero) and one psum adds the
-    devices' sums, so no expert weight leaves its device."""
-    if mesh is None:
-        return _pairs(xf, w, idx, 0, experts, compute)
-    from jax.sharding import PartitionSpec
-
-    axis = mesh.axis_names[0]
-    held = tuple(e for e in experts if e is not None)
-    split = PartitionSpec(axis)
-
-    def local(xf, w, idx, held):
-        it = iter(held)
-        mine = tuple(None if e is None else next(it) for e in experts)
-        first = lax.axis_index(axis) * mine[0].shape[0]
-        return lax.psum(_pairs(xf, w, idx, first, mine, compute), axis)
-
-    whole = PartitionSpec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, (split,) * len(held)),
-                         out_specs=whole, check_vma=False)(xf, w, idx, held)
-
-
-def _pairs(xf, w, idx, first, experts, compute):
-    """The MoE sum over the (token, expert) pairs whose expert is among experts[0..E) (expert
-    ids first .. first + E); other pairs add zero. Each pair slices its expert's rows with a
-    dynamic index, which XLA folds into the layer scan's own slice of the stacked weights, so a
-    step reads the picked experts' bytes only (a gather of experts made TPU copy the layer's
-    whole expert array first), and multiplies them as linear() does a decode row:
-    product and row sum in float32, fused with the slice and the widening."""
+def _pairs(xf, w, idx, experts, compute):
+    """`_experts` for decode: each (token, expert) pair slices its expert's rows with a dynamic
+    index, which XLA folds into the layer scan's own slice of the stacked weights, so a step
+    reads the picked experts' bytes only (a gather of experts made TPU copy the layer's whole
+    expert array first), and multiplies them as linear() does a decode row: product and row sum
+    in float32, fused with the slice and the widening."""
     gate_up, down, gate_up_scale, down_scale = experts
     n, k = idx.shape
-    im = down.shape[-1]
-    local = idx - first
-    held = (local >= 0) & (local < gate_up.shape[0])
-    local = jnp.clip(local, 0, gate_up.shape[0] - 1)
     x = xf.astype(compute).astype(jnp.float32)
 
     def rows(weights, scale, e, v):
-        y = jnp.sum(v[None, :] * lax.dynamic_index_in_dim(weights, e, 0, False)
-                    .astype(jnp.float32), axis=-1)
+        y = jnp.sum(v * lax.dynamic_index_in_dim(weights, e, 0, False).astype(jnp.float32),
+                    axis=-1)
         return y if scale is None else y * lax.dynamic_index_in_dim(scale, e, 0, False)
 
     out = []
     for t in range(n):
         acc = jnp.zeros(xf.shape[-1], jnp.float32)
         for j in range(k):
-            e = local[t, j]
-            gu = rows(gate_up, gate_up_scale, e, x[t])
-            hidden = (gelu_tanh(gu[:im]) * gu[im:]).astype(compute).astype(jnp.float32)
-            y = rows(down, down_scale, e, hidden)
-            acc = acc + jnp.where(held[t, j], w[t, j], 0.0) * y
+            e = idx[t, j]
+            gate, up = rows(gate_up, gate_up_scale, e, x[t])  # [2, I]
+            hidden = (gelu_tanh(gate) * up).astype(compute).astype(jnp.float32)
+            acc = acc + w[t, j] * rows(down, down_scale, e, hidden)
         out.append(acc)
     return jnp.stack(out)
 

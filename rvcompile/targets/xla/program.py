@@ -5,7 +5,9 @@ Layers are cut into periods of the (nS, F) pattern; consecutive periods with the
 form a group and run as one scan, so the program is as small at 60 layers as at 6. Weights and KV
 pools are flat dicts of arrays named by `LayoutPlan`: a stacked entry "g{group}.{j}.{rel}" holds
 that template PARAM for every period of the group ([count, ...]); pools "g{group}.{j}.cache_k"
-are [count, blocks, BLOCK_SIZE, kv_heads, head_dim].
+are [count, blocks, BLOCK_SIZE, kv_heads * head_dim] (`cache_pools`: a slot's heads side by
+side). An array's shape is its PARAM's, except
+where `layout_shape` views the same bytes otherwise: the MoE experts' fused gate/up rows.
 
 Paged KV (`KvKind`): every layer that owns a cache is of kind "full" or "sliding", and the layers
 of one kind share block ids: block b of kind k is row b of every pool of that kind. A sequence
@@ -182,6 +184,21 @@ def plan_layout(ir: ModelIR) -> LayoutPlan:
     return LayoutPlan(groups, tuple(stacked), tuple(names))
 
 
+GATE_UP = "experts.gate_up_proj"  # MoE: [E, 2 * I, H], gate rows then up rows
+
+
+def layout_shape(rel: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of template PARAM `rel` as a program argument: the PARAM's, except the experts'
+    gate/up rows [E, 2I, H] (and their per-row scales [E, 2I]), viewed as [E, 2, I, H] ([E, 2,
+    I]). The bytes, and so the weights section, stay the IR's at every TP degree; the view gives
+    each expert's intermediate dimension an axis of its own, which tensor parallelism splits
+    (sharding.py) so that a device holds matching gate and up rows."""
+    if rel.removesuffix(".scale") != GATE_UP:
+        return shape
+    e, rows, *rest = shape
+    return (e, 2, rows // 2, *rest)
+
+
 def weight_shapes(ir: ModelIR, plan: LayoutPlan) -> dict[str, jax.ShapeDtypeStruct]:
     specs = ir.param_map()
     out = {}
@@ -190,7 +207,8 @@ def weight_shapes(ir: ModelIR, plan: LayoutPlan) -> dict[str, jax.ShapeDtypeStru
     for sp in plan.stacked:
         g = plan.groups[sp.group]
         spec = specs[resolve_param(sp.rel, ir.config.layers[g.layer(0, sp.j)])]
-        out[sp.key] = jax.ShapeDtypeStruct((g.count, *spec.shape), JNP_DTYPES[spec.dtype])
+        out[sp.key] = jax.ShapeDtypeStruct((g.count, *layout_shape(sp.rel, spec.shape)),
+                                           JNP_DTYPES[spec.dtype])
     return out
 
 
@@ -210,9 +228,8 @@ def cache_shapes(ir: ModelIR, plan: LayoutPlan,
             for key, (kind, count, block, dtype) in cache_pools(ir, plan).items()}
 
 
-def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tuple, object]]:
-    """Every KV pool: key -> (kind, stacked layers, one block's shape, dtype)."""
-    out = {}
+def _owned_caches(ir: ModelIR, plan: LayoutPlan):
+    """(pool key, layer group, cache) of every cache a layer group owns (not KV-shared)."""
     for gi, g in enumerate(plan.groups):
         for j in range(g.period):
             spec = ir.config.layers[g.layer(0, j)]
@@ -220,12 +237,35 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tupl
                 continue
             c = ir.cache_of(spec.index)
             for name in c.names:
-                out[f"g{gi}.{j}.{name}"] = (kind_of(c.ring), g.count,
-                                            (BLOCK_SIZE, c.kv_heads, c.head_dim),
-                                            JNP_DTYPES[c.dtype])
-                if c.dtype == "int8":  # a float32 scale per slot and KV head, split like it
-                    out[f"g{gi}.{j}.{name}{SCALE_SUFFIX}"] = (
-                        kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads), jnp.float32)
+                yield f"g{gi}.{j}.{name}", g, c
+
+
+def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tuple, object]]:
+    """Every KV pool: key -> (kind, stacked layers, one block's shape, dtype). A block is
+    [BLOCK_SIZE, K * D]: a slot is one row, its K heads' D values side by side (head k at
+    columns k * D ..), so the slots and a head's values are the two minor dimensions, the ones
+    TPU tiles. As [BLOCK_SIZE, K, D] the tiles held K (1 to 4 per device) rows: XLA relaid
+    each pool of a layer scan whole into a (slots, D)-tiled layout at the start of every step
+    and back at its end (the E4B at TP = 4: 2 x 16 MiB for each full-layer pool), then kept
+    the pools in on-chip memory where the weights' prefetches would go (docs/TPU_COST.md).
+    An int8 cache's float32 scales: a pool of blocks [BLOCK_SIZE, K], split like it."""
+    out = {}
+    for key, g, c in _owned_caches(ir, plan):
+        out[key] = (kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads * c.head_dim),
+                    JNP_DTYPES[c.dtype])
+        if c.dtype == "int8":
+            out[key + SCALE_SUFFIX] = (kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads),
+                                       jnp.float32)
+    return out
+
+
+def pool_heads(ir: ModelIR, plan: LayoutPlan) -> dict[str, int]:
+    """The KV heads of every pool of `cache_pools` (a scale pool's are its cache's)."""
+    out = {}
+    for key, _, c in _owned_caches(ir, plan):
+        out[key] = c.kv_heads
+        if c.dtype == "int8":
+            out[key + SCALE_SUFFIX] = c.kv_heads
     return out
 
 
@@ -241,6 +281,7 @@ class Program:
         self.kinds = kv_kinds(ir)
         pools = cache_pools(ir, plan)
         self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}
+        self.pool_heads = pool_heads(ir, plan)
 
     def forward(self, weights, caches, tokens, start, n_new, tables):
         """Run tokens [B,T] through the decoder; returns (caches, hidden [B,T,H])."""
@@ -262,14 +303,14 @@ class Program:
         """BLOCKWISE_LOWERINGS (ATTENTION reads each lane's needed blocks only) with
         CACHE_POSITIONS sized by the block tables: the IR's ring semantics over table_width *
         BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE
-        given the mesh its experts are split over."""
+        given the mesh its experts' intermediate dimension is split over."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
         lowerings = {**BLOCKWISE_LOWERINGS, Op.CACHE_POSITIONS: positions}
-        if self.pool_shardings:  # tensor parallel: each device runs the picked experts it holds
+        if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
         return lowerings
@@ -288,7 +329,7 @@ class Program:
         def paged(pools, key, index):
             kind = self.pool_kind[key]
             return PagedSlice(pools[key], index, tables[kind], self.kinds[kind].ring,
-                              pools.get(key + SCALE_SUFFIX))
+                              self.pool_heads[key], pools.get(key + SCALE_SUFFIX))
 
         def body(carry, xs):
             h, own = carry
@@ -441,6 +482,7 @@ class Program:
             ring = self.ir.cache_of(read).ring
             kind = kind_of(ring)
             reads[read] = {name: PagedSlice(caches[f"g{gi}.{j}.{name}"], p, tables[kind], ring,
+                                            self.pool_heads[f"g{gi}.{j}.{name}"],
                                             caches.get(f"g{gi}.{j}.{name}{SCALE_SUFFIX}"))
                            for name in self.ir.cache_of(read).names}
 

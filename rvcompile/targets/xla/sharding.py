@@ -6,16 +6,19 @@ inserts after the row-parallel O and down projections):
 - column-parallel, split by output rows with their per-row scales: q_proj (whole query heads),
   k_proj / v_proj (whole KV heads), mlp gate_proj / up_proj (MLP columns);
 - row-parallel, split by input columns (their per-row scales stay whole): o_proj, down_proj;
-- KV pools [layers, blocks, 16, K, D]: split by KV head K;
+- KV pools [layers, blocks, 16, K * D] (program.cache_pools): split by KV head, each device
+  a contiguous run of whole heads' columns (their int8 scale pools [.., 16, K] by head too);
 - a layer with fewer KV heads than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
   k/v projections and pools whole on every device: each computes every KV head;
-- MoE experts: whole experts per device (split on the expert axis, values and scales), so
-  num_experts % tp == 0 (26B-A4B: 128 experts, 32 per device at tp=4). XLA partitions the
-  grouped matmuls (ragged_dot) by expert group: each device multiplies the rows routed to its
-  own experts and one all-reduce sums them (no expert weight moves; checked in the compiled
-  HLO of the oracle's MoE case: the only all-gathers are the [E] int32 group sizes). Decode
-  (no more pairs than experts) runs in shard_map over this split (lower.moe): each device
-  slices the picked experts it holds and one psum adds the devices' sums;
+- MoE experts: every expert on every device, its intermediate dimension I split like the
+  dense MLP's (so moe_intermediate_size % tp == 0; 26B-A4B: 704, 176 per device at tp=4):
+  gate/up rows, in the layout's [E, 2, I, H] view (program.layout_shape), and their per-row
+  scales on I; down_proj [E, H, I] on its columns I, its per-row scales whole. The MoE runs in
+  shard_map over this split (lower.moe): every device routes the same tokens, runs its share
+  of each picked expert, and one all-reduce adds the partial outputs. A decode step so reads
+  1/tp of each picked expert per device; split by whole experts instead, every device sliced
+  all k picked experts per token (the ones it did not hold clamped and masked), tp times its
+  share (the 26B-A4B at tp=4: 2.57x the roofline's bytes, docs/TPU_COST.md);
 - embedding tables (the token table, tied to the head, and the PLE table), values and per-row
   scales, split by vocabulary row. The head reads 1/tp of the tied table per device per decode
   step (the 31B's is 1.4 GB in int8, about 1/6 of its per-device bytes at tp=4), and the PLE
@@ -55,7 +58,7 @@ from rvcompile.ir.graph import KV_SOURCE_PREFIX, ModelIR
 from rvcompile.ir.ops import Op
 from rvcompile.model.assistant import TENSOR_PREFIX, AssistantConfig
 from rvcompile.model.config import ConfigError, Gemma4Config
-from rvcompile.targets.xla.program import LayoutPlan, cache_pools, weight_shapes
+from rvcompile.targets.xla.program import LayoutPlan, cache_pools, pool_heads, weight_shapes
 
 TP_AXIS = "tp"
 
@@ -65,7 +68,9 @@ Spec = tuple[str | None, ...]  # one entry per array axis: TP_AXIS (split) or No
 _COLUMN_PARALLEL = ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
 _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+# MoE expert arrays, in the layout's view -> the axis of I, in the unstacked param
+_EXPERTS = {"experts.gate_up_proj": 2, "experts.gate_up_proj.scale": 2,
+            "experts.down_proj": 2}
 _DRAFT_LAYER = re.compile(rf"{re.escape(TENSOR_PREFIX)}layers\.\d+\.(.+)")  # drafter layer weight
 _DRAFT_TABLE = TENSOR_PREFIX + "embed_tokens.weight"  # the drafter's head (its tied table)
 
@@ -109,7 +114,7 @@ def check_tp(cfg: Gemma4Config, tp: int, assistant: AssistantConfig | None = Non
                if s.num_kv_heads >= tp and s.k_eq_v and cfg.num_global_kv_heads]
     counts += [("intermediate_size", s.mlp_width) for s in cfg.layers]
     if cfg.num_experts:
-        counts.append(("num_experts", cfg.num_experts))
+        counts.append(("moe_intermediate_size", cfg.moe_intermediate_size))
     for field, n in counts:
         if n % tp:
             raise ConfigError(f"{cfg.name}: {field} {n} does not split over --tp {tp} devices")
@@ -125,8 +130,8 @@ def _param_axis(rel: str, kv_split: bool) -> int | None:
         return 0
     if base in _ROW_PARALLEL:
         return None if scale else 1  # the scale is per output row, and output rows stay whole
-    if base in _EXPERTS:
-        return 0
+    if base.startswith("experts."):
+        return _EXPERTS.get(rel)  # down_proj's scale is per output row: whole
     return None
 
 
@@ -172,8 +177,9 @@ def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
         # stacked arrays carry the layer axis first
         weights[sp.key] = _spec(len(shapes[sp.key].shape), None if axis is None else axis + 1)
     pools: dict[str, Spec] = {}
+    heads = pool_heads(ir, plan)
     for key, (_, _, block, _) in cache_pools(ir, plan).items():
-        kv_heads = block[1]
-        split = tp > 1 and kv_heads >= tp
-        pools[key] = _spec(2 + len(block), 3 if split else None)  # [layers, blocks, 16, K, D]
+        split = tp > 1 and heads[key] >= tp
+        # [layers, blocks, 16, K * D] (a scale pool's: K): whole heads per device
+        pools[key] = _spec(2 + len(block), 3 if split else None)
     return TpLayout(tp, weights, pools)
