@@ -175,6 +175,7 @@ def test_xla_lowerings_of_fused_ops(dtype):
     jnp = jax.numpy
     from rvcompile.ir.graph import resolve_param
     from rvcompile.targets.xla.lower import run_graph
+    from rvcompile.targets.xla.program import layout_shape
 
     irs, tensors = model("gemma-4-tiny")
     ir = irs[dtype]
@@ -190,7 +191,9 @@ def test_xla_lowerings_of_fused_ops(dtype):
             if name not in args:
                 shape = [{"B": 1, "T": 5}.get(d, d) for d in node.shape]
                 args[name] = jnp.asarray(rng.standard_normal(shape, np.float32))
-        param = functools.partial(lambda s, rel: w[resolve_param(rel, s)], spec)
+        # each weight as a program argument holds it (program.layout_shape: MoE gate/up rows)
+        param = functools.partial(lambda s, rel: w[resolve_param(rel, s)].reshape(
+            layout_shape(rel, w[resolve_param(rel, s)].shape)), spec)
         before, after = (jax.jit(functools.partial(run_graph, graph, param=param))(args)
                          for graph in (g, fused.layers[t]))
         for name in before:

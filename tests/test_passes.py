@@ -196,10 +196,9 @@ class XlaRun:
                   for k, s in shapes.items()}
         filled: dict[str, int] = {}
         for key, idx, full in self.plan.weight_slices(ir):
-            if idx is None:
-                arrays[key][...] = weights[full]
-            else:
-                arrays[key][idx] = weights[full]
+            # the same bytes in the argument's shape (program.layout_shape: MoE gate/up rows)
+            slot = arrays[key] if idx is None else arrays[key][idx]
+            slot[...] = weights[full].reshape(slot.shape)
             filled[full] = filled.get(full, 0) + 1
         assert set(filled) == {p.name for p in ir.params}  # every weight placed
         self.weights = {k: jnp.asarray(v) for k, v in arrays.items()}
