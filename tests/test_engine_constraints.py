@@ -122,7 +122,60 @@ class LateMaskExecutor(MaskingExecutor):
         return self.decode_sampled(lanes)
 
 
-EXECUTORS = {"masks before": MaskingExecutor, "late masks": LateMaskExecutor}
+class MaskedLoopExecutor(LateMaskExecutor):
+    """LateMaskExecutor with a masked decode loop (executor_api's "Masked decode loop") run as
+    the device runs it: a step samples every lane with budget left (a lane that sampled a stop
+    id runs on), each under the mask masks() gave for it after the step before ("forward",
+    then "masks", then "progress" in events); progress returning False stops the loop after
+    the step already launched. Its plain loop is the masked one without masks."""
+
+    decode_loop_steps = 6
+    decode_loop_stops = 4
+    loop_progress = True
+    masked_loop = True
+
+    def decode_many(self, lanes, progress=None, group=0):
+        return self.decode_many_masked(lanes, lambda new: [None] * len(lanes), progress)
+
+    def decode_many_masked(self, lanes, masks, progress=None):
+        assert 0 < len(lanes) <= self.max_seqs
+        self.calls.append(("masked loop", len(lanes), 0))
+        steps = max(lane.budget for lane in lanes)
+        chunks = [lane.chunk for lane in lanes]
+        given = [c.extras.mask if c.extras else None for c in chunks]
+        out, ended = [[] for _ in lanes], [False] * len(lanes)
+        step, go_on = 0, True
+        while True:
+            self.events.append("forward")
+            new = []
+            for i, lane in enumerate(lanes):
+                tokens = []
+                if step < lane.budget:
+                    c = chunks[i]
+                    token = self._sample(dataclasses.replace(c, extras=dataclasses.replace(
+                        c.extras or SampleExtras(), mask=given[i]))).token
+                    chunks[i] = dataclasses.replace(c, tokens=[token], start=c.start + 1,
+                                                    step=c.step + 1)
+                    if not ended[i]:
+                        tokens = [token]
+                out[i] += tokens
+                ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
+                    tokens and tokens[-1] in lane.stop_ids)
+                new.append(tokens)
+            given = list(masks(new))
+            self.events.append("masks")
+            assert len(given) == len(lanes)
+            step += 1
+            launched = go_on and step < steps and not all(ended)
+            self.events.append("progress")
+            if progress is not None and not progress(new):
+                go_on = False
+            if not launched:
+                return out
+
+
+EXECUTORS = {"masks before": MaskingExecutor, "late masks": LateMaskExecutor,
+             "masked loop": MaskedLoopExecutor}
 
 
 def engine(grammars: Grammars, ex: MaskingExecutor) -> Engine:
@@ -192,8 +245,10 @@ def test_constrained_and_free_lanes_in_one_batch_give_their_reference_tokens(gra
     assert_pools_whole(eng)
     if full == 16:
         assert eng.preemptions > 0
-    if kind == "late masks":
+    if kind != "masks before":
         assert ex.events.count("masks") > 10 and eng.stats().mask_late_wait_s > 0
+    if kind == "masked loop":  # constrained lanes kept the loop
+        assert any(c[0] == "masked loop" for c in ex.calls)
 
 
 def test_masks_of_decoding_sequences_come_from_the_worker(grammars, monkeypatch):

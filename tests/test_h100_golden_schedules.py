@@ -45,6 +45,10 @@ case each split launch gained the arguments out and out_bf16 (null where a combi
 one-split launch took the combine's out / out_bf16 with null partials and its combine was
 dropped, and every other launch kept its kernel, geometry, argument names, kinds and non-pointer
 values, all else equal (checked case by case against dumps at 8f3f372).
+And again when every sampled_decode_{B} gained a last launch, decode_advance (the masked decode
+loop, issue 16): in every case each sampled_decode_{B}'s launches are its old ones and a
+decode_advance after them, and nothing else changed (checked case by case against dumps at
+501bf52: 162 entries over the 54 cases).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

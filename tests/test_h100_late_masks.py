@@ -35,7 +35,7 @@ from rvcompile.artifacts.kernel_schedule import SAMPLER_KERNEL, Arg
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.constraints import Constraint
 from rvcompile.runtime.engine import Request
-from rvcompile.runtime.executor_api import Penalties, SampleExtras, Sampling, SeqChunk
+from rvcompile.runtime.executor_api import LoopLane, Penalties, SampleExtras, Sampling, SeqChunk
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100.reference_executor import reference_device
@@ -201,6 +201,119 @@ def test_masks_that_fail_reach_the_caller_and_the_next_call_runs(device):
     assert ex.decode_late_masks(lanes, lambda: [None, None]) == want
 
 
+def _token_mask(words: int, token: int, lane: int) -> np.ndarray:
+    """A mask that depends on the token before it (as a grammar's does): about a tenth of the
+    vocabulary, drawn from the token and the lane."""
+    return _mask(np.random.default_rng(token * 7 + lane), words, 0.1)
+
+
+def _loop_lanes(ex, prompts, samplings, budgets, stops, first_masks):
+    seqs = [ex.prefill(SeqChunk(p, 0, own_tables(ex, i), s))
+            for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))]
+    lanes = [LoopLane(SeqChunk([t], len(p), own_tables(ex, i), s, 1,
+                               extras=None if m is None else SampleExtras(mask=m)), b, st)
+             for i, (t, p, s, b, st, m) in enumerate(zip(seqs, prompts, samplings, budgets,
+                                                         stops, first_masks, strict=True))]
+    return seqs, lanes
+
+
+def test_the_masked_loop_gives_single_late_calls_tokens(device):
+    """Three lanes (two masked, each step's mask drawn from the token before it; one free) of
+    budgets 5, 3, 5, the first with a stop id it samples at its second step: decode_many_masked
+    gives what one decode_late_masks call per step gives from the same KV (a lane runs until
+    its budget; the stopped one's tokens end at its stop id). masks() gets each step's tokens
+    once step s + 1's forward part was launched and before its sampler; progress gets them
+    after step s + 1's sampler and step s + 2's forward part."""
+    ex, events = recorded(device)
+    assert ex.masked_loop
+    words = ex.schedule.sampler.mask_words
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 8000, n).tolist() for n in (6, 11, 17)]
+    samplings = [Sampling(1.0, 0, 1.0, 41), Sampling(0.7, 40, 0.95, 42), Sampling(1.0, 0, 1.0, 43)]
+    budgets = [5, 3, 5]
+    masked = [True, False, True]
+    firsts = [_token_mask(words, 0, i) if masked[i] else None for i in range(3)]
+
+    def stepwise(stops):
+        seqs, lanes = _loop_lanes(ex, prompts, samplings, budgets, stops, firsts)
+        out, masks = [[] for _ in lanes], list(firsts)
+        for step in range(max(budgets)):
+            live = [i for i in range(3) if step < budgets[i]]
+            chunks = [SeqChunk([out[i][-1] if out[i] else seqs[i]], len(prompts[i]) + step,
+                               own_tables(ex, i), samplings[i], step + 1) for i in live]
+            got = ex.decode_late_masks(chunks, lambda live=live, masks=masks:
+                                       [masks[i] for i in live])
+            for i, o in zip(live, got, strict=True):
+                out[i].append(o.token)
+                masks[i] = _token_mask(words, o.token, i) if masked[i] else None
+        return out
+
+    want = stepwise([frozenset()] * 3)
+    # the first lane's second token as its stop id: the loop ends its tokens there
+    stops = [frozenset([want[0][1]]), frozenset(), frozenset()]
+    _, lanes = _loop_lanes(ex, prompts, samplings, budgets, stops, firsts)
+    del events[:]
+    seen = []
+
+    def masks(new):
+        seen.append(new)
+        events.append(("masks", len(seen)))
+        return [_token_mask(words, t[-1], i) if t and masked[i] else None
+                for i, t in enumerate(new)]
+
+    def progress(new):
+        events.append(("progress", len(seen)))
+        assert new == seen[-1]
+        return True
+
+    got = ex.decode_many_masked(lanes, masks, progress)
+    assert got == [want[0][:2], want[1], want[2]]
+    assert [len([t for t in new if t]) for new in seen] == [3, 3, 2, 1, 1]
+    f, m, p = ("forward", "sampled_decode_4"), ("sampler", "sampled_decode_4"), "progress"
+    assert events == [f, m, f, ("masks", 1), m, f, (p, 1), ("masks", 2), m, f, (p, 2),
+                      ("masks", 3), m, f, (p, 3), ("masks", 4), m, (p, 4), ("masks", 5),
+                      (p, 5)]
+    # free lanes alone, masks always None: the plain sampled loop, bit for bit
+    _, lanes = _loop_lanes(ex, prompts, samplings, budgets, [frozenset()] * 3, [None] * 3)
+    plain = ex.decode_many_masked(lanes, lambda new: [None] * 3)
+    masked[:] = [False] * 3
+    firsts[:] = [None] * 3
+    assert plain == stepwise([frozenset()] * 3)
+
+
+def test_a_masked_loop_is_refused_where_it_cannot_run(device):
+    """No masked loop without entry parts, or where a sampled decode entry lacks its
+    decode_advance (an artifact built before it); lanes with log-probabilities or penalties
+    are refused; masks() raising reaches the caller, a wrong count of masks is refused, and
+    the next call runs as before: unmasked, the plain loop's tokens."""
+    ex, _ = recorded(device)
+    assert not recorded(device, parts=False)[0].masked_loop
+    s = device.schedule
+    e = s.entries["sampled_decode_2"]
+    older = dataclasses.replace(s, entries={**s.entries, "sampled_decode_2": dataclasses.replace(
+        e, launches=e.launches[:-1])})
+    old_ex = ScheduledExecutor(older, Recording(device, []))
+    assert old_ex.late_masks and not old_ex.masked_loop
+    _, lanes = _loop_lanes(ex, [[5, 6, 7], [8, 9]], [Sampling()] * 2, [3, 3],
+                           [frozenset()] * 2, [None, None])
+    with pytest.raises(ValueError, match="offers no masked decode loop"):
+        old_ex.decode_many_masked(lanes, lambda new: [None, None])
+    with_logprobs = [dataclasses.replace(lanes[0], chunk=dataclasses.replace(
+        lanes[0].chunk, extras=SampleExtras(2))), lanes[1]]
+    with pytest.raises(ValueError, match="a token mask only"):
+        ex.decode_many_masked(with_logprobs, lambda new: [None, None])
+
+    def broken(new):
+        raise RuntimeError("no masks")
+
+    with pytest.raises(RuntimeError, match="no masks"):
+        ex.decode_many_masked(lanes, broken)
+    with pytest.raises(ValueError, match="1 masks for 2 lanes"):
+        ex.decode_many_masked(lanes, lambda new: [None])
+    # neutral extras sample what the plain loop samples
+    assert ex.decode_many_masked(lanes, lambda new: [None, None]) == ex.decode_many(lanes)
+
+
 def _run(m: Model, requests: list[Request]) -> dict[str, list[int]]:
     for r in requests:
         m.engine.add(r)
@@ -213,35 +326,48 @@ def _run(m: Model, requests: list[Request]) -> dict[str, list[int]]:
 
 
 def test_the_engine_decodes_json_schema_requests_through_late_calls(art, device):
-    """A json_schema request and a free one, sampled, side by side through the engine on an
-    executor whose device runs parts and on one whose device does not (masks made before each
-    call): the same tokens, the constrained output JSON of the schema; the decode calls of the
-    first went in two parts."""
+    """Two json_schema requests and a free one, sampled, side by side through the engine on an
+    executor with the masked decode loop, on one whose decode calls take masks late (no
+    masked loop) and on one whose device runs no parts (masks made before each call): the
+    same tokens, the constrained outputs JSON of the schema; the first ran masked loop calls,
+    the second late calls in two parts."""
     pytest.importorskip("llguidance")
+    loop, _ = recorded(device)
     late, events = recorded(device)
+    late.masked_loop = False
     before, _ = recorded(device, parts=False)
+    loops = []
+    run_loop = loop.decode_many_masked
+    loop.decode_many_masked = lambda *a: loops.append(len(a[0])) or run_loop(*a)
     got = {}
-    for name, ex in (("late", late), ("before", before)):
+    for name, ex in (("loop", loop), ("late", late), ("before", before)):
         m = Model(art, ex)
         prompt = m.encode("In the beginning God created")
-        got[name] = _run(m, [Request("json", prompt, 40, Sampling(1.0, 0, 1.0, 40),
-                                     constraint=Constraint.json_schema(SCHEMA)),
-                             Request("free", prompt, 8, Sampling(1.0, 0, 1.0, 9))])
-        if name == "late":
+        got[name] = _run(m, [Request(f"json{i}", prompt, 40, Sampling(1.0, 0, 1.0, 40 + i),
+                                     constraint=Constraint.json_schema(SCHEMA))
+                             for i in range(2)]
+                         + [Request("free", prompt, 8, Sampling(1.0, 0, 1.0, 9))])
+        if name != "before":
             assert m.engine.stats().mask_late_wait_s > 0
-            assert set(json.loads(m.decode(got[name]["json"]))) == {"a", "b"}
-    assert got["late"] == got["before"]
+            for i in range(2):
+                assert set(json.loads(m.decode(got[name][f"json{i}"]))) == {"a", "b"}
+    assert got["loop"] == got["late"] == got["before"]
+    assert loops and max(loops) == 3
     forward = [e for e in events if e[0] == "forward" and e[1].startswith("sampled_decode")]
     assert len(forward) > 5
 
 
+@pytest.mark.parametrize("loop", [False, True])
 def test_a_mask_job_failing_between_the_parts_ends_only_its_request(art, device, monkeypatch,
-                                                                    break_mask_jobs):
-    """The grammars' worker fails inside a late decode call (after its forward part ran): the
-    json_schema request ends with the error after its first token, the free one beside it gets
-    the tokens it gets alone, and the engine then serves a json_schema request whole."""
+                                                                    break_mask_jobs, loop):
+    """The grammars' worker fails inside a late decode call (after its forward part ran; with
+    the masked loop, as the loop call starts): the json_schema request ends with the error
+    after its first token, the free one beside it gets the tokens it gets alone, and the
+    engine then serves a json_schema request whole."""
     pytest.importorskip("llguidance")
     ex, events = recorded(device)
+    if not loop:
+        ex.masked_loop = False  # an executor without it: its decode calls take masks late
     m = Model(art, ex)
     prompt = m.encode("In the beginning God created")
     free = Request("free", prompt, 6, Sampling(1.0, 0, 1.0, 9))
@@ -258,7 +384,7 @@ def test_a_mask_job_failing_between_the_parts_ends_only_its_request(art, device,
     assert outs["json"][-1].finish_reason == "error"
     assert "llguidance broke" in outs["json"][-1].error
     assert [t for o in outs["free"] for t in o.token_ids] == alone
-    assert ("forward", "sampled_decode_2") in events
+    assert (("forward", "sampled_decode_2") in events) != loop
     monkeypatch.undo()
     got = _run(m, [Request("json", prompt, 40, Sampling(1.0, 0, 1.0, 40),
                            constraint=Constraint.json_schema(SCHEMA))])["json"]
@@ -328,3 +454,33 @@ def test_late_masks_on_the_device(art, device):
     want = _run(Model(art, ScheduledExecutor(device.schedule, device)), requests)
     assert _run(gpu, requests) == want
     assert gpu.engine.stats().mask_late_wait_s > 0
+
+
+@pytest.mark.gpu
+def test_the_masked_loop_on_the_device(art, device):
+    """decode_many_masked on the GPU (two masked lanes, each step's mask drawn from the token
+    before it, and a free one; budgets 8, 5, 8) gives the reference executor's tokens; masks()
+    was asked for while the device still ran the next step's forward part at least once."""
+    ctx = h100_context()
+    gpu = runtime.load(art.path)
+    ex, ref = gpu.executor, ScheduledExecutor(device.schedule, device)
+    assert ex.masked_loop
+    words = ex.schedule.sampler.mask_words
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(3, 8000, n).tolist() for n in (9, 23, 40)]
+    samplings = [Sampling(1.0, 0, 1.0, 61), Sampling(), Sampling(0.8, 50, 0.9, 62)]
+    masked = [True, False, True]
+    firsts = [_token_mask(words, 0, i) if masked[i] else None for i in range(3)]
+    got, busy = {}, []
+    for name, x in (("gpu", ex), ("ref", ref)):
+        _, lanes = _loop_lanes(x, prompts, samplings, [8, 5, 8], [frozenset()] * 3, firsts)
+
+        def masks(new, x=x):
+            if x is ex:  # CUDA_ERROR_NOT_READY: the stream still runs
+                busy.append(int(ctx.cu.cuStreamQuery(ex.device.stream)[0]) != 0)
+            return [_token_mask(words, t[-1], i) if t and masked[i] else None
+                    for i, t in enumerate(new)]
+
+        got[name] = x.decode_many_masked(lanes, masks)
+    assert got["gpu"] == got["ref"] and [len(t) for t in got["gpu"]] == [8, 5, 8]
+    assert any(busy)

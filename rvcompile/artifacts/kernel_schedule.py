@@ -176,6 +176,10 @@ SAMPLE_IO_FIELDS = {"presence": "float32", "frequency": "float32", "repetition":
 # sample_io: the runtime may run a sampled entry in two parts, writing sample_io in between
 # (KernelSchedule.sampler_split; the engine's late grammar masks).
 SAMPLER_KERNEL = "sample_prepare"
+# The kernel that ends every decode_{B} (the decode loop: targets/h100/rows.py) and, in schedules
+# built since 2026-11-29, every sampled_decode_{B} (in its sampler part: the runtime's masked
+# decode loop, which a schedule without it does not offer)
+ADVANCE_KERNEL = "decode_advance"
 ENTRY_PARTS = ("forward", "sampler")  # the two parts of a sampled entry, in the order they run
 # the sampled entries' outputs after out_tokens, side by side in this order (one read)
 SAMPLED_OUTPUTS = ("out_tokens", "logprob", "top_ids", "top_logprobs")

@@ -6,7 +6,8 @@ Requests come in through `add` and `abort` (thread-safe). `add` checks every fie
 cannot run is refused there, never in a step. A request of n samples runs as n sequences (its
 outputs carry their index) that share the prompt's whole KV blocks, prefilled once. Sequences
 asking for log-probabilities, penalties or a grammar constraint pass SampleExtras with their
-sampling calls and run single decode steps. Each `step()` takes them in, asks the scheduler
+sampling calls and run single decode steps (those with a grammar alone: the masked decode loop,
+below). Each `step()` takes them in, asks the scheduler
 for work, runs it on the executor (prefill chunks, several sequences' to a call where the
 executor packs them, then one decode call) and turns the sampled
 tokens into RequestOutputs: text deltas, stop strings, EOS and max_tokens. When every running
@@ -44,7 +45,12 @@ call does not wait before it starts: the executor launches the forward pass, the
 lanes' masks (`_late_masks`: the job joined, any it does not hold computed), so the wait
 overlaps the device's forward pass; `mask_late_wait_s` counts it. A lane whose mask failed
 there samples unmasked; its token is dropped and its request ends after the call (`_end_late`,
-which leaves alone the lanes a failed call has ended). A request's first mask is its
+which leaves alone the lanes a failed call has ended). Where the executor has a masked decode loop
+(executor_api's "Masked decode loop"), sequences whose only extra is a grammar keep the device
+loop (_masked_loop): their first masks made before the call, then each step's tokens consumed
+by their grammars and the next step's masks computed (`masks`) while the device runs the next
+step's forward pass, the outputs made after (`progress`), as in the progressive loop; the last
+step's masks are those of the next call's first step. A request's first mask is its
 grammar's at its start, the same for every request of that grammar: the engine keeps those of
 the last FIRST_MASKS grammars, so a new request of a known grammar needs none computed;
 otherwise a sequence the pipeline did not cover gets its mask computed in the step, after the
@@ -109,6 +115,7 @@ from rvcompile.runtime.executor_api import (
     decode_loop_steps,
     has_drafter,
     loop_progress,
+    masked_loop,
     max_draft_tokens,
     mixes_decode,
     packs_prefill,
@@ -201,9 +208,16 @@ class _Live:
 
     @property
     def extras(self) -> bool:
-        """Its sampling steps need the sampler's extras (and so single decode steps)."""
+        """Its sampling steps need the sampler's extras (and so single decode steps, or a
+        masked decode loop for masks_only)."""
         r = self.request
         return r.logprobs is not None or r.penalties.active or r.constraint is not None
+
+    @property
+    def masks_only(self) -> bool:
+        """Its only extra is a grammar's mask (a masked decode loop can run it)."""
+        r = self.request
+        return r.logprobs is None and not r.penalties.active and r.constraint is not None
 
 
 @dataclass(eq=False)
@@ -871,6 +885,7 @@ class Engine:
                 or self.scheduler.waiting or len(sched.decodes) != len(self.scheduler.running)
                 or self._held
                 or any(w.seq.cached + 1 < w.seq.num_tokens or self._live[w.seq.id].extras
+                       and not (self._live[w.seq.id].masks_only and masked_loop(self.executor))
                        for w in sched.decodes)):
             return None
         stream = any(self._live[w.seq.id].request.stream for w in sched.decodes)
@@ -907,7 +922,9 @@ class Engine:
         one, as if from single decode steps: group by group while the call runs where the loop
         is progressive (_progressive_loop), else after it, one RequestOutput per request."""
         t0 = self._clock()
-        if self._progressive(any(self._live[w.seq.id].request.stream for w in decodes)):
+        if any(self._live[w.seq.id].matcher is not None for w in decodes):
+            results = self._masked_loop(decodes, lanes, outputs)
+        elif self._progressive(any(self._live[w.seq.id].request.stream for w in decodes)):
             results = self._progressive_loop(decodes, lanes, outputs)
         else:
             results = self._guarded("decode_many", decodes, outputs, _pairs,
@@ -934,13 +951,69 @@ class Engine:
                           outputs: list[RequestOutput]) -> list[tuple] | None:
         """decode_many with progress: each group's tokens through advance/_emit while the next
         group runs, their outputs delivered at once (step's `deliver`); the call stops early
-        once a request or an abort waits. Requests that end meanwhile keep their sequences'
-        blocks until the call returns (_remove). Returns decode_many's (work, lane) and
-        tokens, or None if it failed."""
+        once a request or an abort waits, or every lane's request has ended. Requests that end
+        meanwhile keep their sequences' blocks until the call returns (_remove). Returns
+        decode_many's (work, lane) and tokens, or None if it failed."""
         stream = any(self._live[w.seq.id].request.stream for w in decodes)
         # half the interval: an arrival waits for the group it was seen in and the one queued
         group = self._streaming_steps(max(lane.budget for lane in lanes),
                                       self.stream_interval_s / 2) if stream else 0
+        progress = self._loop_progress(decodes, lanes, outputs)
+        return self._holding_blocks(lambda: self._guarded(
+            "decode_many", decodes, outputs, _pairs, list(zip(decodes, lanes, strict=True)),
+            self._timed(lambda ls: self.executor.decode_many(ls, progress, group)), lanes))
+
+    def _masked_loop(self, decodes: list[Work], lanes: list[LoopLane],
+                     outputs: list[RequestOutput]) -> list[tuple] | None:
+        """decode_many_masked (executor_api's "Masked decode loop") for lanes some of which
+        follow a grammar: their first masks made before the call (a lane whose mask fails
+        ends and is left out), each later one in `masks` from the token before it, which the
+        lane's grammar consumes there (_consume's work, step by step); the tokens then go
+        through advance/_emit in `progress`, as in _progressive_loop."""
+        self._join_masks(outputs)  # the worker lets go of the matchers masks() consumes into
+        # (a job that failed ended its lanes)
+        ready = {w.seq.id: w for w in self._ready(
+            [w for w in decodes if w.seq.id in self._live], outputs)}
+        pairs = [(ready[w.seq.id], dataclasses.replace(lane, chunk=dataclasses.replace(
+                     lane.chunk, extras=ready[w.seq.id].chunk.extras)))
+                 for w, lane in zip(decodes, lanes, strict=True) if w.seq.id in ready]
+        if not pairs:
+            return None
+        decodes, lanes = [w for w, _ in pairs], [lane for _, lane in pairs]
+        lives = [self._live[w.seq.id] for w in decodes]
+
+        def masks(new: list[list[int]]) -> list[np.ndarray | None]:
+            made: list[RequestOutput] = []
+            took = []  # the works whose grammar consumed a token now
+            for w, live, tokens in zip(decodes, lives, new, strict=True):
+                if (tokens and live.matcher is not None and self._live.get(w.seq.id) is live
+                        and not self._stops(live, tokens[-1])):
+                    live.mask = None
+                    if self._guarded("grammar", [w], made, self._take, live.matcher,
+                                     tokens[-1]):
+                        took.append(w)
+            # every token its request will take samples under a mask: none past max_tokens
+            need = [w for w in took if not self._live[w.seq.id].matcher.done
+                    and self._live[w.seq.id].matcher.consumed
+                    < self._live[w.seq.id].request.max_tokens]
+            failed = self._guarded("grammar masks", need, made, self._masks, need, True)
+            for sid, error in (failed or {}).items():
+                made.append(self._fail(self._live[sid], error))
+            self._hand(made, outputs)
+            return [live.mask if live.matcher is not None and self._live.get(w.seq.id) is live
+                    else None for w, live in zip(decodes, lives, strict=True)]
+
+        progress = self._loop_progress(decodes, lanes, outputs)
+        return self._holding_blocks(lambda: self._guarded(
+            "decode_many", decodes, outputs, _pairs, pairs,
+            self._timed(lambda ls: self.executor.decode_many_masked(ls, masks, progress)),
+            lanes))
+
+    def _loop_progress(self, decodes: list[Work], lanes: list[LoopLane],
+                       outputs: list[RequestOutput]) -> Callable[[list[list[int]]], bool]:
+        """A decode loop's progress: each lane's new tokens through advance/_emit, the outputs
+        handed on at once (_hand); whether to go on (no arrival or abort waits and some lane's
+        request still runs)."""
         lives = [self._live[w.seq.id] for w in decodes]
         got = [0] * len(lanes)  # tokens each lane has had
 
@@ -955,19 +1028,30 @@ class Engine:
                 got[i] += len(tokens)
                 if out is not None:
                     made.append(out)
-            if self._deliver is not None:
-                self._deliver(made)
-            else:
-                outputs.extend(made)
+            self._hand(made, outputs)
             with self._lock:
-                return not (self._inbox or self._aborts)
+                if self._inbox or self._aborts:
+                    return False
+            return any(self._live.get(w.seq.id) is live
+                       for w, live in zip(decodes, lives, strict=True))
 
+        return progress
+
+    def _hand(self, made: list[RequestOutput], outputs: list[RequestOutput]) -> None:
+        """Outputs made while a call runs: to the step's `deliver`, else with the step's."""
+        if not made:
+            return
+        if self._deliver is not None:
+            self._deliver(made)
+        else:
+            outputs.extend(made)
+
+    def _holding_blocks(self, call: Callable[[], T]) -> T:
+        """call() (a progressive loop), the blocks of sequences ended meanwhile given back once
+        it returns (_remove)."""
         self._held_removals = []
         try:
-            return self._guarded("decode_many", decodes, outputs, _pairs,
-                                 list(zip(decodes, lanes, strict=True)),
-                                 self._timed(lambda ls: self.executor.decode_many(
-                                     ls, progress, group)), lanes)
+            return call()
         finally:
             held, self._held_removals = self._held_removals, None
             for seq in held:
@@ -1012,7 +1096,7 @@ class Engine:
             live.out_counts[token] += 1
         lps = (sampled,) if r.logprobs is not None else ()
         text, hit = live.text.add(token)
-        if live.matcher is not None:  # _consume gave it the token (never with a decode loop)
+        if live.matcher is not None:  # _consume (or a masked loop's masks) gave it the token
             if live.matcher.consumed != len(live.text.token_ids):
                 raise RuntimeError(f"token {token} bypassed its sequence's grammar")
             hit = hit or live.matcher.done  # the grammar is complete: only EOS could follow

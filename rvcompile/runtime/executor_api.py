@@ -73,6 +73,19 @@ launched runs and its tokens come through progress too. The call returns every l
 may write into them up to each lane's budget, also after the lane ended (a stop id, or the
 caller no longer wanting it), so the caller frees none of them before.
 
+Masked decode loop (optional, `masked_loop(executor)`; issue 16): `decode_many_masked(lanes,
+masks, progress)` is a progressive decode_many of one step a group whose lanes sample under
+token masks that depend on the tokens before them (grammars), so constrained sequences keep the
+device loop. A lane's chunk.extras may hold a mask only (None: no mask; no penalties nor
+log-probabilities). Step 0 samples each lane under its chunk's mask; every step's tokens (`new`,
+as progress gets them) go first to `masks(new)`, on the caller's thread while the device runs
+the next step's forward pass, which returns the next step's masks, one per lane (None:
+unmasked; the last step's are not used); then to `progress(new)`, once the next step's sampler
+and the step after's forward pass are queued, so the caller's work on them overlaps the device.
+Each step's tokens are decode_sampled's of the same lanes under those masks (the RNG step one
+on), bit for bit. progress returning False, the blocks, and the return value: as for the
+progressive loop. If masks raises, the call raises it once the device is done.
+
 Speculative decoding (optional, `max_draft_tokens(executor)` > 0; issue 15). One round of a
 sequence whose target has cached positions [0, p) and whose last accepted token x sits at p:
 - `verify`: one call runs x and up to max_draft_tokens drafts d1..dk as k + 1 rows at
@@ -346,6 +359,20 @@ class ProgressiveLoopExecutor(LoopExecutor, Protocol):
         ...
 
 
+class MaskedLoopExecutor(ProgressiveLoopExecutor, Protocol):
+    """A progressive decode loop whose lanes may sample under per-step token masks."""
+
+    masked_loop: bool  # decode_many_masked is offered
+
+    def decode_many_masked(self, lanes: Sequence[LoopLane],
+                           masks: Callable[[list[list[int]]], Sequence[np.ndarray | None]],
+                           progress: Callable[[list[list[int]]], bool] | None = None
+                           ) -> list[list[int]]:
+        """decode_many a step at a time, each step's masks from masks(the step before's
+        tokens) (the module docstring)."""
+        ...
+
+
 class SamplingExecutor(Executor, Protocol):
     """An executor whose sampler also applies SampleExtras and returns log-probabilities."""
 
@@ -460,3 +487,8 @@ def decode_loop_steps(executor: Executor) -> int:
 def loop_progress(executor: Executor) -> bool:
     """Whether the executor's decode_many hands its tokens over group by group (progress)."""
     return bool(getattr(executor, "loop_progress", False)) and decode_loop_steps(executor) > 0
+
+
+def masked_loop(executor: Executor) -> bool:
+    """Whether the executor offers decode_many_masked."""
+    return bool(getattr(executor, "masked_loop", False)) and loop_progress(executor)

@@ -39,6 +39,14 @@ then the caller's masks() while the device runs it, then sample_io written with 
 the sampler part run. The tokens are the one-part entry's, bit for bit (the same launches in the
 same order).
 
+The masked decode loop (executor_api's "Masked decode loop"): sampled_decode_{B} entries end
+with decode_advance too (in their sampler part), so decode_many_masked replays a sampled entry
+in its two parts step after step, the io written once: step s + 1's forward part is queued
+behind step s's sampler, then step s's tokens read (`read_later`), the caller's masks for step
+s + 1 taken and written into sample_io (the read waited for the copy of the step before's) and
+step s + 1's sampler launched. Artifacts whose sampled entries lack decode_advance do not offer
+it.
+
 Speculative decoding (executor_api's "Speculative decoding"): `verify` runs a lane's token and
 drafts as rows of a decode-like entry; with an assistant drafter (schedule version 9) it also
 returns each row's state and `draft` runs the draft entries; from version 10 sampled drafts
@@ -56,7 +64,12 @@ from typing import Protocol
 
 import numpy as np
 
-from rvcompile.artifacts.kernel_schedule import RATIO_LANES_FIELD, SAMPLED, KernelSchedule
+from rvcompile.artifacts.kernel_schedule import (
+    ADVANCE_KERNEL,
+    RATIO_LANES_FIELD,
+    SAMPLED,
+    KernelSchedule,
+)
 from rvcompile.runtime.executor_api import (
     Drafted,
     DraftLane,
@@ -359,18 +372,7 @@ class ScheduledExecutor:
     def decode_many(self, lanes: Sequence[LoopLane],
                     progress: Callable[[list[list[int]]], bool] | None = None,
                     group: int = 0) -> list[list[int]]:
-        if not self.decode_loop_steps:
-            raise ValueError("this artifact was built before the decode loop (its decode "
-                             "entries lack decode_advance): rebuild it")
-        for lane in lanes:
-            if not 1 <= lane.budget <= self.decode_loop_steps:
-                raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
-                                 f"{self.decode_loop_steps} steps")
-            if len(lane.stop_ids) > self.decode_loop_stops:
-                raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
-                                 f"most {self.decode_loop_stops}")
-        if group < 0:
-            raise ValueError(f"group {group}: decode_many runs groups of at least one step")
+        self._check_loop(lanes, group)
         b, io = self._decode_io([lane.chunk for lane in lanes])
         s = self.schedule
         io = bytearray(io)
@@ -411,6 +413,108 @@ class ScheduledExecutor:
             if progress is not None and not progress(new):
                 go_on = False
         return out
+
+    # -- the masked decode loop (executor_api's "Masked decode loop")
+
+    @cached_property
+    def masked_loop(self) -> bool:
+        """decode_many_masked is offered: late masks, a decode loop, and every sampled decode
+        entry ends with decode_advance (in schedules built since it does)."""
+        return self.late_masks and self.decode_loop_steps > 0 and all(
+            e.launches and getattr(e.launches[-1], "kernel", None) == ADVANCE_KERNEL
+            for name, e in self.schedule.entries.items()
+            if name.startswith(SAMPLED + "decode_"))
+
+    def decode_many_masked(self, lanes: Sequence[LoopLane],
+                           masks: Callable[[list[list[int]]], Sequence[np.ndarray | None]],
+                           progress: Callable[[list[list[int]]], bool] | None = None
+                           ) -> list[list[int]]:
+        """decode_many over sampled_decode_{B}, a step at a time, each lane sampled under its
+        token mask: step 0's from its chunk's extras, step s's from masks(step s - 1's
+        tokens), asked for while step s's forward part runs; then progress(those tokens),
+        once step s's sampler and step s + 1's forward part are queued."""
+        if not self.masked_loop:
+            raise ValueError("this executor offers no masked decode loop (its sampled decode "
+                             "entries lack decode_advance, or it takes no late masks): rebuild "
+                             "the artifact")
+        self._check_loop(lanes, 0)
+        for lane in lanes:
+            e = lane.chunk.extras
+            if e is not None and (e.top_logprobs >= 0 or e.penalties.active
+                                  or e.pen_ids is not None):
+                raise ValueError("a masked decode loop's lanes take a token mask only (no "
+                                 "log-probabilities or penalties)")
+        chunks = [lane.chunk for lane in lanes]
+        b, io = self._decode_io(chunks)
+        s, entry = self.schedule, f"sampled_decode_{b}"
+        io = bytearray(io.ljust(s.io_bytes, b"\0"))
+        at = s.io["loop_budget"].offset - s.io_offset
+        io[at:at + 4 * len(lanes)] = np.asarray([x.budget for x in lanes], np.int32).tobytes()
+        self.device.write(s.io_offset, bytes(io) + self._sample_io(chunks))
+        history = s.io["loop_tokens"]
+        steps = max(x.budget for x in lanes)
+        read_later = getattr(self.device, "read_later", None) or self._read_now
+        out: list[list[int]] = [[] for _ in lanes]
+        ended = [False] * len(lanes)
+
+        def forward() -> None:
+            self._runs += 1
+            self.device.run_part(entry, "forward")
+
+        def sample(step: int) -> Callable[[], bytes]:
+            self.device.run_part(entry, "sampler")
+            return read_later(history.offset + step * b * 4, b * 4)
+
+        forward()
+        fetch, step, go_on = sample(0), 0, True
+        forwards = 1  # forward parts launched: step s's is, once forwards > s
+        if steps > 1:
+            forward()  # queued behind step 0's sampler: the device runs on meanwhile
+            forwards += 1
+        while fetch is not None:
+            try:
+                rows = np.frombuffer(fetch(), np.int32).reshape(1, b)
+                new = [[] if ended[i] else _lane_tokens(rows[:, i], lane, len(out[i]))
+                       for i, lane in enumerate(lanes)]
+                for i, (tokens, lane) in enumerate(zip(new, lanes, strict=True)):
+                    out[i] += tokens
+                    ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
+                        tokens and tokens[-1] in lane.stop_ids)
+                got = list(masks(new))
+                if len(got) != len(lanes):
+                    raise ValueError(f"{len(got)} masks for {len(lanes)} lanes")
+                fetch = None
+                if forwards > step + 1 and not all(ended):  # (else it runs unsampled)
+                    step += 1
+                    self.device.write(s.sampler.offset, self._sample_io(
+                        [_with_mask(c, m) for c, m in zip(chunks, got, strict=True)]))
+                    fetch = sample(step)
+                    if go_on and forwards < steps:
+                        forward()
+                        forwards += 1
+            except BaseException:
+                # the device may still run what was launched; the next call's io must not be
+                # staged before that is done (a read waits for it)
+                self.device.read(s.outputs[f"{entry}.out_tokens"].offset, 4)
+                raise
+            if progress is not None and not progress(new):
+                go_on = False
+        return out
+
+    def _check_loop(self, lanes: Sequence[LoopLane], group: int) -> None:
+        """ValueError for lanes or a group size decode_many cannot run."""
+        if not self.decode_loop_steps:
+            raise ValueError("this artifact was built before the decode loop (its decode "
+                             "entries lack decode_advance): rebuild it")
+        for lane in lanes:
+            if not 1 <= lane.budget <= self.decode_loop_steps:
+                raise ValueError(f"lane budget {lane.budget}: decode_many runs 1 to "
+                                 f"{self.decode_loop_steps} steps")
+            if len(lane.stop_ids) > self.decode_loop_stops:
+                raise ValueError(f"{len(lane.stop_ids)} stop token ids; decode_many takes at "
+                                 f"most {self.decode_loop_stops}")
+        if group < 0:
+            raise ValueError(f"group {group}: decode_many runs groups of at least one step")
 
     def _read_now(self, offset: int, nbytes: int) -> Callable[[], bytes]:
         """read_later for a device without it: read at once (what it ran has finished)."""

@@ -10,8 +10,9 @@ K > 0 (speculative decoding) `verify_{R}` for R = 2, 4, ... times max_seqs below
 max_seqs * (K + 1), and that (CUDA graphs too); on one GPU also `sampled_decode_{B}` and
 `sampled_prefill_{T}`: the same launches with the sampler's extras around the sampling
 (penalties, a token mask, log-probabilities: sample.py), so the plain entries keep their launch
-lists (the fast path) and a request with extras runs through these. Every `decode_{B}` ends with
-decode_advance (rows.py), the device side of the runtime's decode loop. With an assistant in the
+lists (the fast path) and a request with extras runs through these. Every `decode_{B}` and
+`sampled_decode_{B}` ends with decode_advance (rows.py), the device side of the runtime's decode
+loop (a sampled one's, in its sampler part: the masked decode loop, scheduled.py). With an assistant in the
 IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the decode and verify
 entries also output every row's state and apply the speculative ratio rule to the lanes that
 ask for it (ratio.py; schedule version 10).
@@ -163,6 +164,8 @@ def lower_to_h100(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...
     top = 0 if tp is not None else sample.TOP_LOGPROBS
     if top:
         plans += [EntryLowering(ir, kind, rows, consts, kv.pools, sampled=True,
+                                decode_loop_steps=layout.DECODE_LOOP_STEPS
+                                if name.startswith("decode_") else 0,
                                 prefill_seqs=seqs if kind == "prefill" else 1).run(
             f"sampled_{name}") for kind, name, rows in entries
             if name.startswith(("decode_", "prefill_"))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rvcompile.artifacts.kernel_schedule import ADVANCE_KERNEL
 from rvcompile.ir import ops
 from rvcompile.targets.h100.contract import Call, Entry, f32, i32, i64, ptr
 from rvcompile.targets.h100.gemv_fp8 import Launch
@@ -27,7 +28,7 @@ SOURCE = "rows.cu"
 SELECT_ENTRY = "select_rows_bf16"
 SELECT_F32_ENTRY = "select_rows_f32"
 SOFTCAP_ENTRY = "softcap_rows"
-ADVANCE_ENTRY = "decode_advance"
+ADVANCE_ENTRY = ADVANCE_KERNEL
 THREADS = 256
 ADVANCE_MAX_LANES = 1024  # one CTA's threads
 
