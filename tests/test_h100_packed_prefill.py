@@ -6,7 +6,7 @@ On the CPU through the reference executor (each kernel's numpy reference; stub c
 test_h100_tc_plan.py), on a tiny h100-fp8 build whose prefill entries 64 and 256 run every
 linear on the tensor-core GEMM: which schedules pack, chunks alone against packed (their sampled
 tokens and every KV pool byte), the engine packing a step's prompts without changing any
-request's tokens, and the refusals. On the GPU (skipped without one): the same comparison on the
+request's tokens (also with sampler extras: prefill_packed_sampled), and the refusals. On the GPU (skipped without one): the same comparison on the
 real kernels, where the GEMM's tile shape differs between the entries.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from h100_helpers import (
     bare_engine,
@@ -32,7 +33,7 @@ from rvcompile.artifacts.schema import SchemaError
 from rvcompile.build import BuildOptions, lower_model
 from rvcompile.model.presets import get_preset
 from rvcompile.runtime.engine import Request
-from rvcompile.runtime.executor_api import Sampling, SeqChunk
+from rvcompile.runtime.executor_api import Penalties, Sampled, SampleExtras, Sampling, SeqChunk
 from rvcompile.sources.model_source import ModelSource
 from rvcompile.targets.h100 import attn_prefill, lower
 
@@ -100,6 +101,32 @@ def test_a_chunk_computes_the_same_in_a_wider_entry(art):
     assert _pools(a) == _pools(b)
 
 
+def _extras(executor) -> list[SampleExtras | None]:
+    """A mask with log-probabilities, penalties with log-probabilities, and none (SEQS')."""
+    rng = np.random.default_rng(6)
+    words = executor.schedule.sampler.mask_words
+    mask = np.packbits(rng.random(32 * words) < 0.2, bitorder="little").view(np.int32)
+    ids = np.array([3, 17, 40], np.int32)
+    return [SampleExtras(2, mask=mask),
+            SampleExtras(1, Penalties(0.5, 0.3, 1.3), ids, np.array([1, 2, 0], np.int32)),
+            None]
+
+
+def test_packed_sampled_chunks_give_what_they_give_alone(art):
+    """prefill_packed_sampled (issue 16: constrained or log-probability prompts pack too):
+    each chunk's token, log-probability and top ones as prefill_sampled gives it alone, the
+    same KV bytes; the chunk without extras samples what prefill gives it."""
+    alone, packed = reference_executor(art), reference_executor(art)
+    assert packed.packs_sampled
+    chunks = [dataclasses.replace(c, extras=e)
+              for c, e in zip(_chunks(alone), _extras(alone), strict=True)]
+    want = [alone.prefill_sampled(c) if c.extras else Sampled(alone.prefill(c)) for c in chunks]
+    got = packed.prefill_packed_sampled(chunks)
+    assert got == want and len(got[0].top) == 2 and got[2].logprob is None
+    assert np.unpackbits(chunks[0].extras.mask.view(np.uint8), bitorder="little")[got[0].token]
+    assert _pools(packed) == _pools(alone)
+
+
 def test_bad_packs_are_refused(art):
     ex = reference_executor(art)
     chunks = _chunks(ex)
@@ -116,6 +143,22 @@ def test_bad_packs_are_refused(art):
 
 def test_the_engine_packs_prompts_and_gives_every_request_its_own_tokens(art):
     requests = [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 5, s, ignore_eos=True)
+                for i, (n, s) in enumerate(SEQS)]
+    each = {}
+    for r in requests:
+        each |= run_requests(bare_engine(reference_executor(art)), [r])
+    eng = bare_engine(reference_executor(art), prefill_budget=256)
+    assert run_requests(eng, requests) == each
+    assert eng.stats().packed_prefills >= 1
+
+
+def test_the_engine_packs_prompts_with_extras(art):
+    """Requests asking for log-probabilities or penalties beside a plain one: their prompts go
+    in one packed call (prefill_packed_sampled), and each request gets the tokens it gets
+    alone."""
+    requests = [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 5, s, ignore_eos=True,
+                        logprobs=2 if i == 0 else None,
+                        penalties=Penalties(0.4, 0.2, 1.2) if i == 1 else Penalties())
                 for i, (n, s) in enumerate(SEQS)]
     each = {}
     for r in requests:
@@ -203,4 +246,14 @@ def test_gpu_packed_and_wider_entries_compute_bit_for_bit_the_same(oracle_dir, t
     assert [wider.prefill(dataclasses.replace(c, rows=256)) for c in chunks] == want
     assert _pools(wider) == _pools(alone)
     assert packed.prefill_packed(chunks) == want
+    assert _pools(packed) == _pools(alone)
+    # with extras (prefill_packed_sampled), against each chunk's prefill_sampled alone
+    alone, packed = executor(), executor()
+    chunks = [dataclasses.replace(c, extras=e)
+              for c, e in zip(_chunks(alone), _extras(alone), strict=True)]
+    want = [alone.prefill_sampled(c) if c.extras else Sampled(alone.prefill(c)) for c in chunks]
+    got = packed.prefill_packed_sampled(chunks)
+    assert [g.token for g in got] == [w.token for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.logprob == w.logprob and g.top == w.top
     assert _pools(packed) == _pools(alone)

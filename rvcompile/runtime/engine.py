@@ -119,6 +119,7 @@ from rvcompile.runtime.executor_api import (
     max_draft_tokens,
     mixes_decode,
     packs_prefill,
+    packs_sampled,
     takes_late_masks,
     top_logprobs,
 )
@@ -634,12 +635,14 @@ class Engine:
 
     def _prefill_packed(self, chunks: list[SeqChunk]) -> list[Sampled]:
         self.packed_prefills += 1
+        if any(c.extras is not None for c in chunks):
+            return self.executor.prefill_packed_sampled(chunks)
         return [Sampled(t) for t in self.executor.prefill_packed(chunks)]
 
     def _packs(self, works: list[Work]) -> list[list[Work]]:
-        """The step's prefill works in calls, in order: consecutive chunks without extras
-        packed while they fit the largest prefill entry (executor_api, "Packed prefill");
-        every other chunk alone."""
+        """The step's prefill works in calls, in order: consecutive chunks packed while they
+        fit the largest prefill entry (executor_api, "Packed prefill"), those with extras only
+        where the executor packs them (packs_sampled); every other chunk alone."""
         if not packs_prefill(self.executor):
             return [[w] for w in works]
         packs: list[list[Work]] = []
@@ -651,7 +654,8 @@ class Engine:
         return packs
 
     def _packable(self, works: list[Work]) -> bool:
-        if any(w.chunk.extras is not None for w in works):
+        if (any(w.chunk.extras is not None for w in works)
+                and not packs_sampled(self.executor)):
             return False
         try:
             rows = self.executor.packed_rows([w.chunk for w in works])

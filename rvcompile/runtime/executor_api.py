@@ -25,7 +25,11 @@ Packed prefill (optional, `packs_prefill(executor)`; issue 14): `prefill_packed`
 prompt chunks of several sequences in one call, so short prompts share the weight reads of one
 wide call. The executor promises that each chunk's rows compute bit for bit as in the prefill
 call `prefill` would run it in (its SeqChunk.rows), so packing changes no recipe; `packed_rows`
-says whether chunks can share a call and how many rows they need. Chunks with extras run alone.
+says whether chunks can share a call and how many rows they need. Chunks with extras run alone,
+unless the executor also offers `prefill_packed_sampled` (`packs_sampled(executor)`; issue 16):
+prefill_packed with each chunk's SampleExtras applied to its sampled token, as prefill_sampled
+applies them, returning each chunk's Sampled (chunks without extras sample what
+prefill_packed gives them).
 
 Mixed calls (optional, `mixes_decode(executor)`; issue 14): `prefill_decode` runs packed
 prompt chunks and a step's decode lanes in one call, so the chunks ride along the lanes' read
@@ -455,6 +459,10 @@ class PackingExecutor(Executor, Protocol):
         """Run the chunks (of different sequences) in one call; each one's sampled token."""
         ...
 
+    def prefill_packed_sampled(self, chunks: Sequence[SeqChunk]) -> list[Sampled]:
+        """prefill_packed, each chunk's extras applied (offered where packs_sampled)."""
+        ...
+
 
 class MixingExecutor(PackingExecutor, Protocol):
     """An executor that runs packed prompt chunks and decode lanes in one call."""
@@ -467,6 +475,11 @@ class MixingExecutor(PackingExecutor, Protocol):
                        lanes: Sequence[SeqChunk]) -> tuple[list[int], list[int]]:
         """Run the chunks and the lanes in one call: each chunk's and each lane's token."""
         ...
+
+
+def packs_sampled(executor: Executor) -> bool:
+    """Whether the executor offers prefill_packed_sampled."""
+    return bool(getattr(executor, "packs_sampled", False)) and packs_prefill(executor)
 
 
 def mixes_decode(executor: Executor) -> bool:

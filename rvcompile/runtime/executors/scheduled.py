@@ -273,6 +273,27 @@ class ScheduledExecutor:
         """Several sequences' prompt chunks in one prefill call (executor_api, "Packed
         prefill"): each chunk's rows from a multiple of the packing's align, in the smallest
         prefill entry of at least min_rows holding them all; each chunk's sampled token."""
+        t, io = self._packed_io(chunks)
+        got = self._call(f"prefill_{t}", io, "out_tokens", len(chunks), np.int32)
+        return [int(x) for x in got]
+
+    @property
+    def packs_sampled(self) -> bool:
+        """prefill_packed_sampled is offered: the schedule packs and has sampled entries."""
+        return self.prefill_packing is not None and self.schedule.sampler is not None
+
+    def prefill_packed_sampled(self, chunks: Sequence[SeqChunk]) -> list[Sampled]:
+        """prefill_packed through sampled_prefill_{T}, each chunk's extras applied to its
+        sampled row (row i: chunk i's, as prefill_sampled applies one chunk's to row 0)."""
+        if not self.packs_sampled:
+            raise ValueError("this artifact packs no sampled prefill (no packing, or no "
+                             "sampled entries)")
+        t, io = self._packed_io(chunks)
+        return self._call_sampled(f"sampled_prefill_{t}", io, chunks,
+                                  self.prefill_seqs)[:len(chunks)]
+
+    def _packed_io(self, chunks: Sequence[SeqChunk]) -> tuple[int, bytes]:
+        """(the rows, the io) of a packed prefill call of these chunks."""
         need = self.packed_rows(chunks)
         p = self.prefill_packing
         t = next((b for b in self.prefill_buckets if b >= max(need, p.min_rows)), None)
@@ -281,10 +302,8 @@ class ScheduledExecutor:
                              f"{self.prefill_buckets[-1]}")
         toks, pos, chunk_of_row, last = self._packed_rows_io(chunks, t)
         sample_of_row = np.minimum(np.arange(t), len(chunks) - 1)
-        io = self._io(t, chunks, toks, pos, chunk_of_row, last_rows=last,
-                      sample_of_row=sample_of_row)
-        got = self._call(f"prefill_{t}", io, "out_tokens", len(chunks), np.int32)
-        return [int(x) for x in got]
+        return t, self._io(t, chunks, toks, pos, chunk_of_row, last_rows=last,
+                           sample_of_row=sample_of_row)
 
     def mixed_entry(self, chunks: Sequence[SeqChunk], lanes: int) -> tuple[int, int] | None:
         """(P, B) of the smallest mixed entry taking the chunks packed and `lanes` lanes (the
