@@ -81,10 +81,21 @@ def test_prepared_executables_load_instead_of_compiling(built, monkeypatch, caps
     capsys.readouterr()
     model = runtime.load(art)
     assert model.executor.load_note.startswith("prepared executables (tiny.rvp.prepared); "
-                                               "nothing compiled, loaded in ")
+                                               "nothing compiled, 3 checked in ")
+    assert model.executor.load_note.endswith(" s, each deserialized on its first use")
     assert model.executor.compile_s == 0.0 and model.load_report.executor.compile_s > 0
+    # checked at load, deserialized by XLA only when first called, and the report says so
+    fns = model.executor.fns
+    assert fns.pending == ("decode_1", "logits_16", "prefill_16") and fns.loaded_s == {}
+    assert model.load_report.executor.deferred == fns.pending
+    assert model.load_report.lines()[-1] == (
+        "rvrun: executables checked, not yet deserialized: decode_1, logits_16, prefill_16 "
+        "(each on its first call, which waits for it)")
+    assert model.load_report.as_json()["deferred"] == list(fns.pending)
     np.testing.assert_array_equal(model.logits(PROMPT), logits)
+    assert fns.pending == ("decode_1", "prefill_16") and list(fns.loaded_s) == ["logits_16"]
     assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+    assert fns.pending == () and sorted(fns.loaded_s) == ["decode_1", "logits_16", "prefill_16"]
     assert capsys.readouterr().err == ""
 
 

@@ -278,7 +278,7 @@ class XlaExecutor:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         if loads_executables:
             t0 = time.perf_counter()
-            with phases.phase("load executables"):
+            with phases.phase("check executables"):
                 if choice.topology is not None:
                     self.fns = load_precompiled(art, choice.topology, exported,
                                                 jax.local_devices())
@@ -294,9 +294,12 @@ class XlaExecutor:
                     note = f"{prepared.note}; nothing compiled"
             self.compile_s = 0.0  # nothing compiled
             loaded_s = time.perf_counter() - t0
-            self.load_note = f"{note}, loaded in {loaded_s:.2f} s"
+            deferred = self.fns.pending
+            self.load_note = (f"{note}, {len(self.fns)} checked in {loaded_s:.2f} s, each "
+                              "deserialized on its first use")
             self.load_times = LoadTimes(upload_s=self.upload_s, weight_bytes=weight_bytes,
-                                        programs_s=programs_s, compile_s=loaded_s)
+                                        programs_s=programs_s, compile_s=loaded_s,
+                                        deferred=deferred)
             return
         if prepared and prepared.note:
             print(f"[rvrun] {prepared.note}", file=sys.stderr)
