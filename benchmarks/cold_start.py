@@ -5,7 +5,9 @@ the same run, and Model.load_report's breakdown of every start. Writes JSON.
 Every start is a fresh process (`python cold_start.py --child ART`): the interpreter, the
 imports, `runtime.load` (verification on unless --no-verify) and one 1-token request; the
 parent times it from spawn to the child's "ready" line, so the figure is what a restarted
-server pays.
+server pays. After ready, untimed by the parent, the child runs two requests that decode (8
+prompt tokens, 16 new) and records their seconds and which XLA executables each deserialized on
+first use (`after_ready`): what ready left for the first requests to pay.
 
     python benchmarks/cold_start.py ART [--cold] [--runs 3] [--no-verify] [--out FILE.json]
         [--streams N --chunk-mib M --workers W]    # H100 upload tunables, for a sweep
@@ -65,6 +67,21 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
                       "first_request_s": t3 - t2, "report": m.load_report.as_json(),
                       "report_lines": m.load_report.lines(), "pyc": pyc,
                       "dont_write_bytecode": sys.dont_write_bytecode}), flush=True)
+    # after ready, not timed by the parent: what the first requests still pay where executables
+    # are deserialized on their first call (XLA: executors/precompiled.Executables), one that
+    # decodes (prompt of 8 tokens, 16 new) and one that decodes again
+    fns = getattr(m.executor, "fns", None)
+    before = dict(getattr(fns, "loaded_s", {}))
+    then = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        m.generate([m.bos_id] * 8, max_tokens=16, ignore_eos=True)
+        then.append(time.perf_counter() - t0)
+    after = dict(getattr(fns, "loaded_s", {}))
+    print(json.dumps({"decode_requests_s": then, "deserialized_at_ready_s": before,
+                      "deserialized_by_decode_requests_s": {
+                          k: v for k, v in after.items() if k not in before},
+                      "still_pending": list(getattr(fns, "pending", ()))}), flush=True)
 
 
 def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
@@ -75,11 +92,12 @@ def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     ready_s = time.perf_counter() - t0
-    _, err = proc.communicate()
+    rest, err = proc.communicate()
     if proc.returncode != 0 or not line.startswith("{"):
         raise SystemExit(f"cold_start: the child failed ({proc.returncode}): {err.strip()}")
     out = json.loads(line)
     out["spawn_to_ready_s"] = ready_s
+    out["after_ready"] = json.loads(rest.strip().splitlines()[-1])
     return out
 
 
@@ -158,6 +176,10 @@ def read_rate(path: Path, threads: int) -> float:
         os.close(fd)
 
 
+def _seconds(by_name: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f} s" for k, v in sorted(by_name.items())) or "none"
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -207,6 +229,11 @@ def main() -> None:
           f"{best['load_s']:.2f} s, first request {best['first_request_s']:.2f} s)")
     for line in best["report_lines"]:
         print(f"  {line}")
+    after = best["after_ready"]
+    print(f"  after ready: two requests of 8 + 16 tokens took "
+          f"{', '.join(f'{s:.2f}' for s in after['decode_requests_s'])} s; deserialized at ready "
+          f"{_seconds(after['deserialized_at_ready_s'])}, by these requests "
+          f"{_seconds(after['deserialized_by_decode_requests_s'])}")
     if a.cold:
         drops = [drop(path)]
         one = read_rate(path, 1)

@@ -7,10 +7,12 @@ that compiles says so, with a measured estimate (runtime/executors/compile_estim
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -97,6 +99,51 @@ def test_prepared_executables_load_instead_of_compiling(built, monkeypatch, caps
     assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
     assert fns.pending == () and sorted(fns.loaded_s) == ["decode_1", "logits_16", "prefill_16"]
     assert capsys.readouterr().err == ""
+
+
+def test_a_prepared_start_compiles_nothing(built, monkeypatch):
+    """Not the programs, nor anything of jax's around them (a fill program per KV pool shape
+    cost a CPU start 0.1-0.3 s): jax reports no backend compile from load to the first tokens."""
+    from jax._src import dispatch, monitoring
+
+    art, _, (_, tokens), _ = built
+    compiled: list[str] = []
+    monkeypatch.setattr(monitoring, "_event_duration_secs_listeners", [
+        *monitoring._event_duration_secs_listeners,
+        lambda event, secs, **kw: compiled.append(kw.get("fun_name", "?"))
+        if event == dispatch.BACKEND_COMPILE_EVENT else None])
+    jax.jit(lambda x: x + 1).lower(np.float32(1)).compile()  # the listener hears a compile
+    assert compiled and compiled.pop()
+    jax.clear_caches()  # what this process compiled before (the fixture's start) is forgotten
+    model = runtime.load(art)
+    assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+    assert compiled == []
+
+
+def test_the_collector_is_paused_for_a_load_only(built, monkeypatch):
+    """runtime.load turns Python's cyclic garbage collector off while it runs (the objects it
+    makes live as long as the process) and back as it found it, whether the load fails or not."""
+    art = built[0]
+    seen = []
+    real = runtime.runtime_module
+
+    def spy(*args):
+        seen.append(gc.isenabled())
+        return real(*args)
+
+    monkeypatch.setattr(runtime, "runtime_module", spy)
+    assert gc.isenabled()
+    runtime.load(art)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(runtime.ArtifactError):
+        runtime.load(art.with_name("missing.rvp"))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        runtime.load(art)
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
 
 
 def _refused(art: Path, capsys, monkeypatch, **load) -> str:
