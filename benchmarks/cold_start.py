@@ -10,6 +10,7 @@ prompt tokens, 16 new) and records their seconds and which XLA executables each 
 first use (`after_ready`): what ready left for the first requests to pay.
 
     python benchmarks/cold_start.py ART [--cold] [--runs 3] [--no-verify] [--out FILE.json]
+        [--load-all]    # XLA: every executable deserialized before the first request
         [--streams N --chunk-mib M --workers W]    # H100 upload tunables, for a sweep
 
 Page cache: the file is read once (untimed) first, then `--runs` starts. With --cold, the file
@@ -43,9 +44,11 @@ READ_CHUNK = 16 << 20
 PIECE = 256 << 20
 
 
-def child(path: str, verify: bool, tune: dict[str, int]) -> None:
+def child(path: str, verify: bool, tune: dict[str, int], load_all: bool) -> None:
     """One start in this process: imports, load, a 1-token request; prints one JSON line.
-    `tune`: the H100 upload's tunables to set first (streams, chunk_mib, workers; a sweep)."""
+    `tune`: the H100 upload's tunables to set first (streams, chunk_mib, workers; a sweep);
+    `load_all`: XLA executables that wait for their first call deserialized as part of the load
+    (what ready costs when nothing is left for the first requests)."""
     t0 = time.perf_counter()
     from rvcompile import runtime
 
@@ -57,6 +60,9 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
         h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
     t1 = time.perf_counter()
     m = runtime.load(path, verify=verify)
+    fns = getattr(m.executor, "fns", None)
+    for name in getattr(fns, "pending", ()) if load_all else ():
+        fns[name]
     t2 = time.perf_counter()
     m.generate([m.bos_id], max_tokens=1, ignore_eos=True)
     t3 = time.perf_counter()
@@ -70,7 +76,6 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
     # after ready, not timed by the parent: what the first requests still pay where executables
     # are deserialized on their first call (XLA: executors/precompiled.Executables), one that
     # decodes (prompt of 8 tokens, 16 new) and one that decodes again
-    fns = getattr(m.executor, "fns", None)
     before = dict(getattr(fns, "loaded_s", {}))
     then = []
     for _ in range(2):
@@ -84,9 +89,10 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
                       "still_pending": list(getattr(fns, "pending", ()))}), flush=True)
 
 
-def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
+def start(path: Path, verify: bool, tune: dict[str, int], load_all: bool) -> dict:
     """A fresh process's start: seconds from spawn to its ready line, and what it reported."""
     cmd = [sys.executable, __file__, "--child", str(path)] + ([] if verify else ["--no-verify"])
+    cmd += ["--load-all"] if load_all else []
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in tune.items()]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -201,6 +207,8 @@ def main() -> None:
                     "cuda_upload's)")
     ap.add_argument("--workers", type=int, help="H100: most threads reading and hashing "
                     "(default: h100's)")
+    ap.add_argument("--load-all", action="store_true", help="XLA: deserialize every "
+                    "executable in the load, not on its first call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     tune = {k: v for k, v in (("streams", a.streams), ("chunk_mib", a.chunk_mib),
@@ -208,7 +216,7 @@ def main() -> None:
     if any(v < 1 for v in tune.values()):
         raise SystemExit("cold_start: --streams, --chunk-mib and --workers must be at least 1")
     if a.child:
-        return child(str(a.artifact), not a.no_verify, tune)
+        return child(str(a.artifact), not a.no_verify, tune, a.load_all)
     path = a.artifact
     size = path.stat().st_size
     verify = not a.no_verify
@@ -217,12 +225,14 @@ def main() -> None:
     h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
     threads = h100.stream_workers()  # as many as the loader reads with
     result = {"artifact": str(path), "file_bytes": size, "verify": verify, "tune": tune,
+              "load_all": a.load_all,
               "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "commit": _commit(), "command": " ".join(sys.argv)}
     read_rate(path, threads)  # into the page cache
     result["page_cache_read_GBps"] = read_rate(path, threads) / 1e9
-    result["page_cache_starts"] = [start(path, verify, tune) for _ in range(a.runs)]
+    result["page_cache_starts"] = [start(path, verify, tune, a.load_all)
+                                   for _ in range(a.runs)]
     best = min(result["page_cache_starts"], key=lambda r: r["spawn_to_ready_s"])
     print(f"page cache: ready in {best['spawn_to_ready_s']:.2f} s (best of {a.runs}; imports "
           f"{best['import_s']:.2f} s ({'from' if best['pyc'] else 'without'} .pyc files), load "
@@ -240,7 +250,7 @@ def main() -> None:
         drops.append(drop(path))
         many = read_rate(path, threads)
         drops.append(drop(path))
-        cold = start(path, verify, tune)
+        cold = start(path, verify, tune, a.load_all)
         disk = max(one, many)
         result.update(resident_after_drop=drops, disk_read_GBps_1_thread=one / 1e9,
                       disk_read_GBps_threads=many / 1e9, disk_read_threads=threads,

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -25,6 +28,7 @@ from rvcompile.runtime import prepare as prep
 from rvcompile.runtime.executors import compile_estimate, prepared_cache
 from rvcompile.runtime.executors.xla import XlaExecutor
 
+ROOT = Path(__file__).resolve().parents[1]
 OPTS = BuildOptions("xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
                     platforms=("cpu",))
 PROMPT = [2, 17, 5, 99, 3]
@@ -225,3 +229,28 @@ def test_compile_estimate_is_measured(tmp_path):
     assert not compile_estimate.compile_estimate(cache, 1, 3, "cpu / jax 1").first
     (tmp_path / "xla" / compile_estimate.LOG).write_text("{not json")
     assert compile_estimate.compile_estimate(cache, 1, 3, "cpu / jax 1").seconds is None
+
+
+@pytest.mark.parametrize("load_all", [False, True], ids=["deferred", "load-all"])
+def test_cold_start_benchmark_says_what_ready_left(built, tmp_path, load_all):
+    """benchmarks/cold_start.py on a prepared artifact: ready after deserializing only what the
+    1-token request ran (prefill), the decoding requests after it paying for decode; or, with
+    --load-all, everything deserialized before ready."""
+    art = built[0]
+    out = tmp_path / "cold.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), str(art), "--runs", "1",
+           "--out", str(out), *(["--load-all"] if load_all else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=300)
+    run = json.loads(out.read_text())["page_cache_starts"][0]
+    after = run["after_ready"]
+    assert len(after["decode_requests_s"]) == 2
+    assert after["still_pending"] == ([] if load_all else ["logits_16"])
+    if load_all:
+        assert run["report"]["deferred"] == ["decode_1", "logits_16", "prefill_16"]
+        assert set(after["deserialized_at_ready_s"]) == {"decode_1", "logits_16", "prefill_16"}
+        assert after["deserialized_by_decode_requests_s"] == {}
+    else:
+        assert run["report"]["deferred"] == ["decode_1", "logits_16", "prefill_16"]
+        assert list(after["deserialized_at_ready_s"]) == ["prefill_16"]
+        assert list(after["deserialized_by_decode_requests_s"]) == ["decode_1"]
