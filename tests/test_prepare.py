@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -254,3 +255,15 @@ def test_cold_start_benchmark_says_what_ready_left(built, tmp_path, load_all):
         assert run["report"]["deferred"] == ["decode_1", "logits_16", "prefill_16"]
         assert list(after["deserialized_at_ready_s"]) == ["prefill_16"]
         assert list(after["deserialized_by_decode_requests_s"]) == ["decode_1"]
+
+
+def test_rvrun_says_what_first_use_cost(built, capsys):
+    """`rvrun ART --prompt` on a prepared artifact: its summary says how much of the request's
+    TTFT and decode time went to deserializing executables on their first call."""
+    art = built[0]
+    capsys.readouterr()
+    assert rvrun.main([str(art), "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.startswith("[rvrun] load ") and "each deserialized on its first use" in summary
+    assert re.search(r" \| of these times, executables deserialized on first use \d+\.\d\d s "
+                     r"\(decode_1, prefill_16\)$", summary), summary

@@ -381,6 +381,12 @@ class XlaExecutor:
                 tables[name][i] = table
         return tokens, start, n_new, tables
 
+    @property
+    def deserialized_s(self) -> dict[str, float]:
+        """Entry -> seconds XLA took to deserialize its executable on its first call (loaded
+        executables: precompiled.Executables); empty when the programs were compiled at load."""
+        return dict(getattr(self.fns, "loaded_s", {}))
+
     def bucket(self, n: int) -> int:
         for b in self.prefill_buckets:
             if n <= b:
