@@ -5,9 +5,12 @@ the same run, and Model.load_report's breakdown of every start. Writes JSON.
 Every start is a fresh process (`python cold_start.py --child ART`): the interpreter, the
 imports, `runtime.load` (verification on unless --no-verify) and one 1-token request; the
 parent times it from spawn to the child's "ready" line, so the figure is what a restarted
-server pays.
+server pays. After ready, untimed by the parent, the child runs two requests that decode (8
+prompt tokens, 16 new) and records their seconds and which XLA executables each deserialized on
+first use (`after_ready`): what ready left for the first requests to pay.
 
     python benchmarks/cold_start.py ART [--cold] [--runs 3] [--no-verify] [--out FILE.json]
+        [--load-all]    # XLA: every executable deserialized before the first request
         [--streams N --chunk-mib M --workers W]    # H100 upload tunables, for a sweep
 
 Page cache: the file is read once (untimed) first, then `--runs` starts. With --cold, the file
@@ -41,9 +44,11 @@ READ_CHUNK = 16 << 20
 PIECE = 256 << 20
 
 
-def child(path: str, verify: bool, tune: dict[str, int]) -> None:
+def child(path: str, verify: bool, tune: dict[str, int], load_all: bool) -> None:
     """One start in this process: imports, load, a 1-token request; prints one JSON line.
-    `tune`: the H100 upload's tunables to set first (streams, chunk_mib, workers; a sweep)."""
+    `tune`: the H100 upload's tunables to set first (streams, chunk_mib, workers; a sweep);
+    `load_all`: XLA executables that wait for their first call deserialized as part of the load
+    (what ready costs when nothing is left for the first requests)."""
     t0 = time.perf_counter()
     from rvcompile import runtime
 
@@ -55,6 +60,9 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
         h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
     t1 = time.perf_counter()
     m = runtime.load(path, verify=verify)
+    fns = getattr(m.executor, "fns", None)
+    for name in getattr(fns, "pending", ()) if load_all else ():
+        fns[name]
     t2 = time.perf_counter()
     m.generate([m.bos_id], max_tokens=1, ignore_eos=True)
     t3 = time.perf_counter()
@@ -65,21 +73,37 @@ def child(path: str, verify: bool, tune: dict[str, int]) -> None:
                       "first_request_s": t3 - t2, "report": m.load_report.as_json(),
                       "report_lines": m.load_report.lines(), "pyc": pyc,
                       "dont_write_bytecode": sys.dont_write_bytecode}), flush=True)
+    # after ready, not timed by the parent: what the first requests still pay where executables
+    # are deserialized on their first call (XLA: executors/precompiled.Executables), one that
+    # decodes (prompt of 8 tokens, 16 new) and one that decodes again
+    before = dict(getattr(fns, "loaded_s", {}))
+    then = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        m.generate([m.bos_id] * 8, max_tokens=16, ignore_eos=True)
+        then.append(time.perf_counter() - t0)
+    after = dict(getattr(fns, "loaded_s", {}))
+    print(json.dumps({"decode_requests_s": then, "deserialized_at_ready_s": before,
+                      "deserialized_by_decode_requests_s": {
+                          k: v for k, v in after.items() if k not in before},
+                      "still_pending": list(getattr(fns, "pending", ()))}), flush=True)
 
 
-def start(path: Path, verify: bool, tune: dict[str, int]) -> dict:
+def start(path: Path, verify: bool, tune: dict[str, int], load_all: bool) -> dict:
     """A fresh process's start: seconds from spawn to its ready line, and what it reported."""
     cmd = [sys.executable, __file__, "--child", str(path)] + ([] if verify else ["--no-verify"])
+    cmd += ["--load-all"] if load_all else []
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in tune.items()]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     ready_s = time.perf_counter() - t0
-    _, err = proc.communicate()
+    rest, err = proc.communicate()
     if proc.returncode != 0 or not line.startswith("{"):
         raise SystemExit(f"cold_start: the child failed ({proc.returncode}): {err.strip()}")
     out = json.loads(line)
     out["spawn_to_ready_s"] = ready_s
+    out["after_ready"] = json.loads(rest.strip().splitlines()[-1])
     return out
 
 
@@ -158,6 +182,10 @@ def read_rate(path: Path, threads: int) -> float:
         os.close(fd)
 
 
+def _seconds(by_name: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f} s" for k, v in sorted(by_name.items())) or "none"
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -179,6 +207,8 @@ def main() -> None:
                     "cuda_upload's)")
     ap.add_argument("--workers", type=int, help="H100: most threads reading and hashing "
                     "(default: h100's)")
+    ap.add_argument("--load-all", action="store_true", help="XLA: deserialize every "
+                    "executable in the load, not on its first call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     tune = {k: v for k, v in (("streams", a.streams), ("chunk_mib", a.chunk_mib),
@@ -186,7 +216,7 @@ def main() -> None:
     if any(v < 1 for v in tune.values()):
         raise SystemExit("cold_start: --streams, --chunk-mib and --workers must be at least 1")
     if a.child:
-        return child(str(a.artifact), not a.no_verify, tune)
+        return child(str(a.artifact), not a.no_verify, tune, a.load_all)
     path = a.artifact
     size = path.stat().st_size
     verify = not a.no_verify
@@ -195,25 +225,32 @@ def main() -> None:
     h100.MAX_STREAM_WORKERS = tune.get("workers", h100.MAX_STREAM_WORKERS)
     threads = h100.stream_workers()  # as many as the loader reads with
     result = {"artifact": str(path), "file_bytes": size, "verify": verify, "tune": tune,
+              "load_all": a.load_all,
               "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "commit": _commit(), "command": " ".join(sys.argv)}
     read_rate(path, threads)  # into the page cache
     result["page_cache_read_GBps"] = read_rate(path, threads) / 1e9
-    result["page_cache_starts"] = [start(path, verify, tune) for _ in range(a.runs)]
+    result["page_cache_starts"] = [start(path, verify, tune, a.load_all)
+                                   for _ in range(a.runs)]
     best = min(result["page_cache_starts"], key=lambda r: r["spawn_to_ready_s"])
     print(f"page cache: ready in {best['spawn_to_ready_s']:.2f} s (best of {a.runs}; imports "
           f"{best['import_s']:.2f} s ({'from' if best['pyc'] else 'without'} .pyc files), load "
           f"{best['load_s']:.2f} s, first request {best['first_request_s']:.2f} s)")
     for line in best["report_lines"]:
         print(f"  {line}")
+    after = best["after_ready"]
+    print(f"  after ready: two requests of 8 + 16 tokens took "
+          f"{', '.join(f'{s:.2f}' for s in after['decode_requests_s'])} s; deserialized at ready "
+          f"{_seconds(after['deserialized_at_ready_s'])}, by these requests "
+          f"{_seconds(after['deserialized_by_decode_requests_s'])}")
     if a.cold:
         drops = [drop(path)]
         one = read_rate(path, 1)
         drops.append(drop(path))
         many = read_rate(path, threads)
         drops.append(drop(path))
-        cold = start(path, verify, tune)
+        cold = start(path, verify, tune, a.load_all)
         disk = max(one, many)
         result.update(resident_after_drop=drops, disk_read_GBps_1_thread=one / 1e9,
                       disk_read_GBps_threads=many / 1e9, disk_read_threads=threads,

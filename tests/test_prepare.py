@@ -7,10 +7,16 @@ that compiles says so, with a measured estimate (runtime/executors/compile_estim
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,6 +29,7 @@ from rvcompile.runtime import prepare as prep
 from rvcompile.runtime.executors import compile_estimate, prepared_cache
 from rvcompile.runtime.executors.xla import XlaExecutor
 
+ROOT = Path(__file__).resolve().parents[1]
 OPTS = BuildOptions("xla-f32", max_context=64, prefill_buckets=(16,), max_seqs=1,
                     platforms=("cpu",))
 PROMPT = [2, 17, 5, 99, 3]
@@ -81,11 +88,67 @@ def test_prepared_executables_load_instead_of_compiling(built, monkeypatch, caps
     capsys.readouterr()
     model = runtime.load(art)
     assert model.executor.load_note.startswith("prepared executables (tiny.rvp.prepared); "
-                                               "nothing compiled, loaded in ")
+                                               "nothing compiled, 3 checked in ")
+    assert model.executor.load_note.endswith(" s, each deserialized on its first use")
     assert model.executor.compile_s == 0.0 and model.load_report.executor.compile_s > 0
+    # checked at load, deserialized by XLA only when first called, and the report says so
+    fns = model.executor.fns
+    assert fns.pending == ("decode_1", "logits_16", "prefill_16") and fns.loaded_s == {}
+    assert model.load_report.executor.deferred == fns.pending
+    assert model.load_report.lines()[-1] == (
+        "rvrun: executables checked, not yet deserialized: decode_1, logits_16, prefill_16 "
+        "(each on its first call, which waits for it)")
+    assert model.load_report.as_json()["deferred"] == list(fns.pending)
     np.testing.assert_array_equal(model.logits(PROMPT), logits)
+    assert fns.pending == ("decode_1", "prefill_16") and list(fns.loaded_s) == ["logits_16"]
     assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+    assert fns.pending == () and sorted(fns.loaded_s) == ["decode_1", "logits_16", "prefill_16"]
     assert capsys.readouterr().err == ""
+
+
+def test_a_prepared_start_compiles_nothing(built, monkeypatch):
+    """Not the programs, nor anything of jax's around them (a fill program per KV pool shape
+    cost a CPU start 0.1-0.3 s): jax reports no backend compile from load to the first tokens."""
+    from jax._src import dispatch, monitoring
+
+    art, _, (_, tokens), _ = built
+    compiled: list[str] = []
+    monkeypatch.setattr(monitoring, "_event_duration_secs_listeners", [
+        *monitoring._event_duration_secs_listeners,
+        lambda event, secs, **kw: compiled.append(kw.get("fun_name", "?"))
+        if event == dispatch.BACKEND_COMPILE_EVENT else None])
+    jax.jit(lambda x: x + 1).lower(np.float32(1)).compile()  # the listener hears a compile
+    assert compiled and compiled.pop()
+    jax.clear_caches()  # what this process compiled before (the fixture's start) is forgotten
+    model = runtime.load(art)
+    assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+    assert compiled == []
+
+
+def test_the_collector_is_paused_for_a_load_only(built, monkeypatch):
+    """runtime.load turns Python's cyclic garbage collector off while it runs (the objects it
+    makes live as long as the process) and back as it found it, whether the load fails or not."""
+    art = built[0]
+    seen = []
+    real = runtime.runtime_module
+
+    def spy(*args):
+        seen.append(gc.isenabled())
+        return real(*args)
+
+    monkeypatch.setattr(runtime, "runtime_module", spy)
+    assert gc.isenabled()
+    runtime.load(art)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(runtime.ArtifactError):
+        runtime.load(art.with_name("missing.rvp"))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        runtime.load(art)
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
 
 
 def _refused(art: Path, capsys, monkeypatch, **load) -> str:
@@ -167,3 +230,40 @@ def test_compile_estimate_is_measured(tmp_path):
     assert not compile_estimate.compile_estimate(cache, 1, 3, "cpu / jax 1").first
     (tmp_path / "xla" / compile_estimate.LOG).write_text("{not json")
     assert compile_estimate.compile_estimate(cache, 1, 3, "cpu / jax 1").seconds is None
+
+
+@pytest.mark.parametrize("load_all", [False, True], ids=["deferred", "load-all"])
+def test_cold_start_benchmark_says_what_ready_left(built, tmp_path, load_all):
+    """benchmarks/cold_start.py on a prepared artifact: ready after deserializing only what the
+    1-token request ran (prefill), the decoding requests after it paying for decode; or, with
+    --load-all, everything deserialized before ready."""
+    art = built[0]
+    out = tmp_path / "cold.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), str(art), "--runs", "1",
+           "--out", str(out), *(["--load-all"] if load_all else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=300)
+    run = json.loads(out.read_text())["page_cache_starts"][0]
+    after = run["after_ready"]
+    assert len(after["decode_requests_s"]) == 2
+    assert after["still_pending"] == ([] if load_all else ["logits_16"])
+    if load_all:
+        assert run["report"]["deferred"] == ["decode_1", "logits_16", "prefill_16"]
+        assert set(after["deserialized_at_ready_s"]) == {"decode_1", "logits_16", "prefill_16"}
+        assert after["deserialized_by_decode_requests_s"] == {}
+    else:
+        assert run["report"]["deferred"] == ["decode_1", "logits_16", "prefill_16"]
+        assert list(after["deserialized_at_ready_s"]) == ["prefill_16"]
+        assert list(after["deserialized_by_decode_requests_s"]) == ["decode_1"]
+
+
+def test_rvrun_says_what_first_use_cost(built, capsys):
+    """`rvrun ART --prompt` on a prepared artifact: its summary says how much of the request's
+    TTFT and decode time went to deserializing executables on their first call."""
+    art = built[0]
+    capsys.readouterr()
+    assert rvrun.main([str(art), "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.startswith("[rvrun] load ") and "each deserialized on its first use" in summary
+    assert re.search(r" \| of these times, executables deserialized on first use \d+\.\d\d s "
+                     r"\(decode_1, prefill_16\)$", summary), summary

@@ -511,11 +511,21 @@ def test_a_pickle_in_an_entry_never_runs(artifacts, key, tmp_path, capsys):
         _signed(path, key)
         with Artifact.open(path, trusted_keys=[load_trusted_key(key[1])]) as art:
             art.verify()
-    # trusted, an entry in the new encoding goes to XLA's parser, which refuses it
-    with pytest.raises(ArtifactError) as e:
-        load(v3, trusted_keys=[key[1]], trust_executables=True)
-    assert str(e.value).startswith("v3.rvp: precompiled cpu:1/decode_2: XLA cannot load it: ")
-    assert "\n" not in str(e.value)
+    # trusted, an entry in the new encoding goes to XLA's parser on its first call, which
+    # refuses it: that call fails (and every later one), one line, and nothing is compiled
+    model = load(v3, trusted_keys=[key[1]], trust_executables=True)
+    assert model.executor.fns.pending == ("decode_2", "logits_16", "prefill_16")
+    for _ in range(2):
+        with pytest.raises(ArtifactError) as e:
+            model.executor.fns["decode_2"]
+        assert str(e.value).startswith("v3.rvp: precompiled cpu:1/decode_2: XLA cannot load "
+                                       "it: ")
+        assert "\n" not in str(e.value)
+    with pytest.raises(RuntimeError, match="generation failed: .*ArtifactError: v3.rvp: "
+                                           "precompiled cpu:1/prefill_16: XLA cannot load it"):
+        model.generate([2, 17, 5], max_tokens=3, ignore_eos=True)
+    assert model.executor.compile_s == 0.0 and model.executor.fns.loaded_s == {}
+    capsys.readouterr()
     # a v2 set (jax's pickle) is never loaded, nor is any set untrusted: the StableHLO runs
     for path, trust, why in ((v2, True, "cpu:1: it is stored as jax's pickle"),
                              (v3, False, "loads one only when trusted")):
@@ -547,13 +557,15 @@ def _tampered(src: Path, dst: Path, edit) -> None:
      "decode_2: operands.inputs[1].spec: expected a PartitionSpec"),
     (lambda r: r["entries"]["decode_2"]["operands"]["inputs"][1].update(dtype="float99"),
      "decode_2: operands.inputs[1].dtype: unknown dtype 'float99'"),
-    # decode_2's operands over prefill_16's executable: XLA loads it, the shapes disagree
+    # decode_2's operands over prefill_16's executable: XLA loads it (on decode_2's first
+    # call), the shapes disagree
     (lambda r: r["entries"]["decode_2"].update(
         {k: r["entries"]["prefill_16"][k] for k in ("offset", "size", "sha256")}),
      "decode_2: the executable's input"),
 ], ids=["shape", "dtype", "outputs", "donated", "spec", "unknown-dtype", "other-executable"])
 def test_operands_that_disagree_are_refused(artifacts, key, tmp_path, edit, says):
-    """As a signer's own mistake would make it (a signed file): refused in one line."""
+    """As a signer's own mistake would make it (a signed file): refused in one line, at load
+    (the record against the program), or what only XLA can tell at the entry's first call."""
     from rvcompile.runtime import load
 
     _, with_set, _ = artifacts
@@ -561,7 +573,9 @@ def test_operands_that_disagree_are_refused(artifacts, key, tmp_path, edit, says
     _tampered(with_set, bad, edit)
     _signed(bad, key)
     with pytest.raises(ArtifactError, match=re.escape(says)) as e:
-        load(bad, trusted_keys=[key[1]], trust_executables=True)
+        model = load(bad, trusted_keys=[key[1]], trust_executables=True)
+        assert "the executable's" in says  # loaded: only the executable's own check is left
+        model.executor.fns["decode_2"]
     assert str(e.value).startswith("bad.rvp: precompiled cpu:1/") and "\n" not in str(e.value)
 
 

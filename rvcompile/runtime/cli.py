@@ -158,6 +158,7 @@ def run_main(argv: list[str]) -> int:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
     _print_load_report(m)
+    deserialized = getattr(m.executor, "deserialized_s", {})  # XLA, before any request: {}
     try:
         for piece in m.generate_stream(a.prompt, max_tokens=a.max_tokens,
                                        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -175,11 +176,17 @@ def run_main(argv: list[str]) -> int:
     sys.stdout.write("\n")
     r = m.last_result
     ex = m.executor
+    # executables XLA deserialized on their first call in this request: in TTFT and decode
+    first_use = {k: v for k, v in getattr(ex, "deserialized_s", {}).items()
+                 if k not in deserialized}
     print(f"[rvrun] load {load_s:.2f} s ({ex.load_note}) | prompt "
           f"{r.prompt_tokens} tokens | new {len(r.token_ids)} tokens ({r.finish_reason}) | "
           f"TTFT {r.ttft_s * 1e3:.1f} ms | decode {r.decode_tok_s:.1f} tok/s"
           + (f" | {a.speculative}: {r.accepted_tokens} of {r.drafted_tokens} drafts accepted"
-             if a.speculative else ""), file=sys.stderr)
+             if a.speculative else "")
+          + (f" | of these times, executables deserialized on first use "
+             f"{sum(first_use.values()):.2f} s ({', '.join(sorted(first_use))})"
+             if first_use else ""), file=sys.stderr)
     return 0
 
 

@@ -272,7 +272,9 @@ class LoadTimes:
     # .checks), the seconds that ran while the weights streamed (the rest ran before it)
     programs_s: float = 0.0  # XLA: the exported programs deserialized and checked
     compile_s: float = 0.0  # XLA: programs compiled (or loaded from a cache), or executables
-    # loaded
+    # checked (sha256, operands) for deserializing on first use
+    deferred: tuple[str, ...] = ()  # XLA: the entries whose executables XLA deserializes on
+    # their first call, not during the load (checked at load all the same)
     overlapped: tuple[str, ...] = ()  # phases that ran while the weights uploaded
 
 

@@ -14,17 +14,23 @@ and coordinates of the first `num devices` local devices, the same jax, jaxlib a
 versions, and the KV pools at the block counts they were compiled for. When none matches it says
 why in one line, and the executor compiles the StableHLO.
 
-`load` deserializes a chosen set with no compilation and no pickle: the PJRT bytes go to the
-backend's `deserialize_executable`, and the calling convention (avals, shardings over the mesh,
-donation, layouts) is rebuilt from the entry's JSON `operands`, after checking them against the
-artifact's own exported program and against the parameter and result shapes of the executable
-XLA loaded. Any mismatch is an ArtifactError, one line.
+`load` checks a chosen set at load, every entry's sha256 and its JSON `operands` against the
+artifact's own exported program, and deserializes each entry on its first use (Executables),
+with no compilation and no pickle: the PJRT bytes go to the backend's `deserialize_executable`,
+the executable XLA loaded is checked against the operands (its parameter and result shapes), and
+the calling convention (avals, shardings over the mesh, donation, layouts) is rebuilt from the
+operands. Any mismatch is an ArtifactError, one line: at load, or from the entry's first call
+(never a compile of the StableHLO instead).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
+import threading
+import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.format import EXECUTABLES_ENCODING
 from rvcompile.dtypes import numpy_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -219,27 +227,106 @@ def _compiled(xla_exe, exp, inputs: list[Operand], outputs: list[Operand], mesh:
     return jax.stages.Compiled(unloaded.load(), [], args_info, exp.out_tree)
 
 
-def load(art: Artifact, topology: str, exported: dict, devices: list) -> dict:
-    """Deserialize every entry of `topology`'s set onto `devices`, without pickle; `exported`
-    maps entry name to its jax.export.Exported (the in/out pytrees, and what each entry's operands
-    must agree with). Checks each sha256 and the operands."""
+def load(art: Artifact, topology: str, exported: dict, devices: list) -> Executables:
+    """Check every entry of `topology`'s set for `devices` (load_set), to be deserialized on
+    first use, without pickle; `exported` maps entry name to its jax.export.Exported (the in/out
+    pytrees, and what each entry's operands must agree with)."""
     xla = art.manifest["xla"]
     return load_set(xla["precompiled"][topology], art.buffer("executables"),
                     f"{art.path.name}: precompiled {topology}", xla, exported, devices)
 
 
-def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: dict,
-             devices: list) -> dict:
-    """`load` for any record `rec` (xla_executables.executable_set's) whose entries lie in
-    `blob`: the artifact's precompiled sets, or a prepared cache (runtime/prepare.py);
-    `where_set` begins every error; `xla`: the artifact's manifest part (its mesh)."""
+@dataclass(frozen=True)
+class _Checked:
+    """One entry whose bytes and operands passed load_set's checks, not yet given to XLA."""
+
+    where: str  # begins its errors
+    data: bytes  # XLA's serialized executable (its sha256 checked)
+    exp: object  # the artifact's jax.export.Exported of this entry
+    inputs: list[Operand]
+    outputs: list[Operand]
+
+
+class Executables(MutableMapping):
+    """Entry name -> jax.stages.Compiled, each deserialized by XLA on its first use.
+
+    load_set checked every entry's bytes (sha256) and operands (against the artifact's program)
+    before this exists; what only XLA can do, parse the bytes and load the executable (about
+    0.2 s an entry for the default model on XLA:CPU), and the check of that executable against
+    the operands, wait for the entry's first call, so a load pays only for what it runs. A
+    failure there raises ArtifactError (one line) from that call, and from every later call of
+    the entry: never a compile. One entry is deserialized at a time (a lock): XLA:CPU crashes
+    deserializing several at once. `loaded_s` says which were deserialized and what each
+    took; `pending` which wait for their first use."""
+
+    def __init__(self, checked: dict[str, _Checked], run_on: list, mesh: Mesh):
+        self._checked = checked
+        self._run_on, self._mesh = run_on, mesh
+        self._loaded: dict[str, object] = {}
+        self.loaded_s: dict[str, float] = {}  # entry -> seconds its deserialization took
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """The entries not deserialized yet, in name order."""
+        return tuple(sorted(set(self._checked) - set(self._loaded)))
+
+    def __getitem__(self, name: str):
+        fn = self._loaded.get(name)
+        if fn is not None:
+            return fn
+        entry = self._checked[name]  # KeyError: no such entry
+        with self._lock:
+            if name not in self._loaded:
+                t0 = time.perf_counter()
+                self._loaded[name] = _deserialize(entry, self._run_on, self._mesh, name)
+                self.loaded_s[name] = time.perf_counter() - t0
+                log.info("%s: deserialized on first use in %.2f s", entry.where,
+                         self.loaded_s[name])
+            return self._loaded[name]
+
+    def __setitem__(self, name: str, fn) -> None:
+        self._loaded[name] = fn
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self._loaded.pop(name, None)
+        self._checked.pop(name, None)
+
+    def __iter__(self):
+        return iter(sorted(set(self._checked) | set(self._loaded)))
+
+    def __len__(self) -> int:
+        return len(set(self._checked) | set(self._loaded))
+
+
+def _deserialize(entry: _Checked, run_on: list, mesh: Mesh, name: str):
+    """XLA's executable from `entry`'s bytes, checked against its operands, as a Compiled."""
     from jax._src.lib import xla_client
 
+    try:
+        xla_exe = run_on[0].client.deserialize_executable(
+            entry.data, xla_client.DeviceList(tuple(run_on)))
+    except Exception as e:  # jaxlib's errors: parse failures, another platform's bytes
+        raise ArtifactError(f"{entry.where}: XLA cannot load it: "
+                            f"{str(e).strip().splitlines()[0]}") from None
+    _check_executable(entry.where, xla_exe, entry.inputs, entry.outputs, mesh)
+    return _compiled(xla_exe, entry.exp, entry.inputs, entry.outputs, mesh, name)
+
+
+def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: dict,
+             devices: list) -> Executables:
+    """`load` for any record `rec` (xla_executables.executable_set's) whose entries lie in
+    `blob`: the artifact's precompiled sets, or a prepared cache (runtime/prepare.py);
+    `where_set` begins every error; `xla`: the artifact's manifest part (its mesh). Checks
+    each entry's sha256 and its operands against its program now, and copies its bytes out of
+    `blob` (which may close); XLA deserializes each on first use (Executables)."""
     by_id = {d.id: d for d in devices}
     run_on = [by_id[i] for i in rec["device_ids"]]
     mesh = Mesh(np.array(run_on), ((xla.get("mesh") or {"axis": "tp"})["axis"],))
     reads_only = (xla.get("speculative") or {}).get("draft")  # the entry that donates nothing
-    out = {}
+    checked = {}
     for name, loc in rec["entries"].items():
         where = f"{where_set}/{name}"
         if not (isinstance(loc, dict) and all(type(loc.get(k)) is int and loc[k] >= 0
@@ -272,12 +359,5 @@ def load_set(rec: dict, blob: memoryview, where_set: str, xla: dict, exported: d
         _check_against_program(where, outputs, exp.out_avals, exp.out_shardings_jax(mesh)
                                if sharded else [None] * len(exp.out_avals),
                                rec["kv_blocks"], mesh, "output")
-        try:
-            xla_exe = run_on[0].client.deserialize_executable(
-                data, xla_client.DeviceList(tuple(run_on)))
-        except Exception as e:  # jaxlib's errors: parse failures, another platform's bytes
-            raise ArtifactError(f"{where}: XLA cannot load it: "
-                                f"{str(e).strip().splitlines()[0]}") from None
-        _check_executable(where, xla_exe, inputs, outputs, mesh)
-        out[name] = _compiled(xla_exe, exp, inputs, outputs, mesh, name)
-    return out
+        checked[name] = _Checked(where, data, exp, inputs, outputs)
+    return Executables(checked, run_on, mesh)
