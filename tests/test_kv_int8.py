@@ -20,9 +20,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from oracle import ORACLE_CASES
 from test_passes import CHUNK, _compare_xla, encoded, prefill_logits, reference, token_ids
 
