@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from oracle import ORACLE_CASES
 from test_passes import CHUNK, _compare_xla, encoded, prefill_logits, reference, token_ids
 
@@ -356,3 +357,63 @@ def test_rope_rotates_only_pairs_with_a_frequency(rotated):
     if 0 < rotated < d // 2:
         kept = np.r_[rotated:d // 2, d // 2 + rotated:d]
         assert np.array_equal(got[..., kept], x[..., kept])
+
+
+def _span_products(jaxpr, shape) -> int:
+    """float32 multiplies of a whole span's shape in `jaxpr` and the jaxprs inside it."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        for sub in jaxprs_in_params(eqn.params):
+            n += _span_products(sub, shape)
+        if eqn.primitive.name == "mul":
+            out = eqn.outvars[0].aval
+            n += out.dtype == jnp.float32 and tuple(out.shape) == shape
+    return n
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rotated", [8, 32])
+def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
+    """A K=V layer whose RoPE rotates part of its pairs (Gemma 4's full layers: 64 of 256) scores
+    the stored span against the query times k_norm, with only the rotated dims widened and
+    rotated (lower.FoldedKeys): equal to the direct attention over rope(cache * k_norm) within
+    float32 rounding, and the traced span loop multiplies no float32 [B, span, K, D] copy of a
+    span but an int8 span's dequantisation (the unfolded keys: times k_norm and RoPE's products;
+    on TPU at B = 64 those copies went through HBM, 12.5 GiB a step for the 31B). All pairs
+    rotating: not folded."""
+    monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
+    rng = np.random.default_rng(3)
+    kh, group, d, width = 2, 2, 64, 8
+    cache = _paged(rng, kh, d, width, 3, int8)
+    k_norm = jnp.asarray(rng.uniform(0.25, 0.5, d).astype(np.float32))
+    freqs = np.zeros(d // 2)
+    freqs[:rotated] = 1e6 ** (-np.arange(rotated) * 2.0 / d)
+    rope = RopeAttrs(tuple(float(f) for f in freqs))
+    cache_len = jnp.asarray([70, 37, 0], jnp.int32)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, False), cache_len)
+    q_pos = jnp.asarray([list(range(65, 70)), [33, 34, 35, 36, -1], [-1] * 5], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 5, kh * group, d)).astype(np.float32))
+    attrs = AttentionAttrs(window=None, scale=1.0)
+
+    def blockwise(q):
+        k = lower.rope_lazy(rope, lower.mul_lazy(None, cache, k_norm), k_pos)
+        folded = lower.FoldedKeys.of(k, lower.CacheView(cache))
+        assert (folded is not None) == (rotated < d // 2)
+        return lower.attention_blockwise(attrs, q, k, cache, q_pos, k_pos)
+
+    def direct(q):
+        k = lower.rope(rope, cache.read() * k_norm, k_pos)
+        return lower.attention(attrs, q, k, cache.read(), q_pos, k_pos)
+
+    ours, ref = np.asarray(jax.jit(blockwise)(q)), np.asarray(jax.jit(direct)(q))
+    err = np.abs(ours - ref).max()
+    print(f"\nfolded K=V keys vs direct ({rotated} of {d // 2} pairs rotating, "
+          f"{'int8' if int8 else 'float32'} pool): max abs {err:.2e}")
+    assert not ours[2].any() and not ours[1, 4].any()
+    assert err <= 2e-6 * np.abs(ref).max()
+    span = (3, 2 * 16, kh, d)
+    products = _span_products(jax.make_jaxpr(blockwise)(q).jaxpr, span)
+    if rotated < d // 2:
+        assert products == int8  # an int8 span's dequantisation only, read once for K and V
+    else:
+        assert products >= 3  # times k_norm, RoPE's two products (int8: and two reads)

@@ -1,0 +1,74 @@
+"""lower.sample, the XLA SAMPLE: the same tokens as the IR's numpy reference (ir.ops.ref_sample)
+in each of its branches (every row greedy; every sampled row with 0 < top_k <= SAMPLE_TOP_K,
+drawn from lax.top_k's candidates; anything else, through the full-vocabulary sort), and the
+top-k branch reads no sorted vocabulary."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxprs_in_params
+
+from rvcompile.ir.ops import ref_sample
+from rvcompile.targets.xla import lower
+
+V = 1000
+sample = jax.jit(functools.partial(lower.sample, None))
+
+
+def _rows(rng, b):
+    logits = rng.standard_normal((b, V)).astype(np.float32) * 3
+    logits[:, rng.integers(0, V, 4)] = logits[:, :1]  # ties: the lower id ranks first
+    return logits
+
+
+@pytest.mark.parametrize("top_ks, greedy_rows", [
+    ((1, 5, 40, lower.SAMPLE_TOP_K), False),  # branch 1 (top_k rows only)
+    ((3, lower.SAMPLE_TOP_K), True),  # branch 1 with greedy rows among them
+    ((0, 7, lower.SAMPLE_TOP_K + 1, 500), False),  # branch 2: some row needs the sort
+    ((0,), True),  # branch 0 when every row is greedy
+])
+def test_sample_is_the_reference(top_ks, greedy_rows):
+    rng = np.random.default_rng(len(top_ks) + greedy_rows)
+    b = 64
+    for trial in range(8):
+        logits = _rows(rng, b)
+        temperature = rng.choice([0.5, 1.0, 2.0], b).astype(np.float32)
+        if greedy_rows:
+            temperature[rng.random(b) < 0.4] = 0
+        if top_ks == (0,):
+            temperature[:] = 0
+        top_k = rng.choice(top_ks, b).astype(np.int32)
+        top_p = rng.choice([1.0, 0.9, 0.5], b).astype(np.float32)
+        seed = rng.integers(0, 2**31, b).astype(np.int32)
+        step = np.full(b, trial, np.int32)
+        args = (logits, temperature, top_k, top_p, seed, step)
+        got = np.asarray(sample(*map(jnp.asarray, args)))
+        want = ref_sample(None, *args)
+        np.testing.assert_array_equal(got, want)
+
+
+def _primitives(jaxpr) -> set[str]:
+    out = set()
+    for e in jaxpr.eqns:
+        out.add(e.primitive.name)
+        for sub in jaxprs_in_params(e.params):
+            out |= _primitives(sub)
+    return out
+
+
+def test_top_k_rows_read_no_sorted_vocabulary():
+    """The branch a step of top-k rows takes has lax.top_k and no sort: a full-vocabulary sort
+    there reads and writes [B, V] three times over (2.6 GiB a step for the 31B at B = 64)."""
+    args = (jnp.zeros((4, V)), jnp.ones(4), jnp.full(4, 8, jnp.int32), jnp.ones(4),
+            jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
+    jaxpr = jax.make_jaxpr(functools.partial(lower.sample, None))(*args).jaxpr
+    (switch,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    names = [_primitives(br.jaxpr) for br in switch.params["branches"]]
+    assert len(names) == 3
+    assert "top_k" in names[1] and "sort" not in names[1]
+    assert "sort" in names[2] and "sort" not in names[0]
