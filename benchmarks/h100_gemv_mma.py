@@ -49,7 +49,8 @@ def model_shapes(preset: str) -> dict[str, tuple[int, int, int]]:
     step = lower_to_h100(ir, max_seqs=1, prefill_buckets=(16,)).schedule.entries["decode_1"]
     shapes: dict[str, tuple[int, int, int]] = {}
     for x in step.launches:
-        if x.kernel.startswith("gemv_mma_fp8"):
+        # decode_1 runs its one-row linears on gemv_fp8 (7c61c05), wider steps on gemv_mma_fp8
+        if x.kernel.startswith(("gemv_mma_fp8", "gemv_fp8")):
             args = {a.name: a.value for a in x.args}
             n, k = int(args["N"]), int(args["K"])
             uses = shapes.get(f"{n}x{k}", (n, k, 0))[2]

@@ -106,6 +106,23 @@ def test_prepared_executables_load_instead_of_compiling(built, monkeypatch, caps
     assert capsys.readouterr().err == ""
 
 
+def test_a_server_loads_every_executable_before_it_serves(built):
+    """executor_api.load_pending (what `rvrun serve` calls before it listens): every entry left
+    for its first use deserialized now, none left; the tokens as before; an executor that
+    defers nothing loads nothing."""
+    from rvcompile.runtime.executor_api import load_pending
+
+    art, _, (_, tokens), _ = built
+    model = runtime.load(art)
+    assert load_pending(model.executor) == ["decode_1", "logits_16", "prefill_16"]
+    fns = model.executor.fns
+    assert fns.pending == () and sorted(fns.loaded_s) == ["decode_1", "logits_16", "prefill_16"]
+    assert load_pending(model.executor) == []
+    assert model.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids == tokens
+    assert sorted(fns.loaded_s) == ["decode_1", "logits_16", "prefill_16"]  # none again
+    assert load_pending(object()) == []
+
+
 def test_a_prepared_start_compiles_nothing(built, monkeypatch):
     """Not the programs, nor anything of jax's around them (a fill program per KV pool shape
     cost a CPU start 0.1-0.3 s): jax reports no backend compile from load to the first tokens."""

@@ -525,6 +525,10 @@ def test_a_pickle_in_an_entry_never_runs(artifacts, key, tmp_path, capsys):
                                            "precompiled cpu:1/prefill_16: XLA cannot load it"):
         model.generate([2, 17, 5], max_tokens=3, ignore_eos=True)
     assert model.executor.compile_s == 0.0 and model.executor.fns.loaded_s == {}
+    # a server loads them before it listens (executor_api.load_pending): the start fails
+    from rvcompile.runtime.executor_api import load_pending
+    with pytest.raises(ArtifactError, match="precompiled cpu:1/decode_2: XLA cannot load it"):
+        load_pending(model.executor)
     capsys.readouterr()
     # a v2 set (jax's pickle) is never loaded, nor is any set untrusted: the StableHLO runs
     for path, trust, why in ((v2, True, "cpu:1: it is stored as jax's pickle"),

@@ -46,6 +46,7 @@ from pathlib import Path
 from rvcompile.artifacts import ArtifactError
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.progress import Phases
+from rvcompile.runtime.executor_api import load_pending
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,10 +394,17 @@ def serve_main(argv: list[str]) -> int:
                          trusted_keys=keys, trust_executables=a.trust_executables,
                          phases=_phases(), gpu_memory_utilization=utilization,
                          prefill_budget=a.prefill_budget)
+        # a server loads what the load left for first use before it listens (executor_api)
+        t0 = time.perf_counter()
+        pending = load_pending(m.executor)
+        pending_s = time.perf_counter() - t0
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         sock.close()
         return _fail(str(e))
     _print_load_report(m)
+    if pending:
+        print(f"rvrun: {len(pending)} executables deserialized before serving in "
+              f"{pending_s:.2f} s ({', '.join(pending)})", file=sys.stderr, flush=True)
     from rvcompile.runtime.serve.server import HttpOptions, ServeOptions, create_app, run
 
     try:  # once, against the artifact: every request then speculates alike

@@ -414,6 +414,15 @@ def takes_late_masks(executor: Executor) -> bool:
     return bool(getattr(executor, "late_masks", False))
 
 
+def load_pending(executor: Executor) -> list[str]:
+    """Load now what the executor left for first use (an XLA executor's executables, each
+    deserialized on its first call by default), so a server pays it before it listens rather
+    than in its first requests, and an executable XLA cannot load stops the start instead of
+    failing requests; the entries loaded (none for executors that defer nothing)."""
+    load = getattr(executor, "load_pending", None)
+    return load() if load is not None else []
+
+
 def top_logprobs(executor: Executor) -> int:
     """Top log-probabilities per token the executor's sampler returns; 0 when it takes no
     SampleExtras (no log-probabilities, penalties or masks)."""

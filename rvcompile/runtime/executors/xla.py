@@ -381,6 +381,14 @@ class XlaExecutor:
                 tables[name][i] = table
         return tokens, start, n_new, tables
 
+    def load_pending(self) -> list[str]:
+        """Deserialize now every executable left for its first use (executor_api.load_pending);
+        the entries it loaded. ArtifactError (one line) where XLA cannot load one."""
+        pending = list(getattr(self.fns, "pending", ()))
+        for name in pending:
+            self.fns[name]  # noqa: B018 (Executables deserializes on access)
+        return pending
+
     @property
     def deserialized_s(self) -> dict[str, float]:
         """Entry -> seconds XLA took to deserialize its executable on its first call (loaded
