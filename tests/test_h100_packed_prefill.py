@@ -6,8 +6,9 @@ On the CPU through the reference executor (each kernel's numpy reference; stub c
 test_h100_tc_plan.py), on a tiny h100-fp8 build whose prefill entries 64 and 256 run every
 linear on the tensor-core GEMM: which schedules pack, chunks alone against packed (their sampled
 tokens and every KV pool byte), the engine packing a step's prompts without changing any
-request's tokens (also with sampler extras: prefill_packed_sampled), and the refusals. On the GPU (skipped without one): the same comparison on the
-real kernels, where the GEMM's tile shape differs between the entries.
+request's tokens (also with sampler extras: prefill_packed_sampled), and the refusals. On the
+GPU (skipped without one): the same comparison on the real kernels, where the GEMM's tile shape
+differs between the entries.
 """
 
 from __future__ import annotations

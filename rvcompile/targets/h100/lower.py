@@ -12,10 +12,10 @@ max_seqs * (K + 1), and that (CUDA graphs too); on one GPU also `sampled_decode_
 (penalties, a token mask, log-probabilities: sample.py), so the plain entries keep their launch
 lists (the fast path) and a request with extras runs through these. Every `decode_{B}` and
 `sampled_decode_{B}` ends with decode_advance (rows.py), the device side of the runtime's decode
-loop (a sampled one's, in its sampler part: the masked decode loop, scheduled.py). With an assistant in the
-IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the decode and verify
-entries also output every row's state and apply the speculative ratio rule to the lanes that
-ask for it (ratio.py; schedule version 10).
+loop (a sampled one's, in its sampler part: the masked decode loop, scheduled.py). With an
+assistant in the IR (one GPU, K > 0): `draft_{B}` beside every decode_{B} (draft.py), and the
+decode and verify entries also output every row's state and apply the speculative ratio rule to
+the lanes that ask for it (ratio.py; schedule version 10).
 
 With prefill packing, `mixed_{P}_{B}` for every packed prefill_{P} and every decode_{B} past
 gemv_mma_fp8's rows (mixed_shapes): P prefill rows and B decode lanes in one call, each part's
