@@ -140,26 +140,15 @@ def test_bad_packs_are_refused(art):
         ex.prefill_packed([*chunks, dataclasses.replace(chunks[1], tables=own_tables(ex, 3))])
 
 
-
-
-def test_the_engine_packs_prompts_and_gives_every_request_its_own_tokens(art):
-    requests = [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 5, s, ignore_eos=True)
-                for i, (n, s) in enumerate(SEQS)]
-    each = {}
-    for r in requests:
-        each |= run_requests(bare_engine(reference_executor(art)), [r])
-    eng = bare_engine(reference_executor(art), prefill_budget=256)
-    assert run_requests(eng, requests) == each
-    assert eng.stats().packed_prefills >= 1
-
-
-def test_the_engine_packs_prompts_with_extras(art):
-    """Requests asking for log-probabilities or penalties beside a plain one: their prompts go
-    in one packed call (prefill_packed_sampled), and each request gets the tokens it gets
-    alone."""
+@pytest.mark.parametrize("extras", [False, True])
+def test_the_engine_packs_prompts_and_gives_every_request_its_own_tokens(art, extras):
+    """The step's prompts in one packed call, each request the tokens it gets alone; with
+    `extras`, beside a plain request one asking for log-probabilities and one with penalties
+    (their prompts pack through prefill_packed_sampled)."""
     requests = [Request(f"r{i}", random_token_ids(n, seed=i).tolist(), 5, s, ignore_eos=True,
-                        logprobs=2 if i == 0 else None,
-                        penalties=Penalties(0.4, 0.2, 1.2) if i == 1 else Penalties())
+                        logprobs=2 if extras and i == 0 else None,
+                        penalties=Penalties(0.4, 0.2, 1.2) if extras and i == 1
+                        else Penalties())
                 for i, (n, s) in enumerate(SEQS)]
     each = {}
     for r in requests:

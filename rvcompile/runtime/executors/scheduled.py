@@ -421,13 +421,7 @@ class ScheduledExecutor:
             if go_on and launched < steps:
                 launch()  # the next group queued before this one's tokens are waited for
             n, fetch = pending.popleft()
-            rows = np.frombuffer(fetch(), np.int32).reshape(n, b)
-            new = [[] if ended[i] else _lane_tokens(rows[:, i], lane, len(out[i]))
-                   for i, lane in enumerate(lanes)]
-            for i, (tokens, lane) in enumerate(zip(new, lanes, strict=True)):
-                out[i] += tokens
-                ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
-                    tokens and tokens[-1] in lane.stop_ids)
+            new = _take_rows(np.frombuffer(fetch(), np.int32).reshape(n, b), lanes, out, ended)
             go_on = go_on and not all(ended)
             if progress is not None and not progress(new):
                 go_on = False
@@ -492,13 +486,8 @@ class ScheduledExecutor:
             forwards += 1
         while fetch is not None:
             try:
-                rows = np.frombuffer(fetch(), np.int32).reshape(1, b)
-                new = [[] if ended[i] else _lane_tokens(rows[:, i], lane, len(out[i]))
-                       for i, lane in enumerate(lanes)]
-                for i, (tokens, lane) in enumerate(zip(new, lanes, strict=True)):
-                    out[i] += tokens
-                    ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
-                        tokens and tokens[-1] in lane.stop_ids)
+                new = _take_rows(np.frombuffer(fetch(), np.int32).reshape(1, b), lanes, out,
+                                 ended)
                 got = list(masks(new))
                 if len(got) != len(lanes):
                     raise ValueError(f"{len(got)} masks for {len(lanes)} lanes")
@@ -924,6 +913,20 @@ def _with_mask(chunk: SeqChunk, mask: np.ndarray | None) -> SeqChunk:
     if mask is None and (chunk.extras is None or chunk.extras.mask is None):
         return chunk
     return replace(chunk, extras=replace(chunk.extras or SampleExtras(), mask=mask))
+
+
+def _take_rows(rows: np.ndarray, lanes: Sequence[LoopLane], out: list[list[int]],
+               ended: list[bool]) -> list[list[int]]:
+    """Each lane's new tokens in `rows` (decode_advance's history [n, B] of the steps read),
+    appended to out[i]; ended[i] set once lane i reached its budget or a stop id. Returns the
+    new tokens per lane ([] for a lane that had ended)."""
+    new = [[] if ended[i] else _lane_tokens(rows[:, i], lane, len(out[i]))
+           for i, lane in enumerate(lanes)]
+    for i, (tokens, lane) in enumerate(zip(new, lanes, strict=True)):
+        out[i] += tokens
+        ended[i] = ended[i] or len(out[i]) == lane.budget or bool(
+            tokens and tokens[-1] in lane.stop_ids)
+    return new
 
 
 def _lane_tokens(column: np.ndarray, lane: LoopLane, before: int = 0) -> list[int]:
