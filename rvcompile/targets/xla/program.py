@@ -66,6 +66,8 @@ from rvcompile.targets.xla.lower import (
     BLOCKWISE_LOWERINGS,
     JNP_DTYPES,
     PagedSlice,
+    TakesPaged,
+    attention_blockwise,
     cache_positions,
     filtered_probs,
     moe,
@@ -313,6 +315,8 @@ class Program:
         if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
+            lowerings[Op.ATTENTION] = TakesPaged(functools.partial(attention_blockwise,
+                                                                   mesh=mesh))
         return lowerings
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
