@@ -420,6 +420,11 @@ def test_decode_program_reads_kv_as_long_as_the_sequence(monkeypatch):
         assert rep["at_context"] == context and not rep["traffic"]["unknown_trips"]
         kv[context] = rep["traffic"]["classes"]["kv"]["read"]
         need[context] = 2 * rep["kv_read_per_lane"]
+    # the table counts every branch of the sampler; a greedy and a top-k step their own only
+    cases = rep["traffic"]["cases"]
+    assert cases["greedy"]["total_bytes"] < rep["traffic"]["total_bytes"]
+    assert cases["greedy"]["total_bytes"] <= cases["top_k"]["total_bytes"] \
+        < rep["traffic"]["total_bytes"]
     print(f"\nKV read a step (table / live keys): "
           f"{ {c: round(kv[c] / need[c], 2) for c in kv} }")
     assert kv[16] < kv[128] < kv[256] < kv[512]

@@ -33,7 +33,7 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import KV_INT8_MAX, Op
-from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, SPAN_LOOP
+from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, BRANCHES, SPAN_LOOP
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -759,8 +759,9 @@ def sample(a, logits, temperature, top_k, top_p, seed, step):
 
     few = (temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K))
     branch = jnp.where(jnp.all(temperature <= 0), 0, jnp.where(jnp.all(few), 1, 2))
-    return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
-                               lambda: sampled(0)])
+    with jax.named_scope(BRANCHES.format(name="sample")):  # the traffic table's step cases
+        return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
+                                   lambda: sampled(0)])
 
 
 def filtered_probs(logits, temperature, top_k, top_p):
