@@ -28,9 +28,8 @@ count depends on the data: the span loop of blockwise attention (lower.attention
 named SPAN_LOOP in the metadata) runs `span_loop_trips` times at a stated `context` (every lane
 of the step decoding at position context - 1: one trip per `span` blocks of the keys it needs);
 any other such loop, or the span loop with no context given, is counted once and listed in
-`unknown_trips`. XLA's TPU
-cost analysis counts a scan body once; the table's `once` totals count every instruction once,
-for comparison with it.
+`unknown_trips`. XLA's TPU cost analysis counts a scan body once; the table's `once` totals
+count every instruction once, for comparison with it.
 
 Classes of bytes, by tracing an operand through get-tuple-element, bitcast, copies and loop
 carries to the program's parameters, as `jax.export` names them in the HLO metadata

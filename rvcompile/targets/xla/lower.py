@@ -433,7 +433,8 @@ def span_dots(kind: str, x, span, mesh=None):
     dot reads its columns of the stored rows [B, S, K * D] as static slices: a dot batched over
     the heads of the [.., K, D] view made TPU copy each gathered span into that view's layout
     first (its rows tile as (8, 128) of K * D columns, the view as (K, D)): 0.10 GiB a decode
-    step of the 26B-A4B's sliding layers at TP = 4 (2 heads a device). Under tensor parallelism
+    step of the 26B-A4B's sliding layers at TP = 4 (2 heads a device), 25 GiB (on chip) of
+    the 31B's at B = 64 (4 heads; estimates, docs/TPU_COST.md). Under tensor parallelism
     (`mesh`, pools split by whole KV heads) the per-head dots run in shard_map over each
     device's heads, as split up globally they would be resharded across the devices; pools
     with fewer heads than devices (whole on every device) keep the batched dot."""
