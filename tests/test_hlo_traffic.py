@@ -142,3 +142,35 @@ def test_a_loop_without_a_readable_trip_count_is_counted_once_and_named():
 def test_shape_bytes(shape, total, on_chip):
     assert shape_bytes(shape) == total
     assert shape_bytes(shape, on_chip_only=True) == on_chip
+
+
+def test_a_step_counts_the_branches_it_runs():
+    """Rows of a conditional in a BRANCHES scope carry (name, branch): total(taken=...) counts
+    the branches a step runs (lax.switch's list order; lax.cond's false branch 0), the plain
+    total every branch; rows of an unnamed conditional count in every case. On the sampler:
+    the greedy / top-k / sort switch and the penalties' cond (cost_report.STEP_CASES)."""
+    from rvcompile.targets.xla import sampler
+    from rvcompile.targets.xla.hlo_traffic import BRANCHES
+
+    def step(weights, pools, logits, i, pen_ids):
+        logits = sampler.penalize(logits, pen_ids, pen_ids, *(jnp.ones(4),) * 3)
+        with jax.named_scope(BRANCHES.format(name="demo")):
+            y = jax.lax.switch(i, [lambda: logits[:, :8].sum(), lambda: jnp.sort(logits).sum(),
+                                   lambda: jnp.exp(logits).sum()])
+        z = jax.lax.cond(i > 5, lambda: jnp.cumsum(logits, -1).sum(), lambda: logits[0, 0])
+        return y + z
+
+    args = ({}, {}, sds((4, 4096), jnp.float32), sds((), jnp.int32), sds((4, 2), jnp.int32))
+    t = traffic(jax.jit(step).lower(*args).compile().as_text(), ROOTS)
+    assert {"demo", "penalties"} <= t.branch_names()
+    every = t.total()
+    cases = [t.total(taken={"demo": k, "penalties": 0}) for k in range(3)]
+    assert all(c < every for c in cases)
+    assert cases[0] < min(cases[1], cases[2])  # 8 columns against a sort / a whole exp
+    big = 4 * 4096 * 4
+    assert every - cases[0] >= 2 * big  # the sort's and the exp's reads at least
+    with_pen = t.total(taken={"demo": 0, "penalties": 1})
+    assert with_pen > cases[0]
+    assert t.total(taken={"demo": 0}) == pytest.approx(with_pen)  # penalties: both counted
+    assert t.by_class(taken={"demo": 0, "penalties": 0})["activations"]["read"] < \
+        t.by_class()["activations"]["read"]

@@ -143,7 +143,59 @@ def _tpu_child() -> None:
     out["collectives"] = traffic(compiled.as_text(), ROOTS).collectives()
     out["moe_tp"] = _moe_tp_reads(mesh)
     out["pools"] = _decode_pool_traffic()
+    out["spans"] = _span_relayouts(mesh)
     print(json.dumps(out))
+
+
+def _span_relayouts(mesh) -> dict:
+    """Sliding-layer attention over a v6e:2x2 mesh (8 KV heads of 256, 2 a device, as the
+    26B-A4B's at TP = 4; one lane at 2048 tokens): the bytes of relayout instructions (reshape,
+    copy, transpose) of at least one gathered span, and the collectives, for lower.span_dots'
+    per-head dots and for the dot batched over the heads' [.., K, D] view it replaced."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    kh, group, d, width, window, layers = 8, 2, 256, 81, 1024, 2
+
+    def placed(shape, dtype, *spec):
+        return sds(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    pools = {"k": placed((layers, width + 1, 16, kh * d), jnp.bfloat16, None, None, None, "tp"),
+             "v": placed((layers, width + 1, 16, kh * d), jnp.bfloat16, None, None, None, "tp")}
+    q = placed((1, 1, kh * group, d), jnp.float32, None, None, "tp", None)
+    table, cache_len = placed((1, width), jnp.int32), placed((1,), jnp.int32)
+    span = lower.span_blocks(width, window) * 16 * (kh // 4) * d * 2  # bytes on one device
+
+    def attention(dots):
+        def attend(weights, pools, q, table, cache_len):  # a new function: jit caches traces
+            def body(h, i):
+                k, v = (lower.PagedSlice(pools[n], i, table, True, kh) for n in ("k", "v"))
+                k_pos = lower.cache_positions(ops.CachePositionsAttrs(width * 16, True),
+                                              cache_len)
+                return h + lower.attention_blockwise(
+                    ops.AttentionAttrs(window=window, scale=1.0), h, k, v,
+                    (cache_len - 1)[:, None], k_pos, mesh=mesh), None
+            return jax.lax.scan(body, q, jnp.arange(layers))[0]
+        return attend
+
+    def batched(kind, x, span, mesh=None):  # the dots before: over the [.., K, D] view
+        eq = {"scores": "btkgd,bskd->bkgts", "values": "bkgts,bskd->bkgtd"}[kind]
+        return jnp.einsum(eq, x, lower.f32(span), precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+    out = {"span": span}
+    per_head = lower.span_dots
+    for name, dots in (("per_head", per_head), ("batched", batched)):
+        lower.span_dots = dots
+        try:
+            hlo = jax.jit(attention(dots)).lower({}, pools, q, table, cache_len).compile()
+            t = traffic(hlo.as_text(), ROOTS, context=2048)
+        finally:
+            lower.span_dots = per_head
+        out[name] = {"relayout": sum(r.bytes * r.runs for r in t.rows
+                                     if r.opcode in ("reshape", "copy", "transpose")
+                                     and r.bytes >= span),
+                     "collectives": sum(c["count"] for c in t.collectives().values())}
+    return out
 
 
 def _decode_pool_traffic() -> dict:
@@ -255,6 +307,12 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     pools = got["pools"]
     assert pools["live"] <= pools["read"] <= 1.3 * pools["live"], pools
     assert pools["written"] <= 0.01 * pools["live"], pools
+    # a sliding layer's span dots read each head's columns of the gathered rows: no relayout
+    # of a span into a [.., K, D] view (the batched dot it replaced: one for K and one for V
+    # each span) and no collective (split up globally, the per-head dots were resharded)
+    spans = got["spans"]
+    assert spans["per_head"] == {"relayout": 0, "collectives": 0}, spans
+    assert spans["batched"]["relayout"] >= 2 * 3 * 2 * spans["span"], spans
 
 
 def test_collectives_term():
@@ -362,6 +420,11 @@ def test_decode_program_reads_kv_as_long_as_the_sequence(monkeypatch):
         assert rep["at_context"] == context and not rep["traffic"]["unknown_trips"]
         kv[context] = rep["traffic"]["classes"]["kv"]["read"]
         need[context] = 2 * rep["kv_read_per_lane"]
+    # the table counts every branch of the sampler; a greedy and a top-k step their own only
+    cases = rep["traffic"]["cases"]
+    assert cases["greedy"]["total_bytes"] < rep["traffic"]["total_bytes"]
+    assert cases["greedy"]["total_bytes"] <= cases["top_k"]["total_bytes"] \
+        < rep["traffic"]["total_bytes"]
     print(f"\nKV read a step (table / live keys): "
           f"{ {c: round(kv[c] / need[c], 2) for c in kv} }")
     assert kv[16] < kv[128] < kv[256] < kv[512]

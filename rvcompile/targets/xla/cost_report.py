@@ -48,7 +48,10 @@ are widened to bf16 before they meet the activations. ICI: v5e 1600 Gbps, v6e 35
 The traffic record also gives the built batch's step at the table's bytes: HBM time (its total
 over HBM bandwidth) plus a separate collectives term (`collectives_term`): the step's all-reduces
 and other collectives, counted and sized from the HLO, as ring transfers at the ICI bandwidth plus
-an ASSUMED fixed latency each (Google's pages give no latency figure).
+an ASSUMED fixed latency each (Google's pages give no latency figure). The table counts every
+branch of a conditional; `cases` gives the bytes and step of a greedy and of a top-k step, the
+branches of the sampler (and the penalties' and log-probabilities' conditionals) those run
+(STEP_CASES).
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ from rvcompile.targets.xla.hlo_traffic import CLASSES, Traffic, traffic
 GiB = 2**30
 REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built max_seqs
 TRAFFIC_TOP = 12  # instructions the manifest keeps of the traffic table (the most bytes a step)
+# Steps by the branches of the decode program's named conditionals they run (hlo_traffic
+# BRANCHES scopes: lower.sample's switch, sampler.penalize and sampler.logprobs, the verify
+# program's ratio rule; jax's branch order): the table's total counts every branch, an upper
+# bound no step reaches (the 31B at B = 64: the sampler's sort is 2.6 GiB of it).
+STEP_CASES = {
+    "greedy": {"sample": 0, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
+    "top_k": {"sample": 1, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
+}
 
 
 @dataclass(frozen=True)
@@ -340,6 +351,16 @@ def traffic_record(table: Traffic, roofline_bytes: float, chip: TpuChip, devices
     rows = sorted(table.rows, key=lambda r: -r.bytes * r.runs)[:top]
     hbm_ms = total / chip.hbm_bytes_per_s * 1e3
     coll = collectives_term(table.collectives(), devices, chip)
+    named = table.branch_names()
+    cases = {}
+    for case, taken in STEP_CASES.items():
+        if not named & set(taken):
+            continue
+        b = table.total(taken=taken)
+        ms = b / chip.hbm_bytes_per_s * 1e3
+        cases[case] = {"total_bytes": b, "on_chip_bytes": table.on_chip(taken=taken),
+                       "amplification": b / roofline_bytes if roofline_bytes else 0.0,
+                       "hbm_ms": ms, "step_ms": ms + coll["ms"]}
     return {
         "hbm_ms": hbm_ms, "collectives": coll, "step_ms": hbm_ms + coll["ms"],
         "label": "bytes per decode step from the compiled HLO, loops scaled by trip count",
@@ -348,6 +369,7 @@ def traffic_record(table: Traffic, roofline_bytes: float, chip: TpuChip, devices
         "amplification": total / roofline_bytes if roofline_bytes else 0.0,
         "trips": dict(table.trips), "unknown_trips": list(table.unknown_trips),
         "span_loops": list(table.span_loops),
+        "cases": cases,  # a step running given branches (STEP_CASES); the rest: every branch
         "classes": table.by_class(),
         "whole_copies": [{"name": r.name, "op": r.opcode, "runs": r.runs, "read": r.read,
                           "written": r.written} for r in table.whole_copies()],
@@ -384,6 +406,10 @@ def format_traffic(name: str, t: dict) -> list[str]:
                      f"devices: {ops or 'none'}; {c['transfer_ms']:.3f} ms at ICI bandwidth + "
                      f"{c['latency_ms']:.3f} ms at an assumed {c['assumed_latency_us']:.0f} us "
                      "each")
+    for case, v in t.get("cases", {}).items():  # absent from reports before per-step cases
+        lines.append(f"    a {case.replace('_', '-')} step (its branches only): "
+                     f"{v['total_bytes'] / GiB:.3f} GiB ({v['amplification']:.2f}x; "
+                     f"{v['on_chip_bytes'] / GiB:.3f} on chip), step {v['step_ms']:.3f} ms")
     copies = t.get("whole_copies", [])  # absent from reports made before issue 19
     lines.append(f"    whole weight copies: {len(copies) or 'none'}" + "".join(
         f"; {c['name']} ({c['op']}, {c['runs']} x {c['written'] / 2**20:.1f} MiB)"

@@ -20,13 +20,16 @@ summed apart as `on_chip`, since they are not HBM traffic.
 Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
 own runs (the trip count read from the condition: `counter < N` with the counter's initial value
 a constant in the loop's operand tuple, or XLA's `known_trip_count`); each branch of a
-conditional is counted as if it ran (an upper bound). A loop whose trip count depends on the
-data: the span loop of blockwise attention (lower.attention_blockwise, named SPAN_LOOP in the
-metadata) runs `span_loop_trips` times at a stated `context` (every lane of the step decoding at
-position context - 1: one trip per `span` blocks of the keys it needs); any other such loop, or
-the span loop with no context given, is counted once and listed in `unknown_trips`. XLA's TPU
-cost analysis counts a scan body once; the table's `once` totals count every instruction once,
-for comparison with it.
+conditional is counted as if it ran (an upper bound), and each row records the branches it is
+in, by the name of a BRANCHES scope around the conditional (the sampler's, the penalties', the
+log-probabilities') or else the conditional's own, so that `total(taken=...)` counts a step that
+runs given branches (cost_report.STEP_CASES: a greedy step, a top-k step). A loop whose trip
+count depends on the data: the span loop of blockwise attention (lower.attention_blockwise,
+named SPAN_LOOP in the metadata) runs `span_loop_trips` times at a stated `context` (every lane
+of the step decoding at position context - 1: one trip per `span` blocks of the keys it needs);
+any other such loop, or the span loop with no context given, is counted once and listed in
+`unknown_trips`. XLA's TPU cost analysis counts a scan body once; the table's `once` totals
+count every instruction once, for comparison with it.
 
 Classes of bytes, by tracing an operand through get-tuple-element, bitcast, copies and loop
 carries to the program's parameters, as `jax.export` names them in the HLO metadata
@@ -55,6 +58,7 @@ target: a convert of a weight ahead of a dot).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -82,6 +86,11 @@ _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
 SPAN_LOOP = "rvkv_spans_s{span}_w{window}_n{width}"
 _SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
 BLOCK_TOKENS = 16  # tokens per KV block (lower.BLOCK_SIZE)
+# the named scope of a conditional whose branches a step picks by its requests (the sampler's
+# greedy / top-k / sort, penalties, log-probabilities): its rows carry (name, branch) so a
+# step's bytes can count the branches it runs (Traffic.total(taken=...))
+BRANCHES = "rvbranch_{name}"
+_BRANCHES = re.compile(r'op_name="[^"]*rvbranch_(\w+)/')
 
 
 def span_loop_trips(context: int, span: int, window: int, width: int) -> int:
@@ -216,6 +225,14 @@ class Row:
     written_class: str
     on_chip: float  # of read + written, bytes in an on-chip memory space
     whole_copy: bool = False  # copies at least half of a weight matrix or table (not a prefetch)
+    # the branches of conditionals this instruction runs in, outermost first: (the name of a
+    # BRANCHES scope, or the conditional's own name, branch index)
+    branches: tuple[tuple[str, int], ...] = ()
+
+    def runs_in(self, taken: dict[str, int] | None) -> bool:
+        """Whether a step that runs branch taken[name] of each named conditional runs this row
+        (conditionals not named in `taken`: every branch counted)."""
+        return not taken or all(taken.get(n, i) == i for n, i in self.branches)
 
     @property
     def bytes(self) -> float:
@@ -229,21 +246,30 @@ class Traffic:
     trips: dict[str, int] = field(default_factory=dict)  # while instruction -> trip count
     span_loops: tuple[str, ...] = ()  # of `trips`, the span loops counted at the given context
 
-    def total(self, scaled: bool = True) -> float:
-        return sum(r.bytes * (r.runs if scaled else 1) for r in self.rows)
+    def total(self, scaled: bool = True, taken: dict[str, int] | None = None) -> float:
+        """Bytes a call moves; `taken`: only the given branches of those conditionals (see
+        Row.runs_in), else every branch of every conditional (an upper bound)."""
+        return sum(r.bytes * (r.runs if scaled else 1) for r in self.rows if r.runs_in(taken))
 
-    def by_class(self, scaled: bool = True) -> dict[str, dict[str, float]]:
+    def branch_names(self) -> set[str]:
+        """The names of the conditionals whose rows carry their branch (BRANCHES scopes)."""
+        return {n for r in self.rows for n, _ in r.branches}
+
+    def by_class(self, scaled: bool = True,
+                 taken: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
         """class -> {"read": bytes, "written": bytes}, per call of the program."""
         out = {c: {"read": 0.0, "written": 0.0} for c in CLASSES}
         for r in self.rows:
+            if not r.runs_in(taken):
+                continue
             k = r.runs if scaled else 1
             for c, b in r.read.items():
                 out[c]["read"] += b * k
             out[r.written_class]["written"] += r.written * k
         return out
 
-    def on_chip(self, scaled: bool = True) -> float:
-        return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows)
+    def on_chip(self, scaled: bool = True, taken: dict[str, int] | None = None) -> float:
+        return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows if r.runs_in(taken))
 
     def collectives(self) -> dict[str, dict[str, float]]:
         """op ("all-reduce", "all-gather", ...) -> {"count": runs per call, "bytes": bytes per
@@ -390,6 +416,14 @@ def _branch_index(call: Instr, branch: str) -> int | None:
     return 0 if call.attr("true_computation") == branch else 1
 
 
+def _case_index(call: Instr, branch: str) -> int:
+    """The index of a conditional's branch as jax numbers them: lax.switch's list order, and
+    lax.cond's (false, true) (an XLA conditional on a predicate: true_computation is 1)."""
+    if call.attr("true_computation"):
+        return int(call.attr("true_computation") == branch)
+    return _branch_index(call, branch)
+
+
 _STACKED = re.compile(r"g\d+\.\d+\.")  # a layer group's stacked weight (program.LayoutPlan)
 
 
@@ -481,7 +515,7 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED,
     prog = _Program(parse_module(hlo_text), roots)
     rows, unknown, trips, spans = [], [], {}, []
 
-    def walk(comp: Computation, runs: int) -> None:
+    def walk(comp: Computation, runs: int, branches: tuple[tuple[str, int], ...] = ()) -> None:
         for ins in comp.instrs.values():
             if ins.opcode == "while":
                 n = prog.trip_count(comp, ins)
@@ -492,16 +526,21 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED,
                 if n is None:
                     unknown.append(ins.name)
                 trips[ins.name] = n if n is not None else 1
-                walk(prog.comps[ins.attr("body")], runs * trips[ins.name])
+                walk(prog.comps[ins.attr("body")], runs * trips[ins.name], branches)
                 continue
             if ins.opcode in ("conditional", "call"):
+                named = _BRANCHES.search(ins.attrs)
                 for callee, (_, c) in prog.caller.items():
                     if c is ins:
-                        walk(prog.comps[callee], runs)
+                        inner = branches
+                        if ins.opcode == "conditional":
+                            label = named.group(1) if named else ins.name
+                            inner = (*branches, (label, _case_index(ins, callee)))
+                        walk(prog.comps[callee], runs, inner)
                 continue
             if ins.opcode in _FREE or ins.opcode.endswith("-done"):
                 continue
-            rows.append(_row(prog, comp, ins, runs))
+            rows.append(dataclasses.replace(_row(prog, comp, ins, runs), branches=branches))
 
     walk(prog.entry, 1)
     return Traffic(tuple(rows), tuple(unknown), trips, tuple(spans))

@@ -33,7 +33,7 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import KV_INT8_MAX, Op
-from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, SPAN_LOOP
+from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, BRANCHES, SPAN_LOOP
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -426,7 +426,49 @@ class FoldedKeys:
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def attention_blockwise(a, q, k, v, q_pos, k_pos):
+def span_dots(kind: str, x, span, mesh=None):
+    """A span's dots, per KV head: kind "scores": queries x [B, T, K, G, D] against keys span
+    [B, S, K, D] -> [B, K, G, T, S]; kind "values": probabilities x [B, K, G, T, S] over values
+    span [B, S, K, D] -> [B, K, G, T, D]. With more than one KV head on a device each head's
+    dot reads its columns of the stored rows [B, S, K * D] as static slices: a dot batched over
+    the heads of the [.., K, D] view made TPU copy each gathered span into that view's layout
+    first (its rows tile as (8, 128) of K * D columns, the view as (K, D)): 0.10 GiB a decode
+    step of the 26B-A4B's sliding layers at TP = 4 (2 heads a device), 25 GiB (on chip) of
+    the 31B's at B = 64 (4 heads; estimates, docs/TPU_COST.md). Under tensor parallelism
+    (`mesh`, pools split by whole KV heads) the per-head dots run in shard_map over each
+    device's heads, as split up globally they would be resharded across the devices; pools
+    with fewer heads than devices (whole on every device) keep the batched dot."""
+    b, s, kh, d = span.shape
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    eq = {"scores": "btkgd,bskd->bkgts", "values": "bkgts,bskd->bkgtd"}[kind]
+    if kh % tp or kh // tp == 1:
+        return jnp.einsum(eq, x, f32(span), precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+    one = {"scores": "btgd,bsd->bgts", "values": "bgts,bsd->bgtd"}[kind]
+    head = 2 if kind == "scores" else 1  # x's KV-head axis
+
+    def local(x, rows):
+        n = rows.shape[-1] // d
+        return jnp.stack([jnp.einsum(one, jnp.take(x, j, axis=head),
+                                     f32(rows[..., j * d:(j + 1) * d]),
+                                     precision=lax.Precision.HIGHEST,
+                                     preferred_element_type=jnp.float32)
+                          for j in range(n)], axis=1)
+
+    rows = _val(span).reshape(b, s, kh * d)  # widened in the dot: across shard_map's
+    if mesh is None:  # boundary a widened span would be materialised
+        return local(x, rows)
+    from jax.sharding import PartitionSpec
+
+    axis = mesh.axis_names[0]
+    x_spec = [None] * x.ndim
+    x_spec[head] = axis
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(PartitionSpec(*x_spec), PartitionSpec(None, None, axis)),
+                         out_specs=PartitionSpec(None, axis), check_vma=False)(x, rows)
+
+
+def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
     """ATTENTION over paged caches reading each lane's needed blocks only: a loop over spans of
     blocks with an online softmax (running max, sum and weighted values per query row). Lane b
     needs the logical blocks from its first key (0, or a sliding window's first key behind its
@@ -487,11 +529,9 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
         live = jnp.repeat(fresh, BLOCK_SIZE, axis=1) & (kp >= 0)
         kp = kp[:, None, None, None, :]
         if folded is None:
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, f32(kb), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+            s = span_dots("scores", qg, kb, mesh)
         else:
-            s = jnp.einsum("btkgd,bskd->bkgts", qw, f32(kb), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32) + jnp.einsum(
+            s = span_dots("scores", qw, kb, mesh) + jnp.einsum(
                 "btkgd,bskd->bkgts", q_rot, folded.rotated_keys(kb, slots),
                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         s = s * jnp.float32(a.scale)
@@ -502,9 +542,7 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos):
         base = jnp.where(jnp.isfinite(m_new), m_new, 0)
         p = jnp.where(mask, jnp.exp(s - base[..., None]), 0)
         rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
-        acc = acc * rescale[..., None] + jnp.einsum(
-            "bkgts,bskd->bkgtd", p, f32(vb), precision=lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32)
+        acc = acc * rescale[..., None] + span_dots("values", p, vb, mesh)
         return m_new, total * rescale + jnp.sum(p, axis=-1), acc
 
     rows = (b, kh, nh // kh, t)
@@ -722,8 +760,9 @@ def sample(a, logits, temperature, top_k, top_p, seed, step):
 
     few = (temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K))
     branch = jnp.where(jnp.all(temperature <= 0), 0, jnp.where(jnp.all(few), 1, 2))
-    return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
-                               lambda: sampled(0)])
+    with jax.named_scope(BRANCHES.format(name="sample")):  # the traffic table's step cases
+        return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
+                                   lambda: sampled(0)])
 
 
 def filtered_probs(logits, temperature, top_k, top_p):

@@ -61,11 +61,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rvcompile.ir.graph import CACHE_ARGS, ModelIR, resolve_draft_param, resolve_param
 from rvcompile.ir.ops import Op
 from rvcompile.targets.xla import rejection, sampler
+from rvcompile.targets.xla.hlo_traffic import BRANCHES
 from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
     BLOCKWISE_LOWERINGS,
     JNP_DTYPES,
     PagedSlice,
+    TakesPaged,
+    attention_blockwise,
     cache_positions,
     filtered_probs,
     moe,
@@ -313,6 +316,8 @@ class Program:
         if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
+            lowerings[Op.ATTENTION] = TakesPaged(functools.partial(attention_blockwise,
+                                                                   mesh=mesh))
         return lowerings
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
@@ -450,7 +455,8 @@ class Program:
             return jnp.where(ratio[:, None], got, toks)
 
         # Lanes that all compare exactly (greedy, n-gram) skip the rule's sort and residuals.
-        toks = lax.cond(jnp.any(ratio), by_ratio, lambda _, t: t, logits, toks)
+        with jax.named_scope(BRANCHES.format(name="spec_ratio")):
+            toks = lax.cond(jnp.any(ratio), by_ratio, lambda _, t: t, logits, toks)
         hidden = run_graph(self.ir.assistant.hidden, {"h": h}, weights.__getitem__)["hidden"]
         return caches, toks, hidden
 

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rvcompile.targets.xla.hlo_traffic import BRANCHES
+
 TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
 
 
@@ -37,8 +39,9 @@ def mask_words(vocab: int) -> int:
 def penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
     """logits [B, V] with the penalties of the listed ids applied (ids -1 are skipped); the
     gather and scatter of B * P ids run only when some id is listed."""
-    return lax.cond(jnp.any(pen_ids >= 0), _penalize, lambda *a: a[0], logits, pen_ids,
-                    pen_counts, presence, frequency, repetition)
+    with jax.named_scope(BRANCHES.format(name="penalties")):
+        return lax.cond(jnp.any(pen_ids >= 0), _penalize, lambda *a: a[0], logits, pen_ids,
+                        pen_counts, presence, frequency, repetition)
 
 
 def _penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
@@ -75,7 +78,8 @@ def logprobs(logits, tokens, n_top):
         return (jnp.zeros((b, TOP_LOGPROBS), jnp.int32),
                 jnp.zeros((b, TOP_LOGPROBS), jnp.float32))
 
-    ids, vals = lax.cond(jnp.any(n_top > 0), top, none, None)
+    with jax.named_scope(BRANCHES.format(name="top_logprobs")):
+        ids, vals = lax.cond(jnp.any(n_top > 0), top, none, None)
     return chosen, ids, vals
 
 
