@@ -530,6 +530,13 @@ def test_a_pickle_in_an_entry_never_runs(artifacts, key, tmp_path, capsys):
     with pytest.raises(ArtifactError, match="precompiled cpu:1/decode_2: XLA cannot load it"):
         load_pending(model.executor)
     capsys.readouterr()
+    # so `rvrun serve` does not start on it: one line, a non-zero exit, nothing served
+    from rvcompile.runtime import cli as rvrun
+    assert rvrun.main(["serve", str(v3), "--trusted-key", str(key[1]), "--trust-executables",
+                       "--port", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "precompiled cpu:1/decode_2: XLA cannot load it" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "serving" not in err
     # a v2 set (jax's pickle) is never loaded, nor is any set untrusted: the StableHLO runs
     for path, trust, why in ((v2, True, "cpu:1: it is stored as jax's pickle"),
                              (v3, False, "loads one only when trusted")):
