@@ -188,12 +188,11 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
                 t2 = clock()
                 if check:
                     hash_into(run, done, buf, hashes)
-                t3 = clock()
+                    times[1] += clock() - t2
                 sink.deliver(w, k, start + done, size)
                 uses += 1
                 done += size
                 times[0] += t2 - t1
-                times[1] += t3 - t2
                 times[2] += t1 - t0
 
     t0 = time.perf_counter()
