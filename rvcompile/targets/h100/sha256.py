@@ -22,7 +22,8 @@ ENTRY = "sha256_pieces"
 
 def reference(data: bytes | np.ndarray, piece_size: int, count: int) -> np.ndarray:
     """uint8 [count, 32]: hashlib.sha256 of each piece of `data` (the kernel's output)."""
-    data = memoryview(np.ascontiguousarray(data, np.uint8)).cast("B")
+    data = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else np.ascontiguousarray(
+        data, np.uint8)
     out = np.empty((count, 32), np.uint8)
     for i in range(count):
         out[i] = np.frombuffer(hashlib.sha256(data[i * piece_size:(i + 1) * piece_size]).digest(),
