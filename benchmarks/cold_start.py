@@ -239,6 +239,7 @@ def main() -> None:
           f"{best['load_s']:.2f} s, first request {best['first_request_s']:.2f} s)")
     for line in best["report_lines"]:
         print(f"  {line}")
+    print(f"  weights verified: {_verified(best['report'])}")
     after = best["after_ready"]
     print(f"  after ready: two requests of 8 + 16 tokens took "
           f"{', '.join(f'{s:.2f}' for s in after['decode_requests_s'])} s; deserialized at ready "
@@ -263,9 +264,20 @@ def main() -> None:
               f"{result['cold_vs_disk']:.2f}x the disk's read time")
         for line in cold["report_lines"]:
             print(f"  {line}")
+        print(f"  weights verified: {_verified(cold['report'])}")
     out = a.out or Path(f"cold_start-{path.stem}.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def _verified(report: dict) -> str:
+    """Which verification of the weights a start ran (LoadTimes.hashed_on), and its cost."""
+    if report.get("hashed_on") == "gpu":
+        return f"on the GPU (piece hash {report['gpu_hash_s'] * 1e3:.1f} ms after the upload)"
+    if report.get("hashed_on") == "cpu":
+        return (f"on the CPU ({report['hash_s']:.2f} thread-seconds over {report['threads']} "
+                "threads)" if report.get("streamed") else "on the CPU, before the upload")
+    return "not checked (--no-verify)"
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def build_artifact(model: str, out: Path, opts: BuildOptions, *, weights: Path |
              **{name: len(data) for name, data in {**lowered.sections, **text_sections}.items()}}
     checked = parse_manifest(header, json.loads(canonical_json(manifest)), sizes, out.name)
     parse_contents(checked, {**lowered.sections, **text_sections}, out.name)
-    with ArtifactWriter(out, header) as w:
+    with ArtifactWriter(out, header, piece_size=lowered.piece_size) as w:
         w.reserve("weights", lowered.weights_nbytes)
         for name, data in {**lowered.sections, **text_sections}.items():
             w.add(name, data)

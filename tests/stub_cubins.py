@@ -1,8 +1,8 @@
 """h100 artifacts without nvcc, for tests of what surrounds the kernels (packaging, inspect,
 load up to the GPU): `build_h100(out, preset, opts)` builds as `rvcompile build` does, with each
-cubin replaced by a stub ELF that declares the kernels the schedule launches and their parameter
-sizes (what artifacts/cubin.py reads and the build checks), and no code. Such an artifact must
-never reach a GPU: the tests that use it stop at the machine check."""
+cubin replaced by a stub ELF that declares the kernels the schedule launches (and the piece
+hash's) and their parameter sizes (what artifacts/cubin.py reads and the build checks), and no
+code. Such an artifact must never reach a GPU: the tests that use it stop at the machine check."""
 
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ def stub_nvcc() -> Iterator[None]:
     then asks for)."""
     import pytest
 
-    from rvcompile.targets.h100 import lower, target
+    from rvcompile.artifacts.piece_hash import PARAM_BYTES
+    from rvcompile.targets.h100 import lower, sha256, target
 
-    kernels: dict[str, dict[str, tuple[int, ...]]] = {}
+    kernels: dict[str, dict[str, tuple[int, ...]]] = {sha256.SOURCE: {sha256.ENTRY: PARAM_BYTES}}
     real_lower = lower.lower_to_h100
 
     def lower_and_note(*args, **kwargs):

@@ -306,6 +306,33 @@ def test_piece_boundaries_at_exact_multiples(tmp_path: Path, at: int, piece: int
     assert f"piece {piece} of 4 (bytes [{start}, {start + PIECE}))" in str(e.value)
 
 
+def test_many_small_pieces_hash_in_batches(tmp_path: Path, monkeypatch) -> None:
+    """30K pieces (an h100 artifact's 1 MiB pieces of a 31B model): commit and verify hash
+    them in batches of consecutive pieces, a few tasks rather than one a piece, and a corrupt
+    piece is still named alone."""
+    from rvcompile.artifacts import container
+
+    monkeypatch.setattr(container, "_BATCH_BYTES", 1000 * PIECE)
+    tasks = []
+    real = container._sha256_batch
+
+    def batch(fd, pieces, fname):
+        tasks.append(len(pieces))
+        return real(fd, pieces, fname)
+
+    monkeypatch.setattr(container, "_sha256_batch", batch)
+    path = build_pieces(tmp_path / "p.rvp", {"weights": 30_000 * PIECE - 5}, threads=2)
+    assert tasks == [1000] * 30
+    with Artifact.open(path) as art:
+        assert len(art.sections["weights"].piece_sha256) == 30_000
+        art.verify(threads=2)
+        at = art.sections["weights"].offset + 12_345 * PIECE + 7
+    flip(path, at)
+    with Artifact.open(path) as art, pytest.raises(ArtifactError) as e:
+        art.verify(threads=2)
+    assert "piece 12345 of 30000 (bytes [790080, 790144))" in str(e.value)
+
+
 def test_first_corrupt_piece_in_order_is_reported(tmp_path: Path) -> None:
     path = build_pieces(tmp_path / "p.rvp", {"a": 3 * PIECE, "b": 50 * PIECE})
     with Artifact.open(path) as art:

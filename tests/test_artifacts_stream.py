@@ -99,7 +99,8 @@ def test_delivers_the_section_reading_each_byte_once(artifact, monkeypatch, work
     assert stats.workers == min(workers, 11) and stats.wall_s > 0
 
 
-def test_a_corrupt_piece_fails_before_finish(artifact):
+@pytest.mark.parametrize("chunk", [256, 4000])  # a piece in chunks; four pieces a chunk
+def test_a_corrupt_piece_fails_before_finish(artifact, chunk):
     with Artifact.open(artifact) as art:
         offset = art.sections["weights"].offset + 7 * PIECE + 5
     data = bytearray(artifact.read_bytes())
@@ -107,7 +108,7 @@ def test_a_corrupt_piece_fails_before_finish(artifact):
     artifact.write_bytes(bytes(data))
     with Artifact.open(artifact) as art:  # the header and tables are intact: open accepts it
         for workers in (1, 4):
-            sink = RecordingSink(SIZE, workers, 256)
+            sink = RecordingSink(SIZE, workers, chunk)
             with pytest.raises(ArtifactError) as e:
                 stream_section(art, "weights", sink, workers=workers)
             assert not sink.finished
@@ -123,6 +124,26 @@ def test_a_corrupt_piece_fails_before_finish(artifact):
         stats = stream_section(art, "weights", sink, workers=2, check=False)
         assert sink.finished and not stats.checked
         assert bytes(sink.out) == bytes(art.buffer("weights"))
+
+
+def test_small_pieces_stream_several_to_a_chunk(artifact):
+    """Pieces smaller than a chunk are read, hashed and delivered as many to a chunk as fit
+    whole (an h100 artifact's 1 MiB pieces, sixteen to a 16 MiB copy), checked or not."""
+    with Artifact.open(artifact) as art:
+        for check in (True, False):
+            class Counting(RecordingSink):
+                sizes: list[int] = []
+
+                def deliver(self, worker, k, offset, size):
+                    self.sizes.append(size)
+                    super().deliver(worker, k, offset, size)
+
+            sink = Counting(SIZE, 2, 4000)
+            Counting.sizes = []
+            stats = stream_section(art, "weights", sink, workers=2, check=check)
+            assert bytes(sink.out) == bytes(art.buffer("weights"))
+            assert sorted(sink.sizes) == [2 * PIECE + 123, 4 * PIECE, 4 * PIECE]
+            assert (stats.pieces, stats.workers, stats.checked) == (11, 2, check)
 
 
 def test_a_failing_sink_stops_the_stream(artifact):

@@ -1,23 +1,27 @@
-"""The H100 load path of issue 18: the weights read once from the file, each piece hashed as it
-streams to the device through pinned buffers on several streams, while the cubins load and the
-graphs capture; nothing runs before every piece checked out; a corrupt piece fails the load with
-the container's one-line error and frees what was allocated.
+"""The H100 load path of issue 18: the weights read once from the file and streamed to the device
+through pinned buffers on several streams, then hashed there by the artifact's piece hash (the
+sha256 kernel, a GPU thread a 1 MiB piece), or, for an artifact without it or with large pieces,
+each piece hashed on the CPU as it streams; meanwhile the cubins load and the graphs capture;
+nothing but the piece hash runs before every piece checked out; a corrupt piece fails the load
+with the container's one-line error and frees what was allocated.
 
 On the CPU the whole of CudaScheduleDevice runs against a fake driver context that keeps device
-memory as bytes (stub cubins: tests/stub_cubins.py; TMA descriptors zeroed): the device image must
-be the artifact's weights and constants, zeros elsewhere, every launch only ever recorded into a
-graph; open_executor sizes the KV pools from the fake's free memory (or as asked) and refuses,
-in one line and before allocating, pools that do not fit. Through runtime.load on the fake: the
-GPU's context opens while the manifest is checked; the text check (tokenizer, template) runs
-alongside the upload, the graphs are uploaded only once it passed, its failure stops the upload
-at its next chunk, frees everything and is the load's error whatever else failed, as when it ran
-first; the load report's phases add up to the load's time. On an H100 (marked gpu) the same with
-the real driver: the image read back, a corrupt file or a tokenizer that does not parse refused
-with nothing leaked, and the load report's figures.
+memory as bytes (stub cubins: tests/stub_cubins.py; TMA descriptors zeroed) and runs the piece hash
+as hashlib over the bytes delivered to it: the device image must be the artifact's weights and
+constants, zeros elsewhere, every launch but the piece hash's only ever recorded into a graph, the
+hash launched once every weight byte arrived and before any graph upload; open_executor sizes the
+KV pools from the fake's free memory (or as asked) and refuses, in one line and before allocating,
+pools that do not fit. Through runtime.load on the fake: the GPU's context opens while the manifest
+is checked; the text check (tokenizer, template) runs alongside the upload, the graphs are uploaded
+only once it passed, its failure stops the upload at its next chunk, frees everything and is the
+load's error whatever else failed, as when it ran first; the load report's phases add up to the
+load's time. On an H100 (marked gpu) the same with the real driver: the image read back, a corrupt
+file or a tokenizer that does not parse refused with nothing leaked, and the load report's figures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -28,16 +32,19 @@ from h100_helpers import h100_context
 from stub_cubins import build_h100
 
 from rvcompile import runtime
-from rvcompile.artifacts import Artifact, ArtifactError
+from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
 from rvcompile.artifacts.contents import read_contents, read_texts
+from rvcompile.artifacts.format import PIECE_SIZE
 from rvcompile.artifacts.manifest import read_manifest
 from rvcompile.build import BuildOptions
 from rvcompile.runtime.executor_api import LoadOptions, SampleExtras, SeqChunk
 from rvcompile.runtime.executors import cuda_upload, h100, tma
-from rvcompile.runtime.executors.cuda_driver import CudaError, DeviceBuffer
+from rvcompile.runtime.executors.cuda_driver import CudaError, DeviceBuffer, pack_args
 
 TINY = {"max_context": 64, "prefill_buckets": (8,), "max_seqs": 1}
-BASE = 1 << 32  # the fake device's first address (aligned as TMA wants)
+BASE = 1 << 32  # the fake device's first address (aligned as TMA wants): the arena's
+OTHER = 1 << 40  # where the fake places any other allocation (the piece hash's digests)
+MIB = 1 << 20
 
 
 class FakeContext:
@@ -45,6 +52,7 @@ class FakeContext:
 
     def __init__(self):
         self.memory = bytearray()
+        self.others: dict[int, bytearray] = {}  # allocations after the arena, by address
         self.live: set[int] = set()  # device allocations not freed
         self.pinned: dict[int, np.ndarray] = {}  # by id, not freed
         self.capturing: set[int] = set()  # threads inside capture()
@@ -61,6 +69,8 @@ class FakeContext:
         self.on_weight_copy = None  # a test's hook, called (with this lock not held) per copy
         self.uploaded_when = []  # per graph upload: what a test's `ready()` said then
         self.ready = lambda: True
+        self.events: list[str] = []  # "hash" (a piece hash launch) and "graph upload", in order
+        self.copies_when_hashed: list[int] = []  # weight copies made by each piece hash launch
 
     compute_capability = (9, 0)
 
@@ -78,13 +88,27 @@ class FakeContext:
         return object()
 
     def alloc(self, nbytes):
-        assert not self.memory, "one arena"
-        self.memory = bytearray(b"\xa5" * nbytes)  # garbage: the load must set every byte
-        self.live.add(BASE)
-        return DeviceBuffer(BASE, nbytes)
+        if not self.memory:  # the arena
+            self.memory = bytearray(b"\xa5" * nbytes)  # garbage: the load must set every byte
+            self.live.add(BASE)
+            return DeviceBuffer(BASE, nbytes)
+        ptr = OTHER + sum(len(b) for b in self.others.values())
+        self.others[ptr] = bytearray(b"\x5a" * nbytes)
+        self.live.add(ptr)
+        return DeviceBuffer(ptr, nbytes)
 
     def free(self, buf):
         self.live.remove(buf.ptr)
+
+    def view(self, ptr, nbytes):
+        """The bytes at device address `ptr` (the arena's, or another allocation's)."""
+        if ptr >= OTHER:
+            base = max(p for p in self.others if p <= ptr)
+            return memoryview(self.others[base])[ptr - base:ptr - base + nbytes]
+        return memoryview(self.memory)[ptr - BASE:ptr - BASE + nbytes]
+
+    def copy_to_host(self, host, src, stream=0):
+        host[:] = np.frombuffer(self.view(src, host.nbytes), np.uint8)
 
     def memset_range(self, ptr, nbytes, stream=0):
         self.memory[ptr - BASE:ptr - BASE + nbytes] = bytes(nbytes)
@@ -112,10 +136,23 @@ class FakeContext:
         return (grid, block, smem)
 
     def launch_configured(self, fn, config, packed):
-        if threading.get_ident() in self.capturing:
+        if fn == "sha256_pieces":  # the piece hash (get_function gives the name): hashlib
+            assert threading.get_ident() not in self.capturing
+            data, piece, total, count, out = (a.value for a in packed[1])
+            for i in range(count):
+                start = i * piece
+                self.view(out + 32 * i, 32)[:] = hashlib.sha256(
+                    self.view(data + start, max(0, min(piece, total - start)))).digest()
+            with self.lock:
+                self.events.append("hash")
+                self.copies_when_hashed.append(self.weight_copies)
+        elif threading.get_ident() in self.capturing:
             self.captured_launches += 1
         else:
             self.launched_outside_capture += 1
+
+    def launch(self, fn, grid, block, smem, args, stream=0):
+        self.launch_configured(fn, self.launch_config(grid, block, smem, stream), pack_args(args))
 
     def capture(self, stream, record, *, thread_local=False):
         self.thread_local_captures += thread_local
@@ -128,6 +165,7 @@ class FakeContext:
         return object()
 
     def graph_upload(self, graph_exec, stream):
+        self.events.append("graph upload")
         self.graph_uploads += 1
         self.uploaded_when.append(self.ready())
 
@@ -173,10 +211,31 @@ def _corrupt_copy(src: Path, dst: Path, offset_in_weights: int) -> Path:
     return dst
 
 
+def _executor(art, fake, check_weights=True):
+    """h100_executor as open_executor calls it: with the manifest's piece hash."""
+    h = read_manifest(art).h100
+    return h100.h100_executor(art, h.schedule, fake, check_weights=check_weights,
+                              piece_hash=h.piece_hash)
+
+
+def test_the_tiny_artifact_has_small_pieces_and_the_piece_hash(artifact):
+    """An h100 build hashes in 1 MiB pieces (not format.PIECE_SIZE) and carries the sha256
+    kernel's cubin, named in the manifest, which contents.py checks against the cubin."""
+    with Artifact.open(artifact) as art:
+        m = read_manifest(art)
+        read_contents(art, m)
+        assert art.piece_size == MIB < PIECE_SIZE
+        assert len(art.sections["weights"].piece_sha256) == -(-art.sections["weights"].size // MIB)
+        assert (m.h100.piece_hash.module, m.h100.piece_hash.kernel) == ("sha256.cu",
+                                                                        "sha256_pieces")
+        assert "sha256.cu" in m.h100.schedule.cubins
+
+
 def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     with Artifact.open(artifact) as art:
         schedule = read_manifest(art).h100.schedule
-        ex = h100.h100_executor(art, schedule, fake, check_weights=True)
+        fake.weights_end = schedule.weights_bytes
+        ex = _executor(art, fake)
         weights = bytes(art.buffer("weights"))
         consts = bytes(art.buffer("constants"))
     mem = fake.memory
@@ -194,14 +253,19 @@ def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):
     assert fake.modules > 0  # kept, with the graphs, by a load that succeeded
     t = ex.load_times
     assert t.streamed and t.checked and t.weight_bytes == len(weights) and t.threads >= 1
-    assert t.upload_s > 0 and t.read_s > 0 and t.hash_s > 0
+    assert t.upload_s > 0 and t.read_s > 0 and t.hash_s == 0  # the CPU hashed nothing
+    assert t.hashed_on == "gpu" and t.gpu_hash_s > 0
+    # the piece hash ran once, after every weight byte arrived, before any graph upload
+    assert fake.events[0] == "hash" and fake.events.count("hash") == 1
+    assert fake.copies_when_hashed == [fake.weight_copies]
+    assert fake.live == {BASE}  # the digests' buffer freed, the arena kept
     assert t.overlapped == ("cubin load", "graph capture")  # warm-up: once all passed
     assert t.arena_s > 0 and t.finish_s > 0 and t.warm_up_s > 0
     # the io buffers and the decode loop's two read_later slots the executor keeps; staging freed
     assert len(fake.pinned) == 4
     sizes = [a.nbytes for a in fake.pinned.values()]
     assert sizes.count(schedule.io["loop_tokens"].nbytes) >= 2
-    assert "sha256 checked while streaming" in ex.load_note
+    assert "sha256 checked on the GPU in " in ex.load_note
     # the default share of the fake's memory holds more than every decode row's whole context:
     # each kind gets max_seqs tables of blocks, the pools after the fixed part
     assert {k.name: k.num_blocks for k in ex.kinds.values()} == {
@@ -252,17 +316,58 @@ def test_late_mask_calls_replay_the_parts_and_stage_sample_io_apart(artifact, fa
     assert bytes(dev.io_host[at:at + mask.nbytes]) == mask.tobytes()  # staged apart
 
 
-def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fake, tmp_path):
-    bad = _corrupt_copy(artifact, tmp_path / "bad.rvp", 1234)
+def _repacked(src: Path, dst: Path) -> Path:
+    """`src` rewritten as a build before the piece hash wrote it: 256 MiB pieces (each section
+    one piece), the manifest unchanged (an older build's has no h100.piece_hash either way)."""
+    with Artifact.open(src) as art, ArtifactWriter(dst, art.header) as w:
+        for name in art.sections:
+            w.add(name, art.buffer(name))
+        w.commit(art.manifest)
+    return dst
+
+
+@pytest.mark.parametrize("path", ["gpu", "cpu: no piece hash", "cpu: 256 MiB pieces"])
+def test_a_corrupt_weight_piece_fails_the_load_and_frees_everything(artifact, fake, tmp_path,
+                                                                    path):
+    """A flipped weight byte fails the load with the container's line naming the section and
+    the piece, whichever side hashed it (the load report says which), nothing but the piece
+    hash having run and everything freed."""
+    src = _repacked(artifact, tmp_path / "old.rvp") if "256 MiB" in path else artifact
+    bad = _corrupt_copy(src, tmp_path / "bad.rvp", MIB + 1234)
     with Artifact.open(bad) as art:
-        schedule = read_manifest(art).h100.schedule
+        h = read_manifest(art).h100
+        pieces = len(art.sections["weights"].piece_sha256)
         with pytest.raises(ArtifactError) as e:
-            h100.h100_executor(art, schedule, fake, check_weights=True)
-    assert str(e.value).startswith("bad.rvp: section 'weights' is corrupt: piece 0 of 1 (bytes "
-                                   "[0, ")
+            h100.h100_executor(art, h.schedule, fake, check_weights=True,
+                               piece_hash=None if "no piece hash" in path else h.piece_hash)
+    if path == "gpu":
+        assert pieces == 4 and fake.events == ["hash"]
+        want = "piece 1 of 4 (bytes [1048576, 2097152)) has sha256 "
+    else:
+        assert fake.events == []
+        want = ("piece 1 of 4 (bytes [1048576, 2097152)) has sha256 " if pieces == 4
+                else "piece 0 of 1 (bytes [0, ")
+    assert str(e.value).startswith(f"bad.rvp: section 'weights' is corrupt: {want}")
     assert "\n" not in str(e.value)
     assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
-    assert fake.launched_outside_capture == 0
+    assert fake.launched_outside_capture == 0 and fake.graph_uploads == 0
+
+
+@pytest.mark.parametrize("path", ["cpu: no piece hash", "cpu: 256 MiB pieces"])
+def test_the_cpu_hashes_what_the_gpu_cannot(artifact, fake, tmp_path, path):
+    """The path choice: without the piece hash (an older build) or with pieces too large for a
+    thread each, every piece is hashed on the CPU as it streams, as before, and the report says
+    so; nothing is launched outside a graph."""
+    src = _repacked(artifact, tmp_path / "old.rvp") if "256 MiB" in path else artifact
+    with Artifact.open(src) as art:
+        h = read_manifest(art).h100
+        ex = h100.h100_executor(art, h.schedule, fake, check_weights=True,
+                                piece_hash=None if "no piece hash" in path else h.piece_hash)
+        assert fake.memory[:h.schedule.weights_bytes] == bytes(art.buffer("weights"))
+    t = ex.load_times
+    assert t.checked and t.hashed_on == "cpu" and t.hash_s > 0 and t.gpu_hash_s == 0
+    assert fake.events.count("hash") == 0 and fake.launched_outside_capture == 0
+    assert "sha256 checked while streaming" in ex.load_note
 
 
 def test_a_failure_on_the_loading_thread_stops_the_upload(artifact, fake, monkeypatch):
@@ -298,9 +403,10 @@ def test_unchecked_stream_loads_a_corrupt_file(artifact, fake, tmp_path):
     bad = _corrupt_copy(artifact, tmp_path / "bad.rvp", 99)
     with Artifact.open(bad) as art:
         schedule = read_manifest(art).h100.schedule
-        ex = h100.h100_executor(art, schedule, fake, check_weights=False)
+        ex = _executor(art, fake, check_weights=False)
         assert fake.memory[:schedule.weights_bytes] == bytes(art.buffer("weights"))
-    assert not ex.load_times.checked
+    assert not ex.load_times.checked and ex.load_times.hashed_on == ""
+    assert "hash" not in fake.events
 
 
 @pytest.mark.parametrize("opts,message", [
@@ -406,7 +512,9 @@ def test_load_checks_the_texts_alongside_the_upload_and_reports_it(artifact, fak
     assert r.alongside == ("text check", "cubin load", "graph capture")
     assert [n for n, _ in r.phases()] == [
         "open", "check", "text check", "import", "context", "verify", "arena", "upload",
-        "cubin load", "graph capture", "warm-up", "finish"]
+        "gpu hash", "cubin load", "graph capture", "warm-up", "finish"]
+    assert r.executor.hashed_on == "gpu" and r.executor.gpu_hash_s > 0
+    assert "sha256-checked on the GPU once uploaded" in r.lines()[1]
     counted = sum(s for n, s in r.phases() if n not in r.alongside)
     assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
     # it started once the weights streamed, so it all ran during the upload, which waited
@@ -424,15 +532,12 @@ def test_a_text_check_failing_during_the_upload_stops_it_and_frees_everything(
     today = _todays_error(bad)
     assert today.startswith("bad.rvp: tokenizer: not a tokenizers tokenizer.json (")
     _texts_once_uploading(monkeypatch, fake)
-    stalled = []
 
-    def hold_the_stream():  # the first weight chunk waits until the check has failed
-        if not stalled:
-            stalled.append(True)
-            deadline = time.monotonic() + 10
-            while not loading["checks"].failed():
-                assert time.monotonic() < deadline, "the text check never failed"
-                time.sleep(0.001)
+    def hold_the_stream():  # each worker's weight chunk waits until the check has failed
+        deadline = time.monotonic() + 10
+        while not loading["checks"].failed():
+            assert time.monotonic() < deadline, "the text check never failed"
+            time.sleep(0.001)
 
     first = fake.on_weight_copy
     fake.on_weight_copy = lambda: (first(), hold_the_stream())
@@ -440,7 +545,8 @@ def test_a_text_check_failing_during_the_upload_stops_it_and_frees_everything(
         runtime.load(bad, verify=False)  # the tokenizer's digest no longer matches
     assert str(e.value) == today  # the same line as when it was checked first
     chunks = -(-fake.weights_end // cuda_upload.CHUNK_BYTES)
-    assert 1 <= fake.weight_copies <= 2 < chunks  # the stream stopped at its next chunk
+    # every streaming thread stopped at its next chunk: one copy each at most
+    assert 1 <= fake.weight_copies <= h100.stream_workers() < chunks
     assert fake.live == set() and fake.pinned == {} and fake.modules == fake.graphs == 0
     assert fake.launched_outside_capture == 0 and fake.graph_uploads == 0
 
@@ -541,6 +647,7 @@ def test_gpu_streamed_weights_are_the_file(real_artifact):
     r = m.load_report
     print("\n[measured] " + "\n[measured] ".join(r.lines()))
     assert r.runtime == "h100" and r.executor.streamed and r.executor.checked
+    assert r.executor.hashed_on == "gpu" and r.executor.gpu_hash_s > 0  # the piece hash ran
     counted = sum(s for n, s in r.phases() if n not in r.alongside)
     assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
     assert r.text_check_s > 0 and r.executor.context_open_s > 0 and r.executor.arena_s > 0
@@ -556,11 +663,15 @@ def test_gpu_streamed_weights_are_the_file(real_artifact):
 @pytest.mark.gpu
 def test_gpu_corrupt_weights_refused_and_freed(real_artifact, tmp_path):
     ctx = h100_context()
-    bad = _corrupt_copy(real_artifact, tmp_path / "bad.rvp", 777)
+    with Artifact.open(real_artifact) as art:
+        size = art.sections["weights"].size
+    at = min(MIB + 777, size - 1)  # the second 1 MiB piece, where there is one
+    bad = _corrupt_copy(real_artifact, tmp_path / "bad.rvp", at)
     runtime.load(real_artifact)  # the driver's own allocations made once, before measuring
     free_before, _ = ctx.mem_info()
-    with pytest.raises(ArtifactError, match=r"^bad.rvp: section 'weights' is corrupt: piece 0"):
-        runtime.load(bad)
+    with pytest.raises(ArtifactError, match=rf"^bad.rvp: section 'weights' is corrupt: piece "
+                                            rf"{at // MIB} of {-(-size // MIB)} \(bytes "):
+        runtime.load(bad)  # found by the piece hash on the GPU
     free_after, _ = ctx.mem_info()
     assert free_after >= free_before - (8 << 20)  # the arena went back
 

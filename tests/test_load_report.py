@@ -38,7 +38,7 @@ def test_xla_load_report_times_every_phase(artifact):
     assert counted + r.text_waited_s + r.other_s == pytest.approx(r.total_s)
     assert r.other_s < 0.5 * r.total_s and r.cpu_s > 0
     assert e.weight_bytes == sum(w["nbytes"] for w in m.manifest["xla"]["weights"])
-    assert e.checked and not e.streamed and e.read_s == e.hash_s == 0
+    assert e.checked and e.hashed_on == "cpu" and not e.streamed and e.read_s == e.hash_s == 0
     assert r.upload_gb_s == pytest.approx(e.weight_bytes / e.upload_s / 1e9)
     first, weights = r.lines()
     n = r"\d+\.\d\d"
@@ -81,3 +81,27 @@ def test_h100_report_shows_the_stream_and_what_overlapped():
         "rvrun: weights 32.100 GB uploaded in 1.60 s (20.06 GB/s), read once, each piece "
         "sha256-checked as it streamed; read 9.50 s, hash 20.25 s over 16 threads "
         "(thread-seconds)"]
+
+
+def test_h100_report_shows_the_gpu_hash():
+    """Weights checked on the GPU (the artifact's piece hash): its own phase after the upload,
+    counted in the wall time, and the weights line says which verification ran."""
+    times = LoadTimes(context_s=0.12, verify_s=0.05, arena_s=0.03, upload_s=1.4,
+                      weight_bytes=32_100_000_000, streamed=True, checked=True, hashed_on="gpu",
+                      gpu_hash_s=0.045, threads=16, read_s=9.5, cubin_load_s=0.3,
+                      graph_capture_s=0.4, warm_up_s=0.01, finish_s=0.04,
+                      overlapped=("cubin load", "graph capture"))
+    r = LoadReport("31b.rvp", "h100", 0.01, 0.02, 0.01, times, 2.0, 12.5, text_check_s=0.5,
+                   text_waited_s=0.03)
+    assert [n for n, _ in r.phases()] == ["open", "check", "text check", "import", "context",
+                                          "verify", "arena", "upload", "gpu hash", "cubin load",
+                                          "graph capture", "warm-up", "finish"]
+    assert r.other_s == pytest.approx(2.0 - 0.01 - 0.02 - 0.01 - 0.12 - 0.05 - 0.03 - 1.4
+                                      - 0.045 - 0.01 - 0.04 - 0.03)
+    first, weights = r.lines()
+    assert "| upload 1.40 | gpu hash 0.04 | cubin load 0.30 (during upload) |" in first
+    assert weights == ("rvrun: weights 32.100 GB uploaded in 1.40 s (22.93 GB/s), read once, "
+                       "sha256-checked on the GPU once uploaded; read 9.50 s over 16 threads "
+                       "(thread-seconds), gpu hash 0.045 s")
+    data = r.as_json()
+    assert data["hashed_on"] == "gpu" and data["gpu_hash_s"] == 0.045

@@ -14,7 +14,8 @@ reader verifies): what the runtime then uses without looking again.
     cubins (h100)      each module's sha256, then every launch of the schedule against the
                        kernels its cubin's ELF declares (artifacts/cubin.py): the kernel exists,
                        takes exactly the launch's arguments (count and sizes) and allows its
-                       threads per block
+                       threads per block; and the piece hash (manifest h100.piece_hash), the
+                       same way against piece_hash.PARAM_BYTES and THREADS
 
 An XLA artifact's programs are checked by xla_programs.py (it needs jax); `verify.py` is
 everything a reader can check without running anything (`rvcompile verify`); `rvrun` makes the
@@ -39,9 +40,11 @@ from rvcompile.artifacts.format import ArtifactError
 from rvcompile.artifacts.kernel_schedule import Collective, KernelSchedule
 from rvcompile.artifacts.manifest import (
     TEXT_SECTIONS,
+    H100Manifest,
     Manifest,
     token_ids,
 )
+from rvcompile.artifacts.piece_hash import PARAM_BYTES, THREADS
 from rvcompile.artifacts.schema import At, SchemaError, parse_json
 
 
@@ -103,6 +106,7 @@ def parse_cubins(manifest: Manifest, blob: bytes | memoryview, fname: str) -> No
     try:
         for schedule in tp.schedules if tp else (manifest.h100.schedule,):
             _check_cubins(schedule, blob)
+        _check_piece_hash(manifest.h100, blob)
     except SchemaError as e:
         raise ArtifactError(f"{fname}: {e}") from None
 
@@ -200,3 +204,24 @@ def _check_cubins(schedule: KernelSchedule, blob: bytes | memoryview) -> None:
             if kernel.max_threads is not None and threads > kernel.max_threads:
                 raise SchemaError(f"{at}: {threads} threads per block; kernel {x.kernel} was "
                                   f"compiled for at most {kernel.max_threads}")
+
+
+def _check_piece_hash(h100: H100Manifest, blob: bytes | memoryview) -> None:
+    """The piece hash's kernel, in a cubin _check_cubins has hashed, takes what the runtime
+    passes it (PARAM_BYTES) in blocks of THREADS."""
+    ph = h100.piece_hash
+    if ph is None:
+        return
+    where = "manifest.h100.piece_hash"
+    c = h100.schedule.cubins[ph.module]
+    kernel = kernels(bytes(blob[c.offset:c.offset + c.size])).get(ph.kernel)
+    if kernel is None:
+        raise SchemaError(f"{where}: kernel {ph.kernel!r} is not in {ph.module}")
+    if kernel.param_sizes != PARAM_BYTES:
+        raise SchemaError(f"{where}: kernel {ph.kernel} takes parameters of "
+                          f"{list(kernel.param_sizes)} bytes; the runtime passes "
+                          f"{list(PARAM_BYTES)}")
+    if kernel.max_threads is not None and kernel.max_threads < THREADS:
+        raise SchemaError(f"{where}: kernel {ph.kernel} was compiled for at most "
+                          f"{kernel.max_threads} threads per block; the runtime launches "
+                          f"{THREADS}")

@@ -183,6 +183,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "every decode entry, decode_advance over io fields loop_budget, loop_step "
                       "and loop_tokens (the device side of the decode loop); the container's "
                       "format is unchanged, readers before this entry refuse schedule version 7"),
+    ("2026-11-29", 7, "h100 artifacts are hashed in pieces of 1 MiB (piece_size; "
+                      "artifacts/piece_hash.py DEVICE_PIECE_SIZE) and carry the piece hash: a "
+                      "sha256 kernel in their cubins, named by manifest h100.piece_hash, with "
+                      "which the runtime checks the uploaded weights on the GPU (issue 18); "
+                      "other targets keep PIECE_SIZE. Earlier readers ignore the field and hash "
+                      "the small pieces on the CPU"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"
@@ -195,7 +201,8 @@ ALIGN = 4096
 _PREFIX = struct.Struct("<8sII32s")  # magic, format version, header JSON length, its sha256
 MAX_HEADER_JSON = HEADER_SIZE - _PREFIX.size
 # Big enough that per-piece overhead (a task, a 32-byte digest) is nothing, small enough that a
-# 30 GiB section splits into ~120 pieces to spread over any number of cores.
+# 30 GiB section splits into ~120 pieces to spread over any number of cores. The writer's
+# default; h100 artifacts use 1 MiB pieces, one GPU thread each (artifacts/piece_hash.py).
 PIECE_SIZE = 256 << 20
 DIGEST_SIZE = 32  # bytes of one sha256
 MAX_SIZE = 1 << 50  # of a section or the file: anything larger is damage, not a model

@@ -46,7 +46,11 @@ Fields (format v3; required unless marked optional):
                       rank's weights region in section weights, one after another],
                       "constants": [N, the same in section constants]}: one schedule per GPU
                       (rvcompile build --tp N), each with collective steps (schedule version
-                      5); absent: one GPU}
+                      5); absent: one GPU, optional (v7, 2026-11-26) "piece_hash": {"module":
+                      a module of the schedule's cubins, "kernel": str}: the kernel that hashes
+                      a section's pieces on the GPU (artifacts/piece_hash.py; contents.py checks
+                      its parameters against the cubin); absent: built before it, the runtime
+                      hashes the weights on the CPU}
     provenance        optional (v4, 2026-11-24) how the artifact was built (rvcompile/
                       provenance.py): {"recipe": the build recipe (rvcompile/recipe.py: model,
                       assistant, chat_template, target (the header's), options; its fields are
@@ -220,11 +224,20 @@ class H100TensorParallel:
 
 
 @dataclass(frozen=True)
+class PieceHash:
+    """The kernel that hashes pieces on the device (artifacts/piece_hash.py)."""
+
+    module: str  # in the schedule's cubins
+    kernel: str
+
+
+@dataclass(frozen=True)
 class H100Manifest:
     schedule: KernelSchedule  # rank 0's with tensor_parallel
     nvcc: str
     arch: str
     tensor_parallel: H100TensorParallel | None = None  # None: one GPU
+    piece_hash: PieceHash | None = None  # None: built without one (the CPU hashes)
 
 
 @dataclass(frozen=True)
@@ -734,8 +747,13 @@ def _h100(h: At, req: At, header: ArtifactHeader, model: ModelInfo,
             where["cubins"][module].fail(
                 f"bytes [{c.offset}, {c.offset + c.size}) fall outside section 'cubins' of "
                 f"{sections['cubins']} bytes")
+    piece_hash = None
+    if h.get("piece_hash") is not None:
+        at = h["piece_hash"]
+        module = at["module"].str(tuple(schedule.cubins))
+        piece_hash = PieceHash(module, at["kernel"].str(pattern=r"[A-Za-z_][A-Za-z0-9_]{0,63}"))
     return H100Manifest(schedule, h["nvcc"].str(max_len=200, printable=True),
-                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"), tp)
+                        h["arch"].str(pattern=r"sm_[0-9]{2,3}a?"), tp, piece_hash)
 
 
 MAX_TP_RANKS = 8  # the GPUs of one host

@@ -1,13 +1,15 @@
 """Reading a section ONCE while checking it: the bytes that are hashed are the bytes delivered.
 
-`stream_section(art, name, sink)` reads section `name` of an open artifact piece by piece (the
-pieces whose sha256 the digest table records) on a pool of worker threads. Each worker takes the
-next piece in file order and reads it in chunks of `sink.chunk_bytes` into one of its two
-staging buffers (`sink.staging(worker, k)`, k = 0 or 1: while one is being delivered the other
-is filled), feeds every chunk to the piece's running sha256, and hands the chunk to
-`sink.deliver(worker, k, offset, size)` (for the CUDA sink: an async copy to the device, on a
-stream of its own). Before it refills a buffer it calls `sink.reusable(worker, k)`, which
-returns once the previous delivery from that buffer is done with it.
+`stream_section(art, name, sink)` reads section `name` of an open artifact on a pool of worker
+threads, in runs of consecutive pieces (the pieces whose sha256 the digest table records): as
+many whole pieces as one chunk of `sink.chunk_bytes` holds, or one piece when a piece is larger
+(an h100 artifact's 1 MiB pieces go sixteen to a 16 MiB chunk, the default 256 MiB ones are read
+in sixteen chunks each). Each worker takes the next run in file order and reads it in chunks
+into one of its two staging buffers (`sink.staging(worker, k)`, k = 0 or 1: while one is being
+delivered the other is filled), feeds every piece's bytes to that piece's sha256, and hands the
+chunk to `sink.deliver(worker, k, offset, size)` (for the CUDA sink: an async copy to the
+device, on a stream of its own). Before it refills a buffer it calls `sink.reusable(worker, k)`,
+which returns once the previous delivery from that buffer is done with it.
 
 When a piece's last chunk is read, its digest is compared with the recorded one. Chunks are
 delivered before their piece is checked (so the reads, hashes and copies all overlap), but
@@ -15,7 +17,9 @@ delivered before their piece is checked (so the reads, hashes and copies all ove
 piece checked out and every worker stopped: a caller runs nothing on what was delivered before
 `stream_section` returns. A mismatch stops every worker at its next chunk, `finish` is never
 called, and the lowest corrupt piece found raises the container's one-line ArtifactError (the
-caller frees what it allocated). `check=False` (rvrun --no-verify) delivers without hashing.
+caller frees what it allocated). `check=False` delivers without hashing: rvrun --no-verify, or
+a caller that checks the delivered bytes itself (the h100 runtime, on the GPU:
+runtime/executors/device_hash.py).
 The caller's `stop` (runtime.load's checks that run alongside failed) stops the workers the
 same way at their next chunk.
 
@@ -37,7 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from rvcompile.artifacts.container import Artifact, corrupt_piece_error, section_pieces
+from rvcompile.artifacts.container import (
+    Artifact,
+    corrupt_piece_error,
+    piece_runs,
+    section_pieces,
+)
 from rvcompile.artifacts.format import ArtifactError
 
 BUFFERS_PER_WORKER = 2  # one filling while the other is delivered
@@ -108,70 +117,87 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
     if section is None:
         raise ArtifactError(f"{fname}: no section '{name}' (has: {', '.join(art.sections)})")
     pieces = section_pieces(section)
+    chunk = sink.chunk_bytes
+    runs = piece_runs(pieces, chunk)  # what one worker reads, hashes and delivers at a time
     fd = art.fileno()
-    workers = max(1, min(workers, len(pieces)))
+    workers = max(1, min(workers, len(runs)))
     lock = threading.Lock()
-    queue = iter(enumerate(pieces))
+    queue = iter(runs)
     halt = threading.Event()  # a corrupt piece or a failed worker: the others stop
 
     def stopping() -> bool:
         return halt.is_set() or (stop is not None and stop())
     failures: dict[int, ArtifactError] = {}  # piece index -> its error
     busy = [[0.0, 0.0, 0.0] for _ in range(workers)]  # read, hash, wait seconds per worker
-    chunk = sink.chunk_bytes
 
-    def next_piece():
+    def next_run():
         with lock:
             return next(queue, None)
 
-    def run(w: int) -> None:
+    def hash_into(run: list, at: int, buf: memoryview, hashes: list) -> None:
+        """Feeds `buf`, bytes [at, at + len(buf)) of `run`, to its pieces' sha256 (`hashes`,
+        one a piece of the run); a piece whose last byte it holds is compared now."""
+        first = run[0].start
+        for j, piece in enumerate(run):
+            lo = max(at, piece.start - first)
+            hi = min(at + len(buf), piece.start - first + piece.size)
+            if lo >= hi:
+                continue
+            hashes[j].update(buf[lo - at:hi - at])
+            if hi == piece.start - first + piece.size:
+                got = hashes[j].digest()
+                if got != section.piece_sha256[piece.index]:
+                    with lock:
+                        failures[piece.index] = corrupt_piece_error(
+                            fname, piece, got, section.piece_sha256[piece.index])
+                    halt.set()
+
+    def work(w: int) -> None:
         times = busy[w]
         uses = 0  # deliveries so far: buffer k = uses % 2 was used before when uses >= 2
         clock = time.perf_counter
-        while not stopping() and (item := next_piece()) is not None:
-            i, piece = item
-            h = hashlib.sha256()
+        while not stopping() and (run := next_run()) is not None:
+            start, offset = run[0].start, run[0].offset
+            run_size = run[-1].start + run[-1].size - start
+            hashes = [hashlib.sha256() for _ in run] if check else []
             done = 0
-            while done < piece.size:
+            while done < run_size:
                 if stopping():
                     return
                 k = uses % BUFFERS_PER_WORKER
                 t0 = clock()
                 if uses >= BUFFERS_PER_WORKER:
                     sink.reusable(w, k)
-                size = min(chunk, piece.size - done)
+                size = min(chunk, run_size - done)
                 buf = sink.staging(w, k)[:size]
                 t1 = clock()
                 got = 0
                 while got < size:
+                    where = start + done + got
                     try:
-                        n = os.preadv(fd, [buf[got:]], piece.offset + done + got)
+                        n = os.preadv(fd, [buf[got:]], offset + done + got)
                     except OSError as e:
-                        raise ArtifactError(f"{fname}: section '{name}' piece {piece.index}: "
-                                            f"cannot read: {e.strerror or e}") from None
+                        raise ArtifactError(f"{fname}: section '{name}' piece "
+                                            f"{where // section.piece_size}: cannot read: "
+                                            f"{e.strerror or e}") from None
                     if n == 0:
-                        raise ArtifactError(f"{fname}: section '{name}' piece {piece.index}: "
-                                            "file ended while reading it")
+                        raise ArtifactError(f"{fname}: section '{name}' piece "
+                                            f"{where // section.piece_size}: file ended while "
+                                            "reading it")
                     got += n
                 t2 = clock()
                 if check:
-                    h.update(buf)
-                t3 = clock()
-                sink.deliver(w, k, piece.start + done, size)
+                    hash_into(run, done, buf, hashes)
+                    times[1] += clock() - t2
+                sink.deliver(w, k, start + done, size)
                 uses += 1
                 done += size
                 times[0] += t2 - t1
-                times[1] += t3 - t2
                 times[2] += t1 - t0
-            if check and h.digest() != section.piece_sha256[i]:
-                with lock:
-                    failures[i] = corrupt_piece_error(fname, piece, h.digest(),
-                                                      section.piece_sha256[i])
-                halt.set()
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers, thread_name_prefix="rvp-stream") as pool:
-        futures = [pool.submit(run, w) for w in range(workers)]
+        futures = [pool.submit(work, w) for w in range(workers)]
         errors = []
         for f in futures:
             try:
@@ -189,4 +215,5 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
     read_s, hash_s, wait_s = (sum(t[j] for t in busy) for j in range(3))
     return StreamStats(section.size, len(pieces), workers, check, time.perf_counter() - t0,
                        read_s, hash_s, wait_s)
+
 

@@ -259,7 +259,12 @@ class LoadTimes:
     upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)
     weight_bytes: int = 0  # of the weights section
     streamed: bool = False  # weights read once, each piece hashed as it was uploaded (h100)
-    checked: bool = False  # the weights' sha256 compared (in verify_s, or in the stream)
+    checked: bool = False  # the weights' sha256 compared (in verify_s, in the stream, or on
+    # the GPU after the upload)
+    hashed_on: str = ""  # checked: where the weights' pieces were hashed, "cpu" (hashlib: in
+    # verify_s or as they streamed) or "gpu" (h100: the artifact's piece hash, gpu_hash_s)
+    gpu_hash_s: float = 0.0  # h100, hashed on the GPU: the piece hash's kernel over the
+    # uploaded weights, the digests copied back and compared (after the upload, during capture)
     threads: int = 0  # streamed: threads that read and hashed the weights
     read_s: float = 0.0  # streamed: thread-seconds reading the file
     hash_s: float = 0.0  # streamed: thread-seconds hashing

@@ -12,10 +12,13 @@ runtime's own modules: jax, or cuda-python; an h100 one as soon as the file is o
 checks, so this is what the load waited for it, and the GPU checked), verify (the other sections
 re-hashed before any upload: on XLA all of them, on the H100 all but the weights), arena (H100:
 allocated, zeroed, constants copied), upload (the weights to the device; on the H100 the weights
-are read once and each piece hashed as it streams, the staging buffers allocated by the
-streaming threads as they start, and the read and hash seconds are thread-seconds summed over
-the streaming threads), cubin load and graph capture (H100: they run while the weights upload,
-so they add no wall time unless they outlast it), warm-up (H100: the graphs uploaded, once every
+are read once through staging buffers the streaming threads allocate as they start, and the
+read and hash seconds are thread-seconds summed over the streaming threads), gpu hash (H100,
+when the artifact has the piece hash and small pieces: the weights' pieces hashed on the GPU
+once uploaded, the digests compared with the artifact's; otherwise each piece is hashed on the
+CPU as it streams, and the weights line says which ran), cubin load and graph capture (H100:
+they run while the weights upload and are checked, so they add no wall time unless they
+outlast it), warm-up (H100: the graphs uploaded, once every
 check passed), finish (H100: staging freed, device synchronized), programs (XLA: the exported
 programs deserialized and checked), compile (XLA: the programs compiled, from jax's persistent
 cache when it has them, or prepared or precompiled executables checked: their sha256 and
@@ -81,7 +84,9 @@ class LoadReport:
                 ("text check", self.text_check_s), ("import", self.import_s)]
         if self.runtime == "h100":
             rows += [("context", e.context_s), ("verify", e.verify_s), ("arena", e.arena_s),
-                     ("upload", e.upload_s), ("cubin load", e.cubin_load_s),
+                     ("upload", e.upload_s),
+                     *((("gpu hash", e.gpu_hash_s),) if e.hashed_on == "gpu" else ()),
+                     ("cubin load", e.cubin_load_s),
                      ("graph capture", e.graph_capture_s), ("warm-up", e.warm_up_s),
                      ("finish", e.finish_s)]
         else:
@@ -106,13 +111,18 @@ class LoadReport:
         parts.append(f"other {self.other_s:.2f}")
         out = [f"{prefix}: load {self.total_s:.2f} s ({self.cpu_s:.2f} s CPU): "
                + " | ".join(parts)]
-        how = ("read once, each piece sha256-checked as it streamed" if e.streamed and e.checked
+        how = ("read once, sha256-checked on the GPU once uploaded" if e.hashed_on == "gpu"
+               else "read once, each piece sha256-checked as it streamed"
+               if e.streamed and e.checked
                else "read once, not checked (--no-verify)" if e.streamed
                else "sha256-checked before the upload" if e.checked
                else "not checked (--no-verify)")
         line = (f"{prefix}: weights {e.weight_bytes / 1e9:.3f} GB uploaded in {e.upload_s:.2f} s "
                 f"({self.upload_gb_s:.2f} GB/s), {how}")
-        if e.streamed:
+        if e.hashed_on == "gpu":
+            line += (f"; read {e.read_s:.2f} s over {e.threads} threads (thread-seconds), "
+                     f"gpu hash {e.gpu_hash_s:.3f} s")
+        elif e.streamed:
             line += (f"; read {e.read_s:.2f} s, hash {e.hash_s:.2f} s over {e.threads} "
                      "threads (thread-seconds)")
         out.append(line)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rvcompile.artifacts.format import PIECE_SIZE
 from rvcompile.artifacts.manifest import Manifest
 from rvcompile.ir.graph import ModelIR
 from rvcompile.progress import Phases
@@ -127,6 +128,9 @@ class Lowered:
     # param name -> [slot with .offset, .nbytes] in "weights"; a slot with a .shard (h100 --tp:
     # tensor_parallel.Shard) holds that part of the param (rows or columns), else all of it
     slots_by_param: dict
+    # bytes per hashed piece of every section (the header's piece_size): h100 artifacts hash in
+    # small pieces, one GPU thread each, so the runtime checks its uploads on the device
+    piece_size: int = PIECE_SIZE
 
 
 @dataclass(frozen=True)

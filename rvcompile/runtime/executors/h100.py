@@ -7,25 +7,28 @@ capability 9.0, whose driver is older than the cubins need, or whose free memory
 arena's fixed part. The KV pools' block counts are chosen then (kv_budget.py: a share of the GPU's
 memory, or as asked), before any weight is read. Then: one allocation, the arena's fixed part and
 the pools after it (the schedule's pool_offsets); constants uploaded, the rest zeroed; the weights
-read from the file once, each piece hashed as it is copied through pinned staging buffers on several
-streams (artifacts/stream.py, cuda_upload.py), on a background thread, while this one loads the
-cubins (their sha256 and every launch's kernel, argument sizes and block checked by
-artifacts/contents.py before), builds every launch's argument block and launch configuration
-(programmatic stream serialization on: cuda_driver.py) once, completes a parameter block for the
-arena's addresses (tma.py: TMA descriptors encoded, pointers written; the graphs capture those
-bytes, and the arena never moves), captures each decode, prefill and verify entry into a CUDA
-graph (consecutive kernels joined by programmatic edges), and each sampled entry's two parts
-(before the sampler, and the sampler: kernel_schedule.KernelSchedule.part) into graphs of their
-own (run_part, for the engine's late grammar masks). runtime.load's text checks run
+read from the file once and copied through pinned staging buffers on several streams
+(artifacts/stream.py, cuda_upload.py), on a background thread, and checked: on the GPU once
+uploaded when the artifact has the piece hash and small pieces (manifest h100.piece_hash,
+device_hash.py: the sha256 kernel over every piece, the digests compared with the artifact's), else
+each piece hashed on the CPU as it streams (an artifact built before the piece hash, with 256 MiB
+pieces); meanwhile this thread loads the cubins (their sha256 and every launch's kernel, argument
+sizes and block checked by artifacts/contents.py before), builds every launch's argument block and
+launch configuration (programmatic stream serialization on: cuda_driver.py) once, completes a
+parameter block for the arena's addresses (tma.py: TMA descriptors encoded, pointers written; the
+graphs capture those bytes, and the arena never moves), captures each decode, prefill and verify
+entry into a CUDA graph (consecutive kernels joined by programmatic edges), and each sampled
+entry's two parts (before the sampler, and the sampler: kernel_schedule.KernelSchedule.part) into
+graphs of their own (run_part, for the engine's late grammar masks). runtime.load's text checks run
 alongside all of this on a thread of their own (runtime/pending_checks.py). Nothing runs on the
-device, not even a graph upload, before every weight piece checked out and those checks passed;
-then the graphs are uploaded. A mismatch fails the load with the container's one-line error, a
-failed check with its own (the upload stops at its next chunk), the arena and buffers freed.
-A call writes the io fields with one copy, replays the entry and copies back only token ids (or
-the logits the logits entry asks for). `write` and `run` (`run_part`) return without waiting for
-the device; `read` waits for everything before it; `read_later` (the progressive decode loop's
-token reads) queues its copy into one of two pinned slots behind what ran, with an event, and
-waits only for that event when its bytes are asked for.
+device but the piece hash, not even a graph upload, before every weight piece checked out and those
+checks passed; then the graphs are uploaded. A mismatch fails the load with the container's
+one-line error (whichever side hashed), a failed check with its own (the upload stops at its next
+chunk), the arena and buffers freed. A call writes the io fields with one copy, replays the entry
+and copies back only token ids (or the logits the logits entry asks for). `write` and `run`
+(`run_part`) return without waiting for the device; `read` waits for everything before it;
+`read_later` (the progressive decode loop's token reads) queues its copy into one of two pinned
+slots behind what ran, with an event, and waits only for that event when its bytes are asked for.
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ import numpy as np
 
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.kernel_schedule import ENTRY_PARTS, KERNEL_LAUNCH, KernelSchedule
-from rvcompile.artifacts.manifest import Manifest
+from rvcompile.artifacts.manifest import Manifest, PieceHash
 from rvcompile.artifacts.stream import StreamStopped, stream_section
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import LoadOptions, LoadTimes
 from rvcompile.runtime.executors import check_limits, kv_budget, tma
 from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError, pack_args
 from rvcompile.runtime.executors.cuda_upload import CudaUploadSink
+from rvcompile.runtime.executors.device_hash import (
+    check_on_device,
+    digest_bytes,
+    hashes_on_device,
+)
 from rvcompile.runtime.executors.kv_budget import HEADROOM
 from rvcompile.runtime.executors.scheduled import ScheduledExecutor, schedule_kinds
 from rvcompile.runtime.pending_checks import PendingChecks
@@ -99,9 +107,11 @@ class CudaScheduleDevice:
     def __init__(self, art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
                  phases: Phases | None = None, *, check_weights: bool = False,
                  kv_blocks: dict[str, int] | None = None,
-                 checks: PendingChecks | None = None):
-        """Allocates, uploads and prepares everything; `check_weights`: hash every piece of
-        the weights as it streams (runtime.load's verify), failing before anything runs;
+                 checks: PendingChecks | None = None, piece_hash: PieceHash | None = None):
+        """Allocates, uploads and prepares everything; `check_weights`: check every piece of
+        the weights (runtime.load's verify), failing before anything runs: with `piece_hash`
+        (the manifest's) and pieces small enough (device_hash.hashes_on_device) on the GPU once
+        uploaded, else on the CPU as they stream;
         `kv_blocks`: each KV kind's pool blocks (default: default_blocks); `checks`:
         runtime.load's checks running alongside, waited for before anything runs (their
         failure stops the upload at its next chunk). On any failure what was allocated is
@@ -123,23 +133,28 @@ class CudaScheduleDevice:
         self.modules: list = []  # loaded cubins, unloaded again if the load fails
         self.graphs: dict[str | tuple[str, str], object] = {}  # by entry, or (entry, part)
         try:
-            self._load(art, phases, check_weights)
+            self._load(art, phases, check_weights, piece_hash)
         except BaseException:
             self._free()
             raise
 
-    def _load(self, art: Artifact, phases: Phases, check_weights: bool) -> None:
+    def _load(self, art: Artifact, phases: Phases, check_weights: bool,
+              piece_hash: PieceHash | None) -> None:
         """The weights stream to the device (artifacts/stream.py through cuda_upload.py) on a
-        background thread while this one loads the cubins, prepares the launches and captures
-        the graphs: capture needs the arena's addresses, not its contents. Nothing runs on the
-        device (not even a graph upload) until the stream returned, i.e. every piece checked
-        out, and runtime.load's checks passed."""
+        background thread, which then checks them on the GPU (device_hash.py) when it can,
+        while this one loads the cubins, prepares the launches and captures the graphs: capture
+        needs the arena's addresses, not its contents. Nothing runs on the device but the piece
+        hash (not even a graph upload) until the background thread returned, i.e. every piece
+        checked out, and runtime.load's checks passed."""
         ctx, schedule = self.ctx, self.schedule
         clock = time.perf_counter
         t_start = clock()
         self.arena = ctx.alloc(self.nbytes)
         base = self.arena.ptr
-        weights = art.sections["weights"].size
+        section = art.sections["weights"]
+        weights = section.size
+        on_gpu = (check_weights and piece_hash is not None and hashes_on_device(section)
+                  and digest_bytes(section) > 0)
         ctx.memset_range(base + schedule.weights_bytes, self.nbytes - schedule.weights_bytes,
                          self.stream)
         consts = np.frombuffer(bytes(art.buffer("constants")), np.uint8)
@@ -150,16 +165,34 @@ class CudaScheduleDevice:
         sink = CudaUploadSink(ctx, base, workers)
         times: dict[str, float] = {"arena_s": clock() - t_start}
         halt = threading.Event()  # this thread failed: the stream stops at its next chunk
+        # the piece hash's kernel, digests and stream (on_gpu), made and freed on this thread:
+        # not on the background one while this one captures
+        hash_kernel = digests = hash_stream = None
 
         def stop() -> bool:
             return halt.is_set() or self.checks.failed()
 
+        def upload_and_check():
+            """(the stream's stats, seconds of the check on the GPU)"""
+            stats = stream_section(art, "weights", sink, workers=workers,
+                                   check=check_weights and not on_gpu, stop=stop)
+            if not on_gpu:
+                return stats, 0.0
+            t0 = clock()
+            ctx.make_current()
+            check_on_device(ctx, hash_kernel, section, base, digests, hash_stream,
+                            art.path.name)
+            return stats, clock() - t0
+
         try:
+            if on_gpu:
+                hash_kernel = self._load_kernel(art, piece_hash.module, piece_hash.kernel)
+                digests = ctx.alloc(digest_bytes(section))
+                hash_stream = ctx.stream(non_blocking=True)  # copies' and capture's apart
             with (phases.phase("upload", total=weights, unit="B") as bar,
                   ThreadPoolExecutor(1, thread_name_prefix="rvrun-upload") as background):
                 t_stream = clock()
-                streaming = background.submit(stream_section, art, "weights", sink,
-                                              workers=workers, check=check_weights, stop=stop)
+                streaming = background.submit(upload_and_check)
                 try:
                     t0 = clock()
                     self.functions = self._load_cubins(art)
@@ -196,14 +229,16 @@ class CudaScheduleDevice:
                     except StreamStopped:
                         pass  # stopped for this error
                     raise
-                stats = streaming.result()  # raises a mismatch, or StreamStopped: checks failed
+                # raises a mismatch, or StreamStopped: checks failed
+                stats, gpu_hash_s = streaming.result()
                 t_streamed = clock()
                 self.checks.wait()  # raises their error; the stream stopped early then
                 times["checks_during_upload_s"] = max(
                     0.0, min(self.checks.ended_at, t_streamed) - t_stream)
                 bar.advance(weights)
                 bar.info = (f"{weights / 1e9:.2f} GB at {stats.gb_s:.1f} GB/s"
-                            + (", sha256 checked" if stats.checked else ""))
+                            + (", sha256 checked on the GPU" if on_gpu
+                               else ", sha256 checked" if check_weights else ""))
             t2 = clock()
             for g in self.graphs.values():  # ready to launch; nothing runs yet
                 ctx.graph_upload(g, self.stream)
@@ -211,14 +246,20 @@ class CudaScheduleDevice:
             t3 = clock()
         finally:
             sink.close()
+            if hash_stream is not None:
+                ctx.stream_synchronize(hash_stream)
+                ctx.destroy_stream(hash_stream)
+            if digests is not None:
+                ctx.free(digests)
         ctx.synchronize()
         times.update(warm_up_s=t3 - t2, finish_s=clock() - t3)
         self.upload_s = clock() - t_start
         self.stream_stats = stats
         self.load_times = LoadTimes(
-            upload_s=stats.wall_s, weight_bytes=weights, streamed=True, checked=stats.checked,
-            threads=stats.workers, read_s=stats.read_s, hash_s=stats.hash_s,
-            overlapped=("cubin load", "graph capture"), **times)
+            upload_s=stats.wall_s, weight_bytes=weights, streamed=True, checked=check_weights,
+            hashed_on="gpu" if on_gpu else "cpu" if check_weights else "",
+            gpu_hash_s=gpu_hash_s, threads=stats.workers, read_s=stats.read_s,
+            hash_s=stats.hash_s, overlapped=("cubin load", "graph capture"), **times)
 
     def _free(self) -> None:
         """After a failed load: the graphs, modules, arena and pinned buffers go back (a failed
@@ -238,6 +279,14 @@ class CudaScheduleDevice:
         self.arena = self.io_host = self.out_host = None
         self.later_host, self.later_events = [], []
         self.graphs, self.modules = {}, []
+
+    def _load_kernel(self, art: Artifact, module: str, kernel: str):
+        """One kernel of the artifact's cubins (checked by artifacts/contents.py), its module
+        kept with the launched ones."""
+        c = self.schedule.cubins[module]
+        mod = self.ctx.load_module(bytes(art.buffer("cubins")[c.offset:c.offset + c.size]))
+        self.modules.append(mod)
+        return self.ctx.get_function(mod, kernel)
 
     def _load_cubins(self, art: Artifact) -> dict[tuple[str, str], object]:
         """The launched kernels, from cubins whose sha256 and kernel signatures
@@ -398,7 +447,7 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> Sched
             art.verify(before)
     verify_s = time.perf_counter() - t0
     ex = h100_executor(art, schedule, ctx, opts.phases, check_weights="weights" in opts.verify,
-                       kv_blocks=blocks, checks=opts.checks)
+                       kv_blocks=blocks, checks=opts.checks, piece_hash=manifest.h100.piece_hash)
     opened_s = opts.begun.result()[1] if opts.begun is not None else context_s
     ex.load_times = replace(ex.load_times, context_s=context_s, context_open_s=opened_s,
                             verify_s=verify_s)
@@ -437,21 +486,26 @@ def open_context(art: Artifact, begun: Future | None = None) -> CudaContext:
 def h100_executor(art: Artifact, schedule: KernelSchedule, ctx: CudaContext,
                   phases: Phases | None = None, *, check_weights: bool = False,
                   kv_blocks: dict[str, int] | None = None,
-                  checks: PendingChecks | None = None) -> ScheduledExecutor:
+                  checks: PendingChecks | None = None,
+                  piece_hash: PieceHash | None = None) -> ScheduledExecutor:
     """`schedule`: the artifact's, as artifacts/manifest.py checked it (and contents.py its
     cubins); `phases`: where the upload and graph capture show (default: nowhere);
-    `check_weights`: hash the weights' pieces as they stream; `kv_blocks`: the pools' blocks
-    by kind; `checks`: runtime.load's checks still running (CudaScheduleDevice)."""
+    `check_weights`: check the weights' pieces (on the GPU with `piece_hash`, the manifest's,
+    when their pieces are small enough; else on the CPU as they stream); `kv_blocks`: the
+    pools' blocks by kind; `checks`: runtime.load's checks still running
+    (CudaScheduleDevice)."""
     t0 = time.perf_counter()
     device = CudaScheduleDevice(art, schedule, ctx, phases, check_weights=check_weights,
-                                kv_blocks=kv_blocks, checks=checks)
+                                kv_blocks=kv_blocks, checks=checks, piece_hash=piece_hash)
     ex = ScheduledExecutor(schedule, device)
     ex.upload_s, ex.load_s = device.upload_s, time.perf_counter() - t0
     ex.load_times = device.load_times
-    stats = device.stream_stats
+    stats, times = device.stream_stats, device.load_times
     ex.load_note = (f"weights {stats.bytes / 1e9:.2f} GB uploaded in {stats.wall_s:.2f} s "
                     f"({stats.gb_s:.1f} GB/s"
-                    + (", sha256 checked while streaming" if stats.checked else "")
+                    + (f", sha256 checked on the GPU in {times.gpu_hash_s:.3f} s"
+                       if times.hashed_on == "gpu"
+                       else ", sha256 checked while streaming" if times.checked else "")
                     + "); nothing compiled; KV pools "
                     + ", ".join(f"{n} {k}" for k, n in device.kv_blocks.items())
                     + f" blocks ({(device.nbytes - schedule.arena_bytes) / 2**30:.2f} GiB)")

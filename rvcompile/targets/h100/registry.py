@@ -28,12 +28,14 @@ from rvcompile.targets.h100 import (
     ratio,
     rows,
     sample,
+    sha256,
 )
 from rvcompile.targets.h100.contract import Entry
 from rvcompile.targets.h100.layout import LoweringError
 
 MODULES = (attn_decode, attn_prefill, draft_rows, gelu_mul, gemm_tc, gemm_fp8w, gemv_bf16,
-           gemv_f32, gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, ratio, rows, sample)
+           gemv_f32, gemv_fp8, gemv_mma_fp8, head, moe, norms, ple, qkv_post, ratio, rows, sample,
+           sha256)
 
 
 def _collect() -> MappingProxyType:

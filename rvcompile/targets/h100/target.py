@@ -9,6 +9,10 @@ means cuda here). --kv-cache: "fp8" (passes/kv_fp8: e4m3, unit
 scale) on h100-fp8; "auto" is the target's own dtype. --num-draft-tokens K: verify entries for
 speculative decoding (lower.py); with --assistant also the drafter's draft entries (draft.py,
 one GPU only: --assistant with --tp N is refused).
+
+Every h100 artifact also carries the piece hash's cubin (sha256.py), named by manifest
+h100.piece_hash, and is hashed in pieces of piece_hash.DEVICE_PIECE_SIZE, so the runtime checks
+its weights on the GPU once they are uploaded (artifacts/piece_hash.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from rvcompile.artifacts.kernel_schedule import KERNEL_LAUNCH, Collective, Cubin, Launch
 from rvcompile.artifacts.manifest import Manifest
+from rvcompile.artifacts.piece_hash import DEVICE_PIECE_SIZE
 from rvcompile.ir.graph import ModelIR
 from rvcompile.passes import (
     cast_bf16,
@@ -48,11 +53,13 @@ from rvcompile.targets.api import (
     concat,
     field_line,
 )
+from rvcompile.targets.h100 import sha256
 from rvcompile.targets.h100.layout import LoweringError
 from rvcompile.targets.h100.nvcc import NvccError, compile_cubin, min_driver, nvcc_version
 from rvcompile.targets.h100.tensor_parallel import RankSlot, TensorParallelError
 
 ARCH = "sm_90a"
+PIECE_HASH = {"module": sha256.SOURCE, "kernel": sha256.ENTRY}  # manifest h100.piece_hash
 TP_RANKS = (1, 2, 4, 8)  # --tp: GPUs of one host
 # What the H100 kernels run as one unit, made IR ops after the fusions above; the lowering then
 # maps each op to its launches (launches.py).
@@ -114,6 +121,7 @@ class H100Target:
                                          prefill_buckets=opts.prefill_buckets,
                                          draft_tokens=opts.draft_tokens)
                 modules = tuple(sorted({m for r in ranks for m in r.lowering.modules}))
+        modules = (*modules, sha256.SOURCE)  # launched by the runtime's load, not the schedule
         # one nvcc a module; cached modules come back at once
         with phases.phase("nvcc", total=len(modules)) as bar, \
                 ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -129,9 +137,9 @@ class H100Target:
             schedule = replace(lowering.schedule, cubins=placed)
             return Lowered(("cuda",), self.requirements(schedule.arena_bytes),
                            {"h100": {"schedule": schedule.to_json(), "nvcc": nvcc_version(),
-                                     "arch": ARCH}},
+                                     "arch": ARCH, "piece_hash": PIECE_HASH}},
                            {"cubins": blob, "constants": lowering.constants},
-                           schedule.weights_bytes, lowering.slots_by_param)
+                           schedule.weights_bytes, lowering.slots_by_param, DEVICE_PIECE_SIZE)
         return self.lowered_tp(ranks, placed, blob)
 
     def requirements(self, arena_bytes: int) -> dict:
@@ -153,6 +161,7 @@ class H100Target:
                     RankSlot(w_end + slot.offset, slot.nbytes, r.shards.get(name)))
             w_end += x.weights_bytes
         h100 = {"schedule": schedules[0].to_json(), "nvcc": nvcc_version(), "arch": ARCH,
+                "piece_hash": PIECE_HASH,
                 "tensor_parallel": {"ranks": len(ranks),
                                     "schedules": [x.to_json() for x in schedules[1:]],
                                     "weights": weights, "constants": constants}}
@@ -160,7 +169,7 @@ class H100Target:
                        {"h100": h100},
                        {"cubins": blob,
                         "constants": b"".join(r.lowering.constants for r in ranks)},
-                       w_end, slots)
+                       w_end, slots, DEVICE_PIECE_SIZE)
 
     def summarize(self, manifest: Manifest, stored: Mapping[str, Any]) -> Summary:
         h100 = manifest.h100
