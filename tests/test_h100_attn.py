@@ -418,7 +418,12 @@ def test_prefill_source_instantiates_every_entry() -> None:
     # sequence) of D / 128 dim-slice warps, no float32 entry
     assert ap.decode_entry_keqv(512, 8, "float8_e4m3fn") == "attn_decode_tc_keqv_d512_g8_fp8"
     geo = ap.decode_geometry(256, 4, 3, 512, True)
-    assert (geo.grid, geo.block, geo.smem) == ((3, 4, 256), (128, 1, 1), ap.smem_bytes(512, True))
+    assert (geo.grid, geo.block, geo.smem) == ((3, 4, 256), (128, 1, 1),
+                                               ap.smem_bytes(512, True, q_rows=0))
+    # prefill CTAs: 4 row groups (8 tokens of group 8) and the q tile after the stages
+    geo = ap.geometry(1024, 4, 512, 8, True)
+    assert (geo.grid, geo.block, geo.smem) == ((128, 4, 1), (512, 1, 1),
+                                               (2 * 3 * 16 + 64) * 520 * 2)
     with pytest.raises(ValueError, match="float32"):
         ap.decode_entry(256, 2, "float32")
 

@@ -49,6 +49,11 @@ And again when every sampled_decode_{B} gained a last launch, decode_advance (th
 loop, issue 16): in every case each sampled_decode_{B}'s launches are its old ones and a
 decode_advance after them, and nothing else changed (checked case by case against dumps at
 501bf52: 162 entries over the 54 cases).
+And again when the prefill attention took q into shared memory and four row groups at every head
+dim (issue 14): in 35 cases every attn_prefill_* launch (5,110) has a larger shared memory (the q
+tile) and, at head dim 512, 512 threads and half the grid's tiles (8 tokens a CTA at group 8);
+each new geometry is attn_prefill.geometry's, the launches' other fields, every other launch and
+everything else are unchanged (checked case by case against dumps at 78e7c4b).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -14,10 +14,12 @@ bf16 copy, the layout attn_decode's combine writes, so the o projection reads ei
 
 Geometry: a CTA owns one KV head and BM = 16 * WR query rows, a query row being one (token,
 head of the group) pair, token-major, so each 16-key K/V tile is read once for all G heads.
-Its warps are WR row groups x WC dim slices (WC = D / 128 from D = 256 up): each warp holds q and
-the output accumulator for 16 rows x D / WC dims in registers, and the WC slices' partial scores
-are summed through shared memory. Tiles are double-buffered in dynamic shared memory
-(`geometry().smem`; above 48 KiB the runtime raises the kernel's limit).
+Its warps are WR = 4 row groups x WC dim slices (WC = D / 128 from D = 256 up): each warp holds
+the output accumulator for 16 rows x D / WC dims in registers, q sits in a shared tile of the
+CTA's BM rows, and the WC slices' partial scores are summed through shared memory. Tiles are
+double-buffered in dynamic shared memory after which the q tile sits (`geometry().smem`; above
+48 KiB the runtime raises the kernel's limit). The decode entries keep q in registers and have
+one row group (`decode_geometry`).
 """
 
 from __future__ import annotations
@@ -74,25 +76,25 @@ def decode_geometry(batch: int, kv_heads: int, splits: int, head_dim: int, keqv:
     """A CTA per (split, KV head, sequence), as attn_decode.split_geometry: one row group (the
     group's heads of one token) of WC dim-slice warps."""
     return Launch((splits, kv_heads, batch), (32 * warp_shape(head_dim)[1], 1, 1),
-                  smem_bytes(head_dim, keqv))
+                  smem_bytes(head_dim, keqv, q_rows=0))
 
 
 def warp_shape(head_dim: int) -> tuple[int, int]:
-    """(WR row groups, WC dim slices); must match the kernel's Shape<D>."""
+    """(WR row groups, WC dim slices) of a prefill CTA; must match the kernel's Shape<D>."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"no prefill attention kernel for head_dim {head_dim}")
-    wc = max(1, head_dim // 128)
-    return (2 if head_dim == 512 else 4), wc
+    return 4, max(1, head_dim // 128)
 
 
 def tile_tokens(head_dim: int, group: int) -> int:
     return 16 * warp_shape(head_dim)[0] // group
 
 
-def smem_bytes(head_dim: int, keqv: bool) -> int:
-    """Two stages of K (K=V: K rounded and its bf16 remainder) and V tiles, rows padded by 8."""
+def smem_bytes(head_dim: int, keqv: bool, q_rows: int) -> int:
+    """Two stages of K (K=V: K rounded and its bf16 remainder) and V tiles, then a q tile of
+    `q_rows` rows (0 for the decode entries), rows padded by 8 bf16."""
     tiles = 3 if keqv else 2
-    return 2 * tiles * BLOCK * (head_dim + 8) * 2
+    return (2 * tiles * BLOCK + q_rows) * (head_dim + 8) * 2
 
 
 def geometry(rows: int, kv_heads: int, head_dim: int, group: int, keqv: bool) -> Launch:
@@ -100,7 +102,8 @@ def geometry(rows: int, kv_heads: int, head_dim: int, group: int, keqv: bool) ->
         raise ValueError(f"attn_prefill needs rows >= 1 (rows={rows})")
     wr, wc = warp_shape(head_dim)
     tiles = -(-rows // tile_tokens(head_dim, group))
-    return Launch((tiles, kv_heads, 1), (32 * wr * wc, 1, 1), smem_bytes(head_dim, keqv))
+    return Launch((tiles, kv_heads, 1), (32 * wr * wc, 1, 1),
+                  smem_bytes(head_dim, keqv, q_rows=16 * wr))
 
 
 def visible(positions, window: int, keys: np.ndarray) -> np.ndarray:

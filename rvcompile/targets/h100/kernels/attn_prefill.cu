@@ -13,8 +13,11 @@
 // KEQV entries read one pool of normalised bases: V = base, K = rope(base * wk, t) (half-split,
 // angle t * inv_freq[i], rounded step by step like ops.ref_rope).
 //
-// Warps: WR row groups x WC dim slices (Shape<D>). A warp keeps q and the output accumulator of
-// 16 rows x D/WC dims in registers; the WC slices' partial scores meet in shared memory.
+// Warps: WR row groups x WC dim slices (Shape<D>). A warp keeps the output accumulator of 16 rows
+// x D/WC dims in registers, and q in registers (decode entries) or in shared memory (prefill
+// entries: the accumulators of D = 512 leave no registers for it, and 4 row groups per CTA halve
+// the tile loads and K=V ropes per query row against 2); the WC slices' partial scores meet in
+// shared memory.
 // Accuracy: tensor-core inputs are bf16, so P is split into bf16 hi + lo (two mma) and so is
 // the K derived for K=V layers; bf16/e4m3 pool values are exact in bf16. The result then
 // matches the float32 reference to ~1e-5 relative, like attn_decode.
@@ -31,7 +34,7 @@ constexpr int BS = 16;
 template <int D, bool DEC = false>
 struct Shape {
     static constexpr int WC = D >= 256 ? D / 128 : 1;
-    static constexpr int WR = DEC ? 1 : D == 512 ? 2 : 4;
+    static constexpr int WR = DEC ? 1 : 4;
     static constexpr int DS = D / WC;  // dims per warp slice
     static constexpr int THREADS = 32 * WR * WC;
     static constexpr int BM = 16 * WR;
@@ -39,7 +42,26 @@ struct Shape {
     static constexpr int TILE = BS * LD;
     static constexpr int ITEMS = BS * D / 16;  // (key, 8-dim chunk pair) per tile
     static constexpr int IPT = (ITEMS + THREADS - 1) / THREADS;
+    static constexpr bool QS = !DEC;  // q in shared memory, BM rows of LD after the tiles
+    static constexpr int QTILE = QS ? BM * LD : 0;
 };
+
+// Item -> (key, chunk c) of a tile. K=V tiles from D = 128 up: a warp's 32 items are 4 keys x 8
+// adjacent chunks (8 lanes read a key's 8 chunks from one span), so a warp's items share their
+// chunks and with partial rotary only the warps of rotated chunks call sincosf, instead of a
+// quarter of the lanes of every warp while the rest wait (the 31B's full layers' decode attention
+// 1.10-1.27x faster on an H200). Other tiles keep a key's chunks on adjacent lanes (the sliding
+// layers' decode attention was up to 5% slower in the K=V order).
+template <int D, bool KEQV>
+__device__ __forceinline__ void item_at(int item, int& key, int& c) {
+    if constexpr (KEQV && D / 16 >= 8) {
+        c = item % 8 + 8 * (item / (8 * BS));
+        key = (item / 8) % BS;
+    } else {
+        key = item / (D / 16);
+        c = item % (D / 16);
+    }
+}
 
 template <bool FP8> struct Raw { using type = uint4; };  // 8 bf16
 template <> struct Raw<true> { using type = uint2; };    // 8 e4m3
@@ -87,6 +109,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                  : "r"(smem_u32(p)));
 }
 
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
 __device__ __forceinline__ uint32_t lds32(const __nv_bfloat16* p) {
     return *reinterpret_cast<const uint32_t*>(p);
 }
@@ -111,7 +139,8 @@ __device__ __forceinline__ void load_tile(int jb, const unsigned char* __restric
 #pragma unroll
     for (int it = 0; it < S::IPT; ++it) {
         const int item = threadIdx.x + it * S::THREADS;
-        const int key = item / (D / 16), c = item % (D / 16);
+        int key, c;
+        item_at<D, KEQV>(item, key, c);
         const int t = jb * BS + key;
         R zero{};
         kr[it][0] = kr[it][1] = vr[it][0] = vr[it][1] = zero;
@@ -141,7 +170,8 @@ __device__ __forceinline__ void store_tile(int jb,
     for (int it = 0; it < S::IPT; ++it) {
         const int item = threadIdx.x + it * S::THREADS;
         if (item >= S::ITEMS) break;
-        const int key = item / (D / 16), c = item % (D / 16);
+        int key, c;
+        item_at<D, KEQV>(item, key, c);
         const int lo_at = key * S::LD + 8 * c, hi_at = lo_at + D / 2;
         if constexpr (!KEQV && !FP8) {
             *reinterpret_cast<uint4*>(sK + lo_at) = kr[it][0];
@@ -187,13 +217,14 @@ __device__ __forceinline__ void store_tile(int jb,
 }
 
 // The tile loop both kinds of entry share. The warp's two fragment rows (g and g + 8 of its 16,
-// wr-th row group) hold q in qa and see keys lo[h]..hi[h] (hi < lo: none); the CTA streams the
+// wr-th row group) hold q in qa (S::QS: in the shared q tile, rows 16 wr..) and see keys
+// lo[h]..hi[h] (hi < lo: none); the CTA streams the
 // tiles holding keys kmin..kmax of the table row `table` (token t in block table[(t / 16) %
 // ring]). Out: the unnormalised accumulator o, the running max m and the row sum l (summed over
 // the row's quad of lanes).
 template <int D, bool KEQV, bool FP8, bool DEC>
 __device__ __forceinline__ void attend(
-    const uint32_t (&qa)[Shape<D, DEC>::DS / 16][4], const unsigned char* __restrict__ kc,
+    const uint32_t (*qa)[4], const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const int* __restrict__ table, int ring, int kv_heads,
     int kvh, int kmin, int kmax, const int (&lo)[2], const int (&hi)[2],
     const float* __restrict__ wk, const float* __restrict__ inv_freq,
@@ -203,15 +234,20 @@ __device__ __forceinline__ void attend(
     constexpr int KSTEPS = S::DS / 16;
     constexpr int NT = S::DS / 8;  // output n8 tiles per warp
     constexpr int TILES = KEQV ? 3 : 2;
-    extern __shared__ __align__(16) __nv_bfloat16 stage_mem[];  // [2][TILES][BS][LD]
+    extern __shared__ __align__(16) __nv_bfloat16 stage_mem[];  // [2][TILES][BS][LD], q tile
     __shared__ float red[S::WC > 1 ? S::WR * S::WC * 32 * 8 : 1];
     {
         uint32_t dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (uint32_t)(2 * TILES * S::TILE * 2)) __trap();
+        if (dyn < (uint32_t)((2 * TILES * S::TILE + S::QTILE) * 2)) __trap();
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wr = warp / S::WC, wc = warp % S::WC;
+    // the warp's A fragments in the q tile: lanes 8j..8j+7 address rows of matrix j (rows +8 for
+    // odd j, dims +8 from j = 2), as ldmatrix wants
+    const __nv_bfloat16* sQ = stage_mem + 2 * TILES * S::TILE +
+                              (16 * wr + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LD +
+                              wc * S::DS + (lane >> 4) * 8;
 
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -237,11 +273,18 @@ __device__ __forceinline__ void attend(
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int kd = wc * S::DS + ks * 16 + 2 * t;
+            uint32_t a[4];
+            if constexpr (S::QS) {
+                ldmatrix_x4(a, sQ + ks * 16);
+            } else {
+#pragma unroll
+                for (int f = 0; f < 4; ++f) a[f] = qa[ks][f];
+            }
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
                 const int at = (8 * n + g) * S::LD + kd;
-                mma_bf16(s[n], qa[ks], lds32(sK + at), lds32(sK + at + 8));
-                if constexpr (KEQV) mma_bf16(s[n], qa[ks], lds32(sKlo + at), lds32(sKlo + at + 8));
+                mma_bf16(s[n], a, lds32(sK + at), lds32(sK + at + 8));
+                if constexpr (KEQV) mma_bf16(s[n], a, lds32(sKlo + at), lds32(sKlo + at + 8));
             }
         }
         if constexpr (S::WC > 1) {
@@ -386,10 +429,23 @@ __device__ __forceinline__ void attn_prefill(
     }
     __syncthreads();
 
+    // the CTA's q rows into the q tile after the stages (zeros for padding rows); attend's first
+    // barrier orders these stores before its fragment loads
+    {
+        extern __shared__ __align__(16) __nv_bfloat16 stage_mem[];
+        __nv_bfloat16* sq = stage_mem + 2 * (KEQV ? 3 : 2) * S::TILE;
+        for (int i = threadIdx.x; i < S::BM * D / 8; i += S::THREADS) {
+            const int r = i / (D / 8), c8 = i % (D / 8), tk = tok0 + r / G;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (tk < rows && positions[tk] >= 0)
+                v = __ldg(reinterpret_cast<const uint4*>(
+                    q + ((size_t)tk * nh + kvh * G + r % G) * D + 8 * c8));
+            *reinterpret_cast<uint4*>(sq + r * S::LD + 8 * c8) = v;
+        }
+    }
     // this thread's two fragment rows: r and r + 8 of the warp's 16
     int tok[2], head[2], pos[2], lo[2];
     size_t qrow[2];
-    bool live[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = 16 * wr + g + 8 * h;
@@ -398,12 +454,9 @@ __device__ __forceinline__ void attn_prefill(
         pos[h] = tok[h] < rows ? positions[tok[h]] : -1;
         lo[h] = window > 0 ? max(0, pos[h] - window + 1) : 0;
         qrow[h] = (size_t)tok[h] * nh + head[h];
-        live[h] = pos[h] >= 0;
     }
-    uint32_t qa[S::DS / 16][4];
-    load_q<D, false>(qa, q, qrow, live);
     float o[NT][4], m[2], l[2];
-    attend<D, KEQV, FP8, false>(qa, kc, vc, table, ring, kv_heads, kvh, key_range[0],
+    attend<D, KEQV, FP8, false>(nullptr, kc, vc, table, ring, kv_heads, kvh, key_range[0],
                                 key_range[1], lo, pos, wk, inv_freq, o, m, l);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
