@@ -51,7 +51,8 @@ class PagedSlice:
     index: Any  # traced int: which of the n layers
     table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
-    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D ..
+    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D .. (under TP
+    # a head's copies count: program.kv_copies)
     scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
 
     @property
@@ -278,9 +279,9 @@ def _slots(a, cache_size, pos):
     return slot
 
 
-def kv_write(a, cache, new, pos):
+def kv_write(a, cache, new, pos, *, mesh=None):
     if isinstance(cache, PagedSlice):
-        return _paged_kv_write(cache, new, pos)
+        return _paged_kv_write(cache, new, pos, mesh)
     b, t = pos.shape
     slot = _slots(a, cache.shape[1], pos)
     bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -296,10 +297,21 @@ def quantize_kv_rows(x):
     return q.astype(jnp.int8), scale
 
 
-def _paged_kv_write(cache: PagedSlice, new, pos):
+def _paged_kv_write(cache: PagedSlice, new, pos, mesh=None):
     """Store each row `new` [B, T, K, D] in block table[slot // BLOCK_SIZE] at offset slot %
-    BLOCK_SIZE, its heads side by side; padding rows (pos < 0) get an out-of-range block and
-    are dropped. An int8 pool gets the rows' int8 values and its scale pool their scales."""
+    BLOCK_SIZE, its heads side by side (each repeated to the pool's copies of it); padding rows
+    (pos < 0) get an out-of-range block and are dropped. An int8 pool gets the rows' int8
+    values and its scale pool their scales."""
+    if new.shape[-2] != cache.heads:  # each head stored heads / K times (program.kv_copies)
+        if mesh is not None:
+            # The rows whole on every device (as the projections are), so that each device
+            # keeps its copy: left to the partitioner, the pool's split reached back into the
+            # projection, which on TPU then copied each device's rows of the stacked weight
+            # (the 26B-A4B's full layers at TP = 8: 0.05 GiB more a step than it saved).
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            new = lax.with_sharding_constraint(new, NamedSharding(mesh, PartitionSpec()))
+        new = jnp.repeat(new, cache.heads // new.shape[-2], axis=-2)
     size = cache.table.shape[1] * BLOCK_SIZE
     slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
     block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
