@@ -5,7 +5,8 @@ and what does XLA's cost analysis see of them? (Issue 19 item 3; an estimate aid
 
 For each kernel (jax.experimental.pallas.ops.tpu: `paged_attention` and `ragged_paged_attention`)
 at one device's share of the 26B-A4B's sliding layer at TP = 4 (4 query heads, 2 KV heads of 256,
-bf16 pages of 16 tokens, a 2048-token table, one decode row), lowered and compiled on one device of
+bf16 pages of 16 tokens, a 2048-token table, one decode row; paged_attention also at a full layer's
+head of 512), lowered and compiled on one device of
 the topology the way the cost report compiles: prints whether it compiled (or the error), the
 custom calls in the optimized HLO, XLA's "bytes accessed", and the bytes the kernel must read
 itself (the live pages of K and V at `--context` tokens), since a Mosaic custom call is opaque to
@@ -65,6 +66,13 @@ def main() -> None:
     probe("paged_attention (q [1, 4, 256], k/v pages [2, pages, 16, 256])",
           lambda q, k, v, n, t: paged_attention(q, k, v, n, t, pages_per_compute_block=8),
           (q, pages, pages, lengths, table), device, live)
+
+    # a full layer's head of 512 (the E4B's: 2 KV heads, keys stored with RoPE applied)
+    q512 = np.zeros((1, HEADS, 2 * D), jnp.bfloat16)
+    pages512 = np.zeros((KV_HEADS, total_pages, PAGE, 2 * D), jnp.bfloat16)
+    probe("paged_attention at head_dim 512 (q [1, 4, 512], k/v pages [2, pages, 16, 512])",
+          lambda q, k, v, n, t: paged_attention(q, k, v, n, t, pages_per_compute_block=8),
+          (q512, pages512, pages512, lengths, table), device, 2 * live)
 
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
