@@ -10,7 +10,8 @@ these functions at trace time.
 
 An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool [n, blocks,
 BLOCK_SIZE, K] (split by KV head like its pool): KV_WRITE quantises rows as
-ir.ops.quantize_kv_rows does, reads dequantise. Paged programs attend blockwise
+ir.ops.quantize_kv_rows does, reads dequantise (blockwise attention keeps a span int8 in its dots,
+the scales on its scores and probabilities). Paged programs attend blockwise
 (`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
 (`CacheView`) and ATTENTION walks each lane's live keys (a sliding layer's: its window's) in
 spans of blocks with an online softmax, so a step reads the KV a sequence has, not its table
