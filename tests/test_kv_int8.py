@@ -378,7 +378,7 @@ def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
     the stored span against the query times k_norm, with only the rotated dims widened and
     rotated (lower.FoldedKeys): equal to the direct attention over rope(cache * k_norm) within
     float32 rounding, and the traced span loop multiplies no float32 [B, span, K, D] copy of a
-    span but an int8 span's dequantisation (the unfolded keys: times k_norm and RoPE's products;
+    span, nor dequantises an int8 one (the unfolded keys: times k_norm and RoPE's products;
     on TPU at B = 64 those copies went through HBM, 12.5 GiB a step for the 31B). All pairs
     rotating: not folded."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
@@ -414,6 +414,42 @@ def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
     span = (3, 2 * 16, kh, d)
     products = _span_products(jax.make_jaxpr(blockwise)(q).jaxpr, span)
     if rotated < d // 2:
-        assert products == int8  # an int8 span's dequantisation only, read once for K and V
+        # none, int8 included: its scales multiply the scores and the probabilities
+        assert products == 0
     else:
         assert products >= 3  # times k_norm, RoPE's two products (int8: and two reads)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_kv_copies_attend_as_the_heads_they_copy(int8):
+    """A pool that stores each of K KV heads R times (program.kv_copies: under TP, one copy a
+    device), written by KV_WRITE from K heads' rows, holds each head's values (and int8 scales)
+    in all R copies, and 8 query heads attending it get the attention over the K heads: query
+    head n reads copy n // (8 / (K R)), a copy of head n // (8 / K)."""
+    rng = np.random.default_rng(7)
+    kh, copies, nh, d, width, lanes = 2, 4, 8, 64, 4, 2
+    blocks = lanes * width + 1
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width), jnp.int32)
+    cache_len = jnp.asarray([50, 23], jnp.int32)
+    pos = jnp.where(jnp.arange(64)[None, :] < cache_len[:, None], jnp.arange(64)[None, :], -1)
+    new = jnp.asarray(rng.standard_normal((lanes, 64, kh, d)).astype(np.float32))
+
+    def written(heads):
+        pool = jnp.zeros((1, blocks, lower.BLOCK_SIZE, heads * d), jnp.int8 if int8 else
+                         jnp.float32)
+        scale = jnp.zeros((1, blocks, lower.BLOCK_SIZE, heads), jnp.float32) if int8 else None
+        return lower._paged_kv_write(lower.PagedSlice(pool, 0, table, False, heads, scale), new,
+                                     pos)
+
+    plain, copied = written(kh), written(kh * copies)
+    grid = (1, blocks, lower.BLOCK_SIZE)
+    want = np.repeat(np.asarray(plain.pool).reshape(*grid, kh, 1, d), copies, axis=4)
+    assert (np.asarray(copied.pool).reshape(*grid, kh, copies, d) == want).all()
+    if int8:
+        assert (np.asarray(copied.scale) == np.repeat(np.asarray(plain.scale), copies, -1)).all()
+    q = jnp.asarray(rng.standard_normal((lanes, 1, nh, d)).astype(np.float32))
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, False), cache_len)
+    attrs = AttentionAttrs(window=None, scale=1.0)
+    ref, got = (np.asarray(lower.attention_blockwise(attrs, q, c, c, (cache_len - 1)[:, None],
+                                                     k_pos)) for c in (plain, copied))
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()

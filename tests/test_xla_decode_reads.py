@@ -144,7 +144,56 @@ def _tpu_child() -> None:
     out["moe_tp"] = _moe_tp_reads(mesh)
     out["pools"] = _decode_pool_traffic()
     out["spans"] = _span_relayouts(mesh)
+    out["one_row"] = _one_row_spans(dev[0])
     print(json.dumps(out))
+
+
+def _one_row_spans(device) -> dict:
+    """Full-layer attention of one query head over one KV head of 512 (the E4B's a device at
+    TP = 8), 2 layers, one lane at 2048 tokens, bf16 and int8 pools, on v6e:1x1: the KV read
+    and the on-chip bytes a call, for lower.span_dots and, bf16, for the dot without the zero
+    row it pads (XLA widened every span to float32 on chip first)."""
+    from jax.sharding import SingleDeviceSharding
+
+    one = SingleDeviceSharding(device)
+    d, width, layers = 512, 128, 2
+
+    def attention():
+        def attend(weights, pools, q, table, cache_len):  # a new function: jit caches traces
+            def body(h, i):
+                k, v = (lower.PagedSlice(pools[n], i, table, False, 1, pools.get(n + ".scale"))
+                        for n in ("k", "v"))
+                k_pos = lower.cache_positions(ops.CachePositionsAttrs(width * 16, False),
+                                              cache_len)
+                return h + lower.attention_blockwise(
+                    ops.AttentionAttrs(window=None, scale=1.0), h, k, v,
+                    (cache_len - 1)[:, None], k_pos), None
+            return jax.lax.scan(body, q, jnp.arange(layers))[0]
+        return attend
+
+    def unpadded(kind, x, span, mesh=None):  # the dot before: a matrix-vector product
+        eq = {"scores": "btkgd,bskd->bkgts", "values": "bkgts,bskd->bkgtd"}[kind]
+        return jnp.einsum(eq, x, lower.f32(span), precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+    q, table, cache_len = (sds(shape, dt, sharding=one) for shape, dt in (
+        ((1, 1, 1, d), jnp.float32), ((1, width), jnp.int32), ((1,), jnp.int32)))
+    out = {}
+    padded = lower.span_dots
+    for name, dtype, dots in (("bf16", jnp.bfloat16, padded), ("int8", jnp.int8, padded),
+                              ("bf16_unpadded", jnp.bfloat16, unpadded)):
+        pools = {n: sds((layers, width + 1, 16, d), dtype, sharding=one) for n in ("k", "v")}
+        if dtype == jnp.int8:
+            pools |= {n + ".scale": sds((layers, width + 1, 16, 1), jnp.float32, sharding=one)
+                      for n in ("k", "v")}
+        lower.span_dots = dots
+        try:
+            hlo = jax.jit(attention()).lower({}, pools, q, table, cache_len).compile()
+            t = traffic(hlo.as_text(), ROOTS, context=2048)
+        finally:
+            lower.span_dots = padded
+        out[name] = {"kv": t.by_class()["kv"]["read"], "on_chip": t.on_chip()}
+    return out
 
 
 def _span_relayouts(mesh) -> dict:
@@ -313,6 +362,13 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     spans = got["spans"]
     assert spans["per_head"] == {"relayout": 0, "collectives": 0}, spans
     assert spans["batched"]["relayout"] >= 2 * 3 * 2 * spans["span"], spans
+    # one query row a KV head: the span dots read the stored span, bf16 or int8 (its scales on
+    # the scores and probabilities), with at most twice its bytes on chip (gathered, read by
+    # the dot); as a matrix-vector product each bf16 span was widened to float32 on chip first
+    one = got["one_row"]
+    for name in ("bf16", "int8"):
+        assert one[name]["on_chip"] <= 2.2 * one[name]["kv"], one
+    assert one["bf16_unpadded"]["on_chip"] >= 3.5 * one["bf16_unpadded"]["kv"], one
 
 
 def test_collectives_term():

@@ -2,7 +2,8 @@
 
 - Same tokens: on 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, in a
   subprocess, since the flag must be set before jax starts and the other tests keep one device),
-  xla-f32 builds of every oracle case at TP=1, 2 and 4 give the same greedy tokens, and logits
+  xla-f32 builds of every oracle case at TP=1, 2 and 4 (and the "all" case with 8 query heads at
+  TP=1 and 8, on 8 devices) give the same greedy tokens, and logits
   within float32 reduction-order rounding of the TP=1 build (the row-parallel O/down projections
   sum their partial products in another order; measured figures at TP_LOGIT_BOUND). The
   compiled programs all-gather no weight, KV pool or activation matrix.
@@ -33,24 +34,26 @@ TPS = (1, 2, 4)
 CASES = ("dense", "k_eq_v", "kv_shared", "ple", "moe")
 OPTS = {"max_context": 128, "prefill_buckets": (32,), "max_seqs": 2, "platforms": ("cpu",)}
 SEQ, PROMPT, N_NEW = 40, 12, 16
-# Measured max abs logit difference vs TP=1 over 40 positions (logits std ~1.2), TP=2 / TP=4:
-# dense 6.3e-6 / 7.0e-6, k_eq_v 7.7e-6 / 1.1e-5, kv_shared 1.2e-5 / 1.3e-5, ple 9.7e-6 /
-# 6.0e-6, moe 6.0e-6 / 6.9e-6. A wrong split (a head or expert lost, a double-counted
-# all-reduce) moves logits by O(1).
+# Measured max abs logit difference vs TP=1 over 40 positions (logits std ~1.2), TP=2 / TP=4
+# (with each KV head stored tp / K times where K < tp, program.kv_copies): dense 9.8e-6 /
+# 6.7e-6, k_eq_v 1.0e-5 / 7.9e-6, kv_shared 9.3e-6 / 8.9e-6, ple 8.3e-6 / 7.5e-6, moe 7.3e-6 /
+# 6.4e-6; TP=8, the "all" case with 8 query heads: 2.0e-5. A wrong split (a head or expert
+# lost, a double-counted all-reduce) moves logits by O(1).
 TP_LOGIT_BOUND = 5e-5
 MAX_GATHER = 64  # elements of the largest all-gather (other than logits) a program may hold
 
 
-def _child(ckpt: str, out: str, ids: list[int], prompt: list[int]) -> None:
-    """Runs in the 4-device subprocess: build and run TP=1, 2, 4; write logits and tokens."""
+def _child(ckpt: str, out: str, ids: list[int], prompt: list[int], tps: list[int]) -> None:
+    """Runs in the subprocess with max(tps) devices: build and run each TP degree of `tps`;
+    write logits and tokens."""
     import jax
 
     from rvcompile import runtime
     from rvcompile.build import build_artifact
 
-    assert len(jax.devices()) == 4, jax.devices()
+    assert len(jax.devices()) == max(tps), jax.devices()
     result = {}
-    for tp in TPS:
+    for tp in tps:
         path = Path(out) / f"tp{tp}.rvp"
         build_artifact(ckpt, path, BuildOptions("xla-f32", tp=tp, **OPTS), progress=False,
                        log=lambda s: None)
@@ -65,36 +68,40 @@ def _child(ckpt: str, out: str, ids: list[int], prompt: list[int]) -> None:
         result[tp] = {"tokens": res.token_ids, "mesh": mesh["size"] if mesh else None,
                       "devices": len({d for w in m.executor.weights.values()
                                       for d in w.sharding.device_set}),
-                      "largest_all_gather": max(gathers, default=0)}
+                      "largest_all_gather": max(gathers, default=0),
+                      "pools_split": bool(mesh) and all("tp" in spec for spec in
+                                                        mesh["pools"].values())}
     print(json.dumps(result))
 
 
-def _four_devices(*args: str) -> subprocess.CompletedProcess:
-    """Run `_child` with 4 CPU devices. XLA's backend optimizations are off there: compiling 12
-    programs per case is this test's whole cost (~40 -> ~25 CPU-s a case), the SPMD partitioning
-    under test runs either way, and TP=1 is compiled the same way. (With them on, the same
-    assertions held, same figures; test_oracle covers the optimized TP=1 programs.)"""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+def _four_devices(*args: str, devices: int = 4) -> subprocess.CompletedProcess:
+    """Run `_child` with 4 (or `devices`) CPU devices. XLA's backend optimizations are off
+    there: compiling 12 programs per case is this test's whole cost (~40 -> ~25 CPU-s a case),
+    the SPMD partitioning under test runs either way, and TP=1 is compiled the same way. (With
+    them on, the same assertions held, same figures; test_oracle covers the optimized TP=1
+    programs.)"""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
                           env=env, timeout=600, cwd=Path(__file__).parent)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
+def _same_tokens(ckpt: Path, tmp_path: Path, case: str, tps: tuple[int, ...]) -> dict:
+    """Build and run `ckpt` at each TP degree of `tps` (1 first) on max(tps) CPU devices: the
+    same tokens as TP=1, logits within TP_LOGIT_BOUND, no large all-gather; returns what each
+    degree's child reported."""
     from oracle import random_token_ids
 
-    _, ckpt = oracle_dir(case)
     ids = random_token_ids(SEQ, seed=21).tolist()
     prompt = random_token_ids(PROMPT, seed=22).tolist()
     env_cache = tmp_path / "cache"
     p = _four_devices(str(ckpt), str(tmp_path), json.dumps(ids), json.dumps(prompt),
-                      str(env_cache))
+                      str(env_cache), json.dumps(tps), devices=max(tps))
     assert p.returncode == 0, p.stderr[-3000:]
     result = {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
     ref = np.load(tmp_path / "logits1.npy")
     assert result[1]["mesh"] is None and result[1]["devices"] == 1
-    for tp in TPS[1:]:
+    for tp in tps[1:]:
         assert result[tp]["mesh"] == tp and result[tp]["devices"] == tp
         assert result[tp]["tokens"] == result[1]["tokens"], f"tp={tp}"
         # Besides the vocab-split logits (gathered for sampling), only small vectors are
@@ -104,6 +111,31 @@ def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
         diff = np.abs(np.load(tmp_path / f"logits{tp}.npy") - ref).max()
         print(f"\n[measured] {case} tp={tp} vs tp=1: max abs logit difference {diff:.2e}")
         assert diff <= TP_LOGIT_BOUND, f"{case} tp={tp}: {diff:.3g}"
+    return result
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_gives_the_same_tokens(oracle_dir, tmp_path, case):
+    _, ckpt = oracle_dir(case)
+    _same_tokens(ckpt, tmp_path, case, TPS)
+
+
+# The oracle's "all" case (K=V, KV sharing + double-wide MLP, PLE, MoE) with 8 query heads, so
+# that it splits over 8 devices: its 2 sliding and 1 global KV heads are stored 4 and 8 times
+# each (program.kv_copies), its MoE's 32 intermediate rows 4 a device.
+TP8_CASE = {"num_attention_heads": 8}
+
+
+def test_tp8_gives_the_same_tokens(oracle_dir, tmp_path):
+    """TP=8 on 8 forced CPU devices gives TP=1's tokens, logits within TP_LOGIT_BOUND."""
+    from unittest import mock
+
+    from oracle import ORACLE_CASES
+
+    with mock.patch.dict(ORACLE_CASES, {"all_8_heads": {**ORACLE_CASES["all"], **TP8_CASE}}):
+        _, ckpt = oracle_dir("all_8_heads")
+    result = _same_tokens(ckpt, tmp_path, "all_8_heads", (1, 8))
+    assert result[8]["pools_split"], "every pool holds one head (copy) a device"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,11 +205,16 @@ def test_split_rules(tiny_ir):
         assert tuple(two.weights[sp.key]) == (col if heads >= 2 else whole)
         assert tuple(four.weights[sp.key]) == whole
     heads = pool_heads(tiny_ir, plan)
-    for key, (_, _, block, _) in cache_pools(tiny_ir, plan).items():
-        # [layers, blocks, 16, K * D] (a scale pool: K), split into whole heads' columns
-        assert len(block) == 2 and block[-1] % heads[key] == 0
-        assert tuple(two.pools[key]) == ((None, None, None, "tp") if heads[key] >= 2
-                                         else (None,) * 4)
+    for tp, layout in ((2, two), (4, four)):
+        pools = cache_pools(tiny_ir, plan, tp)
+        for key, (_, _, block, _) in cache_pools(tiny_ir, plan).items():
+            # [layers, blocks, 16, K * D] (a scale pool: K), split into whole heads' columns;
+            # fewer heads than devices: each head stored tp / K times, one copy a device
+            assert len(block) == 2 and block[-1] % heads[key] == 0
+            copies = max(1, tp // heads[key])
+            assert pools[key][2] == (block[0], block[1] * copies), (key, tp)
+            assert pool_heads(tiny_ir, plan, tp)[key] == heads[key] * copies
+            assert tuple(layout.pools[key]) == (None, None, None, "tp")
 
 
 @pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
@@ -279,9 +316,9 @@ def test_cli_refuses_tp_it_cannot_do(tmp_path):
 @pytest.mark.parametrize("preset", ["gemma-4-31B", "gemma-4-26B-A4B"])
 def test_released_models_export_with_tp4(preset):
     """6 layers (one pattern period), tpu-int8, TP=4: every entry point exports with the mesh's
-    shardings; 31B splits all its KV pools (16 sliding / 4 global KV heads), 26B-A4B keeps its
-    2 global KV heads whole and splits each of its 128 experts' 704 intermediate rows, 176 per
-    device."""
+    shardings; every KV pool splits: the 31B's 16 sliding / 4 global KV heads, and the
+    26B-A4B's 2 global KV heads stored twice each (program.kv_copies), one head a device; the
+    26B-A4B splits each of its 128 experts' 704 intermediate rows, 176 per device."""
     from jax import export
 
     from rvcompile.targets.xla.export import lower_to_xla
@@ -293,8 +330,9 @@ def test_released_models_export_with_tp4(preset):
         exp = export.deserialize(bytearray(low.programs[name]))
         assert exp.nr_devices == 4
     global_pool = next(p for p in low.manifest["kv"]["pools"] if p["kind"] == "full")
-    split = mesh["pools"][global_pool["key"]] == [None, None, None, "tp"]
-    assert split == (preset == "gemma-4-31B")
+    assert mesh["pools"][global_pool["key"]] == [None, None, None, "tp"]
+    # 26B-A4B's 2 global KV heads (of 512) are stored twice each, one copy a device
+    assert global_pool["block_shape"] == [16, 4 * 512]
     assert all(s == [None, None, None, "tp"] for k, s in mesh["pools"].items()
                if next(p for p in low.manifest["kv"]["pools"] if p["key"] == k)["kind"]
                == "sliding")
@@ -368,4 +406,5 @@ if __name__ == "__main__":
         _span_dots_child()
         sys.exit()
     os.environ["RVCOMPILE_CACHE"] = sys.argv[5]
-    _child(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]))
+    _child(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),
+           json.loads(sys.argv[6]))

@@ -128,11 +128,11 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
                          f"({ir.max_chunk}), and an assistant needs at least one")
     plan = plan_layout(ir)
     layout = plan_tp(ir, plan, tp) if tp > 1 else None
-    prog = Program(ir, plan, _named(layout, layout.pools) if layout else None)
+    prog = Program(ir, plan, _named(layout, layout.pools) if layout else None, tp)
     kinds = prog.kinds
     symbols = export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds))
     ws = weight_shapes(ir, plan)
-    cs = cache_shapes(ir, plan, dict(zip(kinds, symbols, strict=True)))
+    cs = cache_shapes(ir, plan, dict(zip(kinds, symbols, strict=True)), tp)
     i32 = jnp.int32
 
     def sds(shape, dtype=i32):
@@ -204,7 +204,7 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
                       for k in kinds.values()},
             "pools": [{"key": key, "kind": kind, "layers": count, "block_shape": list(block),
                        "dtype": _dtype_name(dtype)}
-                      for key, (kind, count, block, dtype) in cache_pools(ir, plan).items()],
+                      for key, (kind, count, block, dtype) in cache_pools(ir, plan, tp).items()],
         },
         "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
                          for g in plan.groups],

@@ -10,7 +10,8 @@ these functions at trace time.
 
 An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool [n, blocks,
 BLOCK_SIZE, K] (split by KV head like its pool): KV_WRITE quantises rows as
-ir.ops.quantize_kv_rows does, reads dequantise. Paged programs attend blockwise
+ir.ops.quantize_kv_rows does, reads dequantise (blockwise attention keeps a span int8 in its dots,
+the scales on its scores and probabilities). Paged programs attend blockwise
 (`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
 (`CacheView`) and ATTENTION walks each lane's live keys (a sliding layer's: its window's) in
 spans of blocks with an online softmax, so a step reads the KV a sequence has, not its table
@@ -51,7 +52,8 @@ class PagedSlice:
     index: Any  # traced int: which of the n layers
     table: jax.Array  # int32 [B, W]: each lane's block ids, in slot order
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
-    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D ..
+    heads: int  # K: a slot's row holds K heads' values, head k at columns k * D .. (under TP
+    # a head's copies count: program.kv_copies)
     scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
 
     @property
@@ -77,6 +79,17 @@ class PagedSlice:
         if scales is None:
             scales = self.scale[self.index, table]
         return x.astype(jnp.float32) * scales.reshape(b, w * BLOCK_SIZE, -1)[..., None]
+
+    def read_stored(self, table: jax.Array,
+                    scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """An int8 pool's blocks of `table` [B, w] as stored, [B, w * BLOCK_SIZE, K, D] int8,
+        and their scales [B, w * BLOCK_SIZE, K] (`scales` [B, w, BLOCK_SIZE, K] if the caller
+        gathered them already): `read_blocks` without the dequantising product."""
+        b, w = table.shape
+        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads, self.head_dim)
+        if scales is None:
+            scales = self.scale[self.index, table]
+        return x, scales.reshape(b, w * BLOCK_SIZE, self.heads)
 
     def table_scales(self) -> jax.Array | None:
         """float32 [B, W, BLOCK_SIZE, K]: the scales of every block of the lanes' tables (None
@@ -126,6 +139,18 @@ class CacheView:
             lax.dynamic_slice_in_dim(self.cache.table, start, blocks, axis=1))
         slots = start * BLOCK_SIZE + jnp.arange(blocks * BLOCK_SIZE, dtype=jnp.int32)
         return self._apply(x, jnp.broadcast_to(slots, (b, blocks * BLOCK_SIZE)))
+
+    def stored_entries(self, entries: jax.Array, table_scales: jax.Array):
+        """`read_entries` of an int8 pool without steps, as stored: (int8 [B, w * 16, K, D],
+        scales [B, w * 16, K])."""
+        scales = jnp.take_along_axis(table_scales, entries[:, :, None, None], axis=1)
+        return self.cache.read_stored(jnp.take_along_axis(self.cache.table, entries, axis=1),
+                                      scales)
+
+    def stored_span(self, start, blocks: int):
+        """`read_span` of an int8 pool without steps, as stored (see `stored_entries`)."""
+        return self.cache.read_stored(
+            lax.dynamic_slice_in_dim(self.cache.table, start, blocks, axis=1))
 
     def _apply(self, x, slots):
         for step in self.steps:
@@ -278,9 +303,9 @@ def _slots(a, cache_size, pos):
     return slot
 
 
-def kv_write(a, cache, new, pos):
+def kv_write(a, cache, new, pos, *, mesh=None):
     if isinstance(cache, PagedSlice):
-        return _paged_kv_write(cache, new, pos)
+        return _paged_kv_write(cache, new, pos, mesh)
     b, t = pos.shape
     slot = _slots(a, cache.shape[1], pos)
     bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -296,10 +321,21 @@ def quantize_kv_rows(x):
     return q.astype(jnp.int8), scale
 
 
-def _paged_kv_write(cache: PagedSlice, new, pos):
+def _paged_kv_write(cache: PagedSlice, new, pos, mesh=None):
     """Store each row `new` [B, T, K, D] in block table[slot // BLOCK_SIZE] at offset slot %
-    BLOCK_SIZE, its heads side by side; padding rows (pos < 0) get an out-of-range block and
-    are dropped. An int8 pool gets the rows' int8 values and its scale pool their scales."""
+    BLOCK_SIZE, its heads side by side (each repeated to the pool's copies of it); padding rows
+    (pos < 0) get an out-of-range block and are dropped. An int8 pool gets the rows' int8
+    values and its scale pool their scales."""
+    if new.shape[-2] != cache.heads:  # each head stored heads / K times (program.kv_copies)
+        if mesh is not None:
+            # The rows whole on every device (as the projections are), so that each device
+            # keeps its copy: left to the partitioner, the pool's split reached back into the
+            # projection, which on TPU then copied each device's rows of the stacked weight
+            # (the 26B-A4B's full layers at TP = 8: 0.05 GiB more a step than it saved).
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            new = lax.with_sharding_constraint(new, NamedSharding(mesh, PartitionSpec()))
+        new = jnp.repeat(new, cache.heads // new.shape[-2], axis=-2)
     size = cache.table.shape[1] * BLOCK_SIZE
     slot = jnp.where(pos >= 0, pos % size if cache.ring else pos, 0)
     block = jnp.take_along_axis(cache.table, slot // BLOCK_SIZE, axis=1)
@@ -414,12 +450,18 @@ class FoldedKeys:
         qw = jnp.where(jnp.asarray(rotated), jnp.float32(0), qg * self.w)
         return qw, jnp.concatenate([qg[..., :n], qg[..., half:half + n]], -1)
 
-    def rotated_keys(self, c, slots):
+    def rotated_keys(self, c, slots, scales=None):
         """The rotated dims of rope(c * w) [B, S, K, 2n] for cache slots c [B, S, K, D] at
-        `slots` [B, S]: the reference's own products, so those bits are the unfolded keys'."""
+        `slots` [B, S] (int8 slots as stored: dequantised by `scales` [B, S, K] first): the
+        reference's own products, so those bits are the unfolded keys'."""
         half, n = c.shape[-1] // 2, self.n
-        x1 = f32(c[..., :n]) * self.w[:n]
-        x2 = f32(c[..., half:half + n]) * self.w[half:half + n]
+
+        def dims(x):
+            x = f32(x)
+            return x if scales is None else x * scales[..., None]
+
+        x1 = dims(c[..., :n]) * self.w[:n]
+        x2 = dims(c[..., half:half + n]) * self.w[half:half + n]
         freqs = jnp.asarray(np.asarray(self.rope.inv_freq, np.float32)[:n])
         ang = jnp.take_along_axis(self.pos, slots, axis=1).astype(jnp.float32)[..., None] * freqs
         cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
@@ -439,6 +481,15 @@ def span_dots(kind: str, x, span, mesh=None):
     device's heads, as split up globally they would be resharded across the devices; pools
     with fewer heads than devices (whole on every device) keep the batched dot."""
     b, s, kh, d = span.shape
+    group, rows = (3, 1) if kind == "scores" else (2, 3)  # x's axes of G and T
+    if x.shape[group] * x.shape[rows] == 1:
+        # One query row a KV head (a decode step with as many KV heads, or copies of them, as
+        # query heads on a device: the E4B's at TP = 8): with a zero row beside it TPU runs a
+        # dot that reads the stored bf16 span; as a matrix-vector product XLA widened every
+        # span to float32 in on-chip memory first and read that (40 against 24 MiB a step for
+        # 2 full layers of one 512-dim head at 2048 tokens on v6e).
+        padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=group)
+        return lax.slice_in_dim(span_dots(kind, padded, span, mesh), 0, 1, axis=2)
     tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
     eq = {"scores": "btkgd,bskd->bkgts", "values": "bkgts,bskd->bkgtd"}[kind]
     if kh % tp or kh // tp == 1:
@@ -504,6 +555,24 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
     folded = FoldedKeys.of(k, v)
     if folded is not None:
         qw, q_rot = folded.query(qg)
+    # int8 pools read without steps (V; K too, or folded into the query) stay int8 in the
+    # dots: a key's scale multiplies its scores, a value's its probabilities. Dequantised
+    # first, each span's float32 copy and its product with the scales went through on-chip
+    # memory and were read by both dots (the 31B at 128K, B = 1: about 5 MiB a span of 512
+    # keys, 16 GiB a step; docs/TPU_COST.md).
+    stored = (v.cache.scale is not None and not v.steps
+              and (folded is not None or (k.cache.scale is not None and not k.steps)))
+
+    def read(x, entries=None, start=None, scales=None):
+        """A span of view x: (slots [B, S, K, D], scales [B, S, K] or None if dequantised)."""
+        if stored:
+            return (x.stored_entries(entries, scales) if entries is not None
+                    else x.stored_span(start, blocks))
+        return (x.read_entries(entries, scales) if entries is not None
+                else x.read_span(start, blocks)), None
+
+    def by_slot(scale):  # [B, S, K] -> [B, K, 1, 1, S], beside scores [B, K, G, T, S]
+        return jnp.transpose(scale, (0, 2, 1))[:, :, None, None, :]
 
     def step(i, carry):
         m, total, acc = carry
@@ -511,8 +580,9 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
             rel = i * blocks + within
             entries = (lo[:, None] + rel) % width  # [B, blocks]
             slots = entry_slots(entries)
-            vb = v.read_entries(entries, ring_scales[1])
-            kb = vb if folded is not None else k.read_entries(entries, ring_scales[0])
+            vb, vs = read(v, entries=entries, scales=ring_scales[1])
+            kb, ks = (vb, vs) if folded is not None else read(k, entries=entries,
+                                                                scales=ring_scales[0])
             kp = jnp.take_along_axis(k_pos, slots, axis=1)
             fresh = rel[None, :] < needed[:, None]
         else:  # every lane from block 0: one slice of the tables; the last span may start
@@ -522,17 +592,18 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
             slots = jnp.broadcast_to(
                 start * BLOCK_SIZE + jnp.arange(blocks * BLOCK_SIZE, dtype=jnp.int32),
                 (b, blocks * BLOCK_SIZE))
-            vb = v.read_span(start, blocks)
-            kb = vb if folded is not None else k.read_span(start, blocks)
+            vb, vs = read(v, start=start)
+            kb, ks = (vb, vs) if folded is not None else read(k, start=start)
             kp = lax.dynamic_slice_in_dim(k_pos, start * BLOCK_SIZE, blocks * BLOCK_SIZE, axis=1)
             fresh = (rel[None, :] < needed[:, None]) & (rel >= i * blocks)[None, :]
         live = jnp.repeat(fresh, BLOCK_SIZE, axis=1) & (kp >= 0)
         kp = kp[:, None, None, None, :]
-        if folded is None:
-            s = span_dots("scores", qg, kb, mesh)
-        else:
-            s = span_dots("scores", qw, kb, mesh) + jnp.einsum(
-                "btkgd,bskd->bkgts", q_rot, folded.rotated_keys(kb, slots),
+        s = span_dots("scores", qw if folded is not None else qg, kb, mesh)
+        if ks is not None:
+            s = s * by_slot(ks)
+        if folded is not None:
+            s = s + jnp.einsum(
+                "btkgd,bskd->bkgts", q_rot, folded.rotated_keys(kb, slots, ks),
                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         s = s * jnp.float32(a.scale)
         mask = live[:, None, None, None, :] & (kp <= qp) & (qp >= 0)
@@ -542,7 +613,8 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
         base = jnp.where(jnp.isfinite(m_new), m_new, 0)
         p = jnp.where(mask, jnp.exp(s - base[..., None]), 0)
         rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
-        acc = acc * rescale[..., None] + span_dots("values", p, vb, mesh)
+        pv = p if vs is None else p * by_slot(vs)
+        acc = acc * rescale[..., None] + span_dots("values", pv, vb, mesh)
         return m_new, total * rescale + jnp.sum(p, axis=-1), acc
 
     rows = (b, kh, nh // kh, t)

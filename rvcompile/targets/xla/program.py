@@ -71,6 +71,7 @@ from rvcompile.targets.xla.lower import (
     attention_blockwise,
     cache_positions,
     filtered_probs,
+    kv_write,
     moe,
     run_graph,
 )
@@ -224,11 +225,12 @@ def _cache_owner(plan: LayoutPlan, layer: int) -> tuple[int, int, int]:
     raise KeyError(layer)
 
 
-def cache_shapes(ir: ModelIR, plan: LayoutPlan,
-                 blocks: dict[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
-    """Pool shapes, with `blocks[kind]` blocks per pool (an int or a jax.export symbol)."""
+def cache_shapes(ir: ModelIR, plan: LayoutPlan, blocks: dict[str, int],
+                 tp: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    """Pool shapes, with `blocks[kind]` blocks per pool (an int or a jax.export symbol), for
+    `tp`-way tensor parallelism (`kv_copies`)."""
     return {key: jax.ShapeDtypeStruct((count, blocks[kind], *block), dtype)
-            for key, (kind, count, block, dtype) in cache_pools(ir, plan).items()}
+            for key, (kind, count, block, dtype) in cache_pools(ir, plan, tp).items()}
 
 
 def _owned_caches(ir: ModelIR, plan: LayoutPlan):
@@ -243,7 +245,19 @@ def _owned_caches(ir: ModelIR, plan: LayoutPlan):
                 yield f"g{gi}.{j}.{name}", g, c
 
 
-def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tuple, object]]:
+def kv_copies(kv_heads: int, tp: int) -> int:
+    """How many times a pool stores each of a layer's `kv_heads` KV heads under `tp`-way tensor
+    parallelism: tp / K when the layer has fewer KV heads than devices and K divides tp, else 1.
+    Stored K * (tp / K) = tp times, head k as copies k * tp / K .., the pool splits by head like
+    any other (sharding.py): each device holds one copy, of the KV head its query heads use
+    (query head n reads stored head n // (heads / tp), a copy of head n // (heads / K)). Kept
+    whole instead, every device gathered both of the 26B-A4B's full-layer heads from every span
+    and sliced its own out (0.07 GiB a decode step at TP = 4 and 8; docs/TPU_COST.md)."""
+    return tp // kv_heads if kv_heads < tp and tp % kv_heads == 0 else 1
+
+
+def cache_pools(ir: ModelIR, plan: LayoutPlan,
+                tp: int = 1) -> dict[str, tuple[str, int, tuple, object]]:
     """Every KV pool: key -> (kind, stacked layers, one block's shape, dtype). A block is
     [BLOCK_SIZE, K * D]: a slot is one row, its K heads' D values side by side (head k at
     columns k * D ..), so the slots and a head's values are the two minor dimensions, the ones
@@ -251,24 +265,27 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan) -> dict[str, tuple[str, int, tupl
     each pool of a layer scan whole into a (slots, D)-tiled layout at the start of every step
     and back at its end (the E4B at TP = 4: 2 x 16 MiB for each full-layer pool), then kept
     the pools in on-chip memory where the weights' prefetches would go (docs/TPU_COST.md).
-    An int8 cache's float32 scales: a pool of blocks [BLOCK_SIZE, K], split like it."""
+    An int8 cache's float32 scales: a pool of blocks [BLOCK_SIZE, K], split like it. Under
+    `tp`-way tensor parallelism K counts each head's copies (`kv_copies`)."""
     out = {}
+    heads = pool_heads(ir, plan, tp)
     for key, g, c in _owned_caches(ir, plan):
-        out[key] = (kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads * c.head_dim),
+        out[key] = (kind_of(c.ring), g.count, (BLOCK_SIZE, heads[key] * c.head_dim),
                     JNP_DTYPES[c.dtype])
         if c.dtype == "int8":
-            out[key + SCALE_SUFFIX] = (kind_of(c.ring), g.count, (BLOCK_SIZE, c.kv_heads),
+            out[key + SCALE_SUFFIX] = (kind_of(c.ring), g.count, (BLOCK_SIZE, heads[key]),
                                        jnp.float32)
     return out
 
 
-def pool_heads(ir: ModelIR, plan: LayoutPlan) -> dict[str, int]:
-    """The KV heads of every pool of `cache_pools` (a scale pool's are its cache's)."""
+def pool_heads(ir: ModelIR, plan: LayoutPlan, tp: int = 1) -> dict[str, int]:
+    """The KV heads of every pool of `cache_pools` (a scale pool's are its cache's), each
+    head's copies counted (`kv_copies`)."""
     out = {}
     for key, _, c in _owned_caches(ir, plan):
-        out[key] = c.kv_heads
+        out[key] = c.kv_heads * kv_copies(c.kv_heads, tp)
         if c.dtype == "int8":
-            out[key + SCALE_SUFFIX] = c.kv_heads
+            out[key + SCALE_SUFFIX] = out[key]
     return out
 
 
@@ -276,15 +293,17 @@ class Program:
     """Builds the traced functions of one ModelIR under one layout."""
 
     def __init__(self, ir: ModelIR, plan: LayoutPlan,
-                 pool_shardings: dict[str, NamedSharding] | None = None):
+                 pool_shardings: dict[str, NamedSharding] | None = None, tp: int = 1):
         """`pool_shardings`: each KV pool's sharding when the entry points are exported for
-        tensor parallelism (targets/xla/sharding.py); the layer scans keep the pools they carry
-        in it, or XLA may pick another and all-gather a whole pool at the end of every call."""
+        `tp`-way tensor parallelism (targets/xla/sharding.py); the layer scans keep the pools
+        they carry in it, or XLA may pick another and all-gather a whole pool at the end of
+        every call. `tp` also sets how many copies of each KV head the pools hold
+        (`kv_copies`)."""
         self.ir, self.plan, self.pool_shardings = ir, plan, pool_shardings or {}
         self.kinds = kv_kinds(ir)
-        pools = cache_pools(ir, plan)
+        pools = cache_pools(ir, plan, tp)
         self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}
-        self.pool_heads = pool_heads(ir, plan)
+        self.pool_heads = pool_heads(ir, plan, tp)
 
     def forward(self, weights, caches, tokens, start, n_new, tables):
         """Run tokens [B,T] through the decoder; returns (caches, hidden [B,T,H])."""
@@ -305,8 +324,9 @@ class Program:
     def _paged_lowerings(self):
         """BLOCKWISE_LOWERINGS (ATTENTION reads each lane's needed blocks only) with
         CACHE_POSITIONS sized by the block tables: the IR's ring semantics over table_width *
-        BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE
-        given the mesh its experts' intermediate dimension is split over."""
+        BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE,
+        ATTENTION and KV_WRITE given the mesh (the experts' split, the per-head dots, the rows
+        of a pool with copies of each head whole before they are repeated)."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
@@ -318,6 +338,7 @@ class Program:
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
             lowerings[Op.ATTENTION] = TakesPaged(functools.partial(attention_blockwise,
                                                                    mesh=mesh))
+            lowerings[Op.KV_WRITE] = TakesPaged(functools.partial(kv_write, mesh=mesh))
         return lowerings
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,

@@ -8,8 +8,10 @@ inserts after the row-parallel O and down projections):
 - row-parallel, split by input columns (their per-row scales stay whole): o_proj, down_proj;
 - KV pools [layers, blocks, 16, K * D] (program.cache_pools): split by KV head, each device
   a contiguous run of whole heads' columns (their int8 scale pools [.., 16, K] by head too);
-- a layer with fewer KV heads than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
-  k/v projections and pools whole on every device: each computes every KV head;
+- a layer with fewer KV heads K than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
+  k/v projections whole on every device (each computes every KV head); its pools store each
+  head tp / K times (program.kv_copies) and split like the others, one copy a device: the
+  head its query heads use. Where K does not divide tp the pools stay whole;
 - MoE experts: every expert on every device, its intermediate dimension I split like the
   dense MLP's (so moe_intermediate_size % tp == 0; 26B-A4B: 704, 176 per device at tp=4):
   gate/up rows, in the layout's [E, 2, I, H] view (program.layout_shape), and their per-row
@@ -177,8 +179,8 @@ def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
         # stacked arrays carry the layer axis first
         weights[sp.key] = _spec(len(shapes[sp.key].shape), None if axis is None else axis + 1)
     pools: dict[str, Spec] = {}
-    heads = pool_heads(ir, plan)
-    for key, (_, _, block, _) in cache_pools(ir, plan).items():
+    heads = pool_heads(ir, plan, tp)
+    for key, (_, _, block, _) in cache_pools(ir, plan, tp).items():
         split = tp > 1 and heads[key] >= tp
         # [layers, blocks, 16, K * D] (a scale pool's: K): whole heads per device
         pools[key] = _spec(2 + len(block), 3 if split else None)
