@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +34,9 @@ from stub_cubins import build_h100
 
 from rvcompile import runtime
 from rvcompile.artifacts import Artifact, ArtifactError, ArtifactWriter
-from rvcompile.artifacts.contents import read_contents, read_texts
+from rvcompile.artifacts.contents import parse_cubins, read_contents, read_texts
 from rvcompile.artifacts.format import PIECE_SIZE
-from rvcompile.artifacts.manifest import read_manifest
+from rvcompile.artifacts.manifest import PieceHash, read_manifest
 from rvcompile.build import BuildOptions
 from rvcompile.runtime.executor_api import LoadOptions, SampleExtras, SeqChunk
 from rvcompile.runtime.executors import cuda_upload, h100, tma
@@ -229,6 +230,26 @@ def test_the_tiny_artifact_has_small_pieces_and_the_piece_hash(artifact):
         assert (m.h100.piece_hash.module, m.h100.piece_hash.kernel) == ("sha256.cu",
                                                                         "sha256_pieces")
         assert "sha256.cu" in m.h100.schedule.cubins
+
+
+@pytest.mark.parametrize("module, kernel, error", [
+    ("sha256.cu", "sha256_nothing", "kernel 'sha256_nothing' is not in sha256.cu"),
+    ("rows.cu", None, "takes parameters of"),  # a launched kernel of another signature
+])
+def test_a_piece_hash_that_does_not_fit_is_refused(artifact, module, kernel, error):
+    """contents.py refuses, in one line naming the field, a manifest whose piece hash names a
+    kernel its cubin lacks or one that takes other parameters than the runtime passes."""
+    with Artifact.open(artifact) as art:
+        m = read_manifest(art)
+        if kernel is None:  # any kernel of that module
+            from rvcompile.artifacts.cubin import kernels
+
+            c = m.h100.schedule.cubins[module]
+            kernel = sorted(kernels(bytes(art.buffer("cubins")[c.offset:c.offset + c.size])))[0]
+        bad = replace(m, h100=replace(m.h100, piece_hash=PieceHash(module, kernel)))
+        with pytest.raises(ArtifactError, match="manifest.h100.piece_hash") as e:
+            parse_cubins(bad, art.buffer("cubins"), art.path.name)
+        assert error in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_device_image_is_the_file_and_nothing_runs(artifact, fake):

@@ -46,7 +46,7 @@ Fields (format v3; required unless marked optional):
                       rank's weights region in section weights, one after another],
                       "constants": [N, the same in section constants]}: one schedule per GPU
                       (rvcompile build --tp N), each with collective steps (schedule version
-                      5); absent: one GPU, optional (v7, 2026-11-26) "piece_hash": {"module":
+                      5); absent: one GPU, optional (v7, 2026-11-29) "piece_hash": {"module":
                       a module of the schedule's cubins, "kernel": str}: the kernel that hashes
                       a section's pieces on the GPU (artifacts/piece_hash.py; contents.py checks
                       its parameters against the cubin); absent: built before it, the runtime
