@@ -111,6 +111,8 @@ def test_inspect_asks_the_h100_target(h100_artifact):
     assert f"version {SCHEDULE_VERSION}: arena" in schedule and "launches of" in schedule
     assert any(line.startswith("  decode_2") and line.endswith("(CUDA graph)") for line in lines)
     assert any(line.startswith("  KV bfloat16, blocks of") for line in lines)
+    assert ("piece_hash        sha256.cu:sha256_pieces (the GPU hashes the weights' pieces)"
+            in lines)
     r = CliRunner().invoke(app, ["inspect", str(h100_artifact), "--json"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)

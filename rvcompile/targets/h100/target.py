@@ -213,6 +213,11 @@ class H100Target:
                 "ranks": tp.ranks, "weights_bytes": [x.weights_bytes for x in tp.schedules],
                 "collectives": len(steps)}
             keys.append("tensor_parallel")
+        ph = h100.piece_hash
+        # which side checks the weights' pieces at load (device_hash.py)
+        info["piece_hash"] = (f"{ph.module}:{ph.kernel} (the GPU hashes the weights' pieces)"
+                              if ph else "none (the CPU hashes the weights' pieces)")
+        keys.append("piece_hash")
         lines = [field_line(k, info[k]) for k in keys]
         if d is not None:
             a = info["assistant"]
