@@ -791,9 +791,10 @@ def sorted_probs(logits, temperature, top_k, top_p, order=None, values=None):
     top_p cut), keep [B, V]). Given `order` and `values` [B, n] (the n largest logits and their
     ids, as lax.top_k gives them), the same over those n only, which holds the whole
     distribution of rows with 0 < top_k <= n."""
-    if order is None:
-        order = jnp.argsort(-logits, axis=-1, stable=True)
-        values = jnp.take_along_axis(logits, order, axis=-1)
+    if order is None:  # jnp.argsort's stable sort, its keys carried out: no gather of values
+        ids = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        neg, order = lax.sort((-logits, ids), num_keys=1, is_stable=True)
+        values = -neg  # exactly the logits (a sign flip each way)
     v = order.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     sv = values / t
