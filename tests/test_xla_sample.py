@@ -106,3 +106,39 @@ def _eqns(jaxpr):
         yield e
         for sub in jaxprs_in_params(e.params):
             yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("v, k, width", [(1000, 8, 8), (1024, 16, 16), (4096, 64, 16)])
+def test_top_k_binned_is_lax_top_k(v, k, width):
+    """lower.top_k_binned gives lax.top_k's values and ids bit for bit: ties (within a bin,
+    across bins and at the k-th place), signed zeros, -inf, a padded last bin."""
+    rng = np.random.default_rng(v + k)
+    x = rng.standard_normal((6, v)).astype(np.float32)
+    x[0, rng.integers(0, v, 40)] = x[0, 5]  # ties with a large value
+    x[1, :] = np.round(x[1, :] * 2) / 2  # many ties everywhere
+    x[2, :] = 0.0
+    x[2, rng.integers(0, v, v // 2)] = -0.0
+    x[3, :] = -np.inf
+    x[3, rng.integers(0, v, k // 2)] = 1.0
+    x[4, :] = np.sort(x[4, :])  # the largest in the last (padded) bins
+    xs = jnp.asarray(x)
+    got = jax.jit(functools.partial(lower.top_k_binned, k=k, width=width))(xs)
+    want = jax.lax.top_k(xs, k)
+    for g, w in zip(got, want, strict=True):
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+def test_sample_with_binned_top_k_is_the_reference(monkeypatch):
+    """Branch 1 through the binned top-k (the tests' V = 1000 with bins of 8; the real
+    vocabulary takes it with TOP_K_BIN): ref_sample's tokens."""
+    monkeypatch.setattr(lower, "TOP_K_BIN", 4)
+    rng = np.random.default_rng(11)
+    for trial in range(4):
+        logits = _rows(rng, 32)
+        temperature = rng.choice([0.5, 1.0, 2.0], 32).astype(np.float32)
+        top_k = rng.choice((1, 5, 40, lower.SAMPLE_TOP_K), 32).astype(np.int32)
+        top_p = rng.choice([1.0, 0.9, 0.5], 32).astype(np.float32)
+        seed = rng.integers(0, 2**31, 32).astype(np.int32)
+        args = (logits, temperature, top_k, top_p, seed, np.full(32, trial, np.int32))
+        got = jax.jit(functools.partial(lower.sample, None))(*map(jnp.asarray, args))
+        np.testing.assert_array_equal(np.asarray(got), ref_sample(None, *args))
