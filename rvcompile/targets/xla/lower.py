@@ -811,15 +811,17 @@ SAMPLE_TOP_K = 64  # rows sampled with 0 < top_k <= this draw from lax.top_k's c
 TOP_K_BIN = 128  # top_k_binned's bins: one lane row of a TPU tile
 
 
-def top_k_binned(x, k: int, width: int = TOP_K_BIN):
+def top_k_binned(x, k: int, width: int | None = None):
     """lax.top_k(x, k) of rows x [B, V]: the same values and ids (descending in lax.top_k's
     order, -0.0 below 0.0, ties by the lower id), reading x once. The k largest lie in the k bins
     of `width` consecutive ids whose maxima rank highest (ties by the lower bin): a bin left out
     has k maxima ranking above all its elements. So a reduce over the row, then lax.top_k over
-    the bins' maxima and over those k bins' elements (in id order). On TPU lax.top_k sorts the
-    whole row (V = 262144 at B = 1 on v6e: 15.4 MiB on chip a step). Rows of fewer than
-    2 * k bins: lax.top_k itself."""
+    the bins' maxima and over those k bins' elements (in id order). For one row: on TPU
+    lax.top_k sorts a single row whole (V = 262144 on v6e: 15.4 MiB on chip, this 4.0), while
+    2 or more rows it reads once (B MiB) and this relays them out (12 to 210 MiB at B = 2 to
+    64). Rows of fewer than 2 * k bins: lax.top_k itself."""
     b, v = x.shape
+    width = width or TOP_K_BIN
     bins = -(-v // width)
     if bins < 2 * k:
         return lax.top_k(x, k)
@@ -849,7 +851,9 @@ def sample(a, logits, temperature, top_k, top_p, seed, step):
         u = uniform(seed, step)
         order = values = None
         if candidates:
-            values, order = top_k_binned(logits, min(candidates, logits.shape[-1]))
+            k = min(candidates, logits.shape[-1])
+            # TPU's lax.top_k sorts a single row whole, and reads 2 or more rows once (v6e)
+            values, order = (top_k_binned if logits.shape[0] == 1 else lax.top_k)(logits, k)
         order, probs, keep = sorted_probs(logits, temperature, top_k, top_p, order, values)
         cum = jnp.cumsum(probs, -1)
         i = jnp.sum(cum <= u[:, None] * cum[:, -1:], axis=-1)
