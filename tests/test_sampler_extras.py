@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,6 +81,22 @@ def test_penalize_and_mask_match_their_references():
     full = np.full((b, sampler.mask_words(v)), -1, np.int32)
     np.testing.assert_array_equal(np.asarray(sampler.apply_mask(jnp.asarray(logits), full)),
                                   logits)
+
+
+def test_mask_in_rows_of_128_is_the_reference_bit_for_bit():
+    """One lane over a vocabulary of 128 n ids takes apply_mask's dot form (one fusion on
+    TPU): the reference's logits bit for bit, -0.0 and every bit of every word included."""
+    rng = np.random.default_rng(1)
+    b, v = 1, 4096
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    logits[0, :64] = -0.0
+    mask = rng.integers(-2**31, 2**31, size=(b, v // 32), dtype=np.int64).astype(np.int32)
+    mask[0, :8] = [-1, 0, -2**31, 2**31 - 1, 1, 255, 256, -256]
+    got = np.asarray(jax.jit(sampler.apply_mask)(jnp.asarray(logits), jnp.asarray(mask)))
+    assert got.tobytes() == ref_token_mask(logits, mask).tobytes()
+    full = np.full((b, v // 32), -1, np.int32)
+    assert np.asarray(sampler.apply_mask(jnp.asarray(logits), full)).tobytes() == \
+        logits.tobytes()
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits(tiny):

@@ -59,9 +59,30 @@ def _penalize(logits, pen_ids, pen_counts, presence, frequency, repetition):
 def apply_mask(logits, mask):
     """logits [B, V] with tokens whose mask bit is 0 set to -inf."""
     vocab = logits.shape[-1]
+    if logits.shape[0] == 1 and vocab % 128 == 0:
+        return _apply_mask_rows(logits, mask)
     bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(mask.shape[0], -1)[:, :vocab] != 0
     return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _apply_mask_rows(logits, mask):
+    """apply_mask of one lane's V = 128 n ids, in rows of 128: each row's 16 mask bytes spread
+    over its 128 lanes by a dot with a 0/1 matrix (exact: one product of a byte, 0 to 255, a
+    lane; bf16 holds it). On TPU the bits of the form above are broadcast, relaid and read in
+    three passes (V = 262144 on v6e: 12 MiB a step, every step); this is one fusion with the
+    logits (4.5 MiB, 2 of them the logits' own prefetch). Not for 2 or more lanes: there the
+    logits' [B, V / 128, 128] view is a relayout (the 31B at B = 64, TP = 8: a greedy step
+    0.15 GiB more, the penalties' identity branch copying the logits into that layout)."""
+    b, vocab = logits.shape
+    rows = vocab // 128
+    byte = (mask[:, :, None] >> (8 * jnp.arange(4, dtype=jnp.int32))) & 0xFF  # ids 8 q .. 8 q + 7
+    byte = byte.reshape(b, rows, 16).astype(jnp.bfloat16)
+    lane = jnp.arange(128, dtype=jnp.int32)
+    spread = (lane[None, :] // 8 == jnp.arange(16)[:, None]).astype(jnp.bfloat16)  # [16, 128]
+    word = jnp.einsum("brq,ql->brl", byte, spread, preferred_element_type=jnp.float32)
+    allowed = (word.astype(jnp.int32) >> (lane % 8)) & 1
+    return jnp.where(allowed != 0, logits.reshape(b, rows, 128), -jnp.inf).reshape(b, vocab)
 
 
 def logprobs(logits, tokens, n_top):
