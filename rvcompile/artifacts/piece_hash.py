@@ -1,7 +1,7 @@
 """The piece hash on the device: what an h100 build and the runtime agree on, so that the runtime
 checks a section's pieces on the GPU without importing compiler code.
 
-An h100 artifact's manifest may name (h100.piece_hash, format v7 since 2026-11-26) a kernel of one
+An h100 artifact's manifest may name (h100.piece_hash, format v7 since 2026-11-29) a kernel of one
 of its cubins that computes, one thread per piece, the sha256 of every piece of a section in
 device memory (targets/h100/kernels/sha256.cu): parameters (data, piece_size, total, count,
 digests) of PARAM_BYTES bytes, launched in blocks of THREADS threads, digest i (32 bytes, as

@@ -280,13 +280,17 @@ class CudaScheduleDevice:
         self.later_host, self.later_events = [], []
         self.graphs, self.modules = {}, []
 
-    def _load_kernel(self, art: Artifact, module: str, kernel: str):
-        """One kernel of the artifact's cubins (checked by artifacts/contents.py), its module
-        kept with the launched ones."""
+    def _load_module(self, blob, module: str):
+        """Module `module` of the cubins section `blob` (checked by artifacts/contents.py),
+        kept in self.modules to be unloaded with the others."""
         c = self.schedule.cubins[module]
-        mod = self.ctx.load_module(bytes(art.buffer("cubins")[c.offset:c.offset + c.size]))
+        mod = self.ctx.load_module(bytes(blob[c.offset:c.offset + c.size]))
         self.modules.append(mod)
-        return self.ctx.get_function(mod, kernel)
+        return mod
+
+    def _load_kernel(self, art: Artifact, module: str, kernel: str):
+        """One kernel of the artifact's cubins (the piece hash: no launch names it)."""
+        return self.ctx.get_function(self._load_module(art.buffer("cubins"), module), kernel)
 
     def _load_cubins(self, art: Artifact) -> dict[tuple[str, str], object]:
         """The launched kernels, from cubins whose sha256 and kernel signatures
@@ -298,9 +302,7 @@ class CudaScheduleDevice:
                 kernels.setdefault(x.module, set()).add(x.kernel)
         out = {}
         for module, names in kernels.items():
-            c = self.schedule.cubins[module]
-            mod = self.ctx.load_module(bytes(blob[c.offset:c.offset + c.size]))
-            self.modules.append(mod)
+            mod = self._load_module(blob, module)
             for kernel in names:
                 out[(module, kernel)] = self.ctx.get_function(mod, kernel)
         return out
