@@ -884,3 +884,19 @@ def test_newline_in_a_key_stays_on_one_line(h100_artifact, tmp_path):
 
     bad = crafted(h100_artifact, tmp_path / "n.rvp", odd_module)
     refused_by_all(bad, "manifest.h100.schedule.cubins['x\\nboom.cu']")
+
+
+@pytest.mark.parametrize("value, needle", [
+    (5, "manifest.h100.piece_hash"),
+    ({"module": "nope.cu", "kernel": "sha256_pieces"}, "manifest.h100.piece_hash.module"),
+    ({"module": "sha256.cu"}, "manifest.h100.piece_hash: missing required key 'kernel'"),
+    ({"module": "sha256.cu", "kernel": "x; rm -rf /"}, "manifest.h100.piece_hash.kernel"),
+    ({"module": "sha256.cu", "kernel": -1}, "manifest.h100.piece_hash.kernel"),
+])
+def test_a_bad_piece_hash_field_is_refused(h100_artifact, tmp_path, value, needle):
+    """The manifest's h100.piece_hash (format v7): a wrong type, a module outside the cubins, a
+    missing or malformed kernel name, each refused in one line by every reader."""
+    assert "sha256.cu" in json.dumps(Parts.read(h100_artifact).manifest["h100"]["piece_hash"])
+    bad = crafted(h100_artifact, tmp_path / "ph.rvp",
+                  lambda p: put(p.manifest, ("h100", "piece_hash"), value))
+    refused_by_all(bad, needle)
