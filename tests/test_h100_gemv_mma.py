@@ -72,29 +72,45 @@ def test_geometry_every_choice_is_an_entry() -> None:
             assert gm.launch_geometry(m, n, k, SM_COUNT).entry in names
 
 
-# (warps, split) the sweep found within ~2% of the fastest at each 31B shape (docs/BENCHMARKS.md)
+# (warps, split) the sweeps found within a few % of the fastest at each 31B shape (the H100's of
+# 2026-11-24; from 5 rows on, the 8-warp exceptions all three sweeps agreed on: docs/BENCHMARKS.md)
+# and, at the E4B's, where the narrow 8-warp exception stops
 DEFAULTS_31B = {
-    8: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
+    4: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
         "gate_up": (4, 6), "down": (4, 4)},
-    16: {"qkv_sliding": (4, 1), "qk_full": (4, 1), "o_sliding": (4, 4), "o_full": (4, 4),
-         "gate_up": (8, 1), "down": (4, 4)},
+    8: {"qkv_sliding": (8, 2), "qk_full": (8, 3), "o_sliding": (4, 4), "o_full": (4, 4),
+        "gate_up": (8, 3), "down": (4, 4)},
+    16: {"qkv_sliding": (8, 1), "qk_full": (8, 3), "o_sliding": (8, 8), "o_full": (8, 8),
+         "gate_up": (8, 3), "down": (8, 8)},
     32: {"qkv_sliding": (8, 2), "qk_full": (8, 2), "o_sliding": (8, 8), "o_full": (8, 8),
          "gate_up": (8, 1), "down": (8, 8)},
 }
 
 
-@pytest.mark.parametrize("bucket", sorted(DEFAULTS_31B))
-def test_geometry_defaults_at_31b_shapes(bucket: int) -> None:
-    for name, (warps, split) in DEFAULTS_31B[bucket].items():
+# E4B, 16 rows: o (2560 x 2048) and down (2560 x 10240) keep 4 warps, the PLE's 256 rows too;
+# gate||up (20480 x 2560) is wide
+DEFAULTS_E4B_16 = {(2560, 2048): (4, 8), (2560, 10240): (4, 8), (256, 2560): (4, 8),
+                   (20480, 2560): (8, 3), (6144, 2560): (8, 6)}
+
+
+def test_geometry_defaults_at_e4b_shapes() -> None:
+    for (n, k), (warps, split) in DEFAULTS_E4B_16.items():
+        assert gm.launch_geometry(16, n, k, SM_COUNT).entry == gm.entry_name(16, warps, split)
+
+
+@pytest.mark.parametrize("rows", sorted(DEFAULTS_31B))
+def test_geometry_defaults_at_31b_shapes(rows: int) -> None:
+    for name, (warps, split) in DEFAULTS_31B[rows].items():
         n, k = SHAPES_31B[name]
-        launch = gm.launch_geometry(bucket, n, k, SM_COUNT)
-        assert launch.entry == gm.entry_name(bucket, warps, split), name
+        launch = gm.launch_geometry(rows, n, k, SM_COUNT)
+        assert launch.entry == gm.entry_name(gm.row_bucket(rows), warps, split), name
 
 
 def test_geometry_default_is_one_light_wave_or_many() -> None:
     """Every default grid is one wave of at most CTAS_PER_SM CTAs per SM, or an unsplittable one
-    (K below two windows), or split so that every CTA keeps MANY_WAVES_WINDOWS windows; no split
-    leaves a CTA less than one window of K."""
+    (K below two windows), or split so that every CTA keeps MANY_WAVES_WINDOWS windows, or (5 to
+    16 rows, N >= WIDE_N) 8 warps split WIDE_SPLIT / WIDER_SPLIT; 8 warps exactly where the
+    exceptions or the preferences say; no split leaves a CTA less than one window of K."""
     cap = gm.CTAS_PER_SM * SM_COUNT
     for m in ROWS:
         for n, k in (*SHAPES_31B.values(), *SHAPES_E4B.values(), *SHAPES_SMALL.values()):
@@ -102,7 +118,14 @@ def test_geometry_default_is_one_light_wave_or_many() -> None:
             groups, split = launch.grid[0], launch.grid[2]
             blocks = -(-k // 64)
             assert split == 1 or blocks >= split * 4
-            if groups <= cap:
+            assert (launch.block[0] == 256) == (gm.eight_warps(m, n, k, SM_COUNT)
+                                                 or gm.row_bucket(m) == 32
+                                                 or (gm.row_bucket(m) == 16
+                                                     and gm.row_groups(n, 4) > cap))
+            if 4 < m <= 16 and n >= gm.WIDE_N:
+                wide = gm.WIDE_SPLIT[gm.row_bucket(m)] if groups <= SM_COUNT else gm.WIDER_SPLIT
+                assert split == min(wide, max(s for s in gm.SPLITS if blocks >= s * 4)), (m, n, k)
+            elif groups <= cap:
                 assert groups * split <= cap
             else:
                 assert split == 1 or blocks >= split * 4 * gm.MANY_WAVES_WINDOWS

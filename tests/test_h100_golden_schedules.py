@@ -54,6 +54,10 @@ dim (issue 14): in 35 cases every attn_prefill_* launch (5,110) has a larger sha
 tile) and, at head dim 512, 512 threads and half the grid's tiles (8 tokens a CTA at group 8);
 each new geometry is attn_prefill.geometry's, the launches' other fields, every other launch and
 everything else are unchanged (checked case by case against dumps at 78e7c4b).
+And again when gemv_mma_fp8 took 8-warp CTAs from 5 token rows (issue 14): in 19 cases 3,416
+gemv_mma_fp8_* launches changed entry, grid, block and shared memory only, each new launch equal
+to gemv_mma_fp8.launch_geometry of its M, N, K; every other launch and everything else are
+unchanged (checked case by case against dumps at 1ce10ec).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -37,6 +37,20 @@ MAX_GRID_X = 2**31 - 1
 CTAS_PER_SM = 2.6
 MANY_WAVES_WINDOWS = 3
 PREFERRED_WARPS = {8: (4,), 16: (4, 8), 32: (8,)}
+# Three later sweeps (the H100's of 2026-11-24 and two on an H200, 2026-11-29; docs/BENCHMARKS.md)
+# agree on exceptions for more than FEW_ROWS token rows, up to 16: CTAs of 8 warps. On the wide
+# matrices (N >= WIDE_N: the 31B's qkv, qk and gate||up) split WIDE_SPLIT[bucket] while the 8-warp
+# grid is at most one CTA per SM and WIDER_SPLIT beyond (the grids between streamed slower on
+# both machines); from 9 rows on the narrower ones too, with the light wave's split, where that
+# grid still holds NARROW_CTAS_PER_SM CTAs per SM (the E4B's smaller matrices streamed slower
+# on fewer). The 31B step's linears, as measured per shape: M = 8 1.6% (H100) and 7% (H200)
+# faster, M = 16 5.5% on both. Up to FEW_ROWS rows the light wave stays: 8 warps were 3% slower
+# there on the H100.
+FEW_ROWS = 4
+WIDE_N = 16384
+WIDE_SPLIT = {8: 2, 16: 1}
+WIDER_SPLIT = 3
+NARROW_CTAS_PER_SM = 2
 
 reference = gemv_fp8.reference
 
@@ -77,23 +91,51 @@ def row_groups(n: int, warps: int) -> int:
     return -(-n // (16 * warps))
 
 
-def default_warps(m: int, n: int, sm_count: int) -> int:
-    """The first preferred warps count whose unsplit grid fits one wave of CTAS_PER_SM, else the
-    last preferred."""
+def eight_warps(m: int, n: int, k: int, sm_count: int) -> bool:
+    """Whether the exceptions above put an [m, k] x [n, k]^T product on 8-warp CTAs."""
+    bucket = row_bucket(m)
+    if not (FEW_ROWS < m and bucket in WIDE_SPLIT):
+        return False
+    if n >= WIDE_N:
+        return True
+    return bucket > 8 and (row_groups(n, 8) * light_wave_split(n, k, 8, sm_count)
+                           >= NARROW_CTAS_PER_SM * sm_count)
+
+
+def default_warps(m: int, n: int, k: int, sm_count: int) -> int:
+    """8 where the exceptions say so; else the first preferred warps count whose unsplit grid fits
+    one wave of CTAS_PER_SM, else the last preferred."""
+    if eight_warps(m, n, k, sm_count):
+        return 8
     prefs = PREFERRED_WARPS[row_bucket(m)]
     return next((w for w in prefs if row_groups(n, w) <= CTAS_PER_SM * sm_count), prefs[-1])
 
 
-def default_split(n: int, k: int, warps: int, sm_count: int) -> int:
+def splits_for(k: int) -> list[int]:
+    """The splits that leave every CTA at least one x window of K."""
+    blocks = -(-k // BLOCK_K)
+    return [s for s in SPLITS if s == 1 or blocks >= s * WINDOW_BLOCKS]
+
+
+def light_wave_split(n: int, k: int, warps: int, sm_count: int) -> int:
     """The largest split whose grid is still one wave of at most CTAS_PER_SM CTAs per SM, or,
     when the unsplit grid is already larger, the largest that leaves every CTA at least
     MANY_WAVES_WINDOWS x windows of K; never one that leaves a CTA less than one window."""
     cap = CTAS_PER_SM * sm_count
     groups, blocks = row_groups(n, warps), -(-k // BLOCK_K)
-    splits = [s for s in SPLITS if s == 1 or blocks >= s * WINDOW_BLOCKS]
+    splits = splits_for(k)
     if groups <= cap:
         return max(s for s in splits if groups * s <= cap)
     return max(s for s in splits if s == 1 or blocks >= s * WINDOW_BLOCKS * MANY_WAVES_WINDOWS)
+
+
+def default_split(m: int, n: int, k: int, warps: int, sm_count: int) -> int:
+    """On the wide matrices' 8-warp exception WIDE_SPLIT or WIDER_SPLIT (as K allows), else the
+    light wave's."""
+    if warps == 8 and n >= WIDE_N and eight_warps(m, n, k, sm_count):
+        want = WIDE_SPLIT[row_bucket(m)] if row_groups(n, 8) <= sm_count else WIDER_SPLIT
+        return max(s for s in splits_for(k) if s <= want)
+    return light_wave_split(n, k, warps, sm_count)
 
 
 def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = None,
@@ -102,10 +144,10 @@ def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = N
     if not 1 <= m <= MAX_ROWS or n < 1 or k < 16 or k % 16:
         raise ValueError(f"gemv_mma_fp8 needs 1 <= M <= {MAX_ROWS}, N >= 1 and K a positive "
                          f"multiple of 16 (M={m}, N={n}, K={k})")
-    warps = default_warps(m, n, sm_count) if warps is None else warps
+    warps = default_warps(m, n, k, sm_count) if warps is None else warps
     if warps not in WARPS:
         raise ValueError(f"gemv_mma_fp8: warps {warps} not one of {WARPS}")
-    split = default_split(n, k, warps, sm_count) if split is None else split
+    split = default_split(m, n, k, warps, sm_count) if split is None else split
     if split not in SPLITS:
         raise ValueError(f"gemv_mma_fp8: split {split} not one of {SPLITS}")
     groups = row_groups(n, warps)

@@ -77,7 +77,7 @@ BF16_GEMM_ROWS = 4
 # 4 tiles of 256 columns gains nothing from the tensor cores
 BF16_GEMM_MIN_N = 1024
 # One-row FP8 linears go to gemv_fp8, more rows to gemv_mma_fp8. Measured inside the 31B's
-# decode_1 CUDA graph on an H100 (benchmarks/h100_step_profile.py --one-row-gemv-fp8, 2026-11-24,
+# decode_1 CUDA graph on an H100 (benchmarks/h100_step_profile.py --one-row-swap, 2026-11-24,
 # docs/BENCHMARKS.md): 12.80 ms with every one-row linear on gemv_fp8 against 13.65 ms on
 # gemv_mma_fp8, although standalone (benchmarks/h100_gemv_mma.py) gemv_mma_fp8 had measured
 # faster at the 31B's shapes. From two rows on gemv_mma_fp8 is faster at every shape measured
