@@ -17,7 +17,6 @@ from pathlib import Path
 from rvcompile.artifacts import Artifact, ArtifactError
 from rvcompile.artifacts.contents import check_cubins, content_sections, read_texts
 from rvcompile.artifacts.manifest import Manifest, read_manifest
-from rvcompile.artifacts.readahead import Readahead
 from rvcompile.artifacts.signature import TrustedKey, load_trusted_key
 from rvcompile.progress import Phases
 from rvcompile.runtime.executor_api import Executor, LoadOptions
@@ -52,9 +51,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     one-line message when the file is damaged or does not fit.
 
     Order: with `trusted_keys` (TrustedKeys or PEM public key files), a valid signature by one
-    of them, before anything past the header block and digest table is read, except that the
-    sections are asked of the disk at once, the weights last (artifacts/readahead.py: advice,
-    nothing is read into the process before it is checked; the walk ends with the load) (see
+    of them, before anything past the header block and digest table is read (see
     rvcompile.artifacts.signature; the sections are then verified against the signed digests,
     so `verify=False` is refused with it); the header and the manifest's schema
     (artifacts/manifest.py); with `verify`, the sha256 of the small sections, which are then
@@ -121,9 +118,6 @@ def _load(path: str | os.PathLike[str], *, verify: bool, kv_blocks: dict[str, in
         art = Artifact.open(Path(path), trusted_keys=keys)
     t1 = time.perf_counter()
     checks = PendingChecks()
-    # the file asked of the disk now: the small sections the checks read first, then the
-    # weights, which the upload reads in file order later
-    readahead = Readahead.start(art, [*(n for n in art.sections if n != "weights"), "weights"])
     try:
         begun = _begin(art)
         t_begun = time.perf_counter()
@@ -161,9 +155,6 @@ def _load(path: str | os.PathLike[str], *, verify: bool, kv_blocks: dict[str, in
         if isinstance(e, Exception) and first is not None and first is not e:
             raise first from None
         raise
-    finally:
-        if readahead is not None:
-            readahead.stop()
 
 
 def _begin(art: Artifact) -> Future | None:
