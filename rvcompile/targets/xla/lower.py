@@ -457,16 +457,17 @@ class FoldedKeys:
         cache slots c [B, S, K, D] at `slots` [B, S] (int8 slots as stored: dequantised by
         `scales` [B, S, K] first): [B, K, G, T, S]. The rotated keys are the reference's own
         products (their bits are the unfolded keys'), each half the operand of its own dot,
-        which XLA on TPU computes inside the dot. Each half is read as whole 128-column tiles
-        of the stored rows (n rounded up to 128 columns, at most D/2, from dim 0 and from
-        D/2), the columns past n with a zero query (and RoPE's identity), so they add exact
-        zeros: dots over the n columns alone made TPU copy the halves out of each span first
-        at B = 64 (1.2 GiB on chip a step for the 31B at TP = 4), and one dot over both halves
-        concatenated wrote those float32 keys to on-chip memory and read them back (41 MiB a
-        span of 32 MiB at B = 64; estimates, docs/TPU_COST.md). Within float32 rounding of one
-        dot over the 2n dims."""
+        which XLA on TPU computes inside the dot (one dot over both halves concatenated wrote
+        those float32 keys to on-chip memory and read them back: 41 MiB a span of 32 MiB for
+        the 31B at B = 64; estimates, docs/TPU_COST.md). With more than one lane each half is
+        read as whole 128-column tiles of the stored rows (n rounded up to 128 columns, at
+        most D/2, from dim 0 and from D/2), the columns past n with a zero query (and RoPE's
+        identity), so they add exact zeros: over the n columns alone TPU copied the halves out
+        of each span and relaid them first (1.2 GiB on chip a step at B = 64, 1.2 GiB at 128K
+        and B = 4, TP = 4). One lane reads the n columns in place (0.3 GiB a step less than
+        the tiles at 128K). Within float32 rounding of one dot over the 2n dims."""
         half, n = c.shape[-1] // 2, self.n
-        m = min(half, -(-n // 128) * 128)
+        m = n if c.shape[0] == 1 else min(half, -(-n // 128) * 128)  # columns a half
 
         def dims(x):
             x = f32(x)
