@@ -463,9 +463,9 @@ class FoldedKeys:
         read as whole 128-column tiles of the stored rows (n rounded up to 128 columns, at
         most D/2, from dim 0 and from D/2), the columns past n with a zero query (and RoPE's
         identity), so they add exact zeros: over the n columns alone TPU copied the halves out
-        of each span and relaid them first (1.2 GiB on chip a step at B = 64, 1.2 GiB at 128K
-        and B = 4, TP = 4). One lane reads the n columns in place (0.3 GiB a step less than
-        the tiles at 128K). Within float32 rounding of one dot over the 2n dims."""
+        of each span and relaid them first (0.6 GiB a step more than the tiles at B = 64, 1.2
+        GiB at 128K and B = 4, TP = 4). One lane reads the n columns in place (0.3 GiB a step
+        less than the tiles at 128K). Within float32 rounding of one dot over the 2n dims."""
         half, n = c.shape[-1] // 2, self.n
         m = n if c.shape[0] == 1 else min(half, -(-n // 128) * 128)  # columns a half
 
