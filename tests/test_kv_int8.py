@@ -379,8 +379,9 @@ def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
     rotated (lower.FoldedKeys): equal to the direct attention over rope(cache * k_norm) within
     float32 rounding, and the traced span loop multiplies no float32 [B, span, K, D] copy of a
     span, nor dequantises an int8 one (the unfolded keys: times k_norm and RoPE's products;
-    on TPU at B = 64 those copies went through HBM, 12.5 GiB a step for the 31B). All pairs
-    rotating: not folded."""
+    on TPU at B = 64 those copies went through HBM, 12.5 GiB a step for the 31B). The first lane
+    alone too (its rotated dims' dots read the rotated columns only; more lanes read them as
+    whole tiles). All pairs rotating: not folded."""
     monkeypatch.setattr(lower, "SPAN_BLOCKS", 2)
     rng = np.random.default_rng(3)
     kh, group, d, width = 2, 2, 64, 8
@@ -407,10 +408,18 @@ def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
 
     ours, ref = np.asarray(jax.jit(blockwise)(q)), np.asarray(jax.jit(direct)(q))
     err = np.abs(ours - ref).max()
+    # one lane (its table alone): the rotated dims' dots read the rotated columns only, where
+    # more lanes read them as whole tiles (FoldedKeys.rotated_scores)
+    lane = dataclasses.replace(cache, table=cache.table[:1])
+    one = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+        attrs, q, lower.rope_lazy(rope, lower.mul_lazy(None, lane, k_norm), k_pos[:1]), lane,
+        q_pos[:1], k_pos[:1]))(q[:1]))
+    err_one = np.abs(one - ref[:1]).max()
     print(f"\nfolded K=V keys vs direct ({rotated} of {d // 2} pairs rotating, "
-          f"{'int8' if int8 else 'float32'} pool): max abs {err:.2e}")
+          f"{'int8' if int8 else 'float32'} pool): max abs {err:.2e}, one lane {err_one:.2e}")
     assert not ours[2].any() and not ours[1, 4].any()
     assert err <= 2e-6 * np.abs(ref).max()
+    assert err_one <= 2e-6 * np.abs(ref[:1]).max()
     span = (3, 2 * 16, kh, d)
     products = _span_products(jax.make_jaxpr(blockwise)(q).jaxpr, span)
     if rotated < d // 2:

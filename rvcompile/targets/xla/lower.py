@@ -423,7 +423,8 @@ class FoldedKeys:
     a float32 copy of a span: q . rope(c * w) = (q * w)[pass-through dims] . c + q[rotated dims]
     . rope(c * w)[rotated dims], where only n of D/2 pairs rotate. The first dot reads the span
     as it is stored; only the 2n rotated dims are widened, scaled and rotated (for the 31B at
-    B = 64 those float32 copies of every span went through HBM: 12.5 GiB a step)."""
+    B = 64 those float32 copies of every span went through HBM: 12.5 GiB a step), inside the
+    dots' operands (`rotated_scores`)."""
 
     w: jax.Array  # float32 [D]: k_norm's weight
     rope: Any  # RopeAttrs
@@ -442,30 +443,51 @@ class FoldedKeys:
         return FoldedKeys(k.kinds[0][1], k.kinds[1][1], k.kinds[1][2], n)
 
     def query(self, qg):
-        """(qg [.., D] times w with the rotated dims zeroed, qg's rotated dims [.., 2n])."""
+        """(qg [.., D] times w with the rotated dims zeroed, (qg's first and second rotated
+        dims [.., n] each))."""
         d = qg.shape[-1]
         half, n = d // 2, self.n
         rotated = np.zeros(d, bool)
         rotated[:n] = rotated[half:half + n] = True
         qw = jnp.where(jnp.asarray(rotated), jnp.float32(0), qg * self.w)
-        return qw, jnp.concatenate([qg[..., :n], qg[..., half:half + n]], -1)
+        return qw, (qg[..., :n], qg[..., half:half + n])
 
-    def rotated_keys(self, c, slots, scales=None):
-        """The rotated dims of rope(c * w) [B, S, K, 2n] for cache slots c [B, S, K, D] at
-        `slots` [B, S] (int8 slots as stored: dequantised by `scales` [B, S, K] first): the
-        reference's own products, so those bits are the unfolded keys'."""
+    def rotated_scores(self, q_rot, c, slots, scales=None):
+        """q_rot, two [B, T, K, G, n] (`query`), against the rotated dims of rope(c * w) for
+        cache slots c [B, S, K, D] at `slots` [B, S] (int8 slots as stored: dequantised by
+        `scales` [B, S, K] first): [B, K, G, T, S]. The rotated keys are the reference's own
+        products (their bits are the unfolded keys'), each half the operand of its own dot,
+        which XLA on TPU computes inside the dot (one dot over both halves concatenated wrote
+        those float32 keys to on-chip memory and read them back: 41 MiB a span of 32 MiB for
+        the 31B at B = 64; estimates, docs/TPU_COST.md). With more than one lane each half is
+        read as whole 128-column tiles of the stored rows (n rounded up to 128 columns, at
+        most D/2, from dim 0 and from D/2), the columns past n with a zero query (and RoPE's
+        identity), so they add exact zeros: over the n columns alone TPU copied the halves out
+        of each span and relaid them first (0.6 GiB a step more than the tiles at B = 64, 1.2
+        GiB at 128K and B = 4, TP = 4). One lane reads the n columns in place (0.3 GiB a step
+        less than the tiles at 128K). Within float32 rounding of one dot over the 2n dims."""
         half, n = c.shape[-1] // 2, self.n
+        m = n if c.shape[0] == 1 else min(half, -(-n // 128) * 128)  # columns a half
 
         def dims(x):
             x = f32(x)
             return x if scales is None else x * scales[..., None]
 
-        x1 = dims(c[..., :n]) * self.w[:n]
-        x2 = dims(c[..., half:half + n]) * self.w[half:half + n]
-        freqs = jnp.asarray(np.asarray(self.rope.inv_freq, np.float32)[:n])
-        ang = jnp.take_along_axis(self.pos, slots, axis=1).astype(jnp.float32)[..., None] * freqs
+        x1 = dims(c[..., :m]) * self.w[:m]
+        x2 = dims(c[..., half:half + m]) * self.w[half:half + m]
+        freqs = np.zeros(m, np.float32)
+        freqs[:n] = np.asarray(self.rope.inv_freq, np.float32)[:n]
+        ang = (jnp.take_along_axis(self.pos, slots, axis=1).astype(jnp.float32)[..., None]
+               * jnp.asarray(freqs))
         cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+        pad = [(0, 0)] * (q_rot[0].ndim - 1) + [(0, m - n)]
+        q1, q2 = (jnp.pad(q, pad) for q in q_rot)
+
+        def dot(q, keys):
+            return jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+
+        return dot(q1, x1 * cos - x2 * sin) + dot(q2, x2 * cos + x1 * sin)
 
 
 def span_dots(kind: str, x, span, mesh=None):
@@ -602,9 +624,7 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
         if ks is not None:
             s = s * by_slot(ks)
         if folded is not None:
-            s = s + jnp.einsum(
-                "btkgd,bskd->bkgts", q_rot, folded.rotated_keys(kb, slots, ks),
-                precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            s = s + folded.rotated_scores(q_rot, kb, slots, ks)
         s = s * jnp.float32(a.scale)
         mask = live[:, None, None, None, :] & (kp <= qp) & (qp >= 0)
         if a.window is not None:
