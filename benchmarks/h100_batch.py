@@ -19,7 +19,9 @@ the smallest prefill entry that holds it (a 128-token prompt in a 256-row entry 
 are 16 / 64 / 256). Per B: prefill tok/s (B x prompt tokens over the prefill calls' time; and
 "packed", the same prompts first prefilled several to a call as the engine packs them, where the
 artifact packs: kernel_schedule.PrefillPacking), decode
-tok/s (B x gen over the decode calls' time) and the step time. --chunk also times one full
+tok/s (B x gen over the decode calls' time) and the step time, then "loop": the same steps
+through the device-side decode loop the engine uses (decode_many: calls of up to the artifact's
+loop length, no host io between their steps). --chunk also times one full
 prefill chunk of that many rows (median of 5 calls after one warm-up), --ttft the time to the
 first token of a prompt of that many tokens at B = 1 on the bare executor (its chunks) and
 through Model.generate (the engine), median of 3. --decode-at times B = 1 decode steps at
@@ -48,7 +50,7 @@ import numpy as np
 
 from rvcompile import runtime
 from rvcompile.runtime.engine import Request
-from rvcompile.runtime.executor_api import Sampling, SeqChunk
+from rvcompile.runtime.executor_api import LoopLane, Sampling, SeqChunk
 from rvcompile.runtime.speculative import Speculation
 
 _IDS = itertools.count()
@@ -129,7 +131,7 @@ def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
     tables = [seq_tables(ex, i, prompt_len + gen + 1) for i in range(b)]
     packed_s = packed_prefill(ex, prompts, tables) if b > 1 else None
     t = time.perf_counter()
-    last = [prefill(ex, p, tables[i]) for i, p in enumerate(prompts)]
+    last = first = [prefill(ex, p, tables[i]) for i, p in enumerate(prompts)]
     prefill_s = time.perf_counter() - t
     ex.decode([SeqChunk([last[i]], prompt_len, tables[i]) for i in range(b)])  # warm-up
     t = time.perf_counter()
@@ -137,11 +139,28 @@ def batch_row(ex, rng, vocab: int, b: int, prompt_len: int, gen: int) -> dict:
         last = ex.decode([SeqChunk([last[i]], prompt_len + 1 + step, tables[i])
                           for i in range(b)])
     decode_s = time.perf_counter() - t
+    loop_s = decode_loop_seconds(ex, first, prompt_len, tables, gen)
     return {"batch": b, "prompt": prompt_len, "gen": gen,
             "prefill_tok_s": b * prompt_len / prefill_s,
             "packed_prefill_tok_s": packed_s and b * prompt_len / packed_s,
             "decode_tok_s": b * gen / decode_s,
-            "step_ms": decode_s / gen * 1e3}
+            "step_ms": decode_s / gen * 1e3,
+            "loop_tok_s": b * gen / loop_s, "loop_step_ms": loop_s / gen * 1e3}
+
+
+def decode_loop_seconds(ex, first: list[int], start: int, tables, gen: int) -> float:
+    """The same `gen` steps from the same start (their KV written to the same slots again)
+    through the device-side decode loop, as the engine runs them: calls of up to the
+    artifact's loop length (decode_many), each from the last call's tokens, so no host io or
+    read-back between the steps of a call."""
+    last, done = first, 0
+    t = time.perf_counter()
+    while done < gen:
+        n = min(ex.decode_loop_steps, gen - done)
+        out = ex.decode_many([LoopLane(SeqChunk([last[i]], start + done, tables[i]), n,
+                                       frozenset()) for i in range(len(first))])
+        last, done = [row[-1] for row in out], done + n
+    return time.perf_counter() - t
 
 
 def context_row(ex, rng, vocab: int, at: int, gen: int) -> dict:
@@ -308,7 +327,7 @@ def main() -> None:
         result["verify_ms"] = [verify_cost(ex, rng, vocab, b, args.prompt) for b in batches]
     else:
         print(f"{'B':>4} {'prefill tok/s':>14} {'packed':>8} {'decode tok/s':>13} "
-              f"{'step ms':>8}", flush=True)
+              f"{'step ms':>8} {'loop tok/s':>11} {'loop ms':>8}", flush=True)
         for b in batches:
             why = fits(ex, b, args.prompt + args.gen + 1)
             if why:
@@ -320,7 +339,8 @@ def main() -> None:
             packed = row["packed_prefill_tok_s"]
             print(f"{b:>4} {row['prefill_tok_s']:14.0f} "
                   f"{'-' if packed is None else f'{packed:.0f}':>8} "
-                  f"{row['decode_tok_s']:13.1f} {row['step_ms']:8.2f}", flush=True)
+                  f"{row['decode_tok_s']:13.1f} {row['step_ms']:8.2f} "
+                  f"{row['loop_tok_s']:11.1f} {row['loop_step_ms']:8.2f}", flush=True)
     if args.chunk:
         result["chunk"] = row = chunk_row(ex, rng, vocab, args.chunk)
         print(f"prefill chunk of {row['rows']} rows: {row['ms']:.2f} ms = {row['tok_s']:.0f} "
