@@ -43,9 +43,9 @@ PREFERRED_WARPS = {8: (4,), 16: (4, 8), 32: (8,)}
 # grid is at most one CTA per SM and WIDER_SPLIT beyond (the grids between streamed slower on
 # both machines); from 9 rows on the narrower ones too, with the light wave's split, where that
 # grid still holds NARROW_CTAS_PER_SM CTAs per SM (the E4B's smaller matrices streamed slower
-# on fewer). The 31B step's linears, as measured per shape: M = 8 1.6% (H100) and 7% (H200)
-# faster, M = 16 5.5% on both. Up to FEW_ROWS rows the light wave stays: 8 warps were 3% slower
-# there on the H100.
+# on fewer). The 31B step's linears, as measured per shape: M = 8 1.6% (H100) and 7-8% (H200)
+# faster, M = 16 5.5% (H100) and 4-5.5% (H200). Up to FEW_ROWS rows the light wave stays: 8
+# warps were 3% slower there on the H100.
 FEW_ROWS = 4
 WIDE_N = 16384
 WIDE_SPLIT = {8: 2, 16: 1}
