@@ -60,7 +60,7 @@ def test_no_verify_says_so(artifact):
 
 def test_h100_report_shows_the_stream_and_what_overlapped():
     times = LoadTimes(context_s=0.12, verify_s=0.05, arena_s=0.03, upload_s=1.6,
-                      weight_bytes=32_100_000_000, streamed=True, checked=True, threads=16,
+                      weight_bytes=32_100_000_000, streamed=True, hashed_on="cpu", threads=16,
                       read_s=9.5, hash_s=20.25, cubin_load_s=0.3, graph_capture_s=0.4,
                       warm_up_s=0.01, finish_s=0.04, overlapped=("cubin load", "graph capture"),
                       checks_during_upload_s=0.2)
@@ -87,7 +87,7 @@ def test_h100_report_shows_the_gpu_hash():
     """Weights checked on the GPU (the artifact's piece hash): its own phase after the upload,
     counted in the wall time, and the weights line says which verification ran."""
     times = LoadTimes(context_s=0.12, verify_s=0.05, arena_s=0.03, upload_s=1.4,
-                      weight_bytes=32_100_000_000, streamed=True, checked=True, hashed_on="gpu",
+                      weight_bytes=32_100_000_000, streamed=True, hashed_on="gpu",
                       gpu_hash_s=0.045, threads=16, read_s=9.5, cubin_load_s=0.3,
                       graph_capture_s=0.4, warm_up_s=0.01, finish_s=0.04,
                       overlapped=("cubin load", "graph capture"))

@@ -215,5 +215,3 @@ def stream_section(art: Artifact, name: str, sink: Sink, *, workers: int,
     read_s, hash_s, wait_s = (sum(t[j] for t in busy) for j in range(3))
     return StreamStats(section.size, len(pieces), workers, check, time.perf_counter() - t0,
                        read_s, hash_s, wait_s)
-
-

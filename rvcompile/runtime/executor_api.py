@@ -259,10 +259,9 @@ class LoadTimes:
     upload_s: float = 0.0  # the weights to the device (h100: the streamed, checked read)
     weight_bytes: int = 0  # of the weights section
     streamed: bool = False  # weights read once, each piece hashed as it was uploaded (h100)
-    checked: bool = False  # the weights' sha256 compared (in verify_s, in the stream, or on
-    # the GPU after the upload)
-    hashed_on: str = ""  # checked: where the weights' pieces were hashed, "cpu" (hashlib: in
-    # verify_s or as they streamed) or "gpu" (h100: the artifact's piece hash, gpu_hash_s)
+    hashed_on: str = ""  # where the weights' pieces were hashed and compared, "cpu" (hashlib:
+    # in verify_s or as they streamed) or "gpu" (h100: the artifact's piece hash, gpu_hash_s);
+    # "": not checked (--no-verify)
     gpu_hash_s: float = 0.0  # h100, hashed on the GPU: the piece hash's kernel over the
     # uploaded weights, the digests copied back and compared (after the upload, during capture)
     threads: int = 0  # streamed: threads that read and hashed the weights
@@ -281,6 +280,12 @@ class LoadTimes:
     deferred: tuple[str, ...] = ()  # XLA: the entries whose executables XLA deserializes on
     # their first call, not during the load (checked at load all the same)
     overlapped: tuple[str, ...] = ()  # phases that ran while the weights uploaded
+
+    @property
+    def checked(self) -> bool:
+        """The weights' sha256 compared (in verify_s, in the stream, or on the GPU after the
+        upload)."""
+        return self.hashed_on != ""
 
 
 class DeviceError(RuntimeError):

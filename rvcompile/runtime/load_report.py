@@ -135,6 +135,7 @@ class LoadReport:
         """Every field (the executor's flattened in), plus upload_gb_s."""
         d = dataclasses.asdict(self)
         d.update(d.pop("executor"))
+        d["checked"] = self.executor.checked
         d["overlapped"] = list(self.executor.overlapped)
         d["deferred"] = list(self.executor.deferred)
         d["alongside"] = list(self.alongside)

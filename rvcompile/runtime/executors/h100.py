@@ -256,7 +256,7 @@ class CudaScheduleDevice:
         self.upload_s = clock() - t_start
         self.stream_stats = stats
         self.load_times = LoadTimes(
-            upload_s=stats.wall_s, weight_bytes=weights, streamed=True, checked=check_weights,
+            upload_s=stats.wall_s, weight_bytes=weights, streamed=True,
             hashed_on="gpu" if on_gpu else "cpu" if check_weights else "",
             gpu_hash_s=gpu_hash_s, threads=stats.workers, read_s=stats.read_s,
             hash_s=stats.hash_s, overlapped=("cubin load", "graph capture"), **times)

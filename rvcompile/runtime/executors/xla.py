@@ -165,9 +165,8 @@ def open_executor(art: Artifact, manifest: Manifest, opts: LoadOptions) -> XlaEx
     opts.checks.wait()
     ex = XlaExecutor(art, xla, opts.kv_blocks, trust_executables=opts.trust_executables,
                      phases=opts.phases)
-    checked = "weights" in opts.verify
-    ex.load_times = replace(ex.load_times, verify_s=verify_s, checked=checked,
-                            hashed_on="cpu" if checked else "")
+    ex.load_times = replace(ex.load_times, verify_s=verify_s,
+                            hashed_on="cpu" if "weights" in opts.verify else "")
     return ex
 
 

@@ -39,4 +39,3 @@ def _call(c: Call) -> None:
 
 ENTRIES = (Entry(ENTRY, SOURCE, (ptr("data", "bytes"), i64("piece_size"), i64("total"),
                                  i32("count"), ptr("digests", "bytes", "out")), _call),)
-

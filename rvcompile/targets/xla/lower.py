@@ -72,13 +72,12 @@ class PagedSlice:
     def read_blocks(self, table: jax.Array, scales: jax.Array | None = None) -> jax.Array:
         """The blocks of `table` [B, w] as slots [B, w * BLOCK_SIZE, K, D] (int8: dequantised,
         by `scales` [B, w, BLOCK_SIZE, K] when the caller gathered them already)."""
-        b, w = table.shape
-        x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads, self.head_dim)
         if self.scale is None:
-            return x
-        if scales is None:
-            scales = self.scale[self.index, table]
-        return x.astype(jnp.float32) * scales.reshape(b, w * BLOCK_SIZE, -1)[..., None]
+            b, w = table.shape
+            return self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads,
+                                                        self.head_dim)
+        x, scales = self.read_stored(table, scales)
+        return x.astype(jnp.float32) * scales[..., None]
 
     def read_stored(self, table: jax.Array,
                     scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
