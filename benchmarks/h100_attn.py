@@ -1,9 +1,10 @@
-"""Paged decode attention on the GPU at 31B shapes: the sliding layers' kernel (head dim 256,
-group 2, window 1024) and the full layers' K=V kernel (head dim 512, group 8), bf16 or FP8
-pools, over batches and contexts; time of the split kernel + combine (median of 50, CUDA
-events), and GB/s of the K/V bytes the step must read (a K=V layer's one pool counted once).
-Both split kernels are timed: attn_decode.cu's ("split") and attn_prefill.cu's tensor-core
-decode entries ("tc", what bf16/e4m3 plans launch).
+"""Paged decode attention on the GPU at 31B and E4B shapes: the 31B's sliding layers (head dim
+256, group 2, window 1024) and full K=V layers (head dim 512, group 8), the E4B's sliding (256,
+group 4, window 512) and full layers (512, group 4), bf16 or FP8 pools, over batches and
+contexts; time of the split kernel + combine (median of 50, CUDA events), and GB/s of the K/V
+bytes the step must read (a K=V layer's one pool counted once). Both split kernels are timed:
+attn_decode.cu's ("split": what bf16/e4m3 plans launch for layers without K=V) and
+attn_prefill.cu's tensor-core decode entries ("tc": what they launch for K=V layers).
 
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
                                    [--cubin OTHER.cubin ...] [--tc-cubin OTHER.cubin ...]
@@ -35,7 +36,8 @@ from rvcompile.targets.h100 import attn_prefill as ap  # noqa: E402
 from rvcompile.targets.h100.nvcc import compile_cubin  # noqa: E402
 
 # (name, KV heads, group, head dim, window, K=V)
-LAYERS = [("31B sliding", 16, 2, 256, 1024, False), ("31B full K=V", 4, 8, 512, 0, True)]
+LAYERS = [("31B sliding", 16, 2, 256, 1024, False), ("31B full K=V", 4, 8, 512, 0, True),
+          ("E4B sliding", 2, 4, 256, 512, False), ("E4B full", 2, 4, 512, 0, False)]
 
 
 def median_us(ctx: CudaContext, launch) -> float:

@@ -141,6 +141,7 @@ CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens, window)
     ("tiny full", 2, 2, 2, 64, [33, 250], 0),
     ("oracle sliding, window 8 < block", 2, 2, 2, 32, [5, 40], 8),
     ("oracle MQA full", 2, 1, 4, 64, [9, 64], 0),
+    ("d256 group 1 sliding, 5 lanes", 5, 2, 1, 256, [1, 16, 17, 300, 1100], 1024),
 ]
 # every small head dim with every group: full layers and a sliding window that wraps its ring
 CASES += [(f"d{d} group {g}{' sliding' if window else ''}", 2, 2, g, d, [40, 700], window)
@@ -600,7 +601,8 @@ def to_e4m3(x) -> np.ndarray:
 
 FP8_DECODE_CASES = [c for c in CASES if c[0] in (
     "31B sliding, window wrapped", "31B full", "31B sliding, 3 sequences", "E4B sliding",
-    "tiny sliding, window 16", "oracle MQA full", "d64 group 4 sliding")]
+    "tiny sliding, window 16", "oracle MQA full", "d64 group 4 sliding",
+    "d256 group 1 sliding, 5 lanes")]
 
 
 @pytest.mark.gpu
@@ -714,3 +716,62 @@ def test_qkv_post_fp8_writes_the_reference_bytes(name, nh, kh, d, k_eq_v, window
         assert np.isfinite(g).all() and (np.abs(g - w) <= step).all()
         assert differ.sum() <= max(1, 1e-3 * m * (kh * d)), differ.sum()
     assert np.nanmax(np.abs(want_k.astype(np.float32))) == 448.0 or k_eq_v  # NaN: unwritten
+
+
+# the _fp8 entries that score on tensor cores (head dim 256, groups 1, 2, 4) and their neighbours
+POISON_CASES = [c for c in CASES if c[0] in (
+    "31B sliding, window wrapped", "31B sliding, 3 sequences", "E4B sliding", "E4B full",
+    "d256 group 1 sliding, 5 lanes")]
+
+
+def poison_unseen(k, v, table, ring, lens, window):
+    """K and V pools with every row no query sees set to NaN (e4m3 0x7f): stale or
+    uninitialised cache bytes must never reach a score or a weight."""
+    seen = np.zeros(k.shape[:2], bool)
+    for b, n in enumerate(lens):
+        ts = ad.visible_tokens(int(n), window)
+        seen[table[b, (ts // ad.BLOCK) % ring], ts % ad.BLOCK] = True
+    k, v = k.copy(), v.copy()
+    k[~seen] = np.nan
+    v[~seen] = np.nan
+    return k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["split", "tc"])
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", POISON_CASES,
+                         ids=[c[0] for c in POISON_CASES])
+def test_attn_decode_fp8_reads_only_visible_keys(name, batch, kv_heads, group, d, lens, window,
+                                                 splits, kernel) -> None:
+    """NaN in every pool row outside the visible keys (the rest of a partly filled block, a
+    wrapped ring's stale tokens, blocks of other sequences): the result is the reference's,
+    with the planned split count and with one split (the lone split writing out itself)."""
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(f"poison {name}".encode()))
+    q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
+    k, v = poison_unseen(to_e4m3(k), to_e4m3(v), table, ring, lens_arr, window)
+    got = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=splits,
+                     direct=splits == 1)
+    want = ad.reference(q, k, v, table, ring, lens_arr, window)
+    assert np.isfinite(want).all()
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < SPLIT_BOUND[kernel], rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", POISON_CASES,
+                         ids=[c[0] for c in POISON_CASES])
+def test_one_split_fp8_writes_the_combines_result(name, batch, kv_heads, group, d, lens,
+                                                  window) -> None:
+    """The tensor-core-scored _fp8 entries keep the lone split's contract: the same bits as
+    their partials through the combine."""
+    ctx = h100_context()
+    rng = np.random.default_rng(zlib.crc32(f"one split fp8 {name}".encode()))
+    q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
+    k, v = to_e4m3(k), to_e4m3(v)
+    combined = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, splits=1)
+    direct = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, splits=1, direct=True)
+    assert np.isfinite(direct).all()
+    assert np.array_equal(direct.view(np.uint32), combined.view(np.uint32))

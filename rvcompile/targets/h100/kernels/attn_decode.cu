@@ -117,6 +117,70 @@ __device__ __forceinline__ void widen(const Raw* raw, float out[VEC]) {
     }
 }
 
+// The CTA's result from its warps' (m, l, acc): warp (hc, kl) holds the GW heads of chunk hc
+// over its share of the keys, dims lane * VEC.. of each. Merges the KP warps that share a head
+// chunk (kl = 0 keeps the result) and writes the split's partials, or with `out` (one split)
+// what attn_decode_combine would, bit for bit.
+template <int D, int G, int GW = G / ((G * D / 32 > 64) ? (G * D / 32 / 64) : 1)>
+__device__ __forceinline__ void write_split(const float (&m)[GW], const float (&l)[GW],
+                                            const float (&acc)[GW][D / 32], int b, int kh,
+                                            int split, int splits, int kv_heads,
+                                            float* __restrict__ part_acc,
+                                            float* __restrict__ part_ml, float* __restrict__ out,
+                                            __nv_bfloat16* __restrict__ out_bf16) {
+    constexpr int VEC = D / 32;
+    constexpr int HS = G / GW;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hc = warp % HS, kl = warp / HS;
+    const int nh = kv_heads * G;
+    __shared__ float s_ml[WARPS][GW][2];
+    __shared__ float s_acc[WARPS][GW][D];
+#pragma unroll
+    for (int g = 0; g < GW; ++g) {
+        if (lane == 0) {
+            s_ml[warp][g][0] = m[g];
+            s_ml[warp][g][1] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s_acc[warp][g][lane * VEC + i] = acc[g][i];
+    }
+    __syncthreads();
+    if (kl != 0) return;
+#pragma unroll
+    for (int g = 0; g < GW; ++g) {
+        float mt = -INFINITY;
+        for (int w = hc; w < WARPS; w += HS) mt = fmaxf(mt, s_ml[w][g][0]);
+        float lt = 0.f, acc_out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc_out[i] = 0.f;
+        for (int w = hc; w < WARPS; w += HS) {
+            const float f = s_ml[w][g][0] == -INFINITY ? 0.f : __expf(s_ml[w][g][0] - mt);
+            lt += s_ml[w][g][1] * f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc_out[i] += s_acc[w][g][lane * VEC + i] * f;
+        }
+        const int head = kh * G + hc * GW + g;
+        if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
+            const float inv = 1.f / lt;
+            const size_t at = ((size_t)b * nh + head) * D + lane * VEC;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                out[at + i] = acc_out[i] * inv;
+                if (out_bf16) out_bf16[at + i] = __float2bfloat16(acc_out[i] * inv);
+            }
+            continue;
+        }
+        const size_t base = ((size_t)b * nh + head) * splits + split;
+        float* dst = part_acc + base * D + lane * VEC;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dst[i] = acc_out[i];
+        if (lane == 0) {
+            part_ml[base * 2] = mt;
+            part_ml[base * 2 + 1] = lt;
+        }
+    }
+}
+
 // KEQV: the pool `kc` holds each token's normalised base once (K=V layers); V = base and
 // K = rope(base * wk, t) is derived here. The rope partner of dim i is i +- D/2, held by lane ^ 16
 // at the same register index (D/2 = 16 lanes * VEC dims for every head dim).
@@ -181,6 +245,30 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
     __shared__ float s_cos[KEQV ? TILE : 1][KEQV ? HALF : 1];
     __shared__ float s_sin[KEQV ? TILE : 1][KEQV ? HALF : 1];
     const int* row_table = table + (size_t)b * max_blocks;
+    // At head dim 512 the loads run one pass ahead: while a pass's keys are scored and summed,
+    // the next pass's K and V rows (and their block-table entries) are already in flight
+    // (the E4B's full layers 1.2-1.35x faster from 8 lanes up, H200). At 256 the extra
+    // registers cost more than the overlap gains (0.9x at 256 lanes: the kernel is issue-bound).
+    constexpr bool AHEAD = VEC == 16;
+    Raw knext[UNROLL][CH], vnext[UNROLL][CH];
+    const auto load_pass = [&](int tile) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = tile + kl + u * KP;
+            if (t < s1) {
+                const int block = row_table[(t / BS) % ring];
+                const size_t off =
+                    (((size_t)block * BS + t % BS) * kv_heads + kh) * D + lane * VEC;
+#pragma unroll
+                for (int c = 0; c < CH; ++c) {
+                    knext[u][c] = *reinterpret_cast<const Raw*>(kc + off + STRIDE * c);
+                    if constexpr (!KEQV)
+                        vnext[u][c] = *reinterpret_cast<const Raw*>(vc + off + STRIDE * c);
+                }
+            }
+        }
+    };
+    if constexpr (AHEAD) load_pass(s0);
     // The loop runs the same passes in every warp (the K=V tables' barriers need that); warp kl
     // takes keys tile + kl + u * KP.
     for (int tile = s0; tile < s1; tile += TILE) {
@@ -196,24 +284,21 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
             }
             __syncthreads();
         }
-        const int t0 = tile + kl;
-        if (t0 >= s1) continue;
+        if constexpr (!AHEAD) load_pass(tile);
         Raw kraw[UNROLL][CH], vraw[UNROLL][CH];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + u * KP;
-            if (t < s1) {
-                const int block = row_table[(t / BS) % ring];
-                const size_t off =
-                    (((size_t)block * BS + t % BS) * kv_heads + kh) * D + lane * VEC;
 #pragma unroll
-                for (int c = 0; c < CH; ++c) {
-                    kraw[u][c] = *reinterpret_cast<const Raw*>(kc + off + STRIDE * c);
-                    if constexpr (!KEQV)
-                        vraw[u][c] = *reinterpret_cast<const Raw*>(vc + off + STRIDE * c);
-                }
+            for (int c = 0; c < CH; ++c) {
+                kraw[u][c] = knext[u][c];
+                if constexpr (!KEQV) vraw[u][c] = vnext[u][c];
             }
         }
+        if constexpr (AHEAD) {
+            if (tile + TILE < s1) load_pass(tile + TILE);
+        }
+        const int t0 = tile + kl;
+        if (t0 >= s1) continue;
         // sc[u][g]: key u's score for head g, then its softmax weight
         float sc[UNROLL][GW];
 #pragma unroll
@@ -277,52 +362,203 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
             }
         }
     }
-    // Merge the KP warps that share head chunk hc (kl = 0 keeps the result).
-    __shared__ float s_ml[WARPS][GW][2];
-    __shared__ float s_acc[WARPS][GW][D];
+    write_split<D, G>(m, l, acc, b, kh, split, splits, kv_heads, part_acc, part_ml, out,
+                      out_bf16);
+}
+
+// ------------------------------------------------------------------ tensor-core scores (e4m3)
+// The _fp8 entries at head dim 256 and groups 1, 2 and 4 (the sliding layers of every Gemma 4
+// size but the E2B) score their keys on tensor cores: a warp takes 16 keys at a time (one cache
+// block), and one mma.sync m16n8k16 per 16 dims gives S^T = K . Q^T (keys x the group's heads,
+// columns beyond G zero). e4m3 widens to f16 exactly and q's bf16 does in f16's normal range
+// (2^-14 .. 65504; q is RMS-normed), products are exact and summed in f32, so the scores are
+// the f32 loop's to rounding. P.V stays on CUDA cores (every lane its 8 dims of each key) with
+// each key's weights broadcast from the fragment that holds them. This replaces the f32 loop's
+// per-key widening, 16 FMAs and two 32-lane sums per head with 4 conversions and one mma per
+// 16 keys: that loop was issue-bound (71% of the SMs' issue slots at 256 lanes, H200 ncu).
+// A thread's k-step s takes dims 64t + 4s .. 64t + 4s + 3 of its keys and of q (t = lane % 4):
+// the fragments' column order permuted the same way on both sides, so each thread reads its
+// keys' 64 contiguous bytes instead of 2-byte pieces.
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {  // the low 16 bits, exactly
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_f16x2(uint32_t two) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&two));
+    const __half2 h = __floats2half2_rn(f.x, f.y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D, int G, bool FP8, bool F32>
+constexpr bool MMA_SCORES = FP8 && !F32 && D == 256 && G <= 4;
+
+template <int G>
+__device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
+                                 const unsigned char* __restrict__ kc,
+                                 const unsigned char* __restrict__ vc,
+                                 const int* __restrict__ table, int max_blocks, int ring,
+                                 const int* __restrict__ seq_len, int window, int kv_heads,
+                                 float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                 float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
+    constexpr int D = 256, VEC = 8;
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nh = kv_heads * G;
+    const int pos = seq_len[b] - 1;
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int per = (pos - lo + splits) / splits;
+    const int s0 = lo + split * per, s1 = min(pos + 1, s0 + per);
+
+    // q's B fragments: column g is head g of the group (zeros from G); k-step s, dims
+    // 64t + 4s .. + 1 (b0) and + 2 .. + 3 (b1)
+    uint32_t qf[16][2];
+    {
+        const bool head = g < G;
+        const uint4* row = reinterpret_cast<const uint4*>(
+            q + ((size_t)b * nh + kh * G + (head ? g : 0)) * D + 64 * t);
 #pragma unroll
-    for (int g = 0; g < GW; ++g) {
-        if (lane == 0) {
-            s_ml[warp][g][0] = m[g];
-            s_ml[warp][g][1] = l[g];
+        for (int c = 0; c < 8; ++c) {
+            const uint4 w = head ? row[c] : make_uint4(0u, 0u, 0u, 0u);
+            qf[2 * c][0] = bf16x2_f16x2(w.x);
+            qf[2 * c][1] = bf16x2_f16x2(w.y);
+            qf[2 * c + 1][0] = bf16x2_f16x2(w.z);
+            qf[2 * c + 1][1] = bf16x2_f16x2(w.w);
         }
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s_acc[warp][g][lane * VEC + i] = acc[g][i];
     }
-    __syncthreads();
-    if (kl != 0) return;
+    float m[G], l[G], acc[G][VEC];
 #pragma unroll
-    for (int g = 0; g < GW; ++g) {
-        float mt = -INFINITY;
-        for (int w = hc; w < WARPS; w += HS) mt = fmaxf(mt, s_ml[w][g][0]);
-        float lt = 0.f, acc_out[VEC];
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc_out[i] = 0.f;
-        for (int w = hc; w < WARPS; w += HS) {
-            const float f = s_ml[w][g][0] == -INFINITY ? 0.f : __expf(s_ml[w][g][0] - mt);
-            lt += s_ml[w][g][1] * f;
+        for (int i = 0; i < VEC; ++i) acc[h][i] = 0.f;
+    }
+    // the running max of the fragment's heads 2t and 2t + 1: m[2t], m[2t + 1] as every lane
+    // keeps them (the same fmaxf of the same values), held here without indexing m by lane
+    float mf[2] = {-INFINITY, -INFINITY};
+    const int* row_table = table + (size_t)b * max_blocks;
+    // keys outside [s0, s1) are not read: K's give no score and V's are zeros, so stale or
+    // poisoned cache bytes never meet a weight
+    uint4 kr[2][4];   // keys g and g + 8 of the tile, bytes 64t .. 64t + 63
+    uint2 vr[BS];     // every key of the tile, dims 8 lane .. 8 lane + 7
+    const auto load_k = [&](int jb) {
+        const size_t block = row_table[jb % ring];
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) acc_out[i] += s_acc[w][g][lane * VEC + i] * f;
+        for (int h = 0; h < 2; ++h) {
+            const int r = g + 8 * h, key = jb * BS + r;
+            const uint4* src = reinterpret_cast<const uint4*>(
+                kc + ((block * BS + r) * kv_heads + kh) * D + 64 * t);
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                kr[h][c] = key >= s0 && key < s1 ? src[c] : make_uint4(0u, 0u, 0u, 0u);
         }
-        const int head = kh * G + hc * GW + g;
-        if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
-            const float inv = 1.f / lt;
-            const size_t at = ((size_t)b * nh + head) * D + lane * VEC;
+    };
+    const auto load_v = [&](int jb) {
+        const size_t block = row_table[jb % ring];
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) {
-                out[at + i] = acc_out[i] * inv;
-                if (out_bf16) out_bf16[at + i] = __float2bfloat16(acc_out[i] * inv);
+        for (int r = 0; r < BS; ++r) {
+            const int key = jb * BS + r;
+            vr[r] = key >= s0 && key < s1
+                        ? *reinterpret_cast<const uint2*>(
+                              vc + ((block * BS + r) * kv_heads + kh) * D + lane * VEC)
+                        : make_uint2(0u, 0u);
+        }
+    };
+    // warp w takes the blocks s0 / BS + w, + 2 WARPS, ...: each holds at least one key of
+    // [s0, s1), so every tile's max is finite. The next tile's K is read during this tile's
+    // softmax and P.V, its V during the next scores.
+    const int last = s1 > s0 ? (s1 - 1) / BS : -1;
+    int jb = s0 / BS + warp;
+    if (jb <= last) {
+        load_k(jb);
+        load_v(jb);
+    }
+    for (; jb <= last; jb += WARPS) {
+        float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two mma chains
+#pragma unroll
+        for (int s = 0; s < 16; ++s) {
+            const uint32_t k0 = reinterpret_cast<const uint32_t*>(kr[0])[s];
+            const uint32_t k8 = reinterpret_cast<const uint32_t*>(kr[1])[s];
+            const uint32_t a[4] = {e4m3x2_f16x2(k0), e4m3x2_f16x2(k8), e4m3x2_f16x2(k0 >> 16),
+                                   e4m3x2_f16x2(k8 >> 16)};
+            mma_f16(c[s % 2], a, qf[s][0], qf[s][1]);
+        }
+        if (jb + WARPS <= last) load_k(jb + WARPS);
+        // c: keys g (e < 2) and g + 8, heads 2t + e % 2
+        const int key0 = jb * BS + g;
+        float sc[4], mx[2];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + 8 * (e / 2);
+            sc[e] = key >= s0 && key < s1 ? c[0][e] + c[1][e] : -INFINITY;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            mx[e] = fmaxf(sc[e], sc[e + 2]);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1)
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+            mf[e] = fmaxf(mf[e], mx[e]);
+        }
+        float pf[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pf[e] = __expf(sc[e] - mf[e % 2]);
+        // head h's new max from the fragment lane that holds it (lane h / 2: g = 0, t = h / 2)
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            const float mn = __shfl_sync(0xffffffffu, mf[h % 2], h / 2);
+            const float alpha = __expf(m[h] - mn);
+            m[h] = mn;
+            l[h] *= alpha;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[h][i] *= alpha;
+        }
+        // P.V: key r's weight for head h from lane 4 (r % 8) + h / 2
+#pragma unroll
+        for (int r = 0; r < BS; ++r) {
+            float v[VEC];
+            load_fp8<VEC>(reinterpret_cast<const unsigned char*>(&vr[r]), v);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float p = __shfl_sync(0xffffffffu, pf[(r / 8) * 2 + h % 2],
+                                            4 * (r % 8) + h / 2);
+                l[h] += p;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[h][i] = fmaf(p, v[i], acc[h][i]);
             }
-            continue;
         }
-        const size_t base = ((size_t)b * nh + head) * splits + split;
-        float* dst = part_acc + base * D + lane * VEC;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) dst[i] = acc_out[i];
-        if (lane == 0) {
-            part_ml[base * 2] = mt;
-            part_ml[base * 2 + 1] = lt;
-        }
+        if (jb + WARPS <= last) load_v(jb + WARPS);
+    }
+    write_split<D, G>(m, l, acc, b, kh, split, splits, kv_heads, part_acc, part_ml, out,
+                      out_bf16);
+}
+
+// A split entry: the tensor-core scores where they apply, else the f32 loop.
+template <int D, int G, bool FP8, bool F32>
+__device__ __forceinline__ void attn_split(const typename Query<F32>::type* __restrict__ q,
+                                           const typename Elem<FP8, F32>::type* __restrict__ kc,
+                                           const typename Elem<FP8, F32>::type* __restrict__ vc,
+                                           const int* __restrict__ table, int max_blocks,
+                                           int ring, const int* __restrict__ seq_len,
+                                           int window, int kv_heads, float* part_acc,
+                                           float* part_ml, float* out, __nv_bfloat16* out_bf16) {
+    if constexpr (MMA_SCORES<D, G, FP8, F32>) {
+        attn_partial_mma<G>(q, kc, vc, table, max_blocks, ring, seq_len, window, kv_heads,
+                            part_acc, part_ml, out, out_bf16);
+    } else {
+        attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len, window,
+                                            kv_heads, nullptr, nullptr, part_acc, part_ml, out,
+                                            out_bf16);
     }
 }
 }  // namespace
@@ -335,9 +571,8 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
         float* out, __nv_bfloat16* out_bf16) {                                                \
         pdl_wait();                                                                           \
         pdl_launch_dependents();                                                              \
-        attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len,       \
-                                            window, kv_heads, nullptr, nullptr, part_acc,      \
-                                            part_ml, out, out_bf16);                           \
+        attn_split<D, G, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len, window,        \
+                                   kv_heads, part_acc, part_ml, out, out_bf16);                \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         attn_decode_keqv_d##D##_g##G##SUFFIX(                                                   \
