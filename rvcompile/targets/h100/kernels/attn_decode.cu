@@ -401,6 +401,10 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 
 template <int D, int G, bool FP8, bool F32>
 constexpr bool MMA_SCORES = FP8 && !F32 && D == 256 && G <= 4;
+// CTAs an SM must hold (launch bounds): 3 for the tensor-core-scored entries, whose group 4
+// would otherwise take 179 registers and fit 2; none (0) for the f32 loop's entries
+template <int D, int G, bool FP8, bool F32>
+constexpr int SPLIT_CTAS = MMA_SCORES<D, G, FP8, F32> ? 3 : 0;
 
 template <int G>
 __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
@@ -419,33 +423,6 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
     const int per = (pos - lo + splits) / splits;
     const int s0 = lo + split * per, s1 = min(pos + 1, s0 + per);
 
-    // q's B fragments: column g is head g of the group (zeros from G); k-step s, dims
-    // 64t + 4s .. + 1 (b0) and + 2 .. + 3 (b1)
-    uint32_t qf[16][2];
-    {
-        const bool head = g < G;
-        const uint4* row = reinterpret_cast<const uint4*>(
-            q + ((size_t)b * nh + kh * G + (head ? g : 0)) * D + 64 * t);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            const uint4 w = head ? row[c] : make_uint4(0u, 0u, 0u, 0u);
-            qf[2 * c][0] = bf16x2_f16x2(w.x);
-            qf[2 * c][1] = bf16x2_f16x2(w.y);
-            qf[2 * c + 1][0] = bf16x2_f16x2(w.z);
-            qf[2 * c + 1][1] = bf16x2_f16x2(w.w);
-        }
-    }
-    float m[G], l[G], acc[G][VEC];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[h][i] = 0.f;
-    }
-    // the running max of the fragment's heads 2t and 2t + 1: m[2t], m[2t + 1] as every lane
-    // keeps them (the same fmaxf of the same values), held here without indexing m by lane
-    float mf[2] = {-INFINITY, -INFINITY};
     const int* row_table = table + (size_t)b * max_blocks;
     // keys outside [s0, s1) are not read: K's give no score and V's are zeros, so stale or
     // poisoned cache bytes never meet a weight
@@ -474,15 +451,43 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
                         : make_uint2(0u, 0u);
         }
     };
-    // warp w takes the blocks s0 / BS + w, + 2 WARPS, ...: each holds at least one key of
-    // [s0, s1), so every tile's max is finite. The next tile's K is read during this tile's
-    // softmax and P.V, its V during the next scores.
+    // warp w takes the blocks s0 / BS + w, + WARPS, ...: each holds at least one key of
+    // [s0, s1), so every tile's max is finite. The first tile is read before q (whose
+    // conversion would otherwise hold the issue of these loads until q arrives), the next
+    // tile's K during this tile's softmax and P.V, its V during the next scores.
     const int last = s1 > s0 ? (s1 - 1) / BS : -1;
     int jb = s0 / BS + warp;
     if (jb <= last) {
         load_k(jb);
         load_v(jb);
     }
+    // q's B fragments: column g is head g of the group (zeros from G); k-step s, dims
+    // 64t + 4s .. + 1 (b0) and + 2 .. + 3 (b1)
+    uint32_t qf[16][2];
+    {
+        const bool head = g < G;
+        const uint4* row = reinterpret_cast<const uint4*>(
+            q + ((size_t)b * nh + kh * G + (head ? g : 0)) * D + 64 * t);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const uint4 w = head ? row[c] : make_uint4(0u, 0u, 0u, 0u);
+            qf[2 * c][0] = bf16x2_f16x2(w.x);
+            qf[2 * c][1] = bf16x2_f16x2(w.y);
+            qf[2 * c + 1][0] = bf16x2_f16x2(w.z);
+            qf[2 * c + 1][1] = bf16x2_f16x2(w.w);
+        }
+    }
+    float m[G], l[G], acc[G][VEC];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[h][i] = 0.f;
+    }
+    // the running max of the fragment's heads 2t and 2t + 1: m[2t], m[2t + 1] as every lane
+    // keeps them (the same fmaxf of the same values), held here without indexing m by lane
+    float mf[2] = {-INFINITY, -INFINITY};
     for (; jb <= last; jb += WARPS) {
         float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two mma chains
 #pragma unroll
@@ -564,7 +569,8 @@ __device__ __forceinline__ void attn_split(const typename Query<F32>::type* __re
 }  // namespace
 
 #define ATTN_ENTRIES(D, G, SUFFIX, FP8, F32)                                                    \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_decode_d##D##_g##G##SUFFIX(  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, SPLIT_CTAS<D, G, FP8, F32>)        \
+        attn_decode_d##D##_g##G##SUFFIX(                                                        \
         const Query<F32>::type* q, const Elem<FP8, F32>::type* kc,                            \
         const Elem<FP8, F32>::type* vc, const int* table, int max_blocks, int ring,           \
         const int* seq_len, int window, int kv_heads, float* part_acc, float* part_ml,        \
