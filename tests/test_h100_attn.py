@@ -718,14 +718,14 @@ def test_qkv_post_fp8_writes_the_reference_bytes(name, nh, kh, d, k_eq_v, window
     assert np.nanmax(np.abs(want_k.astype(np.float32))) == 448.0 or k_eq_v  # NaN: unwritten
 
 
-# the _fp8 entries that score on tensor cores (head dim 256, groups 1, 2, 4) and their neighbours
+# the entries that score on tensor cores (head dim 256, groups 1, 2, 4) and their neighbours
 POISON_CASES = [c for c in CASES if c[0] in (
     "31B sliding, window wrapped", "31B sliding, 3 sequences", "E4B sliding", "E4B full",
     "d256 group 1 sliding, 5 lanes")]
 
 
 def poison_unseen(k, v, table, ring, lens, window):
-    """K and V pools with every row no query sees set to NaN (e4m3 0x7f): stale or
+    """K and V pools with every row no query sees set to NaN (e4m3 0x7f, a bf16 NaN): stale or
     uninitialised cache bytes must never reach a score or a weight."""
     seen = np.zeros(k.shape[:2], bool)
     for b, n in enumerate(lens):
@@ -740,17 +740,21 @@ def poison_unseen(k, v, table, ring, lens, window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["split", "tc"])
 @pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", POISON_CASES,
                          ids=[c[0] for c in POISON_CASES])
-def test_attn_decode_fp8_reads_only_visible_keys(name, batch, kv_heads, group, d, lens, window,
-                                                 splits, kernel) -> None:
+def test_attn_decode_reads_only_visible_keys(name, batch, kv_heads, group, d, lens, window,
+                                             fp8, splits, kernel) -> None:
     """NaN in every pool row outside the visible keys (the rest of a partly filled block, a
-    wrapped ring's stale tokens, blocks of other sequences): the result is the reference's,
-    with the planned split count and with one split (the lone split writing out itself)."""
+    wrapped ring's stale tokens, blocks of other sequences), e4m3 and bf16 pools: the result is
+    the reference's, with the planned split count and with one split (the lone split writing
+    out itself)."""
     ctx = h100_context()
     rng = np.random.default_rng(zlib.crc32(f"poison {name}".encode()))
     q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
-    k, v = poison_unseen(to_e4m3(k), to_e4m3(v), table, ring, lens_arr, window)
+    if fp8:
+        k, v = to_e4m3(k), to_e4m3(v)
+    k, v = poison_unseen(k, v, table, ring, lens_arr, window)
     got = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=splits,
                      direct=splits == 1)
     want = ad.reference(q, k, v, table, ring, lens_arr, window)

@@ -6,10 +6,11 @@ token's normalised base: V = base and K = rope(base * k_norm weight, t), derived
 
 Entries for head dims 32, 64, 128 (tiny test models), 256 and 512 (Gemma 4) and GQA groups 1, 2,
 4, 8, 16, each for bf16 pools and (suffix `_fp8`, an FP8-KV build) e4m3 pools, which the kernel
-widens exactly to f32; the references read either dtype. The _fp8 entries at head dim 256 with
-groups 1, 2 and 4 (every sliding layer but the E2B's) compute their scores on tensor cores (f16
-operands, exact for e4m3 keys and q in f16's normal range; f32 sums) and P.V in f32: the same
-contract and references, the f32 loop's bound. The float32 plan's entries (suffix `_f32`)
+widens exactly to f32; the references read either dtype. At head dim 256 the _fp8 entries with
+groups 1, 2 and 4 and the bf16 entries with group 4 (every sliding layer but the E2B's, and the
+31B's bf16 ones) compute their scores on tensor cores (bf16, or f16 for e4m3 keys, whose q is
+exact in f16's normal range; f32 sums) and P.V in f32: the same contract and references, the
+f32 loop's bound. The float32 plan's entries (suffix `_f32`)
 take q and the pools as float32; it also runs prefill chunks through them, a row per sequence
 (the tensor-core attn_prefill is bf16/e4m3 only). A launch is the split kernel
 (`split_geometry`: a CTA of 128 threads per (split, KV head, sequence), writing part_acc f32

@@ -366,19 +366,21 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
                       out_bf16);
 }
 
-// ------------------------------------------------------------------ tensor-core scores (e4m3)
-// The _fp8 entries at head dim 256 and groups 1, 2 and 4 (the sliding layers of every Gemma 4
-// size but the E2B) score their keys on tensor cores: a warp takes 16 keys at a time (one cache
-// block), and one mma.sync m16n8k16 per 16 dims gives S^T = K . Q^T (keys x the group's heads,
-// columns beyond G zero). e4m3 widens to f16 exactly and q's bf16 does in f16's normal range
-// (2^-14 .. 65504; q is RMS-normed), products are exact and summed in f32, so the scores are
+// ------------------------------------------------------------------ tensor-core scores
+// Entries at head dim 256 (MMA_SCORES below: the sliding layers of Gemma 4's sizes but the E2B)
+// score their keys on tensor cores: a warp takes 16 keys at a time
+// (one cache block), and one mma.sync m16n8k16 per 16 dims gives S^T = K . Q^T (keys x the
+// group's heads, columns beyond G zero). bf16 pools feed K and q to a bf16 mma as they are;
+// e4m3 pools widen K to f16 exactly, and q's bf16 is exact in f16 in f16's normal range
+// (2^-14 .. 65504; q is RMS-normed). Products are exact and summed in f32, so the scores are
 // the f32 loop's to rounding. P.V stays on CUDA cores (every lane its 8 dims of each key) with
 // each key's weights broadcast from the fragment that holds them. This replaces the f32 loop's
-// per-key widening, 16 FMAs and two 32-lane sums per head with 4 conversions and one mma per
-// 16 keys: that loop was issue-bound (71% of the SMs' issue slots at 256 lanes, H200 ncu).
+// per-key widening, 16 FMAs and two 32-lane sums per head with (at most) 4 conversions and one
+// mma per 16 keys: that loop was issue-bound (71% of the SMs' issue slots at 256 lanes, e4m3,
+// H200 ncu).
 // A thread's k-step s takes dims 64t + 4s .. 64t + 4s + 3 of its keys and of q (t = lane % 4):
 // the fragments' column order permuted the same way on both sides, so each thread reads its
-// keys' 64 contiguous bytes instead of 2-byte pieces.
+// keys' 64 contiguous dims instead of 2-dim pieces.
 __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {  // the low 16 bits, exactly
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
         static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
@@ -399,22 +401,36 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Which entries take it: e4m3 pools at groups 1, 2, 4 (1.2-1.7x the f32 loop from 8 lanes up,
+// H200); bf16 pools at group 4 only (the E4B's sliding layers: up to 1.7x at 256 lanes), as
+// bf16 group 2 (the 31B's) holds 223 registers, 2 CTAs an SM, and lost to the f32 loop at short
+// contexts (0.82x at 256 lanes of 129 tokens; 1.06x at 1200)
 template <int D, int G, bool FP8, bool F32>
-constexpr bool MMA_SCORES = FP8 && !F32 && D == 256 && G <= 4;
-// CTAs an SM must hold (launch bounds): 3 for the tensor-core-scored entries, whose group 4
-// would otherwise take 179 registers and fit 2; none (0) for the f32 loop's entries
+constexpr bool MMA_SCORES = !F32 && D == 256 && (FP8 ? G <= 4 : G == 4);
+// CTAs an SM must hold (launch bounds): 3 for the tensor-core-scored e4m3 entries, whose group
+// 4 would otherwise take 179 registers and fit 2; none (0: the compiler's choice) for the rest
 template <int D, int G, bool FP8, bool F32>
-constexpr int SPLIT_CTAS = MMA_SCORES<D, G, FP8, F32> ? 3 : 0;
+constexpr int SPLIT_CTAS = MMA_SCORES<D, G, FP8, F32> && FP8 ? 3 : 0;
 
-template <int G>
+// One lane's 8 dims of one key of V, as loaded: 8 bytes of e4m3 or 16 of bf16
+template <bool FP8> struct VShare { using type = uint4; };
+template <> struct VShare<true> { using type = uint2; };
+
+template <int G, bool FP8>
 __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
-                                 const unsigned char* __restrict__ kc,
-                                 const unsigned char* __restrict__ vc,
+                                 const typename Elem<FP8>::type* __restrict__ kc,
+                                 const typename Elem<FP8>::type* __restrict__ vc,
                                  const int* __restrict__ table, int max_blocks, int ring,
                                  const int* __restrict__ seq_len, int window, int kv_heads,
                                  float* __restrict__ part_acc, float* __restrict__ part_ml,
                                  float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
     constexpr int D = 256, VEC = 8;
+    constexpr int KW = FP8 ? 4 : 8;  // 16-byte loads of a key's 64 dims
+    // e4m3 tiles are small enough to read one ahead (the next tile's K during this tile's
+    // softmax and P.V, its V during the next scores); bf16 ones (twice the registers) are read
+    // when their tile starts, 16 KB a warp in flight
+    constexpr bool AHEAD = FP8;
+    using VRaw = typename VShare<FP8>::type;
     const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nh = kv_heads * G;
@@ -426,8 +442,8 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
     const int* row_table = table + (size_t)b * max_blocks;
     // keys outside [s0, s1) are not read: K's give no score and V's are zeros, so stale or
     // poisoned cache bytes never meet a weight
-    uint4 kr[2][4];   // keys g and g + 8 of the tile, bytes 64t .. 64t + 63
-    uint2 vr[BS];     // every key of the tile, dims 8 lane .. 8 lane + 7
+    uint4 kr[2][KW];  // keys g and g + 8 of the tile, dims 64t .. 64t + 63
+    VRaw vr[BS];      // every key of the tile, dims 8 lane .. 8 lane + 7
     const auto load_k = [&](int jb) {
         const size_t block = row_table[jb % ring];
 #pragma unroll
@@ -436,7 +452,7 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
             const uint4* src = reinterpret_cast<const uint4*>(
                 kc + ((block * BS + r) * kv_heads + kh) * D + 64 * t);
 #pragma unroll
-            for (int c = 0; c < 4; ++c)
+            for (int c = 0; c < KW; ++c)
                 kr[h][c] = key >= s0 && key < s1 ? src[c] : make_uint4(0u, 0u, 0u, 0u);
         }
     };
@@ -446,15 +462,14 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
         for (int r = 0; r < BS; ++r) {
             const int key = jb * BS + r;
             vr[r] = key >= s0 && key < s1
-                        ? *reinterpret_cast<const uint2*>(
+                        ? *reinterpret_cast<const VRaw*>(
                               vc + ((block * BS + r) * kv_heads + kh) * D + lane * VEC)
-                        : make_uint2(0u, 0u);
+                        : VRaw{};
         }
     };
     // warp w takes the blocks s0 / BS + w, + WARPS, ...: each holds at least one key of
     // [s0, s1), so every tile's max is finite. The first tile is read before q (whose
-    // conversion would otherwise hold the issue of these loads until q arrives), the next
-    // tile's K during this tile's softmax and P.V, its V during the next scores.
+    // conversion would otherwise hold the issue of these loads until q arrives).
     const int last = s1 > s0 ? (s1 - 1) / BS : -1;
     int jb = s0 / BS + warp;
     if (jb <= last) {
@@ -462,19 +477,20 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
         load_v(jb);
     }
     // q's B fragments: column g is head g of the group (zeros from G); k-step s, dims
-    // 64t + 4s .. + 1 (b0) and + 2 .. + 3 (b1)
+    // 64t + 4s .. + 1 (b0) and + 2 .. + 3 (b1); f16 for the e4m3 entries' mma
     uint32_t qf[16][2];
     {
         const bool head = g < G;
         const uint4* row = reinterpret_cast<const uint4*>(
             q + ((size_t)b * nh + kh * G + (head ? g : 0)) * D + 64 * t);
+        const auto operand = [](uint32_t w) { return FP8 ? bf16x2_f16x2(w) : w; };
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
             const uint4 w = head ? row[c] : make_uint4(0u, 0u, 0u, 0u);
-            qf[2 * c][0] = bf16x2_f16x2(w.x);
-            qf[2 * c][1] = bf16x2_f16x2(w.y);
-            qf[2 * c + 1][0] = bf16x2_f16x2(w.z);
-            qf[2 * c + 1][1] = bf16x2_f16x2(w.w);
+            qf[2 * c][0] = operand(w.x);
+            qf[2 * c][1] = operand(w.y);
+            qf[2 * c + 1][0] = operand(w.z);
+            qf[2 * c + 1][1] = operand(w.w);
         }
     }
     float m[G], l[G], acc[G][VEC];
@@ -489,16 +505,31 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
     // keeps them (the same fmaxf of the same values), held here without indexing m by lane
     float mf[2] = {-INFINITY, -INFINITY};
     for (; jb <= last; jb += WARPS) {
+        if constexpr (!AHEAD) {
+            if (jb != s0 / BS + warp) {
+                load_k(jb);
+                load_v(jb);
+            }
+        }
         float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two mma chains
 #pragma unroll
         for (int s = 0; s < 16; ++s) {
-            const uint32_t k0 = reinterpret_cast<const uint32_t*>(kr[0])[s];
-            const uint32_t k8 = reinterpret_cast<const uint32_t*>(kr[1])[s];
-            const uint32_t a[4] = {e4m3x2_f16x2(k0), e4m3x2_f16x2(k8), e4m3x2_f16x2(k0 >> 16),
-                                   e4m3x2_f16x2(k8 >> 16)};
-            mma_f16(c[s % 2], a, qf[s][0], qf[s][1]);
+            if constexpr (FP8) {
+                const uint32_t k0 = reinterpret_cast<const uint32_t*>(kr[0])[s];
+                const uint32_t k8 = reinterpret_cast<const uint32_t*>(kr[1])[s];
+                const uint32_t a[4] = {e4m3x2_f16x2(k0), e4m3x2_f16x2(k8),
+                                       e4m3x2_f16x2(k0 >> 16), e4m3x2_f16x2(k8 >> 16)};
+                mma_f16(c[s % 2], a, qf[s][0], qf[s][1]);
+            } else {
+                const uint32_t* k0 = reinterpret_cast<const uint32_t*>(kr[0]) + 2 * s;
+                const uint32_t* k8 = reinterpret_cast<const uint32_t*>(kr[1]) + 2 * s;
+                const uint32_t a[4] = {k0[0], k8[0], k0[1], k8[1]};
+                mma_bf16(c[s % 2], a, qf[s][0], qf[s][1]);
+            }
         }
-        if (jb + WARPS <= last) load_k(jb + WARPS);
+        if constexpr (AHEAD) {
+            if (jb + WARPS <= last) load_k(jb + WARPS);
+        }
         // c: keys g (e < 2) and g + 8, heads 2t + e % 2
         const int key0 = jb * BS + g;
         float sc[4], mx[2];
@@ -532,7 +563,7 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
         for (int r = 0; r < BS; ++r) {
             float v[VEC];
-            load_fp8<VEC>(reinterpret_cast<const unsigned char*>(&vr[r]), v);
+            widen<VEC, FP8, false>(&vr[r], v);
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 const float p = __shfl_sync(0xffffffffu, pf[(r / 8) * 2 + h % 2],
@@ -542,7 +573,9 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
                 for (int i = 0; i < VEC; ++i) acc[h][i] = fmaf(p, v[i], acc[h][i]);
             }
         }
-        if (jb + WARPS <= last) load_v(jb + WARPS);
+        if constexpr (AHEAD) {
+            if (jb + WARPS <= last) load_v(jb + WARPS);
+        }
     }
     write_split<D, G>(m, l, acc, b, kh, split, splits, kv_heads, part_acc, part_ml, out,
                       out_bf16);
@@ -558,8 +591,8 @@ __device__ __forceinline__ void attn_split(const typename Query<F32>::type* __re
                                            int window, int kv_heads, float* part_acc,
                                            float* part_ml, float* out, __nv_bfloat16* out_bf16) {
     if constexpr (MMA_SCORES<D, G, FP8, F32>) {
-        attn_partial_mma<G>(q, kc, vc, table, max_blocks, ring, seq_len, window, kv_heads,
-                            part_acc, part_ml, out, out_bf16);
+        attn_partial_mma<G, FP8>(q, kc, vc, table, max_blocks, ring, seq_len, window, kv_heads,
+                                 part_acc, part_ml, out, out_bf16);
     } else {
         attn_partial<D, G, false, FP8, F32>(q, kc, vc, table, max_blocks, ring, seq_len, window,
                                             kv_heads, nullptr, nullptr, part_acc, part_ml, out,
