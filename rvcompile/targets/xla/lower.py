@@ -540,7 +540,60 @@ def span_dots(kind: str, x, span, mesh=None):
                          out_specs=PartitionSpec(None, axis), check_vma=False)(x, rows)
 
 
-def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
+LANE_TILE = 128  # columns of a TPU memory tile's row
+
+
+def sliding_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
+    """Whether `attention_blockwise` of these operands is what targets/xla/sliding_kernel.py
+    computes: a decode step (one query row a lane) of a sliding layer over float pools read
+    as stored (no steps: the sliding layers' keys are stored with their RoPE), split by whole
+    KV heads under a mesh, head dims of whole 128-lane tiles (the kernel slices each head's
+    columns out of a page; Gemma 4's sliding heads are 256 wide, the test models' 32 keep the
+    XLA lowering). int8 pools and K=V layers' lazy keys keep the XLA lowering. Under a
+    mesh the pools' block counts must be static: the kernel runs in shard_map, and a shard_map
+    operand with a symbolic dimension (an artifact's pools: their block counts are chosen at
+    load) makes XLA's shape refinement crash when the program is compiled (SIGSEGV in
+    RefinePolymorphicShapes, jax 0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so a
+    tensor-parallel artifact keeps the XLA lowering."""
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
+    return (a.window is not None and k.cache.ring and q.shape[1] == 1
+            and not k.steps and not v.steps and k.cache.scale is None
+            and v.cache.scale is None and k.cache.heads % tp == 0 and static
+            and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
+
+
+def sliding_attention_kernel(a, q, k: PagedSlice, v: PagedSlice, q_pos, mesh=None):
+    """`attention_blockwise` of a decode step of a sliding layer (`sliding_kernel_fits`) by the
+    Pallas TPU kernel, under a mesh in shard_map over each device's KV heads (the pools split
+    by head, sharding.py): [B, 1, nh, Dv]."""
+    from rvcompile.targets.xla import sliding_kernel
+
+    b, _, nh, d = q.shape
+    kh = k.heads
+    qg = f32(q).reshape(b, kh, nh // kh, d)
+
+    def local(qg, k_pool, v_pool, layers, table, pos):
+        return sliding_kernel.sliding_decode(qg, k_pool, v_pool, layers, table, pos,
+                                             window=a.window, scale=a.scale)
+
+    layers = jnp.stack([jnp.asarray(k.index, jnp.int32), jnp.asarray(v.index, jnp.int32)])
+    args = (qg, k.pool, v.pool, layers, k.table, q_pos[:, 0])
+    if mesh is None:
+        out = local(*args)
+    else:
+        from jax.sharding import PartitionSpec
+
+        axis, whole = mesh.axis_names[0], PartitionSpec()
+        pool = PartitionSpec(None, None, None, axis)
+        out = jax.shard_map(local, mesh=mesh,
+                            in_specs=(PartitionSpec(None, axis), pool, pool, whole, whole,
+                                      whole),
+                            out_specs=PartitionSpec(None, axis), check_vma=False)(*args)
+    return out.reshape(b, 1, nh, -1)
+
+
+def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool = False):
     """ATTENTION over paged caches reading each lane's needed blocks only: a loop over spans of
     blocks with an online softmax (running max, sum and weighted values per query row). Lane b
     needs the logical blocks from its first key (0, or a sliding window's first key behind its
@@ -551,11 +604,16 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
     longest needs). Equal to `attention` up to float32 rounding (summation order). The loop is
     named SPAN_LOOP in the HLO metadata: its trip count depends on the data, and the traffic
     table (hlo_traffic.py) scales it at a stated context from the span, window and width.
-    Plain arrays (no paged cache) go to `attention`."""
+    Plain arrays (no paged cache) go to `attention`. `tpu_kernel` (programs exported for TPU
+    alone): a sliding layer's decode step runs the Pallas kernel instead where it fits
+    (`sliding_kernel_fits`), the same attention; XLA stages each gathered span in on-chip
+    memory there (docs/TPU_COST.md)."""
     kv = _view(k), _view(v)
     if None in kv:
         return attention(a, q, _val(k), _val(v), q_pos, k_pos)
     k, v = kv
+    if tpu_kernel and sliding_kernel_fits(a, q, k, v, mesh):
+        return sliding_attention_kernel(a, q, k.cache, v.cache, q_pos, mesh)
     q = f32(q)
     b, t, nh, d = q.shape
     kh, dv = k.cache.heads, v.cache.head_dim
