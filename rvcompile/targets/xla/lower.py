@@ -545,9 +545,10 @@ LANE_TILE = 128  # columns of a TPU memory tile's row
 
 def sliding_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     """Whether `attention_blockwise` of these operands is what targets/xla/sliding_kernel.py
-    computes: a decode step (one query row a lane) of a sliding layer over float pools read
-    as stored (no steps: the sliding layers' keys are stored with their RoPE), split by whole
-    KV heads under a mesh, head dims of whole 128-lane tiles (the kernel slices each head's
+    computes: a decode step (one query row a lane) of a sliding layer over float pools (one
+    block table, the same heads) read as stored (no steps: the sliding layers' keys are
+    stored with their RoPE), split by whole KV heads under a mesh, head dims of whole
+    128-lane tiles (the kernel slices each head's
     columns out of a page; Gemma 4's sliding heads are 256 wide, the test models' 32 keep the
     XLA lowering). int8 pools and K=V layers' lazy keys keep the XLA lowering. Under a
     mesh the pools' block counts must be static: the kernel runs in shard_map, and a shard_map
@@ -558,6 +559,7 @@ def sliding_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
     static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
     return (a.window is not None and k.cache.ring and q.shape[1] == 1
+            and k.cache.table is v.cache.table and k.cache.heads == v.cache.heads
             and not k.steps and not v.steps and k.cache.scale is None
             and v.cache.scale is None and k.cache.heads % tp == 0 and static
             and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
