@@ -80,8 +80,8 @@ def main() -> None:
     ap.add_argument("--static-pools", action="store_true",
                     help="export the pools at their default block counts, not symbolic ones "
                          "(an artifact's are symbolic): only then does a tensor-parallel "
-                         "program run the sliding layers' Pallas kernel (lower."
-                         "sliding_kernel_fits); the estimate is of a program no artifact "
+                         "program run the Pallas decode kernel (lower."
+                         "decode_kernel_fits); the estimate is of a program no artifact "
                          "holds yet")
     ap.add_argument("--json", default=None, help="write the reports here")
     ap.add_argument("--hlo-dir", default=None,

@@ -124,9 +124,9 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
                  static_pools: bool = False) -> XlaLowering:
     """`static_pools`: export the pools with their default block counts instead of symbolic
     ones, for estimates only (benchmarks/tpu_cost_report.py --static-pools compiles the
-    programs at those counts anyway): under tensor parallelism only then do the sliding
-    layers' decode steps run the Pallas kernel (lower.sliding_kernel_fits). An artifact's
-    pools stay symbolic: the runtime sizes them at load."""
+    programs at those counts anyway): under tensor parallelism only then do decode steps run
+    the Pallas kernel (lower.decode_kernel_fits). An artifact's pools stay symbolic: the
+    runtime sizes them at load."""
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     if draft_tokens + 1 > ir.max_chunk or (ir.assistant and not draft_tokens):
