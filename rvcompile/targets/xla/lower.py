@@ -551,8 +551,7 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     128 pairs of halves of whole 128-lane tiles), split by whole KV heads under a mesh, head
     dims of whole 128-lane tiles (the kernel slices each head's columns out of a page;
     Gemma 4's heads are 256 and 512 wide, the test models' 32 and 64 keep the XLA lowering).
-    int8 pools' pages are dequantised as read_blocks does. Under a mesh the pools' block
-    counts must be static:
+    int8 pools keep the XLA lowering. Under a mesh the pools' block counts must be static:
     the kernel runs in shard_map, and a shard_map operand with a symbolic dimension (an
     artifact's pools: their block counts are chosen at load) makes XLA's shape refinement
     crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax 0.10.2 /
@@ -569,9 +568,8 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
         keys = a.window is None and (plain or folded is not None and folded.n <= LANE_TILE
                                      and half % LANE_TILE == 0)
     return (keys and q.shape[1] == 1 and k.cache.table is v.cache.table
-            and k.cache.heads == v.cache.heads
-            and (k.cache.scale is None) == (v.cache.scale is None)
-            and k.cache.heads % tp == 0 and static
+            and k.cache.heads == v.cache.heads and k.cache.scale is None
+            and v.cache.scale is None and k.cache.heads % tp == 0 and static
             and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
 
 
@@ -586,24 +584,18 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     folded = FoldedKeys.of(k, v)
     freqs = None if folded is None else np.asarray(folded.rope.inv_freq, np.float32)[:folded.n]
     same = k.cache is v.cache  # K=V: one pool, its pages read once for keys and values
-    quantized = k.cache.scale is not None
 
     def local(qg, layers, table, pos, k_pool, *rest):
-        rest = list(rest)
-        v_pool = k_pool if same else rest.pop(0)
-        scales = None
-        if quantized:
-            scales = (rest[0], rest[0]) if same else (rest[0], rest[1])
+        v_pool = k_pool if same else rest[0]
         fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
         return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
-                                         window=a.window, scale=a.scale, fold=fold,
-                                         scales=scales)
+                                         window=a.window, scale=a.scale, fold=fold)
 
     layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
-    pools = [k.cache.pool] + [v.cache.pool] * (not same)
-    if quantized:  # their scale pools, split by head like them
-        pools += [k.cache.scale] + [v.cache.scale] * (not same)
-    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0], *pools]
+    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0],
+            k.cache.pool]
+    if not same:
+        args.append(v.cache.pool)
     if folded is not None:
         args.append(folded.w)
     if mesh is None:
@@ -613,8 +605,8 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
 
         axis, whole = mesh.axis_names[0], PartitionSpec()
         pool = PartitionSpec(None, None, None, axis)
-        specs = [PartitionSpec(None, axis), whole, whole, whole]
-        specs += [pool] * len(pools) + [whole] * (folded is not None)
+        specs = [PartitionSpec(None, axis), whole, whole, whole, pool]
+        specs += [pool] * (not same) + [whole] * (folded is not None)
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                             out_specs=PartitionSpec(None, axis), check_vma=False)(*args)
     return out.reshape(b, 1, nh, -1)

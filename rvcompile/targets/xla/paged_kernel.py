@@ -5,10 +5,7 @@ Contract. `paged_decode(q, k_pool, v_pool, layers, table, q_pos, window=, scale=
 what `lower.attention_blockwise` computes in a decode step (one query row a lane), within
 float32 rounding (summation order): q float32 [B, K, G, D] (the G query heads of each of K KV
 heads), pools [n, blocks, BLOCK_SIZE, K * D] of stacked layers (program.cache_pools, a slot's
-heads side by side; bf16 or float32 read as stored, or int8 with float32 scale pools [n,
-blocks, BLOCK_SIZE, K], whose products follow the XLA lowering's: int8 in the dots, a key's
-scale on its scores and a value's on its probabilities, a folded key's dequantised first as
-PagedSlice.read_blocks does; K=V layers pass one pool as both),
+heads side by side; bf16 or float32, read as stored; K=V layers pass one pool as both),
 `layers` int32 [2] which of their n layers K and V are, `table` int32 [B, W] each lane's
 blocks, `q_pos` int32 [B] each lane's query position (-1: an idle lane, whose output is zeros,
 as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j in entry j %
@@ -30,8 +27,7 @@ lane's keys (block table entries (lo_b + page) % W, lo_b = the window's first bl
 full layer) for every KV head of the device at once (a page is one block's rows [16, K * D],
 so the K heads cost one DMA; a grid axis per head would cut each page into K DMAs of 16 x D).
 Each page slot p is an operand of its own (the pool passed PAGES_PER_STEP times, for K and,
-unless K=V, for V, and so the int8 pools' scale pools after them) with an index map from the
-scalar-prefetched table, so Pallas' pipeline
+unless K=V, for V) with an index map from the scalar-prefetched table, so Pallas' pipeline
 fetches 8 pages a step, 128 keys: a whole lane tile of scores, and 1/8 of the grid steps a
 page a step would take. A slot whose page lies past the lane's needed blocks keeps its
 previous page (the index map repeats it), so the pipeline issues no DMA for it: a lane DMAs
@@ -77,8 +73,8 @@ class KeyFold:
 
 
 def _page_map(p: int, width: int, pool: int):
-    """Index map of page slot p of a pool of layer `pool` (0: K's, 1: V's): (layer, block, 0,
-    0) of the lane's page at step i."""
+    """Index map of page slot p of pool `pool` (0: K, 1: V): (layer, block, 0, 0) of the lane's
+    page at step i."""
 
     def index(b, i, layer, table, lo, needed, qpos):
         page = i * PAGES_PER_STEP + p
@@ -90,24 +86,12 @@ def _page_map(p: int, width: int, pool: int):
     return index
 
 
-def _load(refs):
-    """A step's pages [PAGES_PER_STEP * 16, columns], one after another; int8 ones as float32
-    (an int8 tile holds 32 rows: 16-row pages would join inside tiles)."""
-    pages = [r[...] for r in refs]
-    if pages[0].dtype == jnp.int8:
-        pages = [x.astype(jnp.float32) for x in pages]
-    return jnp.concatenate(pages, axis=0)
-
-
 def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
-            window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool):
-    groups = (1 if kv_same else 2) * (2 if quantized else 1)  # pools, then scale pools
-    slots = [refs[g * PAGES_PER_STEP:(g + 1) * PAGES_PER_STEP] for g in range(groups)]
-    k_refs, v_refs = slots[0], slots[0 if kv_same else 1]
-    ks_refs = vs_refs = None
-    if quantized:
-        ks_refs, vs_refs = (slots[1], slots[1]) if kv_same else (slots[2], slots[3])
-    rest = refs[groups * PAGES_PER_STEP:]
+            window: int | None, scale: float, kv_same: bool, fold: bool):
+    pages = (1 if kv_same else 2) * PAGES_PER_STEP
+    k_refs = refs[:PAGES_PER_STEP]
+    v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
+    rest = refs[pages:]
     w_ref, f_ref = rest[:2] if fold else (None, None)
     o_ref, m_ref, l_ref, acc_ref = rest[2:] if fold else rest
     b, i = pl.program_id(0), pl.program_id(1)
@@ -133,12 +117,8 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
         live = (first + lax.div(j, BLOCK_TOKENS) < needed) & (pos <= qp)
         if window is not None:
             live &= pos > qp - window
-        keys = _load(k_refs)  # [n, K * D]
-        values = keys if kv_same else _load(v_refs)
-        if quantized:  # [n, K], and as rows [K, n] beside the scores [G, n]
-            k_scales = _load(ks_refs)
-            k_rows = k_scales.T
-            v_rows = k_rows if kv_same else _load(vs_refs).T
+        keys = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [n, K * D]
+        values = keys if kv_same else jnp.concatenate([r[...] for r in v_refs], axis=0)
         if fold:  # the keys' angles at their positions (a column: keys are rows)
             rows = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
             ang = rows.astype(jnp.float32) * f_ref[...]  # [n, LANE]
@@ -147,26 +127,20 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
             q = q_ref[h]  # [G, D]
             kh = keys[:, h * d:(h + 1) * d].astype(jnp.float32)
             if fold:  # rope(c * w): lower.rope's products on the rotated pairs' tiles
-                if quantized:  # PagedSlice.read_blocks' product
-                    kh = kh * k_scales[:, h:h + 1]
                 c = kh * w_ref[...]
                 half = d // 2
                 x1, x2 = c[:, :LANE], c[:, half:half + LANE]
                 kh = jnp.concatenate([x1 * cos - x2 * sin, c[:, LANE:half],
                                       x2 * cos + x1 * sin, c[:, half + LANE:]], axis=1)
             s = lax.dot_general(q, kh, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)
-            if quantized and not fold:  # int8 keys in the dot, their scales on the scores
-                s = s * k_rows[h:h + 1]
-            s = s * jnp.float32(scale)
+                                preferred_element_type=jnp.float32) * jnp.float32(scale)
             m = jnp.max(m_ref[h], axis=1, keepdims=True)  # [G, 1]
             m_new = jnp.maximum(m, jnp.max(jnp.where(live, s, -jnp.inf), axis=1, keepdims=True))
             base = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
             p = jnp.where(live, jnp.exp(s - base), jnp.float32(0))
             rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
             vh = values[:, h * dv:(h + 1) * dv].astype(jnp.float32)
-            pv = p * v_rows[h:h + 1] if quantized else p  # int8 values: scales on p
-            acc_ref[h] = acc_ref[h] * rescale + jnp.dot(pv, vh, precision=lax.Precision.HIGHEST,
+            acc_ref[h] = acc_ref[h] * rescale + jnp.dot(p, vh, precision=lax.Precision.HIGHEST,
                                                         preferred_element_type=jnp.float32)
             l_ref[h] = l_ref[h] * rescale + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = jnp.broadcast_to(m_new, m_ref.shape[1:])
@@ -179,11 +153,10 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
 
 
 def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
-                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False):
+                 fold: KeyFold | None = None, interpret=False):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
-    `scales`: int8 pools' scale pools (K's, V's; the same one for K=V). `interpret`: run the
-    kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
-    check of its values)."""
+    `interpret`: run the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any
+    device: the tests' check of its values)."""
     b, kh, g, d = q.shape
     dv = v_pool.shape[-1] // kh
     width = table.shape[1]
@@ -206,12 +179,9 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     # The pools stay in HBM: as a custom call's operands XLA takes them as read whole, and
     # placed a layer group's small pools (the 31B's at B = 1, 25 MiB each) in VMEM, copied in
     # and out every layer (10 GiB a step more on chip, estimated on v6e).
-    pools = [k_pool] if kv_same else [k_pool, v_pool]  # then their scales, by layer
-    if (scales is not None) != (k_pool.dtype == jnp.int8):
-        raise ValueError(f"{k_pool.dtype} pools with{'out' if scales is None else ''} scales")
-    if scales is not None:
-        pools += [scales[0]] if kv_same else list(scales)
-    pools = [pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in pools]
+    pools = [pltpu.with_memory_space_constraint(k_pool, pltpu.HBM)]
+    if not kv_same:
+        pools.append(pltpu.with_memory_space_constraint(v_pool, pltpu.HBM))
     prefetch = (layer, table, lo.astype(jnp.int32), needed.astype(jnp.int32),
                 q_pos.astype(jnp.int32))
     # the traffic table finds the pools by their position among the custom call's operands
@@ -220,9 +190,7 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     operands = [q.astype(jnp.float32)]
     for n, pool in enumerate(pools):
         page = (None, None, BLOCK_TOKENS, pool.shape[-1])
-        layer_of = 0 if kv_same else n % 2  # K's or V's layer
-        in_specs += [pl.BlockSpec(page, _page_map(p, width, layer_of))
-                     for p in range(PAGES_PER_STEP)]
+        in_specs += [pl.BlockSpec(page, _page_map(p, width, n)) for p in range(PAGES_PER_STEP)]
         operands += [pool] * PAGES_PER_STEP
     if fold is not None:
         freqs = np.zeros((1, LANE), np.float32)  # past the rotated pairs: angle 0, identity
@@ -241,7 +209,7 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     scope = PALLAS_DECODE.format(lanes=b, pages=PAGES_PER_STEP, window=window or 0,
                                  width=width, pools=len(pools))
     kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
-                               quantized=scales is not None, fold=fold is not None)
+                               fold=fold is not None)
     with jax.named_scope(scope):
         return pl.pallas_call(
             kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), jnp.float32),
