@@ -551,7 +551,11 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     128 pairs of halves of whole 128-lane tiles), split by whole KV heads under a mesh, head
     dims of whole 128-lane tiles (the kernel slices each head's columns out of a page;
     Gemma 4's heads are 256 and 512 wide, the test models' 32 and 64 keep the XLA lowering).
-    int8 pools keep the XLA lowering. Under a mesh the pools' block counts must be static:
+    int8 pools keep the XLA lowering: their scale pools [.., 16, K] would be the kernel's
+    operands in the default tiled layout, where K (1 to 4) pads to 128 lanes, so XLA relaid
+    each whole scale pool into it and back every call (the 31B's full-layer scales at 128K:
+    5 MiB, 640 MiB as tiled) and every scale page DMA'd was 128 / K times its bytes (tried
+    and reverted, docs/TPU_COST.md). Under a mesh the pools' block counts must be static:
     the kernel runs in shard_map, and a shard_map operand with a symbolic dimension (an
     artifact's pools: their block counts are chosen at load) makes XLA's shape refinement
     crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax 0.10.2 /
