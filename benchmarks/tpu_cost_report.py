@@ -47,7 +47,7 @@ def report(model: str, context: int, args) -> dict:
     t0 = time.perf_counter()
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
     lowering = lower_to_xla(ir, max_seqs=args.max_seqs, prefill_buckets=opts.prefill_buckets,
-                            platforms=("tpu",), tp=args.tp)
+                            platforms=("tpu",), tp=args.tp, static_pools=args.static_pools)
     t_export = time.perf_counter() - t0
     decode = f"decode_{args.max_seqs}"
     compiled = compile_entries(lowering.programs, lowering.manifest, topology_devices(topo),
@@ -77,6 +77,12 @@ def main() -> None:
                     help="estimate with every lane holding this many tokens (default: the "
                          "built context): the KV a step reads, and the traffic table's "
                          "attention span loops, follow the lanes' length")
+    ap.add_argument("--static-pools", action="store_true",
+                    help="export the pools at their default block counts, not symbolic ones "
+                         "(an artifact's are symbolic): only then does a tensor-parallel "
+                         "program run the Pallas decode kernel (lower."
+                         "decode_kernel_fits); the estimate is of a program no artifact "
+                         "holds yet")
     ap.add_argument("--json", default=None, help="write the reports here")
     ap.add_argument("--hlo-dir", default=None,
                     help="write each decode program's optimized HLO text into this folder")

@@ -120,7 +120,13 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout, *, reads_only: bool = False)
 
 def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
                  platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
-                 decode_loop_steps: int = 0, draft_tokens: int = 0) -> XlaLowering:
+                 decode_loop_steps: int = 0, draft_tokens: int = 0,
+                 static_pools: bool = False) -> XlaLowering:
+    """`static_pools`: export the pools with their default block counts instead of symbolic
+    ones, for estimates only (benchmarks/tpu_cost_report.py --static-pools compiles the
+    programs at those counts anyway): under tensor parallelism only then do decode steps run
+    the Pallas kernel (lower.decode_kernel_fits). An artifact's pools stay symbolic: the
+    runtime sizes them at load."""
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     if draft_tokens + 1 > ir.max_chunk or (ir.assistant and not draft_tokens):
@@ -128,9 +134,13 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
                          f"({ir.max_chunk}), and an assistant needs at least one")
     plan = plan_layout(ir)
     layout = plan_tp(ir, plan, tp) if tp > 1 else None
-    prog = Program(ir, plan, _named(layout, layout.pools) if layout else None, tp)
+    # Programs for TPU alone may call Pallas TPU kernels (a Mosaic custom call, which no other
+    # platform runs); exported for several platforms they keep XLA's lowering everywhere.
+    prog = Program(ir, plan, _named(layout, layout.pools) if layout else None, tp,
+                   tpu_kernels=tuple(platforms) == ("tpu",))
     kinds = prog.kinds
-    symbols = export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds))
+    symbols = (tuple(max_seqs * k.table_width for k in kinds.values()) if static_pools
+               else export.symbolic_shape(", ".join(f"blocks_{k}" for k in kinds)))
     ws = weight_shapes(ir, plan)
     cs = cache_shapes(ir, plan, dict(zip(kinds, symbols, strict=True)), tp)
     i32 = jnp.int32

@@ -28,8 +28,13 @@ count depends on the data: the span loop of blockwise attention (lower.attention
 named SPAN_LOOP in the metadata) runs `span_loop_trips` times at a stated `context` (every lane
 of the step decoding at position context - 1: one trip per `span` blocks of the keys it needs);
 any other such loop, or the span loop with no context given, is counted once and listed in
-`unknown_trips`. XLA's TPU cost analysis counts a scan body once; the table's `once` totals
-count every instruction once, for comparison with it.
+`unknown_trips`. The decode attention kernel (targets/xla/paged_kernel.py, a Mosaic custom
+call named PALLAS_DECODE in the metadata) takes whole KV pools as operands but DMAs a few pages
+of them: its KV reads are the pages its grid and index maps fetch for lanes decoding at
+`context` (every lane at the most pages its table or window holds with no context given), its
+other operands and its output whole (`_decode_kernel_row`); what it moves inside VMEM is not
+counted, as a fusion's inner reads are not. XLA's TPU cost analysis counts a scan body once;
+the table's `once` totals count every instruction once, for comparison with it.
 
 Classes of bytes, by tracing an operand through get-tuple-element, bitcast, copies and loop
 carries to the program's parameters, as `jax.export` names them in the HLO metadata
@@ -86,6 +91,13 @@ _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
 SPAN_LOOP = "rvkv_spans_s{span}_w{window}_n{width}"
 _SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
 BLOCK_TOKENS = 16  # tokens per KV block (lower.BLOCK_SIZE)
+# the named scope of the decode attention kernel (targets/xla/paged_kernel.py): lanes, pages a
+# grid step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
+# (2: K and V, 1: K=V)
+PALLAS_DECODE = "rvkv_pallas_b{lanes}_p{pages}_w{window}_n{width}_k{pools}"
+_PALLAS_DECODE = re.compile(
+    r'op_name="[^"]*rvkv_pallas_b(\d+)_p(\d+)_w(\d+)_n(\d+)_k(\d+)/')
+PALLAS_DECODE_POOLS = 6  # its first pool operand: after 5 scalar-prefetch operands and the query
 # the named scope of a conditional whose branches a step picks by its requests (the sampler's
 # greedy / top-k / sort, penalties, log-probabilities): its rows carry (name, branch) so a
 # step's bytes can count the branches it runs (Traffic.total(taken=...))
@@ -101,6 +113,33 @@ def span_loop_trips(context: int, span: int, window: int, width: int) -> int:
     lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
     needed = min(last // BLOCK_TOKENS + 1 - lo, width)
     return -(-needed // span)
+
+
+def window_pages(window: int | None, width: int) -> int:
+    """The most pages (blocks) a decode row reads from a table of `width` blocks: all of them
+    for a full layer (window None or 0); a `window`-token sliding layer's first key may sit
+    inside a block, so one past window / 16."""
+    return min(width, -(-(window - 1) // BLOCK_TOKENS) + 1) if window else width
+
+
+def needed_pages(context: int | None, window: int | None, width: int) -> int:
+    """Pages a lane decoding at position `context` - 1 needs (a sliding layer: its window's
+    blocks; window None or 0: a full layer's, from block 0); None: the most any lane can need
+    (`window_pages`)."""
+    if context is None:
+        return window_pages(window, width)
+    last = context - 1
+    lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
+    return min(last // BLOCK_TOKENS + 1 - lo, width)
+
+
+def kernel_slot_pages(needed: int, slot: int, pages: int) -> int:
+    """Pages that page slot `slot` of the decode kernel (paged_kernel.py: `pages` slots a
+    grid step, slot p holding pages p, p + pages, ..) DMAs for a lane needing `needed` pages:
+    each of its pages below `needed`, or its first page once if none is (the pipeline fetches
+    a slot's block whenever its index changes, and the index map repeats a slot's last needed
+    page past it)."""
+    return max(-(-(needed - slot) // pages), 1)
 
 
 @dataclass(frozen=True)
@@ -540,7 +579,12 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED,
                 continue
             if ins.opcode in _FREE or ins.opcode.endswith("-done"):
                 continue
-            rows.append(dataclasses.replace(_row(prog, comp, ins, runs), branches=branches))
+            row = _row(prog, comp, ins, runs)
+            kernel = _PALLAS_DECODE.search(ins.attrs) if ins.opcode == "custom-call" else None
+            if kernel:
+                row = _decode_kernel_row(prog, comp, ins, row, *map(int, kernel.groups()),
+                                          context)
+            rows.append(dataclasses.replace(row, branches=branches))
 
     walk(prog.entry, 1)
     return Traffic(tuple(rows), tuple(unknown), trips, tuple(spans))
@@ -596,6 +640,40 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     return Row(comp.name, ins.name, f"fusion:{kind}" if kind else ins.opcode, calls, runs,
                {c: b for c, b in read.items() if b}, written, out_class, on_chip,
                whole and not prefetch and out_class == "temps")
+
+
+def _decode_kernel_row(prog: _Program, comp: Computation, ins: Instr, row: Row, lanes: int,
+                       pages: int, window: int, width: int, pools: int,
+                       context: int | None) -> Row:
+    """The decode kernel's custom call (paged_kernel.py), whose operands include whole KV pools
+    [n, blocks, 16, K * D] it reads a few pages of: its page-slot operands (from
+    PALLAS_DECODE_POOLS on, `pages` of them for each of its `pools` pools, by the kernel's
+    operand order) read, for each of `lanes` lanes, the pages their slot DMAs
+    (`kernel_slot_pages`) at the lanes' `needed_pages`, of one block's bytes each, as KV. Its
+    other operands (block table, positions, query; a K=V layer's k_norm weight and
+    frequencies) and its output count whole, as the kernel reads and writes them once. Bytes in
+    on-chip memory (a pool XLA placed in VMEM) are summed apart as for any row."""
+    needed = needed_pages(context, window, width)
+    slots = range(PALLAS_DECODE_POOLS, PALLAS_DECODE_POOLS + pools * pages)
+    if len(ins.operands) < slots.stop:
+        raise ValueError(f"{ins.name}: {len(ins.operands)} operands, expected at least "
+                         f"{slots.stop} ({PALLAS_DECODE_POOLS} before the pools, {pages} page "
+                         f"slots of each of {pools} pools)")
+    read = {c: 0.0 for c in CLASSES}
+    on_chip = shape_bytes(ins.shape, on_chip_only=True)
+    for k, o in enumerate(ins.operands):
+        shape = _operand_shape(comp, o)
+        if k in slots:
+            dims = [int(d) for d in _ARRAY.search(shape).group(2).split(",") if d]
+            page = shape_bytes(shape) / (dims[0] * dims[1])  # one block of one layer
+            cls = "kv"
+            b = lanes * kernel_slot_pages(needed, (k - slots.start) % pages, pages) * page
+        else:
+            cls, b = prog.origin(comp.name, o)[0], shape_bytes(shape)
+        read[cls] += b
+        if shape_bytes(shape, on_chip_only=True):
+            on_chip += b
+    return dataclasses.replace(row, read={c: b for c, b in read.items() if b}, on_chip=on_chip)
 
 
 def _operand_shape(comp: Computation, name: str) -> str:

@@ -540,7 +540,83 @@ def span_dots(kind: str, x, span, mesh=None):
                          out_specs=PartitionSpec(None, axis), check_vma=False)(x, rows)
 
 
-def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
+LANE_TILE = 128  # columns of a TPU memory tile's row
+
+
+def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
+    """Whether `attention_blockwise` of these operands is what targets/xla/paged_kernel.py
+    computes: a decode step (one query row a lane) over float pools (one block table, the same
+    heads) of a sliding layer (keys stored with their RoPE: read as stored) or a full layer
+    (keys as stored, or a K=V layer's rope(cache * k_norm), `FoldedKeys`, rotating at most
+    128 pairs of halves of whole 128-lane tiles), split by whole KV heads under a mesh, head
+    dims of whole 128-lane tiles (the kernel slices each head's columns out of a page;
+    Gemma 4's heads are 256 and 512 wide, the test models' 32 and 64 keep the XLA lowering).
+    int8 pools keep the XLA lowering: their scale pools [.., 16, K] would be the kernel's
+    operands in the default tiled layout, where K (1 to 4) pads to 128 lanes, so XLA relaid
+    each whole scale pool into it and back every call (the 31B's full-layer scales at 128K:
+    5 MiB, 640 MiB as tiled) and every scale page DMA'd was 128 / K times its bytes (tried
+    and reverted, docs/TPU_COST.md). Under a mesh the pools' block counts must be static:
+    the kernel runs in shard_map, and a shard_map operand with a symbolic dimension (an
+    artifact's pools: their block counts are chosen at load) makes XLA's shape refinement
+    crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax 0.10.2 /
+    libtpu 0.0.42.1; docs/TPU_COST.md), so a tensor-parallel artifact keeps the XLA
+    lowering."""
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
+    plain = not k.steps and not v.steps
+    if k.cache.ring:
+        keys = a.window is not None and plain
+    else:
+        folded = FoldedKeys.of(k, v)
+        half = k.cache.head_dim // 2
+        keys = a.window is None and (plain or folded is not None and folded.n <= LANE_TILE
+                                     and half % LANE_TILE == 0)
+    return (keys and q.shape[1] == 1 and k.cache.table is v.cache.table
+            and k.cache.heads == v.cache.heads and k.cache.scale is None
+            and v.cache.scale is None and k.cache.heads % tp == 0 and static
+            and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
+
+
+def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
+    """`attention_blockwise` of a decode step (`decode_kernel_fits`) by the Pallas TPU kernel,
+    under a mesh in shard_map over each device's KV heads (the pools split by head,
+    sharding.py; a K=V layer's k_norm weight whole): [B, 1, nh, Dv]."""
+    from rvcompile.targets.xla import paged_kernel
+
+    b, _, nh, d = q.shape
+    kh = k.cache.heads
+    folded = FoldedKeys.of(k, v)
+    freqs = None if folded is None else np.asarray(folded.rope.inv_freq, np.float32)[:folded.n]
+    same = k.cache is v.cache  # K=V: one pool, its pages read once for keys and values
+
+    def local(qg, layers, table, pos, k_pool, *rest):
+        v_pool = k_pool if same else rest[0]
+        fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
+        return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
+                                         window=a.window, scale=a.scale, fold=fold)
+
+    layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
+    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0],
+            k.cache.pool]
+    if not same:
+        args.append(v.cache.pool)
+    if folded is not None:
+        args.append(folded.w)
+    if mesh is None:
+        out = local(*args)
+    else:
+        from jax.sharding import PartitionSpec
+
+        axis, whole = mesh.axis_names[0], PartitionSpec()
+        pool = PartitionSpec(None, None, None, axis)
+        specs = [PartitionSpec(None, axis), whole, whole, whole, pool]
+        specs += [pool] * (not same) + [whole] * (folded is not None)
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                            out_specs=PartitionSpec(None, axis), check_vma=False)(*args)
+    return out.reshape(b, 1, nh, -1)
+
+
+def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool = False):
     """ATTENTION over paged caches reading each lane's needed blocks only: a loop over spans of
     blocks with an online softmax (running max, sum and weighted values per query row). Lane b
     needs the logical blocks from its first key (0, or a sliding window's first key behind its
@@ -551,11 +627,15 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None):
     longest needs). Equal to `attention` up to float32 rounding (summation order). The loop is
     named SPAN_LOOP in the HLO metadata: its trip count depends on the data, and the traffic
     table (hlo_traffic.py) scales it at a stated context from the span, window and width.
-    Plain arrays (no paged cache) go to `attention`."""
+    Plain arrays (no paged cache) go to `attention`. `tpu_kernel` (programs exported for TPU
+    alone): a decode step runs the Pallas kernel instead where it fits (`decode_kernel_fits`),
+    the same attention; XLA stages each gathered span in on-chip memory (docs/TPU_COST.md)."""
     kv = _view(k), _view(v)
     if None in kv:
         return attention(a, q, _val(k), _val(v), q_pos, k_pos)
     k, v = kv
+    if tpu_kernel and decode_kernel_fits(a, q, k, v, mesh):
+        return decode_attention_kernel(a, q, k, v, q_pos, mesh)
     q = f32(q)
     b, t, nh, d = q.shape
     kh, dv = k.cache.heads, v.cache.head_dim

@@ -293,13 +293,16 @@ class Program:
     """Builds the traced functions of one ModelIR under one layout."""
 
     def __init__(self, ir: ModelIR, plan: LayoutPlan,
-                 pool_shardings: dict[str, NamedSharding] | None = None, tp: int = 1):
+                 pool_shardings: dict[str, NamedSharding] | None = None, tp: int = 1,
+                 tpu_kernels: bool = False):
         """`pool_shardings`: each KV pool's sharding when the entry points are exported for
         `tp`-way tensor parallelism (targets/xla/sharding.py); the layer scans keep the pools
         they carry in it, or XLA may pick another and all-gather a whole pool at the end of
         every call. `tp` also sets how many copies of each KV head the pools hold
-        (`kv_copies`)."""
+        (`kv_copies`). `tpu_kernels`: the programs are exported for TPU alone, so attention
+        may run Pallas TPU kernels (lower.attention_blockwise's `tpu_kernel`)."""
         self.ir, self.plan, self.pool_shardings = ir, plan, pool_shardings or {}
+        self.tpu_kernels = tpu_kernels
         self.kinds = kv_kinds(ir)
         pools = cache_pools(ir, plan, tp)
         self.pool_kind = {key: kind for key, (kind, *_) in pools.items()}
@@ -324,21 +327,23 @@ class Program:
     def _paged_lowerings(self):
         """BLOCKWISE_LOWERINGS (ATTENTION reads each lane's needed blocks only) with
         CACHE_POSITIONS sized by the block tables: the IR's ring semantics over table_width *
-        BLOCK_SIZE slots instead of the IR's contiguous cache size; under tensor parallelism MOE,
-        ATTENTION and KV_WRITE given the mesh (the experts' split, the per-head dots, the rows
-        of a pool with copies of each head whole before they are repeated)."""
+        BLOCK_SIZE slots instead of the IR's contiguous cache size; ATTENTION told whether it
+        may run TPU kernels; under tensor parallelism MOE, ATTENTION and KV_WRITE given the
+        mesh (the experts' split, the per-head dots, the rows of a pool with copies of each
+        head whole before they are repeated)."""
         size = {k.ring: k.table_width * BLOCK_SIZE for k in self.kinds.values()}
 
         def positions(a, cache_len):
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
         lowerings = {**BLOCKWISE_LOWERINGS, Op.CACHE_POSITIONS: positions}
+        mesh = None
         if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
             mesh = next(iter(self.pool_shardings.values())).mesh
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
-            lowerings[Op.ATTENTION] = TakesPaged(functools.partial(attention_blockwise,
-                                                                   mesh=mesh))
             lowerings[Op.KV_WRITE] = TakesPaged(functools.partial(kv_write, mesh=mesh))
+        lowerings[Op.ATTENTION] = TakesPaged(functools.partial(
+            attention_blockwise, mesh=mesh, tpu_kernel=self.tpu_kernels))
         return lowerings
 
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,

@@ -1,0 +1,219 @@
+"""A Pallas TPU kernel for a decode step's attention over the paged KV pools: sliding rings and
+full tables, a K=V layer's keys made from its cache in VMEM.
+
+Contract. `paged_decode(q, k_pool, v_pool, layers, table, q_pos, window=, scale=, fold=)` is
+what `lower.attention_blockwise` computes in a decode step (one query row a lane), within
+float32 rounding (summation order): q float32 [B, K, G, D] (the G query heads of each of K KV
+heads), pools [n, blocks, BLOCK_SIZE, K * D] of stacked layers (program.cache_pools, a slot's
+heads side by side; bf16 or float32, read as stored; K=V layers pass one pool as both),
+`layers` int32 [2] which of their n layers K and V are, `table` int32 [B, W] each lane's
+blocks, `q_pos` int32 [B] each lane's query position (-1: an idle lane, whose output is zeros,
+as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j in entry j %
+W; keys max(0, q_pos - window + 1) .. q_pos); None: a full layer's table (entry j holds block
+j; keys 0 .. q_pos). `fold` (a K=V layer, `KeyFold`): keys are rope(cache * w), RoPE turning
+the first n pairs (n <= 128: Gemma 4's full layers, 64 of 256), values the cache; else keys
+and values are the pools as stored. Returns float32 [B, K, G, Dv]. A key's position is its
+slot's logical position (a ring is at least window + one block wide, program.kv_kinds, so every
+key a decode row sees is in its slot), so the kernel never reads CACHE_POSITIONS' array.
+
+Why a kernel: XLA gathers each span of a lane's blocks into on-chip memory and reads it back
+by per-head dots, and can fuse neither (docs/TPU_COST.md, h/tpu9): for the 31B at B = 64 that
+staging is 26 GiB on chip a step in the sliding layers, 5.6 in the full ones. Here each grid
+step DMAs a lane's pages from HBM into VMEM buffers (Pallas' pipeline, double-buffered) and
+the dots read them there.
+
+Grid (lane b, step i): step i reads pages i * PAGES_PER_STEP + p, p < PAGES_PER_STEP, of the
+lane's keys (block table entries (lo_b + page) % W, lo_b = the window's first block, 0 for a
+full layer) for every KV head of the device at once (a page is one block's rows [16, K * D],
+so the K heads cost one DMA; a grid axis per head would cut each page into K DMAs of 16 x D).
+Each page slot p is an operand of its own (the pool passed PAGES_PER_STEP times, for K and,
+unless K=V, for V) with an index map from the scalar-prefetched table, so Pallas' pipeline
+fetches 8 pages a step, 128 keys: a whole lane tile of scores, and 1/8 of the grid steps a
+page a step would take. A slot whose page lies past the lane's needed blocks keeps its
+previous page (the index map repeats it), so the pipeline issues no DMA for it: a lane DMAs
+max(needed, PAGES_PER_STEP) pages of each pool (hlo_traffic.kernel_slot_pages: the traffic
+table counts the kernel's custom call by its named scope, PALLAS_DECODE, as XLA cannot see
+into it). Steps past a lane's needed pages compute nothing. The scores, online softmax and
+weighted values per KV head are the XLA lowering's own operations in float32 (dots at HIGHEST
+precision over the widened keys and values), the running max, sum and values in VMEM scratch;
+a folded key is the reference's rope(c * w) (lower.rope), its rotated pairs computed on the
+page's first 128 columns of each half (RoPE's identity past n: cos 1, sin 0, exact).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from rvcompile.targets.xla.hlo_traffic import (
+    BLOCK_TOKENS,
+    PALLAS_DECODE,
+    PALLAS_DECODE_POOLS,
+    window_pages,
+)
+
+PAGES_PER_STEP = 8  # pages of each pool a grid step reads: 128 keys, one lane tile of scores
+LANE = 128  # a TPU tile row's lanes: the running max and sum are replicated over one, and a
+# folded key's rotated pairs are computed over one tile of each half
+
+
+@dataclass(frozen=True)
+class KeyFold:
+    """A K=V layer's keys: rope(cache * w), RoPE turning the first len(freqs) pairs."""
+
+    w: jax.Array  # float32 [D]: k_norm's weight
+    freqs: np.ndarray  # float32 [n], n <= LANE: the rotated pairs' inverse frequencies
+
+
+def _page_map(p: int, width: int, pool: int):
+    """Index map of page slot p of pool `pool` (0: K, 1: V): (layer, block, 0, 0) of the lane's
+    page at step i."""
+
+    def index(b, i, layer, table, lo, needed, qpos):
+        page = i * PAGES_PER_STEP + p
+        # the slot's last needed page (page p if it has none): past it the slot stays put
+        last = lax.div(jnp.maximum(needed[b] - 1 - p, 0), PAGES_PER_STEP) * PAGES_PER_STEP + p
+        entry = lax.rem(lo[b] + jnp.minimum(page, last), width)
+        return layer[pool], table[b * width + entry], 0, 0
+
+    return index
+
+
+def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
+            window: int | None, scale: float, kv_same: bool, fold: bool):
+    pages = (1 if kv_same else 2) * PAGES_PER_STEP
+    k_refs = refs[:PAGES_PER_STEP]
+    v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
+    rest = refs[pages:]
+    w_ref, f_ref = rest[:2] if fold else (None, None)
+    o_ref, m_ref, l_ref, acc_ref = rest[2:] if fold else rest
+    b, i = pl.program_id(0), pl.program_id(1)
+    d, dv = q_ref.shape[-1], acc_ref.shape[-1]
+
+    @pl.when(i == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    needed, qp = needed_ref[b], qpos_ref[b]
+
+    @pl.when(i * PAGES_PER_STEP < needed)
+    def _():
+        n = PAGES_PER_STEP * BLOCK_TOKENS
+        j = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+        first = i * PAGES_PER_STEP
+        start = (lo_ref[b] + first) * BLOCK_TOKENS
+        pos = start + j
+        # attention_blockwise's mask: a needed block, a key at or before the query and inside
+        # its window (needed > 0: the lane is not idle)
+        live = (first + lax.div(j, BLOCK_TOKENS) < needed) & (pos <= qp)
+        if window is not None:
+            live &= pos > qp - window
+        keys = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [n, K * D]
+        values = keys if kv_same else jnp.concatenate([r[...] for r in v_refs], axis=0)
+        if fold:  # the keys' angles at their positions (a column: keys are rows)
+            rows = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+            ang = rows.astype(jnp.float32) * f_ref[...]  # [n, LANE]
+            cos, sin = jnp.cos(ang), jnp.sin(ang)
+        for h in range(heads):
+            q = q_ref[h]  # [G, D]
+            kh = keys[:, h * d:(h + 1) * d].astype(jnp.float32)
+            if fold:  # rope(c * w): lower.rope's products on the rotated pairs' tiles
+                c = kh * w_ref[...]
+                half = d // 2
+                x1, x2 = c[:, :LANE], c[:, half:half + LANE]
+                kh = jnp.concatenate([x1 * cos - x2 * sin, c[:, LANE:half],
+                                      x2 * cos + x1 * sin, c[:, half + LANE:]], axis=1)
+            s = lax.dot_general(q, kh, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) * jnp.float32(scale)
+            m = jnp.max(m_ref[h], axis=1, keepdims=True)  # [G, 1]
+            m_new = jnp.maximum(m, jnp.max(jnp.where(live, s, -jnp.inf), axis=1, keepdims=True))
+            base = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
+            p = jnp.where(live, jnp.exp(s - base), jnp.float32(0))
+            rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
+            vh = values[:, h * dv:(h + 1) * dv].astype(jnp.float32)
+            acc_ref[h] = acc_ref[h] * rescale + jnp.dot(p, vh, precision=lax.Precision.HIGHEST,
+                                                        preferred_element_type=jnp.float32)
+            l_ref[h] = l_ref[h] * rescale + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[h] = jnp.broadcast_to(m_new, m_ref.shape[1:])
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _():
+        for h in range(heads):
+            total = jnp.max(l_ref[h], axis=1, keepdims=True)
+            o_ref[h] = acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))
+
+
+def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
+                 fold: KeyFold | None = None, interpret=False):
+    """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
+    `interpret`: run the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any
+    device: the tests' check of its values)."""
+    b, kh, g, d = q.shape
+    dv = v_pool.shape[-1] // kh
+    width = table.shape[1]
+    kv_same = k_pool is v_pool
+    if fold is not None and not (kv_same and len(fold.freqs) <= LANE <= d // 2
+                                 and d // 2 % LANE == 0):
+        raise ValueError(f"a folded key needs K=V and head dims of whole {LANE}-lane halves "
+                         f"with at most {LANE} rotated pairs (D = {d}, "
+                         f"{len(fold.freqs)} pairs)")
+    steps = -(-window_pages(window, width) // PAGES_PER_STEP)
+    valid = q_pos >= 0
+    lo = jnp.zeros_like(q_pos)
+    if window is not None:
+        lo = jnp.where(valid, jnp.maximum(q_pos - window + 1, 0) // BLOCK_TOKENS, 0)
+    needed = jnp.where(valid, jnp.minimum(q_pos // BLOCK_TOKENS + 1 - lo, width), 0)
+    # block ids kept inside the pool, as XLA's gather keeps them (an idle lane's table may
+    # hold anything; its pages are fetched, never used)
+    table = jnp.clip(table, 0, k_pool.shape[1] - 1).reshape(-1)
+    layer = jnp.asarray(layers, jnp.int32).reshape(2)
+    # The pools stay in HBM: as a custom call's operands XLA takes them as read whole, and
+    # placed a layer group's small pools (the 31B's at B = 1, 25 MiB each) in VMEM, copied in
+    # and out every layer (10 GiB a step more on chip, estimated on v6e).
+    pools = [pltpu.with_memory_space_constraint(k_pool, pltpu.HBM)]
+    if not kv_same:
+        pools.append(pltpu.with_memory_space_constraint(v_pool, pltpu.HBM))
+    prefetch = (layer, table, lo.astype(jnp.int32), needed.astype(jnp.int32),
+                q_pos.astype(jnp.int32))
+    # the traffic table finds the pools by their position among the custom call's operands
+    assert len(prefetch) + 1 == PALLAS_DECODE_POOLS
+    in_specs = [pl.BlockSpec((None, kh, g, d), lambda b, i, *_: (b, 0, 0, 0))]
+    operands = [q.astype(jnp.float32)]
+    for n, pool in enumerate(pools):
+        page = (None, None, BLOCK_TOKENS, pool.shape[-1])
+        in_specs += [pl.BlockSpec(page, _page_map(p, width, n)) for p in range(PAGES_PER_STEP)]
+        operands += [pool] * PAGES_PER_STEP
+    if fold is not None:
+        freqs = np.zeros((1, LANE), np.float32)  # past the rotated pairs: angle 0, identity
+        freqs[0, :len(fold.freqs)] = fold.freqs
+        in_specs += [pl.BlockSpec((1, d), lambda b, i, *_: (0, 0)),
+                     pl.BlockSpec((1, LANE), lambda b, i, *_: (0, 0))]
+        operands += [jnp.asarray(fold.w, jnp.float32).reshape(1, d), jnp.asarray(freqs)]
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        grid=(b, steps),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, kh, g, dv), lambda b, i, *_: (b, 0, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((kh, g, LANE), jnp.float32),
+                        pltpu.VMEM((kh, g, LANE), jnp.float32),
+                        pltpu.VMEM((kh, g, dv), jnp.float32)])
+    scope = PALLAS_DECODE.format(lanes=b, pages=PAGES_PER_STEP, window=window or 0,
+                                 width=width, pools=len(pools))
+    kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
+                               fold=fold is not None)
+    with jax.named_scope(scope):
+        return pl.pallas_call(
+            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), jnp.float32),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary")),
+            interpret=interpret, name="rv_paged_decode",
+        )(*prefetch, *operands)

@@ -1,0 +1,226 @@
+"""The Pallas TPU decode attention kernel (targets/xla/paged_kernel.py), on the CPU:
+
+- its values, run in Pallas' interpreter, against the XLA lowering it replaces
+  (lower.attention_blockwise) and the direct attention: sliding rings on the oracle configs'
+  shapes and a 31B-like slice (head dim 256, 2 query heads a KV head, window 1024, a ring of
+  81 blocks of 16), wrapped rings, lanes of different lengths, shorter than the window, an
+  idle lane; full layers of a 31B-like K=V head (512 wide, 8 query heads, keys rope(cache *
+  k_norm) on 64 of 256 pairs, a table of 128 blocks) and of stored keys;
+- where the programs run it: decode steps of TPU-only exports (not prefill, not exports for
+  several platforms; under tensor parallelism only with static pools);
+- with libtpu (a subprocess compiling for v6e:1x1, no TPU): Mosaic compiles it, and the
+  traffic table counts its custom call by the pages its grid DMAs, against a hand count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from test_xla_topology import _libtpu_env
+
+from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs
+from rvcompile.model.presets import ROPE_FULL
+from rvcompile.targets.xla import lower
+from rvcompile.targets.xla.hlo_traffic import kernel_slot_pages, needed_pages, window_pages
+from rvcompile.targets.xla.paged_kernel import PAGES_PER_STEP, KeyFold, paged_decode
+
+# (KV heads, query heads a KV head, head dim, window (None: a full layer), table width, pool
+# dtype, K=V, lane lengths)
+SHAPES = {
+    # the oracle configs' sliding layers (head dim 32, window 8; rings of 3 blocks at 64
+    # tokens with chunks of 16): 2 KV heads, and 1 (kv_shared); float32 pools (xla-f32)
+    "oracle": (2, 2, 32, 8, 3, jnp.float32, False, (100, 5, 1, 0, 17)),
+    "oracle_kv_shared": (1, 4, 32, 8, 3, jnp.float32, False, (49, 0, 8, 33)),
+    # the 31B's sliding layers at TP = 8 (2 of 16 KV heads a device), bf16 pools: wrapped
+    # (2048, 1500 > 81 * 16), within the first ring (700 < window, 1030), an idle lane
+    "31B": (2, 2, 256, 1024, 81, jnp.bfloat16, False, (2048, 1500, 700, 0, 1030, 1)),
+    # the 31B's full layers at TP = 4: one K=V head of 512 a device, 8 query heads on it
+    "31B_full": (1, 8, 512, None, 128, jnp.bfloat16, True, (2048, 1500, 700, 0, 17, 1)),
+    # a full layer with stored keys (the E4B's: 2 KV heads of 512)
+    "full_stored": (2, 2, 512, None, 8, jnp.float32, False, (128, 100, 0, 5)),
+}
+
+
+@pytest.mark.parametrize("shape, interpreter", [*((s, "pallas") for s in SHAPES),
+                                                ("31B", "tpu")])
+def test_kernel_equals_the_xla_lowering(shape, interpreter):
+    """One decode row a lane; bound as the blockwise-vs-direct tests': 2e-6 of the largest
+    value (float32 summation order). Queries of 4 / sqrt(D) so that scores are O(1) at every
+    head dim, as the d = 32 and 64 tests' are: with unit queries at D = 256 (scores up to
+    30) float32 rounding of the scores alone put the XLA lowering 5.9e-6 and the kernel 1.3e-5
+    from a float64 reference (measured; a different summation order of the same dots).
+    Interpreters: Pallas' own, and its TPU interpret mode (pltpu.InterpretParams), which
+    simulates the pipeline's DMAs into VMEM with uninitialised memory as NaN and out-of-bounds
+    reads raising: a page the kernel used without DMAing it would show."""
+    kh, group, d, window, width, dtype, k_eq_v, lengths = SHAPES[shape]
+    rng = np.random.default_rng(7)
+    lanes, ring = len(lengths), window is not None
+    blocks = lanes * width + 5
+    pools = [jnp.asarray(rng.standard_normal((2, blocks, 16, kh * d)), dtype)
+             for _ in range(1 if k_eq_v else 2)]
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
+                        jnp.int32)
+    k, v = (lower.PagedSlice(pools[-i], 1, table, ring, kh) for i in (0, 1))
+    cache_len = jnp.asarray(lengths, jnp.int32)
+    q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, ring), cache_len)
+    q = jnp.asarray(rng.standard_normal((lanes, 1, kh * group, d)) * 4 / np.sqrt(d),
+                    jnp.float32)
+    attrs = AttentionAttrs(window=window, scale=0.5)
+    fold = keys = None
+    if k_eq_v:  # keys rope(cache * k_norm), as a K=V full layer's
+        k_norm = jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32)
+        rope = RopeAttrs(tuple(ROPE_FULL.inv_freq(d)))
+        keys = lower.rope_lazy(rope, lower.mul_lazy(None, k, k_norm), k_pos)
+        assert lower.FoldedKeys.of(keys, lower.CacheView(k)) is not None
+        freqs = np.asarray(rope.inv_freq, np.float32)
+        fold = KeyFold(k_norm, freqs[freqs > 0])
+        assert len(fold.freqs) == 64
+
+    def direct_keys():
+        return k.read() if keys is None else lower.rope(rope, k.read() * k_norm, k_pos)
+
+    xla = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+        attrs, q, k if keys is None else keys, v, q_pos[:, None], k_pos))(q))
+    direct = np.asarray(jax.jit(lambda q: lower.attention(
+        attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q))
+    ours = np.asarray(jax.jit(lambda q: paged_decode(
+        q.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
+        window=window, scale=0.5, fold=fold,
+        interpret=True if interpreter == "pallas" else pltpu.InterpretParams()))(q)
+    ).reshape(xla.shape)
+    errs = {ref: float(np.abs(ours - x).max()) for ref, x in (("xla", xla), ("direct", direct))}
+    print(f"\npaged kernel ({shape}, {interpreter}) max abs vs the XLA lowering "
+          f"{errs['xla']:.2e}, vs direct {errs['direct']:.2e} (largest value "
+          f"{np.abs(xla).max():.2f})")
+    assert not ours[lengths.index(0)].any()  # an idle lane: zeros, as the XLA lowering's
+    assert max(errs.values()) <= 2e-6 * np.abs(xla).max()
+
+
+def test_pages_a_lane_dmas():
+    """The traffic table's count of a lane's pages (per pool): slot p holds pages p, p + 8, ..;
+    a slot with none below `needed` fetches its first page once."""
+    assert window_pages(1024, 81) == 65 and window_pages(8, 3) == 2
+    assert window_pages(None, 128) == window_pages(0, 128) == 128
+    assert needed_pages(2048, 1024, 81) == 64 and needed_pages(1030, 1024, 81) == 65
+    assert needed_pages(1024, 1024, 81) == 64 and needed_pages(40, 256, 20) == 3
+    assert needed_pages(None, 1024, 81) == 65
+    assert needed_pages(2048, 0, 128) == 128 and needed_pages(100, None, 20) == 7
+
+    def total(needed):
+        return sum(kernel_slot_pages(needed, p, PAGES_PER_STEP) for p in range(PAGES_PER_STEP))
+
+    assert [total(n) for n in (0, 3, 8, 9, 17, 65)] == [8, 8, 8, 9, 17, 65]
+
+
+def _export_decode(platforms, tp=1, static_pools=False) -> dict[str, str]:
+    """The StableHLO text of each program of a 2-layer gemma-4-31B at 2048 tokens: one sliding
+    layer (head dim 256, window 1024, a ring of 81 blocks) and one full K=V layer (512)."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    cfg = get_preset("gemma-4-31B")
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    opts = BuildOptions(target="tpu-bf16", max_context=2048, max_seqs=2, platforms=platforms,
+                        tp=tp, prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16,), platforms=platforms, tp=tp,
+                       static_pools=static_pools)
+    return {name: jax.export.deserialize(bytearray(b)).mlir_module()
+            for name, b in low.programs.items()}
+
+
+def test_tpu_only_decode_runs_the_kernel():
+    """The kernel runs in the decode steps of programs exported for TPU alone, for both layers:
+    not in prefill (several query rows), not in programs exported for TPU and the CPU, not
+    under tensor parallelism with symbolic pools (see lower.decode_kernel_fits), and there
+    with static ones."""
+    def kernels(text):
+        return text.count("@tpu_custom_call(")
+
+    tpu = _export_decode(("tpu",))
+    assert kernels(tpu["decode_2"]) == 2
+    assert not kernels(tpu["prefill_16"]) and not kernels(tpu["logits_16"])
+    assert not any(map(kernels, _export_decode(("tpu", "cpu")).values()))
+    assert not kernels(_export_decode(("tpu",), tp=4)["decode_2"])
+    assert kernels(_export_decode(("tpu",), tp=4, static_pools=True)["decode_2"]) == 2
+
+
+def _traffic_child() -> None:
+    """Compile the kernel for one v6e:1x1 device inside a jitted function of (weights, pools,
+    ...), for a sliding layer and for a K=V full layer, and print their traffic rows' KV bytes
+    at two contexts and with none."""
+    from rvcompile.targets.xla.hlo_traffic import traffic
+    from rvcompile.targets.xla.precompile import parse_topology, topology_devices
+
+    dev = topology_devices(parse_topology("v6e:1x1"))[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    lanes, width, blocks = 3, 20, 64
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    freqs = np.asarray(ROPE_FULL.inv_freq(512), np.float32)[:64]
+
+    def fn(weights, pools, q_sliding, q_full, table, q_pos):
+        sliding = paged_decode(q_sliding * weights["s"], pools["k"], pools["v"],
+                               jnp.asarray([1, 0]), table, q_pos, window=256, scale=1.0)
+        full = paged_decode(q_full, pools["kv"], pools["kv"], jnp.asarray([0, 0]), table,
+                            q_pos, window=None, scale=1.0,
+                            fold=KeyFold(weights["k_norm"], freqs))
+        return sliding.sum() + full.sum()
+
+    pool = sds((2, blocks, 16, 2 * 256), jnp.bfloat16)  # 2 KV heads of 256; 1 of 512
+    compiled = jax.jit(fn).lower(
+        {"s": sds((256,), jnp.float32), "k_norm": sds((512,), jnp.float32)},
+        {"k": pool, "v": pool, "kv": pool}, sds((lanes, 2, 2, 256), jnp.float32),
+        sds((lanes, 1, 8, 512), jnp.float32), sds((lanes, width), jnp.int32),
+        sds((lanes,), jnp.int32)).compile()
+    text = compiled.as_text()
+    out = {"custom_calls": text.count('custom_call_target="tpu_custom_call"')}
+    for context in (1000, 100, 40, None):
+        rows = [r for r in traffic(text, ("weights", "pools"), context).rows
+                if r.opcode == "custom-call"]
+        out[str(context)] = sorted(r.read.get("kv", 0.0) for r in rows)
+    print(json.dumps(out))
+
+
+def test_traffic_counts_the_kernel_by_its_pages():
+    """Against a hand count, compiled for v6e (Mosaic compiles both kinds): 3 lanes, pages of
+    16 rows of 512 bf16 (16 KiB: 2 sliding KV heads of 256, or one full K=V head of 512), a
+    table of 20 blocks. The sliding layer (window 256, K and V): at 1000 tokens a lane needs
+    17 pages (positions 744 .. 999: blocks 46 .. 62); slot 0 DMAs pages 0, 8, 16, slots 1 .. 7
+    two each: 17 a pool; at 100 tokens 7 pages and at 40 3, and the slots without one fetch
+    their first page once: 8; with no context, its window's most pages: 17. The full K=V
+    layer (one pool for keys and values): all 20 blocks at 1000 tokens and with no context
+    (slots 0 .. 3 three pages, 4 .. 7 two), 8 at 100 (7 pages) and at 40. (Counted as its
+    operands, the table would read the 2 MiB pools 8 or 16 times each.)"""
+    env = _libtpu_env()
+    if env is None:
+        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
+    p = subprocess.run([sys.executable, __file__, "traffic"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    page = 16 * 512 * 2
+    print(f"\n[measured] kernel custom calls' KV bytes by context: {got}")
+    assert got["custom_calls"] == 2
+    assert got["1000"] == sorted([3 * 2 * 17 * page, 3 * 20 * page])
+    assert got["100"] == sorted([3 * 2 * 8 * page, 3 * 8 * page])
+    assert got["40"] == sorted([3 * 2 * 8 * page, 3 * 8 * page])
+    assert got["None"] == sorted([3 * 2 * 17 * page, 3 * 20 * page])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["traffic"]:
+        _traffic_child()
