@@ -1,7 +1,8 @@
 """The build's TPU cost report (an estimate, not a measurement) for preset models, without
 writing weights: the IR of a preset, the target's passes, the exported programs (`lower_to_xla`,
-as `rvcompile build` exports them), their decode_{max_seqs} compiled for a TPU topology through
-libtpu (targets/xla/precompile.py) and the cost report of that executable
+as `rvcompile build --platforms tpu` exports them: pools fixed at --tp > 1), their
+decode_{max_seqs} compiled for a TPU topology through libtpu (targets/xla/precompile.py) and
+the cost report of that executable
 (targets/xla/cost_report.py). Weights play no part in the report, so none are made.
 
     PYTHONPATH=.venv/tpu-aot .venv/bin/python benchmarks/tpu_cost_report.py \\
@@ -29,7 +30,7 @@ from rvcompile.targets.xla.cost_report import (
     query_per_kv,
     read_model,
 )
-from rvcompile.targets.xla.export import lower_to_xla
+from rvcompile.targets.xla.export import fixed_pools, lower_to_xla
 from rvcompile.targets.xla.precompile import (
     check_topology,
     compile_entries,
@@ -47,7 +48,8 @@ def report(model: str, context: int, args) -> dict:
     t0 = time.perf_counter()
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
     lowering = lower_to_xla(ir, max_seqs=args.max_seqs, prefill_buckets=opts.prefill_buckets,
-                            platforms=("tpu",), tp=args.tp, static_pools=args.static_pools)
+                            platforms=("tpu",), tp=args.tp,
+                            static_pools=args.static_pools or fixed_pools(("tpu",), args.tp))
     t_export = time.perf_counter() - t0
     decode = f"decode_{args.max_seqs}"
     compiled = compile_entries(lowering.programs, lowering.manifest, topology_devices(topo),
@@ -78,11 +80,10 @@ def main() -> None:
                          "built context): the KV a step reads, and the traffic table's "
                          "attention span loops, follow the lanes' length")
     ap.add_argument("--static-pools", action="store_true",
-                    help="export the pools at their default block counts, not symbolic ones "
-                         "(an artifact's are symbolic): only then does a tensor-parallel "
-                         "program run the Pallas decode kernel (lower."
-                         "decode_kernel_fits); the estimate is of a program no artifact "
-                         "holds yet")
+                    help="export the pools at their default block counts also at --tp 1 "
+                         "(an artifact's are symbolic there); at --tp > 1 they are fixed "
+                         "anyway, as `rvcompile build --platforms tpu` fixes them "
+                         "(export.fixed_pools)")
     ap.add_argument("--json", default=None, help="write the reports here")
     ap.add_argument("--hlo-dir", default=None,
                     help="write each decode program's optimized HLO text into this folder")

@@ -201,7 +201,8 @@ class Case:
 # `inspect` reads neither.
 READ_BY_VERIFY_ONLY = {
     "programs swapped", "weight shape unlike the program", "pool shape unlike the program",
-    "pool layers unlike the program", "launch of a kernel the cubin lacks",
+    "pool layers unlike the program", "pools fixed, the program's symbolic",
+    "launch of a kernel the cubin lacks",
     "block past the kernel's bound", "argument dropped", "argument added",
     "cubin sha256 wrong"}
 
@@ -422,6 +423,8 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
                 block_shape=[16, 2, 33]),
             "pool layers unlike the program": _set((*x, "kv", "pools", 0, "layers"), 1000),
             "pool dtype unknown": _set((*x, "kv", "pools", 0, "dtype"), "complex64"),
+            "fixed_blocks not a bool": _set((*x, "kv", "fixed_blocks"), "yes"),
+            "pools fixed, the program's symbolic": _set((*x, "kv", "fixed_blocks"), True),
             "mesh naming no arrays": _set((*x, "mesh"), {"axis": "tp", "size": 2,
                                                          "weights": {}, "pools": {}}),
             "jax_version not a version": _set((*x, "jax_version"), "latest"),

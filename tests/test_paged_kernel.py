@@ -7,7 +7,8 @@
   idle lane; full layers of a 31B-like K=V head (512 wide, 8 query heads, keys rope(cache *
   k_norm) on 64 of 256 pairs, a table of 128 blocks) and of stored keys;
 - where the programs run it: decode steps of TPU-only exports (not prefill, not exports for
-  several platforms; under tensor parallelism only with static pools);
+  several platforms; under tensor parallelism only with static pools, which the build's
+  lowering gives tensor-parallel TPU-only programs: export.fixed_pools);
 - with libtpu (a subprocess compiling for v6e:1x1, no TPU): Mosaic compiles it, and the
   traffic table counts its custom call by the pages its grid DMAs, against a hand count.
 """
@@ -154,6 +155,51 @@ def test_tpu_only_decode_runs_the_kernel():
     assert not any(map(kernels, _export_decode(("tpu", "cpu")).values()))
     assert not kernels(_export_decode(("tpu",), tp=4)["decode_2"])
     assert kernels(_export_decode(("tpu",), tp=4, static_pools=True)["decode_2"]) == 2
+
+
+def test_fixed_pools_rule():
+    """The build fixes the pools of tensor-parallel programs for TPU alone, and no others."""
+    from rvcompile.targets.xla.export import fixed_pools
+
+    assert fixed_pools(("tpu",), 2) and fixed_pools(("tpu",), 8)
+    assert not fixed_pools(("tpu",), 1)
+    assert not fixed_pools(("tpu", "cpu"), 4) and not fixed_pools(("tpu", "cuda", "cpu"), 4)
+    assert not fixed_pools(("cpu",), 2)
+
+
+def test_tp_tpu_only_build_runs_the_kernel():
+    """Through the build's lowering (XlaTarget.lower, as `rvcompile build --platforms tpu --tp 4`
+    exports; no devices needed): the 2-layer 31B's pools are exported at a whole sequence per
+    decode slot, the manifest says they are fixed, and decode_2 runs the kernel in both
+    layers inside shard_map."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.progress import Phases
+    from rvcompile.targets import get_target
+
+    cfg = get_preset("gemma-4-31B")
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    target = get_target("tpu-bf16")
+    opts = target.check_options(BuildOptions(
+        target="tpu-bf16", max_context=2048, max_seqs=2, platforms=("tpu",), tp=4,
+        prefill_buckets=(16,), decode_loop_steps=0))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = target.lower(ir, opts, lambda s: None, Phases("test", "off"))
+    xla = low.manifest["xla"]
+    kv = xla["kv"]
+    assert kv["fixed_blocks"] is True
+    blocks = {k: v["default_blocks"] for k, v in kv["kinds"].items()}
+    assert blocks == {k: 2 * v["table_width"] for k, v in kv["kinds"].items()}  # max_seqs 2
+    assert kv["kinds"]["full"]["table_width"] == 2048 // 16
+    loc = xla["programs"]["decode_2"]
+    exp = jax.export.deserialize(bytearray(
+        low.sections["programs"][loc["offset"]:loc["offset"] + loc["size"]]))
+    assert exp.nr_devices == 4
+    assert exp.mlir_module().count("@tpu_custom_call(") == 2
+    pools = jax.tree.unflatten(exp.in_tree, exp.in_avals)[0][1]
+    kind = {p["key"]: p["kind"] for p in kv["pools"]}
+    assert {key: aval.shape[1] for key, aval in pools.items()} == {
+        key: blocks[kind[key]] for key in pools}
 
 
 def _traffic_child() -> None:

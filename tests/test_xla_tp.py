@@ -10,7 +10,10 @@
 - The rules: which arrays split on which axis, KV heads fewer than devices stay whole, counts
   that do not divide are refused naming the field; h100-fp8 refuses --tp.
 - The artifact: manifest xla.mesh, header min_devices, `rvcompile inspect`; a host with too few
-  devices is refused in one line before any weight is read.
+  devices is refused in one line before any weight is read. Built for TPU alone, its pools are
+  fixed at build (manifest xla.kv.fixed_blocks, the programs' block counts): the runtime's
+  resolver takes those counts only, refusing another in one line; other artifacts' pools stay
+  symbolic and sized at load.
 - The released 31B and 26B-A4B at a few layers export with --tp 4 (tpu-int8, no devices needed).
 """
 
@@ -298,6 +301,68 @@ def test_too_few_devices_refused(tp2_artifact, tmp_path):
     with pytest.raises(ArtifactError, match=rf"^{path.name} needs {need} cpu devices "
                                             rf"\(tp={need}\); this host has {have}$"):
         runtime.load(path)
+
+
+def test_tpu_only_tp_artifact_has_fixed_pools(tp2_artifact, tmp_path):
+    """`--platforms tpu --tp 2`: the manifest says the pools are fixed at a whole sequence per
+    decode slot, the programs take exactly those counts (checked against the manifest as at
+    load), `inspect` says so, and the runtime's resolver (executors/xla.kv_kinds, which load
+    runs before anything is read; no TPU here to load it on) refuses any other count in one
+    line. The same build for several platforms keeps symbolic pools, sized at load."""
+    from rvcompile.artifacts import Artifact, ArtifactError
+    from rvcompile.artifacts.manifest import read_manifest
+    from rvcompile.artifacts.xla_programs import xla_programs
+    from rvcompile.build import build_artifact
+    from rvcompile.runtime.executors.xla import kv_kinds
+
+    path = tmp_path / "tiny-tp2-tpu.rvp"
+    build_artifact("gemma-4-tiny", path, BuildOptions("tpu-int8", tp=2,
+                                                      **{**OPTS, "platforms": ("tpu",)}),
+                   random_weights=True, progress=False, log=lambda s: None)
+    with Artifact.open(path) as art:
+        assert art.manifest["xla"]["kv"]["fixed_blocks"] is True
+        xla = read_manifest(art).xla
+        programs = xla_programs(art, xla)
+    assert xla.fixed_blocks
+    fixed = {k.name: k.default_blocks for k in xla.kinds.values()}
+    assert fixed == {k.name: 2 * k.table_width for k in xla.kinds.values()}  # max_seqs 2
+    pools = _pool_shapes(programs["decode_2"])
+    assert {key: shape[1] for key, shape in pools.items()} == {
+        p.key: fixed[p.kind] for p in xla.pools}
+    assert {k.name: k.num_blocks for k in kv_kinds(xla, None, path.name).values()} == fixed
+    assert kv_kinds(xla, {"sliding": fixed["sliding"]}, path.name)["sliding"].num_blocks == \
+        fixed["sliding"]
+    want = (rf"^{path.name}: kv_blocks \{{'sliding': {fixed['sliding'] + 1}\}} differ from its "
+            rf"KV pools, fixed at build \(manifest xla.kv.fixed_blocks\) at "
+            rf"\{{'full': {fixed['full']}, 'sliding': {fixed['sliding']}\}}; load it without "
+            rf"kv_blocks$")
+    with pytest.raises(ArtifactError, match=want):
+        kv_kinds(xla, {"sliding": fixed["sliding"] + 1}, path.name)
+    p = _rvcompile("inspect", str(path))
+    assert p.returncode == 0, p.stderr
+    assert (f"kv_blocks         fixed at build: {fixed['full']} full, {fixed['sliding']} "
+            "sliding (rvrun takes no other)") in p.stdout.splitlines()
+
+    # for several platforms (here the CPU): symbolic pools, any count at load, as before
+    with Artifact.open(tp2_artifact) as art:
+        assert "fixed_blocks" not in art.manifest["xla"]["kv"]
+        sym = read_manifest(art).xla
+        sym_programs = xla_programs(art, sym)
+        assert not sym.fixed_blocks
+        assert kv_kinds(sym, {"sliding": 5}, "x")["sliding"].num_blocks == 5
+        # a manifest claiming fixed pools for programs with symbolic ones is refused
+        with pytest.raises(ArtifactError, match=r"takes pool .* the manifest says"):
+            xla_programs(art, replace(sym, fixed_blocks=True))
+    assert all(not isinstance(shape[1], int) for shape in _pool_shapes(sym_programs["decode_2"])
+               .values())
+
+
+def _pool_shapes(exp) -> dict[str, tuple]:
+    """A program's KV pool arguments' shapes, by key."""
+    import jax
+
+    return {key: aval.shape for key, aval in
+            jax.tree.unflatten(exp.in_tree, exp.in_avals)[0][1].items()}
 
 
 def test_cli_refuses_tp_it_cannot_do(tmp_path):

@@ -21,8 +21,11 @@ Fields (format v3; required unless marked optional):
                       programs {entry: {offset, size}} (in section "programs"), weights [{key,
                       shape, dtype, offset, nbytes}] (in section "weights"), kv {block_size,
                       kinds {name: {table_width, ring, window, default_blocks}}, pools [{key,
-                      kind, layers, block_shape, dtype}]}, layer_groups [{start, period,
-                      count}], optional mesh {axis, size, weights, pools} (tensor parallelism),
+                      kind, layers, block_shape, dtype}], optional fixed_blocks true (2026-11-29:
+                      the programs take exactly default_blocks blocks of each kind, which the
+                      runtime then cannot change; absent: symbolic, sized at load)},
+                      layer_groups [{start, period, count}], optional mesh {axis, size,
+                      weights, pools} (tensor parallelism),
                       optional precompiled {topology: record} (section "executables"),
                       optional speculative {draft_tokens K, verify "verify_{max_seqs}x{K+1}", draft
                       "draft_{max_seqs}" or null, hidden_size (the model's), reads [the target
@@ -207,6 +210,7 @@ class XlaManifest:
     precompiled: dict[str, dict]  # topology -> record (runtime/executors/precompiled.py), checked
     sampler: XlaSampler  # what prefill/decode take and return beyond a token (v5)
     speculative: XlaSpeculative | None = None  # verify (and draft) entry points, if built
+    fixed_blocks: bool = False  # the programs' pools hold exactly each kind's default_blocks
 
 
 @dataclass(frozen=True)
@@ -483,6 +487,8 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
         kv["kinds"].fail("no KV kind")
     pools = tuple(_pool(p, kinds, block) for p in kv["pools"].items(1, 1 << 16))
     _unique(kv["pools"], [p.key for p in pools], "KV pool")
+    fixed = kv.get("fixed_blocks")
+    fixed_blocks = fixed is not None and fixed.bool()
     for g in x["layer_groups"].items(1, 1 << 12):
         g["start"].int(0, MAX_DIM)
         g["period"].int(1, MAX_DIM)
@@ -510,7 +516,7 @@ def _xla(x: At, req: At, header: ArtifactHeader, sections: dict[str, int],
             x["programs"].fail(f"missing entry point {name!r} (xla.speculative)")
     return XlaManifest(jax_version, platforms, max_seqs, max_context, max_chunk, buckets, steps,
                        stops, programs, weights, block, kinds, pools, mesh, records,
-                       _sampler(x["sampler"], max_context, model), spec)
+                       _sampler(x["sampler"], max_context, model), spec, fixed_blocks)
 
 
 def _sampler(at: At, max_context: int, model: ModelInfo) -> XlaSampler:

@@ -17,8 +17,9 @@ from rvcompile.artifacts.manifest import XlaManifest, entry_rows
 
 def xla_programs(art: Artifact, xla: XlaManifest) -> dict:
     """Entry point name -> its jax.export.Exported, each checked to take what the manifest
-    describes: the weight arrays and KV pools (names, shapes, dtypes), one block table per KV
-    kind and the entry's token rows."""
+    describes: the weight arrays and KV pools (names, shapes, dtypes; with kv.fixed_blocks,
+    each pool's block count its kind's default_blocks), one block table per KV kind and the
+    entry's token rows."""
     blob = art.buffer("programs")
     out = {}
     for name, loc in xla.programs.items():
@@ -46,9 +47,13 @@ def _check_signature(where: str, name: str, args, xla: XlaManifest) -> None:
         raise ArtifactError(f"{where} does not take (weights, pools, tokens, start, n_new, "
                             "tables, ...)")
     batch, rows = entry_rows(name)
+    # a pool's block count: fixed at build, or whatever the program's (symbolic) dimension
+    blocks = {k.name: k.default_blocks if xla.fixed_blocks else None
+              for k in xla.kinds.values()}
     want = {
         ("weight", w.key): (w.shape, w.dtype) for w in xla.weights} | {
-        ("pool", p.key): ((p.layers, None, *p.block_shape), p.dtype) for p in xla.pools} | {
+        ("pool", p.key): ((p.layers, blocks[p.kind], *p.block_shape), p.dtype)
+        for p in xla.pools} | {
         ("table", k.name): ((batch, k.table_width), "int32") for k in xla.kinds.values()} | {
         ("tokens", ""): ((batch, rows), "int32")}
     got = {(group, key): aval for group, d in (("weight", args[0]), ("pool", args[1]),

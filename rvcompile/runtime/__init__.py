@@ -63,9 +63,11 @@ def load(path: str | os.PathLike[str], *, verify: bool = True,
     it runs anything on the device. Whatever fails meanwhile, a failed text check is the
     load's error, as when it ran first; the executor frees what it allocated.
     `kv_blocks` sizes the KV pools by kind (default: for XLA artifacts a whole sequence per
-    decode slot; for h100 artifacts `gpu_memory_utilization`, a fraction of the GPU's total
-    memory, default 0.90, holds the arena and the pools: runtime/executors/kv_budget.py; XLA
-    artifacts refuse it); `max_num_seqs` and `max_model_len` cap the engine (default: the
+    decode slot, the only size an XLA artifact whose pools were fixed at build takes: manifest
+    xla.kv.fixed_blocks, tensor-parallel builds for TPU alone; for h100 artifacts
+    `gpu_memory_utilization`, a fraction of the GPU's total memory, default 0.90, holds the
+    arena and the pools: runtime/executors/kv_budget.py; XLA artifacts refuse it);
+    `max_num_seqs` and `max_model_len` cap the engine (default: the
     artifact's); `prefill_budget`: prompt tokens the engine prefills per step (default: one
     chunk, the artifact's max_chunk; runtime/scheduler.py).
     `trust_executables`: load the artifact's precompiled XLA executables, which XLA runs

@@ -308,7 +308,8 @@ def serve_main(argv: list[str]) -> int:
                    help="prompt + generated tokens of a request (default: the artifact's)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks of the full-attention layers, 16 tokens each (default: XLA "
-                        "artifacts a whole context per decode slot; h100 artifacts what "
+                        "artifacts a whole context per decode slot, the only count those "
+                        "built with --platforms tpu --tp N take; h100 artifacts what "
                         "--gpu-memory-utilization leaves)")
     p.add_argument("--kv-sliding-blocks", type=int, default=None,
                    help="KV blocks of the sliding-window layers (default: XLA artifacts a "

@@ -72,12 +72,19 @@ def _cache_dir(art: Artifact) -> Path:
 def kv_kinds(xla: XlaManifest, blocks: dict[str, int] | None = None,
              fname: str = "") -> dict[str, KvKind]:
     """The artifact's KV kinds with `blocks[kind]` blocks each (default: the manifest's, one
-    whole sequence per decode slot). Raises ArtifactError for a kind it lacks."""
+    whole sequence per decode slot). Raises ArtifactError for a kind it lacks, and, when the
+    artifact's pools are fixed at build (kv.fixed_blocks: its programs take exactly the default
+    counts), for any other count."""
     blocks = blocks or {}
     unknown = set(blocks) - set(xla.kinds)
     if unknown:
         raise ArtifactError(f"{fname}: has no KV kind {sorted(unknown)[0]!r} "
                             f"(kinds: {', '.join(xla.kinds)})")
+    fixed = {name: k.default_blocks for name, k in xla.kinds.items()}
+    if xla.fixed_blocks and any(int(n) != fixed[name] for name, n in blocks.items()):
+        raise ArtifactError(f"{fname}: kv_blocks {dict(blocks)} differ from its KV pools, fixed "
+                            f"at build (manifest xla.kv.fixed_blocks) at {fixed}; load it "
+                            "without kv_blocks")
     out = {}
     for name, k in xla.kinds.items():
         n = int(blocks.get(name, k.default_blocks))

@@ -3,8 +3,11 @@
 `lower_to_xla` returns the serialized entry points (StableHLO for every requested platform) and
 the manifest fragment the runtime needs to call them: the weight layout (offset of each array in
 the "weights" section), the paged KV layout (kinds, block tables, pools), buckets and the
-exporting jax version. The pools' block counts stay symbolic in the programs; the manifest's
-"default_blocks" give every slot a whole sequence. `decode_loop_steps` > 0 adds
+exporting jax version. The pools' block counts stay symbolic in the programs (the runtime chooses
+them at load), and the manifest's "default_blocks" give every slot a whole sequence; except with
+`static_pools` (`fixed_pools`: what the build asks for tensor-parallel programs for TPU alone),
+where the programs take exactly "default_blocks" and the manifest says so ("kv": {"fixed_blocks":
+true}; absent otherwise, so other artifacts are unchanged). `decode_loop_steps` > 0 adds
 decode_loop_{max_seqs} (Program.decode_loop) of min(decode_loop_steps, max_chunk) steps per call.
 `draft_tokens` K > 0 adds verify_{max_seqs}x{K+1} (Program.verify: K + 1 rows per lane) and,
 with an assistant in the IR, draft_{max_seqs} (Program.draft: up to K assistant steps; it reads
@@ -118,15 +121,26 @@ def _sharded_jit(fn, args: tuple, layout: TpLayout, *, reads_only: bool = False)
                    out_shardings=(pools, *outs[1:]), donate_argnums=(1,))
 
 
+def fixed_pools(platforms: tuple[str, ...], tp: int) -> bool:
+    """Whether a build exports the pools at fixed block counts: tensor-parallel programs for
+    TPU alone. Only there does it matter: their decode steps run the Pallas kernel
+    (lower.decode_kernel_fits) inside shard_map, and a shard_map operand with a symbolic
+    dimension crashes XLA's shape refinement when the program is compiled (SIGSEGV in
+    RefinePolymorphicShapes, jax 0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so with symbolic
+    pools they would keep the slower XLA lowering. The price: such an artifact's pools cannot
+    be sized at load."""
+    return tp > 1 and tuple(platforms) == ("tpu",)
+
+
 def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...],
                  platforms: tuple[str, ...] = PLATFORMS, tp: int = 1,
                  decode_loop_steps: int = 0, draft_tokens: int = 0,
                  static_pools: bool = False) -> XlaLowering:
     """`static_pools`: export the pools with their default block counts instead of symbolic
-    ones, for estimates only (benchmarks/tpu_cost_report.py --static-pools compiles the
-    programs at those counts anyway): under tensor parallelism only then do decode steps run
-    the Pallas kernel (lower.decode_kernel_fits). An artifact's pools stay symbolic: the
-    runtime sizes them at load."""
+    ones, recorded in the manifest as fixed ("kv": {"fixed_blocks": true}: the runtime then
+    loads the pools at exactly those counts). The build asks for it where `fixed_pools` says
+    (under tensor parallelism only then do decode steps run the Pallas kernel:
+    lower.decode_kernel_fits); benchmarks/tpu_cost_report.py --static-pools also at TP = 1."""
     if max(prefill_buckets) != ir.max_chunk:
         raise ValueError("the largest prefill bucket must equal the IR's max_chunk")
     if draft_tokens + 1 > ir.max_chunk or (ir.assistant and not draft_tokens):
@@ -215,6 +229,7 @@ def lower_to_xla(ir: ModelIR, *, max_seqs: int, prefill_buckets: tuple[int, ...]
             "pools": [{"key": key, "kind": kind, "layers": count, "block_shape": list(block),
                        "dtype": _dtype_name(dtype)}
                       for key, (kind, count, block, dtype) in cache_pools(ir, plan, tp).items()],
+            **({"fixed_blocks": True} if static_pools else {}),
         },
         "layer_groups": [{"start": g.start, "period": g.period, "count": g.count}
                          for g in plan.groups],

@@ -559,7 +559,8 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     the kernel runs in shard_map, and a shard_map operand with a symbolic dimension (an
     artifact's pools: their block counts are chosen at load) makes XLA's shape refinement
     crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax 0.10.2 /
-    libtpu 0.0.42.1; docs/TPU_COST.md), so a tensor-parallel artifact keeps the XLA
+    libtpu 0.0.42.1; docs/TPU_COST.md), so the build exports tensor-parallel programs for
+    TPU alone with their pools fixed (export.fixed_pools); others with a mesh keep the XLA
     lowering."""
     tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
     static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))

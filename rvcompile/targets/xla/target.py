@@ -6,7 +6,9 @@ Options: all of them (`--num-draft-tokens` and `--assistant` with `--tp` and `--
 `--decode-loop-steps` defaults to 32 steps (or the largest prefill
 bucket, if smaller); `--topology` needs tpu among the platforms and libtpu on this machine.
 --kv-cache: "int8" (passes/kv_int8) on each; "auto" is int8 beyond INT8_KV_CONTEXT tokens on
-all but the exact xla-f32.
+all but the exact xla-f32. `--tp N` (N > 1) with `--platforms tpu` exports the KV pools at
+fixed block counts, a whole sequence per decode slot (export.fixed_pools: so that decode steps
+run the Pallas kernel); rvrun loads such an artifact at those counts only.
 """
 
 from __future__ import annotations
@@ -61,14 +63,15 @@ class XlaTarget:
         return opts
 
     def lower(self, ir: ModelIR, opts: BuildOptions, log: Log, phases: Phases) -> Lowered:
-        from rvcompile.targets.xla.export import lower_to_xla
+        from rvcompile.targets.xla.export import fixed_pools, lower_to_xla
 
         with phases.phase("export StableHLO"):
             lowering = lower_to_xla(ir, max_seqs=opts.max_seqs,
                                     prefill_buckets=opts.prefill_buckets,
                                     platforms=opts.platforms, tp=opts.tp,
                                     decode_loop_steps=opts.decode_loop_steps,
-                                    draft_tokens=opts.draft_tokens)
+                                    draft_tokens=opts.draft_tokens,
+                                    static_pools=fixed_pools(opts.platforms, opts.tp))
         programs_blob, program_index = concat(lowering.programs)
         devices = {"min_devices": opts.tp} if opts.tp > 1 else {}
         sections, precompiled = {"programs": programs_blob}, {}
@@ -95,6 +98,11 @@ class XlaTarget:
         if drafter is not None:
             info["assistant"] = drafter
             lines += _drafter_lines(drafter)
+        if x["kv"].get("fixed_blocks"):
+            info["fixed_kv_blocks"] = {k: v["default_blocks"] for k, v in x["kv"]["kinds"].items()}
+            lines.append(field_line("kv_blocks", "fixed at build: " + ", ".join(
+                f"{n} {k}" for k, n in info["fixed_kv_blocks"].items()) + " (rvrun takes no "
+                "other)"))
         if info["mesh"]:
             lines += _mesh_lines(info["mesh"])
         if info["precompiled"]:
