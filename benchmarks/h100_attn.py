@@ -1,7 +1,8 @@
 """Paged decode attention on the GPU at 31B and E4B shapes: the 31B's sliding layers (head dim
 256, group 2, window 1024) and full K=V layers (head dim 512, group 8), the E4B's sliding (256,
 group 4, window 512) and full layers (512, group 4), bf16 or FP8 pools, over batches and
-contexts; time of the split kernel + combine (median of 50, CUDA events), and GB/s of the K/V
+contexts; time of the split kernel + combine, or with one split the kernel alone writing the
+output (as the lowering launches both; median of 50, CUDA events), and GB/s of the K/V
 bytes the step must read (a K=V layer's one pool counted once). Both split kernels are timed:
 attn_decode.cu's ("split": what bf16/e4m3 plans launch for layers without K=V) and
 attn_prefill.cu's tensor-core decode entries ("tc": what they launch for K=V layers).
@@ -103,17 +104,21 @@ def time_layer(ctx, kernel: str, cubin: bytes, combine_cubin: bytes, layer, batc
     n = len(pools)
     table_args = [p[1 + n], ctypes.c_int(table.shape[1]), ctypes.c_int(ring), p[2 + n],
                   ctypes.c_int(window), ctypes.c_int(kh)]
-    args = [p[0], *p[1:1 + n], *table_args, *p[3 + n:], ctypes.c_uint64(acc.ptr),
-            ctypes.c_uint64(ml.ptr), ctypes.c_uint64(0), ctypes.c_uint64(0)]
+    null = ctypes.c_uint64(0)
+    # one split: the kernel writes out itself and no combine runs, as the lowering launches it
+    outs = [null, null, ctypes.c_uint64(out.ptr), null] if splits == 1 else [
+        ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), null, null]
+    args = [p[0], *p[1:1 + n], *table_args, *p[3 + n:], *outs]
     comb = ad.combine_geometry(batch, nh, d, splits)
     cargs = [ctypes.c_uint64(acc.ptr), ctypes.c_uint64(ml.ptr), ctypes.c_int(splits),
-             ctypes.c_int(d), ctypes.c_uint64(out.ptr), ctypes.c_uint64(0)]
+             ctypes.c_int(d), ctypes.c_uint64(out.ptr), null]
 
-    def both():
+    def step():
         ctx.launch(fn, split.grid, split.block, split.smem, args)
-        ctx.launch(combine, comb.grid, comb.block, comb.smem, cargs)
+        if splits > 1:
+            ctx.launch(combine, comb.grid, comb.block, comb.smem, cargs)
 
-    us = median_us(ctx, both)
+    us = median_us(ctx, step)
     kv_bytes = batch * keys * kh * d * (1 if fp8 else 2) * (1 if keqv else 2)
     for x in (*bufs, acc, ml, out):
         ctx.free(x)
