@@ -424,6 +424,8 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
             "pool layers unlike the program": _set((*x, "kv", "pools", 0, "layers"), 1000),
             "pool dtype unknown": _set((*x, "kv", "pools", 0, "dtype"), "complex64"),
             "fixed_blocks not a bool": _set((*x, "kv", "fixed_blocks"), "yes"),
+            "fixed_blocks null": _set((*x, "kv", "fixed_blocks"), None),
+            "fixed_blocks a number": _set((*x, "kv", "fixed_blocks"), 1),
             "pools fixed, the program's symbolic": _set((*x, "kv", "fixed_blocks"), True),
             "mesh naming no arrays": _set((*x, "mesh"), {"axis": "tp", "size": 2,
                                                          "weights": {}, "pools": {}}),
