@@ -235,19 +235,29 @@ def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="sp
 
 ONE_SPLIT_CASES = [c for c in CASES if c[0] in (
     "31B sliding, 3 sequences", "E4B full", "tiny sliding, window 16", "d128 group 16")]
+# the entries that score on tensor cores (head dim 256, groups 1, 2, 4) and their neighbours
+TC_SCORE_CASES = [c for c in CASES if c[0] in (
+    "31B sliding, window wrapped", "31B sliding, 3 sequences", "E4B sliding", "E4B full",
+    "d256 group 1 sliding, 5 lanes")]
+# (case, e4m3 pools, kernel): bf16 pools on both split kernels; e4m3 pools of the
+# tensor-core-scored entries on attn_decode.cu's
+ONE_SPLIT_PARAMS = ([(c, False, kernel) for c in ONE_SPLIT_CASES for kernel in ("split", "tc")]
+                    + [(c, True, "split") for c in TC_SCORE_CASES])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "tc"])
-@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", ONE_SPLIT_CASES,
-                         ids=[c[0] for c in ONE_SPLIT_CASES])
-def test_one_split_writes_the_combines_result(name, batch, kv_heads, group, d, lens, window,
-                                              kernel) -> None:
+@pytest.mark.parametrize("case,fp8,kernel", ONE_SPLIT_PARAMS,
+                         ids=[f"{c[0]}-{'fp8' if f else 'bf16'}-{k}"
+                              for c, f, k in ONE_SPLIT_PARAMS])
+def test_one_split_writes_the_combines_result(case, fp8, kernel) -> None:
     """With one split the lowering hands out to the split kernel and launches no combine: the
     same bits as the split kernel's partials through the combine, bf16 copy included."""
+    name, batch, kv_heads, group, d, lens, window = case
     ctx = h100_context()
-    rng = np.random.default_rng(zlib.crc32(f"one split {name}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"one split {'fp8 ' if fp8 else ''}{name}".encode()))
     q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
+    if fp8:
+        k, v = to_e4m3(k), to_e4m3(v)
     combined = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=1)
     direct = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, kernel, splits=1,
                         direct=True)
@@ -718,11 +728,6 @@ def test_qkv_post_fp8_writes_the_reference_bytes(name, nh, kh, d, k_eq_v, window
     assert np.nanmax(np.abs(want_k.astype(np.float32))) == 448.0 or k_eq_v  # NaN: unwritten
 
 
-# the entries that score on tensor cores (head dim 256, groups 1, 2, 4) and their neighbours
-POISON_CASES = [c for c in CASES if c[0] in (
-    "31B sliding, window wrapped", "31B sliding, 3 sequences", "E4B sliding", "E4B full",
-    "d256 group 1 sliding, 5 lanes")]
-
 
 def poison_unseen(k, v, table, ring, lens, window):
     """K and V pools with every row no query sees set to NaN (e4m3 0x7f, a bf16 NaN): stale or
@@ -741,8 +746,8 @@ def poison_unseen(k, v, table, ring, lens, window):
 @pytest.mark.parametrize("kernel", ["split", "tc"])
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", POISON_CASES,
-                         ids=[c[0] for c in POISON_CASES])
+@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", TC_SCORE_CASES,
+                         ids=[c[0] for c in TC_SCORE_CASES])
 def test_attn_decode_reads_only_visible_keys(name, batch, kv_heads, group, d, lens, window,
                                              fp8, splits, kernel) -> None:
     """NaN in every pool row outside the visible keys (the rest of a partly filled block, a
@@ -762,20 +767,3 @@ def test_attn_decode_reads_only_visible_keys(name, batch, kv_heads, group, d, le
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < SPLIT_BOUND[kernel], rel
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens,window", POISON_CASES,
-                         ids=[c[0] for c in POISON_CASES])
-def test_one_split_fp8_writes_the_combines_result(name, batch, kv_heads, group, d, lens,
-                                                  window) -> None:
-    """The tensor-core-scored _fp8 entries keep the lone split's contract: the same bits as
-    their partials through the combine."""
-    ctx = h100_context()
-    rng = np.random.default_rng(zlib.crc32(f"one split fp8 {name}".encode()))
-    q, k, v, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, window)
-    k, v = to_e4m3(k), to_e4m3(v)
-    combined = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, splits=1)
-    direct = run_kernel(ctx, q, k, v, table, ring, lens_arr, window, splits=1, direct=True)
-    assert np.isfinite(direct).all()
-    assert np.array_equal(direct.view(np.uint32), combined.view(np.uint32))
