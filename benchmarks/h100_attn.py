@@ -3,9 +3,11 @@
 group 4, window 512) and full layers (512, group 4), bf16 or FP8 pools, over batches and
 contexts; time of the split kernel + combine, or with one split the kernel alone writing the
 output (as the lowering launches both; median of 50, CUDA events), and GB/s of the K/V
-bytes the step must read (a K=V layer's one pool counted once). Both split kernels are timed:
-attn_decode.cu's ("split": what bf16/e4m3 plans launch for layers without K=V) and
-attn_prefill.cu's tensor-core decode entries ("tc": what they launch for K=V layers).
+bytes the step must read (a K=V layer's one pool counted once). Every split kernel is timed:
+attn_decode.cu's ("split": what bf16/e4m3 plans launch for layers without K=V), attn_prefill.cu's
+tensor-core decode entries ("tc": what they launch for other K=V layers) and attn_decode.cu's K=V
+tensor-core entries ("mma": what they launch for the full K=V layers at head dim 512; "-" for the
+layers they do not take).
 
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
                                    [--cubin OTHER.cubin ...] [--tc-cubin OTHER.cubin ...]
@@ -76,13 +78,19 @@ def make_pools(batch: int, kh: int, g: int, d: int, context: int, window: int, f
 
 
 def time_layer(ctx, kernel: str, cubin: bytes, combine_cubin: bytes, layer, batch: int,
-               context: int, fp8: bool) -> dict:
+               context: int, fp8: bool) -> dict | None:
     name, kh, g, d, window, keqv = layer
     q, k, v, table, ring, lens = make_pools(batch, kh, g, d, context, window, fp8)
     kv = "float8_e4m3fn" if fp8 else "bfloat16"
     keys = len(ad.visible_tokens(context, window))
     splits = ad.num_splits(batch, kh, min(ad_max_keys(window), 2048), ctx.sm_count)
-    if kernel == "tc":
+    if kernel == "mma":
+        inv_freq = RopeSpec(1e6, 0.25).inv_freq(d)
+        if not (keqv and ad.keqv_mma_fits(d, g, kv, inv_freq)):
+            return None
+        fn = ctx.load_function(cubin, ad.entry_keqv_mma(d, g, kv))
+        split = ad.split_geometry(batch, kh, splits)
+    elif kernel == "tc":
         name_of = ap.decode_entry_keqv if keqv else ap.decode_entry
         fn = ctx.load_function(cubin, name_of(d, g, kv))
         split = ap.decode_geometry(batch, kh, splits, d, keqv)
@@ -166,7 +174,8 @@ def main() -> None:
     except CudaError as e:  # no GPU here
         parser.exit(2, f"h100_attn.py: error: {e}\n")
     split_cubin = compile_cubin(ad.SOURCE)
-    cubins = {"split": ("split", split_cubin), "tc": ("tc", compile_cubin(ap.SOURCE)), **others}
+    cubins = {"split": ("split", split_cubin), "tc": ("tc", compile_cubin(ap.SOURCE)),
+              "mma": ("mma", split_cubin), **others}
     rows = []
     print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
           + " ".join(f"{k[:12] + ' us':>15} {'GB/s':>6}" for k in cubins), flush=True)
@@ -178,9 +187,10 @@ def main() -> None:
                        for k, (kind, c) in cubins.items()}
                 first = next(iter(got.values()))
                 print(f"{layer[0]:13} {batch:4d} {context:5d} {first['splits']:6d} "
-                      + " ".join(f"{r['us']:15.1f} {r['gb_s']:6.0f}" for r in got.values()),
+                      + " ".join(f"{'-':>15} {'-':>6}" if r is None else
+                                 f"{r['us']:15.1f} {r['gb_s']:6.0f}" for r in got.values()),
                       flush=True)
-                rows.append({"cubin": {k: r["us"] for k, r in got.items()}, **first})
+                rows.append({"cubin": {k: r and r["us"] for k, r in got.items()}, **first})
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -73,6 +73,10 @@ def split_kernel(ctx, kernel: str, d: int, group: int, kv_dtype: str, keqv: bool
         name = (ad.entry_keqv if keqv else ad.entry)(d, group, kv_dtype)
         return (ctx.load_function(compile_cubin(ad.SOURCE), name),
                 ad.split_geometry(batch, kv_heads, splits))
+    if kernel == "mma":  # attn_decode.cu's K=V tensor-core entries
+        assert keqv
+        return (ctx.load_function(compile_cubin(ad.SOURCE), ad.entry_keqv_mma(d, group, kv_dtype)),
+                ad.split_geometry(batch, kv_heads, splits))
     name = (ap.decode_entry_keqv if keqv else ap.decode_entry)(d, group, kv_dtype)
     fn = ctx.load_function(compile_cubin(ap.SOURCE), name)
     geo = ap.decode_geometry(batch, kv_heads, splits, d, keqv)
@@ -84,7 +88,9 @@ def split_kernel(ctx, kernel: str, d: int, group: int, kv_dtype: str, keqv: bool
 # the relative error each split kernel is held to: float32 throughout for attn_decode.cu's (its
 # __expf and split order differ from the reference); the tensor-core entries' bf16 mma with P
 # (and K=V's K) split hi + lo, attn_prefill's bound (set before any GPU run of either)
-SPLIT_BOUND = {"split": 1e-5, "tc": 5e-5}
+# attn_decode.cu's K=V tensor-core entries ("mma") split q * wk, derived K and P hi + lo: the
+# tc entries' bound (set before any GPU run)
+SPLIT_BOUND = {"split": 1e-5, "tc": 5e-5, "mma": 5e-5}
 
 
 def run_kernel(ctx, q, k, v, table, ring, lens, window, kernel="split", splits=None,
@@ -175,13 +181,23 @@ KEQV_CASES = [  # (name, batch, kv_heads, group, head_dim, seq_lens): full layer
 ]
 
 
+
+
+def keqv_params(cases):
+    """(case, kernel) pairs: every K=V case on both split kernels, and on attn_decode.cu's
+    tensor-core entries where they exist (head dim 512, groups 8 and 16)."""
+    return [(c, k) for c in cases for k in ("split", "tc", "mma")
+            if k != "mma" or (c[4] == 512 and c[3] in ad.KEQV_MMA_GROUPS)]
+
+
+KEQV_PARAMS = keqv_params(KEQV_CASES)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "tc"])
-@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens", KEQV_CASES,
-                         ids=[c[0] for c in KEQV_CASES])
-def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, lens,
-                                            kernel) -> None:
+@pytest.mark.parametrize("case,kernel", KEQV_PARAMS, ids=[f"{c[0]}-{k}" for c, k in KEQV_PARAMS])
+def test_attn_decode_keqv_matches_reference(case, kernel) -> None:
     """One pool of normalised bases; K = rope(base * wk) at each key's position, V = base."""
+    name, batch, kv_heads, group, d, lens = case
     got, want = _run_keqv_decode(np.random.default_rng(zlib.crc32(name.encode())), batch,
                                  kv_heads, group, d, lens, fp8=False, kernel=kernel)
     assert np.isfinite(got).all()
@@ -190,10 +206,10 @@ def test_attn_decode_keqv_matches_reference(name, batch, kv_heads, group, d, len
 
 
 def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="split",
-                     splits=None, direct=False):
+                     splits=None, direct=False, poison=False):
     """(GPU output, reference) of a K=V split-KV decode kernel and its combine on one random
     case; `fp8`: the base pool in e4m3 (the `_fp8` entry); `direct` (one split): the split kernel
-    writing out itself, no combine."""
+    writing out itself, no combine; `poison`: every pool row no query sees NaN."""
     from rvcompile.model.config import RopeSpec
     from rvcompile.targets.h100.nvcc import compile_cubin
 
@@ -201,6 +217,8 @@ def _run_keqv_decode(rng, batch, kv_heads, group, d, lens, fp8: bool, kernel="sp
     q, base, _, table, ring, lens_arr = make_case(rng, batch, kv_heads, group, d, lens, 0)
     if fp8:
         base = to_e4m3(base)
+    if poison:
+        base = poison_unseen(base, base, table, ring, lens_arr, 0)[0]
     wk = rng.uniform(0.5, 1.5, d).astype(np.float32)
     inv_freq = np.asarray(RopeSpec(1e6, 0.25).inv_freq(d), np.float32)
     cubin = compile_cubin(ad.SOURCE)
@@ -266,7 +284,7 @@ def test_one_split_writes_the_combines_result(case, fp8, kernel) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "tc"])
+@pytest.mark.parametrize("kernel", ["split", "tc", "mma"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_one_split_keqv_writes_the_combines_result(kernel, fp8) -> None:
     name, batch, kv_heads, group, d, lens = KEQV_CASES[1]  # 26B-A4B, 2 sequences
@@ -633,12 +651,14 @@ def test_attn_decode_fp8_matches_reference(name, batch, kv_heads, group, d, lens
     assert rel < SPLIT_BOUND[kernel], rel
 
 
+FP8_KEQV_PARAMS = keqv_params(KEQV_CASES[:4])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "tc"])
-@pytest.mark.parametrize("name,batch,kv_heads,group,d,lens", KEQV_CASES[:4],
-                         ids=[c[0] for c in KEQV_CASES[:4]])
-def test_attn_decode_keqv_fp8_matches_reference(name, batch, kv_heads, group, d, lens,
-                                                kernel) -> None:
+@pytest.mark.parametrize("case,kernel", FP8_KEQV_PARAMS,
+                         ids=[f"{c[0]}-{k}" for c, k in FP8_KEQV_PARAMS])
+def test_attn_decode_keqv_fp8_matches_reference(case, kernel) -> None:
+    name, batch, kv_heads, group, d, lens = case
     got, want = _run_keqv_decode(np.random.default_rng(zlib.crc32(f"fp8 {name}".encode())),
                                  batch, kv_heads, group, d, lens, fp8=True, kernel=kernel)
     assert np.isfinite(got).all()
@@ -767,3 +787,77 @@ def test_attn_decode_reads_only_visible_keys(name, batch, kv_heads, group, d, le
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < SPLIT_BOUND[kernel], rel
+
+
+# the K=V tensor-core entries' shapes (head dim 512: the 31B's, the 26B-A4B's two sequences, the
+# 12B's group 16) on the kernels that run them
+KEQV_POISON_PARAMS = [p for p in keqv_params(KEQV_CASES[:3]) if p[1] != "split"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("case,kernel", KEQV_POISON_PARAMS,
+                         ids=[f"{c[0]}-{k}" for c, k in KEQV_POISON_PARAMS])
+def test_attn_decode_keqv_reads_only_visible_keys(case, kernel, fp8, splits) -> None:
+    """NaN in every base row no query sees (a full layer's partly filled last block, other
+    sequences' blocks): the reference's result, with the planned splits and with one split."""
+    name, batch, kv_heads, group, d, lens = case
+    got, want = _run_keqv_decode(np.random.default_rng(zlib.crc32(f"poison {name}".encode())),
+                                 batch, kv_heads, group, d, lens, fp8, kernel, splits=splits,
+                                 direct=splits == 1, poison=True)
+    assert np.isfinite(want).all()
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < SPLIT_BOUND[kernel], rel
+
+
+def test_keqv_mma_entries_take_only_quarter_rotary_rope() -> None:
+    """The K=V tensor-core entries fold the unrotated pairs' K into q, so they exist for head
+    dim 512 at groups 8 and 16 and take rope rotating only the first 64 pairs (Gemma 4's full
+    layers); the lowering asks keqv_mma_fits, the reference refuses other frequencies."""
+    from rvcompile.model.config import RopeSpec
+    from rvcompile.targets.h100.contract import Call
+    from rvcompile.targets.h100.nvcc import KERNEL_DIR
+
+    quarter, whole = RopeSpec(1e6, 0.25).inv_freq(512), RopeSpec(1e6, 1.0).inv_freq(512)
+    assert ad.keqv_mma_fits(512, 8, "float8_e4m3fn", quarter)
+    assert ad.keqv_mma_fits(512, 16, "bfloat16", quarter)
+    assert not ad.keqv_mma_fits(512, 8, "bfloat16", whole)
+    assert not ad.keqv_mma_fits(512, 4, "bfloat16", quarter)
+    assert not ad.keqv_mma_fits(512, 8, "float32", quarter)
+    assert not ad.keqv_mma_fits(256, 8, "bfloat16", RopeSpec(1e6, 0.25).inv_freq(256))
+    assert ad.entry_keqv_mma(512, 16, "float8_e4m3fn") == "attn_decode_keqv_mma_d512_g16_fp8"
+    with pytest.raises(ValueError, match="head_dim 256"):
+        ad.entry_keqv_mma(256, 8)
+    src = (KERNEL_DIR / ad.SOURCE).read_text()
+    made = set(re.findall(r"^KEQV_MMA_ENTRY\((\d+), (_fp8)?, (true|false)\)$", src, re.M))
+    assert made == {(str(g), s, t) for g in ad.KEQV_MMA_GROUPS
+                    for s, t in (("", "false"), ("_fp8", "true"))}
+    (entry,) = [e for e in ad.ENTRIES if e.name == "attn_decode_keqv_mma_d512_g8"]
+    rng = np.random.default_rng(0)
+    arrays = {"q": rng.normal(0, 0.15, (1, 8, 512)).astype(ml_dtypes.bfloat16),
+              "base": rng.normal(0, 1, (2, 16, 1, 512)).astype(ml_dtypes.bfloat16),
+              "table": np.array([[1, 0]], np.int32), "seq_len": np.array([20], np.int32),
+              "wk": np.ones(512, np.float32), "inv_freq": np.asarray(whole, np.float32),
+              "out": np.zeros((1, 8, 512), np.float32)}
+
+    def launch(arrays):
+        """The entry's reference over an arena holding `arrays`; out as it wrote it."""
+        offsets, at = {}, 0
+        for name, x in arrays.items():
+            offsets[name], at = at, at + -(-x.nbytes // 256) * 256
+        arena = np.zeros(at, np.uint8)
+        for name, x in arrays.items():
+            arena[offsets[name]:offsets[name] + x.nbytes] = np.frombuffer(x.tobytes(), np.uint8)
+        args = dict(offsets, max_blocks=2, ring=2, window=0, kv_heads=1, part_acc=None,
+                    part_ml=None, out_bf16=None)
+        entry.reference(Call(entry, (1, 1, 1), args, arena))
+        return arena[offsets["out"]:offsets["out"] + 8 * 512 * 4].view(np.float32)
+
+    with pytest.raises(ValueError, match="inv_freq is nonzero beyond pair 64"):
+        launch(arrays)
+    got = launch(dict(arrays, inv_freq=np.asarray(quarter, np.float32)))
+    want = ad.reference_keqv(arrays["q"], arrays["base"], arrays["table"], 2, arrays["seq_len"],
+                             0, arrays["wk"], np.asarray(quarter, np.float32))
+    assert np.array_equal(got, want.ravel())

@@ -58,6 +58,12 @@ And again when gemv_mma_fp8 took 8-warp CTAs from 5 token rows (issue 14): in 19
 gemv_mma_fp8_* launches changed entry, grid, block and shared memory only, each new launch equal
 to gemv_mma_fp8.launch_geometry of its M, N, K; every other launch and everything else are
 unchanged (checked case by case against dumps at 1ce10ec).
+And again when the full K=V layers at head dim 512 (groups 8 and 16, quarter-rotary rope) took
+attn_decode.cu's K=V tensor-core entries (issue 14): in 13 cases 733 attn_decode_tc_keqv_d512_*
+launches (module attn_prefill.cu, 99,840 bytes of dynamic shared memory) became the
+attn_decode_keqv_mma_d512_* of the same group and pool dtype (module attn_decode.cu, no dynamic
+shared memory) with the same grid, block and arguments; every other launch and everything else
+are unchanged (checked case by case against dumps at 621a986).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

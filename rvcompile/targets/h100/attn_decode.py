@@ -53,6 +53,26 @@ def entry_keqv(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
     return entry(head_dim, group, kv_dtype).replace("attn_decode_", "attn_decode_keqv_")
 
 
+KEQV_MMA_GROUPS = (8, 16)
+
+
+def entry_keqv_mma(head_dim: int, group: int, kv_dtype: str = "bfloat16") -> str:
+    """The K=V tensor-core entry (head dim 512, groups 8 and 16, bf16 or e4m3 pools): the K=V
+    split contract for rope that rotates only the first head_dim / 8 pairs (`keqv_mma_fits`)."""
+    if head_dim != 512 or group not in KEQV_MMA_GROUPS or kv_dtype == "float32":
+        raise ValueError(f"no K=V tensor-core decode attention for head_dim {head_dim}, group "
+                         f"{group}, KV dtype {kv_dtype}")
+    return entry_keqv(head_dim, group, kv_dtype).replace("_keqv_", "_keqv_mma_")
+
+
+def keqv_mma_fits(head_dim: int, group: int, kv_dtype: str, inv_freq) -> bool:
+    """Whether a K=V layer can take `entry_keqv_mma`: its shape, and rope frequencies that are
+    zero from pair head_dim / 8 on (Gemma 4's partial rotary factor 0.25), since the kernel
+    folds the unrotated pairs' K into q."""
+    return (head_dim == 512 and group in KEQV_MMA_GROUPS and kv_dtype != "float32"
+            and not np.any(np.asarray(inv_freq, np.float32)[head_dim // 8:]))
+
+
 def num_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int) -> int:
     """Enough (sequence, KV head, split) CTAs for two waves, but at least 32 keys a split."""
     want = -(-2 * sm_count // (batch * kv_heads))
@@ -157,6 +177,15 @@ def split_reference(d: int, g: int, c: Call) -> None:
         out_bf16[:] = out.astype(out_bf16.dtype)
 
 
+def keqv_mma_reference(g: int, c: Call) -> None:
+    """`entry_keqv_mma`'s launch: the K=V split reference, for frequencies the kernel takes."""
+    inv_freq = c.array("inv_freq", (256,))
+    if np.any(inv_freq[512 // 8:]):
+        raise ValueError("attn_decode_keqv_mma: inv_freq is nonzero beyond pair 64 (the kernel "
+                         "rotates only the first head_dim / 8 pairs)")
+    split_reference(512, g, c)
+
+
 def _combine_call(c: Call) -> None:
     bh, splits, d = c.grid[0], c["splits"], c["d"]
     acc = c.array("part_acc", (bh, splits, d))
@@ -194,6 +223,10 @@ def _entries():
                             partial(split_reference, d, g))
                 yield Entry(entry_keqv(d, g, kv), SOURCE, split_params(kv, True),
                             partial(split_reference, d, g))
+    for g in KEQV_MMA_GROUPS:
+        for kv in KV_DTYPES[:2]:
+            yield Entry(entry_keqv_mma(512, g, kv), SOURCE, split_params(kv, True),
+                        partial(keqv_mma_reference, g))
     yield Entry(COMBINE_ENTRY, SOURCE,
                 (ptr("part_acc", "float32"), ptr("part_ml", "float32"), i32("splits"), i32("d"),
                  ptr("out", "float32", "out"), ptr("out_bf16", "bfloat16", "out", nullable=True)),

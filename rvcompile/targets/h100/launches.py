@@ -652,7 +652,11 @@ class EntryLowering:
                       part_acc=part_acc, part_ml=part_ml,
                       out=x.out(row0) if alone else None,
                       out_bf16=x.out_bf16(row0) if alone else None)
-        if a.k_eq_v and kv_dtype != "float32":
+        if a.k_eq_v and attn_decode.keqv_mma_fits(d, nh // kh, kv_dtype, a.rope.inv_freq):
+            self.emit(attn_decode.entry_keqv_mma(d, nh // kh, kv_dtype),
+                      attn_decode.split_geometry(rows, kh, splits), base=k_pool, wk=wkv,
+                      inv_freq=inv_freq, **common)
+        elif a.k_eq_v and kv_dtype != "float32":
             self.emit(attn_prefill.decode_entry_keqv(d, nh // kh, kv_dtype),
                       attn_prefill.decode_geometry(rows, kh, splits, d, True), base=k_pool,
                       wk=wkv, inv_freq=inv_freq, **common)

@@ -24,6 +24,18 @@ namespace {
 constexpr int BS = 16;
 constexpr int WARPS = 4;
 
+// The keys [s0, s1) split `split` of `splits` takes of sequence b's visible keys (its query at
+// seq_len[b] - 1 sees the window before it; window 0: all): equal shares, the last one shorter
+// or empty
+__device__ __forceinline__ void split_keys(const int* __restrict__ seq_len, int b, int window,
+                                           int split, int splits, int& s0, int& s1) {
+    const int pos = seq_len[b] - 1;
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int per = (pos - lo + splits) / splits;
+    s0 = lo + split * per;
+    s1 = min(pos + 1, s0 + per);
+}
+
 template <int VEC>
 __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float out[VEC]) {
     if constexpr (VEC >= 8) {
@@ -202,10 +214,8 @@ __device__ void attn_partial(const typename Query<F32>::type* __restrict__ q,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int hc = warp % HS, kl = warp / HS;
     const int nh = kv_heads * G;
-    const int pos = seq_len[b] - 1;
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int per = (pos - lo + splits) / splits;
-    const int s0 = lo + split * per, s1 = min(pos + 1, s0 + per);
+    int s0, s1;
+    split_keys(seq_len, b, window, split, splits, s0, s1);
 
     float qr[GW][VEC], acc[GW][VEC], m[GW], l[GW];
 #pragma unroll
@@ -434,10 +444,8 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
     const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nh = kv_heads * G;
-    const int pos = seq_len[b] - 1;
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int per = (pos - lo + splits) / splits;
-    const int s0 = lo + split * per, s1 = min(pos + 1, s0 + per);
+    int s0, s1;
+    split_keys(seq_len, b, window, split, splits, s0, s1);
 
     const int* row_table = table + (size_t)b * max_blocks;
     // keys outside [s0, s1) are not read: K's give no score and V's are zeros, so stale or
@@ -581,6 +589,396 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
                       out_bf16);
 }
 
+// ------------------------------------------------------------------ K=V layers on tensor cores
+// The K=V entries at head dim 512 with groups 8 and 16 (the full layers of the 31B, 26B-A4B and
+// 12B), `attn_decode_keqv_mma_*`: attn_decode_keqv's contract with one precondition, that only
+// the first D / 8 rope pairs rotate (inv_freq[i] = 0 from i = 64: Gemma 4's partial rotary 0.25;
+// the lowering checks it, the reference refuses anything else). Everything is in registers:
+// - Scores S = Q . K^T per 16-key cache block, mma.sync m16n8k16 (rows: the group's heads, for
+//   group 8 rows 8-15 zero; columns: the block's keys; f32 sums). The CTA's 4 warps each take a
+//   quarter of the 256 rope pairs (a pair: dim i and its partner i + 256; thread t of a warp 16
+//   of them, 16 contiguous dims and their partners) and sum their partial scores through shared
+//   memory, one barrier a block. Three warps hold unrotated pairs, where K = base * wk: wk is
+//   folded into q once (q * wk in f32, split hi + lo), so the stored base meets q's two halves
+//   as it is (e4m3 widened to f16 exactly; bf16 pools in a bf16 mma). The fourth warp (a
+//   different one per CTA, so an SM's CTAs spread that work over its four schedulers) derives
+//   K = rope(base * wk, t) of the rotated pairs in f32, rounded step by step as ops.ref_rope,
+//   split hi + lo, against q.
+// - P.V as O^T = V^T . P^T (rows: dims, 16 per m-tile; columns: heads, 8 per n-tile; k: the 16
+//   keys), the C fragments of S being exactly P^T's B fragments; P split hi + lo. Each warp owns
+//   128 output dims, so no merge: every warp computes the same softmax from the same summed
+//   scores. V^T's A fragments pair two keys' bytes of one dim (a byte permute of two loads).
+// This replaces attn_prefill.cu's tensor-core decode tile loop for these layers, which derived
+// K for all 512 dims through shared memory tiles (12.5% occupancy, 3.5-7% of DRAM, H200 ncu).
+template <bool FP8>
+__device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+    if constexpr (FP8) {
+        mma_f16(c, a, b0, b1);
+    } else {
+        mma_bf16(c, a, b0, b1);
+    }
+}
+
+// (x, y) as the mma's 16-bit pair (f16 for the e4m3 entries, bf16 for the bf16 ones) and what
+// that rounding left out, likewise rounded
+template <bool FP8>
+__device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint32_t& lo) {
+    if constexpr (FP8) {
+        const __half2 h = __floats2half2_rn(x, y);
+        const float2 back = __half22float2(h);
+        const __half2 r = __floats2half2_rn(x - back.x, y - back.y);
+        hi = *reinterpret_cast<const uint32_t*>(&h);
+        lo = *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        const float2 back = __bfloat1622float2(h);
+        const __nv_bfloat162 r = __floats2bfloat162_rn(x - back.x, y - back.y);
+        hi = *reinterpret_cast<const uint32_t*>(&h);
+        lo = *reinterpret_cast<const uint32_t*>(&r);
+    }
+}
+
+// Four pool elements (one 4-byte word of e4m3, two of bf16) -> the mma's two 16-bit pairs
+template <bool FP8>
+__device__ __forceinline__ void pool_pairs(const uint32_t* words, uint32_t& p01, uint32_t& p23) {
+    if constexpr (FP8) {
+        p01 = e4m3x2_f16x2(words[0]);
+        p23 = e4m3x2_f16x2(words[0] >> 16);
+    } else {
+        p01 = words[0];
+        p23 = words[1];
+    }
+}
+
+__device__ __forceinline__ float2 pair_f32(uint32_t p, bool fp8) {
+    return fp8 ? __half22float2(*reinterpret_cast<const __half2*>(&p))
+               : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p));
+}
+
+template <int G, bool FP8>
+__device__ void attn_keqv_mma(const __nv_bfloat16* __restrict__ q,
+                              const typename Elem<FP8>::type* __restrict__ base,
+                              const int* __restrict__ table, int max_blocks, int ring,
+                              const int* __restrict__ seq_len, int window, int kv_heads,
+                              const float* __restrict__ wk, const float* __restrict__ inv_freq,
+                              float* __restrict__ part_acc, float* __restrict__ part_ml,
+                              float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
+    constexpr int D = 512, HALF = 256;
+    constexpr int HT = G / 8;                    // 8-head tiles (P.V's n-tiles, S's row halves)
+    constexpr int PIECES = FP8 ? 1 : 2;          // 16-byte loads of 16 pool elements
+    constexpr int WORDS = 4 * PIECES;            // their 4-byte words
+    static_assert(G == 8 || G == 16, "K=V tensor-core decode takes groups 8 and 16");
+    using E = typename Elem<FP8>::type;
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nh = kv_heads * G;
+    // role 0 derives the rotated pairs' K; warp w of a CTA issues from scheduler w
+    const int role = (warp + blockIdx.x + blockIdx.y + blockIdx.z) & 3;
+    const bool derive = role == 0;
+    const int chunk = 4 * role + t;  // rope pairs 16 chunk .. 16 chunk + 15
+    int s0, s1;
+    split_keys(seq_len, b, window, split, splits, s0, s1);
+    const int* row_table = table + (size_t)b * max_blocks;
+
+    // q's A fragments, k-step s: dims 16 chunk + 4s .. + 3 (s < 4), else their partners;
+    // [s][row half r: heads g + 8r][0: dims +0 +1, 1: +2 +3][0: hi (derive: q), 1: lo]
+    uint32_t qa[8][HT][2][2];
+#pragma unroll
+    for (int r = 0; r < HT; ++r) {
+        const __nv_bfloat16* qrow = q + ((size_t)b * nh + kh * G + g + 8 * r) * D;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int d0 = half * HALF + 16 * chunk;
+            const uint4* src = reinterpret_cast<const uint4*>(qrow + d0);
+            const uint4 raw[2] = {src[0], src[1]};
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {  // dims d0 + 2i, + 1
+                const int s = 4 * half + i / 2, j = i % 2;
+                if (derive) {
+                    qa[s][r][j][0] = FP8 ? bf16x2_f16x2(w[i]) : w[i];
+                    qa[s][r][j][1] = 0u;
+                } else {
+                    const float2 x = __bfloat1622float2(
+                        *reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+                    const float2 k = __ldg(reinterpret_cast<const float2*>(wk + d0 + 2 * i));
+                    split_pair<FP8>(x.x * k.x, x.y * k.y, qa[s][r][j][0], qa[s][r][j][1]);
+                }
+            }
+        }
+    }
+    const auto a_frag = [&](int s, int v, uint32_t (&a)[4]) {
+        a[0] = qa[s][0][0][v];
+        a[1] = HT > 1 ? qa[s][HT - 1][0][v] : 0u;
+        a[2] = qa[s][0][1][v];
+        a[3] = HT > 1 ? qa[s][HT - 1][1][v] : 0u;
+    };
+
+    // O^T [m-tile mt: dims 128 warp + 16 g + 2 mt (c0, c1) and + 1 (c2, c3)][head tile][c]:
+    // heads 8 ht + 2t, + 1
+    float o[8][HT][4];
+    float m[HT], l[HT];  // heads g + 8r: running max, this lane's share of the sum
+#pragma unroll
+    for (int r = 0; r < HT; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) o[mt][r][0] = o[mt][r][1] = o[mt][r][2] = o[mt][r][3] = 0.f;
+    }
+    __shared__ float4 red[2][WARPS][HT][32];
+    // keys outside [s0, s1) are not read (zeros): stale or poisoned cache bytes meet no weight
+    const int last = s1 > s0 ? (s1 - 1) / BS : -1;
+    for (int jb = s0 / BS, it = 0; jb <= last; ++jb, it ^= 1) {
+        const size_t block = row_table[jb % ring];
+        const int key0 = jb * BS;
+        const auto row = [&](int r) { return base + ((block * BS + r) * kv_heads + kh) * D; };
+        // the scores' keys g and g + 8: the chunk's 16 dims and their partners
+        uint4 kr[2][2][PIECES];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const int key = key0 + g + 8 * n;
+            const bool vis = key >= s0 && key < s1;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const uint4* src =
+                    reinterpret_cast<const uint4*>(row(g + 8 * n) + half * HALF + 16 * chunk);
+#pragma unroll
+                for (int p = 0; p < PIECES; ++p)
+                    kr[n][half][p] = vis ? src[p] : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+
+        // the warp's partial scores: [key n-tile][0: hi chain, 1: lo chain][c]
+        float sc[2][2][4] = {};
+        if (derive) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // pairs 16 chunk + 4i .. + 3: k-steps i and 4 + i
+                const int p0 = 16 * chunk + 4 * i;
+                float kw[4], kp[4], cs[4], sn[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    kw[e] = __ldg(wk + p0 + e);
+                    kp[e] = __ldg(wk + HALF + p0 + e);
+                }
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const float tpos = (float)(key0 + g + 8 * n);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float f = __ldg(inv_freq + p0 + e);
+                        sn[e] = 0.f;
+                        cs[e] = 1.f;
+                        if (f != 0.f) sincosf(__fmul_rn(tpos, f), &sn[e], &cs[e]);
+                    }
+                    uint32_t lo01, lo23, hi01, hi23;  // the pairs' two elements
+                    pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][0]) + i * PIECES,
+                                    lo01, lo23);
+                    pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][1]) + i * PIECES,
+                                    hi01, hi23);
+                    const float2 xa = pair_f32(lo01, FP8), xb = pair_f32(lo23, FP8);
+                    const float2 ya = pair_f32(hi01, FP8), yb = pair_f32(hi23, FP8);
+                    const float x[4] = {xa.x, xa.y, xb.x, xb.y}, y[4] = {ya.x, ya.y, yb.x, yb.y};
+                    float kl[4], kh2[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float xw = __fmul_rn(x[e], kw[e]), yw = __fmul_rn(y[e], kp[e]);
+                        kl[e] = __fsub_rn(__fmul_rn(xw, cs[e]), __fmul_rn(yw, sn[e]));
+                        kh2[e] = __fadd_rn(__fmul_rn(yw, cs[e]), __fmul_rn(xw, sn[e]));
+                    }
+                    uint32_t b[2][2][2];  // [low dims or partners][b0, b1][hi, lo]
+                    split_pair<FP8>(kl[0], kl[1], b[0][0][0], b[0][0][1]);
+                    split_pair<FP8>(kl[2], kl[3], b[0][1][0], b[0][1][1]);
+                    split_pair<FP8>(kh2[0], kh2[1], b[1][0][0], b[1][0][1]);
+                    split_pair<FP8>(kh2[2], kh2[3], b[1][1][0], b[1][1][1]);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        uint32_t a[4];
+                        a_frag(4 * half + i, 0, a);
+                        mma16<FP8>(sc[n][0], a, b[half][0][0], b[half][1][0]);
+                        mma16<FP8>(sc[n][1], a, b[half][0][1], b[half][1][1]);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                uint32_t ahi[4], alo[4];
+                a_frag(s, 0, ahi);
+                a_frag(s, 1, alo);
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    uint32_t b0, b1;
+                    pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][s / 4]) +
+                                        (s % 4) * PIECES,
+                                    b0, b1);
+                    mma16<FP8>(sc[n][0], ahi, b0, b1);
+                    mma16<FP8>(sc[n][1], alo, b0, b1);
+                }
+            }
+        }
+        // the CTA's scores: the four warps' partial sums, in the same order in every warp
+#pragma unroll
+        for (int r = 0; r < HT; ++r)
+            red[it][warp][r][lane] =
+                make_float4(sc[0][0][2 * r] + sc[0][1][2 * r], sc[0][0][2 * r + 1] + sc[0][1][2 * r + 1],
+                            sc[1][0][2 * r] + sc[1][1][2 * r], sc[1][0][2 * r + 1] + sc[1][1][2 * r + 1]);
+        __syncthreads();  // red[it] is next written two blocks on, after the next barrier
+        // P.V's keys 2t, 2t + 1, 2t + 8, 2t + 9: dims 128 warp + 16 g .. + 15, which the CTA's
+        // score loads brought into L1 (loaded here, not with them, to keep the scores' registers
+        // free)
+        uint4 vr[4][PIECES];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const int r = 2 * t + (kk & 1) + 8 * (kk >> 1), key = key0 + r;
+            const uint4* src = reinterpret_cast<const uint4*>(row(r) + 128 * warp + 16 * g);
+#pragma unroll
+            for (int p = 0; p < PIECES; ++p)
+                vr[kk][p] = key >= s0 && key < s1 ? src[p] : make_uint4(0u, 0u, 0u, 0u);
+        }
+        // p[r][e]: head g + 8r, key 2t + (e & 1) + 8 (e >> 1) of the block
+        float p[HT][4], alpha[HT];
+#pragma unroll
+        for (int r = 0; r < HT; ++r) {
+            float4 sum = red[it][0][r][lane];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) {
+                const float4 x = red[it][w][r][lane];
+                sum.x += x.x;
+                sum.y += x.y;
+                sum.z += x.z;
+                sum.w += x.w;
+            }
+            p[r][0] = sum.x;
+            p[r][1] = sum.y;
+            p[r][2] = sum.z;
+            p[r][3] = sum.w;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 2 * t + (e & 1) + 8 * (e >> 1);
+                if (!(key >= s0 && key < s1)) p[r][e] = -INFINITY;
+                mx = fmaxf(mx, p[r][e]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[r], mx);  // finite: every block holds a visible key
+            alpha[r] = __expf(m[r] - mn);
+            m[r] = mn;
+            l[r] *= alpha[r];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                p[r][e] = __expf(p[r][e] - mn);
+                l[r] += p[r][e];
+            }
+        }
+        // P^T's B fragments (column: head g + 8 ht) and O^T's rescale (columns: heads 2t, + 1)
+        uint32_t pb[HT][2][2];  // [ht][b0, b1][hi, lo]
+#pragma unroll
+        for (int ht = 0; ht < HT; ++ht) {
+            split_pair<FP8>(p[ht][0], p[ht][1], pb[ht][0][0], pb[ht][0][1]);
+            split_pair<FP8>(p[ht][2], p[ht][3], pb[ht][1][0], pb[ht][1][1]);
+            const float a0 = __shfl_sync(0xffffffffu, alpha[ht], 8 * t);
+            const float a1 = __shfl_sync(0xffffffffu, alpha[ht], 8 * t + 4);
+#pragma unroll
+            for (int mt = 0; mt < 8; ++mt) {
+                o[mt][ht][0] *= a0;
+                o[mt][ht][1] *= a1;
+                o[mt][ht][2] *= a0;
+                o[mt][ht][3] *= a1;
+            }
+        }
+        // V^T's A fragments: two keys' element of one dim per 16-bit pair
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) {
+            const uint32_t w0 = reinterpret_cast<const uint32_t*>(vr[0])[i];
+            const uint32_t w1 = reinterpret_cast<const uint32_t*>(vr[1])[i];
+            const uint32_t w8 = reinterpret_cast<const uint32_t*>(vr[2])[i];
+            const uint32_t w9 = reinterpret_cast<const uint32_t*>(vr[3])[i];
+            // the word's dims j (of the thread's 16): e4m3 4i .. 4i + 3, bf16 2i, 2i + 1; dim j
+            // is row g + 8 (j % 2) of m-tile j / 2
+            uint32_t a[FP8 ? 2 : 1][4];
+            if constexpr (FP8) {
+                const uint32_t lo = __byte_perm(w0, w1, 0x5140), hi = __byte_perm(w0, w1, 0x7362);
+                const uint32_t lo8 = __byte_perm(w8, w9, 0x5140), hi8 = __byte_perm(w8, w9, 0x7362);
+                a[0][0] = e4m3x2_f16x2(lo);
+                a[0][1] = e4m3x2_f16x2(lo >> 16);
+                a[0][2] = e4m3x2_f16x2(lo8);
+                a[0][3] = e4m3x2_f16x2(lo8 >> 16);
+                a[1][0] = e4m3x2_f16x2(hi);
+                a[1][1] = e4m3x2_f16x2(hi >> 16);
+                a[1][2] = e4m3x2_f16x2(hi8);
+                a[1][3] = e4m3x2_f16x2(hi8 >> 16);
+            } else {
+                a[0][0] = __byte_perm(w0, w1, 0x5410);
+                a[0][1] = __byte_perm(w0, w1, 0x7632);
+                a[0][2] = __byte_perm(w8, w9, 0x5410);
+                a[0][3] = __byte_perm(w8, w9, 0x7632);
+            }
+#pragma unroll
+            for (int u = 0; u < (FP8 ? 2 : 1); ++u) {
+                const int mt = (FP8 ? 2 : 1) * i + u;
+#pragma unroll
+                for (int ht = 0; ht < HT; ++ht) {
+                    mma16<FP8>(o[mt][ht], a[u], pb[ht][0][0], pb[ht][1][0]);
+                    mma16<FP8>(o[mt][ht], a[u], pb[ht][0][1], pb[ht][1][1]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < HT; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    // heads 8 ht + 2t + e: their (m, l) from lane 4 (2t + e), dims 128 warp + 16 g + j
+#pragma unroll
+    for (int ht = 0; ht < HT; ++ht) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float mh = __shfl_sync(0xffffffffu, m[ht], 4 * (2 * t + e));
+            const float lh = __shfl_sync(0xffffffffu, l[ht], 4 * (2 * t + e));
+            const size_t qrow = (size_t)b * nh + kh * G + 8 * ht + 2 * t + e;
+            float v[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) v[j] = o[j / 2][ht][e + 2 * (j % 2)];
+            const int d0 = 128 * warp + 16 * g;
+            if (out) {  // one split: attn_decode_combine's result, bit for bit (its weight is 1)
+                const float inv = 1.f / lh;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) v[j] *= inv;
+#pragma unroll
+                for (int j = 0; j < 16; j += 4)
+                    *reinterpret_cast<float4*>(out + qrow * D + d0 + j) =
+                        make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+                if (out_bf16) {
+#pragma unroll
+                    for (int j = 0; j < 16; j += 8) {
+                        uint4 h;
+                        uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const __nv_bfloat162 x = __floats2bfloat162_rn(v[j + 2 * k], v[j + 2 * k + 1]);
+                            hw[k] = *reinterpret_cast<const uint32_t*>(&x);
+                        }
+                        *reinterpret_cast<uint4*>(out_bf16 + qrow * D + d0 + j) = h;
+                    }
+                }
+                continue;
+            }
+            const size_t part = qrow * splits + split;
+#pragma unroll
+            for (int j = 0; j < 16; j += 4)
+                *reinterpret_cast<float4*>(part_acc + part * D + d0 + j) =
+                    make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+            if (warp == 0 && g == 0) {
+                part_ml[part * 2] = mh;
+                part_ml[part * 2 + 1] = lh;
+            }
+        }
+    }
+}
+
 // A split entry: the tensor-core scores where they apply, else the f32 loop.
 template <int D, int G, bool FP8, bool F32>
 __device__ __forceinline__ void attn_split(const typename Query<F32>::type* __restrict__ q,
@@ -654,6 +1052,24 @@ ATTN_ENTRY(512, 2)
 ATTN_ENTRY(512, 4)
 ATTN_ENTRY(512, 8)
 ATTN_ENTRY(512, 16)
+
+// the K=V tensor-core entries (attn_keqv_mma): head dim 512, groups 8 and 16
+#define KEQV_MMA_ENTRY(G, SUFFIX, FP8)                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        attn_decode_keqv_mma_d512_g##G##SUFFIX(                                                 \
+            const __nv_bfloat16* q, const Elem<FP8>::type* base, const int* table,             \
+            int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
+            const float* wk, const float* inv_freq, float* part_acc, float* part_ml,            \
+            float* out, __nv_bfloat16* out_bf16) {                                              \
+        pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
+        attn_keqv_mma<G, FP8>(q, base, table, max_blocks, ring, seq_len, window, kv_heads, wk,  \
+                              inv_freq, part_acc, part_ml, out, out_bf16);                      \
+    }
+KEQV_MMA_ENTRY(8, , false)
+KEQV_MMA_ENTRY(8, _fp8, true)
+KEQV_MMA_ENTRY(16, , false)
+KEQV_MMA_ENTRY(16, _fp8, true)
 
 // out[b, h, :] = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M); one CTA of d threads per
 // (b, h), d >= 32 (every head dim above). Warp 0 turns the splits' (m, l) into weights once;
