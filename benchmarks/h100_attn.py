@@ -10,6 +10,7 @@ tensor-core entries ("mma": what they launch for the full K=V layers at head dim
 layers they do not take).
 
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
+                                   [--layers "31B full K=V,E4B full"]
                                    [--cubin OTHER.cubin ...] [--tc-cubin OTHER.cubin ...]
                                    [--json OUT]
 
@@ -150,6 +151,17 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def layer_names(text: str) -> list[str]:
+    """A comma-separated list of LAYERS' names (argparse type)."""
+    names = [x.strip() for x in text.split(",")]
+    known = [layer[0] for layer in LAYERS]
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown layer {unknown[0]!r} "
+                                         f"(known: {', '.join(known)})")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=positive_ints, default="1,8,64,256")
@@ -159,6 +171,8 @@ def main() -> None:
                         help="another build of attn_decode.cu to time beside it (repeatable)")
     parser.add_argument("--tc-cubin", action="append", default=[],
                         help="another build of attn_prefill.cu to time beside it (repeatable)")
+    parser.add_argument("--layers", type=layer_names, default=[layer[0] for layer in LAYERS],
+                        help="the layers to time, comma-separated (default: all)")
     parser.add_argument("--json")
     a = parser.parse_args()
     others = {}
@@ -179,7 +193,7 @@ def main() -> None:
     rows = []
     print(f"{'layer':13} {'B':>4} {'ctx':>5} {'splits':>6} "
           + " ".join(f"{k[:12] + ' us':>15} {'GB/s':>6}" for k in cubins), flush=True)
-    for layer in LAYERS:
+    for layer in (layer for layer in LAYERS if layer[0] in a.layers):
         for batch in a.batch:
             for context in a.context:
                 got = {k: time_layer(ctx, kind, c, split_cubin, layer, batch, context,
