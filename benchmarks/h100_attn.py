@@ -12,11 +12,12 @@ layers they do not take).
     python benchmarks/h100_attn.py [--batch 1,8,64,256] [--context 129,1200] [--kv fp8]
                                    [--layers "31B full K=V,E4B full"]
                                    [--cubin OTHER.cubin ...] [--tc-cubin OTHER.cubin ...]
+                                   [--mma-cubin OTHER.cubin ...]
                                    [--json OUT]
 
---cubin / --tc-cubin time the same launches from other builds of attn_decode.cu /
-attn_prefill.cu (an A/B of a change: the checkout's cubins and the others, in one run, on the
-same inputs).
+--cubin / --tc-cubin / --mma-cubin time the same launches from other builds of attn_decode.cu
+(its split entries) / attn_prefill.cu / attn_decode.cu (its K=V tensor-core entries): an A/B of
+a change, the checkout's cubins and the others, in one run, on the same inputs.
 """
 
 from __future__ import annotations
@@ -171,18 +172,21 @@ def main() -> None:
                         help="another build of attn_decode.cu to time beside it (repeatable)")
     parser.add_argument("--tc-cubin", action="append", default=[],
                         help="another build of attn_prefill.cu to time beside it (repeatable)")
+    parser.add_argument("--mma-cubin", action="append", default=[],
+                        help="another build of attn_decode.cu whose K=V tensor-core entries to "
+                             "time beside it (repeatable)")
     parser.add_argument("--layers", type=layer_names, default=[layer[0] for layer in LAYERS],
                         help="the layers to time, comma-separated (default: all)")
     parser.add_argument("--json")
     a = parser.parse_args()
     others = {}
-    for kind, paths in (("split", a.cubin), ("tc", a.tc_cubin)):
+    flags = {"split": "--cubin", "tc": "--tc-cubin", "mma": "--mma-cubin"}
+    for kind, paths in (("split", a.cubin), ("tc", a.tc_cubin), ("mma", a.mma_cubin)):
         for path in paths:
             try:
                 others[Path(path).stem] = (kind, Path(path).read_bytes())
             except OSError as e:
-                parser.error(f"--{'cubin' if kind == 'split' else 'tc-cubin'} {path}: "
-                             f"{e.strerror or e}")
+                parser.error(f"{flags[kind]} {path}: {e.strerror or e}")
     try:
         ctx = CudaContext()
     except CudaError as e:  # no GPU here

@@ -417,7 +417,8 @@ def test_the_attention_benchmark_refuses_bad_arguments_in_one_line(tmp_path) -> 
     cases = [(["--batch", "x"], "--batch"), (["--batch", "0,8"], "--batch"),
              (["--context", "nan"], "--context"), (["--context", "-5"], "--context"),
              (["--tc-cubin", str(tmp_path / "none.cubin")], "--tc-cubin"),
-             (["--cubin", str(tmp_path)], "--cubin"), (["--layers", "31B full"], "--layers")]
+             (["--cubin", str(tmp_path)], "--cubin"), (["--layers", "31B full"], "--layers"),
+             (["--mma-cubin", str(tmp_path)], "--mma-cubin")]
     from rvcompile.runtime.executors.cuda_driver import CudaContext, CudaError
 
     try:

@@ -593,7 +593,8 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
 // The K=V entries at head dim 512 with groups 8 and 16 (the full layers of the 31B, 26B-A4B and
 // 12B), `attn_decode_keqv_mma_*`: attn_decode_keqv's contract with one precondition, that only
 // the first D / 8 rope pairs rotate (inv_freq[i] = 0 from i = 64: Gemma 4's partial rotary 0.25;
-// the lowering checks it, the reference refuses anything else). Everything is in registers:
+// the lowering checks it, the reference refuses anything else). Registers hold all but the
+// rotated pairs' K:
 // - Scores S = Q . K^T per 16-key cache block, mma.sync m16n8k16 (rows: the group's heads, for
 //   group 8 rows 8-15 zero; columns: the block's keys; f32 sums). The CTA's 4 warps each take a
 //   quarter of the 256 rope pairs (a pair: dim i and its partner i + 256; thread t of a warp 16
@@ -601,15 +602,30 @@ __device__ void attn_partial_mma(const __nv_bfloat16* __restrict__ q,
 //   memory, one barrier a block. Three warps hold unrotated pairs, where K = base * wk: wk is
 //   folded into q once (q * wk in f32, split hi + lo), so the stored base meets q's two halves
 //   as it is (e4m3 widened to f16 exactly; bf16 pools in a bf16 mma). The fourth warp (a
-//   different one per CTA, so an SM's CTAs spread that work over its four schedulers) derives
-//   K = rope(base * wk, t) of the rotated pairs in f32, rounded step by step as ops.ref_rope,
-//   split hi + lo, against q.
+//   different one per CTA, so an SM's CTAs spread their work over its four schedulers) holds
+//   the rotated pairs and reads their K from shared memory, where the whole CTA derived it a
+//   block ahead: K = rope(base * wk, t) in f32, products and sums rounded as ops.ref_rope's, sin
+//   and cos of the same f32 angle to about 6e-7 (rope_sincos), split hi + lo. (One warp deriving
+//   its own K left the other three waiting at the barrier: 5.5 barrier stalls an issue, H200.)
 // - P.V as O^T = V^T . P^T (rows: dims, 16 per m-tile; columns: heads, 8 per n-tile; k: the 16
 //   keys), the C fragments of S being exactly P^T's B fragments; P split hi + lo. Each warp owns
 //   128 output dims, so no merge: every warp computes the same softmax from the same summed
 //   scores. V^T's A fragments pair two keys' bytes of one dim (a byte permute of two loads).
 // This replaces attn_prefill.cu's tensor-core decode tile loop for these layers, which derived
 // K for all 512 dims through shared memory tiles (12.5% occupancy, 3.5-7% of DRAM, H200 ncu).
+
+// sin and cos of x = a position times a rope frequency (0 <= x < 2^17) to about 6e-7: x less
+// k = rint(x / 2 pi) times 2 pi in three parts (k * 6.28125 and x - k * 6.28125 exact for
+// k < 2^16), then the SFU's sin and cos on [-pi, pi] (absolute error 2^-21.4). sincosf costs
+// several times as many instructions, and the K=V entries derive 64 rotations a key.
+__device__ __forceinline__ void rope_sincos(float x, float& s, float& c) {
+    const float k = rintf(x * 0.15915494f);
+    float r = fmaf(-k, 6.28125f, x);
+    r = fmaf(-k, 1.9353071693331003e-3f, r);
+    r = fmaf(-k, 1.0253131677018246e-11f, r);
+    __sincosf(r, &s, &c);
+}
+
 template <bool FP8>
 __device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                       uint32_t b1) {
@@ -727,18 +743,77 @@ __device__ void attn_keqv_mma(const __nv_bfloat16* __restrict__ q,
         for (int mt = 0; mt < 8; ++mt) o[mt][r][0] = o[mt][r][1] = o[mt][r][2] = o[mt][r][3] = 0.f;
     }
     __shared__ float4 red[2][WARPS][HT][32];
+    // K of the rotated pairs for one block's keys, [buffer][hi, lo][key][dim]: dims 0 .. 63 then
+    // their partners 256 .. 319, rows padded to 132 (conflict-free 8-byte fragment reads),
+    // derived by the whole CTA one block ahead of its use (loads of block jb + 1 issued before
+    // block jb's scores, the derivation after them, the scores' barrier publishing it)
+    constexpr int KROW = 132;
+    __shared__ __align__(16) uint16_t krot[2][2][BS][KROW];
+    using RotRaw = typename Pick<FP8, uint2, uint4>::type;  // 8 pool elements
+    const int rk = threadIdx.x >> 3, rp = 8 * (threadIdx.x & 7);  // key rk, pairs rp .. rp + 7
+    const auto rot_load = [&](int jb, RotRaw (&raw)[2]) {
+        const int key = jb * BS + rk;
+        const E* src = base + (((size_t)row_table[jb % ring] * BS + rk) * kv_heads + kh) * D + rp;
+        const bool vis = key >= s0 && key < s1;
+        raw[0] = vis ? *reinterpret_cast<const RotRaw*>(src) : RotRaw{};
+        raw[1] = vis ? *reinterpret_cast<const RotRaw*>(src + HALF) : RotRaw{};
+    };
+    const auto rot_derive = [&](int jb, const RotRaw (&raw)[2], int buf) {
+        const float tpos = (float)(jb * BS + rk);
+        const auto elems = [](const RotRaw& r, int w) {  // elements 2w and 2w + 1, widened
+            const uint32_t word = reinterpret_cast<const uint32_t*>(&r)[FP8 ? w / 2 : w];
+            return FP8 ? pair_f32(e4m3x2_f16x2(word >> (16 * (w % 2))), true)
+                       : pair_f32(word, false);
+        };
+        uint32_t out[2][2][4];  // [low dims or partners][hi, lo][pairs of dims]
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // pairs rp + 2w, + 1
+            const float2 x = elems(raw[0], w), y = elems(raw[1], w);
+            const float xs[2] = {x.x, x.y}, ys[2] = {y.x, y.y};
+            float kl[2], kp[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = rp + 2 * w + e;
+                const float xk = __fmul_rn(xs[e], __ldg(wk + i));
+                const float yk = __fmul_rn(ys[e], __ldg(wk + HALF + i));
+                const float f = __ldg(inv_freq + i);
+                float sn = 0.f, cs = 1.f;
+                if (f != 0.f) rope_sincos(__fmul_rn(tpos, f), sn, cs);
+                kl[e] = __fsub_rn(__fmul_rn(xk, cs), __fmul_rn(yk, sn));
+                kp[e] = __fadd_rn(__fmul_rn(yk, cs), __fmul_rn(xk, sn));
+            }
+            split_pair<FP8>(kl[0], kl[1], out[0][0][w], out[0][1][w]);
+            split_pair<FP8>(kp[0], kp[1], out[1][0][w], out[1][1][w]);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                uint2* dst = reinterpret_cast<uint2*>(&krot[buf][v][rk][64 * half + rp]);
+                dst[0] = make_uint2(out[half][v][0], out[half][v][1]);
+                dst[1] = make_uint2(out[half][v][2], out[half][v][3]);
+            }
+        }
+    };
     // keys outside [s0, s1) are not read (zeros): stale or poisoned cache bytes meet no weight
-    const int last = s1 > s0 ? (s1 - 1) / BS : -1;
-    for (int jb = s0 / BS, it = 0; jb <= last; ++jb, it ^= 1) {
+    const int first = s0 / BS, last = s1 > s0 ? (s1 - 1) / BS : -1;
+    if (first <= last) {
+        RotRaw raw[2];
+        rot_load(first, raw);
+        rot_derive(first, raw, 0);
+        __syncthreads();
+    }
+    for (int jb = first, it = 0; jb <= last; ++jb, it ^= 1) {
         const size_t block = row_table[jb % ring];
         const int key0 = jb * BS;
         const auto row = [&](int r) { return base + ((block * BS + r) * kv_heads + kh) * D; };
-        // the scores' keys g and g + 8: the chunk's 16 dims and their partners
+        // the scores' keys g and g + 8: the chunk's 16 dims and their partners (the derived
+        // warp reads its K from krot)
         uint4 kr[2][2][PIECES];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
             const int key = key0 + g + 8 * n;
-            const bool vis = key >= s0 && key < s1;
+            const bool vis = !derive && key >= s0 && key < s1;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const uint4* src =
@@ -748,66 +823,25 @@ __device__ void attn_keqv_mma(const __nv_bfloat16* __restrict__ q,
                     kr[n][half][p] = vis ? src[p] : make_uint4(0u, 0u, 0u, 0u);
             }
         }
+        RotRaw next[2];
+        if (jb < last) rot_load(jb + 1, next);
 
         // the warp's partial scores: [key n-tile][0: hi chain, 1: lo chain][c]
         float sc[2][2][4] = {};
-        if (derive) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {  // pairs 16 chunk + 4i .. + 3: k-steps i and 4 + i
-                const int p0 = 16 * chunk + 4 * i;
-                float kw[4], kp[4], cs[4], sn[4];
+        for (int s = 0; s < 8; ++s) {
+            uint32_t ahi[4], alo[4];
+            a_frag(s, 0, ahi);
+            a_frag(s, 1, alo);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    kw[e] = __ldg(wk + p0 + e);
-                    kp[e] = __ldg(wk + HALF + p0 + e);
-                }
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const float tpos = (float)(key0 + g + 8 * n);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float f = __ldg(inv_freq + p0 + e);
-                        sn[e] = 0.f;
-                        cs[e] = 1.f;
-                        if (f != 0.f) sincosf(__fmul_rn(tpos, f), &sn[e], &cs[e]);
-                    }
-                    uint32_t lo01, lo23, hi01, hi23;  // the pairs' two elements
-                    pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][0]) + i * PIECES,
-                                    lo01, lo23);
-                    pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][1]) + i * PIECES,
-                                    hi01, hi23);
-                    const float2 xa = pair_f32(lo01, FP8), xb = pair_f32(lo23, FP8);
-                    const float2 ya = pair_f32(hi01, FP8), yb = pair_f32(hi23, FP8);
-                    const float x[4] = {xa.x, xa.y, xb.x, xb.y}, y[4] = {ya.x, ya.y, yb.x, yb.y};
-                    float kl[4], kh2[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float xw = __fmul_rn(x[e], kw[e]), yw = __fmul_rn(y[e], kp[e]);
-                        kl[e] = __fsub_rn(__fmul_rn(xw, cs[e]), __fmul_rn(yw, sn[e]));
-                        kh2[e] = __fadd_rn(__fmul_rn(yw, cs[e]), __fmul_rn(xw, sn[e]));
-                    }
-                    uint32_t b[2][2][2];  // [low dims or partners][b0, b1][hi, lo]
-                    split_pair<FP8>(kl[0], kl[1], b[0][0][0], b[0][0][1]);
-                    split_pair<FP8>(kl[2], kl[3], b[0][1][0], b[0][1][1]);
-                    split_pair<FP8>(kh2[0], kh2[1], b[1][0][0], b[1][0][1]);
-                    split_pair<FP8>(kh2[2], kh2[3], b[1][1][0], b[1][1][1]);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        uint32_t a[4];
-                        a_frag(4 * half + i, 0, a);
-                        mma16<FP8>(sc[n][0], a, b[half][0][0], b[half][1][0]);
-                        mma16<FP8>(sc[n][1], a, b[half][0][1], b[half][1][1]);
-                    }
-                }
-            }
-        } else {
-#pragma unroll
-            for (int s = 0; s < 8; ++s) {
-                uint32_t ahi[4], alo[4];
-                a_frag(s, 0, ahi);
-                a_frag(s, 1, alo);
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < 2; ++n) {
+                if (derive) {  // K hi and lo of dims 16t + 4s .. (s < 4), else their partners
+                    const int d = 64 * (s / 4) + 16 * t + 4 * (s % 4);
+                    const uint2 khi = *reinterpret_cast<const uint2*>(&krot[it][0][g + 8 * n][d]);
+                    const uint2 klo = *reinterpret_cast<const uint2*>(&krot[it][1][g + 8 * n][d]);
+                    mma16<FP8>(sc[n][0], ahi, khi.x, khi.y);
+                    mma16<FP8>(sc[n][1], ahi, klo.x, klo.y);
+                } else {
                     uint32_t b0, b1;
                     pool_pairs<FP8>(reinterpret_cast<const uint32_t*>(kr[n][s / 4]) +
                                         (s % 4) * PIECES,
@@ -817,6 +851,7 @@ __device__ void attn_keqv_mma(const __nv_bfloat16* __restrict__ q,
                 }
             }
         }
+        if (jb < last) rot_derive(jb + 1, next, it ^ 1);
         // the CTA's scores: the four warps' partial sums, in the same order in every warp
 #pragma unroll
         for (int r = 0; r < HT; ++r)
@@ -1053,9 +1088,12 @@ ATTN_ENTRY(512, 4)
 ATTN_ENTRY(512, 8)
 ATTN_ENTRY(512, 16)
 
-// the K=V tensor-core entries (attn_keqv_mma): head dim 512, groups 8 and 16
+// the K=V tensor-core entries (attn_keqv_mma): head dim 512, groups 8 and 16; group 8 held to 3
+// CTAs an SM (168 registers; 184 unbounded: 2 CTAs); group 16 as the compiler chooses
+template <int G>
+constexpr int KEQV_MMA_CTAS = G == 8 ? 3 : 0;
 #define KEQV_MMA_ENTRY(G, SUFFIX, FP8)                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, KEQV_MMA_CTAS<G>)                 \
         attn_decode_keqv_mma_d512_g##G##SUFFIX(                                                 \
             const __nv_bfloat16* q, const Elem<FP8>::type* base, const int* table,             \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
