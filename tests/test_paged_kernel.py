@@ -31,8 +31,14 @@ from test_xla_topology import _libtpu_env
 from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs
 from rvcompile.model.presets import ROPE_FULL
 from rvcompile.targets.xla import lower
-from rvcompile.targets.xla.hlo_traffic import kernel_slot_pages, needed_pages, window_pages
-from rvcompile.targets.xla.paged_kernel import PAGES_PER_STEP, KeyFold, paged_decode
+from rvcompile.targets.xla.paged_kernel import (
+    PAGES_PER_STEP,
+    KeyFold,
+    kernel_slot_pages,
+    needed_pages,
+    paged_decode,
+    window_pages,
+)
 
 # (KV heads, query heads a KV head, head dim, window (None: a full layer), table width, pool
 # dtype, K=V, lane lengths)

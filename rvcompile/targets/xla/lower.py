@@ -34,7 +34,8 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import KV_INT8_MAX, Op
-from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, BRANCHES, SPAN_LOOP
+from rvcompile.targets.xla.hlo_traffic import BRANCHES, SPAN_LOOP
+from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,

@@ -31,11 +31,12 @@ unless K=V, for V) with an index map from the scalar-prefetched table, so Pallas
 fetches 8 pages a step, 128 keys: a whole lane tile of scores, and 1/8 of the grid steps a
 page a step would take. A slot whose page lies past the lane's needed blocks keeps its
 previous page (the index map repeats it), so the pipeline issues no DMA for it: a lane DMAs
-max(needed, PAGES_PER_STEP) pages of each pool (hlo_traffic.kernel_slot_pages: the traffic
-table counts the kernel's custom call by its named scope, PALLAS_DECODE, as XLA cannot see
-into it). Steps past a lane's needed pages compute nothing. The scores, online softmax and
-weighted values per KV head are the XLA lowering's own operations in float32 (dots at HIGHEST
-precision over the widened keys and values), the running max, sum and values in VMEM scratch;
+max(needed, PAGES_PER_STEP) pages of each pool (`kernel_slot_pages`; the traffic table,
+hlo_traffic.py, counts the kernel's custom call by it, found by its named scope PALLAS_DECODE,
+as XLA cannot see into it). Steps past a lane's needed pages compute nothing. The scores,
+online softmax and weighted values per KV head are the XLA lowering's own operations in
+float32 (dots at HIGHEST precision over the widened keys and values), the running max, sum
+and values in VMEM scratch;
 a folded key is the reference's rope(c * w) (lower.rope), its rotated pairs computed on the
 page's first 128 columns of each half (RoPE's identity past n: cos 1, sin 0, exact).
 """
@@ -52,13 +53,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from rvcompile.targets.xla.hlo_traffic import (
-    BLOCK_TOKENS,
-    PALLAS_DECODE,
-    PALLAS_DECODE_POOLS,
-    window_pages,
-)
-
+BLOCK_TOKENS = 16  # tokens per KV block, a page (lower.BLOCK_SIZE)
+# the kernel's named scope, by which the traffic table (hlo_traffic.py) finds it: lanes, pages a
+# grid step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
+# (2: K and V, 1: K=V)
+PALLAS_DECODE = "rvkv_pallas_b{lanes}_p{pages}_w{window}_n{width}_k{pools}"
+PALLAS_DECODE_POOLS = 6  # its first pool operand: after 5 scalar-prefetch operands and the query
 PAGES_PER_STEP = 8  # pages of each pool a grid step reads: 128 keys, one lane tile of scores
 LANE = 128  # a TPU tile row's lanes: the running max and sum are replicated over one, and a
 # folded key's rotated pairs are computed over one tile of each half
@@ -70,6 +70,33 @@ class KeyFold:
 
     w: jax.Array  # float32 [D]: k_norm's weight
     freqs: np.ndarray  # float32 [n], n <= LANE: the rotated pairs' inverse frequencies
+
+
+def window_pages(window: int | None, width: int) -> int:
+    """The most pages (blocks) a decode row reads from a table of `width` blocks: all of them
+    for a full layer (window None or 0); a `window`-token sliding layer's first key may sit
+    inside a block, so one past window / 16."""
+    return min(width, -(-(window - 1) // BLOCK_TOKENS) + 1) if window else width
+
+
+def needed_pages(context: int | None, window: int | None, width: int) -> int:
+    """Pages a lane decoding at position `context` - 1 needs (a sliding layer: its window's
+    blocks; window None or 0: a full layer's, from block 0); None: the most any lane can need
+    (`window_pages`)."""
+    if context is None:
+        return window_pages(window, width)
+    last = context - 1
+    lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
+    return min(last // BLOCK_TOKENS + 1 - lo, width)
+
+
+def kernel_slot_pages(needed: int, slot: int, pages: int) -> int:
+    """Pages that page slot `slot` of the decode kernel (paged_kernel.py: `pages` slots a
+    grid step, slot p holding pages p, p + pages, ..) DMAs for a lane needing `needed` pages:
+    each of its pages below `needed`, or its first page once if none is (the pipeline fetches
+    a slot's block whenever its index changes, and the index map repeats a slot's last needed
+    page past it)."""
+    return max(-(-(needed - slot) // pages), 1)
 
 
 def _page_map(p: int, width: int, pool: int):
