@@ -227,23 +227,39 @@ def test_tp_tpu_only_build_runs_the_kernel():
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?(\S+) = (.*?) ([\w-]+)\(", re.M)
 _HLO_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 _NO_WRITE = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # name a value, write none
+# a program's own whole-pool outputs: a token's rows written in place, loops and calls carrying
+# the pools
+_IN_PLACE = {"dynamic-update-slice", "scatter", "while", "conditional", "call"}
 
 
-def whole_pool_writes(hlo: str, pools) -> list[str]:
+def whole_pool_writes(hlo: str, pools, skip=frozenset()) -> list[str]:
     """Instructions of an optimized HLO module that write an array of a pool's (or a scale
-    pool's) whole shape, any layout: a copy or relayout of a whole pool (as XLA made of each
-    int8 scale pool at every kernel call when it was the kernel's operand: docs/TPU_COST.md).
+    pool's) whole shape, any layout, as "computation: name = opcode: shape": a copy or
+    relayout of a whole pool (as XLA made of each int8 scale pool at the start and end of
+    each call when it was the kernel's operand: docs/TPU_COST.md), but for opcodes in `skip`.
     `pools`: their shapes. An async start's shape is (operands, output, context): its output
-    counts."""
+    counts; a fusion's inner instructions do not (the fusion's output does)."""
     dims = {tuple(x) for x in pools}
+    fused = set(re.findall(r" fusion\(.*?calls=(%[\w.-]+)", hlo))
     found = []
-    for name, out, opcode in _HLO_INSTR.findall(hlo):
+    comp = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp = line.split(" ")[1 if line.startswith("ENTRY") else 0]
+            comp = ("ENTRY " if line.startswith("ENTRY") else "") + comp
+            continue
+        m = _HLO_INSTR.match(line)
+        if m is None or comp in fused:
+            continue
+        name, out, opcode = m.groups()
+        if opcode in skip:
+            continue
         arrays = _HLO_ARRAY.findall(out)
         if opcode.endswith("-start") and out.startswith("(("):  # past the operands' tuple
             arrays = _HLO_ARRAY.findall(out[out.index(")") + 1:])[:1]
         shapes = {tuple(int(d) for d in m.split(",") if d) for m in arrays}
         if shapes & dims and opcode not in _NO_WRITE:
-            found.append(f"{name} = {opcode}: {out}")
+            found.append(f"{comp}: {name} = {opcode}: {out}")
     return found
 
 
@@ -252,7 +268,7 @@ def test_whole_pool_writes_finds_a_relayout():
     the pool itself was the kernel's operand (the reverted 63e92a2, the 31B at 128K: lines
     written here with the shapes and layouts docs/TPU_COST.md quotes from its optimized HLO),
     and on what names or slices a pool without writing one."""
-    hlo = """
+    hlo = """ENTRY %main (p: f32[10,8192,16,1]) -> f32[10,8192,16,1] {
   %copy.156 = f32[10,8192,16,1]{3,2,1,0:T(8,128)} copy(f32[10,8192,16,1]{1,3,2,0:T(1,128)} %p)
   %cs = (f32[10,8192,16,1]{1,3,2,0:T(1,128)}, f32[10,8192,16,1]{3,2,1,0:T(8,128)S(1)}, u32[]) copy-start(%p)
   %p = f32[10,8192,16,1]{1,3,2,0:T(1,128)} parameter(3)
@@ -260,7 +276,7 @@ def test_whole_pool_writes_finds_a_relayout():
   %ss = ((f32[10,8192,16,1]{1,3,2,0:T(1,128)}), f32[1,8192,16,1]{1,3,2,0:T(1,128)S(1)}, s32[]) slice-start(%p)
 """  # noqa: E501
     found = whole_pool_writes(hlo, [(10, 8192, 16, 1)])
-    assert [x.split(" = ")[0] for x in found] == ["%copy.156", "%cs"]
+    assert [x.split(" = ")[0] for x in found] == ["ENTRY %main: %copy.156", "ENTRY %main: %cs"]
 
 
 def _traffic_child() -> None:
@@ -352,6 +368,63 @@ def test_traffic_counts_the_kernel_by_its_pages():
             full_rest + 3 * 384 * 4])
 
 
+def _int8_program_child() -> None:
+    """The decode program of a 2-layer 31B (a sliding layer and a K=V full layer) with int8
+    KV at 128K tokens, one lane, exported for TPU alone and compiled for v6e:1x1: its kernel
+    calls and its instructions that write a whole pool or scale pool, other than a token's
+    rows written in place and the loops carrying the pools."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.export import lower_to_xla
+    from rvcompile.targets.xla.precompile import compile_entries, parse_topology, topology_devices
+
+    cfg = get_preset("gemma-4-31B")
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    opts = BuildOptions(target="tpu-int8", max_context=131072, max_seqs=1, platforms=("tpu",),
+                        prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=1, prefill_buckets=(16,), platforms=("tpu",))
+    kv = low.manifest["kv"]
+    blocks = {k: v["default_blocks"] for k, v in kv["kinds"].items()}
+    pools = {p["key"]: (p["layers"], blocks[p["kind"]], *p["block_shape"]) for p in kv["pools"]}
+    decode = compile_entries(low.programs, low.manifest,
+                             topology_devices(parse_topology("v6e:1x1")),
+                             names=("decode_1",))["decode_1"]
+    text = decode.as_text()
+    print(json.dumps({"pools": pools,
+                      "custom_calls": text.count('custom_call_target="tpu_custom_call"'),
+                      "writes": whole_pool_writes(text, pools.values(), _IN_PLACE)}))
+
+
+def test_int8_decode_program_relays_no_value_pool():
+    """With libtpu: the 2-layer 31B's decode step at 128K tokens (int8 KV pools, one lane) runs
+    the kernel in both layers, and nothing in it writes a whole pool but XLA's staging of the
+    small float32 scale pools, once a step, in the entry computation (into on-chip memory,
+    relaid from their entry layout, whose lanes run along the blocks, to one with blocks
+    major, and back at the end): none inside the layer loop, none per kernel call, no int8
+    pool ever. The XLA lowering's programs stage the scale pools the same way (the
+    gather of a block's scales needs blocks major; a scale pool whose rows are 128 lanes would
+    need no staging at 128 / (16 K) times the bytes: docs/TPU_COST.md)."""
+    env = _libtpu_env()
+    if env is None:
+        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
+    p = subprocess.run([sys.executable, __file__, "int8_program"], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    print("\n[measured] whole-pool writes:\n  " + "\n  ".join(got["writes"]))
+    assert got["custom_calls"] == 2
+    assert any(k.endswith(".scale") for k in got["pools"])
+    scale_shapes = {f"[{','.join(map(str, v))}]" for k, v in got["pools"].items()
+                    if k.endswith(".scale")}
+    for w in got["writes"]:
+        assert w.startswith("ENTRY "), w  # once a step, never in the layer loop
+        shape = re.sub(r"[a-z]\d*\[", "[", w.split(": ", 2)[2].split("{")[0]).lstrip("(")
+        assert shape in scale_shapes, w  # a scale pool, never an int8 pool
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["traffic"]:
         _traffic_child()
+    if sys.argv[1:] == ["int8_program"]:
+        _int8_program_child()
