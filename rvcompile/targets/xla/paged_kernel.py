@@ -7,7 +7,9 @@ float32 rounding (summation order): q float32 [B, K, G, D] (the G query heads of
 heads), pools [n, blocks, BLOCK_SIZE, K * D] of stacked layers (program.cache_pools, a slot's
 heads side by side; bf16 or float32, read as stored, or int8 with float32 scale pools [n,
 blocks, BLOCK_SIZE, K], whose products follow the XLA lowering's: int8 values in the dots, a
-key's scale on its scores, a value's on its probabilities; K=V layers pass one pool as both),
+key's scale on its scores, a value's on its probabilities (a folded key's too, where the XLA
+lowering dequantises its rotated dims first: equal within float32 rounding); K=V layers pass
+one pool as both),
 `layers` int32 [2] which of their n layers K and V are, `table` int32 [B, W] each lane's
 blocks, `q_pos` int32 [B] each lane's query position (-1: an idle lane, whose output is zeros,
 as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j in entry j %
