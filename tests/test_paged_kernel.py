@@ -238,8 +238,11 @@ def whole_pool_writes(hlo: str, pools, skip=frozenset()) -> list[str]:
     relayout of a whole pool (as XLA made of each int8 scale pool at the start and end of
     each call when it was the kernel's operand: docs/TPU_COST.md), but for opcodes in `skip`.
     `pools`: their shapes. An async start's shape is (operands, output, context): its output
-    counts; a fusion's inner instructions do not (the fusion's output does)."""
+    counts; a fusion's inner instructions do not (the fusion's output does), and a fusion
+    whose root's opcode is in `skip` (a token's rows scattered in place) is skipped too."""
     dims = {tuple(x) for x in pools}
+    roots = dict(re.findall(r"^(%[\w.-]+) .*\{\n(?:.*\n)*?\s*ROOT \S+ = .*? ([\w-]+)\(", hlo,
+                            re.M))
     fused = set(re.findall(r" fusion\(.*?calls=(%[\w.-]+)", hlo))
     found = []
     comp = ""
@@ -252,7 +255,10 @@ def whole_pool_writes(hlo: str, pools, skip=frozenset()) -> list[str]:
         if m is None or comp in fused:
             continue
         name, out, opcode = m.groups()
-        if opcode in skip:
+        if opcode == "fusion":
+            called = re.search(r"calls=(%[\w.-]+)", line)
+            opcode = f"fusion:{roots.get(called.group(1)) if called else None}"
+        if opcode in skip or opcode.removeprefix("fusion:") in skip:
             continue
         arrays = _HLO_ARRAY.findall(out)
         if opcode.endswith("-start") and out.startswith("(("):  # past the operands' tuple
