@@ -5,18 +5,22 @@
   shapes and a 31B-like slice (head dim 256, 2 query heads a KV head, window 1024, a ring of
   81 blocks of 16), wrapped rings, lanes of different lengths, shorter than the window, an
   idle lane; full layers of a 31B-like K=V head (512 wide, 8 query heads, keys rope(cache *
-  k_norm) on 64 of 256 pairs, a table of 128 blocks) and of stored keys;
+  k_norm) on 64 of 256 pairs, a table of 128 blocks) and of stored keys; int8 pools of both
+  kinds with their scale pools (the same shapes, and the sliding layers' 4 heads a device at
+  TP = 4);
 - where the programs run it: decode steps of TPU-only exports (not prefill, not exports for
   several platforms; under tensor parallelism only with static pools, which the build's
   lowering gives tensor-parallel TPU-only programs: export.fixed_pools);
 - with libtpu (a subprocess compiling for v6e:1x1, no TPU): Mosaic compiles it, and the
-  traffic table counts its custom call by the pages its grid DMAs, against a hand count.
+  traffic table counts its custom call by the pages its grid DMAs, against a hand count, and
+  no instruction writes a whole pool or scale pool (a relayout; `whole_pool_writes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -28,14 +32,20 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from test_xla_topology import _libtpu_env
 
-from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs
+from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs, quantize_kv_rows
 from rvcompile.model.presets import ROPE_FULL
 from rvcompile.targets.xla import lower
-from rvcompile.targets.xla.hlo_traffic import kernel_slot_pages, needed_pages, window_pages
-from rvcompile.targets.xla.paged_kernel import PAGES_PER_STEP, KeyFold, paged_decode
+from rvcompile.targets.xla.paged_kernel import (
+    PAGES_PER_STEP,
+    KeyFold,
+    kernel_slot_pages,
+    needed_pages,
+    paged_decode,
+    window_pages,
+)
 
 # (KV heads, query heads a KV head, head dim, window (None: a full layer), table width, pool
-# dtype, K=V, lane lengths)
+# dtype (int8: with scale pools, as quantize_kv_rows makes them), K=V, lane lengths)
 SHAPES = {
     # the oracle configs' sliding layers (head dim 32, window 8; rings of 3 blocks at 64
     # tokens with chunks of 16): 2 KV heads, and 1 (kv_shared); float32 pools (xla-f32)
@@ -48,11 +58,17 @@ SHAPES = {
     "31B_full": (1, 8, 512, None, 128, jnp.bfloat16, True, (2048, 1500, 700, 0, 17, 1)),
     # a full layer with stored keys (the E4B's: 2 KV heads of 512)
     "full_stored": (2, 2, 512, None, 8, jnp.float32, False, (128, 100, 0, 5)),
+    # int8 pools (contexts above 32K tokens), with their scales: the 31B's cases above, and its
+    # sliding layers at TP = 4 (4 KV heads a device)
+    "31B_int8": (2, 2, 256, 1024, 81, jnp.int8, False, (2048, 1500, 700, 0, 1030, 1)),
+    "31B_int8_tp4": (4, 2, 256, 1024, 81, jnp.int8, False, (2048, 1500, 700, 0, 1030, 1)),
+    "31B_full_int8": (1, 8, 512, None, 128, jnp.int8, True, (2048, 1500, 700, 0, 17, 1)),
 }
 
 
 @pytest.mark.parametrize("shape, interpreter", [*((s, "pallas") for s in SHAPES),
-                                                ("31B", "tpu")])
+                                                ("31B", "tpu"), ("31B_int8_tp4", "tpu"),
+                                                ("31B_full_int8", "tpu")])
 def test_kernel_equals_the_xla_lowering(shape, interpreter):
     """One decode row a lane; bound as the blockwise-vs-direct tests': 2e-6 of the largest
     value (float32 summation order). Queries of 4 / sqrt(D) so that scores are O(1) at every
@@ -66,11 +82,17 @@ def test_kernel_equals_the_xla_lowering(shape, interpreter):
     rng = np.random.default_rng(7)
     lanes, ring = len(lengths), window is not None
     blocks = lanes * width + 5
-    pools = [jnp.asarray(rng.standard_normal((2, blocks, 16, kh * d)), dtype)
-             for _ in range(1 if k_eq_v else 2)]
+    pools, scales = [], []
+    for _ in range(1 if k_eq_v else 2):
+        x = rng.standard_normal((2, blocks, 16, kh, d)).astype(np.float32)
+        if dtype == jnp.int8:
+            x, scale = quantize_kv_rows(x)
+            scales.append(jnp.asarray(scale))
+        pools.append(jnp.asarray(x.reshape(2, blocks, 16, kh * d), dtype))
     table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
                         jnp.int32)
-    k, v = (lower.PagedSlice(pools[-i], 1, table, ring, kh) for i in (0, 1))
+    k, v = (lower.PagedSlice(pools[-i], 1, table, ring, kh, scales[-i] if scales else None)
+            for i in (0, 1))
     cache_len = jnp.asarray(lengths, jnp.int32)
     q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
     k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, ring), cache_len)
@@ -96,7 +118,7 @@ def test_kernel_equals_the_xla_lowering(shape, interpreter):
         attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q))
     ours = np.asarray(jax.jit(lambda q: paged_decode(
         q.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
-        window=window, scale=0.5, fold=fold,
+        window=window, scale=0.5, fold=fold, scales=(k.scale, v.scale) if scales else None,
         interpret=True if interpreter == "pallas" else pltpu.InterpretParams()))(q)
     ).reshape(xla.shape)
     errs = {ref: float(np.abs(ours - x).max()) for ref, x in (("xla", xla), ("direct", direct))}
@@ -202,10 +224,72 @@ def test_tp_tpu_only_build_runs_the_kernel():
         key: blocks[kind[key]] for key in pools}
 
 
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?(\S+) = (.*?) ([\w-]+)\(", re.M)
+_HLO_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
+_NO_WRITE = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # name a value, write none
+# a program's own whole-pool outputs: a token's rows written in place, loops and calls carrying
+# the pools
+_IN_PLACE = {"dynamic-update-slice", "scatter", "while", "conditional", "call"}
+
+
+def whole_pool_writes(hlo: str, pools, skip=frozenset()) -> list[str]:
+    """Instructions of an optimized HLO module that write an array of a pool's (or a scale
+    pool's) whole shape, any layout, as "computation: name = opcode: shape": a copy or
+    relayout of a whole pool (as XLA made of each int8 scale pool at the start and end of
+    each call when it was the kernel's operand: docs/TPU_COST.md), but for opcodes in `skip`.
+    `pools`: their shapes. An async start's shape is (operands, output, context): its output
+    counts; a fusion's inner instructions do not (the fusion's output does), and a fusion
+    whose root's opcode is in `skip` (a token's rows scattered in place) is skipped too."""
+    dims = {tuple(x) for x in pools}
+    roots = dict(re.findall(r"^(%[\w.-]+) .*\{\n(?:.*\n)*?\s*ROOT \S+ = .*? ([\w-]+)\(", hlo,
+                            re.M))
+    fused = set(re.findall(r" fusion\(.*?calls=(%[\w.-]+)", hlo))
+    found = []
+    comp = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp = line.split(" ")[1 if line.startswith("ENTRY") else 0]
+            comp = ("ENTRY " if line.startswith("ENTRY") else "") + comp
+            continue
+        m = _HLO_INSTR.match(line)
+        if m is None or comp in fused:
+            continue
+        name, out, opcode = m.groups()
+        if opcode == "fusion":
+            called = re.search(r"calls=(%[\w.-]+)", line)
+            opcode = f"fusion:{roots.get(called.group(1)) if called else None}"
+        if opcode in skip or opcode.removeprefix("fusion:") in skip:
+            continue
+        arrays = _HLO_ARRAY.findall(out)
+        if opcode.endswith("-start") and out.startswith("(("):  # past the operands' tuple
+            arrays = _HLO_ARRAY.findall(out[out.index(")") + 1:])[:1]
+        shapes = {tuple(int(d) for d in m.split(",") if d) for m in arrays}
+        if shapes & dims and opcode not in _NO_WRITE:
+            found.append(f"{comp}: {name} = {opcode}: {out}")
+    return found
+
+
+def test_whole_pool_writes_finds_a_relayout():
+    """The check the traffic test makes, on the relayout XLA made of an int8 scale pool when
+    the pool itself was the kernel's operand (the reverted 63e92a2, the 31B at 128K: lines
+    written here with the shapes and layouts docs/TPU_COST.md quotes from its optimized HLO),
+    and on what names or slices a pool without writing one."""
+    hlo = """ENTRY %main (p: f32[10,8192,16,1]) -> f32[10,8192,16,1] {
+  %copy.156 = f32[10,8192,16,1]{3,2,1,0:T(8,128)} copy(f32[10,8192,16,1]{1,3,2,0:T(1,128)} %p)
+  %cs = (f32[10,8192,16,1]{1,3,2,0:T(1,128)}, f32[10,8192,16,1]{3,2,1,0:T(8,128)S(1)}, u32[]) copy-start(%p)
+  %p = f32[10,8192,16,1]{1,3,2,0:T(1,128)} parameter(3)
+  %gte = f32[10,8192,16,1]{1,3,2,0:T(1,128)} get-tuple-element(%t), index=0
+  %ss = ((f32[10,8192,16,1]{1,3,2,0:T(1,128)}), f32[1,8192,16,1]{1,3,2,0:T(1,128)S(1)}, s32[]) slice-start(%p)
+"""  # noqa: E501
+    found = whole_pool_writes(hlo, [(10, 8192, 16, 1)])
+    assert [x.split(" = ")[0] for x in found] == ["ENTRY %main: %copy.156", "ENTRY %main: %cs"]
+
+
 def _traffic_child() -> None:
     """Compile the kernel for one v6e:1x1 device inside a jitted function of (weights, pools,
-    ...), for a sliding layer and for a K=V full layer, and print their traffic rows' KV bytes
-    at two contexts and with none."""
+    ...), for a sliding layer and for a K=V full layer, bf16 and int8 (with scale pools), and
+    print their traffic rows' KV bytes and other reads at two contexts and with none, and the
+    instructions that write a whole pool."""
     from rvcompile.targets.xla.hlo_traffic import traffic
     from rvcompile.targets.xla.precompile import parse_topology, topology_devices
 
@@ -224,20 +308,35 @@ def _traffic_child() -> None:
         full = paged_decode(q_full, pools["kv"], pools["kv"], jnp.asarray([0, 0]), table,
                             q_pos, window=None, scale=1.0,
                             fold=KeyFold(weights["k_norm"], freqs))
-        return sliding.sum() + full.sum()
+        sliding8 = paged_decode(q_sliding, pools["k8"], pools["v8"], jnp.asarray([0, 1]), table,
+                                q_pos, window=256, scale=1.0,
+                                scales=(pools["k8_scale"], pools["v8_scale"]))
+        full8 = paged_decode(q_full, pools["kv8"], pools["kv8"], jnp.asarray([1, 1]), table,
+                             q_pos, window=None, scale=1.0,
+                             fold=KeyFold(weights["k_norm"], freqs),
+                             scales=(pools["kv8_scale"], pools["kv8_scale"]))
+        return sliding.sum() + full.sum() + sliding8.sum() + full8.sum()
 
     pool = sds((2, blocks, 16, 2 * 256), jnp.bfloat16)  # 2 KV heads of 256; 1 of 512
+    pool8 = sds((2, blocks, 16, 2 * 256), jnp.int8)
+    pools = {"k": pool, "v": pool, "kv": pool, "k8": pool8, "v8": pool8, "kv8": pool8,
+             "k8_scale": sds((2, blocks, 16, 2), jnp.float32),
+             "v8_scale": sds((2, blocks, 16, 2), jnp.float32),
+             "kv8_scale": sds((2, blocks, 16, 1), jnp.float32)}
     compiled = jax.jit(fn).lower(
         {"s": sds((256,), jnp.float32), "k_norm": sds((512,), jnp.float32)},
-        {"k": pool, "v": pool, "kv": pool}, sds((lanes, 2, 2, 256), jnp.float32),
+        pools, sds((lanes, 2, 2, 256), jnp.float32),
         sds((lanes, 1, 8, 512), jnp.float32), sds((lanes, width), jnp.int32),
         sds((lanes,), jnp.int32)).compile()
     text = compiled.as_text()
-    out = {"custom_calls": text.count('custom_call_target="tpu_custom_call"')}
+    out = {"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
+           "whole_pool_writes": whole_pool_writes(text, {x.shape for x in pools.values()})}
     for context in (1000, 100, 40, None):
         rows = [r for r in traffic(text, ("weights", "pools"), context).rows
                 if r.opcode == "custom-call"]
         out[str(context)] = sorted(r.read.get("kv", 0.0) for r in rows)
+        out[f"{context} other"] = sorted(sum(r.read.values()) - r.read.get("kv", 0.0)
+                                         for r in rows)
     print(json.dumps(out))
 
 
@@ -258,15 +357,80 @@ def test_traffic_counts_the_kernel_by_its_pages():
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    page = 16 * 512 * 2
+    page, page8 = 16 * 512 * 2, 16 * 512
     print(f"\n[measured] kernel custom calls' KV bytes by context: {got}")
+    assert got["custom_calls"] == 4
+    assert got["whole_pool_writes"] == []
+    for context, sliding, full in (("1000", 17, 20), ("100", 8, 8), ("40", 8, 8),
+                                   ("None", 17, 20)):
+        assert got[context] == sorted([3 * 2 * sliding * page, 3 * full * page,
+                                       3 * 2 * sliding * page8, 3 * full * page8])
+        # the rest whole: prefetched scalars (284 bytes), the query (float32), a K=V layer's
+        # k_norm weight and frequencies (2560), an int8 layer's scale rows [3, K, 3 * 128]
+        # (3 steps) for K and V (K=V: one)
+        sliding_rest, full_rest = 284 + 3 * 2 * 2 * 256 * 4, 284 + 3 * 8 * 512 * 4 + 2560
+        assert got[f"{context} other"] == sorted([
+            sliding_rest, full_rest, sliding_rest + 2 * 3 * 2 * 384 * 4,
+            full_rest + 3 * 384 * 4])
+
+
+def _int8_program_child() -> None:
+    """The decode program of a 2-layer 31B (a sliding layer and a K=V full layer) with int8
+    KV at 128K tokens, one lane, exported for TPU alone and compiled for v6e:1x1: its kernel
+    calls and its instructions that write a whole pool or scale pool, other than a token's
+    rows written in place and the loops carrying the pools."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.export import lower_to_xla
+    from rvcompile.targets.xla.precompile import compile_entries, parse_topology, topology_devices
+
+    cfg = get_preset("gemma-4-31B")
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    opts = BuildOptions(target="tpu-int8", max_context=131072, max_seqs=1, platforms=("tpu",),
+                        prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=1, prefill_buckets=(16,), platforms=("tpu",))
+    kv = low.manifest["kv"]
+    blocks = {k: v["default_blocks"] for k, v in kv["kinds"].items()}
+    pools = {p["key"]: (p["layers"], blocks[p["kind"]], *p["block_shape"]) for p in kv["pools"]}
+    decode = compile_entries(low.programs, low.manifest,
+                             topology_devices(parse_topology("v6e:1x1")),
+                             names=("decode_1",))["decode_1"]
+    text = decode.as_text()
+    print(json.dumps({"pools": pools,
+                      "custom_calls": text.count('custom_call_target="tpu_custom_call"'),
+                      "writes": whole_pool_writes(text, pools.values(), _IN_PLACE)}))
+
+
+def test_int8_decode_program_relays_no_value_pool():
+    """With libtpu: the 2-layer 31B's decode step at 128K tokens (int8 KV pools, one lane) runs
+    the kernel in both layers, and nothing in it writes a whole pool but XLA's staging of the
+    small float32 scale pools, once a step, in the entry computation (into on-chip memory,
+    relaid from their entry layout, whose lanes run along the blocks, to one with blocks
+    major, and back at the end): none inside the layer loop, none per kernel call, no int8
+    pool ever. The XLA lowering's programs stage the scale pools the same way (the
+    gather of a block's scales needs blocks major; a scale pool whose rows are 128 lanes would
+    need no staging at 128 / (16 K) times the bytes: docs/TPU_COST.md)."""
+    env = _libtpu_env()
+    if env is None:
+        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
+    p = subprocess.run([sys.executable, __file__, "int8_program"], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    print("\n[measured] whole-pool writes:\n  " + "\n  ".join(got["writes"]))
     assert got["custom_calls"] == 2
-    assert got["1000"] == sorted([3 * 2 * 17 * page, 3 * 20 * page])
-    assert got["100"] == sorted([3 * 2 * 8 * page, 3 * 8 * page])
-    assert got["40"] == sorted([3 * 2 * 8 * page, 3 * 8 * page])
-    assert got["None"] == sorted([3 * 2 * 17 * page, 3 * 20 * page])
+    assert any(k.endswith(".scale") for k in got["pools"])
+    scale_shapes = {f"[{','.join(map(str, v))}]" for k, v in got["pools"].items()
+                    if k.endswith(".scale")}
+    for w in got["writes"]:
+        assert w.startswith("ENTRY "), w  # once a step, never in the layer loop
+        shape = re.sub(r"[a-z]\d*\[", "[", w.split(": ", 2)[2].split("{")[0]).lstrip("(")
+        assert shape in scale_shapes, w  # a scale pool, never an int8 pool
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["traffic"]:
         _traffic_child()
+    if sys.argv[1:] == ["int8_program"]:
+        _int8_program_child()

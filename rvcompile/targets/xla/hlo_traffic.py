@@ -68,6 +68,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from rvcompile.targets.xla.paged_kernel import (
+    BLOCK_TOKENS,
+    PALLAS_DECODE_POOLS,
+    kernel_slot_pages,
+    needed_pages,
+)
+
 CLASSES = ("weights", "embeddings", "kv", "io", "temps", "activations")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -90,14 +97,10 @@ _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
 # layer), table width in blocks (lower.attention_blockwise)
 SPAN_LOOP = "rvkv_spans_s{span}_w{window}_n{width}"
 _SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
-BLOCK_TOKENS = 16  # tokens per KV block (lower.BLOCK_SIZE)
-# the named scope of the decode attention kernel (targets/xla/paged_kernel.py): lanes, pages a
-# grid step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
-# (2: K and V, 1: K=V)
-PALLAS_DECODE = "rvkv_pallas_b{lanes}_p{pages}_w{window}_n{width}_k{pools}"
+# the decode attention kernel's named scope (paged_kernel.PALLAS_DECODE): lanes, pages a grid
+# step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
 _PALLAS_DECODE = re.compile(
     r'op_name="[^"]*rvkv_pallas_b(\d+)_p(\d+)_w(\d+)_n(\d+)_k(\d+)/')
-PALLAS_DECODE_POOLS = 6  # its first pool operand: after 5 scalar-prefetch operands and the query
 # the named scope of a conditional whose branches a step picks by its requests (the sampler's
 # greedy / top-k / sort, penalties, log-probabilities): its rows carry (name, branch) so a
 # step's bytes can count the branches it runs (Traffic.total(taken=...))
@@ -113,33 +116,6 @@ def span_loop_trips(context: int, span: int, window: int, width: int) -> int:
     lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
     needed = min(last // BLOCK_TOKENS + 1 - lo, width)
     return -(-needed // span)
-
-
-def window_pages(window: int | None, width: int) -> int:
-    """The most pages (blocks) a decode row reads from a table of `width` blocks: all of them
-    for a full layer (window None or 0); a `window`-token sliding layer's first key may sit
-    inside a block, so one past window / 16."""
-    return min(width, -(-(window - 1) // BLOCK_TOKENS) + 1) if window else width
-
-
-def needed_pages(context: int | None, window: int | None, width: int) -> int:
-    """Pages a lane decoding at position `context` - 1 needs (a sliding layer: its window's
-    blocks; window None or 0: a full layer's, from block 0); None: the most any lane can need
-    (`window_pages`)."""
-    if context is None:
-        return window_pages(window, width)
-    last = context - 1
-    lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
-    return min(last // BLOCK_TOKENS + 1 - lo, width)
-
-
-def kernel_slot_pages(needed: int, slot: int, pages: int) -> int:
-    """Pages that page slot `slot` of the decode kernel (paged_kernel.py: `pages` slots a
-    grid step, slot p holding pages p, p + pages, ..) DMAs for a lane needing `needed` pages:
-    each of its pages below `needed`, or its first page once if none is (the pipeline fetches
-    a slot's block whenever its index changes, and the index map repeats a slot's last needed
-    page past it)."""
-    return max(-(-(needed - slot) // pages), 1)
 
 
 @dataclass(frozen=True)

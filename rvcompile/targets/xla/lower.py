@@ -34,7 +34,8 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph
 from rvcompile.ir.ops import KV_INT8_MAX, Op
-from rvcompile.targets.xla.hlo_traffic import BLOCK_TOKENS, BRANCHES, SPAN_LOOP
+from rvcompile.targets.xla.hlo_traffic import BRANCHES, SPAN_LOOP
+from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -545,22 +546,22 @@ LANE_TILE = 128  # columns of a TPU memory tile's row
 
 def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     """Whether `attention_blockwise` of these operands is what targets/xla/paged_kernel.py
-    computes: a decode step (one query row a lane) over float pools (one block table, the same
-    heads) of a sliding layer (keys stored with their RoPE: read as stored) or a full layer
-    (keys as stored, or a K=V layer's rope(cache * k_norm), `FoldedKeys`, rotating at most
-    128 pairs of halves of whole 128-lane tiles), split by whole KV heads under a mesh, head
-    dims of whole 128-lane tiles (the kernel slices each head's columns out of a page;
-    Gemma 4's heads are 256 and 512 wide, the test models' 32 and 64 keep the XLA lowering).
-    int8 pools keep the XLA lowering: their scale pools [.., 16, K] would be the kernel's
-    operands in the default tiled layout, where K (1 to 4) pads to 128 lanes, so XLA relaid
-    each whole scale pool into it and back every call (the 31B's full-layer scales at 128K:
-    5 MiB, 640 MiB as tiled) and every scale page DMA'd was 128 / K times its bytes (tried
-    and reverted, docs/TPU_COST.md). Under a mesh the pools' block counts must be static:
-    the kernel runs in shard_map, and a shard_map operand with a symbolic dimension (an
-    artifact's pools: their block counts are chosen at load) makes XLA's shape refinement
-    crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax 0.10.2 /
-    libtpu 0.0.42.1; docs/TPU_COST.md), so the build exports tensor-parallel programs for
-    TPU alone with their pools fixed (export.fixed_pools); others with a mesh keep the XLA
+    computes: a decode step (one query row a lane) over float pools, or int8 ones with their
+    scale pools (one block table, the same heads), of a sliding layer (keys stored with their
+    RoPE: read as stored) or a full layer (keys as stored, or a K=V layer's rope(cache *
+    k_norm), `FoldedKeys`, rotating at most 128 pairs of halves of whole 128-lane tiles),
+    split by whole KV heads under a mesh, head dims of whole 128-lane tiles (the kernel slices
+    each head's columns out of a page; Gemma 4's heads are 256 and 512 wide, the test models'
+    32 and 64 keep the XLA lowering). An int8 pool's scales reach the kernel as rows gathered
+    for the step (`paged_kernel.scale_rows`), never as the scale pools [.., 16, K] themselves:
+    as the kernel's operands in the default tiled layout, where K (1 to 4) pads to 128 lanes,
+    XLA relaid each whole scale pool into it and back every call (the 31B's full-layer scales
+    at 128K: 5 MiB, 640 MiB as tiled; docs/TPU_COST.md). Under a mesh the pools' block counts
+    must be static: the kernel runs in shard_map, and a shard_map operand with a symbolic
+    dimension (an artifact's pools: their block counts are chosen at load) makes XLA's shape
+    refinement crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax
+    0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so the build exports tensor-parallel programs
+    for TPU alone with their pools fixed (export.fixed_pools); others with a mesh keep the XLA
     lowering."""
     tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
     static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
@@ -573,8 +574,9 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
         keys = a.window is None and (plain or folded is not None and folded.n <= LANE_TILE
                                      and half % LANE_TILE == 0)
     return (keys and q.shape[1] == 1 and k.cache.table is v.cache.table
-            and k.cache.heads == v.cache.heads and k.cache.scale is None
-            and v.cache.scale is None and k.cache.heads % tp == 0 and static
+            and k.cache.heads == v.cache.heads
+            and (k.cache.scale is None) == (v.cache.scale is None)
+            and k.cache.heads % tp == 0 and static
             and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
 
 
@@ -590,17 +592,24 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     freqs = None if folded is None else np.asarray(folded.rope.inv_freq, np.float32)[:folded.n]
     same = k.cache is v.cache  # K=V: one pool, its pages read once for keys and values
 
+    quantized = k.cache.scale is not None
+
     def local(qg, layers, table, pos, k_pool, *rest):
-        v_pool = k_pool if same else rest[0]
+        rest = list(rest)
+        v_pool = k_pool if same else rest.pop(0)
+        scales = None
+        if quantized:  # gathered into rows inside (paged_kernel.scale_rows), by device
+            scales = (rest[0], rest[0]) if same else (rest[0], rest[1])
         fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
         return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
-                                         window=a.window, scale=a.scale, fold=fold)
+                                         window=a.window, scale=a.scale, fold=fold,
+                                         scales=scales)
 
     layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
-    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0],
-            k.cache.pool]
-    if not same:
-        args.append(v.cache.pool)
+    pools = [k.cache.pool] + [v.cache.pool] * (not same)
+    if quantized:  # their scale pools [n, blocks, 16, K], split by head like them
+        pools += [k.cache.scale] + [v.cache.scale] * (not same)
+    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0], *pools]
     if folded is not None:
         args.append(folded.w)
     if mesh is None:
@@ -610,8 +619,8 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
 
         axis, whole = mesh.axis_names[0], PartitionSpec()
         pool = PartitionSpec(None, None, None, axis)
-        specs = [PartitionSpec(None, axis), whole, whole, whole, pool]
-        specs += [pool] * (not same) + [whole] * (folded is not None)
+        specs = [PartitionSpec(None, axis), whole, whole, whole]
+        specs += [pool] * len(pools) + [whole] * (folded is not None)
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                             out_specs=PartitionSpec(None, axis), check_vma=False)(*args)
     return out.reshape(b, 1, nh, -1)

@@ -5,7 +5,11 @@ Contract. `paged_decode(q, k_pool, v_pool, layers, table, q_pos, window=, scale=
 what `lower.attention_blockwise` computes in a decode step (one query row a lane), within
 float32 rounding (summation order): q float32 [B, K, G, D] (the G query heads of each of K KV
 heads), pools [n, blocks, BLOCK_SIZE, K * D] of stacked layers (program.cache_pools, a slot's
-heads side by side; bf16 or float32, read as stored; K=V layers pass one pool as both),
+heads side by side; bf16 or float32, read as stored, or int8 with float32 scale pools [n,
+blocks, BLOCK_SIZE, K], whose products follow the XLA lowering's: int8 values in the dots, a
+key's scale on its scores, a value's on its probabilities (a folded key's too, where the XLA
+lowering dequantises its rotated dims first: equal within float32 rounding); K=V layers pass
+one pool as both),
 `layers` int32 [2] which of their n layers K and V are, `table` int32 [B, W] each lane's
 blocks, `q_pos` int32 [B] each lane's query position (-1: an idle lane, whose output is zeros,
 as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j in entry j %
@@ -31,13 +35,22 @@ unless K=V, for V) with an index map from the scalar-prefetched table, so Pallas
 fetches 8 pages a step, 128 keys: a whole lane tile of scores, and 1/8 of the grid steps a
 page a step would take. A slot whose page lies past the lane's needed blocks keeps its
 previous page (the index map repeats it), so the pipeline issues no DMA for it: a lane DMAs
-max(needed, PAGES_PER_STEP) pages of each pool (hlo_traffic.kernel_slot_pages: the traffic
-table counts the kernel's custom call by its named scope, PALLAS_DECODE, as XLA cannot see
-into it). Steps past a lane's needed pages compute nothing. The scores, online softmax and
-weighted values per KV head are the XLA lowering's own operations in float32 (dots at HIGHEST
-precision over the widened keys and values), the running max, sum and values in VMEM scratch;
+max(needed, PAGES_PER_STEP) pages of each pool (`kernel_slot_pages`; the traffic table,
+hlo_traffic.py, counts the kernel's custom call by it, found by its named scope PALLAS_DECODE,
+as XLA cannot see into it). Steps past a lane's needed pages compute nothing. The scores,
+online softmax and weighted values per KV head are the XLA lowering's own operations in
+float32 (dots at HIGHEST precision over the widened keys and values), the running max, sum
+and values in VMEM scratch;
 a folded key is the reference's rope(c * w) (lower.rope), its rotated pairs computed on the
 page's first 128 columns of each half (RoPE's identity past n: cos 1, sin 0, exact).
+
+int8 scales: the kernel never takes a scale pool as an operand. A custom call's operands are
+laid out as the kernel expects them, tiled (8, 128) over their two minor dims, where a scale
+pool's [16, K] pads K (1 to 4 a device) to 128 lanes: XLA relaid every scale pool whole into
+that layout at each call and back after it (reverted 63e92a2, docs/TPU_COST.md). Instead XLA
+gathers the scales of the pages each lane's grid steps read, once a call, as rows [B, K, pages
+* 16] (`scale_rows`: keys along lanes), and a grid step reads its [K, 128] block, beside its
+scores [G, 128]; the pools' own layout is left as it is.
 """
 
 from __future__ import annotations
@@ -52,13 +65,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from rvcompile.targets.xla.hlo_traffic import (
-    BLOCK_TOKENS,
-    PALLAS_DECODE,
-    PALLAS_DECODE_POOLS,
-    window_pages,
-)
-
+BLOCK_TOKENS = 16  # tokens per KV block, a page (lower.BLOCK_SIZE)
+# the kernel's named scope, by which the traffic table (hlo_traffic.py) finds it: lanes, pages a
+# grid step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
+# (2: K and V, 1: K=V)
+PALLAS_DECODE = "rvkv_pallas_b{lanes}_p{pages}_w{window}_n{width}_k{pools}"
+PALLAS_DECODE_POOLS = 6  # its first pool operand: after 5 scalar-prefetch operands and the query
 PAGES_PER_STEP = 8  # pages of each pool a grid step reads: 128 keys, one lane tile of scores
 LANE = 128  # a TPU tile row's lanes: the running max and sum are replicated over one, and a
 # folded key's rotated pairs are computed over one tile of each half
@@ -70,6 +82,33 @@ class KeyFold:
 
     w: jax.Array  # float32 [D]: k_norm's weight
     freqs: np.ndarray  # float32 [n], n <= LANE: the rotated pairs' inverse frequencies
+
+
+def window_pages(window: int | None, width: int) -> int:
+    """The most pages (blocks) a decode row reads from a table of `width` blocks: all of them
+    for a full layer (window None or 0); a `window`-token sliding layer's first key may sit
+    inside a block, so one past window / 16."""
+    return min(width, -(-(window - 1) // BLOCK_TOKENS) + 1) if window else width
+
+
+def needed_pages(context: int | None, window: int | None, width: int) -> int:
+    """Pages a lane decoding at position `context` - 1 needs (a sliding layer: its window's
+    blocks; window None or 0: a full layer's, from block 0); None: the most any lane can need
+    (`window_pages`)."""
+    if context is None:
+        return window_pages(window, width)
+    last = context - 1
+    lo = max(last - window + 1, 0) // BLOCK_TOKENS if window else 0
+    return min(last // BLOCK_TOKENS + 1 - lo, width)
+
+
+def kernel_slot_pages(needed: int, slot: int, pages: int) -> int:
+    """Pages that page slot `slot` of the decode kernel (paged_kernel.py: `pages` slots a
+    grid step, slot p holding pages p, p + pages, ..) DMAs for a lane needing `needed` pages:
+    each of its pages below `needed`, or its first page once if none is (the pipeline fetches
+    a slot's block whenever its index changes, and the index map repeats a slot's last needed
+    page past it)."""
+    return max(-(-(needed - slot) // pages), 1)
 
 
 def _page_map(p: int, width: int, pool: int):
@@ -86,12 +125,25 @@ def _page_map(p: int, width: int, pool: int):
     return index
 
 
+def _load(refs):
+    """A step's pages [PAGES_PER_STEP * 16, columns], one after another; int8 ones as float32
+    (an int8 tile holds 32 rows: 16-row pages would join inside tiles)."""
+    pages = [r[...] for r in refs]
+    if pages[0].dtype == jnp.int8:
+        pages = [x.astype(jnp.float32) for x in pages]
+    return jnp.concatenate(pages, axis=0)
+
+
 def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
-            window: int | None, scale: float, kv_same: bool, fold: bool):
+            window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool):
     pages = (1 if kv_same else 2) * PAGES_PER_STEP
     k_refs = refs[:PAGES_PER_STEP]
     v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
     rest = refs[pages:]
+    ks_ref = vs_ref = None
+    if quantized:  # the step's scales, a row of 128 keys a head: [K, 128]
+        ks_ref, vs_ref = (rest[0], rest[0]) if kv_same else rest[:2]
+        rest = rest[1 if kv_same else 2:]
     w_ref, f_ref = rest[:2] if fold else (None, None)
     o_ref, m_ref, l_ref, acc_ref = rest[2:] if fold else rest
     b, i = pl.program_id(0), pl.program_id(1)
@@ -117,8 +169,11 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
         live = (first + lax.div(j, BLOCK_TOKENS) < needed) & (pos <= qp)
         if window is not None:
             live &= pos > qp - window
-        keys = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [n, K * D]
-        values = keys if kv_same else jnp.concatenate([r[...] for r in v_refs], axis=0)
+        keys = _load(k_refs)  # [n, K * D]
+        values = keys if kv_same else _load(v_refs)
+        if quantized:  # [K, n]: each head's scales as a row beside its scores [G, n]
+            k_rows = ks_ref[...]
+            v_rows = k_rows if kv_same else vs_ref[...]
         if fold:  # the keys' angles at their positions (a column: keys are rows)
             rows = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
             ang = rows.astype(jnp.float32) * f_ref[...]  # [n, LANE]
@@ -133,14 +188,18 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
                 kh = jnp.concatenate([x1 * cos - x2 * sin, c[:, LANE:half],
                                       x2 * cos + x1 * sin, c[:, half + LANE:]], axis=1)
             s = lax.dot_general(q, kh, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32) * jnp.float32(scale)
+                                preferred_element_type=jnp.float32)
+            if quantized:  # int8 keys in the dot, their scales on the scores
+                s = s * k_rows[h:h + 1]
+            s = s * jnp.float32(scale)
             m = jnp.max(m_ref[h], axis=1, keepdims=True)  # [G, 1]
             m_new = jnp.maximum(m, jnp.max(jnp.where(live, s, -jnp.inf), axis=1, keepdims=True))
             base = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
             p = jnp.where(live, jnp.exp(s - base), jnp.float32(0))
             rescale = jnp.exp(m - base)  # 0 while nothing was seen (m = -inf)
             vh = values[:, h * dv:(h + 1) * dv].astype(jnp.float32)
-            acc_ref[h] = acc_ref[h] * rescale + jnp.dot(p, vh, precision=lax.Precision.HIGHEST,
+            pv = p * v_rows[h:h + 1] if quantized else p  # int8 values: scales on p
+            acc_ref[h] = acc_ref[h] * rescale + jnp.dot(pv, vh, precision=lax.Precision.HIGHEST,
                                                         preferred_element_type=jnp.float32)
             l_ref[h] = l_ref[h] * rescale + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = jnp.broadcast_to(m_new, m_ref.shape[1:])
@@ -152,11 +211,24 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
             o_ref[h] = acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))
 
 
+def scale_rows(pool, layer, blocks):
+    """The scales of `blocks` [B, P] (each lane's pages in the order its grid steps read them)
+    from layer `layer` of a scale pool [n, blocks, 16, K], as rows [B, K, P * 16]: each head's
+    scales along lanes, so that a grid step's block [K, 128] is a whole tile row of the
+    operand's default layout (the pool itself, as a custom call's operand, was relaid whole
+    into that layout, K padded to 128 lanes, at every call: docs/TPU_COST.md)."""
+    b, p = blocks.shape
+    one = lax.dynamic_index_in_dim(pool, layer, 0, False)  # the layer's slice, then a gather
+    taken = jnp.take(one, blocks, axis=0)  # [B, P, 16, K]
+    return jnp.transpose(taken, (0, 3, 1, 2)).reshape(b, pool.shape[-1], p * BLOCK_TOKENS)
+
+
 def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
-                 fold: KeyFold | None = None, interpret=False):
+                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
-    `interpret`: run the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any
-    device: the tests' check of its values)."""
+    `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice). `interpret`: run
+    the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
+    check of its values)."""
     b, kh, g, d = q.shape
     dv = v_pool.shape[-1] // kh
     width = table.shape[1]
@@ -174,7 +246,17 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     needed = jnp.where(valid, jnp.minimum(q_pos // BLOCK_TOKENS + 1 - lo, width), 0)
     # block ids kept inside the pool, as XLA's gather keeps them (an idle lane's table may
     # hold anything; its pages are fetched, never used)
-    table = jnp.clip(table, 0, k_pool.shape[1] - 1).reshape(-1)
+    table = jnp.clip(table, 0, k_pool.shape[1] - 1)
+    if (scales is not None) != (k_pool.dtype == jnp.int8):
+        raise ValueError(f"{k_pool.dtype} pools with{'out' if scales is None else ''} scales")
+    rows = []
+    if scales is not None:
+        entries = lax.rem(lo[:, None] + jnp.arange(steps * PAGES_PER_STEP, dtype=jnp.int32),
+                          width)
+        blocks = jnp.take_along_axis(table, entries.astype(jnp.int32), axis=1)
+        rows = [scale_rows(x, jnp.asarray(layers, jnp.int32).reshape(2)[n], blocks)
+                for n, x in enumerate(scales[:1] if kv_same else scales)]
+    table = table.reshape(-1)
     layer = jnp.asarray(layers, jnp.int32).reshape(2)
     # The pools stay in HBM: as a custom call's operands XLA takes them as read whole, and
     # placed a layer group's small pools (the 31B's at B = 1, 25 MiB each) in VMEM, copied in
@@ -192,6 +274,9 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
         page = (None, None, BLOCK_TOKENS, pool.shape[-1])
         in_specs += [pl.BlockSpec(page, _page_map(p, width, n)) for p in range(PAGES_PER_STEP)]
         operands += [pool] * PAGES_PER_STEP
+    for x in rows:  # a step's 128 keys' scales, every head: [K, 128]
+        in_specs.append(pl.BlockSpec((None, kh, LANE), lambda b, i, *_: (b, 0, i)))
+        operands.append(x)
     if fold is not None:
         freqs = np.zeros((1, LANE), np.float32)  # past the rotated pairs: angle 0, identity
         freqs[0, :len(fold.freqs)] = fold.freqs
@@ -209,7 +294,7 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     scope = PALLAS_DECODE.format(lanes=b, pages=PAGES_PER_STEP, window=window or 0,
                                  width=width, pools=len(pools))
     kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
-                               fold=fold is not None)
+                               quantized=scales is not None, fold=fold is not None)
     with jax.named_scope(scope):
         return pl.pallas_call(
             kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), jnp.float32),
