@@ -10,7 +10,10 @@ widens exactly to f32; the references read either dtype. At head dim 256 the _fp
 groups 1, 2 and 4 and the bf16 entries with group 4 (every sliding layer but the E2B's, and the
 31B's bf16 ones) compute their scores on tensor cores (bf16, or f16 for e4m3 keys, whose q is
 exact in f16's normal range; f32 sums) and P.V in f32: the same contract and references, the
-f32 loop's bound. The float32 plan's entries (suffix `_f32`)
+f32 loop's bound. The K=V entries at head dim 512, groups 8 and 16 (`entry_keqv_mma`: the full
+layers of the 31B, 26B-A4B and 12B) run on tensor cores with every operand in registers but
+the rotated pairs' K, for rope rotating only the first 64 pairs (`keqv_mma_fits`; their
+reference refuses other frequencies). The float32 plan's entries (suffix `_f32`)
 take q and the pools as float32; it also runs prefill chunks through them, a row per sequence
 (the tensor-core attn_prefill is bf16/e4m3 only). A launch is the split kernel
 (`split_geometry`: a CTA of 128 threads per (split, KV head, sequence), writing part_acc f32

@@ -636,9 +636,10 @@ class EntryLowering:
                          window: int, kv_dtype: str) -> None:
         """Split-KV decode attention + combine over rows row0..row0+rows-1 of the entry, split
         as for an entry of `rows` rows. K=V layers of bf16/e4m3 plans run the split on tensor
-        cores (attn_prefill.cu's decode entries: 1.0-1.9x faster at 31B shapes, B = 1..256,
-        benchmarks/h100_attn.py); the other layers, and the float32 plan, attn_decode.cu's
-        kernel (the tensor-core one was up to 1.8x slower on the sliding layers)."""
+        cores: at head dim 512 with quarter-rotary rope (the full layers of Gemma 4's K=V
+        sizes) attn_decode.cu's K=V entries (1.3-3.2x attn_prefill.cu's at 31B shapes, B = 1..256,
+        H200, benchmarks/h100_attn.py), else attn_prefill.cu's decode entries; the other
+        layers, and the float32 plan, attn_decode.cu's split kernel."""
         nh = a.heads
         keys = min(self.ir.max_context, a.window or self.ir.max_context)
         splits = attn_decode.num_splits(rows, kh, keys, SM_COUNT)
