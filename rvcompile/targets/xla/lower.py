@@ -938,14 +938,24 @@ def top_k_binned(x, k: int, width: int | None = None):
     return values, ids.astype(jnp.int32)
 
 
-def sample(a, logits, temperature, top_k, top_p, seed, step):
+def sample_without_sort(temperature, top_k):
+    """Whether every row is served by SAMPLE's greedy or top-k branch (no sort): bool []."""
+    return jnp.all((temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K)))
+
+
+def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=True):
     """SAMPLE: three branches, of which a step runs one. Every row greedy: the argmax only. Every
     sampled row with 0 < top_k <= SAMPLE_TOP_K: the rule over the SAMPLE_TOP_K largest logits
     (lax.top_k: descending, ties by the lower id, as the stable sort orders them), the same
     draw, since the rest have probability zero. Otherwise the full-vocabulary sort (the 31B at
-    B = 64: 2.6 GiB of a step's HBM traffic, est. on v6e)."""
+    B = 64: 2.6 GiB of a step's HBM traffic, est. on v6e). `greedy`: the argmax of these
+    logits if the caller has it already (jnp.argmax's int32; the decode program's, which its
+    log-probabilities read too), so that no pass over the vocabulary repeats it. sort=False:
+    the first two branches only, for a caller that runs this only where
+    `sample_without_sort` holds (the same tokens there)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy is None:
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(candidates):
         u = uniform(seed, step)
@@ -961,11 +971,11 @@ def sample(a, logits, temperature, top_k, top_p, seed, step):
         tok = jnp.take_along_axis(order, i[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
-    few = (temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K))
-    branch = jnp.where(jnp.all(temperature <= 0), 0, jnp.where(jnp.all(few), 1, 2))
+    branches = [lambda: greedy, lambda: sampled(SAMPLE_TOP_K), lambda: sampled(0)]
+    branch = jnp.where(jnp.all(temperature <= 0), 0,
+                       jnp.where(sample_without_sort(temperature, top_k) | (not sort), 1, 2))
     with jax.named_scope(BRANCHES.format(name="sample")):  # the traffic table's step cases
-        return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
-                                   lambda: sampled(0)])
+        return lax.switch(branch, branches if sort else branches[:2])
 
 
 def filtered_probs(logits, temperature, top_k, top_p):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rvcompile.targets.xla.hlo_traffic import BRANCHES
+from rvcompile.targets.xla.lower import sample_without_sort
 
 TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
 
@@ -85,14 +86,69 @@ def _apply_mask_rows(logits, mask):
     return jnp.where(allowed != 0, logits.reshape(b, rows, 128), -jnp.inf).reshape(b, vocab)
 
 
-def logprobs(logits, tokens, n_top):
-    """(logprob [B] of tokens, top ids [B, K], top logprobs [B, K]) under log_softmax(logits)."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, presence,
+                frequency, repetition, n_top):
+    """(tokens, logprob, top_ids, top_logprobs) of a step's logits [B, V] with its extras (the
+    module docstring): the tokens of `draw(x, greedy, sort)` (the IR's sampler on x, given
+    their argmax or None, with or without its sort branch: lower.sample) after the penalties
+    and mask, the log-probabilities of the logits as they are. Their argmax is taken once, for
+    both.
+
+    A step with no penalty id listed, every mask bit set and no row that needs the sort (every
+    greedy or top-k <= 64 request without extras) draws from the logits themselves: penalize's
+    identity branch and a mask of ones leave them bit for bit as they are, so the tokens are the
+    same, but the [B, V] passes of the shaping are skipped (the 31B at B = 64 on v6e: the
+    identity branch's copy of the logits, the mask's bits broadcast to [B, V] and its select).
+    It is a conditional around the draw, not around the shaping: one returning the [B, V]
+    shaped logits copies them, since the log-probabilities still read the unshaped ones. Its
+    plain branch has no sort, which only the other holds, so the sort appears once.
+
+    Everything that reads all of the logits but the draw (argmax, log-sum-exp, the top K) comes
+    before it, behind an optimization barrier: on TPU, XLA otherwise ran the log-sum-exp and
+    the top-K conditional after the draw, with the [B, V] logits evicted from on-chip memory to
+    HBM around it and fetched back (the 31B at B = 64: 0.25 GiB a step, est.)."""
+    top = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    peak, lse = log_normalizer(logits, top)
+    ids, vals = top_logprobs(logits, peak, lse, n_top)
+    logits, top, peak, lse = lax.optimization_barrier((logits, top, peak, lse))
+
+    def plain():
+        return draw(logits, top, False)
+
+    def shaped():
+        x = penalize(logits, pen_ids, pen_counts, presence, frequency, repetition)
+        return draw(apply_mask(x, mask), None, True)
+
+    easy = ~jnp.any(pen_ids >= 0) & jnp.all(mask == -1) & sample_without_sort(temperature, top_k)
+    with jax.named_scope(BRANCHES.format(name="shaping")):  # branch 0: plain (STEP_CASES)
+        toks = lax.cond(~easy, shaped, plain)
+    return toks, chosen_logprob(logits, peak, lse, toks), ids, vals
+
+
+def log_normalizer(logits, top):
+    """(max [B, 1], log(sum(exp(x - max))) [B, 1]) of logits [B, V], the max read at their
+    argmax `top` [B] (jax.nn.log_softmax's max: the same value, at most the sign of a zero max
+    differs, which x - max does not see except in the sign of a zero result)."""
+    x = logits.astype(jnp.float32)
+    peak = jnp.take_along_axis(x, top[:, None], axis=-1)
+    return peak, jnp.log(jnp.sum(jnp.exp(x - peak), axis=-1, keepdims=True))
+
+
+def chosen_logprob(logits, peak, lse, tokens):
+    """log_softmax(logits) [B] at tokens [B]: jax.nn.log_softmax's arithmetic,
+    (x - max) - log(sum(exp(x - max))), at that one id."""
+    x = jnp.take_along_axis(logits.astype(jnp.float32), tokens[:, None], axis=-1)
+    return ((x - peak) - lse)[:, 0]
+
+
+def top_logprobs(logits, peak, lse, n_top):
+    """(top ids [B, K], top logprobs [B, K]) of log_softmax(logits), zeros unless some lane
+    wants them: the [B, V] log-softmax is made only then (it was written whole every step, with
+    a second copy, on TPU: the 31B at B = 64, 0.25 GiB a step, est.)."""
     b = logits.shape[0]
 
-    def top(_):
-        vals, ids = lax.top_k(lp, TOP_LOGPROBS)
+    def best(_):
+        vals, ids = lax.top_k((logits.astype(jnp.float32) - peak) - lse, TOP_LOGPROBS)
         return ids.astype(jnp.int32), vals
 
     def none(_):
@@ -100,8 +156,14 @@ def logprobs(logits, tokens, n_top):
                 jnp.zeros((b, TOP_LOGPROBS), jnp.float32))
 
     with jax.named_scope(BRANCHES.format(name="top_logprobs")):
-        ids, vals = lax.cond(jnp.any(n_top > 0), top, none, None)
-    return chosen, ids, vals
+        return lax.cond(jnp.any(n_top > 0), best, none, None)
+
+
+def logprobs(logits, tokens, n_top):
+    """(logprob [B] of tokens, top ids [B, K], top logprobs [B, K]) under log_softmax(logits)."""
+    top = jnp.argmax(logits.astype(jnp.float32), axis=-1)
+    peak, lse = log_normalizer(logits, top)
+    return (chosen_logprob(logits, peak, lse, tokens), *top_logprobs(logits, peak, lse, n_top))
 
 
 def extras_shapes(batch: int, vocab: int, penalty_ids: int) -> tuple[jax.ShapeDtypeStruct, ...]:
