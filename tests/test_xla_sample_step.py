@@ -164,8 +164,9 @@ def _tpu_child() -> None:
 
 
 def test_on_tpu_a_plain_greedy_step_passes_over_the_logits_about_twice():
-    """v6e:1x1, B = 64, V = 262144 (64 MiB of float32 logits), measured: a greedy step
-    TPU_GREEDY_MIB (on chip TPU_GREEDY_ON_CHIP_MIB) against TPU_OLD_GREEDY_MIB before."""
+    """v6e:1x1, B = 64, V = 262144 (64 MiB of float32 logits), measured (libtpu 0.0.42.1): a
+    greedy step 131.5 MiB (0.5 on chip), 2.05 passes, against 974.5 (396.0 on chip) before; a
+    top-k step 195.8 against 1,166.8; every branch 3,858 against 4,304. About 2 minutes here."""
     from test_xla_topology import _libtpu_env
 
     env = _libtpu_env()
