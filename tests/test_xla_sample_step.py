@@ -12,6 +12,7 @@ bound holds on the TPU's program (the figures measured are in the test)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,55 @@ def test_on_tpu_a_plain_greedy_step_passes_over_the_logits_about_twice():
     assert new["top_k"]["total"] <= 0.75 * old["top_k"]["total"], got
 
 
+def _tp_child() -> None:
+    """On 4 forced CPU devices: sample_step's outputs with the logits split by vocabulary and
+    gathered as Program._whole gathers them (inside the branches that need the whole row), and
+    on one device; prints whether every case matched bit for bit."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    assert len(mesh.devices) == 4
+
+    def whole(x):
+        return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x),
+                                                NamedSharding(mesh, PartitionSpec()))
+
+    def split(logits, temperature, top_k, top_p, seed, step, *extras):
+        def draw(x, greedy, sort):
+            return lower.sample(None, x, temperature, top_k, top_p, seed, step, greedy, sort)
+
+        return sampler.sample_step(draw, logits, temperature, top_k, *extras, whole=whole)
+
+    rng = np.random.default_rng(7)
+    vocab_split = NamedSharding(mesh, PartitionSpec(None, "tp"))
+    same = {}
+    for kind in ("greedy", "top_k", "sort", "mask", "penalties", "logprobs"):
+        ok = True
+        for _ in range(3):
+            args = list(_case(rng, 8, kind))
+            args[0][:, 600:] = args[0][:, 100:500]  # ties across the devices' quarters
+            one = jax.jit(_stepped)(*map(jnp.asarray, args))
+            placed = [jax.device_put(args[0], vocab_split), *map(jnp.asarray, args[1:])]
+            tp = jax.jit(split)(*placed)
+            ok &= all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                      for a, b in zip(one, tp, strict=True))
+        same[kind] = bool(ok)
+    print(json.dumps(same))
+
+
+def test_split_logits_sample_as_one_device():
+    """Under TP the decode program hands sample_step the logits split by vocabulary and gathers
+    them only where the whole row is read (the top-k branch draws from the split logits:
+    XLA partitions its lax.top_k): the same tokens, log-probabilities and top log-probabilities
+    as on one device, bit for bit, ties across devices included (4 forced CPU devices)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    p = subprocess.run([sys.executable, __file__, "tp"], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=Path(__file__).parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert all(got.values()), got
+
+
 if __name__ == "__main__":
-    _tpu_child()
+    _tp_child() if sys.argv[1:] == ["tp"] else _tpu_child()
 

@@ -446,18 +446,23 @@ class Program:
         tokens and sample the next token of every lane from its last valid row, after its
         penalties and token mask; returns (caches, tokens, logprob, top_ids, top_logprobs)
         (targets/xla/sampler.py)."""
-        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables,
+                                           whole=False)
 
         def draw(x, greedy, sort):
             return self.sample(weights, x, temperature, top_k, top_p, seed, step, greedy, sort)
 
         return (caches, *sampler.sample_step(draw, logits, temperature, top_k, mask, pen_ids,
-                                             pen_counts, presence, frequency, repetition, n_top))
+                                             pen_counts, presence, frequency, repetition, n_top,
+                                             self._whole))
 
-    def _last_logits(self, weights, caches, tokens, start, n_new, tables):
+    def _last_logits(self, weights, caches, tokens, start, n_new, tables, whole=True):
+        """The logits [B, V] of each lane's last valid row; whole=False: as the head leaves
+        them (under TP split by vocabulary, `_whole` gathers them)."""
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
-        return caches, self._whole(self.head(weights, last)[:, 0])
+        logits = self.head(weights, last)[:, 0]
+        return caches, self._whole(logits) if whole else logits
 
     def logits(self, weights, caches, tokens, start, n_new, tables):
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)

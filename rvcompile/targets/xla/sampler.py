@@ -87,7 +87,7 @@ def _apply_mask_rows(logits, mask):
 
 
 def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, presence,
-                frequency, repetition, n_top):
+                frequency, repetition, n_top, whole=None):
     """(tokens, logprob, top_ids, top_logprobs) of a step's logits [B, V] with its extras (the
     module docstring): the tokens of `draw(x, greedy, sort)` (the IR's sampler on x, given
     their argmax or None, with or without its sort branch: lower.sample) after the penalties
@@ -107,22 +107,36 @@ def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, pre
     before it, behind an optimization barrier: on TPU, XLA otherwise ran the log-sum-exp and
     the top-K conditional after the draw, with the [B, V] logits evicted from on-chip memory to
     HBM around it and fetched back (the 31B at B = 64: 0.25 GiB a step, est.)."""
-    top = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    peak, lse = log_normalizer(logits, top)
-    ids, vals = top_logprobs(logits, peak, lse, n_top)
+    whole = whole or (lambda x: x)
+    x = whole(logits)
+    top = jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    peak, lse = log_normalizer(x, top)
+    ids, vals = top_logprobs(logits, peak, lse, n_top, whole)
     logits, top, peak, lse = lax.optimization_barrier((logits, top, peak, lse))
 
+    def drawn(x, toks):  # the tokens and their logits
+        return toks, jnp.take_along_axis(x.astype(jnp.float32), toks[:, None], axis=-1)
+
+    def greedy():  # the argmax, whose logit is the max
+        return top, peak
+
+    def sampled():  # every row greedy or top-k <= 64 (sample_without_sort): no gather
+        return drawn(logits, draw(logits, top, False))
+
     def plain():
-        return draw(logits, top, False)
+        with jax.named_scope(BRANCHES.format(name="sample")):  # lower.sample's branches 0, 1
+            return lax.cond(~jnp.all(temperature <= 0), sampled, greedy)
 
     def shaped():
-        x = penalize(logits, pen_ids, pen_counts, presence, frequency, repetition)
-        return draw(apply_mask(x, mask), None, True)
+        x = whole(logits)
+        shaped = apply_mask(penalize(x, pen_ids, pen_counts, presence, frequency, repetition),
+                            mask)
+        return drawn(x, draw(shaped, None, True))
 
     easy = ~jnp.any(pen_ids >= 0) & jnp.all(mask == -1) & sample_without_sort(temperature, top_k)
     with jax.named_scope(BRANCHES.format(name="shaping")):  # branch 0: plain (STEP_CASES)
-        toks = lax.cond(~easy, shaped, plain)
-    return toks, chosen_logprob(logits, peak, lse, toks), ids, vals
+        toks, chosen = lax.cond(~easy, shaped, plain)
+    return toks, ((chosen - peak) - lse)[:, 0], ids, vals
 
 
 def log_normalizer(logits, top):
@@ -141,14 +155,15 @@ def chosen_logprob(logits, peak, lse, tokens):
     return ((x - peak) - lse)[:, 0]
 
 
-def top_logprobs(logits, peak, lse, n_top):
+def top_logprobs(logits, peak, lse, n_top, whole=None):
     """(top ids [B, K], top logprobs [B, K]) of log_softmax(logits), zeros unless some lane
     wants them: the [B, V] log-softmax is made only then (it was written whole every step, with
     a second copy, on TPU: the 31B at B = 64, 0.25 GiB a step, est.)."""
     b = logits.shape[0]
 
     def best(_):
-        vals, ids = lax.top_k((logits.astype(jnp.float32) - peak) - lse, TOP_LOGPROBS)
+        x = logits if whole is None else whole(logits)
+        vals, ids = lax.top_k((x.astype(jnp.float32) - peak) - lse, TOP_LOGPROBS)
         return ids.astype(jnp.int32), vals
 
     def none(_):
