@@ -103,10 +103,18 @@ def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, pre
     shaped logits copies them, since the log-probabilities still read the unshaped ones. Its
     plain branch has no sort, which only the other holds, so the sort appears once.
 
-    Everything that reads all of the logits but the draw (argmax, log-sum-exp, the top K) comes
-    before it, behind an optimization barrier: on TPU, XLA otherwise ran the log-sum-exp and
-    the top-K conditional after the draw, with the [B, V] logits evicted from on-chip memory to
-    HBM around it and fetched back (the 31B at B = 64: 0.25 GiB a step, est.)."""
+    `whole(logits)`: the logits whole on every device (Program._whole: under TP the head leaves
+    them split by vocabulary and this all-gathers them; identity without a mesh). They are
+    gathered where a whole row is read: for the argmax and log-sum-exp, which come first, and
+    inside the branches that need them (the shaped draw, the top log-probabilities). Handed the
+    gathered [B, V] as an operand, the draw's conditional had XLA move them from on-chip memory
+    to HBM before it (the 31B at B = 64, TP = 4: 128 MiB a step, est.); the split logits it
+    gets instead are 1 / TP of that. The plain branch needs no gather: its greedy case
+    is the argmax and its logit the max, its top-k case draws from the split logits (XLA
+    partitions lax.top_k by device and merges the candidates: the same values and ids). The
+    log-sum-exp and top-K conditional come before the draw behind an optimization barrier: else
+    XLA ran them after it, with the logits fetched back from HBM.
+    """
     whole = whole or (lambda x: x)
     x = whole(logits)
     top = jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32)
