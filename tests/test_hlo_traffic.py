@@ -174,3 +174,19 @@ def test_a_step_counts_the_branches_it_runs():
     assert t.total(taken={"demo": 0}) == pytest.approx(with_pen)  # penalties: both counted
     assert t.by_class(taken={"demo": 0, "penalties": 0})["activations"]["read"] < \
         t.by_class()["activations"]["read"]
+
+
+def test_a_steps_collectives_are_those_of_the_branches_it_runs():
+    """Traffic.collectives(taken=...): a collective inside a branch the step does not run is not
+    counted (cost_report's per-step collectives term: the decode program gathers the logits
+    inside some of the sampler's branches, sampler.sample_step)."""
+    from rvcompile.targets.xla.hlo_traffic import Row, Traffic
+
+    rows = (Row("body", "all-reduce.1", "all-reduce", "", 10, {}, 4.0, "activations", 0.0),
+            Row("main", "all-gather-start.1", "all-gather-start", "", 1, {}, 8.0, "activations",
+                0.0, branches=(("sample", 1),)))
+    t = Traffic(rows, ())
+    both = {"all-reduce": {"count": 10, "bytes": 40.0}, "all-gather": {"count": 1, "bytes": 8.0}}
+    assert t.collectives() == both
+    assert t.collectives({"sample": 1}) == both
+    assert t.collectives({"sample": 0}) == {"all-reduce": {"count": 10, "bytes": 40.0}}

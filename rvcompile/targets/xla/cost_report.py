@@ -69,12 +69,14 @@ GiB = 2**30
 REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built max_seqs
 TRAFFIC_TOP = 12  # instructions the manifest keeps of the traffic table (the most bytes a step)
 # Steps by the branches of the decode program's named conditionals they run (hlo_traffic
-# BRANCHES scopes: lower.sample's switch, sampler.penalize and sampler.logprobs, the verify
-# program's ratio rule; jax's branch order): the table's total counts every branch, an upper
-# bound no step reaches (the 31B at B = 64: the sampler's sort is 2.6 GiB of it).
+# BRANCHES scopes: lower.sample's switch, sampler.sample_step, sampler.penalize and
+# sampler.logprobs, the verify program's ratio rule; jax's branch order): the table's total
+# counts every branch, an upper bound no step reaches (the 31B at B = 64: the sampler's sort is
+# 2.6 GiB of it). Both cases are steps of plain requests: no penalty, no token mask (shaping 0),
+# no top log-probabilities.
 STEP_CASES = {
-    "greedy": {"sample": 0, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
-    "top_k": {"sample": 1, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
+    "greedy": {"shaping": 0, "sample": 0, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
+    "top_k": {"shaping": 0, "sample": 1, "penalties": 0, "top_logprobs": 0, "spec_ratio": 0},
 }
 
 
@@ -358,9 +360,12 @@ def traffic_record(table: Traffic, roofline_bytes: float, chip: TpuChip, devices
             continue
         b = table.total(taken=taken)
         ms = b / chip.hbm_bytes_per_s * 1e3
+        # its own collectives: one in a branch the step does not run is not waited for
+        step_coll = collectives_term(table.collectives(taken), devices, chip)
         cases[case] = {"total_bytes": b, "on_chip_bytes": table.on_chip(taken=taken),
                        "amplification": b / roofline_bytes if roofline_bytes else 0.0,
-                       "hbm_ms": ms, "step_ms": ms + coll["ms"]}
+                       "hbm_ms": ms, "collectives_ms": step_coll["ms"],
+                       "step_ms": ms + step_coll["ms"]}
     return {
         "hbm_ms": hbm_ms, "collectives": coll, "step_ms": hbm_ms + coll["ms"],
         "label": "bytes per decode step from the compiled HLO, loops scaled by trip count",

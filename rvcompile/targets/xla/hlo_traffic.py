@@ -286,12 +286,15 @@ class Traffic:
     def on_chip(self, scaled: bool = True, taken: dict[str, int] | None = None) -> float:
         return sum(r.on_chip * (r.runs if scaled else 1) for r in self.rows if r.runs_in(taken))
 
-    def collectives(self) -> dict[str, dict[str, float]]:
+    def collectives(self, taken: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
         """op ("all-reduce", "all-gather", ...) -> {"count": runs per call, "bytes": bytes per
-        call of their outputs (an all-reduce's message)}; async ops by their `*-start`."""
+        call of their outputs (an all-reduce's message)}; async ops by their `*-start`;
+        `taken`: only those in the given branches (Row.runs_in), else every branch."""
         out: dict[str, dict[str, float]] = {}
         for r in self.rows:
             op = r.opcode.removesuffix("-start")
+            if not r.runs_in(taken):
+                continue
             if op in COLLECTIVES:
                 c = out.setdefault(op, {"count": 0, "bytes": 0.0})
                 c["count"] += r.runs

@@ -288,13 +288,17 @@ def rope(a, x, pos):
         x1, x2 = x[..., :n], x[..., half:half + n]
         return jnp.concatenate([x1 * cos - x2 * sin, x[..., n:half], x2 * cos + x1 * sin,
                                 x[..., half + n:]], -1)
+    # by halves: x * [c, c] + [-x2, x1] * [s, s] as [x1 c + (-x2) s, x2 c + x1 s], the same
+    # products and sums (op by op bit for bit; jitted, XLA's CPU backend may fuse another product
+    # into a multiply-add: 1 ulp apart at head dims 32 and 64, none at 256), without cos and sin
+    # broadcast to every head D wide: on TPU at B = 64 those and the rotated copy were written
+    # to on-chip memory and relaid (the 31B at TP = 4: 0.23 GiB a decode step, est.)
     inv = jnp.asarray(a.inv_freq, jnp.float32)
     ang = pos.astype(jnp.float32)[..., None] * inv
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[..., None, :]
+    cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
     half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rot * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin], -1)
 
 
 def _slots(a, cache_size, pos):
@@ -947,14 +951,24 @@ def top_k_binned(x, k: int, width: int | None = None):
     return values, ids.astype(jnp.int32)
 
 
-def sample(a, logits, temperature, top_k, top_p, seed, step):
+def sample_without_sort(temperature, top_k):
+    """Whether every row is served by SAMPLE's greedy or top-k branch (no sort): bool []."""
+    return jnp.all((temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K)))
+
+
+def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=True):
     """SAMPLE: three branches, of which a step runs one. Every row greedy: the argmax only. Every
     sampled row with 0 < top_k <= SAMPLE_TOP_K: the rule over the SAMPLE_TOP_K largest logits
     (lax.top_k: descending, ties by the lower id, as the stable sort orders them), the same
     draw, since the rest have probability zero. Otherwise the full-vocabulary sort (the 31B at
-    B = 64: 2.6 GiB of a step's HBM traffic, est. on v6e)."""
+    B = 64: 2.6 GiB of a step's HBM traffic, est. on v6e). `greedy`: the argmax of these
+    logits if the caller has it already (jnp.argmax's int32; the decode program's, which its
+    log-probabilities read too), so that no pass over the vocabulary repeats it. sort=False:
+    the first two branches only, for a caller that runs this only where
+    `sample_without_sort` holds (the same tokens there)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy is None:
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(candidates):
         u = uniform(seed, step)
@@ -970,11 +984,11 @@ def sample(a, logits, temperature, top_k, top_p, seed, step):
         tok = jnp.take_along_axis(order, i[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
-    few = (temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K))
-    branch = jnp.where(jnp.all(temperature <= 0), 0, jnp.where(jnp.all(few), 1, 2))
+    branches = [lambda: greedy, lambda: sampled(SAMPLE_TOP_K), lambda: sampled(0)]
+    branch = jnp.where(jnp.all(temperature <= 0), 0,
+                       jnp.where(sample_without_sort(temperature, top_k) | (not sort), 1, 2))
     with jax.named_scope(BRANCHES.format(name="sample")):  # the traffic table's step cases
-        return lax.switch(branch, [lambda: greedy, lambda: sampled(SAMPLE_TOP_K),
-                                   lambda: sampled(0)])
+        return lax.switch(branch, branches if sort else branches[:2])
 
 
 def filtered_probs(logits, temperature, top_k, top_p):

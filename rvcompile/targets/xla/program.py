@@ -66,6 +66,7 @@ from rvcompile.targets.xla.lower import (
     BLOCK_SIZE,
     BLOCKWISE_LOWERINGS,
     JNP_DTYPES,
+    LOWERINGS,
     PagedSlice,
     TakesPaged,
     attention_blockwise,
@@ -75,6 +76,7 @@ from rvcompile.targets.xla.lower import (
     moe,
     run_graph,
 )
+from rvcompile.targets.xla.lower import sample as lower_sample
 
 
 @dataclass(frozen=True)
@@ -408,7 +410,8 @@ class Program:
         if not self.pool_shardings:
             return x
         mesh = next(iter(self.pool_shardings.values())).mesh
-        return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+        return lax.with_sharding_constraint(lax.optimization_barrier(x),
+                                            NamedSharding(mesh, PartitionSpec()))
 
     def _placed(self, key: str, pool):
         sharding = self.pool_shardings.get(key)
@@ -417,10 +420,15 @@ class Program:
     def head(self, weights, h):
         return run_graph(self.ir.head, {"h": h}, weights.__getitem__)["logits"]
 
-    def sample(self, weights, logits, temperature, top_k, top_p, seed, step):
+    def sample(self, weights, logits, temperature, top_k, top_p, seed, step, greedy=None,
+               sort=True):
+        """The IR's sampler graph on logits [B, V]; `greedy`: their argmax, if already taken;
+        sort=False: without the sort branch (lower.sample)."""
         args = {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "seed": seed, "step": step}
-        return run_graph(self.ir.sampler, args, weights.__getitem__)["tokens"]
+        lowerings = LOWERINGS if greedy is None and sort else {
+            **LOWERINGS, Op.SAMPLE: functools.partial(lower_sample, greedy=greedy, sort=sort)}
+        return run_graph(self.ir.sampler, args, weights.__getitem__, lowerings)["tokens"]
 
     # ------------------------------------------------------------------ entry points
 
@@ -438,16 +446,23 @@ class Program:
         tokens and sample the next token of every lane from its last valid row, after its
         penalties and token mask; returns (caches, tokens, logprob, top_ids, top_logprobs)
         (targets/xla/sampler.py)."""
-        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
-        shaped = sampler.penalize(logits, pen_ids, pen_counts, presence, frequency, repetition)
-        shaped = sampler.apply_mask(shaped, mask)
-        toks = self.sample(weights, shaped, temperature, top_k, top_p, seed, step)
-        return (caches, toks, *sampler.logprobs(logits, toks, n_top))
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables,
+                                           whole=False)
 
-    def _last_logits(self, weights, caches, tokens, start, n_new, tables):
+        def draw(x, greedy, sort):
+            return self.sample(weights, x, temperature, top_k, top_p, seed, step, greedy, sort)
+
+        return (caches, *sampler.sample_step(draw, logits, temperature, top_k, mask, pen_ids,
+                                             pen_counts, presence, frequency, repetition, n_top,
+                                             self._whole))
+
+    def _last_logits(self, weights, caches, tokens, start, n_new, tables, whole=True):
+        """The logits [B, V] of each lane's last valid row; whole=False: as the head leaves
+        them (under TP split by vocabulary, `_whole` gathers them)."""
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
-        return caches, self._whole(self.head(weights, last)[:, 0])
+        logits = self.head(weights, last)[:, 0]
+        return caches, self._whole(logits) if whole else logits
 
     def logits(self, weights, caches, tokens, start, n_new, tables):
         caches, h = self.forward(weights, caches, tokens, start, n_new, tables)

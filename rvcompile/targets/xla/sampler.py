@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rvcompile.targets.xla.hlo_traffic import BRANCHES
+from rvcompile.targets.xla.lower import sample_without_sort
 
 TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
 
@@ -85,14 +86,92 @@ def _apply_mask_rows(logits, mask):
     return jnp.where(allowed != 0, logits.reshape(b, rows, 128), -jnp.inf).reshape(b, vocab)
 
 
-def logprobs(logits, tokens, n_top):
-    """(logprob [B] of tokens, top ids [B, K], top logprobs [B, K]) under log_softmax(logits)."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, presence,
+                frequency, repetition, n_top, whole=None):
+    """(tokens, logprob, top_ids, top_logprobs) of a step's logits [B, V] with its extras (the
+    module docstring): the tokens of `draw(x, greedy, sort)` (the IR's sampler on x, given
+    their argmax or None, with or without its sort branch: lower.sample) after the penalties
+    and mask, the log-probabilities of the logits as they are. Their argmax is taken once, for
+    both.
+
+    A step with no penalty id listed, every mask bit set and no row that needs the sort (every
+    greedy or top-k <= 64 request without extras) draws from the logits themselves: penalize's
+    identity branch and a mask of ones leave them bit for bit as they are, so the tokens are the
+    same, but the [B, V] passes of the shaping are skipped (the 31B at B = 64 on v6e: the
+    identity branch's copy of the logits, the mask's bits broadcast to [B, V] and its select).
+    It is a conditional around the draw, not around the shaping: one returning the [B, V]
+    shaped logits copies them, since the log-probabilities still read the unshaped ones. Its
+    plain branch has no sort, which only the other holds, so the sort appears once.
+
+    `whole(logits)`: the logits whole on every device (Program._whole: under TP the head leaves
+    them split by vocabulary and this all-gathers them; identity without a mesh). They are
+    gathered where a whole row is read: for the argmax and log-sum-exp, which come first, and
+    inside the branches that need them (the shaped draw, the top log-probabilities). Handed the
+    gathered [B, V] as an operand, the draw's conditional had XLA move them from on-chip memory
+    to HBM before it (the 31B at B = 64, TP = 4: 128 MiB a step, est.); the split logits it
+    gets instead are 1 / TP of that. The plain branch needs no gather: its greedy case
+    is the argmax and its logit the max, its top-k case draws from the split logits (XLA
+    partitions lax.top_k by device and merges the candidates: the same values and ids). The
+    log-sum-exp and top-K conditional come before the draw behind an optimization barrier: else
+    XLA ran them after it, with the logits fetched back from HBM.
+    """
+    whole = whole or (lambda x: x)
+    x = whole(logits)
+    top = jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    peak, lse = log_normalizer(x, top)
+    ids, vals = top_logprobs(logits, peak, lse, n_top, whole)
+    logits, top, peak, lse = lax.optimization_barrier((logits, top, peak, lse))
+
+    def drawn(x, toks):  # the tokens and their logits
+        return toks, jnp.take_along_axis(x.astype(jnp.float32), toks[:, None], axis=-1)
+
+    def greedy():  # the argmax, whose logit is the max
+        return top, peak
+
+    def sampled():  # every row greedy or top-k <= 64 (sample_without_sort): no gather
+        return drawn(logits, draw(logits, top, False))
+
+    def plain():
+        with jax.named_scope(BRANCHES.format(name="sample")):  # lower.sample's branches 0, 1
+            return lax.cond(~jnp.all(temperature <= 0), sampled, greedy)
+
+    def shaped():
+        x = whole(logits)
+        shaped = apply_mask(penalize(x, pen_ids, pen_counts, presence, frequency, repetition),
+                            mask)
+        return drawn(x, draw(shaped, None, True))
+
+    easy = ~jnp.any(pen_ids >= 0) & jnp.all(mask == -1) & sample_without_sort(temperature, top_k)
+    with jax.named_scope(BRANCHES.format(name="shaping")):  # branch 0: plain (STEP_CASES)
+        toks, chosen = lax.cond(~easy, shaped, plain)
+    return toks, ((chosen - peak) - lse)[:, 0], ids, vals
+
+
+def log_normalizer(logits, top):
+    """(max [B, 1], log(sum(exp(x - max))) [B, 1]) of logits [B, V], the max read at their
+    argmax `top` [B] (jax.nn.log_softmax's max: the same value, at most the sign of a zero max
+    differs, which x - max does not see except in the sign of a zero result)."""
+    x = logits.astype(jnp.float32)
+    peak = jnp.take_along_axis(x, top[:, None], axis=-1)
+    return peak, jnp.log(jnp.sum(jnp.exp(x - peak), axis=-1, keepdims=True))
+
+
+def chosen_logprob(logits, peak, lse, tokens):
+    """log_softmax(logits) [B] at tokens [B]: jax.nn.log_softmax's arithmetic,
+    (x - max) - log(sum(exp(x - max))), at that one id."""
+    x = jnp.take_along_axis(logits.astype(jnp.float32), tokens[:, None], axis=-1)
+    return ((x - peak) - lse)[:, 0]
+
+
+def top_logprobs(logits, peak, lse, n_top, whole=None):
+    """(top ids [B, K], top logprobs [B, K]) of log_softmax(logits), zeros unless some lane
+    wants them: the [B, V] log-softmax is made only then (it was written whole every step, with
+    a second copy, on TPU: the 31B at B = 64, 0.25 GiB a step, est.)."""
     b = logits.shape[0]
 
-    def top(_):
-        vals, ids = lax.top_k(lp, TOP_LOGPROBS)
+    def best(_):
+        x = logits if whole is None else whole(logits)
+        vals, ids = lax.top_k((x.astype(jnp.float32) - peak) - lse, TOP_LOGPROBS)
         return ids.astype(jnp.int32), vals
 
     def none(_):
@@ -100,8 +179,14 @@ def logprobs(logits, tokens, n_top):
                 jnp.zeros((b, TOP_LOGPROBS), jnp.float32))
 
     with jax.named_scope(BRANCHES.format(name="top_logprobs")):
-        ids, vals = lax.cond(jnp.any(n_top > 0), top, none, None)
-    return chosen, ids, vals
+        return lax.cond(jnp.any(n_top > 0), best, none, None)
+
+
+def logprobs(logits, tokens, n_top):
+    """(logprob [B] of tokens, top ids [B, K], top logprobs [B, K]) under log_softmax(logits)."""
+    top = jnp.argmax(logits.astype(jnp.float32), axis=-1)
+    peak, lse = log_normalizer(logits, top)
+    return (chosen_logprob(logits, peak, lse, tokens), *top_logprobs(logits, peak, lse, n_top))
 
 
 def extras_shapes(batch: int, vocab: int, penalty_ids: int) -> tuple[jax.ShapeDtypeStruct, ...]:
