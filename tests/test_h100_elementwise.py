@@ -28,9 +28,10 @@ from rvcompile.targets.h100 import gelu_mul, head, norms, qkv_post
 
 BF16 = ml_dtypes.bfloat16
 SOURCES = {
-    norms.SOURCE: (norms.RMSNORM_ENTRY, norms.RESIDUAL_ENTRY),
+    norms.SOURCE: (norms.RMSNORM_ENTRY, norms.RESIDUAL_ENTRY, norms.RMSNORM_Q_ENTRY,
+                   norms.RESIDUAL_Q_ENTRY),
     qkv_post.SOURCE: (qkv_post.ENTRY, qkv_post.SMALL_ENTRY),
-    gelu_mul.SOURCE: (gelu_mul.ENTRY,),
+    gelu_mul.SOURCE: (gelu_mul.ENTRY, gelu_mul.Q_ENTRY),
     head.SOURCE: (head.ARGMAX_ENTRY, head.EMBED_BF16_ENTRY, head.EMBED_FP8_ENTRY),
 }
 
@@ -224,39 +225,72 @@ def _poisoned(ctx, nbytes: int):
     return buf
 
 
+def quantized_outputs(ctx, m: int, h: int, quantize: bool) -> tuple:
+    """A _q entry's q and q_scale buffers, NaN-poisoned, as launch arguments ([] without)."""
+    if not quantize:
+        return (), []
+    bufs = (_poisoned(ctx, m * h), _poisoned(ctx, m * 4))
+    return bufs, [_p(b) for b in bufs]
+
+
+def assert_quantized(ctx, bufs, y) -> None:
+    """A _q entry's q and q_scale: exactly quant_fp8_rows' quantization of the bf16 rows y the
+    same launch wrote (gemm_tc.quantize_rows_reference)."""
+    from rvcompile.targets.h100.gemm_tc import quantize_rows_reference
+
+    m, h = y.shape
+    q = ctx.download(bufs[0], np.uint8, (m, h))
+    scale = ctx.download(bufs[1], np.float32, (m,))
+    for b in bufs:
+        ctx.free(b)
+    want_q, want_scale = quantize_rows_reference(y)
+    assert np.array_equal(scale.view(np.uint32), want_scale.view(np.uint32))
+    assert np.array_equal(q, want_q)
+
+
 HIDDEN = {"31B": 5376, "E4B": 2560, "tiny": 128, "oracle": 64}
 # norm widths: the hidden sizes and the per-layer-input dim of E4B (256) and the tiny models (16)
 NORM_WIDTH = {**HIDDEN, "E4B per-layer input": 256, "tiny per-layer input": 16}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model", sorted(NORM_WIDTH))
-def test_rmsnorm_bf16_kernel(model: str, m: int) -> None:
+def test_rmsnorm_bf16_kernel(model: str, m: int, quantize: bool) -> None:
+    """rmsnorm_bf16, and rmsnorm_bf16_q with its rows' FP8 quantization (with 3 rows, the
+    middle one all zeros: q = 0, scale = 0)."""
     ctx = h100_context()
-    fn = _function(ctx, norms.SOURCE, norms.RMSNORM_ENTRY)
+    fn = _function(ctx, norms.SOURCE, norms.RMSNORM_Q_ENTRY if quantize else norms.RMSNORM_ENTRY)
     h = NORM_WIDTH[model]
     rng = np.random.default_rng(zlib.crc32(f"rms{model}{m}".encode()))
     x = rng.normal(0, 3, (m, h)).astype(np.float32)
+    if quantize and m == 3:
+        x[1] = 0
     w = rng.normal(1, 0.5, h).astype(np.float32)
     eps = 1e-6
     dx, dw, dy = ctx.upload(x), ctx.upload(w), _poisoned(ctx, m * h * 2)
+    qbufs, qargs = quantized_outputs(ctx, m, h, quantize)
     launch = norms.launch_geometry(m, h)
     ctx.launch(fn, launch.grid, launch.block, launch.smem,
-               [_p(dx), _p(dw), _p(dy), ctypes.c_int(h), ctypes.c_float(eps)])
+               [_p(dx), _p(dw), _p(dy), *qargs, ctypes.c_int(h), ctypes.c_float(eps)])
     ctx.synchronize()
     got = ctx.download(dy, BF16, (m, h))
     for b in (dx, dw, dy):
         ctx.free(b)
     assert_bf16_close(got, norms.rmsnorm_bf16(x, w, eps))
+    if quantize:
+        assert_quantized(ctx, qbufs, got)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model", sorted(HIDDEN))
-def test_residual_rmsnorm_kernel(model: str, m: int) -> None:
+def test_residual_rmsnorm_kernel(model: str, m: int, quantize: bool) -> None:
+    """residual_rmsnorm, and residual_rmsnorm_q with y's FP8 quantization."""
     ctx = h100_context()
-    fn = _function(ctx, norms.SOURCE, norms.RESIDUAL_ENTRY)
+    fn = _function(ctx, norms.SOURCE, norms.RESIDUAL_Q_ENTRY if quantize else norms.RESIDUAL_ENTRY)
     hd = HIDDEN[model]
     rng = np.random.default_rng(zlib.crc32(f"res{model}{m}".encode()))
     h = rng.normal(0, 4, (m, hd)).astype(np.float32)
@@ -266,9 +300,10 @@ def test_residual_rmsnorm_kernel(model: str, m: int) -> None:
     eps = 1e-6
     dh, dx, dwp, ds, dwn = (ctx.upload(a) for a in (h, x, w_post, scalar, w_next))
     dy = _poisoned(ctx, m * hd * 2)
+    qbufs, qargs = quantized_outputs(ctx, m, hd, quantize)
     launch = norms.launch_geometry(m, hd)
     ctx.launch(fn, launch.grid, launch.block, launch.smem,
-               [_p(dh), _p(dx), _p(dwp), _p(ds), _p(dwn), _p(dy), ctypes.c_int(hd),
+               [_p(dh), _p(dx), _p(dwp), _p(ds), _p(dwn), _p(dy), *qargs, ctypes.c_int(hd),
                 ctypes.c_float(eps)])
     ctx.synchronize()
     got_h = ctx.download(dh, np.float32, (m, hd))
@@ -279,6 +314,8 @@ def test_residual_rmsnorm_kernel(model: str, m: int) -> None:
     assert np.isfinite(got_h).all()
     assert rel_l2(got_h, want_h) < 1e-5
     assert_bf16_close(got_y, want_y)
+    if quantize:
+        assert_quantized(ctx, qbufs, got_y)
 
 
 QKV_CASES = [  # (name, nh, kh, d, k_eq_v, window: 0 = full layer, kv_shared)
@@ -353,23 +390,31 @@ def test_qkv_post_kernel(name, nh, kh, d, k_eq_v, window, shared, m) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("model,inter", [("31B", 21504), ("E4B", 10240), ("tiny", 256),
                                          ("tiny double-wide", 512), ("oracle MoE expert", 32)])
-def test_gelu_mul_kernel(model: str, inter: int, m: int) -> None:
+def test_gelu_mul_kernel(model: str, inter: int, m: int, quantize: bool) -> None:
+    """gelu_mul, and gelu_mul_q (a CTA a row) with its rows' FP8 quantization (with 3 rows, the
+    middle one all zeros)."""
     ctx = h100_context()
-    fn = _function(ctx, gelu_mul.SOURCE, gelu_mul.ENTRY)
+    fn = _function(ctx, gelu_mul.SOURCE, gelu_mul.Q_ENTRY if quantize else gelu_mul.ENTRY)
     rng = np.random.default_rng(zlib.crc32(f"gelu{model}{m}".encode()))
     gu = rng.normal(0, 2, (m, 2 * inter)).astype(np.float32)
+    if quantize and m == 3:
+        gu[1] = 0
     dgu, dout = ctx.upload(gu), _poisoned(ctx, m * inter * 2)
-    launch = gelu_mul.launch_geometry(m, inter)
+    qbufs, qargs = quantized_outputs(ctx, m, inter, quantize)
+    launch = (gelu_mul.q_geometry if quantize else gelu_mul.launch_geometry)(m, inter)
     ctx.launch(fn, launch.grid, launch.block, launch.smem,
-               [_p(dgu), _p(dout), ctypes.c_int(inter)])
+               [_p(dgu), _p(dout), *qargs, ctypes.c_int(inter)])
     ctx.synchronize()
     got = ctx.download(dout, BF16, (m, inter))
     for b in (dgu, dout):
         ctx.free(b)
     assert_bf16_close(got, gelu_mul.reference(gu))
+    if quantize:
+        assert_quantized(ctx, qbufs, got)
 
 
 # per vocab: (the two saturating logits of row 0, low index last; three exact ties in row 1)

@@ -1,6 +1,8 @@
 """The h100-fp8 plan on the tensor cores (launches.EntryLowering.gemv): up to 32 token rows every
 FP8 linear is gemv_mma_fp8 (bf16 activations, W read once), beyond that per-token e4m3
 activations (quant_fp8_rows_bf16) and gemm_tc, whose parameter block the schedule stores.
+The rows a norm or gelu_mul writes come quantized from that launch (its _q twin), the others
+(the attention output) from quant_fp8_rows_bf16.
 On the CPU, through the reference executor (each kernel's numpy reference), against the
 transformers oracle and against the plan's own bf16-activation path.
 
@@ -30,6 +32,7 @@ accumulation error), and the whole plan against the reference executor.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from h100_helpers import reference_executor
@@ -40,6 +43,7 @@ from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.model import Model
 from rvcompile.targets.h100 import launches
+from rvcompile.targets.h100.gemm_tc import quantize_rows_reference
 
 GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
 TC_OPTS = {"max_context": 128, "prefill_buckets": (8, 64), "max_seqs": 3}
@@ -73,6 +77,20 @@ def plans(oracle_dir, tmp_path_factory):
     return get
 
 
+# what writes an FP8 GEMM's e4m3 activations: quant_fp8_rows, or the _q twin of the launch
+# writing the rows (launches.EntryLowering.emit_quantizable)
+QUANTIZERS = {"quant_fp8_rows_bf16", "rmsnorm_bf16_q", "residual_rmsnorm_q", "gelu_mul_q"}
+
+
+def quantizer(launches, i: int) -> str:
+    """The kernel of the last launch before launches[i] (an FP8 GEMM) writing its operand a."""
+    a = {x.name: x.value for x in launches[i].args}["params"].roles["a"]
+    for x in reversed(launches[:i]):
+        if {y.name: y.value for y in x.args}.get("q") == a:
+            return x.kernel
+    raise AssertionError(f"nothing writes launch {i}'s operand a")
+
+
 def test_tc_plan_uses_both_new_kernels(plans):
     _, gemv, tc = plans("dense")
     for m, wide in ((gemv, ()), (tc, ("prefill_64", "logits_64"))):
@@ -93,7 +111,10 @@ def test_tc_plan_uses_both_new_kernels(plans):
                              else ["gemv_bf16"]), name
             if name in wide:
                 assert not any(k.startswith("gemv_mma_fp8") for k in kernels[:-8])
-                assert gemms and all(kernels[i - 1] == "quant_fp8_rows_bf16" for i in gemms)
+                quantizers = [quantizer(e.launches, i) for i in gemms]
+                assert gemms and set(quantizers) <= QUANTIZERS, quantizers
+                # the norms' and gelu_mul's rows come quantized from those launches
+                assert {"residual_rmsnorm_q", "gelu_mul_q"} <= set(quantizers), quantizers
             else:
                 assert not gemms
                 assert any(k.startswith("gemv_mma_fp8") for k in kernels) != one_row, name
@@ -178,6 +199,10 @@ class _LaunchByLaunch:
         args = {a.name: a.value for a in launch.args}
         if launch.kernel.startswith("quant_fp8_rows_"):
             return [(args["q"], args["M"], args["K"]), (args["scale"], 1, 4 * args["M"])]
+        if launch.kernel in QUANTIZERS:  # a _q twin: its rows y (or out), q and q_scale
+            rows, cols = launch.grid[0], args["H"] if "H" in args else args["I"]
+            y = args["y"] if "y" in args else args["out"]
+            return [(y, rows, 2 * cols), (args["q"], rows, cols), (args["q_scale"], 1, 4 * rows)]
         if launch.kernel.startswith("gemm_fp8_tc_"):
             block = args["params"]
             template = self.schedule.params_templates[block.template]
@@ -186,6 +211,16 @@ class _LaunchByLaunch:
         return []
 
     def _compare(self, kernel: str, regions, got: np.ndarray) -> None:
+        if kernel in QUANTIZERS - {"quant_fp8_rows_bf16"}:
+            # the twin's codes and scales: exactly quant_fp8_rows' of the bf16 rows it wrote
+            # (those rows are a norm's or gelu's, which the GPU computes to f32 rounding only)
+            (y, rows, row_bytes), (q, _, cols), (scale, _, _) = regions
+            mine = got[y:y + rows * row_bytes].view(ml_dtypes.bfloat16).reshape(rows, -1)
+            want_q, want_scale = quantize_rows_reference(mine)
+            assert np.array_equal(got[q:q + rows * cols].reshape(rows, cols), want_q), kernel
+            assert np.array_equal(got[scale:scale + 4 * rows].view(np.float32), want_scale)
+            self.checked["quant"] += 2
+            return
         for offset, rows, row_bytes in regions:
             a = got[offset:offset + rows * row_bytes]
             b = self.ref.mem[offset:offset + rows * row_bytes]

@@ -101,6 +101,29 @@ class _Val:
     lin: Ref | None = None
 
 
+def planned_launch(kernel: str, geometry: gemv_fp8.Launch, args: dict) -> PlannedLaunch:
+    """A launch of `kernel` with its arguments by parameter name, checked against the entry's
+    declaration (contract.py): pointers are Refs (None: null), scalars numbers."""
+    entry = registry.entry(kernel)
+    try:
+        bound = entry.bind(args, Ref)
+    except ContractError as e:
+        raise LoweringError(str(e)) from None
+    return PlannedLaunch(entry.source, kernel, geometry, bound)
+
+
+@dataclass(frozen=True)
+class _QuantTwin:
+    """A launch writing bf16 rows that has a _q twin entry, which also writes their per-row FP8
+    quantization: launches[index] becomes the twin (with q and q_scale added to its arguments)
+    once an FP8 tensor-core GEMM reads those rows (EntryLowering.fp8_gemm)."""
+
+    index: int
+    kernel: str
+    geometry: gemv_fp8.Launch
+    args: dict
+
+
 @dataclass(frozen=True)
 class _Rows:
     """An attention's per-row buffers, addressed from a row on: q (`q_size` bytes an element),
@@ -213,6 +236,9 @@ class EntryLowering:
         self.softcap: float | None = None
         self.h = self.buffer(rows * self.cfg.hidden_size * 4)  # the residual stream, f32
         self.next_norms: dict[int, _Val] = {}  # NEXT_NORM node -> what its residual wrote
+        # a bf16 row buffer -> the _q twin of the launch writing it, or, once an FP8 GEMM asked
+        # for it, the (q, scale) of the rows' per-row FP8 quantization that twin writes
+        self.row_quant: dict[Ref, _QuantTwin | tuple[Ref, Ref]] = {}
         self.outputs: dict[str, tuple[Ref, str, tuple[int, ...]]] = {}
 
     def buffer(self, nbytes: int) -> Ref:
@@ -221,14 +247,17 @@ class EntryLowering:
         return Ref("act", key)
 
     def emit(self, kernel: str, geometry, **args) -> None:
-        """A launch of `kernel` with its arguments by parameter name, checked against the
-        entry's declaration (contract.py): pointers are Refs (None: null), scalars numbers."""
-        entry = registry.entry(kernel)
-        try:
-            bound = entry.bind(args, Ref)
-        except ContractError as e:
-            raise LoweringError(str(e)) from None
-        self.launches.append(PlannedLaunch(entry.source, kernel, geometry, bound))
+        """planned_launch's launch, appended."""
+        self.launches.append(planned_launch(kernel, geometry, args))
+
+    def emit_quantizable(self, kernel: str, twin: str | None, geometry, twin_geometry,
+                         rows: Ref, **args) -> None:
+        """emit(), for a launch writing the bf16 rows `rows` whose `twin` entry also writes their
+        per-row FP8 quantization (None: no twin): fp8_gemm turns it into the twin if an FP8
+        tensor-core GEMM reads them, and so needs no quant_fp8_rows launch."""
+        if twin is not None and not self.f32:
+            self.row_quant[rows] = _QuantTwin(len(self.launches), twin, twin_geometry, args)
+        self.emit(kernel, geometry, **args)
 
     def residual_stream(self) -> _Val:
         return _Val(self.cfg.hidden_size, f32=self.h, lin=self.h if self.f32 else None)
@@ -334,9 +363,10 @@ class EntryLowering:
             raise LoweringError("rmsnorm without a weight outside a fused block")
         w = Ref("weights", at.weight(1))
         y = self.buffer(self.m * x.cols * self.lin_size)
-        entry = norms.RMSNORM_F32_ENTRY if self.f32 else norms.RMSNORM_ENTRY
-        self.emit(entry, norms.launch_geometry(self.m, x.cols), x=x.f32, w=w, y=y, H=x.cols,
-                  eps=n.attrs.eps)
+        geometry = norms.launch_geometry(self.m, x.cols)
+        self.emit_quantizable(norms.RMSNORM_F32_ENTRY if self.f32 else norms.RMSNORM_ENTRY,
+                              norms.RMSNORM_Q_ENTRY, geometry, geometry, y, x=x.f32, w=w, y=y,
+                              H=x.cols, eps=n.attrs.eps)
         return _Val(x.cols, f32=y if self.f32 else None, lin=y)
 
     def next_norm(self, at: _At):
@@ -368,8 +398,9 @@ class EntryLowering:
             w_next = Ref("weights", at.weight(1, of=nxt[0]))
             y = self.buffer(self.m * hdim * self.lin_size)
             self.next_norms[nxt[0]] = _Val(hdim, f32=y if self.f32 else None, lin=y)
-            self.emit(entry, geometry, h=self.h, x=x.f32, w_post=w_post, scalar=scalar,
-                      w_next=w_next, y=y, H=hdim, eps=eps)
+            self.emit_quantizable(entry, norms.RESIDUAL_Q_ENTRY, geometry, geometry, y,
+                                  h=self.h, x=x.f32, w_post=w_post, scalar=scalar,
+                                  w_next=w_next, y=y, H=hdim, eps=eps)
         elif not self.f32 and any(g.nodes[u].op in GEMV_READERS for u in at.users):
             out.lin = self.buffer(self.m * hdim * 2)
             self.emit(ple.RESIDUAL_COPY_ENTRY, ple.residual_copy_geometry(self.m, hdim),
@@ -417,17 +448,27 @@ class EntryLowering:
         self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
 
     def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
-        """quant_fp8_rows_bf16 (x -> e4m3 rows and one float32 scale per row; a separate launch,
-        not yet fused into the kernels writing x), then gemm_tc at its default tile with
-        its parameter block (probed at build: gemm_tc.params_template). An output width the
-        GEMM's TMA strides cannot take (N % 8) goes to the mma.sync FP8-weight GEMM instead."""
+        """x's e4m3 rows and one float32 scale per row (from the launch writing x, turned into
+        its _q twin: emit_quantizable; else a quant_fp8_rows_bf16 launch: the attention output,
+        MoE and PLE rows), then gemm_tc at its default tile with its parameter block (probed at
+        build: gemm_tc.params_template). An output width the GEMM's TMA strides cannot take (N % 8)
+        goes to the mma.sync FP8-weight GEMM instead."""
         if not gemm_tc.fits(rows, n, k):
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
             self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
             return
-        q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
-        quant = gemm_tc.quant_launch(rows, k, "bfloat16")
-        self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
+        made = self.row_quant.get(x)
+        if isinstance(made, _QuantTwin) and rows == self.m:
+            q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+            self.launches[made.index] = planned_launch(made.kernel, made.geometry,
+                                                       dict(made.args, q=q, q_scale=q_scale))
+            self.row_quant[x] = (q, q_scale)
+        elif isinstance(made, tuple) and rows == self.m:
+            q, q_scale = made
+        else:
+            q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+            quant = gemm_tc.quant_launch(rows, k, "bfloat16")
+            self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
         entry = gemm_tc.default_entry(rows, n, SM_COUNT)
         t = gemm_tc.params_template(entry, rows, n, k, SM_COUNT)
         roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
@@ -545,8 +586,12 @@ class EntryLowering:
         self.gemv(x.lin, Ref("weights", values[0]), Ref("weights", scales[0]) if scales else None,
                   gu, self.m, 2 * inter, k)
         out = self.buffer(self.m * inter * (4 if f32 else 2))
-        self.emit(gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
-                  gelu_mul.launch_geometry(self.m, inter), gu=gu, out=out, I=inter)
+        fits = inter <= gelu_mul.Q_MAX_I
+        self.emit_quantizable(gelu_mul.F32_ENTRY if f32 else gelu_mul.ENTRY,
+                              gelu_mul.Q_ENTRY if fits else None,
+                              gelu_mul.launch_geometry(self.m, inter),
+                              gelu_mul.q_geometry(self.m, inter) if fits else None, out,
+                              gu=gu, out=out, I=inter)
         return _Val(inter, f32=out if f32 else None, lin=out)
 
     # -- attention

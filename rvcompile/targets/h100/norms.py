@@ -11,6 +11,9 @@ ops.ref_residual_rmsnorm step for step. One CTA of 512 threads per row; H % 4 ==
 any M >= 1. The `_f32` entries (`rmsnorm_f32`, `residual_rmsnorm_f32`: the float32 plan) take
 the same arguments with y float32, unrounded. Small rows leave threads idle but stay correct
 (the tiny models' H = 64 and 128 and their per-layer-input dim 16 are tested).
+The `_q` entries (`rmsnorm_bf16_q`, `residual_rmsnorm_q`) take q e4m3 [M, H] and q_scale f32 [M]
+after y and also write y's per-row FP8 quantization (gemm_tc.quantize_rows_reference of the bf16
+y): the FP8 tensor-core GEMM reading y then needs no quant_fp8_rows launch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from rvcompile.ir import ops
 from rvcompile.targets.h100.contract import Call, Entry, f32, i32, ptr
+from rvcompile.targets.h100.gemm_tc import quantize_rows_reference
 from rvcompile.targets.h100.gemv_fp8 import Launch
 
 SOURCE = "norms.cu"
@@ -29,6 +33,8 @@ RMSNORM_ENTRY = "rmsnorm_bf16"
 RESIDUAL_ENTRY = "residual_rmsnorm"
 RMSNORM_F32_ENTRY = "rmsnorm_f32"
 RESIDUAL_F32_ENTRY = "residual_rmsnorm_f32"
+RMSNORM_Q_ENTRY = "rmsnorm_bf16_q"
+RESIDUAL_Q_ENTRY = "residual_rmsnorm_q"
 THREADS = 512  # must match the kernel
 MAX_H = THREADS * 4 * 4
 
@@ -72,6 +78,23 @@ def _residual_call(ref, c: Call) -> None:
     c.array("y", (m, h))[:] = y
 
 
+def write_quantized(c: Call, y: np.ndarray) -> None:
+    """A _q entry's q and q_scale: y's per-row e4m3 quantization."""
+    bits, scale = quantize_rows_reference(y)
+    c.array("q", y.shape).view(np.uint8)[:] = bits
+    c.array("q_scale", (y.shape[0],))[:] = scale
+
+
+def _rmsnorm_q_call(c: Call) -> None:
+    _rmsnorm_call(rmsnorm_bf16, c)
+    write_quantized(c, c.array("y", (c.grid[0], c["H"])))
+
+
+def _residual_q_call(c: Call) -> None:
+    _residual_call(residual_rmsnorm, c)
+    write_quantized(c, c.array("y", (c.grid[0], c["H"])))
+
+
 def _entries():
     for name, dtype, ref in ((RMSNORM_ENTRY, "bfloat16", rmsnorm_bf16),
                              (RMSNORM_F32_ENTRY, "float32", rmsnorm_f32)):
@@ -85,6 +108,18 @@ def _entries():
                                    ptr("w_next", "float32"), ptr("y", dtype, "out"), i32("H"),
                                    f32("eps")),
                     partial(_residual_call, ref))
+
+
+    q_out = (ptr("q", "float8_e4m3fn", "out"), ptr("q_scale", "float32", "out"))
+    yield Entry(RMSNORM_Q_ENTRY, SOURCE, (ptr("x", "float32"), ptr("w", "float32"),
+                                         ptr("y", "bfloat16", "out"), *q_out, i32("H"),
+                                         f32("eps")),
+                _rmsnorm_q_call)
+    yield Entry(RESIDUAL_Q_ENTRY, SOURCE, (ptr("h", "float32", "inout"), ptr("x", "float32"),
+                                           ptr("w_post", "float32"), ptr("scalar", "float32"),
+                                           ptr("w_next", "float32"), ptr("y", "bfloat16", "out"),
+                                           *q_out, i32("H"), f32("eps")),
+                _residual_q_call)
 
 
 ENTRIES = tuple(_entries())

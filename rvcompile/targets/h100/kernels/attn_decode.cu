@@ -403,14 +403,6 @@ __device__ __forceinline__ uint32_t bf16x2_f16x2(uint32_t two) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Which entries take it: e4m3 pools at groups 1, 2, 4 (1.2-1.7x the f32 loop from 8 lanes up,
 // H200); bf16 pools at group 4 only (the E4B's sliding layers: up to 1.7x at 256 lanes), as
 // bf16 group 2 (the 31B's) holds 223 registers, 2 CTAs an SM, and lost to the f32 loop at short
@@ -1095,7 +1087,7 @@ constexpr int KEQV_MMA_CTAS = G == 8 ? 3 : 0;
 #define KEQV_MMA_ENTRY(G, SUFFIX, FP8)                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, KEQV_MMA_CTAS<G>)                 \
         attn_decode_keqv_mma_d512_g##G##SUFFIX(                                                 \
-            const __nv_bfloat16* q, const Elem<FP8>::type* base, const int* table,             \
+            const __nv_bfloat16* q, const Elem<FP8, false>::type* base, const int* table,      \
             int max_blocks, int ring, const int* seq_len, int window, int kv_heads,            \
             const float* wk, const float* inv_freq, float* part_acc, float* part_ml,            \
             float* out, __nv_bfloat16* out_bf16) {                                              \

@@ -56,6 +56,58 @@ static __device__ __forceinline__ float block_sum(float v, float* red) {
     return v;
 }
 
+// Maximum over the CTA; every thread gets it. red: 32 floats of shared memory.
+static __device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? red[lane] : -INFINITY;
+    v = warp_max(v);
+    __syncthreads();  // red may be reused
+    return v;
+}
+
+// ---------------------------------------------------------------- per-row FP8 quantization
+
+// The FP8 tensor-core GEMM's activations: a row x quantized as scale = amax / 448, q =
+// e4m3_rn_satfinite(x * (448 / amax)) (q = 0 and scale = 0 where amax = 0), each division and
+// the multiply rounded to nearest in float32 (gemm_tc.quantize_rows_reference, bit for bit).
+// quant_fp8_rows.cu does it as a launch of its own; norms.cu and gelu_mul.cu's _q entries in
+// the epilogue of the kernel writing the row.
+constexpr float E4M3_MAX = 448.f;
+
+// a * inv and b * inv (float32, rounded) -> two e4m3 bytes (low byte = a), round to nearest
+// even, saturating to +-448.
+static __device__ __forceinline__ uint32_t to_e4m3x2(float a, float b, float inv) {
+    const float2 v = make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv));
+    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// 4 values -> 4 e4m3 bytes in one word (first value in the low byte)
+static __device__ __forceinline__ uint32_t to_e4m3x4(const float4 v, float inv) {
+    return to_e4m3x2(v.x, v.y, inv) | to_e4m3x2(v.z, v.w, inv) << 16;
+}
+
+// The multiplier 448 / amax of a row whose largest magnitude is amax (0 for an all-zero row);
+// thread 0 writes the row's scale.
+static __device__ __forceinline__ float row_quant_inv(float amax, float* __restrict__ scale) {
+    if (threadIdx.x == 0) *scale = __fdiv_rn(amax, E4M3_MAX);
+    return amax > 0.f ? __fdiv_rn(E4M3_MAX, amax) : 0.f;
+}
+
+static __device__ __forceinline__ float max_abs4(const float4 v) {
+    return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+
+// v rounded to bf16 (nearest even), as float32: what a bf16 store of v holds
+static __device__ __forceinline__ float4 round_bf16x4(const float4 v) {
+    return make_float4(__bfloat162float(__float2bfloat16_rn(v.x)),
+                       __bfloat162float(__float2bfloat16_rn(v.y)),
+                       __bfloat162float(__float2bfloat16_rn(v.z)),
+                       __bfloat162float(__float2bfloat16_rn(v.w)));
+}
+
 // ---------------------------------------------------------------- RMSNorm rows
 
 static __device__ __forceinline__ float sq4(const float4 v) {
@@ -167,6 +219,15 @@ static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 static __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4],
                                                 uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The same with f16 operands (e4m3 values widened exactly to f16)
+static __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4],
+                                               uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -9,8 +9,9 @@
 // One CTA of 256 threads per row: a pass over the row for amax (16-byte loads) that also keeps
 // the row in shared memory, a CTA maximum, a second pass over the shared copy converting and
 // storing 8 (bf16) or 4 (float32) e4m3 bytes per load (re-read from global memory, the rows in
-// flight outgrow L2 at large M x K: docs/BENCHMARKS.md). Fusing this into the producing kernels'
-// epilogues comes with the integration into the lowering.
+// flight outgrow L2 at large M x K: docs/BENCHMARKS.md). The rows the norms and gelu_mul write
+// are quantized in those kernels (their _q entries, the same math: common.cuh); this launch
+// serves the other GEMM inputs (the attention output, MoE and PLE rows).
 //
 // Contract: K % 16 == 0; x, q 16-byte aligned; grid (M, 1, 1), 256 threads, dynamic shared
 // memory K * sizeof(x element) (the kernel traps when given less); inputs finite.
@@ -18,24 +19,6 @@
 
 namespace {
 constexpr int THREADS = 256;
-constexpr float E4M3_MAX = 448.f;
-
-// Maximum over the CTA; every thread gets it. red: 32 floats of shared memory.
-__device__ __forceinline__ float block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < THREADS / 32 ? red[lane] : 0.f;
-    return warp_max(v);
-}
-
-// a * inv and b * inv (float32, rounded) -> two e4m3 bytes (low byte = a), round to nearest
-// even, saturating to +-448.
-__device__ __forceinline__ uint32_t to_e4m3x2(float a, float b, float inv) {
-    const float2 v = make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv));
-    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3));
-}
 
 struct Bf16Row {  // 8 values per 16-byte load
     using Vec = uint4;
@@ -95,9 +78,7 @@ __device__ __forceinline__ void quant_row(const void* __restrict__ x, uint8_t* _
 #pragma unroll
         for (int j = 0; j < Row::PER; ++j) amax = fmaxf(amax, fabsf(v[j]));
     }
-    amax = block_max(amax, red);
-    const float inv = amax > 0.f ? __fdiv_rn(E4M3_MAX, amax) : 0.f;
-    if (threadIdx.x == 0) scale[m] = __fdiv_rn(amax, E4M3_MAX);
+    const float inv = row_quant_inv(block_max(amax, red), scale + m);
     for (int i = threadIdx.x; i < nvec; i += THREADS) {
         float v[Row::PER];
         Row::unpack(copy[i], v);
