@@ -168,6 +168,7 @@ class _LaunchByLaunch:
 
         self.ref = reference_device(art)
         self.schedule = self.ref.schedule
+        self.kv_blocks = self.ref.kv_blocks  # ScheduleDevice's
         self.gpu = CudaScheduleDevice(art, self.schedule, ctx, kv_blocks=self.ref.kv_blocks)
         self.ctx = ctx
         self.checked = {"quant": 0, "gemm": 0}
