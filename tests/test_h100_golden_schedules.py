@@ -67,11 +67,9 @@ are unchanged (checked case by case against dumps at 621a986).
 And again when the FP8 GEMMs' inputs written by a norm or gelu_mul came quantized from that
 launch (issue 14): in 35 cases 9,198 quant_fp8_rows_bf16 launches are gone, each launch that
 wrote those rows became its _q twin (6,027 residual_rmsnorm -> residual_rmsnorm_q and 105
-rmsnorm_bf16 -> rmsnorm_bf16_q, same geometry; 3,066 gelu_mul -> gelu_mul_q, a cluster of 8
-CTAs of 256 threads per row), every other launch keeps its kernel and order, and nothing else
-but the arena's size changed (checked case by case against dumps at 766854e, and the cluster
-geometry against one CTA of 1024 threads per row at 1042aa2: only those launches' grid and
-block differ).
+rmsnorm_bf16 -> rmsnorm_bf16_q, same geometry; 3,066 gelu_mul -> gelu_mul_q, a CTA of 1024
+threads per row), every other launch keeps its kernel and order, and nothing else but the
+arena's size changed (checked case by case against dumps at 766854e).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full

@@ -42,7 +42,7 @@ from stub_cubins import build_h100
 from rvcompile.artifacts import Artifact
 from rvcompile.build import BuildOptions, build_artifact
 from rvcompile.runtime.model import Model
-from rvcompile.targets.h100 import gelu_mul, launches
+from rvcompile.targets.h100 import launches
 from rvcompile.targets.h100.gemm_tc import quantize_rows_reference
 
 GEMV_OPTS = {"max_context": 128, "prefill_buckets": (8, 32), "max_seqs": 3}
@@ -201,8 +201,7 @@ class _LaunchByLaunch:
         if launch.kernel.startswith("quant_fp8_rows_"):
             return [(args["q"], args["M"], args["K"]), (args["scale"], 1, 4 * args["M"])]
         if launch.kernel in QUANTIZERS:  # a _q twin: its rows y (or out), q and q_scale
-            rows = launch.grid[0] // (gelu_mul.Q_CLUSTER if "I" in args else 1)
-            cols = args["H"] if "H" in args else args["I"]
+            rows, cols = launch.grid[0], args["H"] if "H" in args else args["I"]
             y = args["y"] if "y" in args else args["out"]
             return [(y, rows, 2 * cols), (args["q"], rows, cols), (args["q_scale"], 1, 4 * rows)]
         if launch.kernel.startswith("gemm_fp8_tc_"):

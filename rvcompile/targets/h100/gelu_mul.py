@@ -9,8 +9,8 @@ Limits: I % 4 == 0, any M >= 1 (grid (ceil(I/4 / 256), M); the tiny models' I = 
 CTA of 8 live threads per row).
 Entry `gelu_mul_q(gu, out bf16 [M, I], q e4m3 [M, I], q_scale f32 [M], I)`: `gelu_mul`'s out and
 its per-row FP8 quantization (gemm_tc.quantize_rows_reference of out) for the FP8 tensor-core
-GEMM, so that GEMM needs no quant_fp8_rows launch; a cluster of 8 CTAs of 256 threads per row
-(`q_geometry`: a few dozen rows still cover every SM), I <= 32768.
+GEMM, so that GEMM needs no quant_fp8_rows launch; one CTA of 1024 threads per row
+(`q_geometry`), I <= 32768.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ ENTRY = "gelu_mul"
 F32_ENTRY = "gelu_mul_f32"
 Q_ENTRY = "gelu_mul_q"
 THREADS = 256  # must match the kernel
-# gelu_mul_q's cluster of CTAs per row, CTA and row limit (the kernel's)
-Q_CLUSTER, Q_THREADS, Q_MAX_I = 8, 256, 8 * 256 * 4 * 4
+Q_THREADS, Q_MAX_I = 1024, 1024 * 4 * 8  # gelu_mul_q's CTA and row limit (the kernel's)
 
 
 def reference(gu: np.ndarray) -> np.ndarray:
@@ -50,7 +49,7 @@ def _call(ref, c: Call) -> None:
 
 
 def _q_call(c: Call) -> None:
-    m, i = c.grid[0] // Q_CLUSTER, c["I"]
+    m, i = c.grid[0], c["I"]
     out = reference(c.array("gu", (m, 2 * i)))
     c.array("out", (m, i))[:] = out
     write_quantized(c, out)
@@ -72,7 +71,7 @@ def launch_geometry(m: int, i: int) -> Launch:
 
 
 def q_geometry(m: int, i: int) -> Launch:
-    """gelu_mul_q: a cluster of Q_CLUSTER CTAs per row (the kernel's compile-time cluster)."""
+    """gelu_mul_q: one CTA per row."""
     if m < 1 or i % 4 or i > Q_MAX_I:
         raise ValueError(f"gelu_mul_q needs M >= 1, I % 4 == 0 and I <= {Q_MAX_I} (M={m}, I={i})")
-    return Launch((m * Q_CLUSTER, 1, 1), (Q_THREADS, 1, 1), 0)
+    return Launch((m, 1, 1), (Q_THREADS, 1, 1), 0)

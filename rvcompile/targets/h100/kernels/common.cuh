@@ -90,9 +90,9 @@ static __device__ __forceinline__ uint32_t to_e4m3x4(const float4 v, float inv) 
 }
 
 // The multiplier 448 / amax of a row whose largest magnitude is amax (0 for an all-zero row);
-// thread 0 writes the row's scale (where `scale` is not null).
+// thread 0 writes the row's scale.
 static __device__ __forceinline__ float row_quant_inv(float amax, float* __restrict__ scale) {
-    if (scale && threadIdx.x == 0) *scale = __fdiv_rn(amax, E4M3_MAX);
+    if (threadIdx.x == 0) *scale = __fdiv_rn(amax, E4M3_MAX);
     return amax > 0.f ? __fdiv_rn(E4M3_MAX, amax) : 0.f;
 }
 

@@ -5,20 +5,13 @@
 // gelu_mul_f32 (the float32 plan): the same product stored as float32, unrounded (16-byte store).
 // gelu_mul_q: the bf16 product and its per-row e4m3 quantization q [M, I], q_scale [M] for the
 // FP8 tensor-core GEMM reading it (common.cuh: what quant_fp8_rows_bf16 would make of out, bit
-// for bit, saving that launch); a cluster of Q_CLUSTER CTAs of Q_THREADS per row, the row in
-// registers. Contract: grid (M * Q_CLUSTER, 1, 1), I % 4 == 0, I <= Q_CLUSTER * Q_THREADS * 4 *
-// Q_NV = 32768.
-#include <cooperative_groups.h>
-
+// for bit, saving that launch); one CTA of Q_THREADS per row, the row in registers. Contract:
+// I % 4 == 0, I <= Q_THREADS * 4 * Q_NV = 32768.
 #include "common.cuh"
-
-namespace cg = cooperative_groups;
 
 namespace {
 constexpr int THREADS = 256;
-// gelu_mul_q: a cluster of Q_CLUSTER CTAs per row (the row's maximum through distributed shared
-// memory), so that a few dozen rows still spread over every SM
-constexpr int Q_CLUSTER = 8, Q_THREADS = 256, Q_NV = 4;
+constexpr int Q_THREADS = 1024, Q_NV = 8;
 
 __device__ __forceinline__ float4 gelu_mul4(const float4 g, const float4 u) {
     return make_float4(__fmul_rn(gelu_tanh(g.x), u.x), __fmul_rn(gelu_tanh(g.y), u.y),
@@ -53,22 +46,20 @@ gelu_mul_f32(const float* __restrict__ gu, float* __restrict__ out, int I) {
     gelu_mul_cols(gu, out, I);
 }
 
-extern "C" __global__ void __cluster_dims__(Q_CLUSTER, 1, 1) __launch_bounds__(Q_THREADS)
+extern "C" __global__ void __launch_bounds__(Q_THREADS)
 gelu_mul_q(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, uint8_t* __restrict__ q,
            float* __restrict__ q_scale, int I) {
     pdl_wait();
     pdl_launch_dependents();
     __shared__ float red[32];
-    __shared__ float cta_amax;
-    cg::cluster_group cluster = cg::this_cluster();
-    const int rank = (int)cluster.block_rank(), m = blockIdx.x / Q_CLUSTER, n4 = I / 4;
+    const int m = blockIdx.x, n4 = I / 4;
     const float4* g4 = reinterpret_cast<const float4*>(gu + (size_t)m * 2 * I);
     const float4* u4 = reinterpret_cast<const float4*>(gu + (size_t)m * 2 * I + I);
     float4 b[Q_NV];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < Q_NV; ++i) {
-        const int c = (i * Q_CLUSTER + rank) * Q_THREADS + threadIdx.x;
+        const int c = threadIdx.x + i * Q_THREADS;
         b[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (c < n4) {
             const float4 y = gelu_mul4(__ldg(g4 + c), __ldg(u4 + c));
@@ -77,17 +68,11 @@ gelu_mul_q(const float* __restrict__ gu, __nv_bfloat16* __restrict__ out, uint8_
             amax = fmaxf(amax, max_abs4(b[i]));
         }
     }
-    amax = block_max(amax, red);
-    if (threadIdx.x == 0) cta_amax = amax;
-    cluster.sync();  // every CTA's share of the row's maximum is in its shared memory
-#pragma unroll
-    for (int r = 0; r < Q_CLUSTER; ++r) amax = fmaxf(amax, *cluster.map_shared_rank(&cta_amax, r));
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-    const float inv = row_quant_inv(amax, rank == 0 ? q_scale + m : nullptr);
+    const float inv = row_quant_inv(block_max(amax, red), q_scale + m);
     uint32_t* qrow = reinterpret_cast<uint32_t*>(q + (size_t)m * I);
 #pragma unroll
     for (int i = 0; i < Q_NV; ++i) {
-        const int c = (i * Q_CLUSTER + rank) * Q_THREADS + threadIdx.x;
+        const int c = threadIdx.x + i * Q_THREADS;
         if (c < n4) qrow[c] = to_e4m3x4(b[i], inv);
     }
 }
