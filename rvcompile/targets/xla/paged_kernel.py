@@ -208,7 +208,8 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
     def _():
         for h in range(heads):
             total = jnp.max(l_ref[h], axis=1, keepdims=True)
-            o_ref[h] = acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))
+            o_ref[h] = (acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))).astype(
+                o_ref.dtype)
 
 
 def scale_rows(pool, layer, blocks):
@@ -224,7 +225,8 @@ def scale_rows(pool, layer, blocks):
 
 
 def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
-                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False):
+                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False,
+                 out_dtype=jnp.float32):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
     `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice). `interpret`: run
     the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
@@ -297,7 +299,7 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
                                quantized=scales is not None, fold=fold is not None)
     with jax.named_scope(scope):
         return pl.pallas_call(
-            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), jnp.float32),
+            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), out_dtype),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary")),
             interpret=interpret, name="rv_paged_decode",
