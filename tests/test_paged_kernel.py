@@ -169,6 +169,52 @@ def test_kernel_writes_bf16_as_its_f32_output_rounds():
                           wide.astype(jnp.bfloat16).view(np.uint16))
 
 
+@pytest.mark.parametrize("shape", ["31B", "31B_full"])
+def test_kernel_norms_and_rotates_the_query(shape):
+    """A NormedQuery (the query's RMSNORM and ROPE left to the kernel: lower.lazy_queries) in
+    the kernel, against the XLA lowering of the same attention on rope(rmsnorm(q)) (the
+    sliding layers' RoPE over every pair, the full layers' over 64 of 256): the bound of
+    `test_kernel_equals_the_xla_lowering`, 2e-6 of the largest value."""
+    from rvcompile.ir.ops import RMSNormAttrs
+    from rvcompile.model.presets import ROPE_SLIDING
+
+    kh, group, d, window, width, dtype, k_eq_v, lengths = SHAPES[shape]
+    rng = np.random.default_rng(11)
+    lanes, blocks = len(lengths), len(lengths) * width + 5
+    pools = [jnp.asarray(rng.standard_normal((2, blocks, 16, kh * d)), dtype)
+             for _ in range(1 if k_eq_v else 2)]
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
+                        jnp.int32)
+    k, v = (lower.PagedSlice(pools[-i], 1, table, window is not None, kh) for i in (0, 1))
+    cache_len = jnp.asarray(lengths, jnp.int32)
+    q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, window is not None),
+                                  cache_len)
+    rope = RopeAttrs(tuple((ROPE_FULL if k_eq_v else ROPE_SLIDING).inv_freq(d)))
+    x = jnp.asarray(rng.standard_normal((lanes, 1, kh * group, d)) * 3, jnp.float32)
+    w = jnp.asarray(rng.uniform(0.02, 0.1, d), jnp.float32)  # scores O(1): |q| about 1
+    query = lower.NormedQuery(x, w, RMSNormAttrs(1e-6), rope, q_pos[:, None])
+    attrs = AttentionAttrs(window=window, scale=1.0)
+    keys, fold = k, None
+    if k_eq_v:
+        k_norm = jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32)
+        keys = lower.rope_lazy(rope, lower.mul_lazy(None, k, k_norm), k_pos)
+        freqs = np.asarray(rope.inv_freq, np.float32)
+        fold = KeyFold(k_norm, freqs[freqs > 0])
+
+    xla = np.asarray(jax.jit(lambda x: lower.attention_blockwise(
+        attrs, dataclasses.replace(query, x=x).read(), keys, v, q_pos[:, None], k_pos))(x))
+    ours = np.asarray(jax.jit(lambda x: paged_decode(
+        x.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
+        window=window, scale=1.0, fold=fold, interpret=True,
+        qnorm=dataclasses.replace(query, x=x).kernel_norm()))(x)).reshape(xla.shape)
+    err = float(np.abs(ours - xla).max())
+    print(f"\nkernel's own query norm and RoPE ({shape}): max abs {err:.2e} (largest value "
+          f"{np.abs(xla).max():.2f})")
+    assert not ours[lengths.index(0)].any()
+    assert err <= 2e-6 * np.abs(xla).max()
+
+
 def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     """The kernel's output is bf16 where the attention's one reader (through a RESHAPE) is the
     output projection of a target whose linears round their activation to bf16 (tpu-bf16,
