@@ -215,6 +215,19 @@ def test_kernel_norms_and_rotates_the_query(shape):
     assert err <= 2e-6 * np.abs(xla).max()
 
 
+def test_decode_kernel_norms_and_rotates_the_query_itself():
+    """In a TPU-only decode step the kernel gets each layer's query as the q projection's rows
+    with its norm weight [1, D] and each lane's cos and sin rows [B, 1, D / 2] as its last
+    operands (lower.lazy_queries / NormedQuery): XLA's passes over the query on chip (norm,
+    RoPE halves, their concatenation, a relayout; 5.5 MiB a sliding layer at B = 64, TP = 4,
+    0.28 GiB a step, est.) would come back without them."""
+    calls = [line for line in _export_decode(("tpu",))["decode_2"].splitlines()
+             if "@tpu_custom_call(" in line]
+    ends = [re.findall(r"tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>\) ->",
+                       line) for line in calls]
+    assert ends == [[("1x256", "2x1x128", "2x1x128")], [("1x512", "2x1x256", "2x1x256")]]
+
+
 def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     """The kernel's output is bf16 where the attention's one reader (through a RESHAPE) is the
     output projection of a target whose linears round their activation to bf16 (tpu-bf16,
