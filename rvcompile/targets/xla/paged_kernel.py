@@ -16,7 +16,11 @@ as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j
 W; keys max(0, q_pos - window + 1) .. q_pos); None: a full layer's table (entry j holds block
 j; keys 0 .. q_pos). `fold` (a K=V layer, `KeyFold`): keys are rope(cache * w), RoPE turning
 the first n pairs (n <= 128: Gemma 4's full layers, 64 of 256), values the cache; else keys
-and values are the pools as stored. Returns float32 [B, K, G, Dv]. A key's position is its
+and values are the pools as stored. Returns [B, K, G, Dv] in `out_dtype` (float32; bf16 where
+every reader rounds it to bf16 anyway: lower.READ_AS_BF16, the same bits). `qnorm`
+(`QueryNorm`): q is the query's projection rows, which the kernel norms (RMSNORM with a weight)
+and rotates (RoPE by halves at each lane's cos and sin) itself at a lane's first grid step,
+into VMEM, as lower.rmsnorm and lower.rope would (lower.NormedQuery). A key's position is its
 slot's logical position (a ring is at least window + one block wide, program.kv_kinds, so every
 key a decode row sees is in its slot), so the kernel never reads CACHE_POSITIONS' array.
 
