@@ -145,7 +145,116 @@ def test_pages_a_lane_dmas():
     assert [total(n) for n in (0, 3, 8, 9, 17, 65)] == [8, 8, 8, 9, 17, 65]
 
 
-def _export_decode(platforms, tp=1, static_pools=False) -> dict[str, str]:
+def test_kernel_writes_bf16_as_its_f32_output_rounds():
+    """`out_dtype=bf16` (the output read only by linears that round it to bf16 first,
+    lower.READ_AS_BF16): bit for bit the float32 output rounded to bf16."""
+    kh, group, d, window, width, dtype, _, lengths = SHAPES["31B"]
+    rng = np.random.default_rng(3)
+    lanes, blocks = len(lengths), len(lengths) * width + 5
+    pools = [jnp.asarray(rng.standard_normal((2, blocks, 16, kh * d)), dtype) for _ in (0, 1)]
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
+                        jnp.int32)
+    cache_len = jnp.asarray(lengths, jnp.int32)
+    q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
+    q = jnp.asarray(rng.standard_normal((lanes, kh, group, d)) * 4 / np.sqrt(d), jnp.float32)
+
+    def run(out_dtype):
+        return np.asarray(jax.jit(lambda q: paged_decode(
+            q, *pools, jnp.asarray([1, 1]), table, q_pos, window=window, scale=0.5,
+            interpret=True, out_dtype=out_dtype))(q))
+
+    wide, narrow = run(jnp.float32), run(jnp.bfloat16)
+    assert narrow.dtype == jnp.bfloat16
+    assert np.array_equal(narrow.view(np.uint16),
+                          wide.astype(jnp.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("shape", ["31B", "31B_full"])
+def test_kernel_norms_and_rotates_the_query(shape):
+    """A NormedQuery (the query's RMSNORM and ROPE left to the kernel: lower.lazy_queries) in
+    the kernel, against the XLA lowering of the same attention on rope(rmsnorm(q)) (the
+    sliding layers' RoPE over every pair, the full layers' over 64 of 256): the bound of
+    `test_kernel_equals_the_xla_lowering`, 2e-6 of the largest value."""
+    from rvcompile.ir.ops import RMSNormAttrs
+    from rvcompile.model.presets import ROPE_SLIDING
+
+    kh, group, d, window, width, dtype, k_eq_v, lengths = SHAPES[shape]
+    rng = np.random.default_rng(11)
+    lanes, blocks = len(lengths), len(lengths) * width + 5
+    pools = [jnp.asarray(rng.standard_normal((2, blocks, 16, kh * d)), dtype)
+             for _ in range(1 if k_eq_v else 2)]
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
+                        jnp.int32)
+    k, v = (lower.PagedSlice(pools[-i], 1, table, window is not None, kh) for i in (0, 1))
+    cache_len = jnp.asarray(lengths, jnp.int32)
+    q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
+    k_pos = lower.cache_positions(CachePositionsAttrs(width * 16, window is not None),
+                                  cache_len)
+    rope = RopeAttrs(tuple((ROPE_FULL if k_eq_v else ROPE_SLIDING).inv_freq(d)))
+    x = jnp.asarray(rng.standard_normal((lanes, 1, kh * group, d)) * 3, jnp.float32)
+    w = jnp.asarray(rng.uniform(0.02, 0.1, d), jnp.float32)  # scores O(1): |q| about 1
+    query = lower.NormedQuery(x, w, RMSNormAttrs(1e-6), rope, q_pos[:, None])
+    attrs = AttentionAttrs(window=window, scale=1.0)
+    keys, fold = k, None
+    if k_eq_v:
+        k_norm = jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32)
+        keys = lower.rope_lazy(rope, lower.mul_lazy(None, k, k_norm), k_pos)
+        freqs = np.asarray(rope.inv_freq, np.float32)
+        fold = KeyFold(k_norm, freqs[freqs > 0])
+
+    xla = np.asarray(jax.jit(lambda x: lower.attention_blockwise(
+        attrs, dataclasses.replace(query, x=x).read(), keys, v, q_pos[:, None], k_pos))(x))
+    ours = np.asarray(jax.jit(lambda x: paged_decode(
+        x.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
+        window=window, scale=1.0, fold=fold, interpret=True,
+        qnorm=dataclasses.replace(query, x=x).kernel_norm()))(x)).reshape(xla.shape)
+    err = float(np.abs(ours - xla).max())
+    print(f"\nkernel's own query norm and RoPE ({shape}): max abs {err:.2e} (largest value "
+          f"{np.abs(xla).max():.2f})")
+    assert not ours[lengths.index(0)].any()
+    assert err <= 2e-6 * np.abs(xla).max()
+
+
+def test_decode_kernel_norms_and_rotates_the_query_itself():
+    """In a TPU-only decode step the kernel gets each layer's query as the q projection's rows
+    with its norm weight [1, D] and each lane's cos and sin rows [B, 1, D / 2] as its last
+    operands (lower.lazy_queries / NormedQuery): XLA's passes over the query on chip (norm,
+    RoPE halves, their concatenation, a relayout; 5.5 MiB a sliding layer at B = 64, TP = 4,
+    0.28 GiB a step, est.) would come back without them."""
+    calls = [line for line in _export_decode(("tpu",))["decode_2"].splitlines()
+             if "@tpu_custom_call(" in line]
+    ends = [re.findall(r"tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>\) ->",
+                       line) for line in calls]
+    assert ends == [[("1x256", "2x1x128", "2x1x128")], [("1x512", "2x1x256", "2x1x256")]]
+
+
+def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
+    """The kernel's output is bf16 where the attention's one reader (through a RESHAPE) is the
+    output projection of a target whose linears round their activation to bf16 (tpu-bf16,
+    tpu-int8: lower.read_as_bf16), float32 where it is not (xla-f32's float32 weights); what
+    it saved (the convert after the kernel, 0.068 GiB a step on chip for the 31B at B = 64, TP
+    = 4, est.) would come back with a float32 output."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.ir.ops import Op
+    from rvcompile.model.presets import get_preset
+
+    def outputs(text):
+        return re.findall(r"@tpu_custom_call\(.*-> tensor<[\dx]+x(\w+)>", text)
+
+    assert outputs(_export_decode(("tpu",))["decode_2"]) == ["bf16", "bf16"]
+    assert outputs(_export_decode(("tpu",), target="tpu-int8")["decode_2"]) == ["bf16", "bf16"]
+    assert outputs(_export_decode(("tpu",), target="xla-f32")["decode_2"]) == ["f32", "f32"]
+    cfg = get_preset("gemma-4-31B")
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    for target, rounded in (("tpu-int8", True), ("xla-f32", False)):
+        opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=("tpu",))
+        g = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None).layers[0]
+        attn = [i for i, n in enumerate(g.nodes) if n.op is Op.ATTENTION]
+        assert len(attn) == 1
+        assert (attn[0] in lower.read_as_bf16(g)) is rounded
+
+
+def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> dict[str, str]:
     """The StableHLO text of each program of a 2-layer gemma-4-31B at 2048 tokens: one sliding
     layer (head dim 256, window 1024, a ring of 81 blocks) and one full K=V layer (512)."""
     from rvcompile.build import BuildOptions, lower_model
@@ -154,7 +263,7 @@ def _export_decode(platforms, tp=1, static_pools=False) -> dict[str, str]:
 
     cfg = get_preset("gemma-4-31B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
-    opts = BuildOptions(target="tpu-bf16", max_context=2048, max_seqs=2, platforms=platforms,
+    opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=platforms,
                         tp=tp, prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
     low = lower_to_xla(ir, max_seqs=2, prefill_buckets=(16,), platforms=platforms, tp=tp,

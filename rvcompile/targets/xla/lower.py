@@ -21,6 +21,7 @@ ever materialised.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -165,8 +166,38 @@ def entry_slots(entries: jax.Array) -> jax.Array:
             + jnp.arange(BLOCK_SIZE, dtype=jnp.int32)).reshape(b, w * BLOCK_SIZE)
 
 
+@dataclass(frozen=True)
+class NormedQuery:
+    """An attention query RMSNORM(x, w) then ROPE(., pos), kept lazy by run_graph (the norm's
+    and the rope's one reader each, the rope's the query of an ATTENTION): the Pallas decode
+    kernel applies both itself to the projection's rows (paged_kernel.QueryNorm), sparing their
+    passes over the query on chip; anything else reads it as the two lowerings make it."""
+
+    x: jax.Array  # [B, T, H, D]
+    w: jax.Array
+    norm: Any  # RMSNORM's attrs
+    rope: Any = None  # ROPE's attrs, and its positions [B, T]
+    pos: Any = None
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def read(self) -> jax.Array:
+        y = rmsnorm(self.norm, self.x, self.w)
+        return y if self.rope is None else rope(self.rope, y, self.pos)
+
+    def kernel_norm(self):
+        """paged_kernel.QueryNorm of a decode query (T = 1), its cos and sin as `rope`'s."""
+        from rvcompile.targets.xla.paged_kernel import QueryNorm
+
+        ang = self.pos.astype(jnp.float32)[:, 0, None] * jnp.asarray(self.rope.inv_freq,
+                                                                      jnp.float32)
+        return QueryNorm(f32(self.w), float(self.norm.eps), jnp.cos(ang), jnp.sin(ang))
+
+
 def _val(v):
-    return v.read() if isinstance(v, PagedSlice | CacheView) else v
+    return v.read() if isinstance(v, PagedSlice | CacheView | NormedQuery) else v
 
 
 def _view(v) -> CacheView | None:
@@ -597,9 +628,21 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     same = k.cache is v.cache  # K=V: one pool, its pages read once for keys and values
 
     quantized = k.cache.scale is not None
+    # read only by linears that round it to bf16 (`READ_AS_BF16`): the kernel writes bf16, the
+    # same bits (round to nearest even) at half the bytes, and XLA drops the convert that wrote
+    # them after it (the 31B at B = 64, TP = 4: 0.068 GiB a step on chip, est.)
+    out_dtype = jnp.bfloat16 if READ_AS_BF16.get() else jnp.float32
+    # a NormedQuery: its projection's rows, normed and rotated in the kernel (its norm weight,
+    # cos and sin the last operands)
+    qnorm = q.kernel_norm() if isinstance(q, NormedQuery) else None
+    q_rows = q.x if qnorm is not None else q
 
     def local(qg, layers, table, pos, k_pool, *rest):
         rest = list(rest)
+        norm = None
+        if qnorm is not None:
+            norm = paged_kernel.QueryNorm(rest[-3], qnorm.eps, rest[-2], rest[-1])
+            rest = rest[:-3]
         v_pool = k_pool if same else rest.pop(0)
         scales = None
         if quantized:  # gathered into rows inside (paged_kernel.scale_rows), by device
@@ -607,15 +650,17 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
         fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
         return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
                                          window=a.window, scale=a.scale, fold=fold,
-                                         scales=scales)
+                                         scales=scales, out_dtype=out_dtype, qnorm=norm)
 
     layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
     pools = [k.cache.pool] + [v.cache.pool] * (not same)
     if quantized:  # their scale pools [n, blocks, 16, K], split by head like them
         pools += [k.cache.scale] + [v.cache.scale] * (not same)
-    args = [f32(q).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0], *pools]
+    args = [f32(q_rows).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0], *pools]
     if folded is not None:
         args.append(folded.w)
+    if qnorm is not None:
+        args += [qnorm.w, qnorm.cos, qnorm.sin]
     if mesh is None:
         out = local(*args)
     else:
@@ -625,6 +670,7 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
         pool = PartitionSpec(None, None, None, axis)
         specs = [PartitionSpec(None, axis), whole, whole, whole]
         specs += [pool] * len(pools) + [whole] * (folded is not None)
+        specs += [whole] * (3 * (qnorm is not None))
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                             out_specs=PartitionSpec(None, axis), check_vma=False)(*args)
     return out.reshape(b, 1, nh, -1)
@@ -646,11 +692,11 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool
     the same attention; XLA stages each gathered span in on-chip memory (docs/TPU_COST.md)."""
     kv = _view(k), _view(v)
     if None in kv:
-        return attention(a, q, _val(k), _val(v), q_pos, k_pos)
+        return attention(a, _val(q), _val(k), _val(v), q_pos, k_pos)
     k, v = kv
     if tpu_kernel and decode_kernel_fits(a, q, k, v, mesh):
         return decode_attention_kernel(a, q, k, v, q_pos, mesh)
-    q = f32(q)
+    q = f32(_val(q))
     b, t, nh, d = q.shape
     kh, dv = k.cache.heads, v.cache.head_dim
     width = k.cache.table.shape[1]
@@ -1040,14 +1086,73 @@ BLOCKWISE_LOWERINGS: dict[Op, Callable] = {
 }
 
 
+# True while run_graph lowers a node whose every reader (through RESHAPEs) is a LINEAR that rounds
+# it to bf16 first (its weight is not float32: `linear`): a lowering may then produce bf16 itself
+READ_AS_BF16: contextvars.ContextVar[bool] = contextvars.ContextVar("read_as_bf16", default=False)
+
+
+def read_as_bf16(g: Graph) -> set[int]:
+    """The nodes of `g` whose value every reader rounds to bf16 before using it: each reader is
+    the activation of a LINEAR with a weight that is not float32, or a RESHAPE whose readers are
+    all such (graph outputs are read as they are)."""
+    readers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
+    for i, n in enumerate(g.nodes):
+        for slot, j in enumerate(n.inputs):
+            readers[j].append((i, slot))
+    outputs = {i for _, i in g.outputs}
+    out: set[int] = set()
+    for i in reversed(range(len(g.nodes))):
+        if i in outputs or not readers[i]:
+            continue
+        if all((g.nodes[r].op is Op.LINEAR and slot == 0
+                and g.nodes[g.nodes[r].inputs[1]].dtype != "float32")
+               or (g.nodes[r].op is Op.RESHAPE and r in out)
+               for r, slot in readers[i]):
+            out.add(i)
+    return out
+
+
+def lazy_queries(g: Graph) -> tuple[set[int], set[int]]:
+    """The RMSNORMs (with a weight) and ROPEs that run_graph keeps lazy (NormedQuery): a norm
+    whose one reader is a ROPE whose one reader is an ATTENTION, as its query; neither a graph
+    output."""
+    readers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
+    for i, n in enumerate(g.nodes):
+        for slot, j in enumerate(n.inputs):
+            readers[j].append((i, slot))
+    outputs = {i for _, i in g.outputs}
+    norms, ropes = set(), set()
+    for i, n in enumerate(g.nodes):
+        if n.op is not Op.RMSNORM or len(n.inputs) != 2 or i in outputs:
+            continue
+        if len(readers[i]) != 1 or readers[i][0][1] != 0:
+            continue
+        r = readers[i][0][0]
+        if g.nodes[r].op is not Op.ROPE or r in outputs or len(readers[r]) != 1:
+            continue
+        a, slot = readers[r][0]
+        if g.nodes[a].op is Op.ATTENTION and slot == 0:
+            norms.add(i)
+            ropes.add(r)
+    return norms, ropes
+
+
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
               lowerings: dict[Op, Callable] = LOWERINGS) -> dict[str, Any]:
     """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs.
     `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS)."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
-    for n in g.nodes:
-        if n.op is Op.ARG:
+    bf16 = read_as_bf16(g)
+    # the query lazy only for an ATTENTION lowering that takes lazy values (attention_blockwise)
+    norms, ropes = (lazy_queries(g) if isinstance(lowerings.get(Op.ATTENTION), TakesPaged)
+                    else (set(), set()))
+    for i, n in enumerate(g.nodes):
+        if i in norms:
+            v = NormedQuery(_val(vals[n.inputs[0]]), _val(vals[n.inputs[1]]), n.attrs)
+        elif i in ropes:
+            v = dataclasses.replace(vals[n.inputs[0]], rope=n.attrs, pos=_val(vals[n.inputs[1]]))
+        elif n.op is Op.ARG:
             v = args[n.attrs.name]
             shape = v.shape
             for d, actual in zip(n.shape, shape, strict=True):
@@ -1059,9 +1164,13 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
             v = _val(vals[n.inputs[0]]).reshape(
                 [sym[d] if isinstance(d, str) else d for d in n.attrs.shape])
         else:
-            ins = [vals[i] for i in n.inputs]
+            ins = [vals[j] for j in n.inputs]
             if not isinstance(lowerings[n.op], TakesPaged):
                 ins = [_val(x) for x in ins]
-            v = lowerings[n.op](n.attrs, *ins)
+            token = READ_AS_BF16.set(i in bf16)
+            try:
+                v = lowerings[n.op](n.attrs, *ins)
+            finally:
+                READ_AS_BF16.reset(token)
         vals.append(v)
     return {name: vals[i] for name, i in g.outputs}

@@ -16,7 +16,11 @@ as the XLA lowering's). `window` tokens: a sliding layer's ring (logical block j
 W; keys max(0, q_pos - window + 1) .. q_pos); None: a full layer's table (entry j holds block
 j; keys 0 .. q_pos). `fold` (a K=V layer, `KeyFold`): keys are rope(cache * w), RoPE turning
 the first n pairs (n <= 128: Gemma 4's full layers, 64 of 256), values the cache; else keys
-and values are the pools as stored. Returns float32 [B, K, G, Dv]. A key's position is its
+and values are the pools as stored. Returns [B, K, G, Dv] in `out_dtype` (float32; bf16 where
+every reader rounds it to bf16 anyway: lower.READ_AS_BF16, the same bits). `qnorm`
+(`QueryNorm`): q is the query's projection rows, which the kernel norms (RMSNORM with a weight)
+and rotates (RoPE by halves at each lane's cos and sin) itself at a lane's first grid step,
+into VMEM, as lower.rmsnorm and lower.rope would (lower.NormedQuery). A key's position is its
 slot's logical position (a ring is at least window + one block wide, program.kv_kinds, so every
 key a decode row sees is in its slot), so the kernel never reads CACHE_POSITIONS' array.
 
@@ -135,7 +139,8 @@ def _load(refs):
 
 
 def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
-            window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool):
+            window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool,
+            qnorm: float | None):
     pages = (1 if kv_same else 2) * PAGES_PER_STEP
     k_refs = refs[:PAGES_PER_STEP]
     v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
@@ -145,7 +150,11 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
         ks_ref, vs_ref = (rest[0], rest[0]) if kv_same else rest[:2]
         rest = rest[1 if kv_same else 2:]
     w_ref, f_ref = rest[:2] if fold else (None, None)
-    o_ref, m_ref, l_ref, acc_ref = rest[2:] if fold else rest
+    rest = rest[2:] if fold else rest
+    qw_ref, qc_ref, qs_ref = rest[:3] if qnorm is not None else (None, None, None)
+    rest = rest[3:] if qnorm is not None else rest
+    o_ref, m_ref, l_ref, acc_ref = rest[:4]
+    qn_ref = rest[4] if qnorm is not None else q_ref  # the normed, rotated query
     b, i = pl.program_id(0), pl.program_id(1)
     d, dv = q_ref.shape[-1], acc_ref.shape[-1]
 
@@ -154,6 +163,16 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if qnorm is not None:  # lower.rmsnorm, then lower.rope by halves, each head's rows
+            half = d // 2
+            cos, sin = qc_ref[...], qs_ref[...]  # [1, half]
+            for h in range(heads):
+                x = q_ref[h]  # [G, D]
+                y = x * lax.pow(jnp.mean(x * x, axis=1, keepdims=True) + jnp.float32(qnorm),
+                                jnp.float32(-0.5)) * qw_ref[...]
+                y1, y2 = y[:, :half], y[:, half:]
+                qn_ref[h] = jnp.concatenate([y1 * cos + (-y2) * sin, y2 * cos + y1 * sin],
+                                            axis=1)
 
     needed, qp = needed_ref[b], qpos_ref[b]
 
@@ -179,7 +198,7 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
             ang = rows.astype(jnp.float32) * f_ref[...]  # [n, LANE]
             cos, sin = jnp.cos(ang), jnp.sin(ang)
         for h in range(heads):
-            q = q_ref[h]  # [G, D]
+            q = qn_ref[h]  # [G, D]
             kh = keys[:, h * d:(h + 1) * d].astype(jnp.float32)
             if fold:  # rope(c * w): lower.rope's products on the rotated pairs' tiles
                 c = kh * w_ref[...]
@@ -208,7 +227,21 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
     def _():
         for h in range(heads):
             total = jnp.max(l_ref[h], axis=1, keepdims=True)
-            o_ref[h] = acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))
+            o_ref[h] = (acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))).astype(
+                o_ref.dtype)
+
+
+@dataclass(frozen=True)
+class QueryNorm:
+    """The query handed to the kernel as its projection's rows: the kernel applies its RMSNORM
+    (weight `w` [D], `eps`) and its RoPE by halves (`cos`, `sin` [B, D / 2]: each lane's at its
+    position; a zero frequency's 1 and 0 leave its pair as it is) itself, once a lane, into
+    VMEM (lower.rmsnorm's and lower.rope's arithmetic)."""
+
+    w: jax.Array
+    eps: float
+    cos: jax.Array
+    sin: jax.Array
 
 
 def scale_rows(pool, layer, blocks):
@@ -224,7 +257,8 @@ def scale_rows(pool, layer, blocks):
 
 
 def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
-                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False):
+                 fold: KeyFold | None = None, scales: tuple | None = None, interpret=False,
+                 out_dtype=jnp.float32, qnorm: QueryNorm | None = None):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
     `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice). `interpret`: run
     the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
@@ -283,6 +317,12 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
         in_specs += [pl.BlockSpec((1, d), lambda b, i, *_: (0, 0)),
                      pl.BlockSpec((1, LANE), lambda b, i, *_: (0, 0))]
         operands += [jnp.asarray(fold.w, jnp.float32).reshape(1, d), jnp.asarray(freqs)]
+    if qnorm is not None:  # the query's norm weight, and each lane's cos and sin rows
+        in_specs += [pl.BlockSpec((1, d), lambda b, i, *_: (0, 0))]
+        in_specs += [pl.BlockSpec((None, 1, d // 2), lambda b, i, *_: (b, 0, 0))] * 2
+        operands += [jnp.asarray(qnorm.w, jnp.float32).reshape(1, d),
+                     *(jnp.asarray(x, jnp.float32).reshape(b, 1, d // 2)
+                       for x in (qnorm.cos, qnorm.sin))]
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(b, steps),
@@ -290,14 +330,16 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
         out_specs=pl.BlockSpec((None, kh, g, dv), lambda b, i, *_: (b, 0, 0, 0)),
         scratch_shapes=[pltpu.VMEM((kh, g, LANE), jnp.float32),
                         pltpu.VMEM((kh, g, LANE), jnp.float32),
-                        pltpu.VMEM((kh, g, dv), jnp.float32)])
+                        pltpu.VMEM((kh, g, dv), jnp.float32)]
+        + [pltpu.VMEM((kh, g, d), jnp.float32)] * (qnorm is not None))
     scope = PALLAS_DECODE.format(lanes=b, pages=PAGES_PER_STEP, window=window or 0,
                                  width=width, pools=len(pools))
     kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
-                               quantized=scales is not None, fold=fold is not None)
+                               quantized=scales is not None, fold=fold is not None,
+                               qnorm=None if qnorm is None else qnorm.eps)
     with jax.named_scope(scope):
         return pl.pallas_call(
-            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), jnp.float32),
+            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), out_dtype),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary")),
             interpret=interpret, name="rv_paged_decode",
