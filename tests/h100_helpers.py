@@ -120,3 +120,20 @@ def run_requests(eng, requests, max_steps: int = 400) -> dict[str, list[int]]:
         if not eng.has_work():
             return out
     raise AssertionError("the engine did not finish")
+
+
+# what writes an FP8 GEMM's e4m3 activations: quant_fp8_rows, or the _q twin of the launch
+# writing the rows (launches.EntryLowering.emit_quantizable)
+QUANTIZERS = {"quant_fp8_rows_bf16", "rmsnorm_bf16_q", "residual_rmsnorm_q", "gelu_mul_q"}
+
+
+def gemm_quantizer(launches, i: int):
+    """The last launch before launches[i] (an FP8 tensor-core GEMM) writing its operand a, whose
+    scales must be the GEMM's a_scale."""
+    roles = {x.name: x.value for x in launches[i].args}["params"].roles
+    for x in reversed(launches[:i]):
+        args = {y.name: y.value for y in x.args}
+        if args.get("q") == roles["a"]:
+            assert args.get("scale", args.get("q_scale")) == roles["a_scale"], x.kernel
+            return x
+    raise AssertionError(f"nothing writes launch {i}'s operand a")

@@ -28,7 +28,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import h100_context, reference_executor
+from h100_helpers import QUANTIZERS, gemm_quantizer, h100_context, reference_executor
 from oracle import ORACLE_CASES, agreement_with_oracle, random_token_ids
 from test_h100_elementwise import assert_bf16_close, rel_l2
 
@@ -167,9 +167,13 @@ def test_ple_presets_lower(preset, layers):
     assert "to_bf16" in prefill and "ple_project" not in prefill  # P = 256: through the GEMM
     assert prefill.count("ple_gelu_mul") == layers
     # every FP8 linear of 64 rows (the model projection; per layer qkv, o, gate||up, down, the
-    # per-layer gate and projection): per-token quantization, then the tensor-core GEMM
-    gemms = sum(k.startswith("gemm_fp8_tc_") for k in prefill)
-    assert gemms == prefill.count("quant_fp8_rows_bf16") == 1 + 6 * layers
+    # per-layer gate and projection): per-token quantization (quant_fp8_rows, or the _q twin of
+    # the norm or gelu_mul writing the rows), then the tensor-core GEMM
+    launches = s.entries["prefill_64"].launches
+    gemms = [i for i, x in enumerate(launches) if x.kernel.startswith("gemm_fp8_tc_")]
+    assert len(gemms) == 1 + 6 * layers
+    writers = {gemm_quantizer(launches, i).kernel for i in gemms}
+    assert writers <= QUANTIZERS and "gelu_mul_q" in writers, writers
 
 
 # ---------------------------------------------------------------- CPU: whole models

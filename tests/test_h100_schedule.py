@@ -18,9 +18,11 @@ This is FP8 itself, not the plan: the IR interpreter on the same FP8 IR lands wi
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
-from h100_helpers import decode_three_together, reference_executor
+from h100_helpers import decode_three_together, gemm_quantizer, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 
 from rvcompile.artifacts import Artifact
@@ -145,7 +147,8 @@ def test_released_models_lower(preset, layers):
     attention, combine, o GEMV, residual norm, gate||up GEMV, gelu_mul, down GEMV, residual
     norm; the arena fits an 80 GB H100. Decode's linears are one-row FP8 GEMVs (the 31B's all
     the tensor-core GEMV); the 64-row prefill's each a per-token quantization and the
-    tensor-core GEMM with its parameter block."""
+    tensor-core GEMM with its parameter block, its e4m3 rows from quant_fp8_rows or from the
+    _q twin of the launch writing the rows."""
     from rvcompile.build import lower_model
     from rvcompile.sources.checkpoint import load_model_source
     from rvcompile.targets.h100.lower import lower_to_h100
@@ -173,13 +176,17 @@ def test_released_models_lower(preset, layers):
     # the head over the rows packed sequences sample (kernel_schedule.PrefillPacking: 4 here)
     assert [x.kernel for x in prefill if x.kernel.startswith("gemm_bf16_tc")] == \
         ["gemm_bf16_tc_64x256"]
+    writers = []
     for i in gemms:
-        assert prefill[i - 1].kernel == "quant_fp8_rows_bf16"
         (arg,) = prefill[i].args
         assert (arg.name, arg.kind) == ("params", "params")
-        block, quant = arg.value, {a.name: a.value for a in prefill[i - 1].args}
-        assert set(block.roles) == set(s.params_templates[block.template].roles)
-        assert (block.roles["a"], block.roles["a_scale"]) == (quant["q"], quant["scale"])
+        assert set(arg.value.roles) == set(s.params_templates[arg.value.template].roles)
+        writers.append(gemm_quantizer(prefill, i).kernel)
+    # the attention output quantized by quant_fp8_rows; the rows the norms and gelu_mul write by
+    # their _q twins (the first QKV's by rmsnorm_bf16_q, the others' and gate||up's by the
+    # residual norms)
+    assert Counter(writers) == {"quant_fp8_rows_bf16": n, "rmsnorm_bf16_q": 1,
+                                "residual_rmsnorm_q": 2 * n - 1, "gelu_mul_q": n}
     assert s.entries["decode_1"].graph and s.entries["prefill_64"].graph
     assert not any(e.graph for name, e in s.entries.items() if name.startswith("logits_"))
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from h100_helpers import reference_executor
+from h100_helpers import QUANTIZERS, gemm_quantizer, reference_executor
 from oracle import agreement_with_oracle, random_token_ids
 from stub_cubins import build_h100
 
@@ -77,20 +77,6 @@ def plans(oracle_dir, tmp_path_factory):
     return get
 
 
-# what writes an FP8 GEMM's e4m3 activations: quant_fp8_rows, or the _q twin of the launch
-# writing the rows (launches.EntryLowering.emit_quantizable)
-QUANTIZERS = {"quant_fp8_rows_bf16", "rmsnorm_bf16_q", "residual_rmsnorm_q", "gelu_mul_q"}
-
-
-def quantizer(launches, i: int) -> str:
-    """The kernel of the last launch before launches[i] (an FP8 GEMM) writing its operand a."""
-    a = {x.name: x.value for x in launches[i].args}["params"].roles["a"]
-    for x in reversed(launches[:i]):
-        if {y.name: y.value for y in x.args}.get("q") == a:
-            return x.kernel
-    raise AssertionError(f"nothing writes launch {i}'s operand a")
-
-
 def test_tc_plan_uses_both_new_kernels(plans):
     _, gemv, tc = plans("dense")
     for m, wide in ((gemv, ()), (tc, ("prefill_64", "logits_64"))):
@@ -111,7 +97,7 @@ def test_tc_plan_uses_both_new_kernels(plans):
                              else ["gemv_bf16"]), name
             if name in wide:
                 assert not any(k.startswith("gemv_mma_fp8") for k in kernels[:-8])
-                quantizers = [quantizer(e.launches, i) for i in gemms]
+                quantizers = [gemm_quantizer(e.launches, i).kernel for i in gemms]
                 assert gemms and set(quantizers) <= QUANTIZERS, quantizers
                 # the norms' and gelu_mul's rows come quantized from those launches
                 assert {"residual_rmsnorm_q", "gelu_mul_q"} <= set(quantizers), quantizers

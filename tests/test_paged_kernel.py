@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_xla_topology import _libtpu_env
+from test_xla_topology import run_with_libtpu
 
 from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs, quantize_kv_rows
 from rvcompile.model.presets import ROPE_FULL
@@ -459,13 +458,7 @@ def test_traffic_counts_the_kernel_by_its_pages():
     layer (one pool for keys and values): all 20 blocks at 1000 tokens and with no context
     (slots 0 .. 3 three pages, 4 .. 7 two), 8 at 100 (7 pages) and at 40. (Counted as its
     operands, the table would read the 2 MiB pools 8 or 16 times each.)"""
-    env = _libtpu_env()
-    if env is None:
-        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
-    p = subprocess.run([sys.executable, __file__, "traffic"], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_with_libtpu(__file__, "traffic", timeout=600)
     page, page8 = 16 * 512 * 2, 16 * 512
     print(f"\n[measured] kernel custom calls' KV bytes by context: {got}")
     assert got["custom_calls"] == 4
@@ -520,13 +513,7 @@ def test_int8_decode_program_relays_no_value_pool():
     pool ever. The XLA lowering's programs stage the scale pools the same way (the
     gather of a block's scales needs blocks major; a scale pool whose rows are 128 lanes would
     need no staging at 128 / (16 K) times the bytes: docs/TPU_COST.md)."""
-    env = _libtpu_env()
-    if env is None:
-        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
-    p = subprocess.run([sys.executable, __file__, "int8_program"], capture_output=True,
-                       text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_with_libtpu(__file__, "int8_program", timeout=900)
     print("\n[measured] whole-pool writes:\n  " + "\n  ".join(got["writes"]))
     assert got["custom_calls"] == 2
     assert any(k.endswith(".scale") for k in got["pools"])

@@ -22,15 +22,12 @@ the cost report is checked by hand.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_xla_topology import _libtpu_env
+from test_xla_topology import run_with_libtpu
 
 from rvcompile.ir import ops
 from rvcompile.targets.xla import lower
@@ -409,13 +406,7 @@ def _moe_tp_reads(mesh) -> dict:
 
 
 def test_tpu_decode_lowerings_copy_no_whole_weight():
-    env = _libtpu_env()
-    if env is None:
-        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
-    p = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=Path(__file__).parent)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_with_libtpu(__file__)
     assert got["take_rows"] == [] and got["moe_picked"] == [], got
     assert got["take"] and got["moe_gathered"], got  # the check fails on the forms replaced
     assert got["collectives"] == {"all-reduce": {"count": 1, "bytes": 4096 * 4}}

@@ -168,15 +168,9 @@ def test_on_tpu_a_plain_greedy_step_passes_over_the_logits_about_twice():
     """v6e:1x1, B = 64, V = 262144 (64 MiB of float32 logits), measured (libtpu 0.0.42.1): a
     greedy step 131.5 MiB (0.5 on chip), 2.05 passes, against 974.5 (396.0 on chip) before; a
     top-k step 195.8 against 1,166.8; every branch 3,858 against 4,304. About 2 minutes here."""
-    from test_xla_topology import _libtpu_env
+    from test_xla_topology import run_with_libtpu
 
-    env = _libtpu_env()
-    if env is None:
-        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
-    p = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=Path(__file__).parent)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = run_with_libtpu(__file__)
     logits = 64 * 262144 * 4
     new, old = got["new"], got["old"]
     assert new["greedy"]["total"] <= 2.5 * logits, got

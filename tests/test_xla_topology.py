@@ -672,6 +672,18 @@ def _libtpu_env() -> dict | None:
     return env if importlib.util.find_spec("libtpu") else None
 
 
+def run_with_libtpu(script, *args: str, timeout: int = 300) -> dict:
+    """`python script args` with libtpu importable (the calling test skips where it is not
+    installed): the JSON object its last line of output holds."""
+    env = _libtpu_env()
+    if env is None:
+        pytest.skip("libtpu is not installed (scripts/setup.sh puts it in .venv/tpu-aot)")
+    p = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                       env=env, timeout=timeout, cwd=Path(script).parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def test_build_for_a_tpu_topology(tmp_path):
     env = _libtpu_env()
     if env is None:
