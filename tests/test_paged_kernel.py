@@ -31,6 +31,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from test_xla_topology import run_with_libtpu
 
+from rvcompile.ir.graph import reads
 from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs, quantize_kv_rows
 from rvcompile.model.presets import ROPE_FULL
 from rvcompile.targets.xla import lower
@@ -250,7 +251,7 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
         g = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None).layers[0]
         attn = [i for i, n in enumerate(g.nodes) if n.op is Op.ATTENTION]
         assert len(attn) == 1
-        assert (attn[0] in lower.read_as_bf16(g)) is rounded
+        assert (attn[0] in lower.read_as_bf16(g, reads(g))) is rounded
 
 
 def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> dict[str, str]:

@@ -329,13 +329,19 @@ def rewrite_indexed(g: Graph, rule) -> Graph:
     return out
 
 
+def reads(g: Graph) -> list[list[tuple[int, int]]]:
+    """Each node's reads: (reader, the reader's input slot), in graph order (graph outputs not
+    included)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
+    for i, n in enumerate(g.nodes):
+        for slot, j in enumerate(n.inputs):
+            out[j].append((i, slot))
+    return out
+
+
 def readers(g: Graph) -> list[list[int]]:
     """The nodes that read each node, in graph order (graph outputs not included)."""
-    out: list[list[int]] = [[] for _ in g.nodes]
-    for i, n in enumerate(g.nodes):
-        for j in n.inputs:
-            out[j].append(i)
-    return out
+    return [[i for i, _ in r] for r in reads(g)]
 
 
 def use_counts(g: Graph) -> list[int]:

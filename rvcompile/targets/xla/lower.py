@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rvcompile.ir.graph import Graph
+from rvcompile.ir.graph import Graph, reads
 from rvcompile.ir.ops import KV_INT8_MAX, Op
 from rvcompile.targets.xla.hlo_traffic import BRANCHES, SPAN_LOOP
 from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
@@ -1091,14 +1091,10 @@ BLOCKWISE_LOWERINGS: dict[Op, Callable] = {
 READ_AS_BF16: contextvars.ContextVar[bool] = contextvars.ContextVar("read_as_bf16", default=False)
 
 
-def read_as_bf16(g: Graph) -> set[int]:
+def read_as_bf16(g: Graph, readers: list[list[tuple[int, int]]]) -> set[int]:
     """The nodes of `g` whose value every reader rounds to bf16 before using it: each reader is
     the activation of a LINEAR with a weight that is not float32, or a RESHAPE whose readers are
-    all such (graph outputs are read as they are)."""
-    readers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
-    for i, n in enumerate(g.nodes):
-        for slot, j in enumerate(n.inputs):
-            readers[j].append((i, slot))
+    all such (graph outputs are read as they are). `readers`: graph.reads(g)."""
     outputs = {i for _, i in g.outputs}
     out: set[int] = set()
     for i in reversed(range(len(g.nodes))):
@@ -1112,14 +1108,10 @@ def read_as_bf16(g: Graph) -> set[int]:
     return out
 
 
-def lazy_queries(g: Graph) -> tuple[set[int], set[int]]:
+def lazy_queries(g: Graph, readers: list[list[tuple[int, int]]]) -> tuple[set[int], set[int]]:
     """The RMSNORMs (with a weight) and ROPEs that run_graph keeps lazy (NormedQuery): a norm
     whose one reader is a ROPE whose one reader is an ATTENTION, as its query; neither a graph
-    output."""
-    readers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
-    for i, n in enumerate(g.nodes):
-        for slot, j in enumerate(n.inputs):
-            readers[j].append((i, slot))
+    output. `readers`: graph.reads(g)."""
     outputs = {i for _, i in g.outputs}
     norms, ropes = set(), set()
     for i, n in enumerate(g.nodes):
@@ -1143,9 +1135,10 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS)."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
-    bf16 = read_as_bf16(g)
+    g_reads = reads(g)
+    bf16 = read_as_bf16(g, g_reads)
     # the query lazy only for an ATTENTION lowering that takes lazy values (attention_blockwise)
-    norms, ropes = (lazy_queries(g) if isinstance(lowerings.get(Op.ATTENTION), TakesPaged)
+    norms, ropes = (lazy_queries(g, g_reads) if isinstance(lowerings.get(Op.ATTENTION), TakesPaged)
                     else (set(), set()))
     for i, n in enumerate(g.nodes):
         if i in norms:
