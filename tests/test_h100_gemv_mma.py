@@ -1,7 +1,8 @@
 """Small-batch FP8 decode GEMV on the tensor cores (targets/h100/gemv_mma_fp8): the launch
-geometry and the kernel's build on the CPU; on a GPU, every entry against the numpy reference on
-fresh random inputs at real 31B and E4B shapes, ragged and tiny shapes, M = 1..16 and 32 token
-rows, with NaN-poisoned outputs.
+geometry and the kernel's build on the CPU; on a GPU, every entry of the three row kinds (bf16
+rows; e4m3 rows with per-row scales; bf16 rows with a _q twin's q_scale, run in f16) against the
+numpy reference on fresh random inputs at real 31B
+and E4B shapes, ragged and tiny shapes, M = 1..16 and 32 token rows, with NaN-poisoned outputs.
 
 Tolerance: the products bf16 x e4m3 are exact in float32 (8 + 4 significant bits), so kernel and
 reference differ only in the order (and the tensor cores' truncation, contained to 64-wide k
@@ -10,6 +11,16 @@ blocks) of float32 sums. Measured on the H100 (docs/results/2026-11-24-h100-gemv
 1.3e-7 .. 3.5e-7, the float32 reference vs float64 2.4e-7 .. 2.7e-7, kernel vs reference at most
 4.4e-7. The bound below, 1e-5 (test_h100_gemv's for the CUDA-core GEMV), leaves ~20x for other
 shapes and draws; a wrong index, k order or missing block gives errors near 1e-2 .. 1.
+
+f16 rows: the bf16 rows' product, TOLERANCE (each row times a power of two is exact in f16,
+the terms are the same). Cases with rows of very different magnitudes (1e-30 .. 1e30) check
+the per-row power of two.
+
+e4m3 rows: the products are exact too, but the FP8 mma's accumulator truncates inside each
+k32 step (test_h100_gemm_tc's accumulation study); every 64-wide k block is promoted into a
+float32 sum, as gemm_tc's promoted entries do every k tile, so the check is theirs: |y - exact|
+beyond the three float32 roundings at most ACC_TOL_E4M3 of sum_k |q W| (times both scales)
+against a float64 product.
 """
 
 from __future__ import annotations
@@ -23,9 +34,12 @@ import pytest
 from h100_helpers import h100_context
 from test_h100_gemv import random_fp8
 
+from rvcompile.targets.h100 import gemm_tc
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 
 TOLERANCE = 1e-5
+ACC_TOL_E4M3 = 2.0 ** -14  # test_h100_gemm_tc's bound for promoted accumulation
+D_ROUNDING = 2.0 ** -22  # the sum's and the two scales' float32 roundings
 SM_COUNT = 132  # the H100 SXM's; the geometry tests fix it so they run anywhere
 
 # (N, K) of each 31B and E4B decode linear (the heads are bf16 and not this kernel's)
@@ -54,6 +68,10 @@ def test_geometry_buckets_and_shared_memory() -> None:
     wide = gm.launch_geometry(3, 100, 64, SM_COUNT, warps=8, split=2)
     assert wide.entry == "gemv_mma_fp8_m8_w8_s2"
     assert wide.grid == (1, 1, 2) and wide.block == (256, 1, 1)
+    e4m3 = gm.launch_geometry(9, 5376, 8192, SM_COUNT, warps=4, split=1, kind="e4m3")
+    assert e4m3.entry == "gemv_mma_e4m3_m16_w4_s1" and e4m3.smem == 3 * 9 * (4 * 64 + 64)
+    f16 = gm.launch_geometry(9, 5376, 8192, SM_COUNT, warps=4, split=1, kind="f16")
+    assert f16.entry == "gemv_mma_f16_m16_w4_s1" and f16.smem == 3 * 9 * (4 * 64 * 2 + 16)
 
 
 def test_geometry_split_partial_tile_fits_in_the_x_stages() -> None:
@@ -61,15 +79,17 @@ def test_geometry_split_partial_tile_fits_in_the_x_stages() -> None:
     RED_STRIDE = 16 warps + 4 floats per token row)."""
     for warps in gm.WARPS:
         for m in (1, 8, 32):
-            assert m * (16 * warps + 4) * 4 <= gm.smem_bytes(m)
+            for kind in gm.ROW_KINDS:
+                assert m * (16 * warps + 4) * 4 <= gm.smem_bytes(m, kind)
 
 
-def test_geometry_every_choice_is_an_entry() -> None:
-    names = set(gm.entry_names())
+@pytest.mark.parametrize("kind", gm.ROW_KINDS)
+def test_geometry_every_choice_is_an_entry(kind: str) -> None:
+    names = set(gm.entry_names(kind))
     assert len(names) == len(gm.ROW_BUCKETS) * len(gm.WARPS) * len(gm.SPLITS)
     for m in ROWS:
         for n, k in (*SHAPES_31B.values(), *SHAPES_E4B.values(), *SHAPES_SMALL.values()):
-            assert gm.launch_geometry(m, n, k, SM_COUNT).entry in names
+            assert gm.launch_geometry(m, n, k, SM_COUNT, kind=kind).entry in names
 
 
 # (warps, split) the sweeps found within a few % of the fastest at each 31B shape (the H100's of
@@ -149,7 +169,7 @@ def test_kernel_compiles_with_every_entry(tmp_path) -> None:
 
     cubin = compile_cubin(gm.SOURCE, cache_dir=tmp_path)
     assert cubin[:4] == b"\x7fELF"
-    for name in gm.entry_names():
+    for name in (name for kind in gm.ROW_KINDS for name in gm.entry_names(kind)):
         assert name.encode() in cubin
 
 
@@ -164,61 +184,100 @@ def kernel():
     ctx = h100_context()
     cubin = compile_cubin(gm.SOURCE)
     fns = {}
-    for name in gm.entry_names():
+    for name in (name for kind in gm.ROW_KINDS for name in gm.entry_names(kind)):
         fns[name] = ctx.load_function(cubin, name)
         ctx.set_max_dynamic_smem(fns[name], gm.smem_bytes(gm.MAX_ROWS))
     return ctx, fns
 
 
-def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int) -> np.ndarray:
-    """y of one launch on x (uploaded here), the output NaN-poisoned first."""
+def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int,
+        x_scale: np.ndarray | None = None) -> np.ndarray:
+    """y of one launch on x (and, for e4m3 rows, their scales; uploaded here), the output
+    NaN-poisoned first."""
     ctx, fns = kernel
     m, k = x.shape
-    dx, dy = ctx.upload(np.ascontiguousarray(x)), ctx.alloc(m * n * 4)
+    rows = [ctx.upload(np.ascontiguousarray(x))]
+    if x_scale is not None:
+        rows.append(ctx.upload(np.ascontiguousarray(x_scale)))
+    dy = ctx.alloc(m * n * 4)
     ctx.memset(dy, 0xFF)  # NaN poison: every output must be written
     ctx.launch(fns[launch.entry], launch.grid, launch.block, launch.smem,
-               [ctypes.c_uint64(b.ptr) for b in (dw, ds, dx, dy)]
+               [ctypes.c_uint64(b.ptr) for b in (dw, ds, *rows, dy)]
                + [ctypes.c_int(v) for v in (m, n, k)])
     ctx.synchronize()
     got = ctx.download(dy, np.float32, (m, n))
-    ctx.free(dx)
-    ctx.free(dy)
+    for b in (*rows, dy):
+        ctx.free(b)
     return got
 
 
-def check_rows(kernel, n: int, k: int, seed: int, rows=ROWS, warps=None, split=None) -> None:
-    """Fresh W, scale and x; for each M in rows, the launch on x[:M] against the reference."""
+def check_rows(kernel, n: int, k: int, seed: int, kind: str, rows=ROWS, warps=None,
+               split=None) -> None:
+    """Fresh W, scale and x (e4m3: x quantized per row by the reference; f16: rows scaled by
+    1e-30 .. 1e30 from one to the next); for each M in rows, the launch on x[:M] against the
+    reference."""
     ctx, _ = kernel
     rng = np.random.default_rng(seed)
     w = random_fp8(rng, (n, k))
     scale = rng.uniform(1e-4, 1e-3, n).astype(np.float32)
-    x = rng.normal(size=(max(rows), k)).astype(ml_dtypes.bfloat16)
-    want = gm.reference(w, scale, x)  # row m depends on x[m] alone
+    x = rng.normal(size=(max(rows), k)).astype(np.float32)
+    if kind == "f16":
+        x *= (10.0 ** rng.uniform(-30, 30, (max(rows), 1))).astype(np.float32)
+    x = x.astype(ml_dtypes.bfloat16)
     dw, ds = ctx.upload(w), ctx.upload(scale)
     try:
         for m in rows:
-            launch = gm.launch_geometry(m, n, k, ctx.sm_count, warps=warps, split=split)
-            got = run(kernel, launch, dw, ds, x[:m], n)
+            launch = gm.launch_geometry(m, n, k, ctx.sm_count, warps=warps, split=split,
+                                        kind=kind)
+            if kind == "e4m3":
+                q, q_scale = gemm_tc.quantize_rows_reference(x[:m])
+                got = run(kernel, launch, dw, ds, q, n, q_scale)
+                assert np.isfinite(got).all(), (m, launch)
+                assert_accumulation(got, q, q_scale, w, scale, (m, launch))
+                continue
+            if kind == "f16":
+                got = run(kernel, launch, dw, ds, x[:m], n,
+                          gemm_tc.quantize_rows_reference(x[:m])[1])
+            else:
+                got = run(kernel, launch, dw, ds, x[:m], n)
             assert np.isfinite(got).all(), (m, launch)
-            rel = np.linalg.norm(got - want[:m]) / np.linalg.norm(want[:m])
-            assert rel < TOLERANCE, (m, launch, rel)
+            want = gm.reference(w, scale, x[:m])
+            rel = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+            assert rel.max() < TOLERANCE, (m, launch, rel.max())
     finally:
         ctx.free(dw)
         ctx.free(ds)
 
 
+def assert_accumulation(got: np.ndarray, q: np.ndarray, q_scale: np.ndarray, w: np.ndarray,
+                        scale: np.ndarray, where) -> None:
+    """The e4m3 rows' bound (module docstring) against float64 products; the measured excess
+    is printed for the record."""
+    qf = gemm_tc.e4m3_to_f32(q).astype(np.float64)
+    wf = gemm_tc.e4m3_to_f32(w).astype(np.float64)
+    scales = scale.astype(np.float64)[None, :] * q_scale.astype(np.float64)[:, None]
+    exact = (qf @ wf.T) * scales
+    magnitude = (np.abs(qf) @ np.abs(wf).T) * scales
+    excess = (np.abs(got - exact) - D_ROUNDING * np.abs(exact)) / np.maximum(magnitude, 1e-300)
+    print(f"[measured] {where}: excess {excess.max():.3g} of sum |q W|")
+    assert excess.max() <= ACC_TOL_E4M3, (where, excess.max())
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", gm.ROW_KINDS)
 @pytest.mark.parametrize("name", sorted({**SHAPES_31B, **SHAPES_E4B, **SHAPES_SMALL}))
-def test_default_launch_matches_reference(kernel, name: str) -> None:
+def test_default_launch_matches_reference(kernel, name: str, kind: str) -> None:
     n, k = {**SHAPES_31B, **SHAPES_E4B, **SHAPES_SMALL}[name]
-    check_rows(kernel, n, k, seed=n * 7 + k)
+    check_rows(kernel, n, k, seed=n * 7 + k, kind=kind)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", gm.ROW_KINDS)
 @pytest.mark.parametrize("warps", gm.WARPS)
 @pytest.mark.parametrize("split", gm.SPLITS)
-def test_every_entry_matches_reference(kernel, warps: int, split: int) -> None:
+def test_every_entry_matches_reference(kernel, warps: int, split: int, kind: str) -> None:
     """Each (warps, split) entry of each row bucket on a ragged shape: N = 1000 (a partial CTA of
     rows), K = 4176 (65 whole k blocks and a quarter: partial windows in every split)."""
-    check_rows(kernel, 1000, 4176, seed=warps * 10 + split, rows=(1, 7, 8, 9, 16, 17, 32),
-               warps=warps, split=split)
+    check_rows(kernel, 1000, 4176, seed=warps * 10 + split, kind=kind,
+               rows=(1, 7, 8, 9, 16, 17, 32), warps=warps, split=split)
+

@@ -76,12 +76,16 @@ BF16_GEMM_ROWS = 4
 # ... and only as wide as the tiny models' vocabularies (1024 and up): an output narrower than
 # 4 tiles of 256 columns gains nothing from the tensor cores
 BF16_GEMM_MIN_N = 1024
-# One-row FP8 linears go to gemv_fp8, more rows to gemv_mma_fp8. Measured inside the 31B's
-# decode_1 CUDA graph on an H100 (benchmarks/h100_step_profile.py --one-row-swap, 2026-11-24,
-# docs/BENCHMARKS.md): 12.80 ms with every one-row linear on gemv_fp8 against 13.65 ms on
-# gemv_mma_fp8, although standalone (benchmarks/h100_gemv_mma.py) gemv_mma_fp8 had measured
-# faster at the 31B's shapes. From two rows on gemv_mma_fp8 is faster at every shape measured
-# (gemv_fp8 reads W once per row).
+# FP8 linears of 2 to gemv_mma_fp8.MAX_ROWS rows whose x was written by a launch with a _q twin
+# (the norms before q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run
+# gemv_mma_fp8's f16-row entries: x as it is, times a power of two per row from the twin's
+# q_scale, in f16, so that each weight pair takes one conversion where bf16 took five (the
+# product is the bf16 rows' to the last bit of each term); other rows (the attention output
+# before o, the per-layer inputs) its bf16-row entries; one row gemv_fp8 (measured inside the
+# 31B's decode_1 graph on an H100, 2026-11-24: 12.80 ms against 13.65 on gemv_mma_fp8; an
+# H200, 2026-11-29: 9.66 ms against 10.65 with e4m3 rows). Standalone on the H200
+# (benchmarks/h100_gemv_mma.py --sweep, docs/BENCHMARKS.md) one 31B step's linears took 9.74 /
+# 9.69 / 9.95 / 9.84 / 11.25 ms at 1 / 2 / 4 / 8 / 16 rows with bf16 rows, 8.79 on gemv_fp8.
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
 
 
@@ -420,7 +424,7 @@ class EntryLowering:
           (linear() sends the tied head over many rows to bf16_gemm instead);
         - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
           GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
-          entries, wide decode) x quantized per row to e4m3, then the tensor-core GEMM
+          entries, wide decode) x quantized per row to e4m3 (row_codes), then the tensor-core GEMM
           (fp8_gemm)."""
         if self.specs[w.key].dtype == "float32":
             for r0 in range(0, rows, gemv_f32.MAX_ROWS):
@@ -438,41 +442,53 @@ class EntryLowering:
             self.fp8_gemm(x, w, scale, y, rows, n, k)
 
     def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
-        """gemv_mma_fp8: the weights streamed once for every row, on the tensor cores; one row
-        on gemv_fp8 where its staged x fits (see the measurement above)."""
+        """W streamed once for every row (see the measurements above): one row on gemv_fp8
+        where its staged x fits; rows a _q twin writes on the f16-row entries, with the twin's
+        q_scale (row_codes; its codes go unread); others on the bf16-row entries."""
         if rows == 1 and k * 2 <= gemv_fp8.MAX_SMEM and k % 16 == 0:
             self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
                       scale=scale, x=x, y=y, M=1, N=n, K=k)
-            return
-        g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
-        self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
+        elif rows == self.m and x in self.row_quant:
+            _, q_scale = self.row_codes(x, rows, k)
+            g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT, kind="f16")
+            self.emit(g.entry, g, W=w, scale=scale, x=x, q_scale=q_scale, y=y, M=rows, N=n,
+                      K=k)
+        else:
+            g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT)
+            self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
 
     def fp8_gemm(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
-        """x's e4m3 rows and one float32 scale per row (from the launch writing x, turned into
-        its _q twin: emit_quantizable; else a quant_fp8_rows_bf16 launch: the attention output,
-        MoE and PLE rows), then gemm_tc at its default tile with its parameter block (probed at
-        build: gemm_tc.params_template). An output width the GEMM's TMA strides cannot take (N % 8)
-        goes to the mma.sync FP8-weight GEMM instead."""
+        """x's e4m3 rows (row_codes), then gemm_tc at its default tile with its parameter block
+        (probed at build: gemm_tc.params_template). An output width the GEMM's TMA strides cannot
+        take (N % 8) goes to the mma.sync FP8-weight GEMM on the bf16 rows instead."""
         if not gemm_tc.fits(rows, n, k):
             g = gemm_fp8w.launch_geometry(rows, n, k, SM_COUNT)
             self.emit(g.entry, g, W=w, scale=scale, x=x, y=y, M=rows, N=n, K=k)
             return
+        q, q_scale = self.row_codes(x, rows, k)
+        entry = gemm_tc.default_entry(rows, n, SM_COUNT)
+        t = gemm_tc.params_template(entry, rows, n, k, SM_COUNT)
+        roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
+        self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
+
+    def row_codes(self, x: Ref, rows: int, k: int) -> tuple[Ref, Ref]:
+        """(q, q_scale): the per-row e4m3 codes and float32 scales of the bf16 rows x [rows, k],
+        from the launch that wrote x, turned into its _q twin (emit_quantizable), or written
+        earlier for another reader; else a quant_fp8_rows_bf16 launch (the attention output, MoE
+        and PLE rows, a prefill head's selected rows)."""
         made = self.row_quant.get(x)
         if isinstance(made, _QuantTwin) and rows == self.m:
             q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
             self.launches[made.index] = planned_launch(made.kernel, made.geometry,
                                                        dict(made.args, q=q, q_scale=q_scale))
             self.row_quant[x] = (q, q_scale)
-        elif isinstance(made, tuple) and rows == self.m:
-            q, q_scale = made
-        else:
-            q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
-            quant = gemm_tc.quant_launch(rows, k, "bfloat16")
-            self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
-        entry = gemm_tc.default_entry(rows, n, SM_COUNT)
-        t = gemm_tc.params_template(entry, rows, n, k, SM_COUNT)
-        roles = (("a", q), ("b", w), ("d", y), ("a_scale", q_scale), ("b_scale", scale))
-        self.emit(entry, t, params=ParamsValue(f"{entry}_m{rows}_n{n}_k{k}", t, roles))
+            return q, q_scale
+        if isinstance(made, tuple) and rows == self.m:
+            return made
+        q, q_scale = self.buffer(rows * k), self.buffer(rows * 4)
+        quant = gemm_tc.quant_launch(rows, k, "bfloat16")
+        self.emit(quant.entry, quant, x=x, q=q, scale=q_scale, M=rows, K=k)
+        return q, q_scale
 
     def bf16_gemm(self, x: Ref, w: Ref, y: Ref, rows: int, n: int, k: int) -> None:
         """gemm_bf16_tc at its default tile: x bf16 [rows, k] as the GEMV takes it, W bf16
