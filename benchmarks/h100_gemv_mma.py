@@ -1,11 +1,11 @@
 """Small-batch FP8 decode GEMV (gemv_mma_fp8) on the GPU at a model's layer shapes (default the
-31B's) for M = 1, 2, 4, 8, 16 and 32 token rows, the three row kinds (bf16 rows: "gemv_mma"; e4m3
-rows with per-row scales: "e4m3"; bf16 rows run in f16: "f16"), against the older kernels for the
-same product: gemv_fp8 (M <= 4) and gemm_fp8w. Time per call and GB/s of weight bytes (W read once
-per call): each figure is the median over 5 batches of 20 back-to-back launches (CUDA events around
-each batch, after warm-up, programmatic dependent launch on as in the runtime's graphs), rotating
-among enough weight copies that the 50 MB L2 cannot hold them. Random weights (no zeros). Then the
-sum over one decode step's FP8 linears (the shapes and how often a step runs each, read from the
+31B's) for M = 1, 2, 4, 8, 16 and 32 token rows, both row kinds (bf16 rows: "gemv_mma"; bf16 rows
+run in f16 with a _q twin's q_scale: "f16"), against the older kernels for the same product:
+gemv_fp8 (M <= 4) and gemm_fp8w. Time per call and GB/s of weight bytes (W read once per call):
+each figure is the median over 5 batches of 20 back-to-back launches (CUDA events around each
+batch, after warm-up, programmatic dependent launch on as in the runtime's graphs), rotating among
+enough weight copies that the 50 MB L2 cannot hold them. Random weights (no zeros). Then the sum
+over one decode step's FP8 linears (the shapes and how often a step runs each, read from the
 model's h100-fp8 schedule; the 31B: 50 sliding layers qkv, o, gate||up, down, 10 full layers qk, o,
 gate||up, down) per kernel and M, and its ratio to the best M = 1 step.
 
@@ -90,11 +90,11 @@ def median_seconds(ctx: CudaContext, fn, launch, args: list) -> float:
 
 def candidates(m: int, n: int, k: int, sm_count: int, sweep: bool, builds: list[str]):
     """(kernel label, launch, is the default) to time for one shape and M: each build of
-    gemv_mma_fp8 and its e4m3-row entries (the default launch, and with sweep every other entry
+    gemv_mma_fp8 and its f16-row entries (the default launch, and with sweep every other entry
     that leaves each CTA a whole x window), gemv_fp8 where M fits, gemm_fp8w."""
     out = []
-    for label in (*builds, "e4m3", "f16"):
-        kind = label if label in ("e4m3", "f16") else "bf16"
+    for label in (*builds, "f16"):
+        kind = "f16" if label == "f16" else "bf16"
         default = gm.launch_geometry(m, n, k, sm_count, kind=kind)
         out.append((label, default, True))
         if sweep:
@@ -124,7 +124,7 @@ def main() -> None:
     ctx = CudaContext()
     variants = dict(c.split("=", 1) for c in a.cubin)
     cubins = {"gemv_mma": compile_cubin(gm.SOURCE), "gemv_fp8": compile_cubin(gemv_fp8.SOURCE),
-              "e4m3": compile_cubin(gm.SOURCE), "f16": compile_cubin(gm.SOURCE),
+              "f16": compile_cubin(gm.SOURCE),
               "gemm_fp8w": compile_cubin(gemm_fp8w.SOURCE),
               **{label: Path(path).read_bytes() for label, path in variants.items()}}
     kernels = Kernels(ctx, cubins)
@@ -146,18 +146,14 @@ def main() -> None:
         ds = ctx.upload(rng.uniform(1e-4, 1e-3, n).astype(np.float32))
         for m in row_counts:
             x = rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16)
-            q, q_scale = gemm_tc.quantize_rows_reference(x)
-            dx, dq, dqs = ctx.upload(x), ctx.upload(q), ctx.upload(q_scale)
+            dx, dqs = ctx.upload(x), ctx.upload(gemm_tc.quantize_rows_reference(x)[1])
             dy = ctx.alloc(m * n * 4)
             tail = [ctypes.c_uint64(dy.ptr), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
             args = [[ctypes.c_uint64(b.ptr), ctypes.c_uint64(ds.ptr), ctypes.c_uint64(dx.ptr),
                      *tail] for b in bufs]
-            args_e4m3 = [[ctypes.c_uint64(b.ptr), ctypes.c_uint64(ds.ptr),
-                          ctypes.c_uint64(dq.ptr), ctypes.c_uint64(dqs.ptr), *tail]
-                         for b in bufs]
             args_f16 = [[ctypes.c_uint64(b.ptr), ctypes.c_uint64(ds.ptr),
                          ctypes.c_uint64(dx.ptr), ctypes.c_uint64(dqs.ptr), *tail] for b in bufs]
-            by_label = {"e4m3": args_e4m3, "f16": args_f16}
+            by_label = {"f16": args_f16}
             for label, launch, default in candidates(m, n, k, ctx.sm_count, a.sweep,
                                                      ["gemv_mma", *variants]):
                 fn = kernels.get(label, launch.entry, launch.smem)
@@ -169,7 +165,7 @@ def main() -> None:
                 print(f"{name:12} {n:>5}x{k:<6} {m:>3} {label:>10} {launch.entry:>25}{mark}"
                       f"{str(launch.grid):>14} {t * 1e6:8.1f} {n * k / t / 1e9:6.0f}",
                       flush=True)
-            for buf in (dx, dq, dqs, dy):
+            for buf in (dx, dqs, dy):
                 ctx.free(buf)
         for buf in (*bufs, ds):
             ctx.free(buf)

@@ -1,8 +1,8 @@
 """Small-batch FP8 decode GEMV on the tensor cores (targets/h100/gemv_mma_fp8): the launch
-geometry and the kernel's build on the CPU; on a GPU, every entry of the three row kinds (bf16
-rows; e4m3 rows with per-row scales; bf16 rows with a _q twin's q_scale, run in f16) against the
-numpy reference on fresh random inputs at real 31B
-and E4B shapes, ragged and tiny shapes, M = 1..16 and 32 token rows, with NaN-poisoned outputs.
+geometry and the kernel's build on the CPU; on a GPU, every entry of both row kinds (bf16 rows;
+bf16 rows with a _q twin's q_scale, run in f16) against the numpy reference on fresh random
+inputs at real 31B and E4B shapes, ragged and tiny shapes, M = 1..16 and 32 token rows, with
+NaN-poisoned outputs.
 
 Tolerance: the products bf16 x e4m3 are exact in float32 (8 + 4 significant bits), so kernel and
 reference differ only in the order (and the tensor cores' truncation, contained to 64-wide k
@@ -13,14 +13,9 @@ blocks) of float32 sums. Measured on the H100 (docs/results/2026-11-24-h100-gemv
 shapes and draws; a wrong index, k order or missing block gives errors near 1e-2 .. 1.
 
 f16 rows: the bf16 rows' product, TOLERANCE (each row times a power of two is exact in f16,
-the terms are the same). Cases with rows of very different magnitudes (1e-30 .. 1e30) check
+the terms are the same). Cases with rows of very different magnitudes (1e-20 .. 1e20) check
 the per-row power of two.
 
-e4m3 rows: the products are exact too, but the FP8 mma's accumulator truncates inside each
-k32 step (test_h100_gemm_tc's accumulation study); every 64-wide k block is promoted into a
-float32 sum, as gemm_tc's promoted entries do every k tile, so the check is theirs: |y - exact|
-beyond the three float32 roundings at most ACC_TOL_E4M3 of sum_k |q W| (times both scales)
-against a float64 product.
 """
 
 from __future__ import annotations
@@ -38,8 +33,6 @@ from rvcompile.targets.h100 import gemm_tc
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 
 TOLERANCE = 1e-5
-ACC_TOL_E4M3 = 2.0 ** -14  # test_h100_gemm_tc's bound for promoted accumulation
-D_ROUNDING = 2.0 ** -22  # the sum's and the two scales' float32 roundings
 SM_COUNT = 132  # the H100 SXM's; the geometry tests fix it so they run anywhere
 
 # (N, K) of each 31B and E4B decode linear (the heads are bf16 and not this kernel's)
@@ -68,8 +61,6 @@ def test_geometry_buckets_and_shared_memory() -> None:
     wide = gm.launch_geometry(3, 100, 64, SM_COUNT, warps=8, split=2)
     assert wide.entry == "gemv_mma_fp8_m8_w8_s2"
     assert wide.grid == (1, 1, 2) and wide.block == (256, 1, 1)
-    e4m3 = gm.launch_geometry(9, 5376, 8192, SM_COUNT, warps=4, split=1, kind="e4m3")
-    assert e4m3.entry == "gemv_mma_e4m3_m16_w4_s1" and e4m3.smem == 3 * 9 * (4 * 64 + 64)
     f16 = gm.launch_geometry(9, 5376, 8192, SM_COUNT, warps=4, split=1, kind="f16")
     assert f16.entry == "gemv_mma_f16_m16_w4_s1" and f16.smem == 3 * 9 * (4 * 64 * 2 + 16)
 
@@ -79,8 +70,7 @@ def test_geometry_split_partial_tile_fits_in_the_x_stages() -> None:
     RED_STRIDE = 16 warps + 4 floats per token row)."""
     for warps in gm.WARPS:
         for m in (1, 8, 32):
-            for kind in gm.ROW_KINDS:
-                assert m * (16 * warps + 4) * 4 <= gm.smem_bytes(m, kind)
+            assert m * (16 * warps + 4) * 4 <= gm.smem_bytes(m)
 
 
 @pytest.mark.parametrize("kind", gm.ROW_KINDS)
@@ -192,7 +182,7 @@ def kernel():
 
 def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int,
         x_scale: np.ndarray | None = None) -> np.ndarray:
-    """y of one launch on x (and, for e4m3 rows, their scales; uploaded here), the output
+    """y of one launch on x (and, for f16 rows, their q_scale; uploaded here), the output
     NaN-poisoned first."""
     ctx, fns = kernel
     m, k = x.shape
@@ -213,28 +203,22 @@ def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int,
 
 def check_rows(kernel, n: int, k: int, seed: int, kind: str, rows=ROWS, warps=None,
                split=None) -> None:
-    """Fresh W, scale and x (e4m3: x quantized per row by the reference; f16: rows scaled by
-    1e-30 .. 1e30 from one to the next); for each M in rows, the launch on x[:M] against the
-    reference."""
+    """Fresh W, scale and x (f16: rows scaled by 1e-20 .. 1e20 from one to the next, their
+    q_scale from the quantization reference); for each M in rows, the launch on x[:M] against
+    the reference."""
     ctx, _ = kernel
     rng = np.random.default_rng(seed)
     w = random_fp8(rng, (n, k))
     scale = rng.uniform(1e-4, 1e-3, n).astype(np.float32)
     x = rng.normal(size=(max(rows), k)).astype(np.float32)
     if kind == "f16":
-        x *= (10.0 ** rng.uniform(-30, 30, (max(rows), 1))).astype(np.float32)
+        x *= (10.0 ** rng.uniform(-20, 20, (max(rows), 1))).astype(np.float32)
     x = x.astype(ml_dtypes.bfloat16)
     dw, ds = ctx.upload(w), ctx.upload(scale)
     try:
         for m in rows:
             launch = gm.launch_geometry(m, n, k, ctx.sm_count, warps=warps, split=split,
                                         kind=kind)
-            if kind == "e4m3":
-                q, q_scale = gemm_tc.quantize_rows_reference(x[:m])
-                got = run(kernel, launch, dw, ds, q, n, q_scale)
-                assert np.isfinite(got).all(), (m, launch)
-                assert_accumulation(got, q, q_scale, w, scale, (m, launch))
-                continue
             if kind == "f16":
                 got = run(kernel, launch, dw, ds, x[:m], n,
                           gemm_tc.quantize_rows_reference(x[:m])[1])
@@ -242,25 +226,12 @@ def check_rows(kernel, n: int, k: int, seed: int, kind: str, rows=ROWS, warps=No
                 got = run(kernel, launch, dw, ds, x[:m], n)
             assert np.isfinite(got).all(), (m, launch)
             want = gm.reference(w, scale, x[:m])
-            rel = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+            err, ref = (got - want).astype(np.float64), want.astype(np.float64)
+            rel = np.linalg.norm(err, axis=1) / np.linalg.norm(ref, axis=1)
             assert rel.max() < TOLERANCE, (m, launch, rel.max())
     finally:
         ctx.free(dw)
         ctx.free(ds)
-
-
-def assert_accumulation(got: np.ndarray, q: np.ndarray, q_scale: np.ndarray, w: np.ndarray,
-                        scale: np.ndarray, where) -> None:
-    """The e4m3 rows' bound (module docstring) against float64 products; the measured excess
-    is printed for the record."""
-    qf = gemm_tc.e4m3_to_f32(q).astype(np.float64)
-    wf = gemm_tc.e4m3_to_f32(w).astype(np.float64)
-    scales = scale.astype(np.float64)[None, :] * q_scale.astype(np.float64)[:, None]
-    exact = (qf @ wf.T) * scales
-    magnitude = (np.abs(qf) @ np.abs(wf).T) * scales
-    excess = (np.abs(got - exact) - D_ROUNDING * np.abs(exact)) / np.maximum(magnitude, 1e-300)
-    print(f"[measured] {where}: excess {excess.max():.3g} of sum |q W|")
-    assert excess.max() <= ACC_TOL_E4M3, (where, excess.max())
 
 
 @pytest.mark.gpu

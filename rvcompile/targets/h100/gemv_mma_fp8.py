@@ -3,11 +3,6 @@ one float32 scale per row, y float32 [M, N]; W is read once whatever M ("swap AB
 an mma's M side, the token rows its N side). Two kinds of token rows:
 - bf16 x [M, K] (`gemv_mma_fp8_*`): y[m, n] = scale[n] * sum_k x[m, k] * W[n, k], gemv_fp8's
   kernel arguments (W, scale, x, y, M, N, K) and numpy reference;
-- e4m3 rows q [M, K] with a float32 scale per row, q_scale [M] (`gemv_mma_e4m3_*`, the
-  quantization quant_fp8_rows and the norms' / gelu_mul's _q twins write): y[m, n] = (sum_k
-  q[m, k] * W[n, k]) * scale[n] * q_scale[m], arguments (W, scale, q, q_scale, y, M, N, K), the
-  tensor-core GEMM's product and reference (gemm_tc.reference). The weights enter the mma as they
-  are, with no conversion;
 - bf16 x [M, K] with a _q twin's q_scale [M] (each row's amax / 448) beside it (`gemv_mma_f16_*`):
   the bf16 rows' product and reference, computed in f16: each row times a power of two that puts
   its largest values just below f16's top binade (f16 holds every bf16 value of that range
@@ -24,18 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from rvcompile.targets.h100 import gemm_tc, gemv_fp8
-from rvcompile.targets.h100.contract import Call, Entry, i32, ptr
+from rvcompile.targets.h100 import gemv_fp8
+from rvcompile.targets.h100.contract import Entry, ptr
 
 SOURCE = "gemv_mma_fp8.cu"
 # Must match the kernel.
 BLOCK_K = 64  # k per mma block (a lane's 16 W bytes)
 WINDOW_BLOCKS = 4  # k blocks per x window in shared memory
 STAGES = 3  # x windows staged
-X_ROW_BYTES = {"bf16": WINDOW_BLOCKS * BLOCK_K * 2 + 16, "e4m3": WINDOW_BLOCKS * BLOCK_K + 64,
-               "f16": WINDOW_BLOCKS * BLOCK_K * 2 + 16}
+X_ROW_BYTES = WINDOW_BLOCKS * BLOCK_K * 2 + 16
 ROW_BUCKETS = (8, 16, 32)  # token rows per entry: 8 per mma n tile
 WARPS = (4, 8)  # warps per CTA, 16 W rows each
 SPLITS = (1, 2, 3, 4, 6, 8)  # split-K cluster sizes
@@ -77,8 +69,8 @@ class Launch:
     smem: int
 
 
-ROW_KINDS = ("bf16", "e4m3", "f16")  # token rows, as the module docstring lists them
-_PREFIX = {"bf16": "gemv_mma_fp8", "e4m3": "gemv_mma_e4m3", "f16": "gemv_mma_f16"}
+ROW_KINDS = ("bf16", "f16")  # token rows, as the module docstring lists them
+_PREFIX = {"bf16": "gemv_mma_fp8", "f16": "gemv_mma_f16"}
 
 
 def entry_name(rows: int, warps: int, split: int, kind: str = "bf16") -> str:
@@ -90,25 +82,11 @@ def entry_names(kind: str = "bf16") -> list[str]:
     return [entry_name(r, w, s, kind) for r in ROW_BUCKETS for w in WARPS for s in SPLITS]
 
 
-def reference_e4m3_call(c: Call) -> None:
-    """y of a gemv_mma_e4m3 launch: gemm_tc's product of the e4m3 rows and W with both scales."""
-    m, n, k = c["M"], c["N"], c["K"]
-    c.array("y", (m, n))[:] = gemm_tc.reference(
-        c.array("q", (m, k)).view(np.uint8), c.array("q_scale", (m,)),
-        c.array("W", (n, k)).view(np.uint8), c.array("scale", (n,)))  # bit patterns
-
-
-# (W e4m3 [N, K], scale f32 [N], q e4m3 [M, K], q_scale f32 [M], y f32 [M, N], M, N, K)
-PARAMS_E4M3 = (ptr("W", "float8_e4m3fn"), ptr("scale", "float32"), ptr("q", "float8_e4m3fn"),
-               ptr("q_scale", "float32"), ptr("y", "float32", "out"), i32("M"), i32("N"),
-               i32("K"))
 # (W e4m3 [N, K], scale f32 [N], x bf16 [M, K], q_scale f32 [M], y f32 [M, N], M, N, K)
 PARAMS_F16 = (*gemv_fp8.PARAMS[:3], ptr("q_scale", "float32"), *gemv_fp8.PARAMS[3:])
 # The bf16 and f16 rows' entries take gemv_fp8's product (its reference reads W, scale, x, y).
 ENTRIES = (*(Entry(name, SOURCE, gemv_fp8.PARAMS, gemv_fp8.reference_call)
              for name in entry_names()),
-           *(Entry(name, SOURCE, PARAMS_E4M3, reference_e4m3_call)
-             for name in entry_names("e4m3")),
            *(Entry(name, SOURCE, PARAMS_F16, gemv_fp8.reference_call)
              for name in entry_names("f16")))
 
@@ -117,10 +95,10 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if m <= b)
 
 
-def smem_bytes(m: int, kind: str = "bf16") -> int:
+def smem_bytes(m: int) -> int:
     """The staged x windows; a split-K CTA reuses them for its float32 partial tile, which is
     smaller (M x (16 warps + 4) floats)."""
-    return STAGES * m * X_ROW_BYTES[kind]
+    return STAGES * m * X_ROW_BYTES
 
 
 def row_groups(n: int, warps: int) -> int:
@@ -191,4 +169,4 @@ def launch_geometry(m: int, n: int, k: int, sm_count: int, warps: int | None = N
     if groups > MAX_GRID_X:
         raise ValueError(f"gemv_mma_fp8: N={n} needs more than {MAX_GRID_X} CTAs")
     return Launch(entry_name(row_bucket(m), warps, split, kind), (groups, 1, split),
-                  (32 * warps, 1, 1), smem_bytes(m, kind))
+                  (32 * warps, 1, 1), smem_bytes(m))

@@ -76,16 +76,18 @@ BF16_GEMM_ROWS = 4
 # ... and only as wide as the tiny models' vocabularies (1024 and up): an output narrower than
 # 4 tiles of 256 columns gains nothing from the tensor cores
 BF16_GEMM_MIN_N = 1024
-# FP8 linears of 2 to gemv_mma_fp8.MAX_ROWS rows whose x was written by a launch with a _q twin
-# (the norms before q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run
-# gemv_mma_fp8's f16-row entries: x as it is, times a power of two per row from the twin's
-# q_scale, in f16, so that each weight pair takes one conversion where bf16 took five (the
-# product is the bf16 rows' to the last bit of each term); other rows (the attention output
-# before o, the per-layer inputs) its bf16-row entries; one row gemv_fp8 (measured inside the
-# 31B's decode_1 graph on an H100, 2026-11-24: 12.80 ms against 13.65 on gemv_mma_fp8; an
-# H200, 2026-11-29: 9.66 ms against 10.65 with e4m3 rows). Standalone on the H200
-# (benchmarks/h100_gemv_mma.py --sweep, docs/BENCHMARKS.md) one 31B step's linears took 9.74 /
-# 9.69 / 9.95 / 9.84 / 11.25 ms at 1 / 2 / 4 / 8 / 16 rows with bf16 rows, 8.79 on gemv_fp8.
+# FP8 linears of 2 to F16_MAX_ROWS rows whose x was written by a launch with a _q twin (the norms
+# before q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's
+# f16-row entries: x as it is, times a power of two per row from the twin's q_scale, in f16, so
+# that each weight pair takes one conversion where bf16 takes five (the bf16 rows' product, term
+# for term); the other small-batch rows (the attention output before o, the per-layer inputs, 17
+# to 32 rows) its bf16-row entries; one row gemv_fp8. One 31B step's linears on an H200
+# (benchmarks/h100_gemv_mma.py, 2026-11-29, docs/BENCHMARKS.md), ms at 1 / 2 / 4 / 8 / 16 / 32
+# rows: f16 rows 8.50 / 8.82 / 9.22 / 9.10 / 10.49 / 15.41, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 /
+# 11.16 / 14.15, gemv_fp8 8.74 (one row). In the decode_1 graph gemv_fp8 stays ahead of the MMA
+# GEMV (H100, 2026-11-24: 12.80 ms against 13.65; H200, 2026-11-29, with the weights fed
+# unconverted to an e4m3 mma: 9.66 against 10.65).
+F16_MAX_ROWS = 16
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
 
 
@@ -448,7 +450,7 @@ class EntryLowering:
         if rows == 1 and k * 2 <= gemv_fp8.MAX_SMEM and k % 16 == 0:
             self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
                       scale=scale, x=x, y=y, M=1, N=n, K=k)
-        elif rows == self.m and x in self.row_quant:
+        elif rows <= F16_MAX_ROWS and rows == self.m and x in self.row_quant:
             _, q_scale = self.row_codes(x, rows, k)
             g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT, kind="f16")
             self.emit(g.entry, g, W=w, scale=scale, x=x, q_scale=q_scale, y=y, M=rows, N=n,

@@ -1,15 +1,17 @@
-// gemv_mma_fp8_*:  y[m, n] = scale[n] * sum_k x[m, k] * W[n, k]
-//     (W: e4m3 [N, K], x: bf16 [M, K], y: f32 [M, N]; gemv_fp8_rowscale's arguments)
-// gemv_mma_e4m3_*: y[m, n] = (sum_k q[m, k] * W[n, k]) * scale[n] * q_scale[m]
-//     (q: the rows' per-token e4m3 codes, q_scale their float32 scales, as quant_fp8_rows and the
-//     norms' / gelu_mul's _q twins write them; gemm_tc's product)
+// y[m, n] = scale[n] * sum_k x[m, k] * W[n, k]   (W: e4m3 [N, K], x: bf16 [M, K], y: f32 [M, N])
+//   gemv_mma_fp8_*: gemv_fp8_rowscale's arguments (W, scale, x, y, M, N, K);
+//   gemv_mma_f16_*: the same product from (W, scale, x, q_scale, y, M, N, K), q_scale[m] being
+//     x row m's amax / 448 as the norms' / gelu_mul's _q twins write it: each x window is turned
+//     into f16 rows times a power of two per row (f16_row_factor), exact, and the weights take
+//     one e4m3 -> f16 conversion a pair where bf16 takes five.
 //
 // Small-batch decode GEMV on the tensor cores ("swap AB"), M = 1..32 token rows. Bound by reading
-// W once, whatever M: the weights are the mma's M side (16 W rows per mma), the token rows its N
-// side (8 per n tile; NT tiles hold 8 NT rows, rows >= M are zero fragments), so the work per
-// weight byte barely grows with M. With bf16 rows each weight is converted e4m3 -> bf16 once for
-// every token row (m16n8k16 bf16, five instructions per two weights); with e4m3 rows the weights
-// go into the mma as they are (m16n8k32 e4m3: no conversion at all, half the mma steps).
+// W once, whatever M: the weights are the mma's M side (16 W rows per m16n8k16), the token rows
+// its N side (8 per n tile; NT tiles hold 8 NT rows, rows >= M are zero fragments), so one
+// conversion of a weight serves every token row and the work per weight byte barely grows with
+// M. Tried and not adopted (2026-11-29, docs/BENCHMARKS.md): e4m3 rows into an m16n8k32 e4m3 mma,
+// no conversion at all (faster still, but it rounds the activations to e4m3, so a sequence's
+// tokens would depend on whether it decodes alone, on gemv_fp8's bf16 rows, or in a batch).
 //
 // A CTA of NW warps owns 16 NW rows of W; each warp owns 16 of them. The CTA walks its share of K
 // in 64-wide k blocks, in order: every lane loads 16 bytes of its rows g and g + 8 per block
@@ -25,16 +27,15 @@
 // 256-byte prefetch hint on the W loads (slower). Open: issuing a slot's refill before its
 // block's mma at 80-96 registers was faster at M <= 8 but only timed at an older launch choice.
 //
-// Numerics: e4m3 -> bf16 is exact, x is used as given, products are exact in f32 (e4m3 x e4m3
-// too); each 64-wide k block goes into a fresh mma accumulator that is then added
+// Numerics: e4m3 -> bf16 / f16 is exact, x is used as given (f16: times a power of two, exact
+// for every value within 2^-28 of its row's largest), products are exact in f32; each 64-wide k block goes into a fresh mma accumulator that is then added
 // (round-to-nearest) into the running f32 sum (tensor cores truncate inside their accumulation;
 // this keeps it from compounding over long K, as in gemm_fp8w.cu). The k order inside a block is
 // permuted the same way for W and x (a lane's 16 W bytes at 16t are its k values for the block's
 // mma steps).
 //
-// Contract: K % 16 == 0; W, x (q) rows 16-byte aligned; 1 <= M <= 8 NT; any N >= 1; grid
-// (ceil(N / (16 NW)), 1, S), NW * 32 threads, dynamic shared memory NSTAGE * M * XROW_BYTES<XQ>
-// bytes (gemv_mma_fp8.py computes it; the kernel traps when given less).
+// Contract: K % 16 == 0; W, x rows 16-byte aligned; 1 <= M <= 8 NT; any N >= 1; grid
+// (ceil(N / (16 NW)), 1, S), NW * 32 threads, dynamic shared memory NSTAGE * M * XROW bytes (gemv_mma_fp8.py computes it; the kernel traps when given less).
 #include <cooperative_groups.h>
 
 #include "common.cuh"
@@ -45,11 +46,7 @@ namespace {
 constexpr int KB = 64;                // k per block: 16 bytes of a W row per lane quad member
 constexpr int WIN = 4;                // k blocks per x window, and W blocks in flight per lane
 constexpr int NSTAGE = 3;             // x windows in shared memory
-// Bytes per x row of a window: bf16 rows + 16 (a lane reads 32 bytes at 32t: rows g and g + 1
-// land 4 banks apart), e4m3 rows + 64 (16 bytes at 16t: rows g and g + 1 land 16 banks apart).
-// No bank conflicts either way.
-template <bool XQ>
-constexpr int XROW_BYTES = XQ ? WIN * KB + 64 : WIN * KB * 2 + 16;
+constexpr int XROW = WIN * KB * 2 + 16;  // bytes per x row of a window (+16: no bank conflicts)
 
 // 16 bytes of W, streamed (no L1 allocation, the L2 fetches 256 bytes); zero when !valid.
 __device__ __forceinline__ uint4 load_w(const uint8_t* p, bool valid) {
@@ -138,8 +135,8 @@ __device__ __forceinline__ void mma_block(const uint4 wa, const uint4 wb,
     for (int j = 0; j < NT; ++j) {
         const int m = 8 * j + g;
         if (m < M) {
-            xlo[j] = *reinterpret_cast<const uint4*>(xs + m * XROW_BYTES<false>);
-            xhi[j] = *reinterpret_cast<const uint4*>(xs + m * XROW_BYTES<false> + 16);
+            xlo[j] = *reinterpret_cast<const uint4*>(xs + m * XROW);
+            xhi[j] = *reinterpret_cast<const uint4*>(xs + m * XROW + 16);
         } else {
             xlo[j] = xhi[j] = make_uint4(0u, 0u, 0u, 0u);
         }
@@ -185,38 +182,9 @@ __device__ __forceinline__ void mma_block(const uint4 wa, const uint4 wb,
         for (int e = 0; e < 4; ++e) acc[j][e] += block[j][e];
 }
 
-// c += a . b on one m16n8k32 tile of e4m3 operands
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// mma_block for e4m3 token rows: xs points at this block's window column 16t of token row 0
-// (16 e4m3 a row). Step s: mma k 4t..4t+3 <- k 16t + 8s + 0..3, mma k 16+4t..16+4t+3 <- k
-// 16t + 8s + 4..7, for W (words 2s, 2s + 1 of the lane's 16 bytes) and x alike.
-template <int NT>
-__device__ __forceinline__ void mma_block_e4m3(const uint4 wa, const uint4 wb,
-                                               const unsigned char* xs, int M, int g,
-                                               float (&acc)[NT][4]) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        const int m = 8 * j + g;
-        const uint4 xv = m < M ? *reinterpret_cast<const uint4*>(xs + m * XROW_BYTES<true>)
-                               : make_uint4(0u, 0u, 0u, 0u);
-        float block[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_e4m3(block, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-        mma_e4m3(block, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += block[e];
-    }
-}
-
-// Token row kinds: bf16 rows; e4m3 rows with a float32 scale each; bf16 rows with their float32
-// amax / 448 each (a _q twin's q_scale), converted to f16 times a power of two per row.
-enum RowKind { ROWS_BF16, ROWS_E4M3, ROWS_F16 };
+// Token row kinds: bf16 rows; bf16 rows with their float32 amax / 448 each (a _q twin's q_scale),
+// converted to f16 times a power of two per row.
+enum RowKind { ROWS_BF16, ROWS_F16 };
 
 // 2^(14 - floor(log2 amax)), so that amax * 2^e < 2^15 (f16's largest binade below 65504), for a
 // row whose largest magnitude is about amax = q_scale * 448 (within a float32 rounding, which the
@@ -228,13 +196,11 @@ __device__ __forceinline__ float f16_row_factor(float q_scale) {
     return __uint_as_float((uint32_t)min(268 - biased, 254) << 23);
 }
 
-// A row sum times W's row scale; for e4m3 rows then times the token row's scale (gemm_tc's
-// epilogue); for f16 rows first times the row's 1 / factor (a power of two: exact), so the
-// result rounds as the bf16 rows' sum * scale does.
+// A row sum times W's row scale; for f16 rows first times the row's 1 / factor (a power of two:
+// exact), so the result rounds as the bf16 rows' sum * scale does.
 template <RowKind X>
 __device__ __forceinline__ float scaled(float sum, float w_scale,
                                         const float* __restrict__ q_scale, int m) {
-    if constexpr (X == ROWS_E4M3) return (sum * w_scale) * q_scale[m];
     if constexpr (X == ROWS_F16) return (sum * (1.f / f16_row_factor(q_scale[m]))) * w_scale;
     return sum * w_scale;
 }
@@ -246,10 +212,7 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
                                          const float* __restrict__ q_scale,
                                          float* __restrict__ y, int M, int N, int K) {
     constexpr int THREADS = NW * 32;
-    constexpr bool XQ = X == ROWS_E4M3;
-    constexpr int XROW = XROW_BYTES<XQ>;
-    constexpr int XSIZE = XQ ? 1 : 2;              // bytes per x element
-    constexpr int CHUNKS = WIN * KB * XSIZE / 16;  // 16-byte pieces of an x row's window
+    constexpr int CHUNKS = WIN * KB * 2 / 16;  // 16-byte pieces of an x row's window
     constexpr int R = 16 * NW;       // W rows per CTA
     constexpr int RED_STRIDE = R + 4;  // floats per token row of a split-K partial (no conflicts)
     extern __shared__ __align__(128) unsigned char smem[];
@@ -282,10 +245,10 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
 #pragma unroll 1  // a few chunks per thread once per window: keep registers for W
         for (int c = tid; c < M * CHUNKS; c += THREADS) {
             const int m = c / CHUNKS, ch = c % CHUNKS;
-            const int k = k0 + ch * (16 / XSIZE);
+            const int k = k0 + ch * 8;
             const bool ok = k < K;
-            cp_async16(smem_u32(xs + m * XROW + ch * 16),
-                       ok ? x + ((size_t)m * K + k) * XSIZE : x, ok);
+            cp_async16(smem_u32(xs + m * XROW + ch * 16), ok ? x + ((size_t)m * K + k) * 2 : x,
+                       ok);
         }
     };
 
@@ -318,17 +281,12 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
             }
             __syncthreads();
         }
-        const unsigned char* xs = smem + (w % NSTAGE) * M * XROW + 16 * XSIZE * t;
+        const unsigned char* xs = smem + (w % NSTAGE) * M * XROW + 32 * t;
 #pragma unroll
         for (int i = 0; i < WIN; ++i) {
             const int kb = kb0 + w * WIN + i;
             if (kb >= kb1) break;  // only the last window may be partial: nothing follows it
-            if constexpr (XQ) {
-                mma_block_e4m3<NT>(w_regs[i][0], w_regs[i][1], xs + i * KB, M, g, acc);
-            } else {
-                mma_block<NT, X == ROWS_F16>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g,
-                                             acc);
-            }
+            mma_block<NT, X == ROWS_F16>(w_regs[i][0], w_regs[i][1], xs + i * KB * 2, M, g, acc);
             load_block(kb + WIN, w_regs[i][0], w_regs[i][1]);  // refill the slot just used
         }
     }
@@ -398,15 +356,6 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
         gemv_mma<NT, NW, SPLIT, ROWS_BF16>(W, scale, reinterpret_cast<const unsigned char*>(x), \
                                            nullptr, y, M, N, K);                              \
     }
-#define GEMV_MMA_E4M3_ENTRY(NAME, NT, NW, SPLIT, MIN_BLOCKS, CLUSTER)                         \
-    extern "C" __global__ void CLUSTER __launch_bounds__(NW * 32, MIN_BLOCKS)                  \
-    NAME(const uint8_t* __restrict__ W, const float* __restrict__ scale,                      \
-         const uint8_t* __restrict__ q, const float* __restrict__ q_scale,                    \
-         float* __restrict__ y, int M, int N, int K) {                                        \
-        pdl_wait();                                                                           \
-        pdl_launch_dependents();                                                              \
-        gemv_mma<NT, NW, SPLIT, ROWS_E4M3>(W, scale, q, q_scale, y, M, N, K);                 \
-    }
 #define GEMV_MMA_F16_ENTRY(NAME, NT, NW, SPLIT, MIN_BLOCKS, CLUSTER)                          \
     extern "C" __global__ void CLUSTER __launch_bounds__(NW * 32, MIN_BLOCKS)                  \
     NAME(const uint8_t* __restrict__ W, const float* __restrict__ scale,                      \
@@ -438,5 +387,4 @@ __device__ __forceinline__ void gemv_mma(const uint8_t* __restrict__ W,
     GEMV_MMA_SPLITS(ENTRY, PREFIX##_m16_w8, 2, 8, 3)         \
     GEMV_MMA_SPLITS(ENTRY, PREFIX##_m32_w8, 4, 8, 2)
 GEMV_MMA_BUCKETS(GEMV_MMA_ENTRY, gemv_mma_fp8)
-GEMV_MMA_BUCKETS(GEMV_MMA_E4M3_ENTRY, gemv_mma_e4m3)
 GEMV_MMA_BUCKETS(GEMV_MMA_F16_ENTRY, gemv_mma_f16)
