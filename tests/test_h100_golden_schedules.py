@@ -70,6 +70,12 @@ wrote those rows became its _q twin (6,027 residual_rmsnorm -> residual_rmsnorm_
 rmsnorm_bf16 -> rmsnorm_bf16_q, same geometry; 3,066 gelu_mul -> gelu_mul_q, a CTA of 1024
 threads per row), every other launch keeps its kernel and order, and nothing else but the
 arena's size changed (checked case by case against dumps at 766854e).
+And again when the small-batch GEMVs whose rows a norm or gelu_mul writes moved onto
+gemv_mma_fp8's f16-row entries (issue 14): in 35 cases 18,984 gemv_mma_fp8_* launches (2 to 16
+rows) became the gemv_mma_f16_* of the same bucket, warps and split (same grid, block, shared
+memory and arguments, q_scale added after x), each launch writing their rows its _q twin (12,344
+residual_rmsnorm, 312 rmsnorm_bf16, 6,328 gelu_mul), 464 other launches moved pointers only, and
+nothing else but the arena's size changed (checked case by case against dumps at c45d922).
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
