@@ -66,6 +66,12 @@ SHAPES = {
 }
 
 
+# shape -> the XLA lowering's and the direct attention's outputs in
+# test_kernel_equals_the_xla_lowering,
+# computed once for a shape's Pallas and TPU interpret cases (the same inputs: seed 7)
+_REFERENCES: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
 @pytest.mark.parametrize("shape, interpreter", [*((s, "pallas") for s in SHAPES),
                                                 ("31B", "tpu"), ("31B_int8_tp4", "tpu"),
                                                 ("31B_full_int8", "tpu")])
@@ -112,10 +118,13 @@ def test_kernel_equals_the_xla_lowering(shape, interpreter):
     def direct_keys():
         return k.read() if keys is None else lower.rope(rope, k.read() * k_norm, k_pos)
 
-    xla = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
-        attrs, q, k if keys is None else keys, v, q_pos[:, None], k_pos))(q))
-    direct = np.asarray(jax.jit(lambda q: lower.attention(
-        attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q))
+    if shape not in _REFERENCES:  # the same inputs (seed 7) in both interpreters' cases
+        _REFERENCES[shape] = (
+            np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+                attrs, q, k if keys is None else keys, v, q_pos[:, None], k_pos))(q)),
+            np.asarray(jax.jit(lambda q: lower.attention(
+                attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q)))
+    xla, direct = _REFERENCES[shape]
     ours = np.asarray(jax.jit(lambda q: paged_decode(
         q.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
         window=window, scale=0.5, fold=fold, scales=(k.scale, v.scale) if scales else None,
