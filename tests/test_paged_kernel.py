@@ -66,6 +66,12 @@ SHAPES = {
 }
 
 
+# shape -> the XLA lowering's and the direct attention's outputs in
+# test_kernel_equals_the_xla_lowering,
+# computed once for a shape's Pallas and TPU interpret cases (the same inputs: seed 7)
+_REFERENCES: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
 @pytest.mark.parametrize("shape, interpreter", [*((s, "pallas") for s in SHAPES),
                                                 ("31B", "tpu"), ("31B_int8_tp4", "tpu"),
                                                 ("31B_full_int8", "tpu")])
@@ -112,10 +118,13 @@ def test_kernel_equals_the_xla_lowering(shape, interpreter):
     def direct_keys():
         return k.read() if keys is None else lower.rope(rope, k.read() * k_norm, k_pos)
 
-    xla = np.asarray(jax.jit(lambda q: lower.attention_blockwise(
-        attrs, q, k if keys is None else keys, v, q_pos[:, None], k_pos))(q))
-    direct = np.asarray(jax.jit(lambda q: lower.attention(
-        attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q))
+    if shape not in _REFERENCES:  # the same inputs (seed 7) in both interpreters' cases
+        _REFERENCES[shape] = (
+            np.asarray(jax.jit(lambda q: lower.attention_blockwise(
+                attrs, q, k if keys is None else keys, v, q_pos[:, None], k_pos))(q)),
+            np.asarray(jax.jit(lambda q: lower.attention(
+                attrs, q, direct_keys(), v.read(), q_pos[:, None], k_pos))(q)))
+    xla, direct = _REFERENCES[shape]
     ours = np.asarray(jax.jit(lambda q: paged_decode(
         q.reshape(lanes, kh, group, d), k.pool, v.pool, jnp.asarray([1, 1]), table, q_pos,
         window=window, scale=0.5, fold=fold, scales=(k.scale, v.scale) if scales else None,
@@ -245,7 +254,8 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     assert outputs(_export_decode(("tpu",), target="tpu-int8")["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="xla-f32")["decode_2"]) == ["f32", "f32"]
     cfg = get_preset("gemma-4-31B")
-    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                              vocab_size=4096)
     for target, rounded in (("tpu-int8", True), ("xla-f32", False)):
         opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=("tpu",))
         g = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None).layers[0]
@@ -262,7 +272,8 @@ def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> di
     from rvcompile.targets.xla.export import lower_to_xla
 
     cfg = get_preset("gemma-4-31B")
-    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                              vocab_size=4096)
     opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=platforms,
                         tp=tp, prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
@@ -309,7 +320,8 @@ def test_tp_tpu_only_build_runs_the_kernel():
     from rvcompile.targets import get_target
 
     cfg = get_preset("gemma-4-31B")
-    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                              vocab_size=4096)
     target = get_target("tpu-bf16")
     opts = target.check_options(BuildOptions(
         target="tpu-bf16", max_context=2048, max_seqs=2, platforms=("tpu",), tp=4,
@@ -481,14 +493,18 @@ def _int8_program_child() -> None:
     """The decode program of a 2-layer 31B (a sliding layer and a K=V full layer) with int8
     KV at 128K tokens, one lane, exported for TPU alone and compiled for v6e:1x1: its kernel
     calls and its instructions that write a whole pool or scale pool, other than a token's
-    rows written in place and the loops carrying the pools."""
+    rows written in place and the loops carrying the pools. Its vocabulary is cut to 4,096 (the
+    pools, the layers and their kernel calls are the 31B's): the 262,144-wide sampler, which
+    reads no pool, took 22 of the compile's 33 s and wrote no pool- or scale-pool-shaped
+    instruction (the same whole-pool writes at both vocabularies, measured)."""
     from rvcompile.build import BuildOptions, lower_model
     from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.export import lower_to_xla
     from rvcompile.targets.xla.precompile import compile_entries, parse_topology, topology_devices
 
     cfg = get_preset("gemma-4-31B")
-    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
+    cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                              vocab_size=4096)
     opts = BuildOptions(target="tpu-int8", max_context=131072, max_seqs=1, platforms=("tpu",),
                         prefill_buckets=(16,))
     ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
