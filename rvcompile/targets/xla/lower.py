@@ -1129,10 +1129,123 @@ def lazy_queries(g: Graph, readers: list[list[tuple[int, int]]]) -> tuple[set[in
     return norms, ropes
 
 
+@dataclass(frozen=True)
+class GatedMlp:
+    """A layer's MLP as its nodes: LINEAR down(MUL(GELU_TANH(LINEAR gate(n)), LINEAR up(n))) of
+    n = RMSNORM(x, w) (graph indices)."""
+
+    norm: int
+    gate: int
+    act: int
+    up: int
+    mul: int
+    down: int
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """The nodes the chain computes before `down`, in graph order."""
+        return tuple(sorted((self.norm, self.gate, self.act, self.up, self.mul)))
+
+
+def gated_mlps(g: Graph, readers: list[list[tuple[int, int]]]) -> dict[int, GatedMlp]:
+    """The gated MLPs of `g` that a kernel may compute whole (`decode_mlp_kernel`), by their
+    down LINEAR: a weighted RMSNORM read only as the activation of two LINEARs (gate, up),
+    the gate read only by a GELU_TANH, that and the up only by one MUL, which only the down
+    LINEAR reads; none of them a graph output; the three weights (and scales) PARAMs.
+    `readers`: graph.reads(g)."""
+    outputs = {i for _, i in g.outputs}
+    nodes = g.nodes
+
+    def only(i: int, op: Op) -> tuple[int, int] | None:
+        """`i`'s one reader (index, slot), if it is the one reader and an `op`."""
+        if i in outputs or len(readers[i]) != 1 or nodes[readers[i][0][0]].op is not op:
+            return None
+        return readers[i][0]
+
+    out = {}
+    for i, n in enumerate(nodes):
+        if n.op is not Op.LINEAR or nodes[n.inputs[0]].op is not Op.MUL:
+            continue
+        m = n.inputs[0]
+        act, up = nodes[m].inputs
+        if nodes[act].op is not Op.GELU_TANH or nodes[up].op is not Op.LINEAR:
+            continue
+        gate = nodes[act].inputs[0]
+        norm = nodes[up].inputs[0]
+        if (nodes[gate].op is not Op.LINEAR or nodes[gate].inputs[0] != norm
+                or nodes[norm].op is not Op.RMSNORM or len(nodes[norm].inputs) != 2
+                or norm in outputs or sorted(readers[norm]) != sorted([(gate, 0), (up, 0)])):
+            continue
+        params = [j for lin in (gate, up, i) for j in nodes[lin].inputs[1:]]
+        if any(nodes[j].op is not Op.PARAM for j in params):
+            continue
+        if (only(gate, Op.GELU_TANH) == (act, 0) and only(act, Op.MUL) == (m, 0)
+                and only(up, Op.MUL) == (m, 1) and only(m, Op.LINEAR) == (i, 0)):
+            out[i] = GatedMlp(norm, gate, act, up, m, i)
+    return out
+
+
+def decode_mlp_kernel(norm, x, w, names, scales, *, stacked, mesh=None, interpret=False):
+    """A decode step's gated MLP (`gated_mlps`) by the Pallas TPU kernel
+    (targets/xla/mlp_kernel.py), or None where it does not apply: x [B, 1, H] with B > 1
+    (one row: `linear`'s multiply-reduce reads every weight byte once already), the gate, up
+    and down weights (PARAM `names`; `stacked(name)`: the layer scan's (stacked array [n,
+    ...], the layer's index in it)) int8 with their
+    per-row scales or bf16 without, [n, I, H] / [n, H, I] with I / tp a multiple of the
+    kernel's tile and H of 128 lanes. `norm`: the RMSNORM's attrs, `w` its weight, `scales`
+    the layer's (sg, su, sd), None each without. Under a mesh the kernel runs in shard_map
+    over the column- and row-parallel splits of sharding.py (gate and up by rows, down by
+    columns), its partial sums added by an all-reduce, then scaled, as XLA's partitioner
+    computes the op-by-op form."""
+    from rvcompile.targets.xla import mlp_kernel
+
+    (wg, index), (wu, _), (wd, _) = map(stacked, names)
+    sg, su, sd = scales
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    b, t, h = x.shape
+    n, width = wg.shape[:2]
+    quantized = wg.dtype == jnp.int8 and all(s is not None for s in scales)
+    plain = wg.dtype == jnp.bfloat16 and all(s is None for s in scales)
+    if not (t == 1 and b > GEMV_MAX_ROWS and (quantized or plain)
+            and wu.dtype == wg.dtype == wd.dtype and wu.shape == wg.shape
+            and wd.shape == (n, h, width) and wg.shape == (n, width, h)
+            and width % tp == 0 and mlp_kernel.tile_rows(width // tp) is not None
+            and h % LANE_TILE == 0 and not any(map(jax.export.is_symbolic_dim, x.shape))):
+        return None
+    rows = f32(x).reshape(b, h)
+    factor = lax.pow(jnp.mean(rows * rows, axis=-1, keepdims=True) + jnp.float32(norm.eps),
+                     jnp.float32(-0.5))
+    layer = jnp.asarray(index, jnp.int32).reshape(1)
+
+    def local(rows, factor, w, layer, wg, wu, wd, *s):
+        y = mlp_kernel.gated_mlp(rows, factor, w, layer, wg, wu, wd, *s, interpret=interpret)
+        return y if mesh is None else lax.psum(y, mesh.axis_names[0])
+
+    args = [rows, factor, f32(w).reshape(1, h), layer, wg, wu, wd]
+    if quantized:
+        args += [f32(sg).reshape(1, width), f32(su).reshape(1, width)]
+    if mesh is None:
+        y = local(*args)
+    else:
+        from jax.sharding import PartitionSpec
+
+        axis, whole = mesh.axis_names[0], PartitionSpec()
+        specs = [whole] * 4 + [PartitionSpec(None, axis, None)] * 2
+        specs += [PartitionSpec(None, None, axis)] + [PartitionSpec(None, axis)] * 2 * quantized
+        y = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=whole,
+                          check_vma=False)(*args)
+    y = y.reshape(b, t, h)
+    return y * sd if quantized else y
+
+
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
-              lowerings: dict[Op, Callable] = LOWERINGS) -> dict[str, Any]:
+              lowerings: dict[Op, Callable] = LOWERINGS,
+              mlp: Callable | None = None) -> dict[str, Any]:
     """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs.
-    `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS)."""
+    `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS). `mlp`:
+    the gated MLPs (`gated_mlps`) go to it whole at their down LINEAR, as mlp(the RMSNORM's
+    attrs, x, its weight, the gate, up and down weights' PARAM names, their scales' values or
+    None each); where it answers None (decode_mlp_kernel declines), op by op."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
     g_reads = reads(g)
@@ -1140,8 +1253,34 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     # the query lazy only for an ATTENTION lowering that takes lazy values (attention_blockwise)
     norms, ropes = (lazy_queries(g, g_reads) if isinstance(lowerings.get(Op.ATTENTION), TakesPaged)
                     else (set(), set()))
+    mlps = gated_mlps(g, g_reads) if mlp is not None else {}
+    deferred = {j for c in mlps.values() for j in c.inner}  # computed at their down LINEAR
+
+    def lower_node(i: int, n) -> Any:
+        ins = [vals[j] for j in n.inputs]
+        if not isinstance(lowerings[n.op], TakesPaged):
+            ins = [_val(x) for x in ins]
+        token = READ_AS_BF16.set(i in bf16)
+        try:
+            return lowerings[n.op](n.attrs, *ins)
+        finally:
+            READ_AS_BF16.reset(token)
+
     for i, n in enumerate(g.nodes):
-        if i in norms:
+        if i in deferred:
+            v = None
+        elif i in mlps:
+            c, nodes = mlps[i], g.nodes
+            x, w = (_val(vals[j]) for j in nodes[c.norm].inputs)
+            linears = [nodes[j] for j in (c.gate, c.up, c.down)]
+            v = mlp(nodes[c.norm].attrs, x, w,
+                    [nodes[lin.inputs[1]].attrs.name for lin in linears],
+                    [vals[lin.inputs[2]] if len(lin.inputs) > 2 else None for lin in linears])
+            if v is None:
+                for j in c.inner:
+                    vals[j] = lower_node(j, nodes[j])
+                v = lower_node(i, n)
+        elif i in norms:
             v = NormedQuery(_val(vals[n.inputs[0]]), _val(vals[n.inputs[1]]), n.attrs)
         elif i in ropes:
             v = dataclasses.replace(vals[n.inputs[0]], rope=n.attrs, pos=_val(vals[n.inputs[1]]))
@@ -1157,13 +1296,6 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
             v = _val(vals[n.inputs[0]]).reshape(
                 [sym[d] if isinstance(d, str) else d for d in n.attrs.shape])
         else:
-            ins = [vals[j] for j in n.inputs]
-            if not isinstance(lowerings[n.op], TakesPaged):
-                ins = [_val(x) for x in ins]
-            token = READ_AS_BF16.set(i in bf16)
-            try:
-                v = lowerings[n.op](n.attrs, *ins)
-            finally:
-                READ_AS_BF16.reset(token)
+            v = lower_node(i, n)
         vals.append(v)
     return {name: vals[i] for name, i in g.outputs}

@@ -1,0 +1,124 @@
+"""A Pallas TPU kernel for a decode step's gated MLP: the pre-norm's scaling, the gate and up
+projections, gelu_tanh(gate) x up and the down projection in one call, the activations kept in
+VMEM.
+
+Contract. `gated_mlp(x, factor, w, layer, wg, wu, wd, sg, su)` is what lower.py computes, op by
+op, for `linear(down, gelu_tanh(linear(gate, n)) * linear(up, n))` of the rows n =
+rmsnorm(x) * w, before the down projection's per-row scale: x float32 [R, H] (R rows, a decode
+step's lanes), `factor` float32 [R, 1] the norm's pow(mean(x^2) + eps, -0.5) (computed by the
+caller as lower.rmsnorm does), `w` float32 [1, H] its weight; the weights stacked by layer as
+the layer scan holds them, `layer` int32 [1] which one: wg, wu [n, I, H] and wd [n, H, I],
+int8 or bf16, their per-row scales sg, su float32 [1, I] (the layer's, None for bf16
+weights). Returns float32 [R, H]: the down projection's dot, the caller multiplying by its
+scale (after the all-reduce under tensor parallelism, as XLA's partitioner places it). The
+arithmetic is lower.py's: n rounded to bf16, bf16 x bf16 dots with float32 results, times the
+scales, gelu_tanh, the product rounded to bf16 for the down dot; the down dot's sum over I runs
+in chunks of `tile` columns (float32 rounding apart from one dot over all of I).
+
+Why a kernel (docs/TPU_COST.md, branch h/tpu19): XLA writes the gate's float32 output to
+on-chip memory and reads it back in the up dot's epilogue, reads the normed rows in both, and
+writes the bf16 product for the down dot: the 31B at B = 64, TP = 4, 8 MiB a layer moved
+between fusions (0.47 GiB a step counted at HBM bandwidth). Here a grid step reads a tile of
+`tile` rows of the gate and up weights and the same columns of the down weight (DMA'd from
+HBM by Pallas' pipeline, double-buffered) and adds its share of the down dot into a VMEM
+accumulator; x is read once, the output written once.
+
+The weights are operands whole (every layer's), their index maps picking the layer from the
+scalar-prefetched `layer`: a layer's slice taken by XLA before the call would be a copy of it.
+The traffic table (hlo_traffic.py) finds the call by its named scope PALLAS_MLP and counts each
+stacked weight operand (from PALLAS_MLP_WEIGHTS on) as one layer's bytes, read once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# the kernel's named scope, by which the traffic table finds it: the stacked weights' layers
+PALLAS_MLP = "rvmlp_pallas_n{layers}"
+PALLAS_MLP_WEIGHTS = 4  # its first stacked weight operand: after `layer`, x, factor and w
+MLP_WEIGHTS = 3  # stacked weight operands: gate, up, down
+TILES = (512, 384, 256, 128)  # weight rows a grid step reads, the widest that divides I
+VMEM_LIMIT = 64 << 20  # the tiles' buffers (double-buffered) and their bf16 copies, at I / tp
+# = 5376, H = 5376, 384-row tiles: about 30 MiB
+
+
+def tile_rows(width: int) -> int | None:
+    """Weight rows (of I) a grid step reads: the widest of TILES dividing `width`, None if
+    none does (the caller keeps the XLA lowering)."""
+    return next((t for t in TILES if width % t == 0), None)
+
+
+def _dot_nt(a, b):
+    """a [R, K] . b [N, K]^T in float32, both bf16 (the MXU's product of lower.linear)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _kernel(layer_ref, x_ref, f_ref, w_ref, wg_ref, wu_ref, wd_ref, *rest, steps, scaled, act):
+    if scaled:
+        sg_ref, su_ref, o_ref, xn_ref, acc_ref = rest
+    else:
+        o_ref, xn_ref, acc_ref = rest
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+        xn_ref[...] = (x_ref[...] * f_ref[...] * w_ref[...]).astype(jnp.bfloat16)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    xn = xn_ref[...]
+    gate = _dot_nt(xn, wg_ref[...].astype(jnp.bfloat16))
+    up = _dot_nt(xn, wu_ref[...].astype(jnp.bfloat16))
+    if scaled:
+        gate, up = gate * sg_ref[...], up * su_ref[...]
+    product = (act(gate) * up).astype(jnp.bfloat16)
+    acc_ref[...] += _dot_nt(product, wd_ref[...].astype(jnp.bfloat16))
+
+    @pl.when(i == steps - 1)
+    def _():
+        o_ref[...] = acc_ref[...]
+
+
+def gated_mlp(x, factor, w, layer, wg, wu, wd, sg=None, su=None, *, interpret=False):
+    """See the module docstring. `interpret`: run in a Pallas interpreter (True, or
+    pltpu.InterpretParams; any device: the tests' check of its values)."""
+    r, h = x.shape
+    n, width, _ = wg.shape
+    tile = tile_rows(width)
+    if tile is None or wd.shape != (n, h, width) or wu.shape != wg.shape:
+        raise ValueError(f"gate/up {wg.shape}, down {wd.shape}: need [n, I, H] and [n, H, I] "
+                         f"with I a multiple of {TILES[-1]}")
+    scaled = sg is not None
+    steps = width // tile
+    whole = lambda i, layer: (0, 0)  # noqa: E731 -- x, factor, w and the output: one block
+    in_specs = [pl.BlockSpec((r, h), whole), pl.BlockSpec((r, 1), whole),
+                pl.BlockSpec((1, h), whole),
+                pl.BlockSpec((None, tile, h), lambda i, layer: (layer[0], i, 0)),
+                pl.BlockSpec((None, tile, h), lambda i, layer: (layer[0], i, 0)),
+                pl.BlockSpec((None, h, tile), lambda i, layer: (layer[0], 0, i))]
+    operands = [x.astype(jnp.float32), factor.astype(jnp.float32),
+                w.astype(jnp.float32).reshape(1, h), wg, wu, wd]
+    if scaled:
+        in_specs += [pl.BlockSpec((1, tile), lambda i, layer: (0, i))] * 2
+        operands += [s.astype(jnp.float32).reshape(1, width) for s in (sg, su)]
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs,
+        out_specs=pl.BlockSpec((r, h), whole),
+        scratch_shapes=[pltpu.VMEM((r, h), jnp.bfloat16), pltpu.VMEM((r, h), jnp.float32)])
+    # lower.py's gelu_tanh, imported here: lower imports this module (and hlo_traffic, which
+    # reads this module's constants) when it runs the kernel
+    from rvcompile.targets.xla.lower import gelu_tanh
+
+    kernel = functools.partial(_kernel, steps=steps, scaled=scaled, act=gelu_tanh)
+    with jax.named_scope(PALLAS_MLP.format(layers=n)):
+        return pl.pallas_call(
+            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((r, h), jnp.float32),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                                 vmem_limit_bytes=VMEM_LIMIT),
+            interpret=interpret, name="rv_gated_mlp",
+        )(jnp.asarray(layer, jnp.int32).reshape(1), *operands)
