@@ -1132,7 +1132,9 @@ def lazy_queries(g: Graph, readers: list[list[tuple[int, int]]]) -> tuple[set[in
 @dataclass(frozen=True)
 class GatedMlp:
     """A layer's MLP as its nodes: LINEAR down(MUL(GELU_TANH(LINEAR gate(n)), LINEAR up(n))) of
-    n = RMSNORM(x, w) (graph indices)."""
+    n = RMSNORM(x, w) (graph indices); where x is ADD(h, RMSNORM(y, w_r)) (the residual add of
+    the attention's output y), `add` and `post` are that ADD and RMSNORM, else None; where y is
+    a LINEAR with a per-row scale read only there (the output projection), `proj` is it."""
 
     norm: int
     gate: int
@@ -1140,18 +1142,27 @@ class GatedMlp:
     up: int
     mul: int
     down: int
+    add: int | None = None
+    post: int | None = None
+    proj: int | None = None
 
     @property
     def inner(self) -> tuple[int, ...]:
-        """The nodes the chain computes before `down`, in graph order."""
-        return tuple(sorted((self.norm, self.gate, self.act, self.up, self.mul)))
+        """The nodes the chain computes before `down` and reads nowhere else, in graph
+        order (the ADD, read on by the next residual add, is the kernel's other output; the
+        output projection's dot is made there, its scale applied in the kernel)."""
+        nodes = (self.proj, self.post, self.add, self.norm, self.gate, self.act, self.up,
+                 self.mul)
+        return tuple(sorted(i for i in nodes if i is not None))
 
 
 def gated_mlps(g: Graph, readers: list[list[tuple[int, int]]]) -> dict[int, GatedMlp]:
     """The gated MLPs of `g` that a kernel may compute whole (`decode_mlp_kernel`), by their
     down LINEAR: a weighted RMSNORM read only as the activation of two LINEARs (gate, up),
     the gate read only by a GELU_TANH, that and the up only by one MUL, which only the down
-    LINEAR reads; none of them a graph output; the three weights (and scales) PARAMs.
+    LINEAR reads; none of them a graph output; the three weights (and scales) PARAMs. With
+    them the residual ADD(h, RMSNORM(y, w_r)) the norm reads, when that RMSNORM has a weight
+    and the ADD alone reads it, and the ADD's other readers come after the down LINEAR.
     `readers`: graph.reads(g)."""
     outputs = {i for _, i in g.outputs}
     nodes = g.nodes
@@ -1179,24 +1190,45 @@ def gated_mlps(g: Graph, readers: list[list[tuple[int, int]]]) -> dict[int, Gate
         params = [j for lin in (gate, up, i) for j in nodes[lin].inputs[1:]]
         if any(nodes[j].op is not Op.PARAM for j in params):
             continue
-        if (only(gate, Op.GELU_TANH) == (act, 0) and only(act, Op.MUL) == (m, 0)
+        if not (only(gate, Op.GELU_TANH) == (act, 0) and only(act, Op.MUL) == (m, 0)
                 and only(up, Op.MUL) == (m, 1) and only(m, Op.LINEAR) == (i, 0)):
+            continue
+        add, post = nodes[norm].inputs[0], None
+        if nodes[add].op is Op.ADD:
+            post = nodes[add].inputs[1]
+            if not (nodes[post].op is Op.RMSNORM and len(nodes[post].inputs) == 2
+                    and only(post, Op.ADD) == (add, 1) and nodes[add].shape == nodes[post].shape
+                    and nodes[nodes[add].inputs[0]].shape == nodes[post].shape
+                    and all(r == norm or r > i for r, _ in readers[add])):
+                post = None
+        if post is None:
             out[i] = GatedMlp(norm, gate, act, up, m, i)
+            continue
+        proj = nodes[post].inputs[0]
+        if not (nodes[proj].op is Op.LINEAR and len(nodes[proj].inputs) == 3
+                and nodes[nodes[proj].inputs[2]].op is Op.PARAM
+                and only(proj, Op.RMSNORM) == (post, 0)):
+            proj = None
+        out[i] = GatedMlp(norm, gate, act, up, m, i, add, post, proj)
     return out
 
 
-def decode_mlp_kernel(norm, x, w, names, scales, *, stacked, mesh=None, interpret=False):
+def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh=None,
+                      interpret=False):
     """A decode step's gated MLP (`gated_mlps`) by the Pallas TPU kernel
     (targets/xla/mlp_kernel.py), or None where it does not apply: x [B, 1, H] with B > 1
     (one row: `linear`'s multiply-reduce reads every weight byte once already), the gate, up
     and down weights (PARAM `names`; `stacked(name)`: the layer scan's (stacked array [n,
-    ...], the layer's index in it)) int8 with their
-    per-row scales or bf16 without, [n, I, H] / [n, H, I] with I / tp a multiple of the
-    kernel's tile and H of 128 lanes. `norm`: the RMSNORM's attrs, `w` its weight, `scales`
-    the layer's (sg, su, sd), None each without. Under a mesh the kernel runs in shard_map
-    over the column- and row-parallel splits of sharding.py (gate and up by rows, down by
-    columns), its partial sums added by an all-reduce, then scaled, as XLA's partitioner
-    computes the op-by-op form."""
+    ...], the layer's index in it)) int8 with their per-row scales or bf16 without, [n, I, H]
+    / [n, H, I] with I / tp a multiple of the kernel's tile and H of 128 lanes. `norm`: the
+    RMSNORM's attrs, `w` its weight, `scales` the layer's (sg, su, sd), None each without.
+    `residual` (h, the post-norm's attrs, its weight, the output projection's per-row scale or
+    None): x is the attention's output y (without that scale, which the kernel applies) and
+    the norm's input the stream h + rmsnorm(y), returned first. Returns the down LINEAR's value
+    (with `residual`: (the stream, it)). Under a mesh the kernel runs in shard_map over the
+    column- and row-parallel splits of sharding.py (gate and up by rows, down by columns),
+    its partial sums added by an all-reduce, then scaled, as XLA's partitioner computes the
+    op-by-op form."""
     from rvcompile.targets.xla import mlp_kernel
 
     (wg, index), (wu, _), (wd, _) = map(stacked, names)
@@ -1212,30 +1244,40 @@ def decode_mlp_kernel(norm, x, w, names, scales, *, stacked, mesh=None, interpre
             and width % tp == 0 and mlp_kernel.tile_rows(width // tp) is not None
             and h % LANE_TILE == 0 and not any(map(jax.export.is_symbolic_dim, x.shape))):
         return None
-    rows = f32(x).reshape(b, h)
-    factor = lax.pow(jnp.mean(rows * rows, axis=-1, keepdims=True) + jnp.float32(norm.eps),
-                     jnp.float32(-0.5))
     layer = jnp.asarray(index, jnp.int32).reshape(1)
+    stream = []
+    if residual is not None:
+        stream = [f32(residual[0]).reshape(b, h), f32(residual[2]).reshape(1, h)]
+        if residual[3] is not None:
+            stream.append(f32(residual[3]).reshape(1, h))
 
-    def local(rows, factor, w, layer, wg, wu, wd, *s):
-        y = mlp_kernel.gated_mlp(rows, factor, w, layer, wg, wu, wd, *s, interpret=interpret)
-        return y if mesh is None else lax.psum(y, mesh.axis_names[0])
+    def local(rows, w, layer, wg, wu, wd, *rest):
+        rest = list(rest)
+        s = (rest.pop(0), rest.pop(0)) if quantized else ()
+        res = None if residual is None else (*rest[:2], residual[1].eps, (rest[2:] or [None])[0])
+        *hs, y = mlp_kernel.gated_mlp(rows, w, norm.eps, layer, wg, wu, wd, *s, residual=res,
+                                      interpret=interpret)
+        return (*hs, y if mesh is None else lax.psum(y, mesh.axis_names[0]))
 
-    args = [rows, factor, f32(w).reshape(1, h), layer, wg, wu, wd]
+    args = [f32(x).reshape(b, h), f32(w).reshape(1, h), layer, wg, wu, wd]
     if quantized:
         args += [f32(sg).reshape(1, width), f32(su).reshape(1, width)]
+    args += stream
     if mesh is None:
-        y = local(*args)
+        outs = local(*args)
     else:
         from jax.sharding import PartitionSpec
 
         axis, whole = mesh.axis_names[0], PartitionSpec()
-        specs = [whole] * 4 + [PartitionSpec(None, axis, None)] * 2
+        specs = [whole] * 3 + [PartitionSpec(None, axis, None)] * 2
         specs += [PartitionSpec(None, None, axis)] + [PartitionSpec(None, axis)] * 2 * quantized
-        y = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=whole,
-                          check_vma=False)(*args)
-    y = y.reshape(b, t, h)
-    return y * sd if quantized else y
+        specs += [whole] * len(stream)
+        outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                             out_specs=(whole,) * (1 + (residual is not None)),
+                             check_vma=False)(*args)
+    *hs, y = (o.reshape(b, t, h) for o in outs)
+    y = y * sd if quantized else y
+    return (hs[0], y) if hs else y
 
 
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
@@ -1245,7 +1287,9 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS). `mlp`:
     the gated MLPs (`gated_mlps`) go to it whole at their down LINEAR, as mlp(the RMSNORM's
     attrs, x, its weight, the gate, up and down weights' PARAM names, their scales' values or
-    None each); where it answers None (decode_mlp_kernel declines), op by op."""
+    None each[, (h, the post-norm's attrs, its weight, the output projection's scale or None)
+    of a residual add]); where it answers
+    None (decode_mlp_kernel declines), op by op."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
     g_reads = reads(g)
@@ -1271,11 +1315,24 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
             v = None
         elif i in mlps:
             c, nodes = mlps[i], g.nodes
-            x, w = (_val(vals[j]) for j in nodes[c.norm].inputs)
             linears = [nodes[j] for j in (c.gate, c.up, c.down)]
-            v = mlp(nodes[c.norm].attrs, x, w,
-                    [nodes[lin.inputs[1]].attrs.name for lin in linears],
-                    [vals[lin.inputs[2]] if len(lin.inputs) > 2 else None for lin in linears])
+            names = [nodes[lin.inputs[1]].attrs.name for lin in linears]
+            scales = [vals[lin.inputs[2]] if len(lin.inputs) > 2 else None for lin in linears]
+            w = _val(vals[nodes[c.norm].inputs[1]])
+            if c.add is None:
+                v = mlp(nodes[c.norm].attrs, _val(vals[nodes[c.norm].inputs[0]]), w, names,
+                        scales)
+            else:  # the residual add's stream comes back too, for its other readers
+                y, w_r = (_val(vals[j]) for j in nodes[c.post].inputs)
+                s_o = None
+                if c.proj is not None:  # the output projection's dot; its scale in the kernel
+                    o = nodes[c.proj]
+                    y = lower_node(c.proj, dataclasses.replace(o, inputs=o.inputs[:2]))
+                    s_o = _val(vals[o.inputs[2]])
+                v = mlp(nodes[c.norm].attrs, y, w, names, scales,
+                        (_val(vals[nodes[c.add].inputs[0]]), nodes[c.post].attrs, w_r, s_o))
+                if v is not None:
+                    vals[c.add], v = v
             if v is None:
                 for j in c.inner:
                     vals[j] = lower_node(j, nodes[j])
