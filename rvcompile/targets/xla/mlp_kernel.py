@@ -29,8 +29,8 @@ outputs written once.
 
 The weights are operands whole (every layer's), their index maps picking the layer from the
 scalar-prefetched `layer`: a layer's slice taken by XLA before the call would be a copy of it.
-The traffic table (hlo_traffic.py) finds the call by its named scope PALLAS_MLP and counts each
-stacked weight operand (from PALLAS_MLP_WEIGHTS on) as one layer's bytes, read once.
+The traffic table (hlo_traffic.py) finds the call by its named scope PALLAS_STACKED and counts
+each stacked weight operand (from STACKED_FIRST on) as one layer's bytes, read once.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# the kernel's named scope, by which the traffic table finds it: the stacked weights' layers
-PALLAS_MLP = "rvmlp_pallas_n{layers}"
-PALLAS_MLP_WEIGHTS = 3  # its first stacked weight operand: after `layer`, x and w
-MLP_WEIGHTS = 3  # stacked weight operands: gate, up, down
+# the named scope of a kernel over stacked layer weights (this module's, proj_kernel.py's), by
+# which the traffic table finds it: the kernel, the stacks' layers, its stacked weight operands
+# (from STACKED_FIRST on, one after another)
+PALLAS_STACKED = "rvstacked_{kernel}_n{layers}_w{weights}"
+STACKED_FIRST = 3  # after `layer`, x and the norm's weight
 TILES = (512, 384, 256, 128)  # weight rows a grid step reads, the widest that divides I
 VMEM_LIMIT = 64 << 20  # the tiles' buffers (double-buffered) and their bf16 copies, at I / tp
 # = 5376, H = 5376, 384-row tiles: about 30 MiB
@@ -58,12 +59,22 @@ def tile_rows(width: int) -> int | None:
     return next((t for t in TILES if width % t == 0), None)
 
 
-def _dot_nt(a, b):
+def hbm(stacks, interpret) -> list:
+    """The stacked weights held in HBM: as a custom call's operands XLA took a stack small
+    enough for VMEM (the 31B's k and v projections at TP = 4, 55 MB each) as read whole and
+    copied it there every layer (10 GiB a step more on chip, est.). Pallas' interpreter runs
+    without memory spaces (a dot of an HBM-typed value is refused there)."""
+    if interpret:
+        return list(stacks)
+    return [pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in stacks]
+
+
+def dot_nt(a, b):
     """a [R, K] . b [N, K]^T in float32, both bf16 (the MXU's product of lower.linear)."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _norm(x, w, eps):
+def norm_rows(x, w, eps):
     """lower.rmsnorm's arithmetic on rows x [R, H]: x * pow(mean(x^2) + eps, -0.5) * w."""
     return x * lax.pow(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps),
                        jnp.float32(-0.5)) * w
@@ -84,18 +95,18 @@ def _kernel(layer_ref, x_ref, w_ref, wg_ref, wu_ref, wd_ref, *rest, steps, scale
         if so_ref is not None:
             x = x * so_ref[...]
         if residual is not None:  # x is the attention's output: the stream h + norm(x)
-            x = h_ref[...] + _norm(x, wr_ref[...], residual[0])
+            x = h_ref[...] + norm_rows(x, wr_ref[...], residual[0])
             outs[0][...] = x
-        xn_ref[...] = _norm(x, w_ref[...], eps).astype(jnp.bfloat16)
+        xn_ref[...] = norm_rows(x, w_ref[...], eps).astype(jnp.bfloat16)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     xn = xn_ref[...]
-    gate = _dot_nt(xn, wg_ref[...].astype(jnp.bfloat16))
-    up = _dot_nt(xn, wu_ref[...].astype(jnp.bfloat16))
+    gate = dot_nt(xn, wg_ref[...].astype(jnp.bfloat16))
+    up = dot_nt(xn, wu_ref[...].astype(jnp.bfloat16))
     if scaled:
         gate, up = gate * sg_ref[...], up * su_ref[...]
     product = (act(gate) * up).astype(jnp.bfloat16)
-    acc_ref[...] += _dot_nt(product, wd_ref[...].astype(jnp.bfloat16))
+    acc_ref[...] += dot_nt(product, wd_ref[...].astype(jnp.bfloat16))
 
     @pl.when(i == steps - 1)
     def _():
@@ -120,7 +131,8 @@ def gated_mlp(x, w, eps, layer, wg, wu, wd, sg=None, su=None, residual=None, *,
                 pl.BlockSpec((None, tile, h), lambda i, layer: (layer[0], i, 0)),
                 pl.BlockSpec((None, tile, h), lambda i, layer: (layer[0], i, 0)),
                 pl.BlockSpec((None, h, tile), lambda i, layer: (layer[0], 0, i))]
-    operands = [x.astype(jnp.float32), w.astype(jnp.float32).reshape(1, h), wg, wu, wd]
+    operands = [x.astype(jnp.float32), w.astype(jnp.float32).reshape(1, h),
+                *hbm((wg, wu, wd), interpret)]
     if scaled:
         in_specs += [pl.BlockSpec((1, tile), lambda i, layer: (0, i))] * 2
         operands += [s.astype(jnp.float32).reshape(1, width) for s in (sg, su)]
@@ -129,7 +141,10 @@ def gated_mlp(x, w, eps, layer, wg, wu, wd, sg=None, su=None, residual=None, *,
     if residual is not None:
         stream, w_res, eps_res, s_o = residual
         in_specs += [rows, vec] + [vec] * (s_o is not None)
-        operands += [stream.astype(jnp.float32), w_res.astype(jnp.float32).reshape(1, h)]
+        # the stream read from HBM: left to XLA, it was moved out of VMEM across the attention
+        # and back in for this call (2.6 MiB a layer more, the 31B at B = 64, TP = 4, est.)
+        operands += [*hbm((stream.astype(jnp.float32),), interpret),
+                     w_res.astype(jnp.float32).reshape(1, h)]
         if s_o is not None:
             operands.append(s_o.astype(jnp.float32).reshape(1, h))
         out_shape, out_specs = [out, out], [rows, rows]
@@ -144,7 +159,7 @@ def gated_mlp(x, w, eps, layer, wg, wu, wd, sg=None, su=None, residual=None, *,
                                eps=float(eps),
                                residual=None if residual is None else (float(eps_res),
                                                                        s_o is not None))
-    with jax.named_scope(PALLAS_MLP.format(layers=n)):
+    with jax.named_scope(PALLAS_STACKED.format(kernel="mlp", layers=n, weights=3)):
         return tuple(pl.pallas_call(
             kernel, grid_spec=grid, out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
