@@ -127,7 +127,10 @@ def normed_projections(x, w, eps, layer, weights, scales=None, tails=None, *, in
     whole = lambda i, layer: (0, 0)  # noqa: E731 -- x and the norm weight: one block
     in_specs = [pl.BlockSpec((r, h), whole), pl.BlockSpec((1, h), whole)]
     in_specs += [pl.BlockSpec((None, t, h), lambda i, layer: (layer[0], i, 0)) for t in tiles]
-    operands = [x.astype(jnp.float32), w.astype(jnp.float32).reshape(1, h),
+    # x read from HBM too: left to XLA, the residual stream was made in VMEM for this call and
+    # then copied to HBM for the MLP kernel's residual add (2.6 MiB a layer, the 31B at B =
+    # 64, TP = 4, est.)
+    operands = [*hbm((x.astype(jnp.float32),), interpret), w.astype(jnp.float32).reshape(1, h),
                 *hbm(weights, interpret)]
     scaled = scales is not None
     if scaled:
