@@ -17,6 +17,12 @@ the scales on its scores and probabilities). Paged programs attend blockwise
 spans of blocks with an online softmax, so a step reads the KV a sequence has, not its table
 at the built context, and neither a [T, S] score matrix nor a dequantised [S, K, D] cache is
 ever materialised.
+
+Decode steps of programs for TPU alone hand Pallas kernels whole chains of a layer's nodes
+(run_graph's `mlp` and `proj`): the gated MLP with its residual add (`gated_mlps`,
+mlp_kernel.py), the input norm with the projections that read it and k's and v's norms and RoPE
+into their cache rows (`normed_projections`, proj_kernel.py); the same values op by op wherever
+a kernel declines.
 """
 
 from __future__ import annotations
