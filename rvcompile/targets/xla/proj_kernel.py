@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,16 @@ def grid_steps(rows: list[int], heads: list[int | None]) -> int | None:
     return math.gcd(*(r // LANES for r in rows), *(k for k in heads if k is not None))
 
 
-def _tail(y, tail: Tail, w, cos, sin):
+class _TailShape(NamedTuple):
+    """What the kernel body knows of a Tail: its arrays are operands."""
+
+    d: int
+    eps: float
+    weighted: bool
+    roped: bool
+
+
+def _tail(y, tail: _TailShape, w, cos, sin):
     """Each head of y [R, heads * D] normed (lower.rmsnorm) and rotated by halves (lower.rope)."""
     d, out = tail.d, []
     for j in range(y.shape[1] // d):
@@ -94,7 +104,7 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, count, scaled, eps, tails):
     for t in tails:
         extra.append(None if t is None else tuple(
             rest.pop(0) if has else None
-            for has in (t.w is not None, t.cos is not None, t.cos is not None)))
+            for has in (t.weighted, t.roped, t.roped)))
     *outs, xn_ref = rest
 
     @pl.when(pl.program_id(0) == 0)
@@ -148,9 +158,8 @@ def normed_projections(x, w, eps, layer, weights, scales=None, tails=None, *, in
         num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs,
         out_specs=[pl.BlockSpec((r, t), lambda i, layer: (0, i)) for t in tiles],
         scratch_shapes=[pltpu.VMEM((r, h), jnp.bfloat16)])
-    # the kernel's static view of the tails (their arrays are operands)
-    static = [None if t is None else Tail(t.d, float(t.eps), t.dtype, *(
-        None if a is None else True for a in (t.w, t.cos, t.sin))) for t in tails]
+    static = [None if t is None else _TailShape(t.d, float(t.eps), t.w is not None,
+                                                t.cos is not None) for t in tails]
     kernel = functools.partial(_kernel, count=len(weights), scaled=scaled, eps=float(eps),
                                tails=static)
     with jax.named_scope(PALLAS_STACKED.format(kernel="proj", layers=n,
