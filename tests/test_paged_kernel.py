@@ -230,8 +230,7 @@ def test_decode_kernel_norms_and_rotates_the_query_itself():
     operands (lower.lazy_queries / NormedQuery): XLA's passes over the query on chip (norm,
     RoPE halves, their concatenation, a relayout; 5.5 MiB a sliding layer at B = 64, TP = 4,
     0.28 GiB a step, est.) would come back without them."""
-    calls = [line for line in _export_decode(("tpu",))["decode_2"].splitlines()
-             if "@tpu_custom_call(" in line]
+    calls = _kernel_calls(_export_decode(("tpu",))["decode_2"])
     ends = [re.findall(r"tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>, tensor<([\dx?]+)xf32>\) ->",
                        line) for line in calls]
     assert ends == [[("1x256", "2x1x128", "2x1x128")], [("1x512", "2x1x256", "2x1x256")]]
@@ -248,7 +247,8 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     from rvcompile.model.presets import get_preset
 
     def outputs(text):
-        return re.findall(r"@tpu_custom_call\(.*-> tensor<[\dx]+x(\w+)>", text)
+        return [re.search(r"@tpu_custom_call\(.*-> tensor<[\dx]+x(\w+)>", line).group(1)
+                for line in _kernel_calls(text)]
 
     assert outputs(_export_decode(("tpu",))["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="tpu-int8")["decode_2"]) == ["bf16", "bf16"]
@@ -262,6 +262,13 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
         attn = [i for i, n in enumerate(g.nodes) if n.op is Op.ATTENTION]
         assert len(attn) == 1
         assert (attn[0] in lower.read_as_bf16(g, reads(g))) is rounded
+
+
+def _kernel_calls(text: str, name: str = "rv_paged_decode") -> list[str]:
+    """The lines of StableHLO `text` that call the Pallas kernel `name` (the decode attention
+    kernel; "rv_gated_mlp": mlp_kernel.py's)."""
+    return [line for line in text.splitlines()
+            if "@tpu_custom_call(" in line and f'kernel_name = "{name}"' in line]
 
 
 def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> dict[str, str]:
@@ -289,7 +296,7 @@ def test_tpu_only_decode_runs_the_kernel():
     under tensor parallelism with symbolic pools (see lower.decode_kernel_fits), and there
     with static ones."""
     def kernels(text):
-        return text.count("@tpu_custom_call(")
+        return len(_kernel_calls(text))
 
     tpu = _export_decode(("tpu",))
     assert kernels(tpu["decode_2"]) == 2
@@ -338,7 +345,7 @@ def test_tp_tpu_only_build_runs_the_kernel():
     exp = jax.export.deserialize(bytearray(
         low.sections["programs"][loc["offset"]:loc["offset"] + loc["size"]]))
     assert exp.nr_devices == 4
-    assert exp.mlir_module().count("@tpu_custom_call(") == 2
+    assert len(_kernel_calls(exp.mlir_module())) == 2
     pools = jax.tree.unflatten(exp.in_tree, exp.in_avals)[0][1]
     kind = {p["key"]: p["kind"] for p in kv["pools"]}
     assert {key: aval.shape[1] for key, aval in pools.items()} == {

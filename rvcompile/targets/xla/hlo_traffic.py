@@ -68,6 +68,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from rvcompile.targets.xla.mlp_kernel import STACKED_FIRST
 from rvcompile.targets.xla.paged_kernel import (
     BLOCK_TOKENS,
     PALLAS_DECODE_POOLS,
@@ -101,6 +102,9 @@ _SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
 # step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
 _PALLAS_DECODE = re.compile(
     r'op_name="[^"]*rvkv_pallas_b(\d+)_p(\d+)_w(\d+)_n(\d+)_k(\d+)/')
+# the named scope of a kernel over stacked layer weights (mlp_kernel.PALLAS_STACKED): the
+# stacks' layers, its stacked weight operands
+_PALLAS_STACKED = re.compile(r'op_name="[^"]*rvstacked_[a-z]+_n(\d+)_w(\d+)/')
 # the named scope of a conditional whose branches a step picks by its requests (the sampler's
 # greedy / top-k / sort, penalties, log-probabilities): its rows carry (name, branch) so a
 # step's bytes can count the branches it runs (Traffic.total(taken=...))
@@ -563,6 +567,9 @@ def traffic(hlo_text: str, roots: tuple[str, str] = EXPORTED,
             if kernel:
                 row = _decode_kernel_row(prog, comp, ins, row, *map(int, kernel.groups()),
                                           context)
+            stacked = _PALLAS_STACKED.search(ins.attrs) if ins.opcode == "custom-call" else None
+            if stacked:
+                row = _stacked_kernel_row(prog, comp, ins, row, *map(int, stacked.groups()))
             rows.append(dataclasses.replace(row, branches=branches))
 
     walk(prog.entry, 1)
@@ -650,6 +657,24 @@ def _decode_kernel_row(prog: _Program, comp: Computation, ins: Instr, row: Row, 
         else:
             cls, b = prog.origin(comp.name, o)[0], shape_bytes(shape)
         read[cls] += b
+        if shape_bytes(shape, on_chip_only=True):
+            on_chip += b
+    return dataclasses.replace(row, read={c: b for c, b in read.items() if b}, on_chip=on_chip)
+
+
+def _stacked_kernel_row(prog: _Program, comp: Computation, ins: Instr, row: Row, layers: int,
+                        weights: int) -> Row:
+    """A kernel's custom call over stacked layer weights (mlp_kernel.py, proj_kernel.py),
+    whose `weights` weight operands from STACKED_FIRST on are the layer scan's stacks of
+    `layers` layers, of which its grid DMAs one layer's tiles once: each counts its bytes /
+    `layers`. Its other operands and its outputs count whole, as for any row."""
+    read = {c: 0.0 for c in CLASSES}
+    on_chip = shape_bytes(ins.shape, on_chip_only=True)
+    stacked = range(STACKED_FIRST, STACKED_FIRST + weights)
+    for k, o in enumerate(ins.operands):
+        shape = _operand_shape(comp, o)
+        b = shape_bytes(shape) / (layers if k in stacked else 1)
+        read[prog.origin(comp.name, o)[0]] += b
         if shape_bytes(shape, on_chip_only=True):
             on_chip += b
     return dataclasses.replace(row, read={c: b for c, b in read.items() if b}, on_chip=on_chip)

@@ -17,6 +17,12 @@ the scales on its scores and probabilities). Paged programs attend blockwise
 spans of blocks with an online softmax, so a step reads the KV a sequence has, not its table
 at the built context, and neither a [T, S] score matrix nor a dequantised [S, K, D] cache is
 ever materialised.
+
+Decode steps of programs for TPU alone hand Pallas kernels whole chains of a layer's nodes
+(run_graph's `mlp` and `proj`): the gated MLP with its residual add (`gated_mlps`,
+mlp_kernel.py), the input norm with the projections that read it and k's and v's norms and RoPE
+into their cache rows (`normed_projections`, proj_kernel.py); the same values op by op wherever
+a kernel declines.
 """
 
 from __future__ import annotations
@@ -1129,10 +1135,364 @@ def lazy_queries(g: Graph, readers: list[list[tuple[int, int]]]) -> tuple[set[in
     return norms, ropes
 
 
+@dataclass(frozen=True)
+class GatedMlp:
+    """A layer's MLP as its nodes: LINEAR down(MUL(GELU_TANH(LINEAR gate(n)), LINEAR up(n))) of
+    n = RMSNORM(x, w) (graph indices); where x is ADD(h, RMSNORM(y, w_r)) (the residual add of
+    the attention's output y), `add` and `post` are that ADD and RMSNORM, else None; where y is
+    a LINEAR with a per-row scale read only there (the output projection), `proj` is it."""
+
+    norm: int
+    gate: int
+    act: int
+    up: int
+    mul: int
+    down: int
+    add: int | None = None
+    post: int | None = None
+    proj: int | None = None
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """The nodes the chain computes before `down` and reads nowhere else, in graph
+        order (the ADD, read on by the next residual add, is the kernel's other output; the
+        output projection's dot is made there, its scale applied in the kernel)."""
+        nodes = (self.proj, self.post, self.add, self.norm, self.gate, self.act, self.up,
+                 self.mul)
+        return tuple(sorted(i for i in nodes if i is not None))
+
+
+def gated_mlps(g: Graph, readers: list[list[tuple[int, int]]]) -> dict[int, GatedMlp]:
+    """The gated MLPs of `g` that a kernel may compute whole (`decode_mlp_kernel`), by their
+    down LINEAR: a weighted RMSNORM read only as the activation of two LINEARs (gate, up),
+    the gate read only by a GELU_TANH, that and the up only by one MUL, which only the down
+    LINEAR reads; none of them a graph output; the three weights (and scales) PARAMs. With
+    them the residual ADD(h, RMSNORM(y, w_r)) the norm reads, when that RMSNORM has a weight
+    and the ADD alone reads it, and the ADD's other readers come after the down LINEAR.
+    `readers`: graph.reads(g)."""
+    outputs = {i for _, i in g.outputs}
+    nodes = g.nodes
+
+    def only(i: int, op: Op) -> tuple[int, int] | None:
+        """`i`'s one reader (index, slot), if it is the one reader and an `op`."""
+        if i in outputs or len(readers[i]) != 1 or nodes[readers[i][0][0]].op is not op:
+            return None
+        return readers[i][0]
+
+    out = {}
+    for i, n in enumerate(nodes):
+        if n.op is not Op.LINEAR or nodes[n.inputs[0]].op is not Op.MUL:
+            continue
+        m = n.inputs[0]
+        act, up = nodes[m].inputs
+        if nodes[act].op is not Op.GELU_TANH or nodes[up].op is not Op.LINEAR:
+            continue
+        gate = nodes[act].inputs[0]
+        norm = nodes[up].inputs[0]
+        if (nodes[gate].op is not Op.LINEAR or nodes[gate].inputs[0] != norm
+                or nodes[norm].op is not Op.RMSNORM or len(nodes[norm].inputs) != 2
+                or norm in outputs or sorted(readers[norm]) != sorted([(gate, 0), (up, 0)])):
+            continue
+        params = [j for lin in (gate, up, i) for j in nodes[lin].inputs[1:]]
+        if any(nodes[j].op is not Op.PARAM for j in params):
+            continue
+        if not (only(gate, Op.GELU_TANH) == (act, 0) and only(act, Op.MUL) == (m, 0)
+                and only(up, Op.MUL) == (m, 1) and only(m, Op.LINEAR) == (i, 0)):
+            continue
+        add, post = nodes[norm].inputs[0], None
+        if nodes[add].op is Op.ADD:
+            post = nodes[add].inputs[1]
+            if not (nodes[post].op is Op.RMSNORM and len(nodes[post].inputs) == 2
+                    and only(post, Op.ADD) == (add, 1) and nodes[add].shape == nodes[post].shape
+                    and nodes[nodes[add].inputs[0]].shape == nodes[post].shape
+                    and all(r == norm or r > i for r, _ in readers[add])):
+                post = None
+        if post is None:
+            out[i] = GatedMlp(norm, gate, act, up, m, i)
+            continue
+        proj = nodes[post].inputs[0]
+        if not (nodes[proj].op is Op.LINEAR and len(nodes[proj].inputs) == 3
+                and nodes[nodes[proj].inputs[2]].op is Op.PARAM
+                and only(proj, Op.RMSNORM) == (post, 0)):
+            proj = None
+        out[i] = GatedMlp(norm, gate, act, up, m, i, add, post, proj)
+    return out
+
+
+def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh=None,
+                      interpret=False):
+    """A decode step's gated MLP (`gated_mlps`) by the Pallas TPU kernel
+    (targets/xla/mlp_kernel.py), or None where it does not apply: x [B, 1, H] with B > 1
+    (one row: `linear`'s multiply-reduce reads every weight byte once already), the gate, up
+    and down weights (PARAM `names`; `stacked(name)`: the layer scan's (stacked array [n,
+    ...], the layer's index in it)) int8 with their per-row scales or bf16 without, [n, I, H]
+    / [n, H, I] with I / tp a multiple of the kernel's tile and H of 128 lanes. `norm`: the
+    RMSNORM's attrs, `w` its weight, `scales` the layer's (sg, su, sd), None each without.
+    `residual` (h, the post-norm's attrs, its weight, the output projection's per-row scale or
+    None): x is the attention's output y (without that scale, which the kernel applies) and
+    the norm's input the stream h + rmsnorm(y), returned first. Returns the down LINEAR's value
+    (with `residual`: (the stream, it)). Under a mesh the kernel runs in shard_map over the
+    column- and row-parallel splits of sharding.py (gate and up by rows, down by columns),
+    its partial sums added by an all-reduce, then scaled, as XLA's partitioner computes the
+    op-by-op form."""
+    from rvcompile.targets.xla import mlp_kernel
+
+    (wg, index), (wu, _), (wd, _) = map(stacked, names)
+    sg, su, sd = scales
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    b, t, h = x.shape
+    n, width = wg.shape[:2]
+    quantized = wg.dtype == jnp.int8 and all(s is not None for s in scales)
+    plain = wg.dtype == jnp.bfloat16 and all(s is None for s in scales)
+    if not (t == 1 and b > GEMV_MAX_ROWS and (quantized or plain)
+            and wu.dtype == wg.dtype == wd.dtype and wu.shape == wg.shape
+            and wd.shape == (n, h, width) and wg.shape == (n, width, h)
+            and width % tp == 0 and mlp_kernel.tile_rows(width // tp) is not None
+            and h % LANE_TILE == 0 and not any(map(jax.export.is_symbolic_dim, x.shape))):
+        return None
+    layer = jnp.asarray(index, jnp.int32).reshape(1)
+    stream = []
+    if residual is not None:
+        stream = [f32(residual[0]).reshape(b, h), f32(residual[2]).reshape(1, h)]
+        if residual[3] is not None:
+            stream.append(f32(residual[3]).reshape(1, h))
+
+    def local(rows, w, layer, wg, wu, wd, *rest):
+        rest = list(rest)
+        s = (rest.pop(0), rest.pop(0)) if quantized else ()
+        res = None if residual is None else (*rest[:2], residual[1].eps, (rest[2:] or [None])[0])
+        *hs, y = mlp_kernel.gated_mlp(rows, w, norm.eps, layer, wg, wu, wd, *s, residual=res,
+                                      interpret=interpret)
+        return (*hs, y if mesh is None else lax.psum(y, mesh.axis_names[0]))
+
+    args = [f32(x).reshape(b, h), f32(w).reshape(1, h), layer, wg, wu, wd]
+    if quantized:
+        args += [f32(sg).reshape(1, width), f32(su).reshape(1, width)]
+    args += stream
+    if mesh is None:
+        outs = local(*args)
+    else:
+        from jax.sharding import PartitionSpec
+
+        axis, whole = mesh.axis_names[0], PartitionSpec()
+        specs = [whole] * 3 + [PartitionSpec(None, axis, None)] * 2
+        specs += [PartitionSpec(None, None, axis)] + [PartitionSpec(None, axis)] * 2 * quantized
+        specs += [whole] * len(stream)
+        outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                             out_specs=(whole,) * (1 + (residual is not None)),
+                             check_vma=False)(*args)
+    *hs, y = (o.reshape(b, t, h) for o in outs)
+    y = y * sd if quantized else y
+    return (hs[0], y) if hs else y
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A projection of `normed_projections`: its LINEAR, the heads its RESHAPE makes, and its
+    tail into a cache write, if any: the RMSNORM of its heads (`norm`), then the ROPE (`rope`,
+    or None) that a KV_WRITE alone reads, into a cache of `cache_dtype`."""
+
+    linear: int
+    heads: int
+    reshape: int
+    norm: int | None = None
+    rope: int | None = None
+    cache_dtype: str | None = None
+
+    @property
+    def last(self) -> int:
+        """The node whose value the kernel makes: the tail's last, else the LINEAR."""
+        return self.rope if self.rope is not None else (
+            self.norm if self.norm is not None else self.linear)
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """The nodes before `last` that the kernel's value replaces (a tail's LINEAR, RESHAPE
+        and, before a ROPE, RMSNORM)."""
+        if self.norm is None:
+            return ()
+        return (self.linear, self.reshape) + ((self.norm,) if self.rope is not None else ())
+
+
+def _cache_tail(g: Graph, readers, reshape: int) -> tuple[int, int | None, str] | None:
+    """(RMSNORM, ROPE or None, cache dtype) when RESHAPE `reshape`'s one reader is an RMSNORM
+    (a PARAM weight or none) whose one reader is a KV_WRITE's new rows, or a ROPE by halves
+    (no zero frequencies) whose one reader is."""
+    nodes, outputs = g.nodes, {i for _, i in g.outputs}
+
+    def one(i: int) -> tuple[int, int] | None:
+        return readers[i][0] if len(readers[i]) == 1 and i not in outputs else None
+
+    norm = one(reshape)
+    if norm is None or nodes[norm[0]].op is not Op.RMSNORM or norm[1] != 0:
+        return None
+    norm = norm[0]
+    if len(nodes[norm].inputs) == 2 and nodes[nodes[norm].inputs[1]].op is not Op.PARAM:
+        return None
+    nxt, rope = one(norm), None
+    if nxt is not None and nodes[nxt[0]].op is Op.ROPE and nxt[1] == 0:
+        rope = nxt[0]
+        if not all(nodes[rope].attrs.inv_freq):
+            return None
+        nxt = one(rope)
+    if nxt is None or nodes[nxt[0]].op is not Op.KV_WRITE or nxt[1] != 1:
+        return None
+    return norm, rope, nodes[nodes[nxt[0]].inputs[0]].dtype
+
+
+def normed_projections(g: Graph, readers: list[list[tuple[int, int]]]
+                       ) -> dict[int, tuple[Projection, ...]]:
+    """The RMSNORMs (with a weight) of `g` whose every reader is the activation of a LINEAR
+    (at least two: a layer's q, k and v), each with PARAM weights (and scales, all or none)
+    and read only by a RESHAPE into heads [.., heads, D]; neither a graph output. Norm -> its
+    projections in graph order, with their tails into cache writes (k's norm and RoPE, v's
+    norm: `_cache_tail`). `readers`: graph.reads(g)."""
+    outputs = {i for _, i in g.outputs}
+    nodes = g.nodes
+    out = {}
+    for i, n in enumerate(nodes):
+        if (n.op is not Op.RMSNORM or len(n.inputs) != 2 or i in outputs
+                or len(readers[i]) < 2 or any(s != 0 for _, s in readers[i])):
+            continue
+        lins = sorted(r for r, _ in readers[i])
+        if any(nodes[r].op is not Op.LINEAR or r in outputs or len(readers[r]) != 1
+               or nodes[readers[r][0][0]].op is not Op.RESHAPE
+               or any(nodes[j].op is not Op.PARAM for j in nodes[r].inputs[1:])
+               for r in lins):
+            continue
+        if len({len(nodes[r].inputs) for r in lins}) != 1:
+            continue
+        projs = []
+        for r in lins:
+            s = readers[r][0][0]
+            tail = _cache_tail(g, readers, s)
+            projs.append(Projection(r, nodes[s].shape[-2], s, *(tail or ())))
+        out[i] = tuple(projs)
+    return out
+
+
+def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, stacked,
+                              mesh=None, interpret=False):
+    """A decode step's RMSNORM and the projections that read it (`normed_projections`) by the
+    Pallas TPU kernel (targets/xla/proj_kernel.py): each projection's value [B, 1, N] (a
+    tail's: its last node's, [B, 1, heads, D]), or None where it does not apply: x [B, 1, H]
+    with B > 1 (one row: `linear`'s multiply-reduce), the weights (PARAM `names`,
+    `stacked(name)` as for decode_mlp_kernel) all int8 with per-row `scales` or all bf16
+    without, [n, N, H] with N / tp whole 128-lane tiles, each split by whole heads under a mesh
+    (`heads` each; sharding.py splits q, k and v by rows where their heads divide by tp, and
+    keeps a k or v projection of fewer heads whole: declined). `tails`: per projection None or
+    (the RMSNORM's attrs, its weight or None, the ROPE's attrs and positions or None, the
+    cache's dtype); a tail's rows come out in the cache's dtype where that is bf16 (its write
+    rounds them to it: the same bits), else float32."""
+    from rvcompile.targets.xla import proj_kernel
+
+    ws = [stacked(name) for name in names]
+    index = ws[0][1]
+    ws = [a for a, _ in ws]
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    b, t, h = x.shape
+    n = ws[0].shape[0]
+    quantized = all(a.dtype == jnp.int8 for a in ws) and all(s is not None for s in scales)
+    plain = all(a.dtype == jnp.bfloat16 for a in ws) and all(s is None for s in scales)
+    rows = [a.shape[1] for a in ws]
+    tails = tails or [None] * len(ws)
+    tail_heads = [None if tl is None else k // tp for tl, k in zip(tails, heads, strict=True)]
+    if not (t == 1 and b > GEMV_MAX_ROWS and (quantized or plain)
+            and all(a.shape == (n, m, h) for a, m in zip(ws, rows, strict=True))
+            and all(k % tp == 0 and m % tp == 0 for k, m in zip(heads, rows, strict=True))
+            and proj_kernel.grid_steps([m // tp for m in rows], tail_heads) is not None
+            and all(tl is None or (m // k) % LANE_TILE == 0
+                    for tl, m, k in zip(tails, rows, heads, strict=True))
+            and h % LANE_TILE == 0 and not any(map(jax.export.is_symbolic_dim, x.shape))):
+        return None
+    count = len(ws)
+    kernel_tails, tail_args = [], []
+    for tl, m, k in zip(tails, rows, heads, strict=True):
+        if tl is None:
+            kernel_tails.append(None)
+            continue
+        attrs, tw, rope_at, dtype = tl
+        cos = sin = None
+        if rope_at is not None:  # lower.rope's angles at each lane's position
+            ang = (_val(rope_at[1]).astype(jnp.float32)[:, 0, None]
+                   * jnp.asarray(rope_at[0].inv_freq, jnp.float32))
+            cos, sin = jnp.cos(ang), jnp.sin(ang)
+        kernel_tails.append(proj_kernel.Tail(
+            m // k, float(attrs.eps), jnp.bfloat16 if dtype == "bfloat16" else jnp.float32,
+            None if tw is None else f32(tw), cos, sin))
+        tail_args += [a for a in (kernel_tails[-1].w, cos, sin) if a is not None]
+
+    def local(rows_, w_, layer, *rest):
+        rest = list(rest)
+        ws_ = [rest.pop(0) for _ in range(count)]
+        s = [rest.pop(0) for _ in range(count)] if quantized else None
+        local_tails = [None if tl is None else dataclasses.replace(
+            tl, **{f: rest.pop(0) for f in ("w", "cos", "sin") if getattr(tl, f) is not None})
+            for tl in kernel_tails]
+        return proj_kernel.normed_projections(rows_, w_, norm.eps, layer, ws_, s, local_tails,
+                                              interpret=interpret)
+
+    args = [f32(x).reshape(b, h), f32(w).reshape(1, h), jnp.asarray(index, jnp.int32).reshape(1),
+            *ws]
+    if quantized:
+        args += [f32(sc) for sc in scales]
+    args += tail_args
+    if mesh is None:
+        outs = local(*args)
+    else:
+        from jax.sharding import PartitionSpec
+
+        axis, whole = mesh.axis_names[0], PartitionSpec()
+        specs = [whole] * 3 + [PartitionSpec(None, axis, None)] * count
+        specs += [PartitionSpec(axis)] * count * quantized + [whole] * len(tail_args)
+        outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                             out_specs=(PartitionSpec(None, axis),) * count,
+                             check_vma=False)(*args)
+    return tuple(o.reshape(b, t, -1) if tl is None else o.reshape(b, t, k, -1)
+                 for o, tl, k in zip(outs, tails, heads, strict=True))
+
+
+def _projection_operands(g: Graph, projs: tuple[Projection, ...], args: dict, param):
+    """decode_projections_kernel's names, scales, heads and tails of `projs`, at their norm,
+    before their own nodes: their PARAMs through `param`, a ROPE's positions from `args` (a
+    tail whose positions are no ARG is left to XLA: None)."""
+    nodes = g.nodes
+
+    def leaf(i: int):
+        return param(nodes[i].attrs.name) if nodes[i].op is Op.PARAM else args[nodes[i].attrs.name]
+
+    names = [nodes[nodes[p.linear].inputs[1]].attrs.name for p in projs]
+    scales = [leaf(nodes[p.linear].inputs[2]) if len(nodes[p.linear].inputs) > 2 else None
+              for p in projs]
+    tails = []
+    for p in projs:
+        if p.norm is None:
+            tails.append(None)
+            continue
+        norm = nodes[p.norm]
+        if p.rope is not None and nodes[nodes[p.rope].inputs[1]].op is not Op.ARG:
+            tails.append(None)
+            continue
+        rope = None if p.rope is None else (nodes[p.rope].attrs,
+                                            leaf(nodes[p.rope].inputs[1]))
+        tails.append((norm.attrs, leaf(norm.inputs[1]) if len(norm.inputs) == 2 else None,
+                      rope, p.cache_dtype))
+    return names, scales, [p.heads for p in projs], tails
+
+
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
-              lowerings: dict[Op, Callable] = LOWERINGS) -> dict[str, Any]:
+              lowerings: dict[Op, Callable] = LOWERINGS,
+              mlp: Callable | None = None, proj: Callable | None = None) -> dict[str, Any]:
     """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs.
-    `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS)."""
+    `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS). `mlp`:
+    the gated MLPs (`gated_mlps`) go to it whole at their down LINEAR, as mlp(the RMSNORM's
+    attrs, x, its weight, the gate, up and down weights' PARAM names, their scales' values or
+    None each[, (h, the post-norm's attrs, its weight, the output projection's scale or None)
+    of a residual add]); where it answers None (decode_mlp_kernel declines), op by op.
+    `proj`: likewise the RMSNORMs whose readers are all projections (`normed_projections`,
+    outside those MLPs), at the norm, as proj(its attrs, x, its weight, the projections'
+    names, scales, heads and tails: `_projection_operands`) -> each projection's last value
+    (decode_projections_kernel), the nodes it replaces skipped."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
     g_reads = reads(g)
@@ -1140,8 +1500,61 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     # the query lazy only for an ATTENTION lowering that takes lazy values (attention_blockwise)
     norms, ropes = (lazy_queries(g, g_reads) if isinstance(lowerings.get(Op.ATTENTION), TakesPaged)
                     else (set(), set()))
+    mlps = gated_mlps(g, g_reads) if mlp is not None else {}
+    deferred = {j for c in mlps.values() for j in c.inner}  # computed at their down LINEAR
+    projs = {k: v for k, v in normed_projections(g, g_reads).items()
+             if k not in deferred} if proj is not None else {}
+    ready: dict[int, Any] = {}  # projections made with their norm
+
+    def lower_node(i: int, n) -> Any:
+        ins = [vals[j] for j in n.inputs]
+        if not isinstance(lowerings[n.op], TakesPaged):
+            ins = [_val(x) for x in ins]
+        token = READ_AS_BF16.set(i in bf16)
+        try:
+            return lowerings[n.op](n.attrs, *ins)
+        finally:
+            READ_AS_BF16.reset(token)
+
     for i, n in enumerate(g.nodes):
-        if i in norms:
+        if i in deferred:
+            v = None
+        elif i in ready:
+            v = ready.pop(i)
+        elif i in projs and (made := proj(
+                n.attrs, _val(vals[n.inputs[0]]), _val(vals[n.inputs[1]]),
+                *(operands := _projection_operands(g, projs[i], args, param)))) is not None:
+            for pr, value, tail in zip(projs[i], made, operands[3], strict=True):
+                if tail is None:  # made up to its LINEAR: the rest op by op
+                    pr = Projection(pr.linear, pr.heads, pr.reshape)
+                ready[pr.last] = value
+                ready.update(dict.fromkeys(pr.skipped))
+            v = None  # read by those projections only
+        elif i in mlps:
+            c, nodes = mlps[i], g.nodes
+            linears = [nodes[j] for j in (c.gate, c.up, c.down)]
+            names = [nodes[lin.inputs[1]].attrs.name for lin in linears]
+            scales = [vals[lin.inputs[2]] if len(lin.inputs) > 2 else None for lin in linears]
+            w = _val(vals[nodes[c.norm].inputs[1]])
+            if c.add is None:
+                v = mlp(nodes[c.norm].attrs, _val(vals[nodes[c.norm].inputs[0]]), w, names,
+                        scales)
+            else:  # the residual add's stream comes back too, for its other readers
+                y, w_r = (_val(vals[j]) for j in nodes[c.post].inputs)
+                s_o = None
+                if c.proj is not None:  # the output projection's dot; its scale in the kernel
+                    o = nodes[c.proj]
+                    y = lower_node(c.proj, dataclasses.replace(o, inputs=o.inputs[:2]))
+                    s_o = _val(vals[o.inputs[2]])
+                v = mlp(nodes[c.norm].attrs, y, w, names, scales,
+                        (_val(vals[nodes[c.add].inputs[0]]), nodes[c.post].attrs, w_r, s_o))
+                if v is not None:
+                    vals[c.add], v = v
+            if v is None:
+                for j in c.inner:
+                    vals[j] = lower_node(j, nodes[j])
+                v = lower_node(i, n)
+        elif i in norms:
             v = NormedQuery(_val(vals[n.inputs[0]]), _val(vals[n.inputs[1]]), n.attrs)
         elif i in ropes:
             v = dataclasses.replace(vals[n.inputs[0]], rope=n.attrs, pos=_val(vals[n.inputs[1]]))
@@ -1157,13 +1570,6 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
             v = _val(vals[n.inputs[0]]).reshape(
                 [sym[d] if isinstance(d, str) else d for d in n.attrs.shape])
         else:
-            ins = [vals[j] for j in n.inputs]
-            if not isinstance(lowerings[n.op], TakesPaged):
-                ins = [_val(x) for x in ins]
-            token = READ_AS_BF16.set(i in bf16)
-            try:
-                v = lowerings[n.op](n.attrs, *ins)
-            finally:
-                READ_AS_BF16.reset(token)
+            v = lower_node(i, n)
         vals.append(v)
     return {name: vals[i] for name, i in g.outputs}

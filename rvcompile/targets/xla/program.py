@@ -71,6 +71,8 @@ from rvcompile.targets.xla.lower import (
     TakesPaged,
     attention_blockwise,
     cache_positions,
+    decode_mlp_kernel,
+    decode_projections_kernel,
     filtered_probs,
     kv_write,
     moe,
@@ -320,10 +322,10 @@ class Program:
         emb = run_graph(ir.embed, {"tokens": tokens}, weights.__getitem__)
         h = emb["h"]
         caches = dict(caches)
-        lowerings = self._paged_lowerings()
+        lowerings, kernels = self._paged_lowerings(), self._layer_kernels()
         for gi, g in enumerate(self.plan.groups):
             h, caches = self._run_group(gi, g, weights, caches, tables, h, positions, cache_len,
-                                        emb.get("ple"), lowerings)
+                                        emb.get("ple"), lowerings, kernels)
         return caches, h
 
     def _paged_lowerings(self):
@@ -348,8 +350,19 @@ class Program:
             attention_blockwise, mesh=mesh, tpu_kernel=self.tpu_kernels))
         return lowerings
 
+    def _layer_kernels(self):
+        """run_graph's (mlp, proj): decode_mlp_kernel and decode_projections_kernel under the
+        program's mesh where the programs may run Pallas TPU kernels (`tpu_kernels`), else
+        (None, None): the layers op by op."""
+        if not self.tpu_kernels:
+            return None, None
+        mesh = (next(iter(self.pool_shardings.values())).mesh if self.pool_shardings
+                else None)
+        return (functools.partial(decode_mlp_kernel, mesh=mesh),
+                functools.partial(decode_projections_kernel, mesh=mesh))
+
     def _run_group(self, gi, g, weights, caches, tables, h, positions, cache_len, ple,
-                   lowerings):
+                   lowerings, kernels=(None, None)):
         ir, cfg = self.ir, self.ir.config
         own = {k: v for k, v in caches.items() if k.startswith(f"g{gi}.")}
         stacked_w = {sp.key: weights[sp.key] for sp in self.plan.stacked if sp.group == gi}
@@ -386,7 +399,9 @@ class Program:
                 out = run_graph(graph, args,
                                 lambda rel, j=j: lax.dynamic_index_in_dim(
                                     stacked_w[f"g{gi}.{j}.{rel}"], p, 0, keepdims=False),
-                                lowerings)
+                                lowerings,
+                                *(k and functools.partial(k, stacked=lambda rel, j=j: (
+                                    stacked_w[f"g{gi}.{j}.{rel}"], p)) for k in kernels))
                 h = out["h"]
                 for name, v in out.items():
                     if name in CACHE_ARGS:
