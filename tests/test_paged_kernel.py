@@ -224,6 +224,61 @@ def test_kernel_norms_and_rotates_the_query(shape):
     assert err <= 2e-6 * np.abs(xla).max()
 
 
+@pytest.mark.parametrize("shape, normed, out_dtype", [
+    ("31B", False, jnp.float32), ("31B", True, jnp.bfloat16),
+    ("31B_full", True, jnp.bfloat16), ("31B_int8_tp4", False, jnp.bfloat16)])
+def test_kernel_on_rows_equals_it_on_blocks(shape, normed, out_dtype):
+    """`kv_heads` (the query as rows [B, K * G * D] and the output as rows [B, K * G * Dv],
+    one block each, as lower.decode_attention_kernel passes them: no relayouts around the
+    call) against the kernel on [B, K, G, D] blocks: bit for bit (the same arithmetic, a
+    lane's heads sliced from its row in VMEM), with the kernel's own query norm and RoPE, a
+    K=V layer's folded keys, int8 pools, float32 and bf16 outputs; idle lanes zeros."""
+    from rvcompile.ir.ops import RMSNormAttrs
+    from rvcompile.model.presets import ROPE_SLIDING
+
+    kh, group, d, window, width, dtype, k_eq_v, lengths = SHAPES[shape]
+    rng = np.random.default_rng(5)
+    lanes, blocks = len(lengths), len(lengths) * width + 5
+    pools, scales = [], None
+    for _ in range(1 if k_eq_v else 2):
+        x = rng.standard_normal((2, blocks, 16, kh, d)).astype(np.float32)
+        if dtype == jnp.int8:
+            x, scale = quantize_kv_rows(x)
+            scales = (scales or ()) + (jnp.asarray(scale),)
+        pools.append(jnp.asarray(x.reshape(2, blocks, 16, kh * d), dtype))
+    if k_eq_v:
+        pools.append(pools[0])
+    table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
+                        jnp.int32)
+    cache_len = jnp.asarray(lengths, jnp.int32)
+    q_pos = jnp.where(cache_len > 0, cache_len - 1, -1)
+    rope = RopeAttrs(tuple((ROPE_FULL if k_eq_v else ROPE_SLIDING).inv_freq(d)))
+    fold = None
+    if k_eq_v:
+        freqs = np.asarray(rope.inv_freq, np.float32)
+        fold = KeyFold(jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32), freqs[freqs > 0])
+    x = jnp.asarray(rng.standard_normal((lanes, 1, kh * group, d)), jnp.float32)
+    qnorm = None
+    if normed:
+        qnorm = lower.NormedQuery(x, jnp.asarray(rng.uniform(0.02, 0.1, d), jnp.float32),
+                                  RMSNormAttrs(1e-6), rope, q_pos[:, None]).kernel_norm()
+    else:
+        x = x * 4 / np.sqrt(d)
+
+    def run(q, **kw):
+        return np.asarray(jax.jit(lambda q: paged_decode(
+            q, *pools, jnp.asarray([1, 1]), table, q_pos, window=window, scale=0.5, fold=fold,
+            scales=None if scales is None else scales * (2 if k_eq_v else 1), qnorm=qnorm,
+            out_dtype=out_dtype, interpret=True, **kw))(q))
+
+    blocks_out = run(x.reshape(lanes, kh, group, d))
+    rows_out = run(x.reshape(lanes, kh * group * d), kv_heads=kh)
+    assert rows_out.shape == (lanes, kh * group * d) and rows_out.dtype == out_dtype
+    assert np.array_equal(rows_out.reshape(blocks_out.shape).view(np.uint8),
+                          blocks_out.view(np.uint8))
+    assert not rows_out[lengths.index(0)].any() and np.abs(rows_out).max() > 0
+
+
 def test_decode_kernel_norms_and_rotates_the_query_itself():
     """In a TPU-only decode step the kernel gets each layer's query as the q projection's rows
     with its norm weight [1, D] and each lane's cos and sin rows [B, 1, D / 2] as its last

@@ -656,13 +656,17 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
         fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
         return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
                                          window=a.window, scale=a.scale, fold=fold,
-                                         scales=scales, out_dtype=out_dtype, qnorm=norm)
+                                         scales=scales, out_dtype=out_dtype, qnorm=norm,
+                                         kv_heads=kh // tp)
 
     layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
     pools = [k.cache.pool] + [v.cache.pool] * (not same)
     if quantized:  # their scale pools [n, blocks, 16, K], split by head like them
         pools += [k.cache.scale] + [v.cache.scale] * (not same)
-    args = [f32(q_rows).reshape(b, kh, nh // kh, d), layers, k.cache.table, q_pos[:, 0], *pools]
+    # the query and the output as rows [B, heads x D], as the projections write and read them
+    # (as [B, K, G, D] blocks XLA relaid both around the call: paged_kernel.paged_decode)
+    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    args = [f32(q_rows).reshape(b, nh * d), layers, k.cache.table, q_pos[:, 0], *pools]
     if folded is not None:
         args.append(folded.w)
     if qnorm is not None:

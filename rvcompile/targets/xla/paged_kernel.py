@@ -140,7 +140,7 @@ def _load(refs):
 
 def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
             window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool,
-            qnorm: float | None):
+            qnorm: float | None, rows: tuple[int, int, int] | None = None):
     pages = (1 if kv_same else 2) * PAGES_PER_STEP
     k_refs = refs[:PAGES_PER_STEP]
     v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
@@ -154,20 +154,33 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
     qw_ref, qc_ref, qs_ref = rest[:3] if qnorm is not None else (None, None, None)
     rest = rest[3:] if qnorm is not None else rest
     o_ref, m_ref, l_ref, acc_ref = rest[:4]
-    qn_ref = rest[4] if qnorm is not None else q_ref  # the normed, rotated query
+    # the query as the kernel reads it, [K, G, D] (normed and rotated, or a lane's row's heads)
+    qn_ref = rest[4] if qnorm is not None or rows is not None else q_ref
+    orow_ref = rest[5] if rows is not None else None  # every lane's output row, float32
     b, i = pl.program_id(0), pl.program_id(1)
-    d, dv = q_ref.shape[-1], acc_ref.shape[-1]
+    dv = acc_ref.shape[-1]
+    d = q_ref.shape[-1] if rows is None else rows[1]
+
+    def query(h):  # head h's G query rows [G, D] as given: a block's, or the lane's row's
+        if rows is None:
+            return q_ref[h]
+        g = rows[0]
+        return jnp.concatenate([q_ref[pl.ds(b, 1), pl.ds((h * g + k) * d, d)]
+                                for k in range(g)], axis=0)
 
     @pl.when(i == 0)
     def _():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if qnorm is None and rows is not None:
+            for h in range(heads):
+                qn_ref[h] = query(h)
         if qnorm is not None:  # lower.rmsnorm, then lower.rope by halves, each head's rows
             half = d // 2
             cos, sin = qc_ref[...], qs_ref[...]  # [1, half]
             for h in range(heads):
-                x = q_ref[h]  # [G, D]
+                x = query(h)  # [G, D]
                 y = x * lax.pow(jnp.mean(x * x, axis=1, keepdims=True) + jnp.float32(qnorm),
                                 jnp.float32(-0.5)) * qw_ref[...]
                 y1, y2 = y[:, :half], y[:, half:]
@@ -194,8 +207,8 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
             k_rows = ks_ref[...]
             v_rows = k_rows if kv_same else vs_ref[...]
         if fold:  # the keys' angles at their positions (a column: keys are rows)
-            rows = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-            ang = rows.astype(jnp.float32) * f_ref[...]  # [n, LANE]
+            key_pos = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+            ang = key_pos.astype(jnp.float32) * f_ref[...]  # [n, LANE]
             cos, sin = jnp.cos(ang), jnp.sin(ang)
         for h in range(heads):
             q = qn_ref[h]  # [G, D]
@@ -225,10 +238,21 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _():
+        outs = []
         for h in range(heads):
             total = jnp.max(l_ref[h], axis=1, keepdims=True)
-            o_ref[h] = (acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))).astype(
-                o_ref.dtype)
+            y = acc_ref[h] / jnp.where(total > 0, total, jnp.float32(1))
+            if rows is None:
+                o_ref[h] = y.astype(o_ref.dtype)
+            else:
+                outs += [y[k:k + 1] for k in range(rows[0])]
+        if rows is not None:  # the lane's row [1, K * G * Dv] of the float32 rows in VMEM
+            orow_ref[pl.ds(b, 1), :] = jnp.concatenate(outs, axis=1)
+
+    if rows is not None:  # every lane's row made: the output block, written back once
+        @pl.when((b == pl.num_programs(0) - 1) & (i == pl.num_programs(1) - 1))
+        def _():
+            o_ref[...] = orow_ref[...].astype(o_ref.dtype)
 
 
 @dataclass(frozen=True)
@@ -258,12 +282,25 @@ def scale_rows(pool, layer, blocks):
 
 def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None, scale: float,
                  fold: KeyFold | None = None, scales: tuple | None = None, interpret=False,
-                 out_dtype=jnp.float32, qnorm: QueryNorm | None = None):
+                 out_dtype=jnp.float32, qnorm: QueryNorm | None = None,
+                 kv_heads: int | None = None):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
     `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice). `interpret`: run
     the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
-    check of its values)."""
-    b, kh, g, d = q.shape
+    check of its values). `kv_heads` K: q is given as rows [B, K * G * D] (each lane's heads
+    side by side, as the q projection writes them) and the output is returned as rows [B, K *
+    G * Dv] (as the output projection reads them); both are one block of the whole array,
+    read once and written back once, a lane's row sliced in VMEM. As [B, K, G, D] blocks, a
+    custom call's operand tiled (8, 128) over (G, D), XLA relaid the query's rows into that
+    layout before the call and the output back after it (G = 2 at TP = 4 padded to 8 rows:
+    1.0 and 0.5 MiB a sliding layer of the 31B at B = 64, est.; docs/TPU_COST.md)."""
+    row_dims = None  # (G, D, Dv) of a query and output given as rows
+    if kv_heads is not None:  # a query head's D is its key's
+        kh, d = kv_heads, k_pool.shape[-1] // kv_heads
+        b, g = q.shape[0], q.shape[1] // (kv_heads * d)
+        row_dims = (g, d, v_pool.shape[-1] // kv_heads)
+    else:
+        b, kh, g, d = q.shape
     dv = v_pool.shape[-1] // kh
     width = table.shape[1]
     kv_same = k_pool is v_pool
@@ -302,7 +339,10 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
                 q_pos.astype(jnp.int32))
     # the traffic table finds the pools by their position among the custom call's operands
     assert len(prefetch) + 1 == PALLAS_DECODE_POOLS
-    in_specs = [pl.BlockSpec((None, kh, g, d), lambda b, i, *_: (b, 0, 0, 0))]
+    if row_dims is None:
+        in_specs = [pl.BlockSpec((None, kh, g, d), lambda b, i, *_: (b, 0, 0, 0))]
+    else:  # the whole rows, once
+        in_specs = [pl.BlockSpec((b, kh * g * d), lambda b, i, *_: (0, 0))]
     operands = [q.astype(jnp.float32)]
     for n, pool in enumerate(pools):
         page = (None, None, BLOCK_TOKENS, pool.shape[-1])
@@ -323,24 +363,32 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
         operands += [jnp.asarray(qnorm.w, jnp.float32).reshape(1, d),
                      *(jnp.asarray(x, jnp.float32).reshape(b, 1, d // 2)
                        for x in (qnorm.cos, qnorm.sin))]
+    out_shape = (b, kh, g, dv) if row_dims is None else (b, kh * g * dv)
+    if row_dims is None:
+        out_spec = pl.BlockSpec((None, kh, g, dv), lambda b, i, *_: (b, 0, 0, 0))
+    else:  # the whole rows, written back after the last lane
+        out_spec = pl.BlockSpec(out_shape, lambda b, i, *_: (0, 0))
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(b, steps),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, kh, g, dv), lambda b, i, *_: (b, 0, 0, 0)),
+        out_specs=out_spec,
         scratch_shapes=[pltpu.VMEM((kh, g, LANE), jnp.float32),
                         pltpu.VMEM((kh, g, LANE), jnp.float32),
                         pltpu.VMEM((kh, g, dv), jnp.float32)]
-        + [pltpu.VMEM((kh, g, d), jnp.float32)] * (qnorm is not None))
+        + [pltpu.VMEM((kh, g, d), jnp.float32)] * (qnorm is not None or row_dims is not None)
+        + [pltpu.VMEM(out_shape, jnp.float32)] * (row_dims is not None))
     scope = PALLAS_DECODE.format(lanes=b, pages=PAGES_PER_STEP, window=window or 0,
                                  width=width, pools=len(pools))
     kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
                                quantized=scales is not None, fold=fold is not None,
-                               qnorm=None if qnorm is None else qnorm.eps)
+                               qnorm=None if qnorm is None else qnorm.eps, rows=row_dims)
+    # rows: one output block over every lane, so the lanes' axis is not parallel
+    lanes_axis = "parallel" if row_dims is None else "arbitrary"
     with jax.named_scope(scope):
         return pl.pallas_call(
-            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((b, kh, g, dv), out_dtype),
+            kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary")),
+                dimension_semantics=(lanes_axis, "arbitrary")),
             interpret=interpret, name="rv_paged_decode",
         )(*prefetch, *operands)
