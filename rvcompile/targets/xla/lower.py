@@ -202,8 +202,53 @@ class NormedQuery:
         return QueryNorm(f32(self.w), float(self.norm.eps), jnp.cos(ang), jnp.sin(ang))
 
 
+@dataclass(frozen=True)
+class ScaledRows:
+    """A down projection's value as the MLP kernel leaves it (decode_mlp_kernel): its dot x
+    (all-reduced) and per-row scale s, read as x * s; kept lazy so that the next layer's
+    projections kernel may apply the scale itself (`LayerEnd`)."""
+
+    x: jax.Array
+    s: jax.Array
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def read(self) -> jax.Array:
+        return self.x * self.s
+
+
+@dataclass(eq=False)
+class LayerEnd:
+    """A layer's output h = (h0 + RMSNORM(y, w)) * scalar kept lazy by run_graph (`lazy_end`,
+    `layer_end`): the next layer's projections kernel makes it with its input norm
+    (decode_projections_kernel), sparing XLA's two passes over the rows (the post-FFW norm's
+    sum of squares, the add and scale: 5.3 MiB a layer for the 31B at B = 64, TP = 4, est.);
+    anything else reads it as the op by op lowering makes it (`make`, once)."""
+
+    h: jax.Array  # h0, the stream
+    y: jax.Array  # the down projection's dot, before its scale
+    s: jax.Array | None  # its per-row scale
+    w: jax.Array  # the RMSNORM's weight
+    norm: Any  # its attrs
+    scalar: jax.Array
+    make: Callable[[], jax.Array]
+    _made: Any = None
+
+    @property
+    def shape(self):
+        return self.h.shape
+
+    def read(self) -> jax.Array:
+        if self._made is None:
+            self._made = self.make()
+        return self._made
+
+
 def _val(v):
-    return v.read() if isinstance(v, PagedSlice | CacheView | NormedQuery) else v
+    return v.read() if isinstance(v, PagedSlice | CacheView | NormedQuery | ScaledRows
+                                  | LayerEnd) else v
 
 
 def _view(v) -> CacheView | None:
@@ -1286,7 +1331,7 @@ def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh
                              out_specs=(whole,) * (1 + (residual is not None)),
                              check_vma=False)(*args)
     *hs, y = (o.reshape(b, t, h) for o in outs)
-    y = y * sd if quantized else y
+    y = ScaledRows(y, sd) if quantized else y  # read as y * sd: lazy for LayerEnd
     return (hs[0], y) if hs else y
 
 
@@ -1390,6 +1435,9 @@ def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, s
     rounds them to it: the same bits), else float32."""
     from rvcompile.targets.xla import proj_kernel
 
+    end = x if isinstance(x, LayerEnd) else None  # the previous layer's end, made in the kernel
+    if end is not None:
+        x = end.h
     ws = [stacked(name) for name in names]
     index = ws[0][1]
     ws = [a for a, _ in ws]
@@ -1426,6 +1474,11 @@ def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, s
             None if tw is None else f32(tw), cos, sin))
         tail_args += [a for a in (kernel_tails[-1].w, cos, sin) if a is not None]
 
+    end_args = []
+    if end is not None:  # y, its scale (if any), the post-norm's weight, the layer scalar
+        end_args = [f32(end.y).reshape(b, h)] + ([f32(end.s)] if end.s is not None else [])
+        end_args += [f32(end.w), f32(end.scalar)]
+
     def local(rows_, w_, layer, *rest):
         rest = list(rest)
         ws_ = [rest.pop(0) for _ in range(count)]
@@ -1433,14 +1486,19 @@ def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, s
         local_tails = [None if tl is None else dataclasses.replace(
             tl, **{f: rest.pop(0) for f in ("w", "cos", "sin") if getattr(tl, f) is not None})
             for tl in kernel_tails]
+        res = None
+        if end is not None:
+            y_ = rest.pop(0)
+            s_ = rest.pop(0) if end.s is not None else None
+            res = proj_kernel.Residual(y_, s_, rest[0], float(end.norm.eps), rest[1])
         return proj_kernel.normed_projections(rows_, w_, norm.eps, layer, ws_, s, local_tails,
-                                              interpret=interpret)
+                                              interpret=interpret, residual=res)
 
     args = [f32(x).reshape(b, h), f32(w).reshape(1, h), jnp.asarray(index, jnp.int32).reshape(1),
             *ws]
     if quantized:
         args += [f32(sc) for sc in scales]
-    args += tail_args
+    args += tail_args + end_args
     if mesh is None:
         outs = local(*args)
     else:
@@ -1449,11 +1507,14 @@ def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, s
         axis, whole = mesh.axis_names[0], PartitionSpec()
         specs = [whole] * 3 + [PartitionSpec(None, axis, None)] * count
         specs += [PartitionSpec(axis)] * count * quantized + [whole] * len(tail_args)
+        specs += [whole] * len(end_args)
         outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
-                             out_specs=(PartitionSpec(None, axis),) * count,
-                             check_vma=False)(*args)
-    return tuple(o.reshape(b, t, -1) if tl is None else o.reshape(b, t, k, -1)
-                 for o, tl, k in zip(outs, tails, heads, strict=True))
+                             out_specs=(PartitionSpec(None, axis),) * count
+                             + (whole,) * (end is not None), check_vma=False)(*args)
+    made = tuple(o.reshape(b, t, -1) if tl is None else o.reshape(b, t, k, -1)
+                 for o, tl, k in zip(outs[:count], tails, heads, strict=True))
+    # with the previous layer's end: its stream [B, 1, H] last
+    return made if end is None else (*made, outs[count].reshape(b, t, h))
 
 
 def _projection_operands(g: Graph, projs: tuple[Projection, ...], args: dict, param):
@@ -1484,9 +1545,33 @@ def _projection_operands(g: Graph, projs: tuple[Projection, ...], args: dict, pa
     return names, scales, [p.heads for p in projs], tails
 
 
+def layer_end(g: Graph, readers: list[list[tuple[int, int]]], name: str = "h"
+              ) -> tuple[int, int, int, int] | None:
+    """(RMSNORM, ADD, MUL, the stream's node) where output `name` is MUL(ADD(h0, RMSNORM(y,
+    PARAM w)), PARAM scalar) of a LINEAR y, the RMSNORM read only by the ADD, the ADD only by
+    the MUL and the MUL by nothing (a layer's end: the post-FFW norm, residual add and layer
+    scalar), else None."""
+    nodes, outs = g.nodes, dict(g.outputs)
+    out_nodes = [i for _, i in g.outputs]
+    m = outs.get(name)
+    if m is None or nodes[m].op is not Op.MUL or readers[m] or out_nodes.count(m) != 1:
+        return None
+    a, c = nodes[m].inputs
+    if nodes[a].op is not Op.ADD or nodes[c].op is not Op.PARAM or readers[a] != [(m, 0)]:
+        return None
+    h0, r = nodes[a].inputs
+    if (nodes[r].op is not Op.RMSNORM or readers[r] != [(a, 1)] or len(nodes[r].inputs) != 2
+            or nodes[nodes[r].inputs[1]].op is not Op.PARAM
+            or nodes[nodes[r].inputs[0]].op is not Op.LINEAR
+            or a in out_nodes or r in out_nodes):
+        return None
+    return r, a, m, h0
+
+
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
               lowerings: dict[Op, Callable] = LOWERINGS,
-              mlp: Callable | None = None, proj: Callable | None = None) -> dict[str, Any]:
+              mlp: Callable | None = None, proj: Callable | None = None,
+              lazy_end: bool = False) -> dict[str, Any]:
     """Trace graph `g`: ARGs from `args`, PARAMs from `param(name)`; returns its named outputs.
     `lowerings` may replace ops' lowerings (the paged program sizes CACHE_POSITIONS). `mlp`:
     the gated MLPs (`gated_mlps`) go to it whole at their down LINEAR, as mlp(the RMSNORM's
@@ -1496,7 +1581,11 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     `proj`: likewise the RMSNORMs whose readers are all projections (`normed_projections`,
     outside those MLPs), at the norm, as proj(its attrs, x, its weight, the projections'
     names, scales, heads and tails: `_projection_operands`) -> each projection's last value
-    (decode_projections_kernel), the nodes it replaces skipped."""
+    (decode_projections_kernel), the nodes it replaces skipped. `lazy_end` (with `proj`): the
+    output h, where it is a layer's end (`layer_end`) of the MLP kernel's down projection
+    (`ScaledRows`), is returned as a `LayerEnd` for the next layer's projections kernel; an ARG
+    given a LayerEnd whose first reader is such a kernel's norm hands it to the kernel, which
+    returns the rows too (for the ARG's other readers), else it is read once op by op."""
     vals: list[Any] = []
     sym: dict[str, int] = {}
     g_reads = reads(g)
@@ -1509,6 +1598,13 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
     projs = {k: v for k, v in normed_projections(g, g_reads).items()
              if k not in deferred} if proj is not None else {}
     ready: dict[int, Any] = {}  # projections made with their norm
+    end = layer_end(g, g_reads) if lazy_end and proj is not None else None
+    end_nodes = set(end[:3]) if end is not None else set()  # made last, or left lazy
+    # ARGs a LayerEnd may reach a projections kernel through: their first reader its norm
+    lazy_args = {i for i, n in enumerate(g.nodes)
+                 if n.op is Op.ARG and g_reads[i] and proj is not None
+                 and min(r for r, _ in g_reads[i]) in projs
+                 and g.nodes[min(r for r, _ in g_reads[i])].inputs[0] == i}
 
     def lower_node(i: int, n) -> Any:
         ins = [vals[j] for j in n.inputs]
@@ -1520,15 +1616,27 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
         finally:
             READ_AS_BF16.reset(token)
 
+    def projections(i: int, n):
+        """The projections kernel's values at norm i, or None (declined; a LayerEnd input
+        then read op by op, once)."""
+        x = vals[n.inputs[0]]
+        operands = _projection_operands(g, projs[i], args, param)
+        made = proj(n.attrs, x if isinstance(x, LayerEnd) else _val(x), _val(vals[n.inputs[1]]),
+                    *operands)
+        if isinstance(x, LayerEnd):
+            if made is None:
+                vals[n.inputs[0]] = x.read()
+            else:
+                *made, vals[n.inputs[0]] = made
+        return None if made is None else (made, operands[3])
+
     for i, n in enumerate(g.nodes):
-        if i in deferred:
+        if i in deferred or i in end_nodes:
             v = None
         elif i in ready:
             v = ready.pop(i)
-        elif i in projs and (made := proj(
-                n.attrs, _val(vals[n.inputs[0]]), _val(vals[n.inputs[1]]),
-                *(operands := _projection_operands(g, projs[i], args, param)))) is not None:
-            for pr, value, tail in zip(projs[i], made, operands[3], strict=True):
+        elif i in projs and (made := projections(i, n)) is not None:
+            for pr, value, tail in zip(projs[i], *made, strict=True):
                 if tail is None:  # made up to its LINEAR: the rest op by op
                     pr = Projection(pr.linear, pr.heads, pr.reshape)
                 ready[pr.last] = value
@@ -1564,6 +1672,8 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
             v = dataclasses.replace(vals[n.inputs[0]], rope=n.attrs, pos=_val(vals[n.inputs[1]]))
         elif n.op is Op.ARG:
             v = args[n.attrs.name]
+            if isinstance(v, LayerEnd) and i not in lazy_args:
+                v = v.read()
             shape = v.shape
             for d, actual in zip(n.shape, shape, strict=True):
                 if isinstance(d, str):
@@ -1576,4 +1686,20 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
         else:
             v = lower_node(i, n)
         vals.append(v)
-    return {name: vals[i] for name, i in g.outputs}
+    if end is not None:  # the layer's end: lazy for the next layer's kernel, else op by op
+        r, a, m, h0 = end
+        y, w = vals[g.nodes[r].inputs[0]], g.nodes[r].inputs[1]
+
+        def make():
+            for j in (r, a, m):
+                vals[j] = lower_node(j, g.nodes[j])
+            return vals[m]
+
+        if isinstance(y, ScaledRows) and not isinstance(vals[h0], LayerEnd):
+            vals[m] = LayerEnd(_val(vals[h0]), y.x, y.s, _val(vals[w]), g.nodes[r].attrs,
+                               _val(vals[g.nodes[m].inputs[1]]), make)
+        else:
+            make()
+    return {name: vals[i] if isinstance(vals[i], LayerEnd) else
+            vals[i].read() if isinstance(vals[i], ScaledRows) else vals[i]
+            for name, i in g.outputs}

@@ -401,7 +401,10 @@ class Program:
                                     stacked_w[f"g{gi}.{j}.{rel}"], p, 0, keepdims=False),
                                 lowerings,
                                 *(k and functools.partial(k, stacked=lambda rel, j=j: (
-                                    stacked_w[f"g{gi}.{j}.{rel}"], p)) for k in kernels))
+                                    stacked_w[f"g{gi}.{j}.{rel}"], p)) for k in kernels),
+                                # the layer's end lazy into the next layer's projections kernel
+                                # (lower.LayerEnd); the body's last layer's made for the carry
+                                lazy_end=j + 1 < len(g.templates))
                 h = out["h"]
                 for name, v in out.items():
                     if name in CACHE_ARGS:

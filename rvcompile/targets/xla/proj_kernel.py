@@ -97,7 +97,7 @@ def _tail(y, tail: _TailShape, w, cos, sin):
     return jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
 
 
-def _kernel(layer_ref, x_ref, w_ref, *rest, count, scaled, eps, tails):
+def _kernel(layer_ref, x_ref, w_ref, *rest, count, scaled, eps, tails, residual=None):
     weights, rest = rest[:count], list(rest[count:])
     scales = [rest.pop(0) for _ in range(count)] if scaled else [None] * count
     extra = []  # each tail's weight, cos and sin refs (None where it has none)
@@ -105,11 +105,21 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, count, scaled, eps, tails):
         extra.append(None if t is None else tuple(
             rest.pop(0) if has else None
             for has in (t.weighted, t.roped, t.roped)))
+    res = None
+    if residual is not None:  # y, its scale (or None), the post-norm's weight, the scalar
+        res = (rest.pop(0), rest.pop(0) if residual[1] else None, rest.pop(0), rest.pop(0))
     *outs, xn_ref = rest
+    stream_ref = outs.pop() if residual is not None else None
 
     @pl.when(pl.program_id(0) == 0)
     def _():
-        xn_ref[...] = norm_rows(x_ref[...], w_ref[...], eps).astype(jnp.bfloat16)
+        x = x_ref[...]
+        if res is not None:  # the previous layer's end: (h + rmsnorm(y * s, w_post)) * scalar
+            y_ref, s_ref, wp_ref, c_ref = res
+            y = y_ref[...] if s_ref is None else y_ref[...] * s_ref[...]
+            x = (x + norm_rows(y, wp_ref[...], residual[0])) * c_ref[...]
+            stream_ref[...] = x
+        xn_ref[...] = norm_rows(x, w_ref[...], eps).astype(jnp.bfloat16)
 
     xn = xn_ref[...]
     for w, s, o, t, e in zip(weights, scales, outs, tails, extra, strict=True):
@@ -121,9 +131,26 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, count, scaled, eps, tails):
         o[...] = y.astype(o.dtype)
 
 
-def normed_projections(x, w, eps, layer, weights, scales=None, tails=None, *, interpret=False):
+@dataclass(frozen=True)
+class Residual:
+    """The previous layer's end made in the kernel: x is its stream h, and the kernel's input
+    rows are (h + rmsnorm(y * s, w, eps)) * scalar (lower.rmsnorm's, lower.py's ADD's and
+    MUL's arithmetic; `s` the down projection's per-row scale or None), returned too."""
+
+    y: jax.Array  # [R, H]
+    s: jax.Array | None  # [H]
+    w: jax.Array  # [H]
+    eps: float
+    scalar: jax.Array  # [1]
+
+
+def normed_projections(x, w, eps, layer, weights, scales=None, tails=None, *, interpret=False,
+                       residual: Residual | None = None):
     """See the module docstring. `interpret`: run in a Pallas interpreter (True, or
-    pltpu.InterpretParams; any device: the tests' check of its values)."""
+    pltpu.InterpretParams; any device: the tests' check of its values). `residual`: the
+    projections of (x + rmsnorm(y * s, w_r)) * scalar (`Residual`), those rows returned last
+    (float32 [R, H], read from HBM and written there, as x is: its other reader is the MLP
+    kernel's residual add)."""
     r, h = x.shape
     n = weights[0].shape[0]
     rows = [wp.shape[1] for wp in weights]
@@ -154,20 +181,34 @@ def normed_projections(x, w, eps, layer, weights, scales=None, tails=None, *, in
         if t is not None and t.cos is not None:
             in_specs += [pl.BlockSpec((r, t.d // 2), whole)] * 2
             operands += [a.astype(jnp.float32).reshape(r, t.d // 2) for a in (t.cos, t.sin)]
+    out_specs = [pl.BlockSpec((r, t), lambda i, layer: (0, i)) for t in tiles]
+    out_shape = [jax.ShapeDtypeStruct((r, m), jnp.float32 if t is None else t.dtype)
+                 for m, t in zip(rows, tails, strict=True)]
+    if residual is not None:  # y from HBM (the all-reduce's output), the stream out to HBM
+        in_specs.append(pl.BlockSpec((r, h), whole))
+        operands += hbm((residual.y.astype(jnp.float32),), interpret)
+        if residual.s is not None:
+            in_specs.append(pl.BlockSpec((1, h), whole))
+            operands.append(residual.s.astype(jnp.float32).reshape(1, h))
+        in_specs += [pl.BlockSpec((1, h), whole)] * 2
+        operands += [residual.w.astype(jnp.float32).reshape(1, h),
+                     jnp.broadcast_to(residual.scalar.astype(jnp.float32).reshape(1, 1), (1, h))]
+        out_specs.append(pl.BlockSpec((r, h), whole))
+        out_shape.append(jax.ShapeDtypeStruct((r, h), jnp.float32))
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((r, t), lambda i, layer: (0, i)) for t in tiles],
+        out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((r, h), jnp.bfloat16)])
     static = [None if t is None else _TailShape(t.d, float(t.eps), t.w is not None,
                                                 t.cos is not None) for t in tails]
     kernel = functools.partial(_kernel, count=len(weights), scaled=scaled, eps=float(eps),
-                               tails=static)
+                               tails=static, residual=None if residual is None else (
+                                   float(residual.eps), residual.s is not None))
     with jax.named_scope(PALLAS_STACKED.format(kernel="proj", layers=n,
                                                weights=len(weights))):
         return tuple(pl.pallas_call(
             kernel, grid_spec=grid,
-            out_shape=[jax.ShapeDtypeStruct((r, m), jnp.float32 if t is None else t.dtype)
-                       for m, t in zip(rows, tails, strict=True)],
+            out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                                  vmem_limit_bytes=VMEM_LIMIT),
             interpret=interpret, name="rv_normed_projections",
