@@ -21,6 +21,12 @@ MiB a sliding layer). Here a grid step reads a tile of each weight's rows (DMA'd
 Pallas' pipeline, double-buffered; tile_p = N_p / steps, the same steps for all, whole heads of
 a projection with a tail) and writes those columns of each output; x is read once.
 
+`residual` (`Residual`, branch h/b64last): x is the previous layer's stream h0 and the kernel
+first makes that layer's end, (h0 + rmsnorm(y * s, w_r)) * scalar (its post-FFW norm of the down
+projection's all-reduced dot y, residual add and layer scalar: lower.LayerEnd), returned last,
+and norms it; XLA's two passes over those rows (5.3 MiB a layer for the 31B at B = 64, TP = 4,
+est.) are spared.
+
 The weights are operands whole (every layer's), their index maps picking the layer from the
 scalar-prefetched `layer`, and the traffic table counts them as one layer's bytes (named scope
 mlp_kernel.PALLAS_STACKED, as for the gated MLP kernel).
