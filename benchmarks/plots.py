@@ -108,7 +108,7 @@ def decode_batch(doc: dict, out: Path) -> Path | None:
     series = _series(doc, "decode_batch", "points")
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 6), layout="constrained")
     for i, s in enumerate(series):
         where = f"decode_batch[{i}] ({s['label']})"
         batch = [_number(p.get("batch"), f"{where}.batch") for p in s["points"]]
@@ -128,7 +128,8 @@ def decode_batch(doc: dict, out: Path) -> Path | None:
     ax.set(xscale="log", yscale="log", xlabel="decode batch (sequences)",
            ylabel="decode tok/s (all sequences)", title="Batched decode against batch width")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    # below the axes: the series' labels are long and the lines fill the plot's diagonal
+    fig.legend(fontsize=7, loc="outside lower left")
     _plain(ax)
     ax.set_xticks(batch, [f"{b:g}" for b in batch])
     return _save(fig, out / "decode_batch.png")
