@@ -41,6 +41,7 @@ from jax import lax
 
 from rvcompile.ir.graph import Graph, reads
 from rvcompile.ir.ops import KV_INT8_MAX, Op
+from rvcompile.targets.xla import paged_kernel
 from rvcompile.targets.xla.hlo_traffic import BRANCHES, SPAN_LOOP
 from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
 
@@ -195,11 +196,10 @@ class NormedQuery:
 
     def kernel_norm(self):
         """paged_kernel.QueryNorm of a decode query (T = 1), its cos and sin as `rope`'s."""
-        from rvcompile.targets.xla.paged_kernel import QueryNorm
-
         ang = self.pos.astype(jnp.float32)[:, 0, None] * jnp.asarray(self.rope.inv_freq,
                                                                       jnp.float32)
-        return QueryNorm(f32(self.w), float(self.norm.eps), jnp.cos(ang), jnp.sin(ang))
+        return paged_kernel.QueryNorm(f32(self.w), float(self.norm.eps), jnp.cos(ang),
+                                      jnp.sin(ang))
 
 
 @dataclass(frozen=True)
@@ -670,8 +670,6 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     """`attention_blockwise` of a decode step (`decode_kernel_fits`) by the Pallas TPU kernel,
     under a mesh in shard_map over each device's KV heads (the pools split by head,
     sharding.py; a K=V layer's k_norm weight whole): [B, 1, nh, Dv]."""
-    from rvcompile.targets.xla import paged_kernel
-
     b, _, nh, d = q.shape
     kh = k.cache.heads
     folded = FoldedKeys.of(k, v)
