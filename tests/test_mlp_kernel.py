@@ -1,5 +1,5 @@
 """The Pallas TPU gated-MLP kernel (targets/xla/mlp_kernel.py) and how the decode programs use
-it (lower.gated_mlps, lower.decode_mlp_kernel, run_graph's `mlp`): its values against the op by
+it (patterns.gated_mlps, lower.decode_mlp_kernel, run_graph's `mlp`): its values against the op by
 op lowering, in Pallas' interpreter (any machine); which programs run it; the traffic table's
 count of its stacked weights, compiled for v6e through libtpu where it is installed."""
 
@@ -20,7 +20,7 @@ from test_xla_topology import run_with_libtpu
 
 from rvcompile.ir.graph import GraphBuilder, reads
 from rvcompile.ir.ops import LinearAttrs, Op, RMSNormAttrs
-from rvcompile.targets.xla import lower
+from rvcompile.targets.xla import lower, patterns
 
 LAYERS, WIDTH, HIDDEN, ROWS, ATTN = 3, 768, 256, 8, 512  # stacked layers, I, H, lanes, o_proj in
 BOUND = 2e-6  # of the largest value: float32 rounding (the down dot summed in tiles of I)
@@ -92,7 +92,7 @@ def test_kernel_equals_the_xla_lowering(quantized, residual):
     tiles), for int8 weights with their scales and bf16 ones, with the residual add (and the
     output projection's scale) in the kernel and without."""
     g = _graph(quantized, residual)
-    mlps = lower.gated_mlps(g, reads(g))
+    mlps = patterns.gated_mlps(g, reads(g))
     assert len(mlps) == 1
     c = next(iter(mlps.values()))
     assert (c.add is not None, c.proj is not None) == (residual, residual and quantized)
@@ -141,7 +141,7 @@ def test_gated_mlps_of_the_31b_layers():
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6])
     opts = BuildOptions(target="tpu-int8", max_context=2048, max_seqs=2, platforms=("tpu",))
     for g in lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None).layers:
-        mlps = lower.gated_mlps(g, reads(g))
+        mlps = patterns.gated_mlps(g, reads(g))
         assert len(mlps) == 1
         c = next(iter(mlps.values()))
         assert None not in (c.add, c.post, c.proj)
@@ -150,12 +150,12 @@ def test_gated_mlps_of_the_31b_layers():
             Op.LINEAR, Op.RMSNORM, Op.ADD, Op.RMSNORM, Op.LINEAR, Op.GELU_TANH, Op.LINEAR,
             Op.MUL, Op.LINEAR]
     g = _graph(True, False)
-    n = next(iter(lower.gated_mlps(g, reads(g)).values())).norm
+    n = next(iter(patterns.gated_mlps(g, reads(g)).values())).norm
     b = GraphBuilder("mlp")
     b.nodes = list(g.nodes)
     extra = b.add(Op.MUL, (n, n))
     g2 = b.build({**dict(g.outputs), "extra": extra})
-    assert lower.gated_mlps(g2, reads(g2)) == {}
+    assert patterns.gated_mlps(g2, reads(g2)) == {}
 
 
 def test_tpu_only_decode_runs_the_mlp_kernel():

@@ -34,7 +34,7 @@ from test_xla_topology import run_with_libtpu
 from rvcompile.ir.graph import reads
 from rvcompile.ir.ops import AttentionAttrs, CachePositionsAttrs, RopeAttrs, quantize_kv_rows
 from rvcompile.model.presets import ROPE_FULL
-from rvcompile.targets.xla import lower
+from rvcompile.targets.xla import lower, patterns
 from rvcompile.targets.xla.paged_kernel import (
     PAGES_PER_STEP,
     KeyFold,
@@ -156,7 +156,7 @@ def test_pages_a_lane_dmas():
 
 def test_kernel_writes_bf16_as_its_f32_output_rounds():
     """`out_dtype=bf16` (the output read only by linears that round it to bf16 first,
-    lower.READ_AS_BF16): bit for bit the float32 output rounded to bf16."""
+    patterns.read_as_bf16): bit for bit the float32 output rounded to bf16."""
     kh, group, d, window, width, dtype, _, lengths = SHAPES["31B"]
     rng = np.random.default_rng(3)
     lanes, blocks = len(lengths), len(lengths) * width + 5
@@ -180,7 +180,7 @@ def test_kernel_writes_bf16_as_its_f32_output_rounds():
 
 @pytest.mark.parametrize("shape", ["31B", "31B_full"])
 def test_kernel_norms_and_rotates_the_query(shape):
-    """A NormedQuery (the query's RMSNORM and ROPE left to the kernel: lower.lazy_queries) in
+    """A NormedQuery (the query's RMSNORM and ROPE left to the kernel: patterns.lazy_queries) in
     the kernel, against the XLA lowering of the same attention on rope(rmsnorm(q)) (the
     sliding layers' RoPE over every pair, the full layers' over 64 of 256): the bound of
     `test_kernel_equals_the_xla_lowering`, 2e-6 of the largest value."""
@@ -282,7 +282,7 @@ def test_kernel_on_rows_equals_it_on_blocks(shape, normed, out_dtype):
 def test_decode_kernel_norms_and_rotates_the_query_itself():
     """In a TPU-only decode step the kernel gets each layer's query as the q projection's rows
     with its norm weight [1, D] and each lane's cos and sin rows [B, 1, D / 2] as its last
-    operands (lower.lazy_queries / NormedQuery): XLA's passes over the query on chip (norm,
+    operands (patterns.lazy_queries / NormedQuery): XLA's passes over the query on chip (norm,
     RoPE halves, their concatenation, a relayout; 5.5 MiB a sliding layer at B = 64, TP = 4,
     0.28 GiB a step, est.) would come back without them."""
     calls = _kernel_calls(_export_decode(("tpu",))["decode_2"])
@@ -294,7 +294,7 @@ def test_decode_kernel_norms_and_rotates_the_query_itself():
 def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     """The kernel's output is bf16 where the attention's one reader (through a RESHAPE) is the
     output projection of a target whose linears round their activation to bf16 (tpu-bf16,
-    tpu-int8: lower.read_as_bf16), float32 where it is not (xla-f32's float32 weights); what
+    tpu-int8: patterns.read_as_bf16), float32 where it is not (xla-f32's float32 weights); what
     it saved (the convert after the kernel, 0.068 GiB a step on chip for the 31B at B = 64, TP
     = 4, est.) would come back with a float32 output."""
     from rvcompile.build import BuildOptions, lower_model
@@ -316,7 +316,7 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
         g = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None).layers[0]
         attn = [i for i, n in enumerate(g.nodes) if n.op is Op.ATTENTION]
         assert len(attn) == 1
-        assert (attn[0] in lower.read_as_bf16(g, reads(g))) is rounded
+        assert (attn[0] in patterns.read_as_bf16(g, reads(g))) is rounded
 
 
 def _kernel_calls(text: str, name: str = "rv_paged_decode") -> list[str]:

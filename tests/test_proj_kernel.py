@@ -1,5 +1,5 @@
 """The Pallas TPU kernel for a layer's input norm and its q, k, v projections
-(targets/xla/proj_kernel.py) and how the decode programs use it (lower.normed_projections,
+(targets/xla/proj_kernel.py) and how the decode programs use it (patterns.normed_projections,
 lower.decode_projections_kernel, run_graph's `proj`): its values against the op by op lowering
 in Pallas' interpreter; which programs run it; the traffic table's count of its stacks."""
 
@@ -25,7 +25,7 @@ from rvcompile.ir.ops import (
     RMSNormAttrs,
     RopeAttrs,
 )
-from rvcompile.targets.xla import lower
+from rvcompile.targets.xla import lower, patterns
 
 LAYERS, HIDDEN, ROWS, D = 3, 256, 8, 128
 HEADS = {"q": 4, "k": 2, "v": 2}
@@ -98,7 +98,7 @@ def test_kernel_equals_the_xla_lowering(quantized):
     output column), int8 with scales and bf16; declined with one lane or several rows a lane
     (op by op, bit for bit what run_graph computes without `proj`)."""
     g = _graph(quantized)
-    (norm, projs), = lower.normed_projections(g, reads(g)).items()
+    (norm, projs), = patterns.normed_projections(g, reads(g)).items()
     assert g.nodes[norm].op is Op.RMSNORM and [p.heads for p in projs] == list(HEADS.values())
     ops = [[g.nodes[i].op if i is not None else None for i in (p.norm, p.rope)] for p in projs]
     assert ops == [[None, None], [Op.RMSNORM, Op.ROPE], [Op.RMSNORM, None]]

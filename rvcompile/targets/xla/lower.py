@@ -19,15 +19,14 @@ at the built context, and neither a [T, S] score matrix nor a dequantised [S, K,
 ever materialised.
 
 Decode steps of programs for TPU alone hand Pallas kernels whole chains of a layer's nodes
-(run_graph's `mlp` and `proj`): the gated MLP with its residual add (`gated_mlps`,
-mlp_kernel.py), the input norm with the projections that read it and k's and v's norms and RoPE
-into their cache rows (`normed_projections`, proj_kernel.py); the same values op by op wherever
-a kernel declines.
+(run_graph's `mlp` and `proj`; patterns.py finds the chains): the gated MLP with its residual
+add (`gated_mlps`, mlp_kernel.py), the input norm with the projections that read it and k's and
+v's norms and RoPE into their cache rows (`normed_projections`, proj_kernel.py); the same values
+op by op wherever a kernel declines.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -44,6 +43,14 @@ from rvcompile.ir.ops import KV_INT8_MAX, Op
 from rvcompile.targets.xla import paged_kernel
 from rvcompile.targets.xla.hlo_traffic import BRANCHES, SPAN_LOOP
 from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
+from rvcompile.targets.xla.patterns import (
+    Projection,
+    gated_mlps,
+    layer_end,
+    lazy_queries,
+    normed_projections,
+    read_as_bf16,
+)
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
               "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -260,12 +267,15 @@ def _view(v) -> CacheView | None:
 
 @dataclass(frozen=True)
 class TakesPaged:
-    """A lowering that gets cache inputs as they are (PagedSlice, CacheView), not read."""
+    """A lowering that gets cache inputs as they are (PagedSlice, CacheView), not read.
+    `takes_read_as_bf16`: run_graph passes it `read_as_bf16=` too: whether every reader of the
+    node's value rounds it to bf16 first (patterns.read_as_bf16), so that it may write bf16."""
 
     fn: Callable
+    takes_read_as_bf16: bool = False
 
-    def __call__(self, *args):
-        return self.fn(*args)
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 def f32(x):
@@ -666,7 +676,8 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
             and k.cache.head_dim % LANE_TILE == 0 and v.cache.head_dim % LANE_TILE == 0)
 
 
-def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
+def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None,
+                            read_as_bf16: bool = False):
     """`attention_blockwise` of a decode step (`decode_kernel_fits`) by the Pallas TPU kernel,
     under a mesh in shard_map over each device's KV heads (the pools split by head,
     sharding.py; a K=V layer's k_norm weight whole): [B, 1, nh, Dv]."""
@@ -677,10 +688,10 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     same = k.cache is v.cache  # K=V: one pool, its pages read once for keys and values
 
     quantized = k.cache.scale is not None
-    # read only by linears that round it to bf16 (`READ_AS_BF16`): the kernel writes bf16, the
+    # read only by linears that round it to bf16 (`read_as_bf16`): the kernel writes bf16, the
     # same bits (round to nearest even) at half the bytes, and XLA drops the convert that wrote
     # them after it (the 31B at B = 64, TP = 4: 0.068 GiB a step on chip, est.)
-    out_dtype = jnp.bfloat16 if READ_AS_BF16.get() else jnp.float32
+    out_dtype = jnp.bfloat16 if read_as_bf16 else jnp.float32
     # a NormedQuery: its projection's rows, normed and rotated in the kernel (its norm weight,
     # cos and sin the last operands)
     qnorm = q.kernel_norm() if isinstance(q, NormedQuery) else None
@@ -729,7 +740,8 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None):
     return out.reshape(b, 1, nh, -1)
 
 
-def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool = False):
+def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool = False,
+                        read_as_bf16: bool = False):
     """ATTENTION over paged caches reading each lane's needed blocks only: a loop over spans of
     blocks with an online softmax (running max, sum and weighted values per query row). Lane b
     needs the logical blocks from its first key (0, or a sliding window's first key behind its
@@ -748,7 +760,7 @@ def attention_blockwise(a, q, k, v, q_pos, k_pos, *, mesh=None, tpu_kernel: bool
         return attention(a, _val(q), _val(k), _val(v), q_pos, k_pos)
     k, v = kv
     if tpu_kernel and decode_kernel_fits(a, q, k, v, mesh):
-        return decode_attention_kernel(a, q, k, v, q_pos, mesh)
+        return decode_attention_kernel(a, q, k, v, q_pos, mesh, read_as_bf16)
     q = f32(_val(q))
     b, t, nh, d = q.shape
     kh, dv = k.cache.heads, v.cache.head_dim
@@ -1135,135 +1147,8 @@ BLOCKWISE_LOWERINGS: dict[Op, Callable] = {
     **LOWERINGS,
     Op.MUL: TakesPaged(mul_lazy),
     Op.ROPE: TakesPaged(rope_lazy),
-    Op.ATTENTION: TakesPaged(attention_blockwise),
+    Op.ATTENTION: TakesPaged(attention_blockwise, takes_read_as_bf16=True),
 }
-
-
-# True while run_graph lowers a node whose every reader (through RESHAPEs) is a LINEAR that rounds
-# it to bf16 first (its weight is not float32: `linear`): a lowering may then produce bf16 itself
-READ_AS_BF16: contextvars.ContextVar[bool] = contextvars.ContextVar("read_as_bf16", default=False)
-
-
-def read_as_bf16(g: Graph, readers: list[list[tuple[int, int]]]) -> set[int]:
-    """The nodes of `g` whose value every reader rounds to bf16 before using it: each reader is
-    the activation of a LINEAR with a weight that is not float32, or a RESHAPE whose readers are
-    all such (graph outputs are read as they are). `readers`: graph.reads(g)."""
-    outputs = {i for _, i in g.outputs}
-    out: set[int] = set()
-    for i in reversed(range(len(g.nodes))):
-        if i in outputs or not readers[i]:
-            continue
-        if all((g.nodes[r].op is Op.LINEAR and slot == 0
-                and g.nodes[g.nodes[r].inputs[1]].dtype != "float32")
-               or (g.nodes[r].op is Op.RESHAPE and r in out)
-               for r, slot in readers[i]):
-            out.add(i)
-    return out
-
-
-def lazy_queries(g: Graph, readers: list[list[tuple[int, int]]]) -> tuple[set[int], set[int]]:
-    """The RMSNORMs (with a weight) and ROPEs that run_graph keeps lazy (NormedQuery): a norm
-    whose one reader is a ROPE whose one reader is an ATTENTION, as its query; neither a graph
-    output. `readers`: graph.reads(g)."""
-    outputs = {i for _, i in g.outputs}
-    norms, ropes = set(), set()
-    for i, n in enumerate(g.nodes):
-        if n.op is not Op.RMSNORM or len(n.inputs) != 2 or i in outputs:
-            continue
-        if len(readers[i]) != 1 or readers[i][0][1] != 0:
-            continue
-        r = readers[i][0][0]
-        if g.nodes[r].op is not Op.ROPE or r in outputs or len(readers[r]) != 1:
-            continue
-        a, slot = readers[r][0]
-        if g.nodes[a].op is Op.ATTENTION and slot == 0:
-            norms.add(i)
-            ropes.add(r)
-    return norms, ropes
-
-
-@dataclass(frozen=True)
-class GatedMlp:
-    """A layer's MLP as its nodes: LINEAR down(MUL(GELU_TANH(LINEAR gate(n)), LINEAR up(n))) of
-    n = RMSNORM(x, w) (graph indices); where x is ADD(h, RMSNORM(y, w_r)) (the residual add of
-    the attention's output y), `add` and `post` are that ADD and RMSNORM, else None; where y is
-    a LINEAR with a per-row scale read only there (the output projection), `proj` is it."""
-
-    norm: int
-    gate: int
-    act: int
-    up: int
-    mul: int
-    down: int
-    add: int | None = None
-    post: int | None = None
-    proj: int | None = None
-
-    @property
-    def inner(self) -> tuple[int, ...]:
-        """The nodes the chain computes before `down` and reads nowhere else, in graph
-        order (the ADD, read on by the next residual add, is the kernel's other output; the
-        output projection's dot is made there, its scale applied in the kernel)."""
-        nodes = (self.proj, self.post, self.add, self.norm, self.gate, self.act, self.up,
-                 self.mul)
-        return tuple(sorted(i for i in nodes if i is not None))
-
-
-def gated_mlps(g: Graph, readers: list[list[tuple[int, int]]]) -> dict[int, GatedMlp]:
-    """The gated MLPs of `g` that a kernel may compute whole (`decode_mlp_kernel`), by their
-    down LINEAR: a weighted RMSNORM read only as the activation of two LINEARs (gate, up),
-    the gate read only by a GELU_TANH, that and the up only by one MUL, which only the down
-    LINEAR reads; none of them a graph output; the three weights (and scales) PARAMs. With
-    them the residual ADD(h, RMSNORM(y, w_r)) the norm reads, when that RMSNORM has a weight
-    and the ADD alone reads it, and the ADD's other readers come after the down LINEAR.
-    `readers`: graph.reads(g)."""
-    outputs = {i for _, i in g.outputs}
-    nodes = g.nodes
-
-    def only(i: int, op: Op) -> tuple[int, int] | None:
-        """`i`'s one reader (index, slot), if it is the one reader and an `op`."""
-        if i in outputs or len(readers[i]) != 1 or nodes[readers[i][0][0]].op is not op:
-            return None
-        return readers[i][0]
-
-    out = {}
-    for i, n in enumerate(nodes):
-        if n.op is not Op.LINEAR or nodes[n.inputs[0]].op is not Op.MUL:
-            continue
-        m = n.inputs[0]
-        act, up = nodes[m].inputs
-        if nodes[act].op is not Op.GELU_TANH or nodes[up].op is not Op.LINEAR:
-            continue
-        gate = nodes[act].inputs[0]
-        norm = nodes[up].inputs[0]
-        if (nodes[gate].op is not Op.LINEAR or nodes[gate].inputs[0] != norm
-                or nodes[norm].op is not Op.RMSNORM or len(nodes[norm].inputs) != 2
-                or norm in outputs or sorted(readers[norm]) != sorted([(gate, 0), (up, 0)])):
-            continue
-        params = [j for lin in (gate, up, i) for j in nodes[lin].inputs[1:]]
-        if any(nodes[j].op is not Op.PARAM for j in params):
-            continue
-        if not (only(gate, Op.GELU_TANH) == (act, 0) and only(act, Op.MUL) == (m, 0)
-                and only(up, Op.MUL) == (m, 1) and only(m, Op.LINEAR) == (i, 0)):
-            continue
-        add, post = nodes[norm].inputs[0], None
-        if nodes[add].op is Op.ADD:
-            post = nodes[add].inputs[1]
-            if not (nodes[post].op is Op.RMSNORM and len(nodes[post].inputs) == 2
-                    and only(post, Op.ADD) == (add, 1) and nodes[add].shape == nodes[post].shape
-                    and nodes[nodes[add].inputs[0]].shape == nodes[post].shape
-                    and all(r == norm or r > i for r, _ in readers[add])):
-                post = None
-        if post is None:
-            out[i] = GatedMlp(norm, gate, act, up, m, i)
-            continue
-        proj = nodes[post].inputs[0]
-        if not (nodes[proj].op is Op.LINEAR and len(nodes[proj].inputs) == 3
-                and nodes[nodes[proj].inputs[2]].op is Op.PARAM
-                and only(proj, Op.RMSNORM) == (post, 0)):
-            proj = None
-        out[i] = GatedMlp(norm, gate, act, up, m, i, add, post, proj)
-    return out
 
 
 def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh=None,
@@ -1331,91 +1216,6 @@ def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh
     *hs, y = (o.reshape(b, t, h) for o in outs)
     y = ScaledRows(y, sd) if quantized else y  # read as y * sd: lazy for LayerEnd
     return (hs[0], y) if hs else y
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A projection of `normed_projections`: its LINEAR, the heads its RESHAPE makes, and its
-    tail into a cache write, if any: the RMSNORM of its heads (`norm`), then the ROPE (`rope`,
-    or None) that a KV_WRITE alone reads, into a cache of `cache_dtype`."""
-
-    linear: int
-    heads: int
-    reshape: int
-    norm: int | None = None
-    rope: int | None = None
-    cache_dtype: str | None = None
-
-    @property
-    def last(self) -> int:
-        """The node whose value the kernel makes: the tail's last, else the LINEAR."""
-        return self.rope if self.rope is not None else (
-            self.norm if self.norm is not None else self.linear)
-
-    @property
-    def skipped(self) -> tuple[int, ...]:
-        """The nodes before `last` that the kernel's value replaces (a tail's LINEAR, RESHAPE
-        and, before a ROPE, RMSNORM)."""
-        if self.norm is None:
-            return ()
-        return (self.linear, self.reshape) + ((self.norm,) if self.rope is not None else ())
-
-
-def _cache_tail(g: Graph, readers, reshape: int) -> tuple[int, int | None, str] | None:
-    """(RMSNORM, ROPE or None, cache dtype) when RESHAPE `reshape`'s one reader is an RMSNORM
-    (a PARAM weight or none) whose one reader is a KV_WRITE's new rows, or a ROPE by halves
-    (no zero frequencies) whose one reader is."""
-    nodes, outputs = g.nodes, {i for _, i in g.outputs}
-
-    def one(i: int) -> tuple[int, int] | None:
-        return readers[i][0] if len(readers[i]) == 1 and i not in outputs else None
-
-    norm = one(reshape)
-    if norm is None or nodes[norm[0]].op is not Op.RMSNORM or norm[1] != 0:
-        return None
-    norm = norm[0]
-    if len(nodes[norm].inputs) == 2 and nodes[nodes[norm].inputs[1]].op is not Op.PARAM:
-        return None
-    nxt, rope = one(norm), None
-    if nxt is not None and nodes[nxt[0]].op is Op.ROPE and nxt[1] == 0:
-        rope = nxt[0]
-        if not all(nodes[rope].attrs.inv_freq):
-            return None
-        nxt = one(rope)
-    if nxt is None or nodes[nxt[0]].op is not Op.KV_WRITE or nxt[1] != 1:
-        return None
-    return norm, rope, nodes[nodes[nxt[0]].inputs[0]].dtype
-
-
-def normed_projections(g: Graph, readers: list[list[tuple[int, int]]]
-                       ) -> dict[int, tuple[Projection, ...]]:
-    """The RMSNORMs (with a weight) of `g` whose every reader is the activation of a LINEAR
-    (at least two: a layer's q, k and v), each with PARAM weights (and scales, all or none)
-    and read only by a RESHAPE into heads [.., heads, D]; neither a graph output. Norm -> its
-    projections in graph order, with their tails into cache writes (k's norm and RoPE, v's
-    norm: `_cache_tail`). `readers`: graph.reads(g)."""
-    outputs = {i for _, i in g.outputs}
-    nodes = g.nodes
-    out = {}
-    for i, n in enumerate(nodes):
-        if (n.op is not Op.RMSNORM or len(n.inputs) != 2 or i in outputs
-                or len(readers[i]) < 2 or any(s != 0 for _, s in readers[i])):
-            continue
-        lins = sorted(r for r, _ in readers[i])
-        if any(nodes[r].op is not Op.LINEAR or r in outputs or len(readers[r]) != 1
-               or nodes[readers[r][0][0]].op is not Op.RESHAPE
-               or any(nodes[j].op is not Op.PARAM for j in nodes[r].inputs[1:])
-               for r in lins):
-            continue
-        if len({len(nodes[r].inputs) for r in lins}) != 1:
-            continue
-        projs = []
-        for r in lins:
-            s = readers[r][0][0]
-            tail = _cache_tail(g, readers, s)
-            projs.append(Projection(r, nodes[s].shape[-2], s, *(tail or ())))
-        out[i] = tuple(projs)
-    return out
 
 
 def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, stacked,
@@ -1543,29 +1343,6 @@ def _projection_operands(g: Graph, projs: tuple[Projection, ...], args: dict, pa
     return names, scales, [p.heads for p in projs], tails
 
 
-def layer_end(g: Graph, readers: list[list[tuple[int, int]]], name: str = "h"
-              ) -> tuple[int, int, int, int] | None:
-    """(RMSNORM, ADD, MUL, the stream's node) where output `name` is MUL(ADD(h0, RMSNORM(y,
-    PARAM w)), PARAM scalar) of a LINEAR y, the RMSNORM read only by the ADD, the ADD only by
-    the MUL and the MUL by nothing (a layer's end: the post-FFW norm, residual add and layer
-    scalar), else None."""
-    nodes, outs = g.nodes, dict(g.outputs)
-    out_nodes = [i for _, i in g.outputs]
-    m = outs.get(name)
-    if m is None or nodes[m].op is not Op.MUL or readers[m] or out_nodes.count(m) != 1:
-        return None
-    a, c = nodes[m].inputs
-    if nodes[a].op is not Op.ADD or nodes[c].op is not Op.PARAM or readers[a] != [(m, 0)]:
-        return None
-    h0, r = nodes[a].inputs
-    if (nodes[r].op is not Op.RMSNORM or readers[r] != [(a, 1)] or len(nodes[r].inputs) != 2
-            or nodes[nodes[r].inputs[1]].op is not Op.PARAM
-            or nodes[nodes[r].inputs[0]].op is not Op.LINEAR
-            or a in out_nodes or r in out_nodes):
-        return None
-    return r, a, m, h0
-
-
 def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
               lowerings: dict[Op, Callable] = LOWERINGS,
               mlp: Callable | None = None, proj: Callable | None = None,
@@ -1606,13 +1383,12 @@ def run_graph(g: Graph, args: dict[str, Any], param: Callable[[str], Any],
 
     def lower_node(i: int, n) -> Any:
         ins = [vals[j] for j in n.inputs]
-        if not isinstance(lowerings[n.op], TakesPaged):
-            ins = [_val(x) for x in ins]
-        token = READ_AS_BF16.set(i in bf16)
-        try:
-            return lowerings[n.op](n.attrs, *ins)
-        finally:
-            READ_AS_BF16.reset(token)
+        fn = lowerings[n.op]
+        if not isinstance(fn, TakesPaged):
+            return fn(n.attrs, *(_val(x) for x in ins))
+        if fn.takes_read_as_bf16:
+            return fn(n.attrs, *ins, read_as_bf16=i in bf16)
+        return fn(n.attrs, *ins)
 
     def projections(i: int, n):
         """The projections kernel's values at norm i, or None (declined; a LayerEnd input

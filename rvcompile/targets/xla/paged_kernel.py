@@ -17,7 +17,7 @@ W; keys max(0, q_pos - window + 1) .. q_pos); None: a full layer's table (entry 
 j; keys 0 .. q_pos). `fold` (a K=V layer, `KeyFold`): keys are rope(cache * w), RoPE turning
 the first n pairs (n <= 128: Gemma 4's full layers, 64 of 256), values the cache; else keys
 and values are the pools as stored. Returns [B, K, G, Dv] in `out_dtype` (float32; bf16 where
-every reader rounds it to bf16 anyway: lower.READ_AS_BF16, the same bits). `qnorm`
+every reader rounds it to bf16 anyway: patterns.read_as_bf16, the same bits). `qnorm`
 (`QueryNorm`): q is the query's projection rows, which the kernel norms (RMSNORM with a weight)
 and rotates (RoPE by halves at each lane's cos and sin) itself at a lane's first grid step,
 into VMEM, as lower.rmsnorm and lower.rope would (lower.NormedQuery). A key's position is its

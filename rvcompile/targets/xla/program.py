@@ -347,7 +347,7 @@ class Program:
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
             lowerings[Op.KV_WRITE] = TakesPaged(functools.partial(kv_write, mesh=mesh))
         lowerings[Op.ATTENTION] = TakesPaged(functools.partial(
-            attention_blockwise, mesh=mesh, tpu_kernel=self.tpu_kernels))
+            attention_blockwise, mesh=mesh, tpu_kernel=self.tpu_kernels), takes_read_as_bf16=True)
         return lowerings
 
     def _layer_kernels(self):
