@@ -51,30 +51,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
-}
-
-// Two e4m3 (low byte first) -> bf16x2, exactly. The hardware e4m3x2 -> f16x2 convert makes every
-// e4m3 (subnormals too) a normal f16; its bits shifted right by 3 read as a bf16 of the same
-// mantissa and an exponent 112 too small (zero stays zero); a multiply by 2^112 restores it, and
-// is exact on these normal numbers.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t pair) {
-    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
-    const uint32_t h = static_cast<uint32_t>(h2.x) | (static_cast<uint32_t>(h2.y) << 16);
-    const uint32_t biased = (h & 0x80008000u) | ((h >> 3) & 0x0FFF0FFFu);
-    const __nv_bfloat162 two112 = __halves2bfloat162(__ushort_as_bfloat16(0x7780),
-                                                     __ushort_as_bfloat16(0x7780));
-    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&biased), two112);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // y[row, col] and y[row, col + 1] (col even), scaled; float2 when N is even (then col + 1 < N
 // follows from col < N and the address is 8-byte aligned).
 __device__ __forceinline__ void store_pair(float* __restrict__ y, const float* __restrict__ scale,
