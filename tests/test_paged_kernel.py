@@ -407,6 +407,37 @@ def test_tp_tpu_only_build_runs_the_kernel():
         key: blocks[kind[key]] for key in pools}
 
 
+@pytest.mark.parametrize("preset", ["gemma-4-26B-A4B", "gemma-4-E4B"])
+def test_tp8_decode_runs_the_kernel_in_every_layer(preset):
+    """At TP = 8, one lane, as `tpu_cost_report.py --tp 8 --max-seqs 1` exports (TPU alone,
+    fixed pools): every attention layer of a shrunk 26B-A4B (MoE; its K=V full layer's 2
+    KV heads stored 4 times, one a device) and E4B (2 KV heads stored 4 times; its last
+    two layers read the first two's pools, KV sharing) runs the kernel, none the XLA
+    lowering (docs/TPU_COST.md: the goal cases' estimates at TP = 8 rely on it)."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.ir.ops import Op
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    cfg = get_preset(preset)
+    if preset == "gemma-4-E4B":
+        cfg = dataclasses.replace(cfg, num_layers=4, layer_kinds=cfg.layer_kinds[4:6] * 2,
+                                  num_kv_shared_layers=2, vocab_size=4096,
+                                  vocab_size_per_layer_input=4096)
+    else:
+        cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                                  vocab_size=4096)
+    opts = BuildOptions(target="tpu-int8", max_context=2048, max_seqs=1, platforms=("tpu",),
+                        tp=8, prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=1, prefill_buckets=(16,), platforms=("tpu",), tp=8,
+                       static_pools=True)
+    text = jax.export.deserialize(bytearray(low.programs["decode_1"])).mlir_module()
+    layers = sum(n.op is Op.ATTENTION for g in ir.layers for n in g.nodes)
+    assert layers == cfg.num_layers
+    assert len(_kernel_calls(text)) == layers
+
+
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?(\S+) = (.*?) ([\w-]+)\(", re.M)
 _HLO_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 _NO_WRITE = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # name a value, write none
