@@ -41,6 +41,7 @@ from rvcompile.targets.xla.paged_kernel import (
     kernel_slot_pages,
     needed_pages,
     paged_decode,
+    scale_rows,
     window_pages,
 )
 
@@ -152,6 +153,23 @@ def test_pages_a_lane_dmas():
         return sum(kernel_slot_pages(needed, p, PAGES_PER_STEP) for p in range(PAGES_PER_STEP))
 
     assert [total(n) for n in (0, 3, 8, 9, 17, 65)] == [8, 8, 8, 9, 17, 65]
+
+
+def test_scale_rows_gathers_without_a_fill_select():
+    """`scale_rows` (an int8 pool's scales, gathered for the kernel) of block ids inside the
+    pool, as paged_decode passes them: each lane's pages' scales in order, keys along lanes,
+    and no select after the gather (jnp.take's default "fill" mode adds one, which XLA kept as
+    a pass over the gathered scales and a relayout: the 31B at 128K, est.)."""
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((3, 40, 16, 2)).astype(np.float32)  # [n, blocks, 16, K]
+    blocks = rng.integers(0, 40, (2, 24)).astype(np.int32)
+    got = jax.jit(scale_rows)(pool, 1, blocks)
+    want = pool[1][blocks].transpose(0, 3, 1, 2).reshape(2, 2, 24 * 16)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    text = jax.jit(scale_rows).lower(pool, 1, blocks).as_text()
+    assert "stablehlo.gather" in text
+    # (a select of integers stays: the layer index's, scalar)
+    assert not [line for line in text.splitlines() if "stablehlo.select" in line and "f32" in line]
 
 
 def test_kernel_writes_bf16_as_its_f32_output_rounds():
