@@ -41,6 +41,7 @@ from rvcompile.targets.xla.paged_kernel import (
     kernel_slot_pages,
     needed_pages,
     paged_decode,
+    scale_rows,
     window_pages,
 )
 
@@ -152,6 +153,23 @@ def test_pages_a_lane_dmas():
         return sum(kernel_slot_pages(needed, p, PAGES_PER_STEP) for p in range(PAGES_PER_STEP))
 
     assert [total(n) for n in (0, 3, 8, 9, 17, 65)] == [8, 8, 8, 9, 17, 65]
+
+
+def test_scale_rows_gathers_without_a_fill_select():
+    """`scale_rows` (an int8 pool's scales, gathered for the kernel) of block ids inside the
+    pool, as paged_decode passes them: each lane's pages' scales in order, keys along lanes,
+    and no select after the gather (jnp.take's default "fill" mode adds one, which XLA kept as
+    a pass over the gathered scales and a relayout: the 31B at 128K, est.)."""
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((3, 40, 16, 2)).astype(np.float32)  # [n, blocks, 16, K]
+    blocks = rng.integers(0, 40, (2, 24)).astype(np.int32)
+    got = jax.jit(scale_rows)(pool, 1, blocks)
+    want = pool[1][blocks].transpose(0, 3, 1, 2).reshape(2, 2, 24 * 16)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    text = jax.jit(scale_rows).lower(pool, 1, blocks).as_text()
+    assert "stablehlo.gather" in text
+    # (a select of integers stays: the layer index's, scalar)
+    assert not [line for line in text.splitlines() if "stablehlo.select" in line and "f32" in line]
 
 
 def test_kernel_writes_bf16_as_its_f32_output_rounds():
@@ -405,6 +423,37 @@ def test_tp_tpu_only_build_runs_the_kernel():
     kind = {p["key"]: p["kind"] for p in kv["pools"]}
     assert {key: aval.shape[1] for key, aval in pools.items()} == {
         key: blocks[kind[key]] for key in pools}
+
+
+@pytest.mark.parametrize("preset", ["gemma-4-26B-A4B", "gemma-4-E4B"])
+def test_tp8_decode_runs_the_kernel_in_every_layer(preset):
+    """At TP = 8, one lane, as `tpu_cost_report.py --tp 8 --max-seqs 1` exports (TPU alone,
+    fixed pools): every attention layer of a shrunk 26B-A4B (MoE; its K=V full layer's 2
+    KV heads stored 4 times, one a device) and E4B (2 KV heads stored 4 times; its last
+    two layers read the first two's pools, KV sharing) runs the kernel, none the XLA
+    lowering (docs/TPU_COST.md: the goal cases' estimates at TP = 8 rely on it)."""
+    from rvcompile.build import BuildOptions, lower_model
+    from rvcompile.ir.ops import Op
+    from rvcompile.model.presets import get_preset
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    cfg = get_preset(preset)
+    if preset == "gemma-4-E4B":
+        cfg = dataclasses.replace(cfg, num_layers=4, layer_kinds=cfg.layer_kinds[4:6] * 2,
+                                  num_kv_shared_layers=2, vocab_size=4096,
+                                  vocab_size_per_layer_input=4096)
+    else:
+        cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
+                                  vocab_size=4096)
+    opts = BuildOptions(target="tpu-int8", max_context=2048, max_seqs=1, platforms=("tpu",),
+                        tp=8, prefill_buckets=(16,))
+    ir = lower_model(SimpleNamespace(config=cfg), opts, log=lambda s: None)
+    low = lower_to_xla(ir, max_seqs=1, prefill_buckets=(16,), platforms=("tpu",), tp=8,
+                       static_pools=True)
+    text = jax.export.deserialize(bytearray(low.programs["decode_1"])).mlir_module()
+    layers = sum(n.op is Op.ATTENTION for g in ir.layers for n in g.nodes)
+    assert layers == cfg.num_layers
+    assert len(_kernel_calls(text)) == layers
 
 
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?(\S+) = (.*?) ([\w-]+)\(", re.M)

@@ -273,10 +273,14 @@ def scale_rows(pool, layer, blocks):
     from layer `layer` of a scale pool [n, blocks, 16, K], as rows [B, K, P * 16]: each head's
     scales along lanes, so that a grid step's block [K, 128] is a whole tile row of the
     operand's default layout (the pool itself, as a custom call's operand, was relaid whole
-    into that layout, K padded to 128 lanes, at every call: docs/TPU_COST.md)."""
+    into that layout, K padded to 128 lanes, at every call: docs/TPU_COST.md). `blocks` must
+    lie inside the pool (paged_decode clips the table): the gather clamps, as XLA's gather
+    does, where jnp.take's default mode ("fill") adds a select of NaN for ids outside it, which
+    XLA kept as a pass over the gathered scales and a relayout after it (the 31B at 128K, int8,
+    TP = 8: 2 MiB a full layer on chip, est.; docs/TPU_COST.md)."""
     b, p = blocks.shape
     one = lax.dynamic_index_in_dim(pool, layer, 0, False)  # the layer's slice, then a gather
-    taken = jnp.take(one, blocks, axis=0)  # [B, P, 16, K]
+    taken = jnp.take(one, blocks, axis=0, mode="clip")  # [B, P, 16, K]
     return jnp.transpose(taken, (0, 3, 1, 2)).reshape(b, pool.shape[-1], p * BLOCK_TOKENS)
 
 
