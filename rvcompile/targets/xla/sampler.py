@@ -129,8 +129,18 @@ def split_by_rows(fn, mesh, logits, rows: tuple, choice: Choice):
     sends (N - 1) / N of its [B, V / N] and keeps [B / N, V]) instead of an all-gather of the
     whole [B, V] to every device. The per-row arrays are whole on every device (the program's
     arguments): each device slices its rows. penalize's conditional is taken by each share
-    (its branches agree bit for bit on rows with no id listed). The optimization barrier keeps the rows' sharding
-    from propagating back into the head, as Program._whole's keeps the replicated one."""
+    (its branches agree bit for bit on rows with no id listed).
+
+    The logits are pinned to their split by vocabulary and put behind an optimization barrier
+    before they are split by rows: unpinned, the rows' split propagated back through the head
+    into the layers, and XLA split the whole decoder by batch rows (the tiny model at TP = 4
+    on the CPU: its embedding table all-gathered, the attention's block tables and masks too).
+
+    Numerics: each row's operations are the same, but XLA may round a reduction over a row in
+    another order when the array has fewer rows (the CPU's sum over [8, 1000] and over its
+    [2, 1000] shares differ in the last bits), so the log-probabilities and the sampling sums
+    may differ from one device's by float32 rounding (tests/test_xla_sample_step.py: the
+    tokens the same in every case, the log-probabilities within 5e-7)."""
     axis = mesh.axis_names[0]
     split = PartitionSpec(axis)
     logits = lax.optimization_barrier(
