@@ -241,8 +241,10 @@ KINDS = ("greedy", "top_k", "sort", "large_top_k", "mask", "penalties", "logprob
 def _rows_child(devices: int) -> None:
     """On `devices` forced CPU devices: sample_step on each device's share of 8 rows
     (sampler.split_by_rows, as Program.step_sampled runs it under TP, the logits handed over
-    split by vocabulary as the head leaves them) and on one device; prints, per kind, whether
-    every output matched bit for bit, and the row counts of the split program's sorts."""
+    split by vocabulary as the head leaves them) and on one device, and so lower.sample alone
+    (Program.step's, the decode loop's); prints, per kind, whether the tokens and top ids
+    matched bit for bit, the log-probabilities' largest difference, and the row counts of the
+    split program's sorts and top-ks."""
     import re
 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -264,6 +266,17 @@ def _rows_child(devices: int) -> None:
         return sampler.split_by_rows(rows, mesh, logits, (temperature, top_k, top_p, seed, step,
                                                           mask, pen_ids, *extras), choice)
 
+    def plain(logits, temperature, top_k, top_p, seed, step, *_):  # Program.step's sampling
+        return lower.sample(None, logits, temperature, top_k, top_p, seed, step)
+
+    def split_plain(logits, temperature, top_k, top_p, seed, step, *_):
+        def rows(logits, temperature, top_k, top_p, seed, step, branch):
+            return lower.sample(None, logits, temperature, top_k, top_p, seed, step,
+                                branch=branch)
+
+        return sampler.split_by_rows(rows, mesh, logits, (temperature, top_k, top_p, seed, step),
+                                     lower.sample_branch(temperature, top_k))
+
     rng = np.random.default_rng(11)
     vocab_split = NamedSharding(mesh, PartitionSpec(None, "tp"))
     same, diff, rows_sorted = {}, {}, set()
@@ -277,6 +290,9 @@ def _rows_child(devices: int) -> None:
             got = [np.asarray(x) for x in jitted(*placed)]
             same[kind] &= all(a.tobytes() == b.tobytes() for a, b in zip(one, got, strict=True)
                               if a.dtype == np.int32)  # the tokens and the top ids
+            if kind not in ("mask", "penalties", "logprobs"):  # extras step_sampled's only
+                same[kind] &= (np.asarray(jax.jit(plain)(*map(jnp.asarray, args))).tobytes()
+                               == np.asarray(jax.jit(split_plain)(*placed)).tobytes())
             diff[kind] = max(diff[kind], *(float(np.abs(one[i] - got[i]).max()) for i in (1, 3)))
         hlo = jitted.lower(*placed).compile().as_text()
         # the rows of every sort and lax.top_k (CPU: a TopK custom call) in the program
@@ -302,7 +318,8 @@ def test_rows_split_samples_as_one_device(devices):
     log-probabilities and top log-probabilities as one device on the whole batch, bit for bit,
     for every sampling branch (greedy, top-k <= 64, the sort for top-p and for top-k above 64,
     penalties, a token mask, top log-probabilities, and all of them in one batch, whose shares
-    would each choose another branch), 8 rows on 4 and 8 forced CPU devices (8: one row a
+    would each choose another branch; and lower.sample alone, as the decode loop's step runs
+    it, for those without extras), 8 rows on 4 and 8 forced CPU devices (8: one row a
     device, lower.top_k_binned and the one-lane mask in place of lax.top_k and the bits'
     broadcast), the log-probabilities within float32 rounding (LOGPROB_BOUND); and every sort
     and top-k in the program holds the device's 8 / N rows, not 8."""

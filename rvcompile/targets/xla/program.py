@@ -77,6 +77,7 @@ from rvcompile.targets.xla.lower import (
     kv_write,
     moe,
     run_graph,
+    sample_branch,
 )
 from rvcompile.targets.xla.lower import sample as lower_sample
 
@@ -457,9 +458,22 @@ class Program:
     def step(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
              seed, step):
         """One decode step of decode_loop: run the tokens and sample the next token of every
-        lane from its last valid row (step_sampled with neutral extras, bit for bit)."""
-        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
-        return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
+        lane from its last valid row (step_sampled with neutral extras, bit for bit: split by
+        rows over the devices where step_sampled's sampling is, sampler.split_by_rows)."""
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables,
+                                           whole=False)
+        mesh = self._mesh()
+        if not sampler.splits_by_rows(mesh, logits.shape[0]):
+            return caches, self.sample(weights, self._whole(logits), temperature, top_k, top_p,
+                                       seed, step)
+
+        def sample_rows(logits, temperature, top_k, top_p, seed, step, branch):
+            return self.sample(weights, logits, temperature, top_k, top_p, seed, step,
+                               branch=branch)
+
+        return caches, sampler.split_by_rows(sample_rows, mesh, logits,
+                                             (temperature, top_k, top_p, seed, step),
+                                             sample_branch(temperature, top_k))
 
     def step_sampled(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
                      top_p, seed, step, mask, pen_ids, pen_counts, presence, frequency,

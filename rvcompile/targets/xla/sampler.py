@@ -115,12 +115,14 @@ def splits_by_rows(mesh, batch: int) -> bool:
     return n > 1 and batch % n == 0
 
 
-def split_by_rows(fn, mesh, logits, rows: tuple, choice: Choice):
+def split_by_rows(fn, mesh, logits, rows: tuple, choice):
     """fn(logits, *rows, choice) on each device's share of the batch: B / N consecutive rows of
     the logits [B, V] and of each per-row array of `rows` (first axis B), with `choice` made
-    over the whole batch; fn's outputs (first axis B / N) come back concatenated, device by
-    device, in row order. Each row's computation is the one it has on one device, so the
-    outputs are bit for bit fn's on the whole batch (`choice` is the batch's: Choice).
+    over the whole batch and whole on every device (Program.step_sampled's Choice,
+    Program.step's lower.sample_branch); fn's outputs (first axis B / N) come back
+    concatenated, device by device, in row order. Each row's operations are those it has on
+    one device on the whole batch, and so are its branches (`choice` is the batch's): the
+    outputs are fn's on the whole batch up to the rounding of reductions (Numerics below).
 
     Why: sampling on the whole batch on every device repeats every pass over the [B, V] logits
     N times (the 31B at B = 64, TP = 8 on v6e: the shaped branch's sort over [64, 262144] is
