@@ -95,6 +95,9 @@ def _case(rng, b: int, kind: str) -> tuple:
     if kind == "sort":
         top_k[0] = 0
         temperature[0] = 1.0
+    if kind == "large_top_k":  # above SAMPLE_TOP_K: the sort
+        top_k[0] = 3 * lower.SAMPLE_TOP_K
+        temperature[0] = 1.0
     top_p = rng.choice([1.0, 0.9, 0.5], b).astype(np.float32)
     seed = rng.integers(0, 2**31, b).astype(np.int32)
     step = rng.integers(0, 100, b).astype(np.int32)
@@ -116,6 +119,11 @@ def _case(rng, b: int, kind: str) -> tuple:
         presence[0], frequency[0], repetition[0] = 2.0, 3.0, 1.3
     if kind == "logprobs":
         n_top[2] = 5
+    if kind == "mixed":  # each pair of rows its own case: the devices' shares disagree
+        temperature[:4], top_k[4:6], temperature[4:6] = 0.0, 0, 1.0  # greedy; the sort
+        pen_ids[6, :2], pen_counts[6, :2], frequency[6] = [int(np.argmax(logits[6])), 9], 3, 2.0
+        mask[7, :] = np.int32(0x55555555)  # even ids only
+        n_top[3] = 7
     return (logits, temperature, top_k, top_p, seed, step, mask, pen_ids, pen_counts, presence,
             frequency, repetition, n_top)
 
@@ -227,6 +235,106 @@ def _tp_child() -> None:
     print(json.dumps(same))
 
 
+KINDS = ("greedy", "top_k", "sort", "large_top_k", "mask", "penalties", "logprobs", "mixed")
+
+
+def _rows_child(devices: int) -> None:
+    """On `devices` forced CPU devices: sample_step on each device's share of 8 rows
+    (sampler.split_by_rows, as Program.step_sampled runs it under TP, the logits handed over
+    split by vocabulary as the head leaves them) and on one device, and so lower.sample alone
+    (Program.step's, the decode loop's); prints, per kind, whether the tokens and top ids
+    matched bit for bit, the log-probabilities' largest difference, and the row counts of the
+    split program's sorts and top-ks."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("tp",))
+    assert len(mesh.devices) == devices
+
+    def rows(logits, temperature, top_k, top_p, seed, step, mask, pen_ids, pen_counts,
+             presence, frequency, repetition, n_top, choice):
+        def draw(x, greedy, sort):
+            return lower.sample(None, x, temperature, top_k, top_p, seed, step, greedy, sort,
+                                choice.sample)
+
+        return sampler.sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts,
+                                   presence, frequency, repetition, n_top, choice=choice)
+
+    def split(logits, temperature, top_k, top_p, seed, step, mask, pen_ids, *extras):
+        choice = sampler.choose(temperature, top_k, mask, pen_ids, extras[-1])
+        return sampler.split_by_rows(rows, mesh, logits, (temperature, top_k, top_p, seed, step,
+                                                          mask, pen_ids, *extras), choice)
+
+    def plain(logits, temperature, top_k, top_p, seed, step, *_):  # Program.step's sampling
+        return lower.sample(None, logits, temperature, top_k, top_p, seed, step)
+
+    def split_plain(logits, temperature, top_k, top_p, seed, step, *_):
+        def rows(logits, temperature, top_k, top_p, seed, step, branch):
+            return lower.sample(None, logits, temperature, top_k, top_p, seed, step,
+                                branch=branch)
+
+        return sampler.split_by_rows(rows, mesh, logits, (temperature, top_k, top_p, seed, step),
+                                     lower.sample_branch(temperature, top_k))
+
+    rng = np.random.default_rng(11)
+    vocab_split = NamedSharding(mesh, PartitionSpec(None, "tp"))
+    same, diff, rows_sorted = {}, {}, set()
+    for kind in KINDS:
+        same[kind], diff[kind] = True, 0.0
+        for _ in range(3):
+            args = list(_case(rng, 8, kind))
+            one = [np.asarray(x) for x in jax.jit(_stepped)(*map(jnp.asarray, args))]
+            placed = [jax.device_put(args[0], vocab_split), *map(jnp.asarray, args[1:])]
+            jitted = jax.jit(split)
+            got = [np.asarray(x) for x in jitted(*placed)]
+            same[kind] &= all(a.tobytes() == b.tobytes() for a, b in zip(one, got, strict=True)
+                              if a.dtype == np.int32)  # the tokens and the top ids
+            if kind not in ("mask", "penalties", "logprobs"):  # extras step_sampled's only
+                same[kind] &= (np.asarray(jax.jit(plain)(*map(jnp.asarray, args))).tobytes()
+                               == np.asarray(jax.jit(split_plain)(*placed)).tobytes())
+            diff[kind] = max(diff[kind], *(float(np.abs(one[i] - got[i]).max()) for i in (1, 3)))
+        hlo = jitted.lower(*placed).compile().as_text()
+        # the rows of every sort and lax.top_k (CPU: a TopK custom call) in the program
+        rows_sorted |= {int(m) for line in hlo.splitlines()
+                        if " sort(" in line or 'custom_call_target="TopK"' in line
+                        for m in re.findall(r"= \(?\w+\[(\d+),", line)}
+    print(json.dumps({"same": same, "diff": diff, "rows_sorted": sorted(rows_sorted)}))
+
+
+# Measured max abs difference of the log-probabilities and top log-probabilities (values about
+# -0.5 to -12) between the rows split and one device, 4 / 8 devices: XLA's CPU reductions over
+# a row (the log-sum-exp's) round in an order that depends on how many rows the array has (the
+# same jitted sum over [8, 1000] and over its rows [2, 1000] differ in the last bits), so the
+# shares' sums differ from the whole batch's by float32 rounding. A wrong row (a share's rows
+# misplaced or another row's parameters) moves them by O(1) and changes the tokens.
+LOGPROB_BOUND = 2e-6
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_rows_split_samples_as_one_device(devices):
+    """Under TP with B a multiple of the devices, each device samples its share of the rows
+    (sampler.split_by_rows; the branches chosen over the whole batch): the same tokens,
+    log-probabilities and top log-probabilities as one device on the whole batch, bit for bit,
+    for every sampling branch (greedy, top-k <= 64, the sort for top-p and for top-k above 64,
+    penalties, a token mask, top log-probabilities, and all of them in one batch, whose shares
+    would each choose another branch; and lower.sample alone, as the decode loop's step runs
+    it, for those without extras), 8 rows on 4 and 8 forced CPU devices (8: one row a
+    device, lower.top_k_binned and the one-lane mask in place of lax.top_k and the bits'
+    broadcast), the log-probabilities within float32 rounding (LOGPROB_BOUND); and every sort
+    and top-k in the program holds the device's 8 / N rows, not 8."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    p = subprocess.run([sys.executable, __file__, "rows", str(devices)], capture_output=True,
+                       text=True, env=env, timeout=600, cwd=Path(__file__).parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert all(got["same"].values()), got
+    print(f"\n[measured] {devices} devices: log-probabilities' max abs difference "
+          f"{max(got['diff'].values()):.2e}")
+    assert max(got["diff"].values()) <= LOGPROB_BOUND, got
+    assert got["rows_sorted"] == [8 // devices], got
+
+
 def test_split_logits_sample_as_one_device():
     """Under TP the decode program hands sample_step the logits split by vocabulary and gathers
     them only where the whole row is read (the top-k branch draws from the split logits:
@@ -243,6 +351,8 @@ def test_split_logits_sample_as_one_device():
 if __name__ == "__main__":
     if sys.argv[1:] == ["tp"]:
         _tp_child()
+    elif sys.argv[1:2] == ["rows"]:
+        _rows_child(int(sys.argv[2]))
     else:  # `tpu` (or nothing), then the forms to compile: new (the default), old
         _tpu_child(tuple(sys.argv[2:]) or ("new",))
 

@@ -466,9 +466,61 @@ def test_span_dots_per_head_under_tp():
         assert v["shard_map"] == (not case.startswith("kh2")), (case, v)
 
 
+def _sampler_rows_child() -> None:
+    """The tiny model's decode_8 and decode_2 (and decode_loop_8, of Program.step) exported at
+    TP = 4 for the CPU and compiled for 4 CPU devices: per program the row counts of its
+    sampler's sorts and top-ks (CPU: TopK custom calls; the sampler's are in its
+    conditionals' BRANCHES scopes, the MoE router's top-k is not), its all-to-alls, and the
+    largest all-gather of the logits."""
+    import jax
+
+    from rvcompile.artifacts.xla_executables import compile_entries
+    from rvcompile.targets.xla.export import lower_to_xla
+
+    ir = _ir("gemma-4-tiny")
+    vocab = ir.config.vocab_size
+    out = {}
+    for b, name in ((8, "decode_8"), (2, "decode_2"), (8, "decode_loop_8")):
+        low = lower_to_xla(ir, max_seqs=b, prefill_buckets=(16, 64), platforms=("cpu",), tp=4,
+                           decode_loop_steps=4 if name.startswith("decode_loop") else 0)
+        hlo = compile_entries(low.programs, low.manifest, jax.devices(),
+                              names=(name,))[name].as_text()
+        lines = hlo.splitlines()
+        out[name] = {
+            "rows_sorted": sorted({int(m) for line in lines
+                                   if (" sort(" in line or 'custom_call_target="TopK"' in line)
+                                   and "rvbranch_" in line
+                                   for m in re.findall(r"= \(?\w+\[(\d+),", line)}),
+            "all_to_all": sum(" all-to-all(" in line for line in lines),
+            "logits_gathered": max((int(m) for line in lines if " all-gather(" in line
+                                    for m in re.findall(rf"= \w+\[(\d+),{vocab}\]", line)),
+                                   default=0)}
+    print(json.dumps(out))
+
+
+def test_tp_decode_samples_each_devices_rows():
+    """The decode program at TP = 4 with 8 lanes samples 2 lanes a device (program
+    step_sampled, sampler.split_by_rows): every sort and top-k of the compiled program (4 CPU
+    devices) holds 2 rows, the logits reach the sampler by an all-to-all from the head's split
+    by vocabulary and are never gathered whole; so in the decode loop's steps (decode_loop_8);
+    with 2 lanes (not a multiple of 4) every device samples both, from the logits gathered
+    whole, as before."""
+    p = _four_devices("sampler_rows")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name in ("decode_8", "decode_loop_8"):
+        assert got[name]["rows_sorted"] == [2] and got[name]["all_to_all"] >= 1, got
+        assert got[name]["logits_gathered"] == 0, got
+    assert got["decode_2"]["rows_sorted"] == [2], got
+    assert got["decode_2"]["logits_gathered"] == 2, got
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["span_dots"]:
         _span_dots_child()
+        sys.exit()
+    if sys.argv[1:] == ["sampler_rows"]:
+        _sampler_rows_child()
         sys.exit()
     os.environ["RVCOMPILE_CACHE"] = sys.argv[5]
     _child(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),

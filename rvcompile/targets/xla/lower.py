@@ -1067,7 +1067,16 @@ def sample_without_sort(temperature, top_k):
     return jnp.all((temperature <= 0) | ((top_k > 0) & (top_k <= SAMPLE_TOP_K)))
 
 
-def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=True):
+def sample_branch(temperature, top_k, sort=True):
+    """SAMPLE's branch for rows with these parameters (int32 []): 0 every row greedy, 1 every
+    sampled row served by the top-k candidates (`sample_without_sort`) or sort=False, 2 the
+    sort."""
+    return jnp.where(jnp.all(temperature <= 0), 0,
+                     jnp.where(sample_without_sort(temperature, top_k) | (not sort), 1, 2))
+
+
+def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=True,
+           branch=None):
     """SAMPLE: three branches, of which a step runs one. Every row greedy: the argmax only. Every
     sampled row with 0 < top_k <= SAMPLE_TOP_K: the rule over the SAMPLE_TOP_K largest logits
     (lax.top_k: descending, ties by the lower id, as the stable sort orders them), the same
@@ -1076,7 +1085,11 @@ def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=T
     logits if the caller has it already (jnp.argmax's int32; the decode program's, which its
     log-probabilities read too), so that no pass over the vocabulary repeats it. sort=False:
     the first two branches only, for a caller that runs this only where
-    `sample_without_sort` holds (the same tokens there)."""
+    `sample_without_sort` holds (the same tokens there). `branch`: the branch (`sample_branch`)
+    chosen by a caller over a whole batch of which these rows are one device's share
+    (sampler.split_by_rows), so that every share takes the branch the whole batch would: the
+    top-k branch and the sort draw the same tokens only in exact arithmetic (their sums run over
+    64 values and over the whole row), so neither is taken where TP = 1 would take the other."""
     logits = logits.astype(jnp.float32)
     if greedy is None:
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -1096,8 +1109,8 @@ def sample(a, logits, temperature, top_k, top_p, seed, step, greedy=None, sort=T
         return jnp.where(temperature > 0, tok, greedy)
 
     branches = [lambda: greedy, lambda: sampled(SAMPLE_TOP_K), lambda: sampled(0)]
-    branch = jnp.where(jnp.all(temperature <= 0), 0,
-                       jnp.where(sample_without_sort(temperature, top_k) | (not sort), 1, 2))
+    if branch is None:
+        branch = sample_branch(temperature, top_k, sort)
     with jax.named_scope(BRANCHES.format(name="sample")):  # the traffic table's step cases
         return lax.switch(branch, branches if sort else branches[:2])
 

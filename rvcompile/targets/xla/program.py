@@ -77,6 +77,7 @@ from rvcompile.targets.xla.lower import (
     kv_write,
     moe,
     run_graph,
+    sample_branch,
 )
 from rvcompile.targets.xla.lower import sample as lower_sample
 
@@ -341,9 +342,8 @@ class Program:
             return cache_positions(dataclasses.replace(a, size=size[a.ring]), cache_len)
 
         lowerings = {**BLOCKWISE_LOWERINGS, Op.CACHE_POSITIONS: positions}
-        mesh = None
-        if self.pool_shardings:  # tensor parallel: each device runs its share of every expert
-            mesh = next(iter(self.pool_shardings.values())).mesh
+        mesh = self._mesh()
+        if mesh is not None:  # tensor parallel: each device runs its share of every expert
             lowerings[Op.MOE] = functools.partial(moe, mesh=mesh)
             lowerings[Op.KV_WRITE] = TakesPaged(functools.partial(kv_write, mesh=mesh))
         lowerings[Op.ATTENTION] = TakesPaged(functools.partial(
@@ -356,8 +356,7 @@ class Program:
         (None, None): the layers op by op."""
         if not self.tpu_kernels:
             return None, None
-        mesh = (next(iter(self.pool_shardings.values())).mesh if self.pool_shardings
-                else None)
+        mesh = self._mesh()
         return (functools.partial(decode_mlp_kernel, mesh=mesh),
                 functools.partial(decode_projections_kernel, mesh=mesh))
 
@@ -421,13 +420,17 @@ class Program:
             (h, own), _ = lax.scan(body, (h, own), xs)
         return h, {**caches, **own}
 
+    def _mesh(self):
+        """The programs' mesh under tensor parallelism (the pools'), else None."""
+        return next(iter(self.pool_shardings.values())).mesh if self.pool_shardings else None
+
     def _whole(self, x):
         """`x` on every device, whole. Under tensor parallelism the head's logits come out split
         by vocabulary; sampling reads all of them, and gathering once here replaces one
         all-gather per sampling step (sort, cumulative sums, choice)."""
-        if not self.pool_shardings:
+        mesh = self._mesh()
+        if mesh is None:
             return x
-        mesh = next(iter(self.pool_shardings.values())).mesh
         return lax.with_sharding_constraint(lax.optimization_barrier(x),
                                             NamedSharding(mesh, PartitionSpec()))
 
@@ -439,13 +442,15 @@ class Program:
         return run_graph(self.ir.head, {"h": h}, weights.__getitem__)["logits"]
 
     def sample(self, weights, logits, temperature, top_k, top_p, seed, step, greedy=None,
-               sort=True):
+               sort=True, branch=None):
         """The IR's sampler graph on logits [B, V]; `greedy`: their argmax, if already taken;
-        sort=False: without the sort branch (lower.sample)."""
+        sort=False: without the sort branch; `branch`: the branch, if chosen over a whole batch
+        of which these rows are a share (lower.sample)."""
         args = {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "seed": seed, "step": step}
-        lowerings = LOWERINGS if greedy is None and sort else {
-            **LOWERINGS, Op.SAMPLE: functools.partial(lower_sample, greedy=greedy, sort=sort)}
+        lowerings = LOWERINGS if greedy is None and sort and branch is None else {
+            **LOWERINGS, Op.SAMPLE: functools.partial(lower_sample, greedy=greedy, sort=sort,
+                                                      branch=branch)}
         return run_graph(self.ir.sampler, args, weights.__getitem__, lowerings)["tokens"]
 
     # ------------------------------------------------------------------ entry points
@@ -453,9 +458,22 @@ class Program:
     def step(self, weights, caches, tokens, start, n_new, tables, temperature, top_k, top_p,
              seed, step):
         """One decode step of decode_loop: run the tokens and sample the next token of every
-        lane from its last valid row (step_sampled with neutral extras, bit for bit)."""
-        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables)
-        return caches, self.sample(weights, logits, temperature, top_k, top_p, seed, step)
+        lane from its last valid row (step_sampled with neutral extras, bit for bit: split by
+        rows over the devices where step_sampled's sampling is, sampler.split_by_rows)."""
+        caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables,
+                                           whole=False)
+        mesh = self._mesh()
+        if not sampler.splits_by_rows(mesh, logits.shape[0]):
+            return caches, self.sample(weights, self._whole(logits), temperature, top_k, top_p,
+                                       seed, step)
+
+        def sample_rows(logits, temperature, top_k, top_p, seed, step, branch):
+            return self.sample(weights, logits, temperature, top_k, top_p, seed, step,
+                               branch=branch)
+
+        return caches, sampler.split_by_rows(sample_rows, mesh, logits,
+                                             (temperature, top_k, top_p, seed, step),
+                                             sample_branch(temperature, top_k))
 
     def step_sampled(self, weights, caches, tokens, start, n_new, tables, temperature, top_k,
                      top_p, seed, step, mask, pen_ids, pen_counts, presence, frequency,
@@ -463,16 +481,29 @@ class Program:
         """prefill_{T} (one lane, T tokens) and decode_{B} (B lanes, one token each): run the
         tokens and sample the next token of every lane from its last valid row, after its
         penalties and token mask; returns (caches, tokens, logprob, top_ids, top_logprobs)
-        (targets/xla/sampler.py)."""
+        (targets/xla/sampler.py). Under tensor parallelism with B a multiple of the devices,
+        each device samples B / N lanes (sampler.split_by_rows); else every device samples
+        every lane from the logits gathered whole (`_whole`)."""
         caches, logits = self._last_logits(weights, caches, tokens, start, n_new, tables,
                                            whole=False)
+        rows = (temperature, top_k, top_p, seed, step, mask, pen_ids, pen_counts, presence,
+                frequency, repetition, n_top)
+        choice = sampler.choose(temperature, top_k, mask, pen_ids, n_top)
 
-        def draw(x, greedy, sort):
-            return self.sample(weights, x, temperature, top_k, top_p, seed, step, greedy, sort)
+        def sample_rows(logits, temperature, top_k, top_p, seed, step, mask, pen_ids,
+                        pen_counts, presence, frequency, repetition, n_top, choice, whole=None):
+            def draw(x, greedy, sort):
+                return self.sample(weights, x, temperature, top_k, top_p, seed, step, greedy,
+                                   sort, choice.sample)
 
-        return (caches, *sampler.sample_step(draw, logits, temperature, top_k, mask, pen_ids,
-                                             pen_counts, presence, frequency, repetition, n_top,
-                                             self._whole))
+            return sampler.sample_step(draw, logits, temperature, top_k, mask, pen_ids,
+                                       pen_counts, presence, frequency, repetition, n_top,
+                                       whole, choice)
+
+        mesh = self._mesh()
+        if sampler.splits_by_rows(mesh, logits.shape[0]):
+            return caches, *sampler.split_by_rows(sample_rows, mesh, logits, rows, choice)
+        return caches, *sample_rows(logits, *rows, choice, whole=self._whole)
 
     def _last_logits(self, weights, caches, tokens, start, n_new, tables, whole=True):
         """The logits [B, V] of each lane's last valid row; whole=False: as the head leaves

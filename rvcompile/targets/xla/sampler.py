@@ -23,12 +23,15 @@ of the plain sampler. The numpy references are ir/ops.py's ref_penalize and ref_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rvcompile.targets.xla.hlo_traffic import BRANCHES
-from rvcompile.targets.xla.lower import sample_without_sort
+from rvcompile.targets.xla.lower import sample_branch, sample_without_sort
 
 TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
 
@@ -86,8 +89,70 @@ def _apply_mask_rows(logits, mask):
     return jnp.where(allowed != 0, logits.reshape(b, rows, 128), -jnp.inf).reshape(b, vocab)
 
 
+class Choice(NamedTuple):
+    """A step's branches, each chosen over the whole batch (`choose`). Under `split_by_rows`
+    each device samples a share of the rows, and the branches it takes must be those the whole
+    batch takes on one device: the top-k branch and the sort agree only in exact arithmetic
+    (lower.sample), and the top log-probabilities are computed for every lane once some lane
+    wants them."""
+
+    sample: jax.Array  # int32 []: lower.sample's branch (lower.sample_branch)
+    easy: jax.Array  # bool []: no penalty id listed, every mask bit set, no row needs the sort
+    top: jax.Array  # bool []: some lane wants top log-probabilities
+
+
+def choose(temperature, top_k, mask, pen_ids, n_top) -> Choice:
+    """The Choice of a batch's sampling arrays, whole."""
+    easy = ~jnp.any(pen_ids >= 0) & jnp.all(mask == -1) & sample_without_sort(temperature, top_k)
+    return Choice(sample_branch(temperature, top_k), easy, jnp.any(n_top > 0))
+
+
+def splits_by_rows(mesh, batch: int) -> bool:
+    """Whether `split_by_rows` serves a batch of `batch` rows under `mesh` (None: one device):
+    a mesh of N > 1 devices and a batch of a multiple of N rows (B = 1 never: one lane's step
+    stays on every device, as it was)."""
+    n = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    return n > 1 and batch % n == 0
+
+
+def split_by_rows(fn, mesh, logits, rows: tuple, choice):
+    """fn(logits, *rows, choice) on each device's share of the batch: B / N consecutive rows of
+    the logits [B, V] and of each per-row array of `rows` (first axis B), with `choice` made
+    over the whole batch and whole on every device (Program.step_sampled's Choice,
+    Program.step's lower.sample_branch); fn's outputs (first axis B / N) come back
+    concatenated, device by device, in row order. Each row's operations are those it has on
+    one device on the whole batch, and so are its branches (`choice` is the batch's): the
+    outputs are fn's on the whole batch up to the rounding of reductions (Numerics below).
+
+    Why: sampling on the whole batch on every device repeats every pass over the [B, V] logits
+    N times (the 31B at B = 64, TP = 8 on v6e: the shaped branch's sort over [64, 262144] is
+    2.48 GiB of each device's step, est.). Split by rows each device reads its share; the
+    logits, which the head leaves split by vocabulary, move by one all-to-all (each device
+    sends (N - 1) / N of its [B, V / N] and keeps [B / N, V]) instead of an all-gather of the
+    whole [B, V] to every device. The per-row arrays are whole on every device (the program's
+    arguments): each device slices its rows. penalize's conditional is taken by each share
+    (its branches agree bit for bit on rows with no id listed).
+
+    The logits are pinned to their split by vocabulary and put behind an optimization barrier
+    before they are split by rows: unpinned, the rows' split propagated back through the head
+    into the layers, and XLA split the whole decoder by batch rows (the tiny model at TP = 4
+    on the CPU: its embedding table all-gathered, the attention's block tables and masks too).
+
+    Numerics: each row's operations are the same, but XLA may round a reduction over a row in
+    another order when the array has fewer rows (the CPU's sum over [8, 1000] and over its
+    [2, 1000] shares differ in the last bits), so the log-probabilities and the sampling sums
+    may differ from one device's by float32 rounding (tests/test_xla_sample_step.py: the
+    tokens the same in every case, the log-probabilities within 5e-7)."""
+    axis = mesh.axis_names[0]
+    split = PartitionSpec(axis)
+    logits = lax.optimization_barrier(
+        lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec(None, axis))))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(split, *(split,) * len(rows), PartitionSpec()),
+                         out_specs=split, check_vma=False)(logits, *rows, choice)
+
+
 def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, presence,
-                frequency, repetition, n_top, whole=None):
+                frequency, repetition, n_top, whole=None, choice=None):
     """(tokens, logprob, top_ids, top_logprobs) of a step's logits [B, V] with its extras (the
     module docstring): the tokens of `draw(x, greedy, sort)` (the IR's sampler on x, given
     their argmax or None, with or without its sort branch: lower.sample) after the penalties
@@ -114,12 +179,18 @@ def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, pre
     partitions lax.top_k by device and merges the candidates: the same values and ids). The
     log-sum-exp and top-K conditional come before the draw behind an optimization barrier: else
     XLA ran them after it, with the logits fetched back from HBM.
+
+    `choice`: the step's branches (Choice), made over the whole batch where these rows are one
+    device's share of it (split_by_rows; `draw` then passes choice.sample to lower.sample);
+    None: made here, of these rows.
     """
     whole = whole or (lambda x: x)
+    if choice is None:
+        choice = choose(temperature, top_k, mask, pen_ids, n_top)
     x = whole(logits)
     top = jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32)
     peak, lse = log_normalizer(x, top)
-    ids, vals = top_logprobs(logits, peak, lse, n_top, whole)
+    ids, vals = top_logprobs(logits, peak, lse, n_top, whole, choice.top)
     logits, top, peak, lse = lax.optimization_barrier((logits, top, peak, lse))
 
     def drawn(x, toks):  # the tokens and their logits
@@ -133,7 +204,7 @@ def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, pre
 
     def plain():
         with jax.named_scope(BRANCHES.format(name="sample")):  # lower.sample's branches 0, 1
-            return lax.cond(~jnp.all(temperature <= 0), sampled, greedy)
+            return lax.cond(choice.sample != 0, sampled, greedy)
 
     def shaped():
         x = whole(logits)
@@ -141,9 +212,8 @@ def sample_step(draw, logits, temperature, top_k, mask, pen_ids, pen_counts, pre
                             mask)
         return drawn(x, draw(shaped, None, True))
 
-    easy = ~jnp.any(pen_ids >= 0) & jnp.all(mask == -1) & sample_without_sort(temperature, top_k)
     with jax.named_scope(BRANCHES.format(name="shaping")):  # branch 0: plain (STEP_CASES)
-        toks, chosen = lax.cond(~easy, shaped, plain)
+        toks, chosen = lax.cond(~choice.easy, shaped, plain)
     return toks, ((chosen - peak) - lse)[:, 0], ids, vals
 
 
@@ -163,11 +233,13 @@ def chosen_logprob(logits, peak, lse, tokens):
     return ((x - peak) - lse)[:, 0]
 
 
-def top_logprobs(logits, peak, lse, n_top, whole=None):
+def top_logprobs(logits, peak, lse, n_top, whole=None, wanted=None):
     """(top ids [B, K], top logprobs [B, K]) of log_softmax(logits), zeros unless some lane
     wants them: the [B, V] log-softmax is made only then (it was written whole every step, with
-    a second copy, on TPU: the 31B at B = 64, 0.25 GiB a step, est.)."""
+    a second copy, on TPU: the 31B at B = 64, 0.25 GiB a step, est.). `wanted`: whether some
+    lane of the whole batch wants them (Choice.top), where these rows are a share of it."""
     b = logits.shape[0]
+    wanted = jnp.any(n_top > 0) if wanted is None else wanted
 
     def best(_):
         x = logits if whole is None else whole(logits)
@@ -179,7 +251,7 @@ def top_logprobs(logits, peak, lse, n_top, whole=None):
                 jnp.zeros((b, TOP_LOGPROBS), jnp.float32))
 
     with jax.named_scope(BRANCHES.format(name="top_logprobs")):
-        return lax.cond(jnp.any(n_top > 0), best, none, None)
+        return lax.cond(wanted, best, none, None)
 
 
 def logprobs(logits, tokens, n_top):
