@@ -137,7 +137,7 @@ def completion(prompt) -> bytes:
 
 POISON_BODIES = [  # (body, message needle): each a 400 from POST /v1/completions
     (b"{not json", "not valid JSON"),
-    (b"", "body"),
+    (b"", "the request body is empty"),
     (b"[1, 2]", "body"),
     (b'{"model": "tiny", "prompt": "caf\xe9"}', "not UTF-8: byte 0xe9"),
     ('{"model": "tiny", "prompt": "hi"}'.encode("utf-16"), "not UTF-8"),
@@ -159,6 +159,30 @@ POISON_BODIES = [  # (body, message needle): each a 400 from POST /v1/completion
 @pytest.mark.parametrize("body,needle", POISON_BODIES)
 def test_bad_bodies_get_400(guarded, body, needle):
     openai_error(raw(guarded, "POST", "/v1/completions", body), 400, needle)
+    normal(guarded)
+
+
+@pytest.mark.parametrize("path,fields,message,param", [
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt.0: Input should be a valid integer",
+     "prompt.0"),
+    ("/v1/completions", {"prompt": None},
+     "prompt: Input should be a valid string, or a valid list", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text: Input should be a valid string", "messages.0.content.0.text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "bogus"},
+     "tool_choice: Input should be 'none', 'auto' or 'required', or a valid dictionary",
+     "tool_choice"),
+])
+def test_a_value_no_union_member_takes_gets_the_requests_own_path(guarded, path, fields,
+                                                                   message, param):
+    """pydantic puts the union member it tried into an error's location ("prompt.str: Input
+    should be a valid string" for a list of lists): the 400 names the request's own path, the
+    part that is wrong where a member got inside the value, else what each member takes."""
+    body = json.dumps({"model": NAME, "max_tokens": 2, **fields}).encode()
+    error = openai_error(raw(guarded, "POST", path, body), 400, message)
+    assert error["param"] == param
     normal(guarded)
 
 

@@ -198,14 +198,54 @@ class ApiError(Exception):
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
-    first = exc.errors()[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    errors = exc.errors()
+    first = errors[0]
+    loc = _loc(first)
+    member = next((i for i, x in enumerate(loc) if _union_member(x)), None)
+    if member is not None:
+        return _union_error(errors, loc[:member])
+    param = ".".join(map(str, loc)) or None
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"unrecognized request argument: {param}", param=param)
     if first.get("type") == "json_invalid":
         return ApiError(400, "the request body is not valid JSON")
+    if param is None and first.get("type") == "missing":
+        return ApiError(400, "the request body is empty")
     return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _loc(error: dict) -> list:
+    return [x for x in error.get("loc", ()) if x != "body"]
+
+
+def _union_member(x: object) -> bool:
+    """Whether an error location's element names the member of a union that pydantic tried (a
+    type such as 'str' or 'list[int]', a literal, a model class), not a field (ours are
+    snake_case) or a list index: it is no part of the request's own path."""
+    return isinstance(x, str) and (x in _TYPE_NAMES or "[" in x or x[:1].isupper())
+
+
+def _union_error(errors: list[dict], field: list) -> ApiError:
+    """One 400 for a value at `field` that no member of its union accepts (pydantic reports
+    each member's failure, its name in the location): the member whose failure lies deepest
+    inside the value names the part that is wrong; where none got inside it, what each wanted."""
+    n = len(field)
+    members = [(loc, e) for e in errors
+               if (loc := _loc(e))[:n] == field and len(loc) > n and _union_member(loc[n])]
+    loc, deepest = max(members, key=lambda m: len(m[0]))
+    if len(loc) > n + 1:
+        param = ".".join(str(x) for x in loc if not _union_member(x))
+        return ApiError(400, f"{param}: {deepest.get('msg', 'invalid')}", param=param)
+    param = ".".join(map(str, field))
+    wants = list(dict.fromkeys(e.get("msg", "invalid") for _, e in members))
+    prefix = "Input should be "
+    if all(w.startswith(prefix) for w in wants):
+        wants = [w.removeprefix(prefix) for w in wants]
+        return ApiError(400, f"{param}: {prefix}{', or '.join(wants)}", param=param)
+    return ApiError(400, f"{param}: {'; or '.join(wants)}", param=param)
 
 
 # ---------------------------------------------------------------------------------- metrics
