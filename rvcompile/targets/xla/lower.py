@@ -278,6 +278,11 @@ class TakesPaged:
         return self.fn(*args, **kwargs)
 
 
+def mesh_devices(mesh) -> int:
+    """The devices along a program's one mesh axis (its tensor parallelism); 1 without a mesh."""
+    return 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+
+
 def f32(x):
     return _val(x).astype(jnp.float32)
 
@@ -608,7 +613,7 @@ def span_dots(kind: str, x, span, mesh=None):
         # 2 full layers of one 512-dim head at 2048 tokens on v6e).
         padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=group)
         return lax.slice_in_dim(span_dots(kind, padded, span, mesh), 0, 1, axis=2)
-    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    tp = mesh_devices(mesh)
     eq = {"scores": "btkgd,bskd->bkgts", "values": "bkgts,bskd->bkgtd"}[kind]
     if kh % tp or kh // tp == 1:
         return jnp.einsum(eq, x, f32(span), precision=lax.Precision.HIGHEST,
@@ -659,7 +664,7 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so the build exports tensor-parallel programs
     for TPU alone with their pools fixed (export.fixed_pools); others with a mesh keep the XLA
     lowering."""
-    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    tp = mesh_devices(mesh)
     static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
     plain = not k.steps and not v.steps
     if k.cache.ring:
@@ -719,7 +724,7 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None,
         pools += [k.cache.scale] + [v.cache.scale] * (not same)
     # the query and the output as rows [B, heads x D], as the projections write and read them
     # (as [B, K, G, D] blocks XLA relaid both around the call: paged_kernel.paged_decode)
-    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    tp = mesh_devices(mesh)
     args = [f32(q_rows).reshape(b, nh * d), layers, k.cache.table, q_pos[:, 0], *pools]
     if folded is not None:
         args.append(folded.w)
@@ -1184,7 +1189,7 @@ def decode_mlp_kernel(norm, x, w, names, scales, residual=None, *, stacked, mesh
 
     (wg, index), (wu, _), (wd, _) = map(stacked, names)
     sg, su, sd = scales
-    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    tp = mesh_devices(mesh)
     b, t, h = x.shape
     n, width = wg.shape[:2]
     quantized = wg.dtype == jnp.int8 and all(s is not None for s in scales)
@@ -1252,7 +1257,7 @@ def decode_projections_kernel(norm, x, w, names, scales, heads, tails=None, *, s
     ws = [stacked(name) for name in names]
     index = ws[0][1]
     ws = [a for a, _ in ws]
-    tp = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    tp = mesh_devices(mesh)
     b, t, h = x.shape
     n = ws[0].shape[0]
     quantized = all(a.dtype == jnp.int8 for a in ws) and all(s is not None for s in scales)

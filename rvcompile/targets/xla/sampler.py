@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rvcompile.targets.xla.hlo_traffic import BRANCHES
-from rvcompile.targets.xla.lower import sample_branch, sample_without_sort
+from rvcompile.targets.xla.lower import mesh_devices, sample_branch, sample_without_sort
 
 TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs
 
@@ -111,7 +111,7 @@ def splits_by_rows(mesh, batch: int) -> bool:
     """Whether `split_by_rows` serves a batch of `batch` rows under `mesh` (None: one device):
     a mesh of N > 1 devices and a batch of a multiple of N rows (B = 1 never: one lane's step
     stays on every device, as it was)."""
-    n = 1 if mesh is None else mesh.shape[mesh.axis_names[0]]
+    n = mesh_devices(mesh)
     return n > 1 and batch % n == 0
 
 
