@@ -82,6 +82,9 @@ class TileConfig:
 
 
 CONFIGS = {c.entry: c for c in (
+    # twice the CTAs of 64 x 128 on a narrow output at few rows, where the GEMM streams weights;
+    # its rate is not measured yet, so default_entry leaves it out
+    TileConfig("gemm_fp8_tc_64x64", "e4m3", (64, 64, 128), (1, 1), "pingpong", True, 0),
     TileConfig("gemm_fp8_tc_64x128", "e4m3", (64, 128, 128), (1, 1), "pingpong", True, 5.57),
     TileConfig("gemm_fp8_tc_64x256", "e4m3", (64, 256, 128), (1, 1), "pingpong", True, 7.34),
     TileConfig("gemm_fp8_tc_128x128", "e4m3", (128, 128, 128), (1, 1), "cooperative", True,

@@ -76,18 +76,23 @@ BF16_GEMM_ROWS = 4
 # ... and only as wide as the tiny models' vocabularies (1024 and up): an output narrower than
 # 4 tiles of 256 columns gains nothing from the tensor cores
 BF16_GEMM_MIN_N = 1024
-# FP8 linears of 2 to F16_MAX_ROWS rows whose x was written by a launch with a _q twin (the norms
-# before q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's
-# f16-row entries: x as it is, times a power of two per row from the twin's q_scale, in f16, so
-# that each weight pair takes one conversion where bf16 takes five (the bf16 rows' product, term
-# for term); the other small-batch rows (the attention output before o, the per-layer inputs, 17
-# to 32 rows) its bf16-row entries; one row gemv_fp8. One 31B step's linears on an H200
-# (benchmarks/h100_gemv_mma.py, 2026-11-29, docs/BENCHMARKS.md), ms at 1 / 2 / 4 / 8 / 16 / 32
-# rows: f16 rows 8.50 / 8.82 / 9.22 / 9.10 / 10.49 / 15.41, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 /
-# 11.16 / 14.15, gemv_fp8 8.74 (one row). In the decode_1 graph gemv_fp8 stays ahead of the MMA
-# GEMV (H100, 2026-11-24: 12.80 ms against 13.65; H200, 2026-11-29, with the weights fed
-# unconverted to an e4m3 mma: 9.66 against 10.65).
-F16_MAX_ROWS = 16
+# FP8 linears of up to FP8_GEMV_MAX_ROWS rows stream W on a GEMV, more rows on the tensor-core
+# GEMM (fp8_gemm: x quantized per row to e4m3). The GEMM's 64-row tile streams W once as well, so
+# from 17 rows it is ahead: one 31B step's linears on an H200 (benchmarks/h100_gemv_mma.py,
+# 2026-11-29, docs/BENCHMARKS.md) took 14.15 ms on the GEMV's bf16 rows and 15.41 on its f16
+# rows at 32 rows, where decode_64's GEMMs took 12.01 ms in all; and the assistant's verify steps
+# at 8 lanes x 3 / 4 rows (24 / 32 rows, bf16-row GEMV) took 20.5 / 20.7 ms against 16.8 at 8 x 5
+# (40 rows, the GEMM). Of the GEMV rows, those a launch with a _q twin wrote (the norms before
+# q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's f16-row
+# entries from 2 rows: x as it is, times a power of two per row from the twin's q_scale, in f16,
+# so that each weight pair takes one conversion where bf16 takes five (the bf16 rows' product,
+# term for term); the other rows (the attention output before o, the per-layer inputs) its
+# bf16-row entries; one row gemv_fp8. The same step's linears, ms at 1 / 2 / 4 / 8 / 16 rows:
+# f16 rows 8.50 / 8.82 / 9.22 / 9.10 / 10.49, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 / 11.16,
+# gemv_fp8 8.74 (one row). In the decode_1 graph gemv_fp8 stays ahead of the MMA GEMV (H100,
+# 2026-11-24: 12.80 ms against 13.65; H200, 2026-11-29, with the weights fed unconverted to an
+# e4m3 mma: 9.66 against 10.65).
+FP8_GEMV_MAX_ROWS = 16
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
 
 
@@ -424,7 +429,7 @@ class EntryLowering:
         - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
         - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS
           (linear() sends the tied head over many rows to bf16_gemm instead);
-        - FP8 W with per-row scales (x bf16): up to gemv_mma_fp8.MAX_ROWS rows the tensor-core
+        - FP8 W with per-row scales (x bf16): up to FP8_GEMV_MAX_ROWS rows the tensor-core
           GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
           entries, wide decode) x quantized per row to e4m3 (row_codes), then the tensor-core GEMM
           (fp8_gemm)."""
@@ -438,7 +443,7 @@ class EntryLowering:
                 r = min(gemv_bf16.MAX_ROWS, rows - r0)
                 self.emit(gemv_bf16.ENTRY, gemv_bf16.launch_geometry(r, n, k, SM_COUNT), W=w,
                           x=x.at(r0 * k * 2), y=y.at(r0 * n * 4), M=r, N=n, K=k)
-        elif rows <= gemv_mma_fp8.MAX_ROWS:
+        elif rows <= FP8_GEMV_MAX_ROWS:
             self.fp8_gemv(x, w, scale, y, rows, n, k)
         else:
             self.fp8_gemm(x, w, scale, y, rows, n, k)
@@ -450,7 +455,7 @@ class EntryLowering:
         if rows == 1 and k * 2 <= gemv_fp8.MAX_SMEM and k % 16 == 0:
             self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
                       scale=scale, x=x, y=y, M=1, N=n, K=k)
-        elif rows <= F16_MAX_ROWS and rows == self.m and x in self.row_quant:
+        elif rows == self.m and x in self.row_quant:
             _, q_scale = self.row_codes(x, rows, k)
             g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT, kind="f16")
             self.emit(g.entry, g, W=w, scale=scale, x=x, q_scale=q_scale, y=y, M=rows, N=n,

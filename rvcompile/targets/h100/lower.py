@@ -18,7 +18,7 @@ decode and verify entries also output every row's state and apply the speculativ
 the lanes that ask for it (ratio.py; schedule version 10).
 
 With prefill packing, `mixed_{P}_{B}` for every packed prefill_{P} and every decode_{B} past
-gemv_mma_fp8's rows (mixed_shapes): P prefill rows and B decode lanes in one call, each part's
+the FP8 GEMV's rows (mixed_shapes): P prefill rows and B decode lanes in one call, each part's
 attention and sampling launched as its own entry launches them (launches.py, kind "mixed").
 
 Verify needs no kernels of its own: a decode entry already runs each row at its own position
@@ -42,9 +42,9 @@ from rvcompile.artifacts.kernel_schedule import (
 )
 from rvcompile.ir.graph import ModelIR
 from rvcompile.ir.ops import Op
-from rvcompile.targets.h100 import gemv_mma_fp8, layout, sample
+from rvcompile.targets.h100 import layout, sample
 from rvcompile.targets.h100.draft import DraftLowering, draft_io_fields, ratio_fields
-from rvcompile.targets.h100.launches import EntryLowering, float32_activations
+from rvcompile.targets.h100.launches import FP8_GEMV_MAX_ROWS, EntryLowering, float32_activations
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
 
@@ -74,7 +74,7 @@ def decode_buckets(max_seqs: int) -> tuple[int, ...]:
 def packing_rows(ir: ModelIR, max_seqs: int, prefill_buckets: tuple[int, ...],
                  tp: RankPlan | None) -> tuple[int, int] | None:
     """(sequences, min_rows) of the schedule's PrefillPacking, or None where packing would
-    change a row's bits. From min_rows (the smallest prefill entry past gemv_mma_fp8's rows) on,
+    change a row's bits. From min_rows (the smallest prefill entry past the FP8 GEMV's rows) on,
     every launch of a prefill entry computes a row from that row alone, the same way at any
     row count: per-token e4m3 quantization and the tensor-core GEMM (a row's products summed in
     the same k order by every tile shape), per-row norms and elementwise kernels, and the
@@ -84,22 +84,23 @@ def packing_rows(ir: ModelIR, max_seqs: int, prefill_buckets: tuple[int, ...],
     if tp is not None or max_seqs < 2 or float32_activations(ir) or any(
             n.op in (Op.MOE, Op.MOE_BLOCK) for g in ir.layers for n in g.nodes):
         return None
-    rows = sorted(t for t in set(prefill_buckets) if t > gemv_mma_fp8.MAX_ROWS)
+    rows = sorted(t for t in set(prefill_buckets) if t > FP8_GEMV_MAX_ROWS)
     return (min(PREFILL_SEQS, max_seqs), rows[0]) if rows else None
 
 
 def mixed_shapes(packing: tuple[int, int] | None, prefill_buckets: tuple[int, ...],
                  max_seqs: int) -> tuple[tuple[int, int], ...]:
     """(P, B) of the mixed entries: every packed prefill entry's P rows with every decode
-    width B past gemv_mma_fp8's rows. There, each of the entry's launches computes a row as the
-    prefill_{P} or decode_{B} entry does (the tensor-core GEMM's rows are independent of the
-    row count; attention and sampling run as two launches, one per part), so a step's prompt
-    chunks ride along its decode lanes' read of the weights without changing a bit of
-    either; narrower decode entries run gemv_mma_fp8, whose bits differ from the GEMM's."""
+    width B past the FP8 GEMV's rows (launches.FP8_GEMV_MAX_ROWS). There, each of the entry's
+    launches computes a row as the prefill_{P} or decode_{B} entry does (the tensor-core GEMM's
+    rows are independent of the row count; attention and sampling run as two launches, one per
+    part), so a step's prompt chunks ride along its decode lanes' read of the weights without
+    changing a bit of either; narrower decode entries run the GEMVs, whose bits differ from the
+    GEMM's."""
     if packing is None:
         return ()
     return tuple((p, b) for p in sorted(set(prefill_buckets)) if p >= packing[1]
-                 for b in decode_buckets(max_seqs) if b > gemv_mma_fp8.MAX_ROWS)
+                 for b in decode_buckets(max_seqs) if b > FP8_GEMV_MAX_ROWS)
 
 
 def verify_buckets(max_seqs: int, draft_tokens: int) -> tuple[int, ...]:

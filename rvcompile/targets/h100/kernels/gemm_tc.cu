@@ -104,10 +104,13 @@ using CooperativeBf16 = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpiPingpong = cutlass::epilogue::TmaWarpSpecialized;
 using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// The tiles default_entry chooses among, and the promoted variant. (Measured and dropped: 2 x 1
+// The tiles default_entry chooses among, and the promoted variant; 64 x 64 doubles the CTAs that
+// stream a narrow output's weights at few rows (N = 5376: 84 tiles on 132 SMs where 64 x 128
+// makes 42), not yet measured, so never chosen. (Measured and dropped: 2 x 1
 // clusters with the weight tile multicast, 256 x 128 tiles with 1 x 2 clusters and a 128 x 128
 // ping-pong were no faster at the 31B shapes; docs/BENCHMARKS.md.) The bf16 tiles are 64 deep:
 // 128 bytes of K per row, the TMA swizzle's width, as the FP8 tiles' 128.
+using Tc64x64 = Config<E4m3, 64, 64, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc64x128 = Config<E4m3, 64, 128, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc64x256 = Config<E4m3, 64, 256, 128, 1, 1, Pingpong, EpiPingpong>;
 using Tc128x128 = Config<E4m3, 128, 128, 128, 1, 1, Cooperative, EpiCooperative>;
@@ -119,6 +122,7 @@ using Bf16x128x256 = Config<Bf16, 128, 256, 64, 1, 1, CooperativeBf16, EpiCooper
 
 // X(entry name, configuration): every entry of the module. Names must match gemm_tc.py.
 #define GEMM_TC_CONFIGS(X)                                    \
+    X(gemm_fp8_tc_64x64, gemm_tc::Tc64x64)                    \
     X(gemm_fp8_tc_64x128, gemm_tc::Tc64x128)                  \
     X(gemm_fp8_tc_64x256, gemm_tc::Tc64x256)                  \
     X(gemm_fp8_tc_128x128, gemm_tc::Tc128x128)                \
