@@ -213,10 +213,11 @@ def test_every_kernel_function_is_declared_and_every_declaration_defined(sources
     declared = {(e.source, e.name) for e in registry.ENTRIES.values()}
     assert defined - declared == set(), "functions no module declares"
     assert declared - defined == set(), "declarations with no function"
-    assert len(defined) == 510  # 150 attn_decode + 4 of its K=V tensor-core entries + 1
+    assert len(defined) == 511  # 150 attn_decode + 4 of its K=V tensor-core entries + 1
     # combine, 100 attn_prefill + 100 of its tensor-core decode entries, 50 GEMM, ...,
     # 2 draft_concat, 4 centroid head, sample_pick_dist and spec_ratio, sha256_pieces, the 3
-    # norm / gelu_mul entries quantizing their rows (_q), gemv_mma_fp8's 36 f16-row entries
+    # norm / gelu_mul entries quantizing their rows (_q), gemv_mma_fp8's 36 f16-row entries, the
+    # 64 x 64 FP8 GEMM tile
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in KERNEL_DIR.glob("*.cu")))

@@ -85,7 +85,12 @@ def test_shapes_and_default_entries() -> None:
     assert pick(2048, 43008, 132) == "gemm_fp8_tc_128x256"
     # 5376 columns at 256 rows: 42 tiles of 128 x 256 leave 90 SMs idle, 84 of 128 x 128 fewer
     assert pick(256, 5376, 132) == "gemm_fp8_tc_128x128"
-    assert pick(1, 8, 132) == "gemm_fp8_tc_64x128"
+    # few rows of a narrow output: 84 tiles of 64 x 64 stream the weights on more SMs than 42
+    # of 64 x 128 (the 31B's o and down), but not where 64 x 128 already fills the SMs
+    assert pick(32, 5376, 132) == pick(64, 5376, 132) == "gemm_fp8_tc_64x64"
+    assert pick(64, 16384, 132) == "gemm_fp8_tc_64x128"
+    assert pick(128, 5376, 132) == "gemm_fp8_tc_64x128"
+    assert pick(1, 8, 132) == "gemm_fp8_tc_64x64"
     launch = gemm_tc.quant_launch(3, 32, "float32")
     assert launch.entry == "quant_fp8_rows_f32" and launch.grid == (3, 1, 1)
     assert launch.smem == 128 and gemm_tc.quant_launch(3, 21504, "bfloat16").smem == 43008

@@ -29,7 +29,7 @@ import pytest
 from h100_helpers import h100_context
 from test_h100_gemv import random_fp8
 
-from rvcompile.targets.h100 import gemm_tc
+from rvcompile.targets.h100 import gemm_tc, launches
 from rvcompile.targets.h100 import gemv_mma_fp8 as gm
 
 TOLERANCE = 1e-5
@@ -252,3 +252,42 @@ def test_every_entry_matches_reference(kernel, warps: int, split: int, kind: str
     check_rows(kernel, 1000, 4176, seed=warps * 10 + split, kind=kind,
                rows=(1, 7, 8, 9, 16, 17, 32), warps=warps, split=split)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [256, 512])
+def test_f16_rows_take_a_bound_above_their_amax(kernel, d: int) -> None:
+    """The attention output's rows before o (launches.ATTENTION_OUT_BOUND): convex combinations
+    of RMS-normed V rows, |x| <= sqrt(d), with that bound as every row's q_scale rather than the
+    row's own amax: some rows near the bound (one-hot V), others far below it (V rows that
+    cancel), against the same reference and tolerance, at the 31B's o shapes."""
+    ctx, _ = kernel
+    rng = np.random.default_rng(d)
+    n, k = 5376, 32 * d
+    w = random_fp8(rng, (n, k))
+    scale = rng.uniform(1e-4, 1e-3, n).astype(np.float32)
+    v = rng.normal(size=(64, k)).astype(np.float32)
+    v[:4] = 0
+    v[np.arange(4), rng.integers(0, k, 4)] = 1.0  # one-hot: the normed row's largest value
+    v = v.reshape(64, -1, d)
+    v *= np.sqrt(d) / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)
+    v = v.reshape(64, k)
+    p = rng.dirichlet(np.full(64, 0.05), size=16).astype(np.float32)  # rows: convex combinations
+    x = (p @ v).astype(ml_dtypes.bfloat16)
+    x[8:] = (x[8:].astype(np.float32) * 1e-6).astype(ml_dtypes.bfloat16)  # far below the bound
+    bound = launches.ATTENTION_OUT_BOUND * np.sqrt(d)
+    assert np.abs(x.astype(np.float32)).max() <= bound
+    dw, ds = ctx.upload(w), ctx.upload(scale)
+    try:
+        for m in (2, 8, 16):
+            launch = gm.launch_geometry(m, n, k, ctx.sm_count, kind="f16")
+            got = run(kernel, launch, dw, ds, x[:m], n,
+                      np.full(m, bound / gemm_tc.E4M3_MAX, np.float32))
+            assert np.isfinite(got).all(), (m, launch)
+            want = gm.reference(w, scale, x[:m])
+            err, ref = (got - want).astype(np.float64), want.astype(np.float64)
+            rel = np.linalg.norm(err, axis=1) / np.linalg.norm(ref, axis=1)
+            assert rel.max() < TOLERANCE, (m, launch, rel.max())
+    finally:
+        ctx.free(dw)
+        ctx.free(ds)

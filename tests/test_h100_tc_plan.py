@@ -103,7 +103,10 @@ def test_tc_plan_uses_both_new_kernels(plans):
                 assert {"residual_rmsnorm_q", "gelu_mul_q"} <= set(quantizers), quantizers
             else:
                 assert not gemms
-                assert any(k.startswith("gemv_mma_fp8") for k in kernels) != one_row, name
+                # two or more rows: every linear on the MMA GEMV's f16 rows (o's input with the
+                # attention output's bound as its q_scale)
+                assert any(k.startswith("gemv_mma_f16") for k in kernels) != one_row, name
+                assert not any(k.startswith("gemv_mma_fp8") for k in kernels), name
         tensor_core = {x.kernel for e in s.entries.values() for x in e.launches
                        if x.module == "gemm_tc.cu"}
         assert bool(s.params_templates) == bool(tensor_core)

@@ -76,24 +76,43 @@ BF16_GEMM_ROWS = 4
 # ... and only as wide as the tiny models' vocabularies (1024 and up): an output narrower than
 # 4 tiles of 256 columns gains nothing from the tensor cores
 BF16_GEMM_MIN_N = 1024
-# FP8 linears of up to FP8_GEMV_MAX_ROWS rows stream W on a GEMV, more rows on the tensor-core
-# GEMM (fp8_gemm: x quantized per row to e4m3). The GEMM's 64-row tile streams W once as well, so
-# from 17 rows it is ahead: one 31B step's linears on an H200 (benchmarks/h100_gemv_mma.py,
-# 2026-11-29, docs/BENCHMARKS.md) took 14.15 ms on the GEMV's bf16 rows and 15.41 on its f16
-# rows at 32 rows, where decode_64's GEMMs took 12.01 ms in all; and the assistant's verify steps
-# at 8 lanes x 3 / 4 rows (24 / 32 rows, bf16-row GEMV) took 20.5 / 20.7 ms against 16.8 at 8 x 5
-# (40 rows, the GEMM). Of the GEMV rows, those a launch with a _q twin wrote (the norms before
-# q/k/v and the MLP, gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's f16-row
-# entries from 2 rows: x as it is, times a power of two per row from the twin's q_scale, in f16,
-# so that each weight pair takes one conversion where bf16 takes five (the bf16 rows' product,
-# term for term); the other rows (the attention output before o, the per-layer inputs) its
-# bf16-row entries; one row gemv_fp8. The same step's linears, ms at 1 / 2 / 4 / 8 / 16 rows:
-# f16 rows 8.50 / 8.82 / 9.22 / 9.10 / 10.49, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 / 11.16,
-# gemv_fp8 8.74 (one row). In the decode_1 graph gemv_fp8 stays ahead of the MMA GEMV (H100,
-# 2026-11-24: 12.80 ms against 13.65; H200, 2026-11-29, with the weights fed unconverted to an
-# e4m3 mma: 9.66 against 10.65).
-FP8_GEMV_MAX_ROWS = 16
+# FP8 linears of up to DECODE_GEMV_MAX_ROWS rows (decode, verify, draft entries) or
+# PROMPT_GEMV_MAX_ROWS rows (prefill and logits entries) stream W on a GEMV, more rows run the
+# tensor-core GEMM (fp8_gemm: x quantized per row to e4m3). The GEMM's 64-row tile streams W once as
+# well, so from 17 rows it is ahead: one 31B step's linears on an H200 (benchmarks/h100_gemv_mma.py,
+# 2026-11-29, docs/BENCHMARKS.md) took 14.13 ms on the GEMV's bf16 rows and 15.46 on its f16 rows at
+# 32 rows, where decode_32's GEMMs took 12.04 ms in all; and the assistant's verify steps at 8 lanes
+# x 3 / 4 rows (24 / 32 rows, bf16-row GEMV) took 20.5 / 20.7 ms against 16.8 at 8 x 5 (40 rows, the
+# GEMM), and 15.28 / 15.40 on the GEMM from 17 rows. A prompt's chunk of 17 to 32 rows keeps the
+# GEMV: it runs once a prompt, and e4m3 rows there cost the tiny oracle models top-1 agreement
+# (tests/test_h100_schedule.py's dense case, buckets 8 / 32: 0.66 against the bf16 rows' >= 0.70).
+# Of the GEMV rows, those a launch with a _q twin wrote (the norms before q/k/v and the MLP,
+# gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's f16-row entries from 2 rows: x
+# as it is, times a power of two per row from the twin's q_scale, in f16, so that each weight pair
+# takes one conversion where bf16 takes five (the bf16 rows' product, term for term); so do the
+# attention output's rows before o, with a bound on them in place of the q_scale
+# (ATTENTION_OUT_BOUND); the other rows (the per-layer inputs) its bf16-row entries; one row
+# gemv_fp8. The same step's linears, ms at 1 / 2 / 4 / 8 / 16 rows: f16 rows 8.50 / 8.82 / 9.22 /
+# 9.10 / 10.49, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 / 11.16, gemv_fp8 8.74 (one row). In the
+# decode_1 graph gemv_fp8 stays ahead of the MMA GEMV (H100, 2026-11-24: 12.80 ms against 13.65;
+# H200, 2026-11-29, with the weights fed unconverted to an e4m3 mma: 9.66 against 10.65).
+DECODE_GEMV_MAX_ROWS = 16
+PROMPT_GEMV_MAX_ROWS = gemv_mma_fp8.MAX_ROWS
+# Every value of an attention output row is at most this times sqrt(head dim): Gemma 4's V is
+# RMSNorm_noscale of its projection (qkv_post writes every V and K=V base so), whose elements
+# are at most sqrt(d) in magnitude, and a row is a convex combination of V rows; the margin
+# covers rounding (the V pool's bf16 or e4m3-with-amax-scale, the softmax's sum, the output's
+# bf16: under 0.6% together). The f16-row GEMV takes bound / 448 as each row's q_scale: its
+# power of two then keeps every row below f16's largest binade, and values down to 2^-24
+# exact (of rows whose largest values are far below the bound, the tiniest values lose low bits
+# as f16 subnormals: at most 2^-35 each, against the bf16 rounding of the row itself).
+ATTENTION_OUT_BOUND = 1.01
 GEMV_READERS = (Op.LINEAR, Op.MULTI_LINEAR)  # ops that read their input as the GEMV's copy
+
+
+def gemv_max_rows(kind: str) -> int:
+    """The most rows an entry of `kind` runs an FP8 linear on a GEMV (above)."""
+    return PROMPT_GEMV_MAX_ROWS if kind in ("prefill", "logits") else DECODE_GEMV_MAX_ROWS
 
 
 def float32_activations(ir: ModelIR) -> bool:
@@ -250,6 +269,8 @@ class EntryLowering:
         # a bf16 row buffer -> the _q twin of the launch writing it, or, once an FP8 GEMM asked
         # for it, the (q, scale) of the rows' per-row FP8 quantization that twin writes
         self.row_quant: dict[Ref, _QuantTwin | tuple[Ref, Ref]] = {}
+        # a bf16 row buffer -> a bound on every value in it (an attention output's)
+        self.row_bound: dict[Ref, float] = {}
         self.outputs: dict[str, tuple[Ref, str, tuple[int, ...]]] = {}
 
     def buffer(self, nbytes: int) -> Ref:
@@ -429,7 +450,7 @@ class EntryLowering:
         - float32 W (x float32 too): the float32 GEMV in groups of its MAX_ROWS;
         - bf16 W (the tied head, the MoE router; x bf16): the bf16 GEMV in groups of its MAX_ROWS
           (linear() sends the tied head over many rows to bf16_gemm instead);
-        - FP8 W with per-row scales (x bf16): up to FP8_GEMV_MAX_ROWS rows the tensor-core
+        - FP8 W with per-row scales (x bf16): up to gemv_max_rows the tensor-core
           GEMV, which reads W once for all of them (fp8_gemv); more rows (prefill chunks, logits
           entries, wide decode) x quantized per row to e4m3 (row_codes), then the tensor-core GEMM
           (fp8_gemm)."""
@@ -443,7 +464,7 @@ class EntryLowering:
                 r = min(gemv_bf16.MAX_ROWS, rows - r0)
                 self.emit(gemv_bf16.ENTRY, gemv_bf16.launch_geometry(r, n, k, SM_COUNT), W=w,
                           x=x.at(r0 * k * 2), y=y.at(r0 * n * 4), M=r, N=n, K=k)
-        elif rows <= FP8_GEMV_MAX_ROWS:
+        elif rows <= gemv_max_rows(self.kind):
             self.fp8_gemv(x, w, scale, y, rows, n, k)
         else:
             self.fp8_gemm(x, w, scale, y, rows, n, k)
@@ -451,12 +472,16 @@ class EntryLowering:
     def fp8_gemv(self, x: Ref, w: Ref, scale: Ref, y: Ref, rows: int, n: int, k: int) -> None:
         """W streamed once for every row (see the measurements above): one row on gemv_fp8
         where its staged x fits; rows a _q twin writes on the f16-row entries, with the twin's
-        q_scale (row_codes; its codes go unread); others on the bf16-row entries."""
+        q_scale (row_codes; its codes go unread), and an attention output's with its bound
+        (row_bound); others on the bf16-row entries."""
         if rows == 1 and k * 2 <= gemv_fp8.MAX_SMEM and k % 16 == 0:
             self.emit(gemv_fp8.ENTRY, gemv_fp8.launch_geometry(1, n, k, SM_COUNT), W=w,
                       scale=scale, x=x, y=y, M=1, N=n, K=k)
-        elif rows == self.m and x in self.row_quant:
-            _, q_scale = self.row_codes(x, rows, k)
+        elif rows == self.m and (x in self.row_quant or x in self.row_bound):
+            if x in self.row_quant:
+                _, q_scale = self.row_codes(x, rows, k)
+            else:
+                q_scale = self.consts.add(np.full(rows, self.row_bound[x] / gemm_tc.E4M3_MAX))
             g = gemv_mma_fp8.launch_geometry(rows, n, k, SM_COUNT, kind="f16")
             self.emit(g.entry, g, W=w, scale=scale, x=x, q_scale=q_scale, y=y, M=rows, N=n,
                       K=k)
@@ -680,6 +705,8 @@ class EntryLowering:
             self.prefill_attention(at_rows, 0, self.m, **args)
         else:
             self.decode_attention(at_rows, 0, self.m, **args)
+        if out_bf16 is not None:
+            self.row_bound[out_bf16] = ATTENTION_OUT_BOUND * float(np.sqrt(d))
         return _Val(d, f32=out, lin=out if f32 else out_bf16)
 
     def prefill_attention(self, x: _Rows, row0: int, rows: int, *, a, kh: int, d: int,

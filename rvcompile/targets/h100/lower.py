@@ -44,7 +44,12 @@ from rvcompile.ir.graph import ModelIR
 from rvcompile.ir.ops import Op
 from rvcompile.targets.h100 import layout, sample
 from rvcompile.targets.h100.draft import DraftLowering, draft_io_fields, ratio_fields
-from rvcompile.targets.h100.launches import FP8_GEMV_MAX_ROWS, EntryLowering, float32_activations
+from rvcompile.targets.h100.launches import (
+    DECODE_GEMV_MAX_ROWS,
+    PROMPT_GEMV_MAX_ROWS,
+    EntryLowering,
+    float32_activations,
+)
 from rvcompile.targets.h100.layout import LoweringError, WeightSlot, layout_weights
 from rvcompile.targets.h100.tensor_parallel import RankPlan, Shard, shard_ir
 
@@ -84,14 +89,14 @@ def packing_rows(ir: ModelIR, max_seqs: int, prefill_buckets: tuple[int, ...],
     if tp is not None or max_seqs < 2 or float32_activations(ir) or any(
             n.op in (Op.MOE, Op.MOE_BLOCK) for g in ir.layers for n in g.nodes):
         return None
-    rows = sorted(t for t in set(prefill_buckets) if t > FP8_GEMV_MAX_ROWS)
+    rows = sorted(t for t in set(prefill_buckets) if t > PROMPT_GEMV_MAX_ROWS)
     return (min(PREFILL_SEQS, max_seqs), rows[0]) if rows else None
 
 
 def mixed_shapes(packing: tuple[int, int] | None, prefill_buckets: tuple[int, ...],
                  max_seqs: int) -> tuple[tuple[int, int], ...]:
     """(P, B) of the mixed entries: every packed prefill entry's P rows with every decode
-    width B past the FP8 GEMV's rows (launches.FP8_GEMV_MAX_ROWS). There, each of the entry's
+    width B past the FP8 GEMV's rows (launches.DECODE_GEMV_MAX_ROWS). There, each of the entry's
     launches computes a row as the prefill_{P} or decode_{B} entry does (the tensor-core GEMM's
     rows are independent of the row count; attention and sampling run as two launches, one per
     part), so a step's prompt chunks ride along its decode lanes' read of the weights without
@@ -100,7 +105,7 @@ def mixed_shapes(packing: tuple[int, int] | None, prefill_buckets: tuple[int, ..
     if packing is None:
         return ()
     return tuple((p, b) for p in sorted(set(prefill_buckets)) if p >= packing[1]
-                 for b in decode_buckets(max_seqs) if b > FP8_GEMV_MAX_ROWS)
+                 for b in decode_buckets(max_seqs) if b > DECODE_GEMV_MAX_ROWS)
 
 
 def verify_buckets(max_seqs: int, draft_tokens: int) -> tuple[int, ...]:

@@ -106,7 +106,7 @@ using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
 // The tiles default_entry chooses among, and the promoted variant; 64 x 64 doubles the CTAs that
 // stream a narrow output's weights at few rows (N = 5376: 84 tiles on 132 SMs where 64 x 128
-// makes 42), not yet measured, so never chosen. (Measured and dropped: 2 x 1
+// makes 42). (Measured and dropped: 2 x 1
 // clusters with the weight tile multicast, 256 x 128 tiles with 1 x 2 clusters and a 128 x 128
 // ping-pong were no faster at the 31B shapes; docs/BENCHMARKS.md.) The bf16 tiles are 64 deep:
 // 128 bytes of K per row, the TMA swizzle's width, as the FP8 tiles' 128.
