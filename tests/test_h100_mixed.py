@@ -71,8 +71,8 @@ def _pools(executor) -> bytes:
 def test_the_schedule_mixes_the_packed_entries_with_the_tensor_core_widths(art):
     s = reference_executor(art).schedule
     p = s.prefill_packing
-    # decode_1..16 run the GEMVs (launches.FP8_GEMV_MAX_ROWS), decode_32 and 64 the GEMM
-    assert s.mixed_shapes == ((64, 32), (64, 64), (256, 32), (256, 64))
+    # decode_1..8 run the GEMVs (launches.DECODE_GEMV_MAX_ROWS), decode_16..64 the GEMM
+    assert s.mixed_shapes == tuple((p, b) for p in (64, 256) for b in (16, 32, 64))
     assert s.entries["mixed_64_64"].rows == 128 and s.entries["mixed_64_64"].graph
     assert s.io["last_row"].shape == (p.seqs + 64,)
     assert s.outputs["mixed_256_64.out_tokens"].shape == (p.seqs + 64,)
@@ -99,11 +99,11 @@ def test_calls_no_mixed_entry_takes_are_refused(art):
     ex = reference_executor(art)
     chunks, lanes = _chunks(ex), _lanes(ex)
     small = SeqChunk([1, 2, 3], 0, own_tables(ex, 60), Sampling(), 0, 8)
-    assert not ex.mixes(chunks, 16)  # decode_16 runs the GEMVs: no mixed entry
+    assert not ex.mixes(chunks, 8)  # decode_8 runs the GEMVs: no mixed entry
     assert not ex.mixes([chunks[0], small], LANES)
     assert not ex.mixes(chunks, 0)
-    with pytest.raises(ValueError, match="no mixed entry takes 3 chunks .* and 16 lanes"):
-        ex.prefill_decode(chunks, lanes[:16])
+    with pytest.raises(ValueError, match="no mixed entry takes 3 chunks .* and 8 lanes"):
+        ex.prefill_decode(chunks, lanes[:8])
     with pytest.raises(ValueError, match="exactly one token"):
         ex.prefill_decode(chunks, [dataclasses.replace(lanes[0], tokens=[1, 2]), *lanes[1:]])
 
@@ -169,8 +169,8 @@ def test_which_schedules_mix():
     """mixed_shapes: every packed prefill entry with every decode width past the FP8 GEMV's
     rows; none without packing (the float32 plan, MoE, one sequence)."""
     assert lower.mixed_shapes((8, 64), (16, 64, 256), 256) == tuple(
-        (p, b) for p in (64, 256) for b in (32, 64, 128, 256))
-    assert lower.mixed_shapes((8, 64), (16, 64), 16) == ()
+        (p, b) for p in (64, 256) for b in (16, 32, 64, 128, 256))
+    assert lower.mixed_shapes((8, 64), (16, 64), 8) == ()
     assert lower.mixed_shapes(None, (16, 64), 256) == ()
 
 

@@ -79,12 +79,14 @@ BF16_GEMM_MIN_N = 1024
 # FP8 linears of up to DECODE_GEMV_MAX_ROWS rows (decode, verify, draft entries) or
 # PROMPT_GEMV_MAX_ROWS rows (prefill and logits entries) stream W on a GEMV, more rows run the
 # tensor-core GEMM (fp8_gemm: x quantized per row to e4m3). The GEMM's 64-row tile streams W once as
-# well, so from 17 rows it is ahead: one 31B step's linears on an H200 (benchmarks/h100_gemv_mma.py,
-# 2026-11-29, docs/BENCHMARKS.md) took 14.13 ms on the GEMV's bf16 rows and 15.46 on its f16 rows at
-# 32 rows, where decode_32's GEMMs took 12.04 ms in all; and the assistant's verify steps at 8 lanes
-# x 3 / 4 rows (24 / 32 rows, bf16-row GEMV) took 20.5 / 20.7 ms against 16.8 at 8 x 5 (40 rows, the
-# GEMM), and 15.28 / 15.40 on the GEMM from 17 rows. A prompt's chunk of 17 to 32 rows keeps the
-# GEMV: it runs once a prompt, and e4m3 rows there cost the tiny oracle models top-1 agreement
+# well, and in a step's graph it is ahead from 9 rows: on an H200 (31B, 2026-11-29,
+# docs/BENCHMARKS.md) decode_32 on the GEMM took 13.87 ms a step and decode_16 on the f16-row GEMV
+# 14.30; the assistant's verify steps at 8 lanes took 14.93 ms at 16 rows (GEMV) and 14.67 at 24
+# (the GEMM of decode_32), 20.5 / 20.7 ms at 24 / 32 rows on the GEMV's bf16 rows before.
+# (Standalone, one step's linears, benchmarks/h100_gemv_mma.py and h100_gemm_tc.py: at 16 rows the
+# f16-row GEMV 10.52 ms, the GEMM about 11.5; at 32 rows 15.46 against 11.1; the graph's overlap of
+# launches favours the GEMM.) A prompt's chunk of 9 to 32 rows keeps the GEMV: it runs once a
+# prompt, and e4m3 rows there cost the tiny oracle models top-1 agreement
 # (tests/test_h100_schedule.py's dense case, buckets 8 / 32: 0.66 against the bf16 rows' >= 0.70).
 # Of the GEMV rows, those a launch with a _q twin wrote (the norms before q/k/v and the MLP,
 # gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's f16-row entries from 2 rows: x
@@ -96,7 +98,7 @@ BF16_GEMM_MIN_N = 1024
 # 9.10 / 10.49, bf16 rows 9.44 / 9.55 / 9.96 / 9.77 / 11.16, gemv_fp8 8.74 (one row). In the
 # decode_1 graph gemv_fp8 stays ahead of the MMA GEMV (H100, 2026-11-24: 12.80 ms against 13.65;
 # H200, 2026-11-29, with the weights fed unconverted to an e4m3 mma: 9.66 against 10.65).
-DECODE_GEMV_MAX_ROWS = 16
+DECODE_GEMV_MAX_ROWS = 8
 PROMPT_GEMV_MAX_ROWS = gemv_mma_fp8.MAX_ROWS
 # Every value of an attention output row is at most this times sqrt(head dim): Gemma 4's V is
 # RMSNorm_noscale of its projection (qkv_post writes every V and K=V base so), whose elements
