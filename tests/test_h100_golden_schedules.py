@@ -76,6 +76,15 @@ rows) became the gemv_mma_f16_* of the same bucket, warps and split (same grid, 
 memory and arguments, q_scale added after x), each launch writing their rows its _q twin (12,344
 residual_rmsnorm, 312 rmsnorm_bf16, 6,328 gelu_mul), 464 other launches moved pointers only, and
 nothing else but the arena's size changed (checked case by case against dumps at c45d922).
+And again when decode-kind entries took the FP8 GEMM from 9 rows, the GEMM its 64 x 64 tile for
+narrow outputs at few rows, and o's input the f16-row GEMV with the attention output's bound
+(issue 14): in 35 cases, launch by launch against dumps at 4baa4d2, 6,254 gemv_mma_fp8_* launches
+(o's input, 2 to 16 rows) became the gemv_mma_f16_* of the same bucket, warps, split, grid,
+block and shared memory (q_scale added, a constant), 11,019 gemm_fp8_tc_64x128 launches became
+gemm_fp8_tc_64x64 (and 3,618 GEMM launches changed their parameter block only), the three
+drafter cases' verify_16 entries replaced their GEMV launches by the GEMM and a quant_fp8_rows
+before each o (608 -> 668 launches in the 31B's), 135,499 other launches moved pointers only;
+the constants (the bounds), offsets after them and the parameter templates changed with them.
 
 Models: the tiny presets (every feature; a toy 31B), the default model (models/rv-gemma4-tiny:
 PLE, K=V, KV sharing), and the released E2B, E4B (PLE), 12B, 26B-A4B (MoE) and 31B (K=V full
