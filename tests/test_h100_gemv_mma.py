@@ -201,6 +201,15 @@ def run(kernel, launch: gm.Launch, dw, ds, x: np.ndarray, n: int,
     return got
 
 
+def assert_matches_reference(got: np.ndarray, w, scale, x, where) -> None:
+    """Every output written and each row within TOLERANCE (relative) of the reference."""
+    assert np.isfinite(got).all(), where
+    want = gm.reference(w, scale, x)
+    err, ref = (got - want).astype(np.float64), want.astype(np.float64)
+    rel = np.linalg.norm(err, axis=1) / np.linalg.norm(ref, axis=1)
+    assert rel.max() < TOLERANCE, (*where, rel.max())
+
+
 def check_rows(kernel, n: int, k: int, seed: int, kind: str, rows=ROWS, warps=None,
                split=None) -> None:
     """Fresh W, scale and x (f16: rows scaled by 1e-20 .. 1e20 from one to the next, their
@@ -224,11 +233,7 @@ def check_rows(kernel, n: int, k: int, seed: int, kind: str, rows=ROWS, warps=No
                           gemm_tc.quantize_rows_reference(x[:m])[1])
             else:
                 got = run(kernel, launch, dw, ds, x[:m], n)
-            assert np.isfinite(got).all(), (m, launch)
-            want = gm.reference(w, scale, x[:m])
-            err, ref = (got - want).astype(np.float64), want.astype(np.float64)
-            rel = np.linalg.norm(err, axis=1) / np.linalg.norm(ref, axis=1)
-            assert rel.max() < TOLERANCE, (m, launch, rel.max())
+            assert_matches_reference(got, w, scale, x[:m], (m, launch))
     finally:
         ctx.free(dw)
         ctx.free(ds)
@@ -284,11 +289,7 @@ def test_f16_rows_take_a_bound_above_their_amax(kernel, d: int) -> None:
             launch = gm.launch_geometry(m, n, k, ctx.sm_count, kind="f16")
             got = run(kernel, launch, dw, ds, x[:m], n,
                       np.full(m, bound / gemm_tc.E4M3_MAX, np.float32))
-            assert np.isfinite(got).all(), (m, launch)
-            want = gm.reference(w, scale, x[:m])
-            err, ref = (got - want).astype(np.float64), want.astype(np.float64)
-            rel = np.linalg.norm(err, axis=1) / np.linalg.norm(ref, axis=1)
-            assert rel.max() < TOLERANCE, (m, launch, rel.max())
+            assert_matches_reference(got, w, scale, x[:m], (m, launch))
     finally:
         ctx.free(dw)
         ctx.free(ds)
