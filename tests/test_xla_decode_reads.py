@@ -11,7 +11,7 @@ of the stacked experts, which TPU serves by copying the layer's whole expert arr
 model's whole decode program is checked by test_xla_topology's TPU build. The same child checks
 that a layer scan of dots (B = 4) reads each layer of the stacked weight once, counts the one
 all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives; once also
-when libtpu's async collective fusion runs it beside independent work) and the one
+where TPU runs it asynchronously, in async collective fusions or on a SparseCore) and the one
 all-reduce of a token lookup in a table split by row (lower.embed under the mesh; XLA's
 partitioner all-reduced the gathered int8 blocks and the scales apart), and that the
 MoE decode over that slice reads a device's share of the picked experts (within 1.3x), where
@@ -148,16 +148,21 @@ def _tpu_child() -> None:
     compiled = jax.jit(lambda weights, x: lower.linear(None, x, weights["o_proj"])).lower(
         w, xs).compile()
     out["collectives"] = traffic(compiled.as_text(), ROOTS).collectives()
-    # beside independent work (a column-parallel projection), compiled with libtpu's async
-    # collective fusion for all-reduces: the all-reduce in the fusions that run beside it
+    # beside independent work (a column-parallel projection), run asynchronously: in libtpu's
+    # async collective fusions (one row), offloaded to a SparseCore (64 rows: it offloads
+    # messages of 64 KiB and up); either way the table counts the all-reduce once
     w["q_proj"] = sds((8192, 4096), jnp.int8, sharding=NamedSharding(mesh, PartitionSpec(
         "tp", None)))
-    ys = sds((1, 4096), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-    hlo = jax.jit(lambda weights, x, y: (lower.linear(None, x, weights["o_proj"]),
-                                         jnp.tanh(lower.linear(None, y, weights["q_proj"])))
-                  ).lower(w, xs, ys).compile(compiler_options=ASYNC_ALL_REDUCE).as_text()
-    out["async_collectives"] = {"fused": ASYNC_COLLECTIVE_START in hlo,
-                                "collectives": traffic(hlo, ROOTS).collectives()}
+    for name, options, rows, started in (
+            ("fused", ASYNC_ALL_REDUCE, 1, ASYNC_COLLECTIVE_START),
+            ("offloaded", {"xla_tpu_enable_sparse_core_collective_offload_all_reduce": True},
+             64, " call-start(")):
+        x_o, x_q = (sds((rows, n), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(
+            None, split))) for n, split in ((8192, "tp"), (4096, None)))
+        hlo = jax.jit(lambda weights, x, y: (lower.linear(None, x, weights["o_proj"]),
+                                             jnp.tanh(lower.linear(None, y, weights["q_proj"])))
+                      ).lower(w, x_o, x_q).compile(compiler_options=options).as_text()
+        out[name] = {"started": started in hlo, "collectives": traffic(hlo, ROOTS).collectives()}
     out["embed"] = _embed_collectives(mesh)
     out["moe_tp"] = _moe_tp_reads(mesh)
     out["pools"] = _decode_pool_traffic()
@@ -451,7 +456,9 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     assert got["take_rows"] == [] and got["moe_picked"] == [], got
     assert got["take"] and got["moe_gathered"], got  # the check fails on the forms replaced
     assert got["collectives"] == {"all-reduce": {"count": 1, "bytes": 4096 * 4}}
-    assert got["async_collectives"] == {"fused": True, "collectives": got["collectives"]}
+    for name, rows in (("fused", 1), ("offloaded", 64)):
+        assert got[name] == {"started": True, "collectives": {
+            "all-reduce": {"count": 1, "bytes": rows * 4096 * 4}}}, got[name]
     # a lookup in a table split by row: one all-reduce of the finished float32 rows; left to
     # XLA's partitioner, take_rows' 32-row blocks all-reduced as int bits, then the scales
     emb = got["embed"]
