@@ -323,9 +323,10 @@ def embed(a, table, ids, row_scale=None, *, mesh=None):
     its scales split by vocabulary row over the mesh's one axis (sharding.py): in shard_map each
     device takes the ids it holds (the others' rows zero) and one all-reduce adds the finished
     float32 rows, [B, T, D]. Left to XLA's partitioner, the split gather all-reduced what it
-    gathered, take_rows' whole 32-row blocks as int bits (32 times a row's int8 bytes: 11 MiB
-    a 31B step at B = 64), and the scales in a second all-reduce (docs/TPU_COST.md, "the
-    embedding's all-reduces"). The values are the same: a row plus zeros."""
+    gathered, take_rows' whole 32-row blocks as int bits (8 times the float32 rows' bytes:
+    10.5 MiB a 31B step at B = 64), and the scales in a second all-reduce (docs/TPU_COST.md,
+    "Issue 19 item 5: the collectives, what XLA allows"). The values are the same: a row plus
+    zeros. A table whose rows do not divide over the mesh is left to the partitioner."""
     if mesh is None or table.shape[0] % mesh_devices(mesh):
         return _embed_rows(a, table, ids, row_scale)
     from jax.sharding import PartitionSpec
