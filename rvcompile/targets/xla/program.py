@@ -321,7 +321,7 @@ class Program:
         offs = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = jnp.where(offs < n_new[:, None], start[:, None] + offs, -1)
         cache_len = start + n_new
-        mesh = self._mesh()
+        mesh = self._mesh()  # under TP: one all-reduce of the looked-up rows (lower.embed)
         emb = run_graph(ir.embed, {"tokens": tokens}, weights.__getitem__,
                         LOWERINGS if mesh is None
                         else {**LOWERINGS, Op.EMBED: functools.partial(embed, mesh=mesh)})
