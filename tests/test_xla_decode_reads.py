@@ -10,7 +10,10 @@ the MoE decode (lower.moe's picked experts against a gather of the chosen expert
 of the stacked experts, which TPU serves by copying the layer's whole expert array). The tiny
 model's whole decode program is checked by test_xla_topology's TPU build. The same child checks
 that a layer scan of dots (B = 4) reads each layer of the stacked weight once, counts the one
-all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives), and that the
+all-reduce of a row-parallel projection over a v6e:2x2 slice (Traffic.collectives; once also
+where TPU runs it asynchronously, in async collective fusions or on a SparseCore) and the one
+all-reduce of a token lookup in a table split by row (lower.embed under the mesh; XLA's
+partitioner all-reduced the gathered int8 blocks and the scales apart), and that the
 MoE decode over that slice reads a device's share of the picked experts (within 1.3x), where
 the whole-expert split it replaced read tp times that, and that a whole model's decode program
 reads its live keys and writes its new rows only, copying no KV pool whole, and that a K=V
@@ -36,9 +39,14 @@ from rvcompile.targets.xla.cost_report import (
     CHIPS,
     collectives_term,
 )
-from rvcompile.targets.xla.hlo_traffic import span_loop_trips, traffic
+from rvcompile.targets.xla.hlo_traffic import ASYNC_COLLECTIVE_START, span_loop_trips, traffic
 
 ROOTS = ("weights", "pools")  # the jitted functions' own parameter names
+# libtpu's flags that run an all-reduce asynchronously, in fusions beside independent work
+# (defaults: disabled, false, false; docs/TPU_COST.md, "the collectives, what XLA allows")
+ASYNC_ALL_REDUCE = {"xla_enable_async_all_reduce": True,
+                    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+                    "xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions": True}
 sds = jax.ShapeDtypeStruct
 
 
@@ -140,12 +148,50 @@ def _tpu_child() -> None:
     compiled = jax.jit(lambda weights, x: lower.linear(None, x, weights["o_proj"])).lower(
         w, xs).compile()
     out["collectives"] = traffic(compiled.as_text(), ROOTS).collectives()
+    # beside independent work (a column-parallel projection), run asynchronously: in libtpu's
+    # async collective fusions (one row), offloaded to a SparseCore (64 rows: it offloads
+    # messages of 64 KiB and up); either way the table counts the all-reduce once
+    w["q_proj"] = sds((8192, 4096), jnp.int8, sharding=NamedSharding(mesh, PartitionSpec(
+        "tp", None)))
+    for name, options, rows, started in (
+            ("fused", ASYNC_ALL_REDUCE, 1, ASYNC_COLLECTIVE_START),
+            ("offloaded", {"xla_tpu_enable_sparse_core_collective_offload_all_reduce": True},
+             64, " call-start(")):
+        x_o, x_q = (sds((rows, n), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(
+            None, split))) for n, split in ((8192, "tp"), (4096, None)))
+        hlo = jax.jit(lambda weights, x, y: (lower.linear(None, x, weights["o_proj"]),
+                                             jnp.tanh(lower.linear(None, y, weights["q_proj"])))
+                      ).lower(w, x_o, x_q).compile(compiler_options=options).as_text()
+        out[name] = {"started": started in hlo, "collectives": traffic(hlo, ROOTS).collectives()}
+    out["embed"] = _embed_collectives(mesh)
     out["moe_tp"] = _moe_tp_reads(mesh)
     out["pools"] = _decode_pool_traffic()
     out["spans"] = _span_relayouts(mesh)
     out["one_row"] = _one_row_spans(dev[0])
     out["folded"] = _folded_rotated_scores(dev[0])
     print(json.dumps(out))
+
+
+def _embed_collectives(mesh) -> dict:
+    """4 lanes' token lookup in an int8 table with per-row scales split by vocabulary row over a
+    v6e:2x2 mesh (as sharding.py splits the tied table): the collectives of lower.embed under
+    the mesh, and of the same lookup left to XLA's partitioner (no mesh)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    v, d, lanes = 65536, 2048, 4
+
+    def placed(shape, dtype, *spec):
+        return sds(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    weights = {"t": placed((v, d), jnp.int8, "tp", None), "s": placed((v,), jnp.float32, "tp")}
+    ids = placed((lanes, 1), jnp.int32)
+    out = {"row": lanes * d * 4}
+    for name, m in (("mesh", mesh), ("partitioner", None)):
+        def lookup(weights, ids, m=m):
+            return lower.embed(ops.EmbedAttrs(2.0), weights["t"], ids, weights["s"], mesh=m)
+        hlo = jax.jit(lookup).lower(weights, ids).compile().as_text()
+        out[name] = traffic(hlo, ROOTS).collectives()
+    return out
 
 
 def _one_row_spans(device) -> dict:
@@ -410,6 +456,15 @@ def test_tpu_decode_lowerings_copy_no_whole_weight():
     assert got["take_rows"] == [] and got["moe_picked"] == [], got
     assert got["take"] and got["moe_gathered"], got  # the check fails on the forms replaced
     assert got["collectives"] == {"all-reduce": {"count": 1, "bytes": 4096 * 4}}
+    for name, rows in (("fused", 1), ("offloaded", 64)):
+        assert got[name] == {"started": True, "collectives": {
+            "all-reduce": {"count": 1, "bytes": rows * 4096 * 4}}}, got[name]
+    # a lookup in a table split by row: one all-reduce of the finished float32 rows; left to
+    # XLA's partitioner, take_rows' 32-row blocks all-reduced as int bits, then the scales
+    emb = got["embed"]
+    assert emb["mesh"] == {"all-reduce": {"count": 1, "bytes": emb["row"]}}, emb
+    assert emb["partitioner"]["all-reduce"]["count"] == 2, emb
+    assert emb["partitioner"]["all-reduce"]["bytes"] >= 8 * emb["row"], emb
     assert got["dot_weights_read"] == 3 * 2048 * 2048
     # MoE decode under TP = 4: a device reads its share of the picked experts (1/4 of each);
     # split by whole experts, it read all k picked experts a token, 4 times its share

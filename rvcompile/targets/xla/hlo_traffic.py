@@ -13,9 +13,12 @@ only slices it) reads the slices' bytes; an operand only updated in place (opera
 op (`*-start`) writes its output, not the operands its tuple shape repeats, and `slice-start`
 reads its slice. Nothing is counted for parameter, constant, tuple,
 get-tuple-element, bitcast, while, conditional, call and an async op's `*-done` (the computations
-they call are walked instead). Sizes are logical (elements x dtype size; no tile padding). Bytes in
-an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like) are counted and also
-summed apart as `on_chip`, since they are not HBM traffic.
+they call are walked instead). A collective TPU runs asynchronously inside other instructions
+counts once, at its start (`Row.collective`): copied into libtpu's async collective fusions
+(a start fusion, the fusions beside it, a done fusion) or offloaded to a SparseCore (a
+`call-start` of a computation holding it). Sizes are logical (elements x dtype size; no tile
+padding). Bytes in an on-chip memory space (a layout's `S(n)`, n > 0: TPU VMEM and the like)
+are counted and also summed apart as `on_chip`, since they are not HBM traffic.
 
 Runs: the entry computation runs once; a while loop's body runs its trip count times the loop's
 own runs (the trip count read from the condition: `counter < N` with the counter's initial value
@@ -78,6 +81,11 @@ from rvcompile.targets.xla.paged_kernel import (
 
 CLASSES = ("weights", "embeddings", "kv", "io", "temps", "activations")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+# TPU's async collective fusion (libtpu's xla_tpu_enable_async_collective_fusion_fuse_*): the
+# collective copied into a start fusion, the fusions that run beside it and a done fusion; the
+# start fusion, by this name, counts it once (as a SparseCore offload's `call-start` counts the
+# collective it calls)
+ASYNC_COLLECTIVE_START = "async-collective-start"
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                  "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2,
                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -247,6 +255,10 @@ class Row:
     # the branches of conditionals this instruction runs in, outermost first: (the name of a
     # BRANCHES scope, or the conditional's own name, branch index)
     branches: tuple[tuple[str, int], ...] = ()
+    # an async collective fusion's start (ASYNC_COLLECTIVE_START) or a SparseCore call-start:
+    # its collective's opcode and output bytes (the message); "" and 0 for every other row
+    collective: str = ""
+    message: float = 0.0
 
     def runs_in(self, taken: dict[str, int] | None) -> bool:
         """Whether a step that runs branch taken[name] of each named conditional runs this row
@@ -292,17 +304,18 @@ class Traffic:
 
     def collectives(self, taken: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
         """op ("all-reduce", "all-gather", ...) -> {"count": runs per call, "bytes": bytes per
-        call of their outputs (an all-reduce's message)}; async ops by their `*-start`;
-        `taken`: only those in the given branches (Row.runs_in), else every branch."""
+        call of their outputs (an all-reduce's message)}; async ops by their `*-start`, an
+        async collective fusion by its start (Row.collective); `taken`: only those in the
+        given branches (Row.runs_in), else every branch."""
         out: dict[str, dict[str, float]] = {}
         for r in self.rows:
-            op = r.opcode.removesuffix("-start")
+            op = r.collective or r.opcode.removesuffix("-start")
             if not r.runs_in(taken):
                 continue
             if op in COLLECTIVES:
                 c = out.setdefault(op, {"count": 0, "bytes": 0.0})
                 c["count"] += r.runs
-                c["bytes"] += r.written * r.runs
+                c["bytes"] += (r.message if r.collective else r.written) * r.runs
         return out
 
     def whole_copies(self) -> tuple[Row, ...]:
@@ -623,9 +636,15 @@ def _row(prog: _Program, comp: Computation, ins: Instr, runs: int) -> Row:
     kind = ins.attr("kind") if ins.opcode == "fusion" else None
     # an async prefetch into on-chip memory (TPU VMEM) reads the weight once, for its users
     prefetch = ins.opcode == "copy-start" and shape_bytes(_tuple_element(ins.shape, 0), True)
+    started = (calls if ins.name.startswith(ASYNC_COLLECTIVE_START)
+               else ins.attr("to_apply") if ins.opcode == "call-start" else None)
+    inner = next((i for i in prog.comps[started].instrs.values() if i.opcode in COLLECTIVES),
+                 None) if started else None
     return Row(comp.name, ins.name, f"fusion:{kind}" if kind else ins.opcode, calls, runs,
                {c: b for c, b in read.items() if b}, written, out_class, on_chip,
-               whole and not prefetch and out_class == "temps")
+               whole and not prefetch and out_class == "temps",
+               collective=inner.opcode if inner else "",
+               message=shape_bytes(inner.shape) if inner else 0.0)
 
 
 def _decode_kernel_row(prog: _Program, comp: Computation, ins: Instr, row: Row, lanes: int,

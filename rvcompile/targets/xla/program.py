@@ -73,6 +73,7 @@ from rvcompile.targets.xla.lower import (
     cache_positions,
     decode_mlp_kernel,
     decode_projections_kernel,
+    embed,
     filtered_probs,
     kv_write,
     moe,
@@ -320,7 +321,10 @@ class Program:
         offs = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = jnp.where(offs < n_new[:, None], start[:, None] + offs, -1)
         cache_len = start + n_new
-        emb = run_graph(ir.embed, {"tokens": tokens}, weights.__getitem__)
+        mesh = self._mesh()  # under TP: one all-reduce of the looked-up rows (lower.embed)
+        emb = run_graph(ir.embed, {"tokens": tokens}, weights.__getitem__,
+                        LOWERINGS if mesh is None
+                        else {**LOWERINGS, Op.EMBED: functools.partial(embed, mesh=mesh)})
         h = emb["h"]
         caches = dict(caches)
         lowerings, kernels = self._paged_lowerings(), self._layer_kernels()

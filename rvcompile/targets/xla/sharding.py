@@ -25,10 +25,11 @@ inserts after the row-parallel O and down projections):
   scales, split by vocabulary row. The head reads 1/tp of the tied table per device per decode
   step (the 31B's is 1.4 GB in int8, about 1/6 of its per-device bytes at tp=4), and the PLE
   table (E4B: 2.8 GB in int8), only ever gathered from, takes 1/tp of the memory. A lookup
-  becomes a local masked gather plus an all-reduce of the rows; the head's logits come out
-  split by vocabulary and are all-gathered (B x T x V floats) for sampling, except where a
-  decode step's B lanes divide over the devices: each device then samples B / tp of them, the
-  logits moved by one all-to-all (sampler.split_by_rows);
+  becomes a local masked gather plus one all-reduce of the finished float32 rows
+  (lower.embed); the head's logits come out split by vocabulary and are all-gathered (B x T x
+  V floats) for sampling, except where a decode step's B lanes divide over the devices: each
+  device then samples B / tp of them, the logits moved by one all-to-all
+  (sampler.split_by_rows);
 - everything else whole on every device: norms, the router, layer scalars, the per-layer-input
   projections.
 An assistant drafter (`ModelIR.assistant`, its weights "assistant.*") splits by the same rules:
