@@ -46,8 +46,9 @@ TP_LOGIT_BOUND = 5e-5
 # With int8 KV the same logits differ more: the projections' float32 rounding at another degree
 # moves a K or V value across an int8 rounding boundary now and then, one step of its row's
 # scale. The oracle's dense case, TP = 2 vs 1: 5.76e-3, on main at 4baa4d2 (scale blocks at
-# every degree) as with row scale pools at TP = 1 (h/scales). A head's scales read from another
-# head's lanes moves logits by O(1).
+# every degree) as with row scale pools at TP = 1 (h/scales); its 4-KV-head variant 1.19e-2,
+# the same with row pools at both degrees and with blocks at both (main at b530587). A head's
+# scales read from another head's lanes moves logits by O(1).
 TP_INT8_KV_LOGIT_BOUND = 2e-2
 MAX_GATHER = 64  # elements of the largest all-gather (other than logits) a program may hold
 
@@ -138,6 +139,21 @@ def test_tp_gives_the_same_tokens_int8_kv(oracle_dir, tmp_path):
     writes and reads against the blocks' too."""
     _, ckpt = oracle_dir("dense")
     _same_tokens(ckpt, tmp_path, "dense_int8_kv", TPS, "int8", TP_INT8_KV_LOGIT_BOUND)
+
+
+def test_tp_int8_kv_row_pools_split_over_devices(oracle_dir, tmp_path):
+    """int8 KV with 4 KV heads (8 query heads): at TP = 2 each device holds 2 heads, so its
+    scales are row pools split by head over the devices (lower.scale_block_shape), against TP =
+    1's rows of all 4: the same tokens, logits within TP_INT8_KV_LOGIT_BOUND."""
+    from unittest import mock
+
+    from oracle import ORACLE_CASES
+
+    four = {**ORACLE_CASES["dense"], "num_attention_heads": 8, "num_key_value_heads": 4}
+    with mock.patch.dict(ORACLE_CASES, {"dense_4_kv_heads": four}):
+        _, ckpt = oracle_dir("dense_4_kv_heads")
+    _same_tokens(ckpt, tmp_path, "dense_4_kv_heads_int8_kv", (1, 2), "int8",
+                 TP_INT8_KV_LOGIT_BOUND)
 
 
 # The oracle's "all" case (K=V, KV sharing + double-wide MLP, PLE, MoE) with 8 query heads, so
