@@ -432,6 +432,46 @@ def test_kv_layer_keys_fold_into_the_query(monkeypatch, int8, rotated):
         assert _span_products(jaxpr, {span, (*span[:3], d // 2)}) >= 3
 
 
+@pytest.mark.parametrize("heads, shards", [(2, 1), (4, 1), (4, 2), (16, 4), (8, 4), (2, 2)])
+def test_scale_rows_hold_each_devices_heads(heads, shards):
+    """A scale pool of rows [n, blocks, 1, S] (lower.scale_block_shape), written by KV_WRITE
+    (a decode step's rows in place, a prefill chunk's by scatter, padding dropped), holds the
+    scales of blocks [n, blocks, 16, K] written from the same rows, read back by PagedSlice
+    as them; device d's lanes [d S / shards, (d + 1) S / shards) are the rows of its heads
+    d K / shards .. alone, zeros past their 16 scales each (what the decode kernel, in
+    shard_map, reads as its own pool). Two heads split over two devices keep blocks [16, 1]."""
+    rng = np.random.default_rng(3)
+    d, blocks = 8, 7
+    table = jnp.asarray([[3, 1, 5], [0, 2, 4]], jnp.int32)
+    shape = lower.scale_block_shape(heads, shards)
+    local = heads // shards
+    assert shape == ((1, shards * lower.scale_lanes(local)) if local >= 2 else (16, heads))
+    for pos in ([[0, 17, 40], [5, -1, 33]], [[17], [-1]], [[40], [6]]):
+        pos = jnp.asarray(pos, jnp.int32)
+        new = jnp.asarray(rng.standard_normal((*pos.shape, heads, d)), jnp.float32)
+        pool = jnp.zeros((2, blocks, 16, heads * d), jnp.int8)
+
+        def written(scale, pool=pool, new=new, pos=pos):
+            return lower._paged_kv_write(lower.PagedSlice(pool, 1, table, False, heads, scale),
+                                         new, pos)
+
+        ref = written(jnp.zeros((2, blocks, 16, heads), jnp.float32))
+        got = written(jnp.zeros((2, blocks, *shape), jnp.float32))
+        assert (np.asarray(got.pool) == np.asarray(ref.pool)).all()
+        assert (np.asarray(got.read_stored(table)[1]) == np.asarray(ref.read_stored(table)[1])
+                ).all()
+        assert (np.asarray(got.table_scales()) == np.asarray(ref.table_scales())).all()
+        if local < 2:
+            continue
+        want = np.asarray(ref.scale)  # [2, blocks, 16, heads]
+        rows = np.asarray(got.scale)[:, :, 0].reshape(2, blocks, shards, -1)
+        for dev in range(shards):
+            mine = want[..., dev * local:(dev + 1) * local]
+            own = np.zeros((2, blocks, lower.scale_lanes(local)), np.float32)
+            own[..., :16 * local] = np.swapaxes(mine, -1, -2).reshape(2, blocks, -1)
+            assert (rows[:, :, dev] == own).all(), (heads, shards, dev)
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_kv_copies_attend_as_the_heads_they_copy(int8):
     """A pool that stores each of K KV heads R times (program.kv_copies: under TP, one copy a

@@ -65,6 +65,18 @@ SHAPES = {
     "31B_int8_tp4": (4, 2, 256, 1024, 81, jnp.int8, False, (2048, 1500, 700, 0, 1030, 1)),
     "31B_full_int8": (1, 8, 512, None, 128, jnp.int8, True, (2048, 1500, 700, 0, 17, 1)),
 }
+# the int8 cases of 2 and more heads again with their scales as row pools [n, blocks, 1, S]
+# (lower.scale_block_shape: how programs store them), which the kernel pages as its pools
+SHAPES |= {f"{s}_rows": SHAPES[s] for s in ("31B_int8", "31B_int8_tp4")}
+
+
+def as_rows(scale: np.ndarray) -> np.ndarray:
+    """Scale blocks [n, blocks, 16, K] as rows [n, blocks, 1, S] (lower.scale_block_shape, one
+    shard): head-major, zeros past 16 K lanes (lower.scales_as_slots' inverse)."""
+    n, blocks, _, kh = scale.shape
+    rows = np.zeros((n, blocks, *lower.scale_block_shape(kh, 1)), np.float32)
+    rows[..., 0, :16 * kh] = np.swapaxes(scale, -1, -2).reshape(n, blocks, 16 * kh)
+    return rows
 
 
 # shape -> the XLA lowering's and the direct attention's outputs in
@@ -75,7 +87,8 @@ _REFERENCES: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 @pytest.mark.parametrize("shape, interpreter", [*((s, "pallas") for s in SHAPES),
                                                 ("31B", "tpu"), ("31B_int8_tp4", "tpu"),
-                                                ("31B_full_int8", "tpu")])
+                                                ("31B_full_int8", "tpu"),
+                                                ("31B_int8_tp4_rows", "tpu")])
 def test_kernel_equals_the_xla_lowering(shape, interpreter):
     """One decode row a lane; bound as the blockwise-vs-direct tests': 2e-6 of the largest
     value (float32 summation order). Queries of 4 / sqrt(D) so that scores are O(1) at every
@@ -94,7 +107,7 @@ def test_kernel_equals_the_xla_lowering(shape, interpreter):
         x = rng.standard_normal((2, blocks, 16, kh, d)).astype(np.float32)
         if dtype == jnp.int8:
             x, scale = quantize_kv_rows(x)
-            scales.append(jnp.asarray(scale))
+            scales.append(jnp.asarray(as_rows(scale) if shape.endswith("_rows") else scale))
         pools.append(jnp.asarray(x.reshape(2, blocks, 16, kh * d), dtype))
     table = jnp.asarray(rng.permutation(blocks)[:lanes * width].reshape(lanes, width),
                         jnp.int32)
@@ -326,7 +339,7 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     assert outputs(_export_decode(("tpu",))["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="tpu-int8")["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="xla-f32")["decode_2"]) == ["f32", "f32"]
-    cfg = get_preset("gemma-4-31B")
+    cfg = get_preset("gemma-4-12B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     for target, rounded in (("tpu-int8", True), ("xla-f32", False)):
@@ -351,7 +364,7 @@ def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> di
     from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.export import lower_to_xla
 
-    cfg = get_preset("gemma-4-31B")
+    cfg = get_preset("gemma-4-12B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=platforms,
@@ -399,7 +412,7 @@ def test_tp_tpu_only_build_runs_the_kernel():
     from rvcompile.progress import Phases
     from rvcompile.targets import get_target
 
-    cfg = get_preset("gemma-4-31B")
+    cfg = get_preset("gemma-4-12B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     target = get_target("tpu-bf16")
@@ -547,14 +560,19 @@ def _traffic_child() -> None:
                              q_pos, window=None, scale=1.0,
                              fold=KeyFold(weights["k_norm"], freqs),
                              scales=(pools["kv8_scale"], pools["kv8_scale"]))
-        return sliding.sum() + full.sum() + sliding8.sum() + full8.sum()
+        rows8 = paged_decode(q_sliding, pools["k8"], pools["v8"], jnp.asarray([1, 0]), table,
+                             q_pos, window=256, scale=1.0,
+                             scales=(pools["k8_rows"], pools["v8_rows"]))
+        return sliding.sum() + full.sum() + sliding8.sum() + full8.sum() + rows8.sum()
 
     pool = sds((2, blocks, 16, 2 * 256), jnp.bfloat16)  # 2 KV heads of 256; 1 of 512
     pool8 = sds((2, blocks, 16, 2 * 256), jnp.int8)
     pools = {"k": pool, "v": pool, "kv": pool, "k8": pool8, "v8": pool8, "kv8": pool8,
              "k8_scale": sds((2, blocks, 16, 2), jnp.float32),
              "v8_scale": sds((2, blocks, 16, 2), jnp.float32),
-             "kv8_scale": sds((2, blocks, 16, 1), jnp.float32)}
+             "kv8_scale": sds((2, blocks, 16, 1), jnp.float32),
+             "k8_rows": sds((2, blocks, 1, 128), jnp.float32),
+             "v8_rows": sds((2, blocks, 1, 128), jnp.float32)}
     compiled = jax.jit(fn).lower(
         {"s": sds((256,), jnp.float32), "k_norm": sds((512,), jnp.float32)},
         pools, sds((lanes, 2, 2, 256), jnp.float32),
@@ -581,39 +599,45 @@ def test_traffic_counts_the_kernel_by_its_pages():
     their first page once: 8; with no context, its window's most pages: 17. The full K=V
     layer (one pool for keys and values): all 20 blocks at 1000 tokens and with no context
     (slots 0 .. 3 three pages, 4 .. 7 two), 8 at 100 (7 pages) and at 40. (Counted as its
-    operands, the table would read the 2 MiB pools 8 or 16 times each.)"""
+    operands, the table would read the 2 MiB pools 8 or 16 times each.) The int8 sliding layer
+    with its scales as row pools [2, 64, 1, 128] (2 heads' 32 scales a block, in one 512-byte
+    row), paged in page slots of their own: its pages as the other int8 sliding layer's, and
+    as many rows (512 bytes each) of K's and V's scales, no other scale operand."""
     got = run_with_libtpu(__file__, "traffic", timeout=600)
     page, page8 = 16 * 512 * 2, 16 * 512
     print(f"\n[measured] kernel custom calls' KV bytes by context: {got}")
-    assert got["custom_calls"] == 4
+    assert got["custom_calls"] == 5
     assert got["whole_pool_writes"] == []
     for context, sliding, full in (("1000", 17, 20), ("100", 8, 8), ("40", 8, 8),
                                    ("None", 17, 20)):
         assert got[context] == sorted([3 * 2 * sliding * page, 3 * full * page,
-                                       3 * 2 * sliding * page8, 3 * full * page8])
+                                       3 * 2 * sliding * page8, 3 * full * page8,
+                                       3 * 2 * sliding * (page8 + 512)])
         # the rest whole: prefetched scalars (284 bytes), the query (float32), a K=V layer's
         # k_norm weight and frequencies (2560), an int8 layer's scale rows [3, K, 3 * 128]
         # (3 steps) for K and V (K=V: one)
         sliding_rest, full_rest = 284 + 3 * 2 * 2 * 256 * 4, 284 + 3 * 8 * 512 * 4 + 2560
         assert got[f"{context} other"] == sorted([
             sliding_rest, full_rest, sliding_rest + 2 * 3 * 2 * 384 * 4,
-            full_rest + 3 * 384 * 4])
+            full_rest + 3 * 384 * 4, sliding_rest])
 
 
 def _int8_program_child() -> None:
-    """The decode program of a 2-layer 31B (a sliding layer and a K=V full layer) with int8
-    KV at 128K tokens, one lane, exported for TPU alone and compiled for v6e:1x1: its kernel
-    calls and its instructions that write a whole pool or scale pool, other than a token's
-    rows written in place and the loops carrying the pools. Its vocabulary is cut to 4,096 (the
-    pools, the layers and their kernel calls are the 31B's): the 262,144-wide sampler, which
-    reads no pool, took 22 of the compile's 33 s and wrote no pool- or scale-pool-shaped
-    instruction (the same whole-pool writes at both vocabularies, measured)."""
+    """The decode program of a 2-layer 12B (a sliding layer of 8 KV heads, whose scales are a
+    row pool, and a K=V full layer of one, whose scales are blocks [16, 1]) with int8 KV at
+    128K tokens, one lane, exported for TPU alone and compiled for v6e:1x1: its kernel calls
+    and its instructions that write a whole pool or scale pool, other than a token's rows
+    written in place and the loops carrying the pools. Its vocabulary is cut to 4,096 (the
+    pools, the layers and their kernel calls are the 12B's): on the 31B the 262,144-wide
+    sampler, which reads no pool, took 22 of the compile's 33 s and wrote no pool- or
+    scale-pool-shaped instruction (the same whole-pool writes at both vocabularies,
+    measured)."""
     from rvcompile.build import BuildOptions, lower_model
     from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.export import lower_to_xla
     from rvcompile.targets.xla.precompile import compile_entries, parse_topology, topology_devices
 
-    cfg = get_preset("gemma-4-31B")
+    cfg = get_preset("gemma-4-12B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     opts = BuildOptions(target="tpu-int8", max_context=131072, max_seqs=1, platforms=("tpu",),
@@ -633,24 +657,29 @@ def _int8_program_child() -> None:
 
 
 def test_int8_decode_program_relays_no_value_pool():
-    """With libtpu: the 2-layer 31B's decode step at 128K tokens (int8 KV pools, one lane) runs
+    """With libtpu: the 2-layer 12B's decode step at 128K tokens (int8 KV pools, one lane) runs
     the kernel in both layers, and nothing in it writes a whole pool but XLA's staging of the
-    small float32 scale pools, once a step, in the entry computation (into on-chip memory,
-    relaid from their entry layout, whose lanes run along the blocks, to one with blocks
-    major, and back at the end): none inside the layer loop, none per kernel call, no int8
-    pool ever. The XLA lowering's programs stage the scale pools the same way (the
-    gather of a block's scales needs blocks major; a scale pool whose rows are 128 lanes would
-    need no staging at 128 / (16 K) times the bytes: docs/TPU_COST.md)."""
+    scale pool of blocks [16, 1], once a step, in the entry computation (into on-chip memory,
+    relaid from its entry layout, whose lanes run along the blocks, to one with blocks major,
+    and back at the end): none inside the layer loop, none per kernel call, no int8 pool ever,
+    and no row scale pool ever (the kernel pages its rows; the decode writes a lane's
+    row in place). A row pool staged whole again (as when a scale pool [16, K] of K = 8 was:
+    relaid with K padded to 128 lanes, 0.11 GiB a step of the 31B at TP = 4) or copied in and
+    out of on-chip memory in each layer (as when the write was a scatter of its K lanes)
+    fails here. The scale pools of one head keep blocks [16, 1], a row being 8 times their
+    bytes (lower.scale_block_shape; docs/TPU_COST.md)."""
     got = run_with_libtpu(__file__, "int8_program", timeout=900)
     print("\n[measured] whole-pool writes:\n  " + "\n  ".join(got["writes"]))
     assert got["custom_calls"] == 2
-    assert any(k.endswith(".scale") for k in got["pools"])
-    scale_shapes = {f"[{','.join(map(str, v))}]" for k, v in got["pools"].items()
-                    if k.endswith(".scale")}
+    shapes = {k: f"[{','.join(map(str, v))}]" for k, v in got["pools"].items()}
+    rows = {k for k, v in got["pools"].items() if k.endswith(".scale") and v[2] == 1}
+    blocks = {k for k, v in got["pools"].items() if k.endswith(".scale") and v[2] == 16}
+    assert rows and blocks, got["pools"]  # the sliding layer's rows, the full layer's blocks
+    staged = {shapes[k] for k in blocks}
     for w in got["writes"]:
         assert w.startswith("ENTRY "), w  # once a step, never in the layer loop
         shape = re.sub(r"[a-z]\d*\[", "[", w.split(": ", 2)[2].split("{")[0]).lstrip("(")
-        assert shape in scale_shapes, w  # a scale pool, never an int8 pool
+        assert shape in staged, w  # a scale pool of blocks, never a row pool or an int8 pool
 
 
 if __name__ == "__main__":

@@ -189,6 +189,12 @@ CHANGELOG: tuple[tuple[str, int, str], ...] = (
                       "which the runtime checks the uploaded weights on the GPU (issue 18); "
                       "other targets keep PIECE_SIZE. Earlier readers ignore the field and hash "
                       "the small pieces on the CPU"),
+    ("2026-11-29", 7, "an XLA int8 KV pool's scale pool (key \".scale\") may have block_shape "
+                      "[1, S]: a block's scales as one row of S lanes, each device's heads' 16 "
+                      "scales head-major in its own lanes (targets/xla/lower.scale_block_shape; "
+                      "2 or more heads a device); [16, K] otherwise, as before. Readers before "
+                      "this entry refuse such files (a block shape not starting with the block "
+                      "size), never misread them"),
 )
 # xla.precompiled[topology]["encoding"] of sets a runtime may load (see the v3 changelog entry).
 EXECUTABLES_ENCODING = "pjrt-1"

@@ -21,9 +21,11 @@ Fields (format v3; required unless marked optional):
                       programs {entry: {offset, size}} (in section "programs"), weights [{key,
                       shape, dtype, offset, nbytes}] (in section "weights"), kv {block_size,
                       kinds {name: {table_width, ring, window, default_blocks}}, pools [{key,
-                      kind, layers, block_shape, dtype}], optional fixed_blocks true (2026-11-29:
-                      the programs take exactly default_blocks blocks of each kind, which the
-                      runtime then cannot change; absent: symbolic, sized at load)},
+                      kind, layers, block_shape ([block_size, ...]; an int8 pool's scale pool
+                      "<key>.scale" also [1, S], one row a block), dtype}], optional fixed_blocks
+                      true (2026-11-29: the programs take exactly default_blocks blocks of each
+                      kind, which the runtime then cannot change; absent: symbolic, sized at
+                      load)},
                       layer_groups [{start, period, count}], optional mesh {axis, size,
                       weights, pools} (tensor parallelism),
                       optional precompiled {topology: record} (section "executables"),
@@ -148,7 +150,7 @@ class XlaPool:
     key: str
     kind: str
     layers: int
-    block_shape: tuple[int, ...]  # [block_size, ...]
+    block_shape: tuple[int, ...]  # [block_size, ...], or a scale pool's row [1, S]
     dtype: str
 
 
@@ -618,11 +620,13 @@ def _xla_kind(k: At, name: str, block: int, max_context: int, max_chunk: int,
 
 def _pool(p: At, kinds: dict[str, XlaKvKind], block: int) -> XlaPool:
     kind = p["kind"].str(tuple(kinds))
+    key = p["key"].str(pattern=NAME)
     shape = tuple(d.int(1, MAX_DIM) for d in p["block_shape"].items(2, 4))
-    if shape[0] != block:
-        p["block_shape"].fail(f"{list(shape)} must start with the block size {block}")
-    return XlaPool(p["key"].str(pattern=NAME), kind, p["layers"].int(1, MAX_DIM), shape,
-                   p["dtype"].str(XLA_DTYPES))
+    row = len(shape) == 2 and shape[0] == 1 and key.endswith(".scale")  # one row a block
+    if shape[0] != block and not row:
+        p["block_shape"].fail(f"{list(shape)} must start with the block size {block} (a "
+                              f"scale pool's may be one row [1, S])")
+    return XlaPool(key, kind, p["layers"].int(1, MAX_DIM), shape, p["dtype"].str(XLA_DTYPES))
 
 
 def _mesh(at: At, weights: tuple[XlaWeight, ...], pools: tuple[XlaPool, ...]) -> XlaMesh:

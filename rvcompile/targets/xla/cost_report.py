@@ -64,6 +64,7 @@ import jax
 import numpy as np
 
 from rvcompile.targets.xla.hlo_traffic import CLASSES, Traffic, traffic
+from rvcompile.targets.xla.paged_kernel import BLOCK_TOKENS
 
 GiB = 2**30
 REPORT_BATCHES = (1, 4, 16, 64)  # decode lanes the report estimates, besides the built max_seqs
@@ -253,8 +254,8 @@ def decode_footprint(compiled, max_seqs: int, reads: ReadModel = ReadModel(),
         shards = jax.tree.leaves(shardings[part])
         sizes.append([(path[-1].key, _shard_size(i, s), np.dtype(i.dtype).itemsize)
                       for (path, i), s in zip(infos, shards, strict=True)])
-        if part == 1:  # a pool [layers, blocks, BLOCK_SIZE, ...]: a token's slot in each layer
-            slots = {path[-1].key: math.prod(i.shape[1:3]) for path, i in infos}
+        if part == 1:  # a pool [layers, blocks, ...]: BLOCK_TOKENS slots a block in each layer
+            slots = {path[-1].key: i.shape[1] * BLOCK_TOKENS for path, i in infos}
     weights, pools = sizes
     per_token: dict[int, list[float]] = {}
     pool = {k: (n, b) for k, n, b in pools}

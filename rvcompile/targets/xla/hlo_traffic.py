@@ -107,7 +107,8 @@ _ARG = re.compile(r"op_name=\"(\w+(?:\[\d+\])?)(?:\[\\*'([^'\\]+)\\*'\])?")
 SPAN_LOOP = "rvkv_spans_s{span}_w{window}_n{width}"
 _SPAN_LOOP = re.compile(r'op_name="[^"]*rvkv_spans_s(\d+)_w(\d+)_n(\d+)/while"')
 # the decode attention kernel's named scope (paged_kernel.PALLAS_DECODE): lanes, pages a grid
-# step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
+# step reads per pool, window tokens (0: a full layer), table width in blocks, pools it pages
+# (an int8 pool's scale row pool is paged beside it)
 _PALLAS_DECODE = re.compile(
     r'op_name="[^"]*rvkv_pallas_b(\d+)_p(\d+)_w(\d+)_n(\d+)_k(\d+)/')
 # the named scope of a kernel over stacked layer weights (mlp_kernel.PALLAS_STACKED): the
@@ -651,10 +652,11 @@ def _decode_kernel_row(prog: _Program, comp: Computation, ins: Instr, row: Row, 
                        pages: int, window: int, width: int, pools: int,
                        context: int | None) -> Row:
     """The decode kernel's custom call (paged_kernel.py), whose operands include whole KV pools
-    [n, blocks, 16, K * D] it reads a few pages of: its page-slot operands (from
-    PALLAS_DECODE_POOLS on, `pages` of them for each of its `pools` pools, by the kernel's
-    operand order) read, for each of `lanes` lanes, the pages their slot DMAs
-    (`kernel_slot_pages`) at the lanes' `needed_pages`, of one block's bytes each, as KV. Its
+    [n, blocks, 16, K * D] (and scale row pools [n, blocks, 1, S]) it reads a few pages of:
+    its page-slot operands (from PALLAS_DECODE_POOLS on, `pages` of them for each of its
+    `pools` pools, by the kernel's operand order) read, for each of `lanes` lanes, the pages
+    their slot DMAs (`kernel_slot_pages`) at the lanes' `needed_pages`, of one block's bytes
+    each, as KV. Its
     other operands (block table, positions, query; a K=V layer's k_norm weight and
     frequencies) and its output count whole, as the kernel reads and writes them once. Bytes in
     on-chip memory (a pool XLA placed in VMEM) are summed apart as for any row."""

@@ -8,8 +8,9 @@ gets the sequence's blocks gathered into a contiguous [B, S, K, D] view. A plain
 contiguous cache, exactly as the IR reference has it. `run_graph` interprets one IR graph with
 these functions at trace time.
 
-An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool [n, blocks,
-BLOCK_SIZE, K] (split by KV head like its pool): KV_WRITE quantises rows as
+An int8 cache (IR dtype "int8") is a paged int8 pool plus a float32 scale pool of the same
+blocks (split by KV head like its pool; `scale_block_shape`: with 2 or more heads a device a
+block's scales are one row [1, S], else [BLOCK_SIZE, K]): KV_WRITE quantises rows as
 ir.ops.quantize_kv_rows does, reads dequantise (blockwise attention keeps a span int8 in its dots,
 the scales on its scores and probabilities). Paged programs attend blockwise
 (`BLOCKWISE_LOWERINGS`): the cache read and the K=V layers' k_norm and RoPE stay lazy
@@ -70,7 +71,9 @@ class PagedSlice:
     ring: bool  # slot of position p is p % (W * BLOCK_SIZE) (sliding) or p (full)
     heads: int  # K: a slot's row holds K heads' values, head k at columns k * D .. (under TP
     # a head's copies count: program.kv_copies)
-    scale: jax.Array | None = None  # float32 [n, blocks, BLOCK_SIZE, K] of an int8 pool
+    # an int8 pool's float32 scales: [n, blocks, BLOCK_SIZE, K] or rows [n, blocks, 1, S]
+    # (`scale_block_shape`)
+    scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,7 +106,7 @@ class PagedSlice:
         b, w = table.shape
         x = self.pool[self.index, table].reshape(b, w * BLOCK_SIZE, self.heads, self.head_dim)
         if scales is None:
-            scales = self.scale[self.index, table]
+            scales = self._slots(self.scale[self.index, table])
         return x, scales.reshape(b, w * BLOCK_SIZE, self.heads)
 
     def table_scales(self) -> jax.Array | None:
@@ -113,8 +116,13 @@ class PagedSlice:
         every layer iteration, 2.5 GiB a step for the 31B's sliding layers at 128K, B = 4."""
         if self.scale is None:
             return None
-        return jnp.take(lax.dynamic_index_in_dim(self.scale, self.index, 0, False), self.table,
-                        axis=0)
+        return self._slots(jnp.take(lax.dynamic_index_in_dim(self.scale, self.index, 0, False),
+                                    self.table, axis=0))
+
+    def _slots(self, scales):
+        """Gathered blocks of the scale pool as [..., BLOCK_SIZE, K]."""
+        return (scales if self.scale.shape[2] == BLOCK_SIZE
+                else scales_as_slots(scales[..., 0, :], self.heads))
 
 
 @dataclass(frozen=True)
@@ -425,6 +433,47 @@ def rope(a, x, pos):
     return jnp.concatenate([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin], -1)
 
 
+def scale_lanes(heads: int) -> int:
+    """Lanes of one block's scales stored as a row: `heads` heads' 16 scales, head-major,
+    zeros to whole 128-lane tiles."""
+    return -(-BLOCK_SIZE * heads // LANE_TILE) * LANE_TILE
+
+
+def scale_block_shape(heads: int, shards: int) -> tuple[int, ...]:
+    """One block of the scale pool of an int8 pool of `heads` heads (K, copies counted) split
+    over `shards` devices (1: whole on each): with at least 2 heads a device a row [1, shards x
+    scale_lanes(K / shards)], each device's heads in its own lanes (so that the pool splits by
+    head along its last axis, as its int8 pool does); else [BLOCK_SIZE, K]. Why rows: TPU lays
+    [.., 16, K] out with the blocks along lanes (16 and K are too narrow), and a decode step's
+    gather of whole blocks' scales made XLA stage every such pool whole once a step, relaid
+    with the blocks major and K padded to 128 lanes (the 31B at 128K, TP = 4: 0.13 GiB a step,
+    est.); a row pool [n, blocks, 1, S] is laid out a (layer, block) row a (1, 128) tile, and
+    the decode kernel pages its rows as it pages the int8 pool (paged_kernel.py). (Without the
+    unit dim TPU tiled [n, blocks, S] over (n, S) where n pads less than the blocks, the 12B's
+    8 layers a group against 81 blocks, and XLA relaid every such pool whole once a step.) One
+    head's row would be 8 times its 16 scales (the 31B's full layers at 128K: 40 MiB a step,
+    against about 15 MiB of staging; est., docs/TPU_COST.md)."""
+    local = heads // shards
+    return (BLOCK_SIZE, heads) if local < 2 else (1, shards * scale_lanes(local))
+
+
+def row_shards(lanes: int, heads: int) -> int:
+    """The shards of a scale row of `lanes` holding `heads` heads (`scale_block_shape`)."""
+    return next(s for s in range(1, heads + 1)
+                if heads % s == 0 and s * scale_lanes(heads // s) == lanes)
+
+
+def scales_as_slots(x, heads: int):
+    """Scales of blocks as rows [..., S] (`scale_block_shape`) -> [..., BLOCK_SIZE, K]."""
+    shards = row_shards(x.shape[-1], heads)
+    local = heads // shards
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, shards, scale_lanes(local))[..., :BLOCK_SIZE * local]
+    y = y.reshape(*lead, shards, local, BLOCK_SIZE)
+    y = jnp.moveaxis(y, -1, -3)  # [..., 16, shards, local]
+    return y.reshape(*lead, BLOCK_SIZE, heads)
+
+
 def _slots(a, cache_size, pos):
     """Scatter targets of new rows; padding (pos < 0) goes out of bounds and is dropped."""
     slot = jnp.where(pos >= 0, pos % cache_size if a.ring else pos, cache_size)
@@ -474,9 +523,34 @@ def _paged_kv_write(cache: PagedSlice, new, pos, mesh=None):
         rows = new.reshape(*pos.shape, -1).astype(cache.pool.dtype)
         return dataclasses.replace(cache, pool=cache.pool.at[at].set(rows, mode="drop"))
     q, scale = quantize_kv_rows(new)
-    return dataclasses.replace(cache, pool=cache.pool.at[at].set(q.reshape(*pos.shape, -1),
-                                                                 mode="drop"),
-                               scale=cache.scale.at[at].set(scale, mode="drop"))
+    pool = cache.pool.at[at].set(q.reshape(*pos.shape, -1), mode="drop")
+    if cache.scale.shape[2] == BLOCK_SIZE:
+        return dataclasses.replace(cache, pool=pool, scale=cache.scale.at[at].set(scale,
+                                                                                 mode="drop"))
+    n, blocks, _, lanes = cache.scale.shape
+    shards = row_shards(lanes, cache.heads)
+    local = cache.heads // shards
+    # each shard's lanes a window of the scatter, so that under a mesh (the rows split by shard)
+    # every device writes its own heads' lanes
+    rows = cache.scale.reshape(n, blocks, shards, lanes // shards)
+    lane = (slot % BLOCK_SIZE)[..., None] + jnp.arange(local) * BLOCK_SIZE  # [B, T, local]
+    put = jnp.swapaxes(scale.reshape(*pos.shape, shards, local), -1, -2)
+    # Decode: each lane's row read, set and written back (dynamic slices, in place). As a
+    # scatter of its K lanes XLA copied the whole pool (small: 0.4 MiB a sliding group of the
+    # 31B at TP = 4) into on-chip memory and back in every layer iteration (68 MiB a step).
+    if pos.shape[1] == 1:
+        at_lane = jnp.arange(lanes // shards)
+        for b in range(pos.shape[0]):
+            start = (layer[b, 0], jnp.minimum(block[b, 0], blocks - 1), 0, 0)
+            row = lax.dynamic_slice(rows, start, (1, 1, shards, lanes // shards))
+            new = row
+            for k in range(local):
+                new = jnp.where(at_lane == lane[b, 0, k], put[b, 0, k][:, None], new)
+            new = jnp.where(pos[b, 0] >= 0, new, row)
+            rows = lax.dynamic_update_slice(rows, new, start)
+        return dataclasses.replace(cache, pool=pool, scale=rows.reshape(n, blocks, 1, lanes))
+    rows = rows.at[layer[..., None], block[..., None], :, lane].set(put, mode="drop")
+    return dataclasses.replace(cache, pool=pool, scale=rows.reshape(n, blocks, 1, lanes))
 
 
 def cache_positions(a, cache_len):
@@ -680,17 +754,18 @@ def decode_kernel_fits(a, q, k: CacheView, v: CacheView, mesh=None) -> bool:
     k_norm), `FoldedKeys`, rotating at most 128 pairs of halves of whole 128-lane tiles),
     split by whole KV heads under a mesh, head dims of whole 128-lane tiles (the kernel slices
     each head's columns out of a page; Gemma 4's heads are 256 and 512 wide, the test models'
-    32 and 64 keep the XLA lowering). An int8 pool's scales reach the kernel as rows gathered
-    for the step (`paged_kernel.scale_rows`), never as the scale pools [.., 16, K] themselves:
-    as the kernel's operands in the default tiled layout, where K (1 to 4) pads to 128 lanes,
-    XLA relaid each whole scale pool into it and back every call (the 31B's full-layer scales
-    at 128K: 5 MiB, 640 MiB as tiled; docs/TPU_COST.md). Under a mesh the pools' block counts
-    must be static: the kernel runs in shard_map, and a shard_map operand with a symbolic
-    dimension (an artifact's pools: their block counts are chosen at load) makes XLA's shape
-    refinement crash when the program is compiled (SIGSEGV in RefinePolymorphicShapes, jax
-    0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so the build exports tensor-parallel programs
-    for TPU alone with their pools fixed (export.fixed_pools); others with a mesh keep the XLA
-    lowering."""
+    32 and 64 keep the XLA lowering). An int8 pool's row scale pools (`scale_block_shape`) are
+    the kernel's operands, paged like the pools (a row a page); scales of blocks [.., 16, K]
+    reach it as rows gathered for the step (`paged_kernel.scale_rows`), never as those pools
+    themselves: as the kernel's operands in the default tiled layout, where K (1 to 4) pads to
+    128 lanes, XLA relaid each whole scale pool into it and back every call (the 31B's
+    full-layer scales at 128K: 5 MiB, 640 MiB as tiled; docs/TPU_COST.md). Under a mesh the
+    pools' block counts must be static: the kernel runs in shard_map, and a shard_map operand
+    with a symbolic dimension (an artifact's pools: their block counts are chosen at load)
+    makes XLA's shape refinement crash when the program is compiled (SIGSEGV in
+    RefinePolymorphicShapes, jax 0.10.2 / libtpu 0.0.42.1; docs/TPU_COST.md), so the build
+    exports tensor-parallel programs for TPU alone with their pools fixed
+    (export.fixed_pools); others with a mesh keep the XLA lowering."""
     tp = mesh_devices(mesh)
     static = mesh is None or not any(map(jax.export.is_symbolic_dim, k.cache.pool.shape))
     plain = not k.steps and not v.steps
@@ -737,7 +812,7 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None,
             rest = rest[:-3]
         v_pool = k_pool if same else rest.pop(0)
         scales = None
-        if quantized:  # gathered into rows inside (paged_kernel.scale_rows), by device
+        if quantized:  # rows paged, or blocks gathered (paged_kernel.scale_rows), by device
             scales = (rest[0], rest[0]) if same else (rest[0], rest[1])
         fold = None if folded is None else paged_kernel.KeyFold(rest[-1], freqs)
         return paged_kernel.paged_decode(qg, k_pool, v_pool, layers, table, pos,
@@ -747,7 +822,7 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None,
 
     layers = jnp.stack([jnp.asarray(x.cache.index, jnp.int32) for x in (k, v)])
     pools = [k.cache.pool] + [v.cache.pool] * (not same)
-    if quantized:  # their scale pools [n, blocks, 16, K], split by head like them
+    if quantized:  # their scale pools, split by head like them
         pools += [k.cache.scale] + [v.cache.scale] * (not same)
     # the query and the output as rows [B, heads x D], as the projections write and read them
     # (as [B, K, G, D] blocks XLA relaid both around the call: paged_kernel.paged_decode)
@@ -763,9 +838,9 @@ def decode_attention_kernel(a, q, k: CacheView, v: CacheView, q_pos, mesh=None,
         from jax.sharding import PartitionSpec
 
         axis, whole = mesh.axis_names[0], PartitionSpec()
-        pool = PartitionSpec(None, None, None, axis)
         specs = [PartitionSpec(None, axis), whole, whole, whole]
-        specs += [pool] * len(pools) + [whole] * (folded is not None)
+        specs += [PartitionSpec(*[None] * (x.ndim - 1), axis) for x in pools]  # by head
+        specs += [whole] * (folded is not None)
         specs += [whole] * (3 * (qnorm is not None))
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
                             out_specs=PartitionSpec(None, axis), check_vma=False)(*args)

@@ -5,8 +5,9 @@ Contract. `paged_decode(q, k_pool, v_pool, layers, table, q_pos, window=, scale=
 what `lower.attention_blockwise` computes in a decode step (one query row a lane), within
 float32 rounding (summation order): q float32 [B, K, G, D] (the G query heads of each of K KV
 heads), pools [n, blocks, BLOCK_SIZE, K * D] of stacked layers (program.cache_pools, a slot's
-heads side by side; bf16 or float32, read as stored, or int8 with float32 scale pools [n,
-blocks, BLOCK_SIZE, K], whose products follow the XLA lowering's: int8 values in the dots, a
+heads side by side; bf16 or float32, read as stored, or int8 with float32 scale pools (rows [n,
+blocks, 1, S], or [n, blocks, BLOCK_SIZE, K]: lower.scale_block_shape), whose products follow
+the XLA lowering's: int8 values in the dots, a
 key's scale on its scores, a value's on its probabilities (a folded key's too, where the XLA
 lowering dequantises its rotated dims first: equal within float32 rounding); K=V layers pass
 one pool as both),
@@ -48,13 +49,20 @@ and values in VMEM scratch;
 a folded key is the reference's rope(c * w) (lower.rope), its rotated pairs computed on the
 page's first 128 columns of each half (RoPE's identity past n: cos 1, sin 0, exact).
 
-int8 scales: the kernel never takes a scale pool as an operand. A custom call's operands are
-laid out as the kernel expects them, tiled (8, 128) over their two minor dims, where a scale
-pool's [16, K] pads K (1 to 4 a device) to 128 lanes: XLA relaid every scale pool whole into
-that layout at each call and back after it (reverted 63e92a2, docs/TPU_COST.md). Instead XLA
-gathers the scales of the pages each lane's grid steps read, once a call, as rows [B, K, pages
-* 16] (`scale_rows`: keys along lanes), and a grid step reads its [K, 128] block, beside its
-scores [G, 128]; the pools' own layout is left as it is.
+int8 scales, where each page's are a row of a scale pool [n, blocks, 1, S] (a device's K >= 2
+heads' 16 scales head-major, zeros to whole 128-lane tiles: lower.scale_block_shape): the
+scale pool is paged like its int8 pool, page slots of its own with the same index maps, so
+the pipeline DMAs a row (512 bytes at up to 8 heads) beside each page; a grid step lines each
+head's 16 lanes of its 8 rows up into its [K, 128] block of the scores' lanes (a slot past a
+lane's needed pages keeps its last row, whose keys are masked). The traffic table counts
+those rows as it counts pages (the scale pools are among the scope's `pools`). A scale pool of
+blocks [16, K] (one head a device, where a row would be 8 times its scales) is never the
+custom call's operand: as one, tiled (8, 128) over [16, K], XLA relaid it whole into that
+layout at each call and back (reverted 63e92a2, docs/TPU_COST.md); XLA gathers the scales of
+the pages each lane's grid steps read, once a call, as rows [B, K, pages * 16] (`scale_rows`:
+keys along lanes), and a grid step reads its [K, 128] block. That gather of whole blocks
+makes XLA stage such a pool, relaid with blocks major, once a step (docs/TPU_COST.md); the
+row pools need no gather.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ from jax.experimental.pallas import tpu as pltpu
 BLOCK_TOKENS = 16  # tokens per KV block, a page (lower.BLOCK_SIZE)
 # the kernel's named scope, by which the traffic table (hlo_traffic.py) finds it: lanes, pages a
 # grid step reads per pool, window tokens (0: a full layer), table width in blocks, pools read
-# (2: K and V, 1: K=V)
+# with page slots (K and V, or K=V: 2 or 1; and as many scale row pools, if it reads them)
 PALLAS_DECODE = "rvkv_pallas_b{lanes}_p{pages}_w{window}_n{width}_k{pools}"
 PALLAS_DECODE_POOLS = 6  # its first pool operand: after 5 scalar-prefetch operands and the query
 PAGES_PER_STEP = 8  # pages of each pool a grid step reads: 128 keys, one lane tile of scores
@@ -140,15 +148,21 @@ def _load(refs):
 
 def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, heads: int,
             window: int | None, scale: float, kv_same: bool, quantized: bool, fold: bool,
-            qnorm: float | None, rows: tuple[int, int, int] | None = None):
-    pages = (1 if kv_same else 2) * PAGES_PER_STEP
+            qnorm: float | None, rows: tuple[int, int, int] | None = None,
+            row_scales: bool = False):
+    pools = 1 if kv_same else 2
+    pages = pools * PAGES_PER_STEP
     k_refs = refs[:PAGES_PER_STEP]
     v_refs = k_refs if kv_same else refs[PAGES_PER_STEP:pages]
     rest = refs[pages:]
     ks_ref = vs_ref = None
-    if quantized:  # the step's scales, a row of 128 keys a head: [K, 128]
+    if row_scales:  # each page's scale row [1, S], page slot by page slot, K's (and V's)
+        ks_ref = rest[:PAGES_PER_STEP]
+        vs_ref = ks_ref if kv_same else rest[PAGES_PER_STEP:pages]
+        rest = rest[pages:]
+    elif quantized:  # the step's scales, a row of 128 keys a head: [K, 128]
         ks_ref, vs_ref = (rest[0], rest[0]) if kv_same else rest[:2]
-        rest = rest[1 if kv_same else 2:]
+        rest = rest[pools:]
     w_ref, f_ref = rest[:2] if fold else (None, None)
     rest = rest[2:] if fold else rest
     qw_ref, qc_ref, qs_ref = rest[:3] if qnorm is not None else (None, None, None)
@@ -189,6 +203,14 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
 
     needed, qp = needed_ref[b], qpos_ref[b]
 
+    def scale_block(refs):
+        """[K, 128]: each head's scales of the step's 128 keys, from its pages' rows (head h's
+        16 scales at lanes h * 16 of a row)."""
+        got = [r[...] for r in refs]  # [1, S] each
+        return jnp.concatenate([
+            jnp.concatenate([x[:, h * BLOCK_TOKENS:(h + 1) * BLOCK_TOKENS] for x in got], axis=1)
+            for h in range(heads)], axis=0)
+
     @pl.when(i * PAGES_PER_STEP < needed)
     def _():
         n = PAGES_PER_STEP * BLOCK_TOKENS
@@ -203,7 +225,10 @@ def _kernel(layer_ref, table_ref, lo_ref, needed_ref, qpos_ref, q_ref, *refs, he
             live &= pos > qp - window
         keys = _load(k_refs)  # [n, K * D]
         values = keys if kv_same else _load(v_refs)
-        if quantized:  # [K, n]: each head's scales as a row beside its scores [G, n]
+        if row_scales:
+            k_rows = scale_block(ks_ref)
+            v_rows = k_rows if kv_same else scale_block(vs_ref)
+        elif quantized:  # [K, n]: each head's scales as a row beside its scores [G, n]
             k_rows = ks_ref[...]
             v_rows = k_rows if kv_same else vs_ref[...]
         if fold:  # the keys' angles at their positions (a column: keys are rows)
@@ -289,7 +314,9 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
                  out_dtype=jnp.float32, qnorm: QueryNorm | None = None,
                  kv_heads: int | None = None):
     """See the module docstring. K=V (`k_pool is v_pool`): one set of page slots serves both.
-    `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice). `interpret`: run
+    `scales`: an int8 pool's scale pools (K's, V's; K=V: the same one twice), rows [n,
+    blocks, 1, S] (paged like the pools) or blocks [n, blocks, 16, K] (`scale_rows`).
+    `interpret`: run
     the kernel in a Pallas interpreter (True, or pltpu.InterpretParams; any device: the tests'
     check of its values). `kv_heads` K: q is given as rows [B, K * G * D] (each lane's heads
     side by side, as the q projection writes them) and the output is returned as rows [B, K *
@@ -325,7 +352,8 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     if (scales is not None) != (k_pool.dtype == jnp.int8):
         raise ValueError(f"{k_pool.dtype} pools with{'out' if scales is None else ''} scales")
     rows = []
-    if scales is not None:
+    row_scales = scales is not None and scales[0].shape[2] == 1  # row pools, paged as pages
+    if scales is not None and not row_scales:
         entries = lax.rem(lo[:, None] + jnp.arange(steps * PAGES_PER_STEP, dtype=jnp.int32),
                           width)
         blocks = jnp.take_along_axis(table, entries.astype(jnp.int32), axis=1)
@@ -339,6 +367,9 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     pools = [pltpu.with_memory_space_constraint(k_pool, pltpu.HBM)]
     if not kv_same:
         pools.append(pltpu.with_memory_space_constraint(v_pool, pltpu.HBM))
+    if row_scales:  # page slots of their own: a row [1, S] a page
+        pools += [pltpu.with_memory_space_constraint(x, pltpu.HBM)
+                  for x in (scales[:1] if kv_same else scales)]
     prefetch = (layer, table, lo.astype(jnp.int32), needed.astype(jnp.int32),
                 q_pos.astype(jnp.int32))
     # the traffic table finds the pools by their position among the custom call's operands
@@ -348,9 +379,10 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
     else:  # the whole rows, once
         in_specs = [pl.BlockSpec((b, kh * g * d), lambda b, i, *_: (0, 0))]
     operands = [q.astype(jnp.float32)]
-    for n, pool in enumerate(pools):
-        page = (None, None, BLOCK_TOKENS, pool.shape[-1])
-        in_specs += [pl.BlockSpec(page, _page_map(p, width, n)) for p in range(PAGES_PER_STEP)]
+    for n, pool in enumerate(pools):  # K, V (K=V: one), then their scale rows' pools
+        page = (None, None, pool.shape[2], pool.shape[-1])
+        in_specs += [pl.BlockSpec(page, _page_map(p, width, n % (1 if kv_same else 2)))
+                     for p in range(PAGES_PER_STEP)]
         operands += [pool] * PAGES_PER_STEP
     for x in rows:  # a step's 128 keys' scales, every head: [K, 128]
         in_specs.append(pl.BlockSpec((None, kh, LANE), lambda b, i, *_: (b, 0, i)))
@@ -386,7 +418,8 @@ def paged_decode(q, k_pool, v_pool, layers, table, q_pos, *, window: int | None,
                                  width=width, pools=len(pools))
     kernel = functools.partial(_kernel, heads=kh, window=window, scale=scale, kv_same=kv_same,
                                quantized=scales is not None, fold=fold is not None,
-                               qnorm=None if qnorm is None else qnorm.eps, rows=row_dims)
+                               qnorm=None if qnorm is None else qnorm.eps, rows=row_dims,
+                               row_scales=row_scales)
     # rows: one output block over every lane, so the lanes' axis is not parallel
     lanes_axis = "parallel" if row_dims is None else "arbitrary"
     with jax.named_scope(scope):

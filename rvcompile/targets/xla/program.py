@@ -79,6 +79,7 @@ from rvcompile.targets.xla.lower import (
     moe,
     run_graph,
     sample_branch,
+    scale_block_shape,
 )
 from rvcompile.targets.xla.lower import sample as lower_sample
 
@@ -271,7 +272,8 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan,
     each pool of a layer scan whole into a (slots, D)-tiled layout at the start of every step
     and back at its end (the E4B at TP = 4: 2 x 16 MiB for each full-layer pool), then kept
     the pools in on-chip memory where the weights' prefetches would go (docs/TPU_COST.md).
-    An int8 cache's float32 scales: a pool of blocks [BLOCK_SIZE, K], split like it. Under
+    An int8 cache's float32 scales: a pool of the same blocks, each [BLOCK_SIZE, K] or a row
+    [1, S] (lower.scale_block_shape: 2 or more heads a device), split like it. Under
     `tp`-way tensor parallelism K counts each head's copies (`kv_copies`)."""
     out = {}
     heads = pool_heads(ir, plan, tp)
@@ -279,8 +281,9 @@ def cache_pools(ir: ModelIR, plan: LayoutPlan,
         out[key] = (kind_of(c.ring), g.count, (BLOCK_SIZE, heads[key] * c.head_dim),
                     JNP_DTYPES[c.dtype])
         if c.dtype == "int8":
-            out[key + SCALE_SUFFIX] = (kind_of(c.ring), g.count, (BLOCK_SIZE, heads[key]),
-                                       jnp.float32)
+            split = tp if tp > 1 and heads[key] >= tp else 1
+            out[key + SCALE_SUFFIX] = (kind_of(c.ring), g.count,
+                                       scale_block_shape(heads[key], split), jnp.float32)
     return out
 
 

@@ -7,7 +7,7 @@ inserts after the row-parallel O and down projections):
   k_proj / v_proj (whole KV heads), mlp gate_proj / up_proj (MLP columns);
 - row-parallel, split by input columns (their per-row scales stay whole): o_proj, down_proj;
 - KV pools [layers, blocks, 16, K * D] (program.cache_pools): split by KV head, each device
-  a contiguous run of whole heads' columns (their int8 scale pools [.., 16, K] by head too);
+  a contiguous run of whole heads' columns (their int8 scale pools by head too);
 - a layer with fewer KV heads K than devices (26B-A4B's 2 global KV heads at tp=4) keeps its
   k/v projections whole on every device (each computes every KV head); its pools store each
   head tp / K times (program.kv_copies) and split like the others, one copy a device: the
@@ -185,6 +185,7 @@ def plan_tp(ir: ModelIR, plan: LayoutPlan, tp: int) -> TpLayout:
     heads = pool_heads(ir, plan, tp)
     for key, (_, _, block, _) in cache_pools(ir, plan, tp).items():
         split = tp > 1 and heads[key] >= tp
-        # [layers, blocks, 16, K * D] (a scale pool's: K): whole heads per device
+        # [layers, blocks, 16, K * D] (a scale pool's: K, or its rows [layers, blocks, 1, S] of
+        # one lane range a device: lower.scale_block_shape): whole heads per device
         pools[key] = _spec(2 + len(block), 3 if split else None)
     return TpLayout(tp, weights, pools)
