@@ -16,8 +16,9 @@ Whatever has no kernel stops the build with a LoweringError naming the op and gr
 Kernels follow the IR's dtypes: with every matrix float32 (h100-f32) activations, the values
 linears read and the KV pools stay float32 (the `_f32` entries: each linear a float32 GEMV per
 4 rows; prefill attention through the decode kernel, a row per query); else linears read bf16
-copies and FP8 weights (EntryLowering.gemv: the tensor-core GEMV up to 32 rows, per-token e4m3
-activations and the tensor-core GEMM beyond; the bf16 GEMV for the tied head), and prefill
+copies and FP8 weights (EntryLowering.gemv: the tensor-core GEMV up to gemv_max_rows, 8 rows of
+a decode-kind entry and 32 of a prompt chunk, per-token e4m3 activations and the tensor-core
+GEMM beyond; the bf16 GEMV for the tied head), and prefill
 attention is the flash-style attn_prefill.
 """
 
