@@ -339,7 +339,7 @@ def test_decode_kernel_writes_bf16_where_the_output_projection_rounds_it():
     assert outputs(_export_decode(("tpu",))["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="tpu-int8")["decode_2"]) == ["bf16", "bf16"]
     assert outputs(_export_decode(("tpu",), target="xla-f32")["decode_2"]) == ["f32", "f32"]
-    cfg = get_preset("gemma-4-12B")
+    cfg = get_preset("gemma-4-31B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     for target, rounded in (("tpu-int8", True), ("xla-f32", False)):
@@ -364,7 +364,7 @@ def _export_decode(platforms, tp=1, static_pools=False, target="tpu-bf16") -> di
     from rvcompile.model.presets import get_preset
     from rvcompile.targets.xla.export import lower_to_xla
 
-    cfg = get_preset("gemma-4-12B")
+    cfg = get_preset("gemma-4-31B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     opts = BuildOptions(target=target, max_context=2048, max_seqs=2, platforms=platforms,
@@ -412,7 +412,7 @@ def test_tp_tpu_only_build_runs_the_kernel():
     from rvcompile.progress import Phases
     from rvcompile.targets import get_target
 
-    cfg = get_preset("gemma-4-12B")
+    cfg = get_preset("gemma-4-31B")
     cfg = dataclasses.replace(cfg, num_layers=2, layer_kinds=cfg.layer_kinds[4:6],
                               vocab_size=4096)
     target = get_target("tpu-bf16")
