@@ -85,9 +85,9 @@ BF16_GEMM_MIN_N = 1024
 # 14.30; the assistant's verify steps at 8 lanes took 14.93 ms at 16 rows (GEMV) and 14.67 at 24
 # (the GEMM of decode_32), 20.5 / 20.7 ms at 24 / 32 rows on the GEMV's bf16 rows before.
 # (Standalone, one step's linears, benchmarks/h100_gemv_mma.py and h100_gemm_tc.py: at 16 rows the
-# f16-row GEMV 10.52 ms, the GEMM about 11.5; at 32 rows 15.46 against 11.1; the graph's overlap of
-# launches favours the GEMM.) A prompt's chunk of 9 to 32 rows keeps the GEMV: it runs once a
-# prompt, and e4m3 rows there cost the tiny oracle models top-1 agreement
+# f16-row GEMV 10.52 ms, the GEMM's default tiles 11.41; at 32 rows 15.46 against 10.56; in the
+# step's graph the GEMM fares better.) A prompt's chunk of 9 to 32 rows keeps the GEMV: it runs once
+# a prompt, and e4m3 rows there cost the tiny oracle models top-1 agreement
 # (tests/test_h100_schedule.py's dense case, buckets 8 / 32: 0.66 against the bf16 rows' >= 0.70).
 # Of the GEMV rows, those a launch with a _q twin wrote (the norms before q/k/v and the MLP,
 # gelu_mul before down: EntryLowering.row_quant) run gemv_mma_fp8's f16-row entries from 2 rows: x
