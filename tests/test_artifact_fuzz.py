@@ -202,6 +202,7 @@ class Case:
 READ_BY_VERIFY_ONLY = {
     "programs swapped", "weight shape unlike the program", "pool shape unlike the program",
     "pool layers unlike the program", "pools fixed, the program's symbolic",
+    "scale pool row unlike the program",
     "launch of a kernel the cubin lacks",
     "block past the kernel's bound", "argument dropped", "argument added",
     "cubin sha256 wrong"}
@@ -421,6 +422,13 @@ def manifest_cases(p: Parts, rng: random.Random, n_random: int) -> list[Case]:
                                                   [8, 2, 32]),
             "pool shape unlike the program": lambda mm: mm["xla"]["kv"]["pools"][0].update(
                 block_shape=[16, 2, 33]),
+            # a block of one row is a scale pool's form only (format v7's changelog entry)
+            "pool block a row, not a scale pool": _set((*x, "kv", "pools", 0, "block_shape"),
+                                                       [1, 128]),
+            "scale pool row unlike the program": lambda mm: mm["xla"]["kv"]["pools"][0].update(
+                key=mm["xla"]["kv"]["pools"][0]["key"] + ".scale", block_shape=[1, 128]),
+            "scale pool row of zero lanes": lambda mm: mm["xla"]["kv"]["pools"][0].update(
+                key=mm["xla"]["kv"]["pools"][0]["key"] + ".scale", block_shape=[1, 0]),
             "pool layers unlike the program": _set((*x, "kv", "pools", 0, "layers"), 1000),
             "pool dtype unknown": _set((*x, "kv", "pools", 0, "dtype"), "complex64"),
             "fixed_blocks not a bool": _set((*x, "kv", "fixed_blocks"), "yes"),
